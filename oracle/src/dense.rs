@@ -1,0 +1,173 @@
+//! Dense attention of one head: scores (E1), forward through one E2 block and E5, and the
+//! backward pass (E6–E10). Rows are processed in chunks only to bound memory; every row always
+//! sees all of its keys, so the chunking changes no arithmetic of a row.
+
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice, Zip};
+
+use crate::online::SoftmaxState;
+use crate::real::Real;
+
+/// How the dense oracle walks the rows of a head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DenseConfig {
+    /// Query rows whose scores are held at once (memory: `row_chunk × Lk` scalars).
+    pub row_chunk: usize,
+}
+
+impl Default for DenseConfig {
+    fn default() -> Self {
+        DenseConfig { row_chunk: 512 }
+    }
+}
+
+/// The tensors of one (sequence, query head) pair.
+#[derive(Debug)]
+pub struct HeadInputs<'a, S> {
+    /// Queries `[Lq, d]`.
+    pub q: ArrayView2<'a, S>,
+    /// Keys `[Lk, d]` of the KV head this query head reads.
+    pub k: ArrayView2<'a, S>,
+    /// Values `[Lk, dv]`.
+    pub v: ArrayView2<'a, S>,
+    /// Visibility `[Lq, Lk]` (E1a).
+    pub visible: ArrayView2<'a, bool>,
+}
+
+// Views are `Copy` whatever the element type, so the derive's `S: Copy` bound is not wanted.
+impl<S> Clone for HeadInputs<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for HeadInputs<'_, S> {}
+
+/// Forward results of one head.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadForward<S> {
+    /// `O = P V`, `[Lq, dv]`.
+    pub o: Array2<S>,
+    /// Natural-log LSE `[Lq]`, `−∞` for fully masked rows.
+    pub lse: Array1<S>,
+}
+
+/// Backward results of one head (dK, dV belong to this query head, before the GQA sum).
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadGradients<S> {
+    /// `dQ = α dS K`, `[Lq, d]`.
+    pub dq: Array2<S>,
+    /// `dK = α dSᵀ Q`, `[Lk, d]`.
+    pub dk: Array2<S>,
+    /// `dV = Pᵀ dO`, `[Lk, dv]`.
+    pub dv: Array2<S>,
+    /// `D_i = dO_i · O_i`, `[Lq]` (E7).
+    pub delta: Array1<S>,
+}
+
+/// E1: `S = α Q Kᵀ`, with `−∞` where the mask hides the key.
+pub fn scores<S: Real>(
+    q: ArrayView2<'_, S>,
+    k: ArrayView2<'_, S>,
+    scale: &S,
+    visible: ArrayView2<'_, bool>,
+    ctx: S::Ctx,
+) -> Array2<S> {
+    let mut s = S::matmul(q, k.t(), ctx);
+    Zip::from(&mut s).and(visible).for_each(|x, &vis| {
+        *x = if vis { x.clone() * scale.clone() } else { S::neg_infinity(ctx) };
+    });
+    s
+}
+
+/// E10: `P_ij = exp(S_ij − LSE_i)` on visible pairs and 0 elsewhere (so rows with
+/// `LSE = −∞` give 0, not NaN).
+pub fn probabilities_from_lse<S: Real>(
+    scores: ArrayView2<'_, S>,
+    lse: ArrayView1<'_, S>,
+    visible: ArrayView2<'_, bool>,
+    ctx: S::Ctx,
+) -> Array2<S> {
+    crate::online::shifted_exponentials(scores, visible, lse, ctx)
+}
+
+/// E7, second form: `D_i = dO_i · O_i` (needs no `P`).
+pub fn delta_from_output<S: Real>(d_out: ArrayView2<'_, S>, o: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
+    Zip::from(d_out.rows())
+        .and(o.rows())
+        .map_collect(|g, o| g.iter().zip(o).fold(S::zero(ctx), |acc, (a, b)| acc + a.clone() * b.clone()))
+}
+
+/// E7, first form: `D_i = Σ_j P_ij dP_ij`.
+pub fn delta_from_probabilities<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
+    delta_from_output(p, dp, ctx)
+}
+
+/// E8: `dS_ij = P_ij (dP_ij − D_i)`.
+pub fn score_gradient<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_, S>, delta: ArrayView1<'_, S>) -> Array2<S> {
+    let mut ds = p.to_owned();
+    Zip::indexed(&mut ds).and(dp).for_each(|(i, _), x, d| {
+        *x = x.clone() * (d.clone() - delta[i].clone());
+    });
+    ds
+}
+
+/// Forward of one head: E1 scores, one E2 state over all keys of each row, E5 finalize.
+pub fn head_forward<S: Real>(inputs: HeadInputs<'_, S>, scale: &S, config: DenseConfig, ctx: S::Ctx) -> HeadForward<S> {
+    let (len_q, dv) = (inputs.q.nrows(), inputs.v.ncols());
+    let mut o = Array2::from_elem((len_q, dv), S::zero(ctx));
+    let mut lse = Array1::from_elem(len_q, S::zero(ctx));
+    for start in (0..len_q).step_by(config.row_chunk.max(1)) {
+        let rows = start..(start + config.row_chunk.max(1)).min(len_q);
+        let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+        let s = scores(inputs.q.slice_axis(Axis(0), Slice::from(rows.clone())), inputs.k, scale, visible, ctx);
+        let (o_c, lse_c) = SoftmaxState::of_block(s.view(), visible, inputs.v, ctx).finalize();
+        o.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&o_c);
+        lse.slice_axis_mut(Axis(0), Slice::from(rows)).assign(&lse_c);
+    }
+    HeadForward { o, lse }
+}
+
+/// Backward of one head given its forward results (E6–E10): `D` from `dO·O`, then per chunk of
+/// rows `P` from LSE, `dV += Pᵀ dO`, `dP = dO Vᵀ`, `dS`, `dQ = α dS K`, `dK += dSᵀ Q`, and
+/// finally `dK ← α dK`.
+pub fn head_backward<S: Real>(
+    inputs: HeadInputs<'_, S>,
+    d_out: ArrayView2<'_, S>,
+    forward: &HeadForward<S>,
+    scale: &S,
+    config: DenseConfig,
+    ctx: S::Ctx,
+) -> HeadGradients<S> {
+    let (len_q, d) = inputs.q.dim();
+    let (len_k, dv) = inputs.v.dim();
+    let delta = delta_from_output(d_out, forward.o.view(), ctx);
+    let mut dq = Array2::from_elem((len_q, d), S::zero(ctx));
+    let mut dk = Array2::from_elem((len_k, d), S::zero(ctx));
+    let mut dv_acc = Array2::from_elem((len_k, dv), S::zero(ctx));
+    for start in (0..len_q).step_by(config.row_chunk.max(1)) {
+        let rows = start..(start + config.row_chunk.max(1)).min(len_q);
+        let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+        let q_c = inputs.q.slice_axis(Axis(0), Slice::from(rows.clone()));
+        let d_out_c = d_out.slice_axis(Axis(0), Slice::from(rows.clone()));
+        let s = scores(q_c, inputs.k, scale, visible, ctx);
+        let p =
+            probabilities_from_lse(s.view(), forward.lse.slice_axis(Axis(0), Slice::from(rows.clone())), visible, ctx);
+        add_assign(&mut dv_acc, S::matmul(p.t(), d_out_c, ctx));
+        let dp = S::matmul(d_out_c, inputs.v.t(), ctx);
+        let ds = score_gradient(p.view(), dp.view(), delta.slice_axis(Axis(0), Slice::from(rows.clone())));
+        let dq_c = S::matmul(ds.view(), inputs.k, ctx).mapv(|x| x * scale.clone());
+        dq.slice_axis_mut(Axis(0), Slice::from(rows)).assign(&dq_c);
+        add_assign(&mut dk, S::matmul(ds.t(), q_c, ctx));
+    }
+    dk.mapv_inplace(|x| x * scale.clone());
+    HeadGradients { dq, dk, dv: dv_acc, delta }
+}
+
+/// `acc += x`, elementwise.
+pub fn add_assign<S: Real>(acc: &mut Array2<S>, x: Array2<S>) {
+    Zip::from(acc).and(&x).for_each(|a, b| *a += b.clone());
+}
+
+/// Sum of the rows of `x` (used by theorems: rows of `dS` sum to 0).
+pub fn row_totals<S: Real>(x: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
+    x.map_axis(Axis(1), |r| r.iter().fold(S::zero(ctx), |a, b| a + b.clone()))
+}

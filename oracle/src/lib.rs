@@ -1,0 +1,30 @@
+//! The attnproof oracle: every attention equation of `EQUATIONS.md`, generic over one scalar
+//! trait ([`Real`]) and instantiated for `f64` (fast, faer products) and MPFR ([`Mp`], any
+//! precision, 256 bits by default).
+//!
+//! Layers, from the inside out:
+//! - [`real`]: the scalar trait and its two instances;
+//! - [`online`]: the online-softmax state and its algebra (E2–E5), ring order (E11, E11a);
+//! - [`dense`]: one head's scores, forward and backward (E1, E6–E10);
+//! - [`attention`]: whole problems with batch, heads, GQA and varlen, validated;
+//! - [`spec`]: shapes, masks, scale; [`error`]: typed errors; [`cost`]: the cost model (E1d).
+//!
+//! The oracle knows nothing of tiles: the only "blocks" it sees are the key sets of E2–E5.
+#![forbid(unsafe_code)]
+
+pub mod attention;
+pub mod cost;
+pub mod dense;
+pub mod error;
+pub mod online;
+pub mod real;
+pub mod spec;
+
+pub use attention::{
+    Forward, Gradients, Qkv, backward, backward_f64, backward_mpfr, forward, forward_f64, forward_mpfr, to_mpfr,
+};
+pub use dense::DenseConfig;
+pub use error::OracleError;
+pub use online::SoftmaxState;
+pub use real::{DEFAULT_PRECISION_BITS, Mp, Precision, Real};
+pub use spec::{AttentionSpec, Layout, Mask, Pair, Predicate, Scale, Sequence};

@@ -1,0 +1,162 @@
+//! The online-softmax state `(m, ℓ, A)` of E2 for a batch of rows, its update (E3), merge (E4)
+//! and finalize (E5); the ring-attention arrival order (E11) and the zigzag layout (E11a).
+//!
+//! Each row of a [`SoftmaxState`] is the state of one query row over some set of keys. Rows are
+//! independent; batching them lets `A` be formed with one matrix product.
+
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Zip};
+
+use crate::real::Real;
+
+/// The online-softmax state of E2 for `rows` query rows: running max `m`, running sum
+/// `ℓ = Σ e^{s−m}` and unnormalized output `A = Σ e^{s−m} v`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SoftmaxState<S> {
+    /// Running max per row; `−∞` for a row that has seen no visible key.
+    pub m: Array1<S>,
+    /// Running sum of exponentials per row.
+    pub l: Array1<S>,
+    /// Unnormalized output `[rows, dv]`.
+    pub a: Array2<S>,
+}
+
+/// The row max over visible entries (`−∞` where a row has none), E2's `m`.
+pub fn row_max<S: Real>(scores: ArrayView2<'_, S>, visible: ArrayView2<'_, bool>, ctx: S::Ctx) -> Array1<S> {
+    Zip::from(scores.rows()).and(visible.rows()).map_collect(|s, vis| {
+        s.iter().zip(vis).filter(|(_, v)| **v).fold(S::neg_infinity(ctx), |m, (x, _)| m.max(x.clone()))
+    })
+}
+
+/// `e^{s_ij − m_i}` on visible entries and exactly 0 elsewhere, so that a masked entry never
+/// produces `e^{−∞ − (−∞)}`.
+pub fn shifted_exponentials<S: Real>(
+    scores: ArrayView2<'_, S>,
+    visible: ArrayView2<'_, bool>,
+    m: ArrayView1<'_, S>,
+    ctx: S::Ctx,
+) -> Array2<S> {
+    let mut w = Array2::from_elem(scores.dim(), S::zero(ctx));
+    Zip::indexed(&mut w).for_each(|(i, j), w| {
+        if visible[[i, j]] {
+            *w = (scores[[i, j]].clone() - m[i].clone()).exp();
+        }
+    });
+    w
+}
+
+/// `Σ_j w_ij` per row, summed left to right.
+pub fn row_sums<S: Real>(w: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
+    w.map_axis(Axis(1), |row| row.iter().fold(S::zero(ctx), |acc, x| acc + x.clone()))
+}
+
+/// `e^{a − b}` with the E4 convention that `e^{−∞ − (−∞)}` is 0 (an empty state contributes nothing).
+pub fn rescale_factor<S: Real>(a: &S, b: &S, ctx: S::Ctx) -> S {
+    if a.is_finite() { (a.clone() - b.clone()).exp() } else { S::zero(ctx) }
+}
+
+impl<S: Real> SoftmaxState<S> {
+    /// The state of the empty set for `rows` rows: `(−∞, 0, 0)`, the identity of ⊕ (E2).
+    pub fn empty(rows: usize, dv: usize, ctx: S::Ctx) -> Self {
+        SoftmaxState {
+            m: Array1::from_elem(rows, S::neg_infinity(ctx)),
+            l: Array1::from_elem(rows, S::zero(ctx)),
+            a: Array2::from_elem((rows, dv), S::zero(ctx)),
+        }
+    }
+
+    /// Number of rows.
+    pub fn rows(&self) -> usize {
+        self.m.len()
+    }
+
+    /// E2: the state of one block of keys, from its scores `[rows, keys]`, visibility and
+    /// values `[keys, dv]`.
+    pub fn of_block(
+        scores: ArrayView2<'_, S>,
+        visible: ArrayView2<'_, bool>,
+        v: ArrayView2<'_, S>,
+        ctx: S::Ctx,
+    ) -> Self {
+        let m = row_max(scores, visible, ctx);
+        let w = shifted_exponentials(scores, visible, m.view(), ctx);
+        let l = row_sums(w.view(), ctx);
+        let a = S::matmul(w.view(), v, ctx);
+        SoftmaxState { m, l, a }
+    }
+
+    /// E3: absorb a new block `J` directly, `m' = max(m, max_J s)`,
+    /// `ℓ' = e^{m−m'} ℓ + Σ_J e^{s−m'}`, `A' = e^{m−m'} A + Σ_J e^{s−m'} v`.
+    pub fn update(
+        &mut self,
+        scores: ArrayView2<'_, S>,
+        visible: ArrayView2<'_, bool>,
+        v: ArrayView2<'_, S>,
+        ctx: S::Ctx,
+    ) {
+        let block_max = row_max(scores, visible, ctx);
+        let m_new = Zip::from(&self.m).and(&block_max).map_collect(|a, b| a.clone().max(b.clone()));
+        let w = shifted_exponentials(scores, visible, m_new.view(), ctx);
+        let block_l = row_sums(w.view(), ctx);
+        let block_a = S::matmul(w.view(), v, ctx);
+        for i in 0..self.rows() {
+            let c = rescale_factor(&self.m[i], &m_new[i], ctx);
+            self.l[i] = c.clone() * self.l[i].clone() + block_l[i].clone();
+            for (a, b) in self.a.row_mut(i).iter_mut().zip(block_a.row(i)) {
+                *a = c.clone() * a.clone() + b.clone();
+            }
+        }
+        self.m = m_new;
+    }
+
+    /// E4: `(m_a,ℓ_a,A_a) ⊕ (m_b,ℓ_b,A_b)` for disjoint key sets.
+    pub fn merge(&self, other: &Self) -> Self {
+        assert_eq!(self.a.dim(), other.a.dim(), "merge: states of different shapes");
+        let mut out = self.clone();
+        for i in 0..self.rows() {
+            let ctx = self.l[i].ctx();
+            let m = self.m[i].clone().max(other.m[i].clone());
+            let ca = rescale_factor(&self.m[i], &m, ctx);
+            let cb = rescale_factor(&other.m[i], &m, ctx);
+            out.l[i] = ca.clone() * self.l[i].clone() + cb.clone() * other.l[i].clone();
+            for (o, (a, b)) in out.a.row_mut(i).iter_mut().zip(self.a.row(i).iter().zip(other.a.row(i))) {
+                *o = ca.clone() * a.clone() + cb.clone() * b.clone();
+            }
+            out.m[i] = m;
+        }
+        out
+    }
+
+    /// E5: `O = A/ℓ`, `LSE = m + log ℓ`; a row with `ℓ = 0` saw no visible key and gives
+    /// `O = 0`, `LSE = −∞` (E1c).
+    pub fn finalize(&self) -> (Array2<S>, Array1<S>) {
+        let mut o = self.a.clone();
+        let mut lse = self.m.clone();
+        for i in 0..self.rows() {
+            let ctx = self.l[i].ctx();
+            if self.l[i] == S::zero(ctx) {
+                o.row_mut(i).fill(S::zero(ctx));
+                lse[i] = S::neg_infinity(ctx);
+            } else {
+                let l = self.l[i].clone();
+                o.row_mut(i).mapv_inplace(|a| a / l.clone());
+                lse[i] = self.m[i].clone() + l.ln();
+            }
+        }
+        (o, lse)
+    }
+}
+
+/// E11: the KV block device `device` holds at ring step `step` of `n_devices`: `(g − t) mod G`.
+pub fn ring_block_at(device: usize, step: usize, n_devices: usize) -> usize {
+    (device + n_devices - step % n_devices) % n_devices
+}
+
+/// E11: the order in which device `device` receives the `n_devices` KV blocks.
+pub fn ring_arrival_order(device: usize, n_devices: usize) -> Vec<usize> {
+    (0..n_devices).map(|t| ring_block_at(device, t, n_devices)).collect()
+}
+
+/// E11a: the two chunks (of `2G`) that device `g` holds under the zigzag layout: `g` and `2G−1−g`.
+pub fn zigzag_chunks(device: usize, n_devices: usize) -> [usize; 2] {
+    [device, 2 * n_devices - 1 - device]
+}

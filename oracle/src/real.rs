@@ -1,0 +1,324 @@
+//! The scalar trait every oracle equation is generic over, with its two instances: `f64` and
+//! MPFR (`Mp`, a `rug::Float` newtype whose precision the caller chooses).
+
+use std::fmt;
+use std::iter::Sum;
+use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
+
+use ndarray::{Array2, ArrayView2, Axis};
+use rug::Float;
+
+/// Default MPFR precision of the oracle, in bits.
+pub const DEFAULT_PRECISION_BITS: u32 = 256;
+
+/// The precision of an MPFR computation, in bits of significand.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Precision(pub u32);
+
+impl Default for Precision {
+    fn default() -> Self {
+        Precision(DEFAULT_PRECISION_BITS)
+    }
+}
+
+/// A real number type the oracle can compute in.
+///
+/// Every value carries the context it was made in (nothing for `f64`, the precision for MPFR),
+/// so that generic code can make new constants of the same kind with [`Real::from_f64`].
+/// Arithmetic rounds to nearest in the value's own precision. `matmul` has a plain generic
+/// implementation; `f64` replaces it with faer's blocked product, which is the only place the
+/// fast path differs from the exact one.
+pub trait Real:
+    Clone
+    + fmt::Debug
+    + fmt::Display
+    + PartialOrd
+    + PartialEq
+    + Send
+    + Sync
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + Neg<Output = Self>
+    + AddAssign
+    + Sum
+    + 'static
+{
+    /// What a constant needs to be made: `()` for `f64`, the precision for MPFR.
+    type Ctx: Copy + fmt::Debug + Send + Sync + 'static;
+
+    /// The context this value was made in.
+    fn ctx(&self) -> Self::Ctx;
+    /// The value of `x` (exact for MPFR of at least 53 bits).
+    fn from_f64(x: f64, ctx: Self::Ctx) -> Self;
+    /// Nearest `f64`.
+    fn to_f64(&self) -> f64;
+    /// `e^self`.
+    fn exp(&self) -> Self;
+    /// Natural logarithm.
+    fn ln(&self) -> Self;
+    /// Square root.
+    fn sqrt(&self) -> Self;
+    /// Absolute value.
+    fn abs(&self) -> Self;
+    /// Whether the value is neither infinite nor NaN.
+    fn is_finite(&self) -> bool;
+    /// Whether the value is NaN.
+    fn is_nan(&self) -> bool;
+
+    /// Zero in context `ctx`.
+    fn zero(ctx: Self::Ctx) -> Self {
+        Self::from_f64(0.0, ctx)
+    }
+    /// One in context `ctx`.
+    fn one(ctx: Self::Ctx) -> Self {
+        Self::from_f64(1.0, ctx)
+    }
+    /// Negative infinity in context `ctx`: the running max of an empty set (E2).
+    fn neg_infinity(ctx: Self::Ctx) -> Self {
+        Self::from_f64(f64::NEG_INFINITY, ctx)
+    }
+    /// The larger of two values (NaN-free inputs assumed; the oracle rejects NaN input).
+    fn max(self, other: Self) -> Self {
+        if other > self { other } else { self }
+    }
+    /// Matrix product `a · b`. Transposed operands are passed as `.t()` views.
+    fn matmul(a: ArrayView2<'_, Self>, b: ArrayView2<'_, Self>, ctx: Self::Ctx) -> Array2<Self> {
+        naive_matmul(a, b, ctx)
+    }
+}
+
+/// The textbook triple loop, summing each dot product left to right.
+pub fn naive_matmul<S: Real>(a: ArrayView2<'_, S>, b: ArrayView2<'_, S>, ctx: S::Ctx) -> Array2<S> {
+    assert_eq!(a.ncols(), b.nrows(), "matmul: inner dimensions differ");
+    let mut c = Array2::from_elem((a.nrows(), b.ncols()), S::zero(ctx));
+    for (i, row) in a.axis_iter(Axis(0)).enumerate() {
+        for (j, col) in b.axis_iter(Axis(1)).enumerate() {
+            let mut acc = S::zero(ctx);
+            for (x, y) in row.iter().zip(col.iter()) {
+                acc += x.clone() * y.clone();
+            }
+            c[[i, j]] = acc;
+        }
+    }
+    c
+}
+
+impl Real for f64 {
+    type Ctx = ();
+
+    fn ctx(&self) {}
+    fn from_f64(x: f64, _: ()) -> Self {
+        x
+    }
+    fn to_f64(&self) -> f64 {
+        *self
+    }
+    fn exp(&self) -> Self {
+        f64::exp(*self)
+    }
+    fn ln(&self) -> Self {
+        f64::ln(*self)
+    }
+    fn sqrt(&self) -> Self {
+        f64::sqrt(*self)
+    }
+    fn abs(&self) -> Self {
+        f64::abs(*self)
+    }
+    fn is_finite(&self) -> bool {
+        f64::is_finite(*self)
+    }
+    fn is_nan(&self) -> bool {
+        f64::is_nan(*self)
+    }
+    fn matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>, _: ()) -> Array2<f64> {
+        faer_matmul(a, b)
+    }
+}
+
+/// A view of `a` as a faer matrix, without copying when `a` is row- or column-contiguous.
+fn as_faer<'a>(a: &'a ArrayView2<'_, f64>) -> Option<faer::MatRef<'a, f64>> {
+    let (rows, cols) = a.dim();
+    if a.is_standard_layout() {
+        return a.as_slice().map(|s| faer::MatRef::from_row_major_slice(s, rows, cols));
+    }
+    if a.t().is_standard_layout() {
+        return a.as_slice_memory_order().map(|s| faer::MatRef::from_column_major_slice(s, rows, cols));
+    }
+    None
+}
+
+/// `a · b` in f64 through faer (blocked, SIMD, parallel over the global rayon pool).
+fn faer_matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
+    assert_eq!(a.ncols(), b.nrows(), "matmul: inner dimensions differ");
+    let a_owned;
+    let a = match as_faer(&a) {
+        Some(m) => m,
+        None => {
+            a_owned = a.as_standard_layout().into_owned();
+            faer::MatRef::from_row_major_slice(a_owned.as_slice().expect("standard layout"), a.nrows(), a.ncols())
+        }
+    };
+    let b_owned;
+    let b = match as_faer(&b) {
+        Some(m) => m,
+        None => {
+            b_owned = b.as_standard_layout().into_owned();
+            faer::MatRef::from_row_major_slice(b_owned.as_slice().expect("standard layout"), b.nrows(), b.ncols())
+        }
+    };
+    let mut c = Array2::<f64>::zeros((a.nrows(), b.ncols()));
+    let (rows, cols) = c.dim();
+    let c_slice = c.as_slice_mut().expect("fresh array is standard layout");
+    faer::linalg::matmul::matmul(
+        faer::MatMut::from_row_major_slice_mut(c_slice, rows, cols),
+        faer::Accum::Replace,
+        a,
+        b,
+        1.0,
+        faer::Par::rayon(0),
+    );
+    c
+}
+
+/// An MPFR number (`rug::Float`) with the arithmetic the oracle needs.
+///
+/// Binary operations round to the precision of the left operand; the oracle only ever combines
+/// values of one precision.
+#[derive(Clone, Debug, PartialEq, PartialOrd)]
+pub struct Mp(pub Float);
+
+impl Mp {
+    /// The value of `x` at precision `prec`.
+    pub fn new(x: f64, prec: Precision) -> Self {
+        Mp(Float::with_val(prec.0, x))
+    }
+    /// The precision of this value.
+    pub fn precision(&self) -> Precision {
+        Precision(self.0.prec())
+    }
+    /// Decimal scientific notation with `digits` significant digits.
+    pub fn to_sci(&self, digits: usize) -> String {
+        format_significant(&self.0, digits)
+    }
+}
+
+/// Formats `x` with `digits` significant decimal digits, e.g. `7.50198879253933603222819044436e0`,
+/// and `-inf`, `inf`, `NaN` for the special values.
+pub fn format_significant(x: &Float, digits: usize) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x.is_sign_negative() { "-inf".into() } else { "inf".into() };
+    }
+    if x.is_zero() {
+        return "0".into();
+    }
+    let (negative, mantissa, exponent) = x.to_sign_string_exp(10, Some(digits));
+    // `mantissa` holds the digits d1 d2 ... with value 0.d1d2... × 10^exponent.
+    let exponent = exponent.expect("finite non-zero values have an exponent") - 1;
+    let sign = if negative { "-" } else { "" };
+    let (head, tail) = mantissa.split_at(1);
+    if tail.is_empty() { format!("{sign}{head}e{exponent}") } else { format!("{sign}{head}.{tail}e{exponent}") }
+}
+
+impl fmt::Display for Mp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_sci(f.precision().unwrap_or(30)))
+    }
+}
+
+macro_rules! mp_binary {
+    ($trait:ident, $method:ident, $op:tt) => {
+        impl $trait for Mp {
+            type Output = Mp;
+            fn $method(self, rhs: Mp) -> Mp {
+                Mp(self.0 $op rhs.0)
+            }
+        }
+    };
+}
+mp_binary!(Add, add, +);
+mp_binary!(Sub, sub, -);
+mp_binary!(Mul, mul, *);
+mp_binary!(Div, div, /);
+
+impl Neg for Mp {
+    type Output = Mp;
+    fn neg(self) -> Mp {
+        Mp(-self.0)
+    }
+}
+
+impl AddAssign for Mp {
+    fn add_assign(&mut self, rhs: Mp) {
+        self.0 += rhs.0;
+    }
+}
+
+impl Sum for Mp {
+    /// Sums left to right. An empty sum has no precision to take, so it is an error to ask for one;
+    /// the oracle always sums with an explicit zero instead.
+    fn sum<I: Iterator<Item = Mp>>(iter: I) -> Mp {
+        iter.reduce(|a, b| a + b).expect("Mp::sum of an empty iterator: start from Real::zero(ctx)")
+    }
+}
+
+impl Real for Mp {
+    type Ctx = Precision;
+
+    fn ctx(&self) -> Precision {
+        self.precision()
+    }
+    fn from_f64(x: f64, ctx: Precision) -> Self {
+        Mp::new(x, ctx)
+    }
+    fn to_f64(&self) -> f64 {
+        self.0.to_f64()
+    }
+    fn exp(&self) -> Self {
+        Mp(self.0.clone().exp())
+    }
+    fn ln(&self) -> Self {
+        Mp(self.0.clone().ln())
+    }
+    fn sqrt(&self) -> Self {
+        Mp(self.0.clone().sqrt())
+    }
+    fn abs(&self) -> Self {
+        Mp(self.0.clone().abs())
+    }
+    fn is_finite(&self) -> bool {
+        self.0.is_finite()
+    }
+    fn is_nan(&self) -> bool {
+        self.0.is_nan()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn faer_and_naive_products_agree_on_transposed_views() {
+        let a = array![[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]];
+        let b = array![[1.0, -1.0, 0.5], [2.0, 0.0, -3.0]];
+        let fast = f64::matmul(a.view(), b.t(), ());
+        let slow = naive_matmul(a.view(), b.t(), ());
+        assert_eq!(fast, slow);
+        assert_eq!(fast[[1, 1]], 4.0 * 2.0 + 6.0 * -3.0);
+    }
+
+    #[test]
+    fn significant_digit_formatting() {
+        let x = Mp::new(1.0, Precision(256)).exp();
+        assert_eq!(x.to_sci(10), "2.718281828e0");
+        assert_eq!(Mp::new(-0.00125, Precision(64)).to_sci(3), "-1.25e-3");
+        assert_eq!(Mp::new(f64::NEG_INFINITY, Precision(64)).to_sci(3), "-inf");
+    }
+}

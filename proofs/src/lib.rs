@@ -1,0 +1,16 @@
+//! Theorems about the oracle, each a documented function that checks one statement on given
+//! inputs in MPFR and returns how many bits agree, or the violation it found; and the
+//! rounding-error bounds the verifier uses.
+//!
+//! A theorem takes the implementation under test as an argument (an [`online::OnlineAlgebra`],
+//! a backward closure, ...). The tests run each theorem on proptest-generated inputs against the
+//! oracle, and once against a deliberately broken variant that it must reject (non-vacuity).
+#![forbid(unsafe_code)]
+
+pub mod backward;
+pub mod definition;
+pub mod f64_oracle_bound;
+pub mod online;
+pub mod residual;
+
+pub use residual::{Agreement, Bits, Violation};
