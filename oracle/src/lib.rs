@@ -18,6 +18,7 @@ pub mod dense;
 pub mod error;
 pub mod online;
 pub mod real;
+pub mod selection;
 pub mod spec;
 
 pub use attention::{

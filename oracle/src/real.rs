@@ -199,14 +199,16 @@ impl Mp {
     pub fn precision(&self) -> Precision {
         Precision(self.0.prec())
     }
-    /// Decimal scientific notation with `digits` significant digits.
-    pub fn to_sci(&self, digits: usize) -> String {
+    /// `digits` significant decimal digits, truncated; see [`format_significant`].
+    pub fn to_significant(&self, digits: usize) -> String {
         format_significant(&self.0, digits)
     }
 }
 
-/// Formats `x` with `digits` significant decimal digits, e.g. `7.50198879253933603222819044436e0`,
-/// and `-inf`, `inf`, `NaN` for the special values.
+/// Formats `x` with `digits` significant decimal digits, truncated toward zero so that every
+/// printed digit is a digit of the exact value (when `x` itself is exact to that many digits).
+/// Positional notation for magnitudes in `[1e-5, 1e30)` (`1001.40760…`), scientific otherwise
+/// (`1.25e-7`); `-inf`, `inf`, `NaN` for the special values.
 pub fn format_significant(x: &Float, digits: usize) -> String {
     if x.is_nan() {
         return "NaN".into();
@@ -217,17 +219,28 @@ pub fn format_significant(x: &Float, digits: usize) -> String {
     if x.is_zero() {
         return "0".into();
     }
-    let (negative, mantissa, exponent) = x.to_sign_string_exp(10, Some(digits));
+    let (negative, mantissa, exponent) = x.to_sign_string_exp_round(10, Some(digits), rug::float::Round::Zero);
     // `mantissa` holds the digits d1 d2 ... with value 0.d1d2... × 10^exponent.
-    let exponent = exponent.expect("finite non-zero values have an exponent") - 1;
+    let exponent = exponent.expect("finite non-zero values have an exponent");
     let sign = if negative { "-" } else { "" };
-    let (head, tail) = mantissa.split_at(1);
-    if tail.is_empty() { format!("{sign}{head}e{exponent}") } else { format!("{sign}{head}.{tail}e{exponent}") }
+    let n = mantissa.len() as i32;
+    if (1..=30).contains(&exponent) {
+        let (int, frac) = mantissa.split_at(exponent.min(n) as usize);
+        let pad = "0".repeat((exponent - n).max(0) as usize);
+        if frac.is_empty() { format!("{sign}{int}{pad}") } else { format!("{sign}{int}.{frac}") }
+    } else if (-4..=0).contains(&exponent) {
+        format!("{sign}0.{}{mantissa}", "0".repeat((-exponent) as usize))
+    } else {
+        let (head, tail) = mantissa.split_at(1);
+        let tail = tail.trim_end_matches('0');
+        let e = exponent - 1;
+        if tail.is_empty() { format!("{sign}{head}e{e}") } else { format!("{sign}{head}.{tail}e{e}") }
+    }
 }
 
 impl fmt::Display for Mp {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.to_sci(f.precision().unwrap_or(30)))
+        f.write_str(&self.to_significant(f.precision().unwrap_or(30)))
     }
 }
 
@@ -316,9 +329,13 @@ mod tests {
 
     #[test]
     fn significant_digit_formatting() {
-        let x = Mp::new(1.0, Precision(256)).exp();
-        assert_eq!(x.to_sci(10), "2.718281828e0");
-        assert_eq!(Mp::new(-0.00125, Precision(64)).to_sci(3), "-1.25e-3");
-        assert_eq!(Mp::new(f64::NEG_INFINITY, Precision(64)).to_sci(3), "-inf");
+        // e = 2.71828182845904..., truncated (not rounded) to 10 digits.
+        let e = Mp::new(1.0, Precision(256)).exp();
+        assert_eq!(e.to_significant(10), "2.718281828");
+        assert_eq!(Mp::new(-0.00125, Precision(64)).to_significant(3), "-0.00125");
+        assert_eq!(Mp::new(1001.5, Precision(64)).to_significant(6), "1001.50");
+        assert_eq!(Mp::new(2048.0, Precision(64)).to_significant(2), "2000");
+        assert_eq!(Mp::new(2f64.powi(-23), Precision(64)).to_significant(3), "1.19e-7");
+        assert_eq!(Mp::new(f64::NEG_INFINITY, Precision(64)).to_significant(3), "-inf");
     }
 }
