@@ -230,7 +230,7 @@ impl AttentionSpec {
         if self.n_heads_q == 0 {
             return Err(OracleError::ZeroDimension { argument: "n_heads_q" });
         }
-        if self.n_heads_kv == 0 || self.n_heads_q % self.n_heads_kv != 0 {
+        if self.n_heads_kv == 0 || !self.n_heads_q.is_multiple_of(self.n_heads_kv) {
             return Err(OracleError::HeadRatio { n_heads_q: self.n_heads_q, n_heads_kv: self.n_heads_kv });
         }
         if let Scale::Value(x) = self.scale

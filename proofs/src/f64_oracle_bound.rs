@@ -47,7 +47,7 @@ use crate::residual::Violation;
 /// Unit roundoff of f64.
 pub const UNIT_ROUNDOFF: f64 = f64::EPSILON / 2.0;
 /// Smallest positive subnormal f64: the absolute error of an underflowing result.
-pub const SUBNORMAL_UNIT: f64 = 4.940_656_458_412_465_4e-324;
+pub const SUBNORMAL_UNIT: f64 = f64::from_bits(1);
 /// Factor covering second-order terms under the `2^-20` hypothesis (see the module docs).
 pub const SECOND_ORDER_FACTOR: f64 = 1.0 + 1.0 / 1024.0;
 /// Largest first-order relative perturbation the model accepts.

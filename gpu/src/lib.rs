@@ -1,0 +1,116 @@
+//! CUDA side of attnproof: finding a device, and (later) NVRTC-compiled attention kernels launched through cudarc.
+//!
+//! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
+//! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
+//! [`cuda_device`], which asks whether the driver library is present before touching it and turns every way of not
+//! having a device into a typed [`GpuUnavailable`] error. Tests use [`skip_unless_gpu`], which reports a skip in the
+//! test's output instead of pretending to have run.
+
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+
+use cudarc::driver::CudaContext;
+
+/// Environment variable that turns a GPU skip into a test failure.
+///
+/// `cargo xtask verify` sets it when `nvidia-smi` lists a GPU, so that a broken driver setup on a GPU machine fails
+/// loudly instead of letting every GPU test skip and pass.
+pub const REQUIRE_GPU_ENV: &str = "ATTNPROOF_REQUIRE_GPU";
+
+/// Why no CUDA device can be used on this machine.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuUnavailable {
+    /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded.
+    #[error("no CUDA driver library (libcuda) could be loaded")]
+    NoDriverLibrary,
+    /// The driver library loaded, but it reported no usable device 0.
+    #[error("no usable CUDA device: the driver says {0}")]
+    NoDevice(String),
+    /// cudarc panicked while talking to the driver (for example a symbol missing from an old driver).
+    #[error("the CUDA driver could not be used: {0}")]
+    DriverPanicked(String),
+}
+
+/// Opens the primary context of CUDA device 0, or says why there is none.
+///
+/// This never panics on a machine without CUDA: the driver library is probed first, and a panic from cudarc (its way of
+/// reporting a library or symbol it cannot load) is caught and returned as [`GpuUnavailable::DriverPanicked`].
+pub fn cuda_device() -> Result<Arc<CudaContext>, GpuUnavailable> {
+    // SAFETY: `is_culib_present` only tries to `dlopen` the driver library under its usual names and closes it again.
+    // It is `unsafe` because loading a shared library runs that library's initialisers; the library in question is the
+    // system's CUDA driver, which cudarc would load anyway on the first driver call, so probing it adds no new risk.
+    let present = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !present {
+        return Err(GpuUnavailable::NoDriverLibrary);
+    }
+    // The probe above can succeed while later symbol lookups still fail (an older driver than the `cuda-13000` bindings
+    // expect), and cudarc reports those by panicking, so the context creation is fenced as a second line of defence.
+    // `AssertUnwindSafe` is sound here: on a panic nothing half-built escapes, the closure owns no state of ours.
+    match panic::catch_unwind(AssertUnwindSafe(|| CudaContext::new(0))) {
+        Ok(Ok(ctx)) => Ok(ctx),
+        Ok(Err(err)) => Err(GpuUnavailable::NoDevice(err.to_string())),
+        Err(payload) => Err(GpuUnavailable::DriverPanicked(panic_message(payload.as_ref()))),
+    }
+}
+
+/// Returns the CUDA device for a GPU test, or prints `skipped: no CUDA device (<test_name>)` and returns `None`.
+///
+/// # Panics
+///
+/// Panics when there is no device but the environment variable [`REQUIRE_GPU_ENV`] is `1`, so that a verification run
+/// on a GPU machine cannot pass by skipping.
+pub fn skip_unless_gpu(test_name: &str) -> Option<Arc<CudaContext>> {
+    match cuda_device() {
+        Ok(ctx) => Some(ctx),
+        Err(why) if gpu_required() => {
+            panic!("{test_name}: a CUDA device is required ({REQUIRE_GPU_ENV}=1) but unavailable: {why}")
+        }
+        Err(why) => {
+            // The reason goes on its own line so that the skip line itself stays greppable and identical everywhere.
+            println!("skipped: no CUDA device ({test_name})");
+            println!("  reason: {why}");
+            None
+        }
+    }
+}
+
+/// Whether the environment demands a real GPU run (see [`REQUIRE_GPU_ENV`]).
+fn gpu_required() -> bool {
+    std::env::var(REQUIRE_GPU_ENV).is_ok_and(|v| v.trim() == "1")
+}
+
+/// Extracts the text of a panic payload, which is a `&str` or a `String` for every `panic!` with a message.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panic_message_reads_both_payload_kinds() {
+        let boxed: Box<dyn std::any::Any + Send> = Box::new("static text");
+        assert_eq!(panic_message(boxed.as_ref()), "static text");
+        let boxed: Box<dyn std::any::Any + Send> = Box::new(String::from("owned text"));
+        assert_eq!(panic_message(boxed.as_ref()), "owned text");
+        let boxed: Box<dyn std::any::Any + Send> = Box::new(42_u32);
+        assert_eq!(panic_message(boxed.as_ref()), "a panic without a message");
+    }
+
+    #[test]
+    fn cuda_device_never_panics() {
+        // Whatever this machine has, asking for a device must answer with a value, not unwind; a failure here means
+        // the guards in `cuda_device` let a cudarc panic through.
+        match cuda_device() {
+            Ok(ctx) => println!("CUDA device 0 opened (ordinal {})", ctx.ordinal()),
+            Err(why) => println!("skipped: no CUDA device (cuda_device_never_panics): {why}"),
+        }
+    }
+}
