@@ -16,6 +16,7 @@ pub mod attention;
 pub mod cost;
 pub mod dense;
 pub mod error;
+pub mod inputs;
 pub mod online;
 pub mod real;
 pub mod selection;

@@ -59,22 +59,28 @@ pub fn gamma(n: usize) -> f64 {
     nu / (1.0 - nu)
 }
 
-/// Allowed absolute errors of each output of one head (dK, dV before the GQA sum).
+/// Allowed absolute errors of each output: `M` holds matrices (`O`, `dQ`, `dK`, `dV`), `R` row
+/// statistics (`LSE`, `D`).
 #[derive(Clone, Debug, PartialEq)]
-pub struct HeadBounds {
+pub struct Bounds<M, R> {
     /// Bound on `O`.
-    pub o: Array2<f64>,
+    pub o: M,
     /// Bound on `LSE` (0 for fully masked rows, which must match exactly).
-    pub lse: Array1<f64>,
+    pub lse: R,
     /// Bound on `D`.
-    pub delta: Array1<f64>,
+    pub delta: R,
     /// Bound on `dQ`.
-    pub dq: Array2<f64>,
-    /// Bound on `dK` of this query head.
-    pub dk: Array2<f64>,
-    /// Bound on `dV` of this query head.
-    pub dv: Array2<f64>,
+    pub dq: M,
+    /// Bound on `dK` (of one query head in [`HeadBounds`], GQA-summed in [`ProblemBounds`]).
+    pub dk: M,
+    /// Bound on `dV` (likewise).
+    pub dv: M,
 }
+
+/// Bounds of one head, before the GQA sum.
+pub type HeadBounds = Bounds<Array2<f64>, Array1<f64>>;
+/// Bounds of a whole problem, laid out like its outputs.
+pub type ProblemBounds = Bounds<ArrayD<f64>, ArrayD<f64>>;
 
 fn f(x: &Mp) -> f64 {
     x.to_f64()
@@ -110,7 +116,7 @@ pub fn head_bounds(case: &HeadCase, fwd: &HeadForward<Mp>, grads: &HeadGradients
     };
     let sigma = Array2::from_shape_fn((len_q, len_k), |(i, j)| (gamma(d) + 3.0 * u) * alpha * abs_dot(&q, i, &k, j));
     let mut worst = gamma(len_k).max(gamma(len_q));
-    let mut b = HeadBounds {
+    let mut b = Bounds {
         o: Array2::zeros((len_q, dv)),
         lse: Array1::zeros(len_q),
         delta: Array1::zeros(len_q),
@@ -227,22 +233,6 @@ pub type F64Candidate<'a> = &'a dyn Fn(
     ArrayViewD<'_, f64>,
     ArrayViewD<'_, f64>,
 ) -> Result<Gradients<f64>, OracleError>;
-
-/// Bounds for a whole problem, assembled from [`head_bounds`] with the GQA sum of dK, dV.
-pub struct ProblemBounds {
-    /// Per output, the bound tensor.
-    pub o: ArrayD<f64>,
-    /// LSE bound.
-    pub lse: ArrayD<f64>,
-    /// D bound.
-    pub delta: ArrayD<f64>,
-    /// dQ bound.
-    pub dq: ArrayD<f64>,
-    /// dK bound.
-    pub dk: ArrayD<f64>,
-    /// dV bound.
-    pub dv: ArrayD<f64>,
-}
 
 /// The model's bounds for every output of a whole problem (inputs exact in f64).
 pub fn problem_bounds(

@@ -6,8 +6,8 @@ mod common;
 use attnproof_oracle::{AttentionSpec, Gradients, OracleError, backward_f64};
 use attnproof_proofs::Violation;
 use attnproof_proofs::f64_oracle_bound::f64_oracle_within_bound;
-use common::{PREC, f64_inputs, pseudo_random, spec};
-use ndarray::{ArrayD, ArrayViewD, IxDyn};
+use common::{PREC, f64_inputs, spec};
+use ndarray::ArrayViewD;
 use proptest::prelude::*;
 
 fn oracle(
@@ -34,9 +34,7 @@ proptest! {
 #[test]
 fn bound_rejects_an_oracle_on_f32_rounded_inputs() {
     let spec = AttentionSpec::dense(1, 2, 1, 9, 7, 5, 3).with_mask(attnproof_oracle::Mask::Causal);
-    let t = |seed: u64, shape: &[usize]| {
-        ArrayD::from_shape_vec(IxDyn(shape), pseudo_random(seed, shape.iter().product())).expect("sizes agree")
-    };
+    let t = attnproof_oracle::inputs::uniform_tensor;
     let (q, k, v, g) = (t(1, &[1, 2, 9, 5]), t(2, &[1, 1, 7, 5]), t(3, &[1, 1, 7, 3]), t(4, &[1, 2, 9, 3]));
     let f32_inputs = |spec: &AttentionSpec,
                       q: ArrayViewD<'_, f64>,

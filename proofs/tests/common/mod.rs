@@ -15,20 +15,8 @@ pub fn mp_matrix(rows: usize, cols: usize, values: &[f64]) -> Array2<Mp> {
     Array2::from_shape_vec((rows, cols), values.iter().map(|&x| Mp::new(x, PREC)).collect()).expect("sizes agree")
 }
 
-/// A fixed pseudo-random sequence in `[-1, 1)` (splitmix64), for deterministic non-vacuity inputs.
-pub fn pseudo_random(seed: u64, n: usize) -> Vec<f64> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-            z ^= z >> 31;
-            (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
-        })
-        .collect()
-}
+#[allow(unused_imports)] // Used by some of the test binaries that include this module.
+pub use attnproof_oracle::inputs::uniform as pseudo_random;
 
 /// Values in `[-1, 1]` times `magnitude`.
 fn values(n: usize, magnitude: f64) -> impl Strategy<Value = Vec<f64>> {
