@@ -55,4 +55,15 @@ pub enum OracleError {
         /// What is wrong with it.
         reason: String,
     },
+    /// An `i32` index list (block or token selection) breaks the convention: an index out of
+    /// range, a duplicate, an unsorted valid prefix, or a `−1` pad followed by a valid index.
+    #[error("`{argument}` is invalid at position {position:?}: {reason}")]
+    IndexList {
+        /// The offending argument.
+        argument: &'static str,
+        /// Where in the list (row, slot).
+        position: Vec<usize>,
+        /// What is wrong.
+        reason: String,
+    },
 }

@@ -7,20 +7,32 @@
 //! - [`online`]: the online-softmax state and its algebra (E2–E5), ring order (E11, E11a);
 //! - [`dense`]: one head's scores, forward and backward (E1, E6–E10);
 //! - [`attention`]: whole problems with batch, heads, GQA and varlen, validated;
-//! - [`spec`]: shapes, masks, scale; [`error`]: typed errors; [`cost`]: the cost model (E1d).
+//! - [`spec`]: shapes, masks, scale; [`error`]: typed errors; [`cost`]: the cost model (E1d, E31, E32);
+//! - sparse attention: [`selection`] (E12–E14, E17), [`block_scores`] (E15), [`dsa`] (E16),
+//!   [`nsa`] (E18–E20), [`hils`] (E21), [`pisa`] (E22–E24), [`pyramid`] (E25–E30);
+//! - shared helpers: [`vector`] (dot, log-sum-exp, softmax, block means), [`topk`] (top-k with
+//!   the tie and padding conventions, index-list validation), [`inputs`] (deterministic inputs).
 //!
 //! The oracle knows nothing of tiles: the only "blocks" it sees are the key sets of E2–E5.
 #![forbid(unsafe_code)]
 
 pub mod attention;
+pub mod block_scores;
 pub mod cost;
 pub mod dense;
+pub mod dsa;
 pub mod error;
+pub mod hils;
 pub mod inputs;
+pub mod nsa;
 pub mod online;
+pub mod pisa;
+pub mod pyramid;
 pub mod real;
 pub mod selection;
 pub mod spec;
+pub mod topk;
+pub mod vector;
 
 pub use attention::{
     Forward, Gradients, Qkv, backward, backward_f64, backward_mpfr, forward, forward_f64, forward_mpfr, to_mpfr,

@@ -8,9 +8,15 @@
 #![forbid(unsafe_code)]
 
 pub mod backward;
+pub mod block_scores;
 pub mod definition;
+pub mod dsa;
 pub mod f64_oracle_bound;
+pub mod hils;
+pub mod nsa;
 pub mod online;
+pub mod pisa;
+pub mod pyramid;
 pub mod residual;
 
 pub use residual::{Agreement, Bits, Violation};

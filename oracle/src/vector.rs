@@ -1,0 +1,58 @@
+//! Small generic numerics shared by the sparse equations: dot products, log-sum-exp, softmax
+//! weights, block means and norms. One implementation each, over [`Real`].
+
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis};
+
+use crate::real::Real;
+
+/// `Σ_c a_c b_c`, left to right.
+pub fn dot<S: Real>(a: ArrayView1<'_, S>, b: ArrayView1<'_, S>, ctx: S::Ctx) -> S {
+    a.iter().zip(b).fold(S::zero(ctx), |acc, (x, y)| acc + x.clone() * y.clone())
+}
+
+/// `log Σ_j e^{x_j}` with the max subtracted first (never overflows); `−∞` for an empty input
+/// or one of only `−∞`.
+pub fn log_sum_exp<S: Real>(xs: &[S], ctx: S::Ctx) -> S {
+    let m = xs.iter().fold(S::neg_infinity(ctx), |m, x| m.max(x.clone()));
+    if !m.is_finite() {
+        return m;
+    }
+    let sum = xs.iter().fold(S::zero(ctx), |acc, x| acc + (x.clone() - m.clone()).exp());
+    m + sum.ln()
+}
+
+/// `softmax(x)_j = e^{x_j − LSE(x)}`; `−∞` entries get weight 0; an all-`−∞` input gives all 0.
+pub fn softmax<S: Real>(xs: &[S], ctx: S::Ctx) -> Vec<S> {
+    let lse = log_sum_exp(xs, ctx);
+    xs.iter()
+        .map(|x| if x.is_finite() && lse.is_finite() { (x.clone() - lse.clone()).exp() } else { S::zero(ctx) })
+        .collect()
+}
+
+/// Mean of the rows of `x` (`[n, d]` → `[d]`); `None` for `n = 0`.
+pub fn mean_row<S: Real>(x: ArrayView2<'_, S>, ctx: S::Ctx) -> Option<Array1<S>> {
+    let n = x.nrows();
+    if n == 0 {
+        return None;
+    }
+    let count = S::from_f64(n as f64, ctx);
+    Some(x.map_axis(Axis(0), |col| col.iter().fold(S::zero(ctx), |a, b| a + b.clone()) / count.clone()))
+}
+
+/// Means of consecutive blocks of `block` rows (`[n, d]` → `[⌈n/block⌉, d]`); the last block may
+/// be partial and is averaged over its own rows.
+pub fn block_means<S: Real>(x: ArrayView2<'_, S>, block: usize, ctx: S::Ctx) -> Array2<S> {
+    assert!(block > 0, "block_means: block size must be positive");
+    let n_blocks = x.nrows().div_ceil(block);
+    let mut out = Array2::from_elem((n_blocks, x.ncols()), S::zero(ctx));
+    for b in 0..n_blocks {
+        let rows = x.slice_axis(Axis(0), ndarray::Slice::from(b * block..((b + 1) * block).min(x.nrows())));
+        out.row_mut(b).assign(&mean_row(rows, ctx).expect("a block has at least one row"));
+    }
+    out
+}
+
+/// Euclidean norm `‖x‖₂`.
+pub fn norm2<S: Real>(x: ArrayView1<'_, S>, ctx: S::Ctx) -> S {
+    dot(x, x, ctx).sqrt()
+}
