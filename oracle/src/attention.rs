@@ -79,6 +79,10 @@ fn filled<S: Real>(shape: Vec<usize>, ctx: S::Ctx) -> ArrayD<S> {
     ArrayD::from_elem(IxDyn(&shape), S::zero(ctx))
 }
 
+/// Which keys each (sequence, query head) sees: `[Lq, Lk]` per pair. The spec's mask for dense
+/// attention; the mask AND a block pattern for block-sparse attention (E14).
+pub type Visibility<'a> = &'a (dyn Fn(&Sequence, usize) -> Array2<bool> + Sync);
+
 /// The dense forward of every (sequence, head), in `ctx`'s precision.
 pub fn forward<S: Real>(
     spec: &AttentionSpec,
@@ -86,12 +90,28 @@ pub fn forward<S: Real>(
     config: DenseConfig,
     ctx: S::Ctx,
 ) -> Result<Forward<S>, OracleError> {
+    spec.validate()?;
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    forward_with_visibility(spec, qkv, &|seq: &Sequence, _| masks[seq.index].clone(), config, ctx)
+}
+
+/// The forward of every (sequence, head) with the visibility given per pair (E1 with an
+/// arbitrary `M`). The spec's own mask is not applied: `visibility` decides alone.
+pub fn forward_with_visibility<S: Real>(
+    spec: &AttentionSpec,
+    qkv: Qkv<'_, S>,
+    visibility: Visibility<'_>,
+    config: DenseConfig,
+    ctx: S::Ctx,
+) -> Result<Forward<S>, OracleError> {
     qkv.validate(spec)?;
     let scale = spec.scale_value::<S>(ctx);
-    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
     let results: Vec<HeadForward<S>> = tasks(spec)
         .par_iter()
-        .map(|(seq, h)| head_forward(qkv.head(spec, seq, *h, &masks[seq.index]), &scale, config, ctx))
+        .map(|(seq, h)| {
+            let visible = visibility(seq, *h);
+            head_forward(qkv.head(spec, seq, *h, &visible), &scale, config, ctx)
+        })
         .collect();
     let mut out = Forward {
         o: filled(spec.expected_shape(Operand::O), ctx),
@@ -113,14 +133,29 @@ pub fn backward<S: Real>(
     config: DenseConfig,
     ctx: S::Ctx,
 ) -> Result<Gradients<S>, OracleError> {
+    spec.validate()?;
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    backward_with_visibility(spec, qkv, d_out, &|seq: &Sequence, _| masks[seq.index].clone(), config, ctx)
+}
+
+/// The backward of every (sequence, head) with the visibility given per pair; see
+/// [`forward_with_visibility`].
+pub fn backward_with_visibility<S: Real>(
+    spec: &AttentionSpec,
+    qkv: Qkv<'_, S>,
+    d_out: ArrayViewD<'_, S>,
+    visibility: Visibility<'_>,
+    config: DenseConfig,
+    ctx: S::Ctx,
+) -> Result<Gradients<S>, OracleError> {
     qkv.validate(spec)?;
     spec.check_tensor("d_out", Operand::O, &d_out)?;
     let scale = spec.scale_value::<S>(ctx);
-    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
     let results: Vec<(HeadForward<S>, HeadGradients<S>)> = tasks(spec)
         .par_iter()
         .map(|(seq, h)| {
-            let inputs = qkv.head(spec, seq, *h, &masks[seq.index]);
+            let visible = visibility(seq, *h);
+            let inputs = qkv.head(spec, seq, *h, &visible);
             let fwd = head_forward(inputs, &scale, config, ctx);
             let grads = head_backward(inputs, spec.head_rows(d_out.view(), seq, *h, false), &fwd, &scale, config, ctx);
             (fwd, grads)

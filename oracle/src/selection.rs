@@ -1,11 +1,67 @@
-//! Selection of a row's keys into an exact set and an omitted set (E13), and what dropping the
-//! omitted mass does (E17): `λ`, `o_E`, `o_U` and the exact error identity of
+//! Splitting a row's keys into blocks (E12), into an exact set and an omitted set (E13), and
+//! what dropping the omitted mass does (E17): `λ`, `o_E`, `o_U` and the exact error identity of
 //! drop-and-renormalize.
+
+use std::ops::Range;
 
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
 
 use crate::online::SoftmaxState;
 use crate::real::Real;
+
+/// E12: contiguous blocks of `block_size` keys covering `0..n_keys`; the last block holds the
+/// remainder. Panics on `block_size = 0` (a programming error, not user input: callers validate
+/// sizes first).
+pub fn key_blocks(n_keys: usize, block_size: usize) -> Vec<Range<usize>> {
+    assert!(block_size > 0, "key_blocks: block size must be positive");
+    (0..n_keys.div_ceil(block_size)).map(|b| b * block_size..((b + 1) * block_size).min(n_keys)).collect()
+}
+
+/// E12 for one row: the online-softmax state `(m_b, ℓ_b, A_b)` of every block, i.e. the block's
+/// mass `Z_b = e^{m_b} ℓ_b` and numerator `N_b = e^{m_b} A_b` without ever forming `e^{m_b}`.
+pub fn block_states<S: Real>(
+    scores: ArrayView1<'_, S>,
+    visible: ArrayView1<'_, bool>,
+    v: ArrayView2<'_, S>,
+    blocks: &[Range<usize>],
+    ctx: S::Ctx,
+) -> Vec<SoftmaxState<S>> {
+    blocks
+        .iter()
+        .map(|r| {
+            let s = Array2::from_shape_fn((1, r.len()), |(_, j)| scores[r.start + j].clone());
+            let vis = Array2::from_shape_fn((1, r.len()), |(_, j)| visible[r.start + j]);
+            let rows = v.slice_axis(ndarray::Axis(0), ndarray::Slice::from(r.clone()));
+            SoftmaxState::of_block(s.view(), vis.view(), rows, ctx)
+        })
+        .collect()
+}
+
+/// How the exact set of a query is formed (E13).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExactSetConfig {
+    /// Keys per selection block.
+    pub block_size: usize,
+    /// Keys of the mandatory local window: the `local_window` keys ending at the query's aligned
+    /// position (bottom-right alignment of E1a); 0 for none.
+    pub local_window: usize,
+}
+
+/// E13: the exact set `E_i` of one query — the keys of its selected blocks plus its local
+/// window — intersected with the keys visible to it (`A_i`). The omitted set is `A_i \ E_i`.
+pub fn exact_set(
+    visible: ArrayView1<'_, bool>,
+    aligned_query: i64,
+    selected_blocks: &[usize],
+    config: ExactSetConfig,
+) -> Array1<bool> {
+    Array1::from_shape_fn(visible.len(), |j| {
+        let in_block = selected_blocks.contains(&(j / config.block_size.max(1)));
+        let offset = aligned_query - j as i64;
+        let in_window = config.local_window > 0 && (0..config.local_window as i64).contains(&offset);
+        visible[j] && (in_block || in_window)
+    })
+}
 
 /// The E17 decomposition of one query row.
 #[derive(Clone, Debug, PartialEq)]

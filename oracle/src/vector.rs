@@ -56,3 +56,36 @@ pub fn block_means<S: Real>(x: ArrayView2<'_, S>, block: usize, ctx: S::Ctx) -> 
 pub fn norm2<S: Real>(x: ArrayView1<'_, S>, ctx: S::Ctx) -> S {
     dot(x, x, ctx).sqrt()
 }
+
+/// Spectral norm `‖A‖₂` (largest singular value) by power iteration on `AᵀA`, from the all-ones
+/// start, until the estimate stops growing or after `max_iterations`. Power iteration approaches
+/// `‖A‖₂` from below; callers that need a guaranteed upper bound should use the Frobenius norm.
+pub fn spectral_norm<S: Real>(a: ArrayView2<'_, S>, max_iterations: usize, ctx: S::Ctx) -> S {
+    let cols = a.ncols();
+    if a.nrows() == 0 || cols == 0 {
+        return S::zero(ctx);
+    }
+    let mut x = Array1::from_elem(cols, S::one(ctx));
+    let mut estimate = S::zero(ctx);
+    for _ in 0..max_iterations {
+        let norm = norm2(x.view(), ctx);
+        if norm == S::zero(ctx) {
+            break;
+        }
+        x.mapv_inplace(|e| e / norm.clone());
+        let ax = S::matmul(a, x.view().insert_axis(ndarray::Axis(1)), ctx);
+        let next = norm2(ax.column(0), ctx);
+        let atax = S::matmul(a.t(), ax.view(), ctx);
+        x = atax.column(0).to_owned();
+        if next <= estimate {
+            break;
+        }
+        estimate = next;
+    }
+    estimate
+}
+
+/// Frobenius norm `‖A‖_F ≥ ‖A‖₂`.
+pub fn frobenius_norm<S: Real>(a: ArrayView2<'_, S>, ctx: S::Ctx) -> S {
+    a.iter().fold(S::zero(ctx), |acc, x| acc + x.clone() * x.clone()).sqrt()
+}

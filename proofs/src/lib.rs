@@ -18,5 +18,6 @@ pub mod online;
 pub mod pisa;
 pub mod pyramid;
 pub mod residual;
+pub mod selection;
 
 pub use residual::{Agreement, Bits, Violation};

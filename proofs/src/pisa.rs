@@ -1,1 +1,228 @@
-//! Theorems of PISA tail (E22-E24): block means and deviations, the first-order tail in one softmax, the error bound, the covariance-aware score.
+//! Theorems of the PISA tail (E22, E23): the first-order denominator term vanishes, the
+//! first-order tail error is second order in the deviations, and the PISA output stays within
+//! the E23 bound plus the block-wise truncation error.
+
+use attnproof_oracle::pisa::{BlockClasses, TailOutput, TailRule, TailStatistics, pisa_error_bound, tail_output};
+use attnproof_oracle::vector::dot;
+use attnproof_oracle::{Mp, Precision, Real};
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
+
+use crate::residual::{Agreement, Bits, Violation, agree, bits_of};
+
+/// A tail-statistics function under test: `(k, v, block_size) ↦ TailStatistics`.
+pub type StatsFn<'a> = &'a dyn Fn(ArrayView2<'_, Mp>, ArrayView2<'_, Mp>, usize) -> TailStatistics<Mp>;
+
+/// **Theorem (E22, vanishing denominator term).** For every block, with the means under test,
+/// `Σ_{j∈b} q·δ_j = 0` for any query, i.e. `Σ_{j∈b} (k_j − μ_b) = 0`: the first-order correction
+/// to `Z_ib` is zero. Hypotheses: none.
+pub fn first_order_denominator_vanishes(
+    stats_fn: StatsFn<'_>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    block_size: usize,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "first_order_denominator_vanishes (E22)";
+    let stats = stats_fn(k, v, block_size);
+    let ctx = stats.h_bar.first().map(|x| x.ctx()).unwrap_or_default();
+    let mut agreement = Agreement::exact();
+    for (b, &count) in stats.counts.iter().enumerate() {
+        let rows = k.slice_axis(Axis(0), Slice::from(b * block_size..b * block_size + count));
+        let sum = Array1::from_shape_fn(k.ncols(), |c| {
+            rows.column(c).iter().fold(Mp::zero(ctx), |a, x| a + x.clone() - stats.means[[b, c]].clone())
+        });
+        // Compare against the keys' own magnitude: Σδ is a sum of `count` terms of that size.
+        let scale = rows.iter().fold(Mp::one(ctx), |m, x| m.max(x.abs()));
+        let scaled = sum.mapv(|x| x / scale.clone());
+        agreement =
+            agreement.and(agree(T, "Σ_j δ_j", &scaled, &Array1::from_elem(k.ncols(), Mp::zero(ctx)), required)?);
+    }
+    Ok(agreement)
+}
+
+/// The exact dense output of query `q` over visible keys (definition, MPFR).
+fn dense_output(
+    q: ArrayView1<'_, Mp>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    visible: ArrayView1<'_, bool>,
+    scale: &Mp,
+    ctx: Precision,
+) -> Array1<Mp> {
+    let mut z = Mp::zero(ctx);
+    let mut n = Array1::from_elem(v.ncols(), Mp::zero(ctx));
+    for j in (0..k.nrows()).filter(|&j| visible[j]) {
+        let w = (scale.clone() * dot(q, k.row(j), ctx)).exp();
+        z += w.clone();
+        n.zip_mut_with(&v.row(j), |a, x| *a += w.clone() * x.clone());
+    }
+    n.mapv(|x| x / z.clone())
+}
+
+fn distance(a: &Array1<Mp>, b: &Array1<Mp>, ctx: Precision) -> Mp {
+    a.iter().zip(b).fold(Mp::zero(ctx), |acc, (x, y)| acc + (x.clone() - y.clone()) * (x.clone() - y.clone())).sqrt()
+}
+
+/// A tail output under test: `(q, k, v, visible, classes, stats, scale) ↦ TailOutput`.
+pub type TailFn<'a> = &'a dyn Fn(
+    ArrayView1<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView1<'_, bool>,
+    &BlockClasses,
+    &TailStatistics<Mp>,
+    &Mp,
+) -> TailOutput<Mp>;
+
+/// The oracle's first-order expansion with each block's own `H_b`.
+pub fn oracle_first_order(
+    q: ArrayView1<'_, Mp>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    visible: ArrayView1<'_, bool>,
+    classes: &BlockClasses,
+    stats: &TailStatistics<Mp>,
+    scale: &Mp,
+) -> TailOutput<Mp> {
+    tail_output(q, k, v, visible, classes, stats, scale, TailRule::FirstOrderPerBlock, scale.ctx())
+}
+
+/// The oracle's PISA output (shared `H̄`).
+pub fn oracle_pisa(
+    q: ArrayView1<'_, Mp>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    visible: ArrayView1<'_, bool>,
+    classes: &BlockClasses,
+    stats: &TailStatistics<Mp>,
+    scale: &Mp,
+) -> TailOutput<Mp> {
+    tail_output(q, k, v, visible, classes, stats, scale, TailRule::Pisa, scale.ctx())
+}
+
+/// One block-structured test problem: keys `k_j = μ_b + t·u_j` for the block of `j`.
+#[derive(Clone, Debug)]
+pub struct SpreadProblem {
+    /// The query `[d]`.
+    pub q: Array1<Mp>,
+    /// Block centers `[n_blocks, d]`.
+    pub centers: Array2<Mp>,
+    /// Deviations `[n, d]` (any; the statistics re-center them).
+    pub directions: Array2<Mp>,
+    /// Values `[n, dv]`.
+    pub v: Array2<Mp>,
+    /// Keys per block.
+    pub block_size: usize,
+    /// Blocks computed exactly.
+    pub classes: BlockClasses,
+    /// Softmax scale.
+    pub scale: Mp,
+}
+
+impl SpreadProblem {
+    /// The keys at spread `t`.
+    pub fn keys(&self, t: &Mp) -> Array2<Mp> {
+        Array2::from_shape_fn(self.directions.dim(), |(j, c)| {
+            self.centers[[j / self.block_size, c]].clone() + t.clone() * self.directions[[j, c]].clone()
+        })
+    }
+}
+
+/// **Theorem (E22, second order).** With keys `μ_b + t·u_j`, the first-order tail of the output
+/// under test (every tail block expanded to first order with its own `H_b`) differs from the
+/// dense output by `O(t²)`: each halving of `t` divides the error by a factor in `[3, 5]`
+/// (4 asymptotically) until the error falls below `2^-required`. Hypotheses: `spreads` halve and
+/// are small enough for the asymptotic regime (the tests use `2^-8` and below with `|α q·u| ≤ 4`).
+pub fn tail_error_is_second_order(
+    tail_fn: TailFn<'_>,
+    stats_fn: StatsFn<'_>,
+    problem: &SpreadProblem,
+    spreads: &[Mp],
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "tail_error_is_second_order (E22)";
+    let ctx = problem.scale.ctx();
+    let visible = Array1::from_elem(problem.directions.nrows(), true);
+    let errors: Vec<Mp> = spreads
+        .iter()
+        .map(|t| {
+            let k = problem.keys(t);
+            let stats = stats_fn(k.view(), problem.v.view(), problem.block_size);
+            let out = tail_fn(
+                problem.q.view(),
+                k.view(),
+                problem.v.view(),
+                visible.view(),
+                &problem.classes,
+                &stats,
+                &problem.scale,
+            );
+            distance(
+                &out.o,
+                &dense_output(problem.q.view(), k.view(), problem.v.view(), visible.view(), &problem.scale, ctx),
+                ctx,
+            )
+        })
+        .collect();
+    let floor = Mp::from_f64(2f64.powf(-required.0), ctx);
+    for (i, w) in errors.windows(2).enumerate() {
+        if w[0] <= floor {
+            break;
+        }
+        let ratio = w[0].clone() / w[1].clone();
+        if ratio < Mp::from_f64(3.0, ctx) || ratio > Mp::from_f64(5.0, ctx) {
+            return Err(Violation::Residual {
+                theorem: T,
+                quantity: "error ratio per halving (expected ≈ 4)",
+                found: bits_of(&w[1]),
+                required: bits_of(&(w[0].clone() / Mp::from_f64(4.0, ctx))),
+                index: vec![i + 1],
+            });
+        }
+    }
+    Ok(Agreement { bits: bits_of(errors.last().expect("at least one spread")) })
+}
+
+/// **Theorem (E23).** For the PISA output under test and the oracle's first-order output with
+/// per-block `H_b` (same denominator `D`),
+/// `‖o^PISA − o‖ ≤ bound_E23 · Z/D + ‖o^{first order} − o‖`:
+/// the two outputs differ only in `α Σ_U α_ib qᵀ(H̄ − H_b) / D`, whose norm is at most the E23
+/// bound with `Z` replaced by `D` (triangle inequality, `‖Mᵀq‖ ≤ ‖M‖₂‖q‖`, `α_ib ≤ α_ib|B_b|/B`),
+/// and the remainder is the second-order truncation. `‖·‖₂` comes from power iteration, which
+/// converges from below, so the check allows a relative slack of `2^-20` on the right-hand
+/// side (which also absorbs MPFR rounding when both sides coincide, as when every `H_b = H̄`).
+/// Hypotheses: the tail is not empty.
+pub fn pisa_within_bound(
+    pisa_fn: TailFn<'_>,
+    stats_fn: StatsFn<'_>,
+    problem: &SpreadProblem,
+    t: &Mp,
+) -> Result<Agreement, Violation> {
+    const T: &str = "pisa_within_bound (E23)";
+    let ctx = problem.scale.ctx();
+    if problem.classes.tail.is_empty() {
+        return Err(Violation::Hypothesis { theorem: T, reason: "no tail block".into() });
+    }
+    let k = problem.keys(t);
+    let visible = Array1::from_elem(k.nrows(), true);
+    let stats = stats_fn(k.view(), problem.v.view(), problem.block_size);
+    let args = (problem.q.view(), k.view(), problem.v.view(), visible.view());
+    let pisa = pisa_fn(args.0, args.1, args.2, args.3, &problem.classes, &stats, &problem.scale);
+    let first = oracle_first_order(args.0, args.1, args.2, args.3, &problem.classes, &stats, &problem.scale);
+    let dense = dense_output(args.0, args.1, args.2, args.3, &problem.scale, ctx);
+    let bound = pisa_error_bound(problem.q.view(), &first, &problem.classes, &stats, &problem.scale, ctx);
+    let allowed = (bound * (first.total_mass.clone() / first.denominator.clone()) + distance(&first.o, &dense, ctx))
+        * Mp::from_f64(1.0 + 2f64.powi(-20), ctx);
+    let error = distance(&pisa.o, &dense, ctx);
+    if error > allowed {
+        return Err(Violation::Bound {
+            theorem: T,
+            quantity: "‖o^PISA − o‖",
+            error: error.to_f64(),
+            bound: allowed.to_f64(),
+            ratio: (error / allowed.clone()).to_f64(),
+            index: vec![],
+        });
+    }
+    Ok(Agreement { bits: bits_of(&(allowed - error)) })
+}
