@@ -1,1 +1,935 @@
-//! NSA (E18-E20): compression windows, compressed attention, the Eq. 9 remap, group sums, forced top-n, selection and window branches, gates, and the CSR transpose.
+//! NSA (E18–E20): compression windows and compressed attention, the Eq. 9 remap of window
+//! probabilities onto selection blocks, the GQA group sum, forced top-n block selection, the
+//! selection and sliding-window branches, the sigmoid gates, and the CSR transpose of a selection
+//! (block → selecting queries) that the backward pass of dK/dV needs.
+//!
+//! Tensors of one sequence of length `T` are packed `[T, H, D]`: queries `[T, Hq, d]`, keys
+//! `[T, Hkv, d]`, values `[T, Hkv, dv]`. Query head `h` reads KV head `h / (Hq/Hkv)` (E1b).
+//! Attention is causal: query `t` sees tokens `0..=t` only.
+//!
+//! Indices used throughout: compression window `c` covers tokens `[c·s, c·s + l)` (only
+//! complete windows exist); selection block `j` covers tokens `[j·l', (j+1)·l')` (the last block
+//! may be partial); `W` is the number of complete windows of the sequence and `M = ⌈T/l'⌉` the
+//! number of selection blocks.
+
+use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis, Dimension};
+
+use crate::dense::{probabilities_from_lse, scores};
+use crate::error::OracleError;
+use crate::online::SoftmaxState;
+use crate::real::Real;
+use crate::spec::Scale;
+use crate::topk::{padded_ascending, top_k, validate_index_row};
+use crate::vector::{dot, mean_row};
+
+/// The map φ that turns the `l` keys (or values) of one compression window into one compressed
+/// key (value) (E18).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub enum Compression {
+    /// `φ(x_{cs..cs+l−1}) = mean of the l rows` (the default of E18).
+    #[default]
+    Mean,
+    /// A caller-given linear map with one weight per position in the window:
+    /// `φ(x_{cs..cs+l−1}) = Σ_{i<l} w_i x_{cs+i}`. The weights must number exactly `l` and be
+    /// finite. This is the position-wise special case of the paper's learned `[l·d → d]` map; a
+    /// full `[l·d → d]` matrix is not offered because the theorems and fixtures need only a map
+    /// that mixes positions.
+    Weighted(Vec<f64>),
+}
+
+/// The parameters of NSA (E18, E19). [`Default`] gives the paper's values.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NsaConfig {
+    /// Compression window length `l` (paper: 32).
+    pub compress_len: usize,
+    /// Compression stride `s` (paper: 16).
+    pub compress_stride: usize,
+    /// Selection block length `l'` (paper: 64).
+    pub select_block: usize,
+    /// Blocks kept per (query, KV head), forced ones included: `n` (paper: 16).
+    pub n_selected: usize,
+    /// How many initial blocks (`0, 1, …`) are always kept (paper: 1).
+    pub n_forced_initial: usize,
+    /// How many of the most recent blocks (the current block and those before it) are always
+    /// kept (paper: 2, the current and the previous block).
+    pub n_forced_local: usize,
+    /// Sliding-window size: query `t` sees tokens `t+1−window ..= t` in the window branch
+    /// (paper: 512). Zero disables the branch (it then outputs 0 by E1c).
+    pub window: usize,
+    /// φ_K, the map that compresses keys.
+    pub compress_keys: Compression,
+    /// φ_V, the map that compresses values.
+    pub compress_values: Compression,
+    /// Softmax scale of all three branches.
+    pub scale: Scale,
+}
+
+impl Default for NsaConfig {
+    fn default() -> Self {
+        NsaConfig {
+            compress_len: 32,
+            compress_stride: 16,
+            select_block: 64,
+            n_selected: 16,
+            n_forced_initial: 1,
+            n_forced_local: 2,
+            window: 512,
+            compress_keys: Compression::Mean,
+            compress_values: Compression::Mean,
+            scale: Scale::InverseSqrtHeadDim,
+        }
+    }
+}
+
+impl NsaConfig {
+    /// Checks the parameters: positive lengths, room in `n_selected` for every forced block,
+    /// weight lists of length `compress_len` with finite entries, a finite scale.
+    pub fn validate(&self) -> Result<(), OracleError> {
+        for (argument, value) in [
+            ("compress_len", self.compress_len),
+            ("compress_stride", self.compress_stride),
+            ("select_block", self.select_block),
+            ("n_selected", self.n_selected),
+        ] {
+            if value == 0 {
+                return Err(OracleError::ZeroDimension { argument });
+            }
+        }
+        let forced = self.n_forced_initial + self.n_forced_local;
+        if self.n_selected < forced {
+            return Err(OracleError::InvalidParameter {
+                argument: "n_selected",
+                reason: format!("{} blocks cannot hold the {forced} forced ones", self.n_selected),
+            });
+        }
+        for (argument, map) in [("compress_keys", &self.compress_keys), ("compress_values", &self.compress_values)] {
+            if let Compression::Weighted(w) = map {
+                if w.len() != self.compress_len {
+                    return Err(OracleError::ShapeMismatch {
+                        argument,
+                        expected: vec![self.compress_len],
+                        actual: vec![w.len()],
+                    });
+                }
+                if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+                    return Err(OracleError::NonFinite { argument, index: vec![i], value: w[i] });
+                }
+            }
+        }
+        if let Scale::Value(x) = self.scale
+            && !x.is_finite()
+        {
+            return Err(OracleError::InvalidParameter { argument: "scale", reason: format!("{x} is not finite") });
+        }
+        Ok(())
+    }
+
+    /// The softmax scale for head dimension `head_dim` in `ctx`'s precision.
+    pub fn scale_value<S: Real>(&self, head_dim: usize, ctx: S::Ctx) -> S {
+        match self.scale {
+            Scale::InverseSqrtHeadDim => S::one(ctx) / S::from_f64(head_dim as f64, ctx).sqrt(),
+            Scale::Value(x) => S::from_f64(x, ctx),
+        }
+    }
+
+    /// Whether selection block `block` is eligible for query `query`: its first token is not in
+    /// the query's future (`block·l' ≤ t`).
+    pub fn block_eligible(&self, block: usize, query: usize) -> bool {
+        block * self.select_block <= query
+    }
+
+    /// The blocks query `query` always keeps, ascending: the first `n_forced_initial` blocks
+    /// and the `n_forced_local` most recent ones (current block `⌊t/l'⌋` and those before it),
+    /// restricted to eligible blocks and without duplicates.
+    pub fn forced_blocks(&self, query: usize) -> Vec<usize> {
+        let current = query / self.select_block.max(1);
+        let initial = 0..self.n_forced_initial.min(current + 1);
+        let local = current + 1 - self.n_forced_local.min(current + 1)..current + 1;
+        let mut forced: Vec<usize> = initial.chain(local).collect();
+        forced.sort_unstable();
+        forced.dedup();
+        forced
+    }
+
+    /// `|window c ∩ block j|`, the number of tokens compression window `window` shares with
+    /// selection block `block` (E19).
+    pub fn window_block_overlap(&self, window: usize, block: usize) -> usize {
+        let (w_start, w_end) = (window * self.compress_stride, window * self.compress_stride + self.compress_len);
+        let (b_start, b_end) = (block * self.select_block, (block + 1) * self.select_block);
+        w_end.min(b_end).saturating_sub(w_start.max(b_start))
+    }
+}
+
+/// E18: the number of complete compression windows visible at position `position`, i.e. those
+/// with `c·s + l − 1 ≤ t`: `⌊(t+1−l)/s⌋ + 1` for `t + 1 ≥ l`, else 0. At `t = 65535` with
+/// `l = 32, s = 16` it is 4095.
+pub fn complete_windows_at(position: usize, compress_len: usize, compress_stride: usize) -> Result<usize, OracleError> {
+    if compress_len == 0 {
+        return Err(OracleError::ZeroDimension { argument: "compress_len" });
+    }
+    if compress_stride == 0 {
+        return Err(OracleError::ZeroDimension { argument: "compress_stride" });
+    }
+    Ok(if position + 1 >= compress_len { (position + 1 - compress_len) / compress_stride + 1 } else { 0 })
+}
+
+/// The number of complete compression windows of a sequence of `len` tokens: those visible to
+/// its last position (0 for an empty sequence).
+pub fn complete_windows(len: usize, compress_len: usize, compress_stride: usize) -> Result<usize, OracleError> {
+    match len {
+        0 => complete_windows_at(0, compress_len, compress_stride).map(|_| 0),
+        _ => complete_windows_at(len - 1, compress_len, compress_stride),
+    }
+}
+
+/// E19: the number of selection blocks of a sequence of `len` tokens, `M_T = ⌈T/l'⌉` (1024 at
+/// `T = 65536, l' = 64`).
+pub fn selection_blocks(len: usize, select_block: usize) -> Result<usize, OracleError> {
+    if select_block == 0 {
+        return Err(OracleError::ZeroDimension { argument: "select_block" });
+    }
+    Ok(len.div_ceil(select_block))
+}
+
+/// E18: compress the rows `x` `[T, d]` of one head into `[W, d]`, one row per complete window,
+/// with the map `map` (φ_K or φ_V of `config`).
+pub fn compress<S: Real>(
+    x: ArrayView2<'_, S>,
+    map: &Compression,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<Array2<S>, OracleError> {
+    config.validate()?;
+    let n_windows = complete_windows(x.nrows(), config.compress_len, config.compress_stride)?;
+    let mut out = Array2::from_elem((n_windows, x.ncols()), S::zero(ctx));
+    for c in 0..n_windows {
+        let start = c * config.compress_stride;
+        let rows = x.slice_axis(Axis(0), ndarray::Slice::from(start..start + config.compress_len));
+        let row = match map {
+            Compression::Mean => mean_row(rows, ctx).expect("a complete window has compress_len > 0 rows"),
+            Compression::Weighted(w) => {
+                let weights: Array1<S> = w.iter().map(|&x| S::from_f64(x, ctx)).collect();
+                rows.t().map_axis(Axis(1), |column| dot(column, weights.view(), ctx))
+            }
+        };
+        out.row_mut(c).assign(&row);
+    }
+    Ok(out)
+}
+
+/// E19, the **Convention** of EQUATIONS.md: remap window probabilities `p_cmp` `[rows, W]` onto
+/// `n_blocks` selection blocks, `p_slc[j] = Σ_c p_cmp[c] · |window c ∩ block j| / s`. Windows
+/// beyond the `W` given contribute nothing. With `l = 32, s = 16, l' = 64` block `j` weighs
+/// windows `4j−1 … 4j+3` by `1, 2, 2, 2, 1`.
+pub fn remap_to_blocks<S: Real>(
+    p_cmp: ArrayView2<'_, S>,
+    n_blocks: usize,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<Array2<S>, OracleError> {
+    config.validate()?;
+    let stride = S::from_f64(config.compress_stride as f64, ctx);
+    let mut out = Array2::from_elem((p_cmp.nrows(), n_blocks), S::zero(ctx));
+    for c in 0..p_cmp.ncols() {
+        // Only the blocks that window c touches have a non-zero overlap.
+        let first_block = c * config.compress_stride / config.select_block;
+        let last_block = (c * config.compress_stride + config.compress_len - 1) / config.select_block;
+        for j in first_block..=last_block.min(n_blocks.saturating_sub(1)) {
+            let weight = S::from_f64(config.window_block_overlap(c, j) as f64, ctx) / stride.clone();
+            for r in 0..p_cmp.nrows() {
+                out[[r, j]] += p_cmp[[r, c]].clone() * weight.clone();
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// E19 group sum: `[Hq, T, W]` per-head probabilities to `[T, Hkv, W]`, summing the `G` query
+/// heads of each KV head in ascending head order.
+pub fn group_sum<S: Real>(p_cmp: ArrayView3<'_, S>, n_heads_kv: usize, ctx: S::Ctx) -> Result<Array3<S>, OracleError> {
+    let (n_heads_q, len, width) = p_cmp.dim();
+    check_head_ratio(n_heads_q, n_heads_kv)?;
+    let group = n_heads_q / n_heads_kv;
+    let mut out = Array3::from_elem((len, n_heads_kv, width), S::zero(ctx));
+    for h in 0..n_heads_q {
+        for t in 0..len {
+            for c in 0..width {
+                out[[t, h / group, c]] += p_cmp[[h, t, c]].clone();
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// E19: the block scores that the selection ranks, `[T, Hkv, M]`: the group sum of `p_cmp`
+/// `[Hq, T, W]` (E32's second place), remapped onto `n_blocks` blocks (E32's third place).
+pub fn block_scores<S: Real>(
+    p_cmp: ArrayView3<'_, S>,
+    n_heads_kv: usize,
+    n_blocks: usize,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<Array3<S>, OracleError> {
+    let summed = group_sum(p_cmp, n_heads_kv, ctx)?;
+    let (len, _, width) = summed.dim();
+    let flat = summed.into_shape_with_order((len * n_heads_kv, width)).expect("contiguous reshape");
+    let remapped = remap_to_blocks(flat.view(), n_blocks, config, ctx)?;
+    Ok(remapped.into_shape_with_order((len, n_heads_kv, n_blocks)).expect("contiguous reshape"))
+}
+
+/// E19: the selection `[T, Hkv, n]` from block scores `[T, Hkv, M]`: per (query, KV head) the
+/// forced blocks ([`NsaConfig::forced_blocks`]) and then the best eligible blocks (ties to the
+/// lower index) up to `n = n_selected`, written ascending and padded with `−1` (E14).
+pub fn select_blocks<S: Real>(block_scores: ArrayView3<'_, S>, config: &NsaConfig) -> Result<Array3<i32>, OracleError> {
+    config.validate()?;
+    let (len, n_heads_kv, n_blocks) = block_scores.dim();
+    let expected_blocks = selection_blocks(len, config.select_block)?;
+    if n_blocks != expected_blocks {
+        return Err(OracleError::ShapeMismatch {
+            argument: "block_scores",
+            expected: vec![len, n_heads_kv, expected_blocks],
+            actual: vec![len, n_heads_kv, n_blocks],
+        });
+    }
+    check_finite("block_scores", block_scores)?;
+    let mut out = Array3::from_elem((len, n_heads_kv, config.n_selected), -1);
+    for t in 0..len {
+        let forced = config.forced_blocks(t);
+        for kv in 0..n_heads_kv {
+            let row: Vec<S> = block_scores.index_axis(Axis(0), t).row(kv).to_vec();
+            let chosen = top_k(&row, config.n_selected, |j| config.block_eligible(j, t), &forced);
+            let padded = padded_ascending(&chosen, config.n_selected);
+            out.index_axis_mut(Axis(0), t).row_mut(kv).assign(&ArrayView1::from(&padded[..]));
+        }
+    }
+    Ok(out)
+}
+
+/// The inputs of one NSA sequence, borrowed: queries `[T, Hq, d]`, keys `[T, Hkv, d]`,
+/// values `[T, Hkv, dv]`.
+#[derive(Debug)]
+pub struct NsaInputs<'a, S> {
+    /// Queries `[T, Hq, d]`.
+    pub q: ArrayView3<'a, S>,
+    /// Keys `[T, Hkv, d]`.
+    pub k: ArrayView3<'a, S>,
+    /// Values `[T, Hkv, dv]`.
+    pub v: ArrayView3<'a, S>,
+}
+
+// Views are `Copy` whatever the element type, so the derive's `S: Copy` bound is not wanted.
+impl<S> Clone for NsaInputs<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for NsaInputs<'_, S> {}
+
+impl<S: Real> NsaInputs<'_, S> {
+    /// Sequence length `T`.
+    pub fn len(&self) -> usize {
+        self.q.dim().0
+    }
+    /// Whether the sequence is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Query heads `Hq`.
+    pub fn n_heads_q(&self) -> usize {
+        self.q.dim().1
+    }
+    /// KV heads `Hkv`.
+    pub fn n_heads_kv(&self) -> usize {
+        self.k.dim().1
+    }
+    /// Query heads per KV head, `G = Hq/Hkv`.
+    pub fn group(&self) -> usize {
+        self.n_heads_q() / self.n_heads_kv().max(1)
+    }
+
+    /// Checks shapes (`k`, `v` share `T` and `Hkv` with each other and `T` with `q`; `q`, `k`
+    /// share `d`), the head ratio, positive head dims and finite entries.
+    pub fn validate(&self) -> Result<(), OracleError> {
+        let (len, n_heads_q, head_dim) = self.q.dim();
+        let (_, n_heads_kv, _) = self.k.dim();
+        let head_dim_v = self.v.dim().2;
+        if head_dim == 0 {
+            return Err(OracleError::ZeroDimension { argument: "head_dim" });
+        }
+        if head_dim_v == 0 {
+            return Err(OracleError::ZeroDimension { argument: "head_dim_v" });
+        }
+        check_head_ratio(n_heads_q, n_heads_kv)?;
+        for (argument, actual, expected) in
+            [("k", self.k.shape(), [len, n_heads_kv, head_dim]), ("v", self.v.shape(), [len, n_heads_kv, head_dim_v])]
+        {
+            if actual != expected {
+                return Err(OracleError::ShapeMismatch {
+                    argument,
+                    expected: expected.to_vec(),
+                    actual: actual.to_vec(),
+                });
+            }
+        }
+        check_finite("q", self.q)?;
+        check_finite("k", self.k)?;
+        check_finite("v", self.v)
+    }
+}
+
+/// The compressed branch of every query head.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressedBranch<S> {
+    /// `o_cmp` `[T, Hq, dv]`.
+    pub o: Array3<S>,
+    /// Per-head window probabilities `p_cmp` `[Hq, T, W]` (E32's first place); 0 on windows not
+    /// yet complete at `t`.
+    pub p: Array3<S>,
+}
+
+/// E18: compressed attention. Query `t` of head `h` attends, with one softmax, to the compressed
+/// keys/values of its KV head's windows `c` with `c·s + l − 1 ≤ t`; rows with no such window
+/// give 0 (E1c).
+pub fn compressed_attention<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<CompressedBranch<S>, OracleError> {
+    inputs.validate()?;
+    config.validate()?;
+    let (len, n_heads_q, head_dim) = inputs.q.dim();
+    let head_dim_v = inputs.v.dim().2;
+    let n_windows = complete_windows(len, config.compress_len, config.compress_stride)?;
+    let scale = config.scale_value::<S>(head_dim, ctx);
+    let visible =
+        Array2::from_shape_fn((len, n_windows), |(t, c)| c * config.compress_stride + config.compress_len - 1 <= t);
+    let mut o = Array3::from_elem((len, n_heads_q, head_dim_v), S::zero(ctx));
+    let mut p = Array3::from_elem((n_heads_q, len, n_windows), S::zero(ctx));
+    for kv in 0..inputs.n_heads_kv() {
+        let keys = compress(inputs.k.index_axis(Axis(1), kv), &config.compress_keys, config, ctx)?;
+        let values = compress(inputs.v.index_axis(Axis(1), kv), &config.compress_values, config, ctx)?;
+        for h in kv * inputs.group()..(kv + 1) * inputs.group() {
+            let s = scores(inputs.q.index_axis(Axis(1), h), keys.view(), &scale, visible.view(), ctx);
+            let (o_h, lse) = SoftmaxState::of_block(s.view(), visible.view(), values.view(), ctx).finalize();
+            o.index_axis_mut(Axis(1), h).assign(&o_h);
+            p.index_axis_mut(Axis(0), h).assign(&probabilities_from_lse(s.view(), lse.view(), visible.view(), ctx));
+        }
+    }
+    Ok(CompressedBranch { o, p })
+}
+
+/// Attention of the `G` query heads of KV head `kv` at query `t` to the tokens `tokens` (each
+/// `≤ t`), as one E2 block; no token gives 0 (E1c).
+fn attend_tokens<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    t: usize,
+    kv: usize,
+    tokens: &[usize],
+    scale: &S,
+    ctx: S::Ctx,
+) -> Array2<S> {
+    let group = inputs.group();
+    let head_dim_v = inputs.v.dim().2;
+    if tokens.is_empty() {
+        return Array2::from_elem((group, head_dim_v), S::zero(ctx));
+    }
+    let keys = inputs.k.index_axis(Axis(1), kv).select(Axis(0), tokens);
+    let values = inputs.v.index_axis(Axis(1), kv).select(Axis(0), tokens);
+    let queries = inputs
+        .q
+        .index_axis_move(Axis(0), t)
+        .slice_axis_move(Axis(0), ndarray::Slice::from(kv * group..(kv + 1) * group));
+    let visible = Array2::from_elem((group, tokens.len()), true);
+    let s = scores(queries, keys.view(), scale, visible.view(), ctx);
+    SoftmaxState::of_block(s.view(), visible.view(), values.view(), ctx).finalize().0
+}
+
+/// Runs `branch_tokens(t, kv)` → token list for every (query, KV head) and attends.
+fn branch_output<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+    mut branch_tokens: impl FnMut(usize, usize) -> Result<Vec<usize>, OracleError>,
+) -> Result<Array3<S>, OracleError> {
+    let (len, n_heads_q, head_dim) = inputs.q.dim();
+    let scale = config.scale_value::<S>(head_dim, ctx);
+    let group = inputs.group();
+    let mut o = Array3::from_elem((len, n_heads_q, inputs.v.dim().2), S::zero(ctx));
+    for t in 0..len {
+        for kv in 0..inputs.n_heads_kv() {
+            let tokens = branch_tokens(t, kv)?;
+            let rows = attend_tokens(inputs, t, kv, &tokens, &scale, ctx);
+            o.index_axis_mut(Axis(0), t)
+                .slice_axis_mut(Axis(0), ndarray::Slice::from(kv * group..(kv + 1) * group))
+                .assign(&rows);
+        }
+    }
+    Ok(o)
+}
+
+/// E18 selection branch: query `t` of every head of KV head `kv` attends to the tokens of the
+/// blocks `selection[t, kv, ..]` (validated: ascending, in `0..M`, `−1` padded), restricted to
+/// tokens `≤ t` (causal inside the current block; a block wholly in the future adds nothing).
+pub fn selected_attention<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    selection: ArrayView3<'_, i32>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<Array3<S>, OracleError> {
+    inputs.validate()?;
+    config.validate()?;
+    let len = inputs.len();
+    let n_blocks = selection_blocks(len, config.select_block)?;
+    let (sel_len, sel_heads, width) = selection.dim();
+    if (sel_len, sel_heads) != (len, inputs.n_heads_kv()) {
+        return Err(OracleError::ShapeMismatch {
+            argument: "selection",
+            expected: vec![len, inputs.n_heads_kv(), width],
+            actual: vec![sel_len, sel_heads, width],
+        });
+    }
+    branch_output(inputs, config, ctx, |t, kv| {
+        let row = selection.index_axis(Axis(0), t).row(kv).to_vec();
+        let blocks = validate_index_row("selection", t * sel_heads + kv, &row, n_blocks)?;
+        Ok(blocks
+            .into_iter()
+            .flat_map(|j| j * config.select_block..((j + 1) * config.select_block).min(t + 1))
+            .collect())
+    })
+}
+
+/// E18 sliding-window branch: query `t` attends to tokens `max(0, t+1−window) ..= t`.
+pub fn window_attention<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<Array3<S>, OracleError> {
+    inputs.validate()?;
+    config.validate()?;
+    branch_output(inputs, config, ctx, |t, _| Ok(((t + 1).saturating_sub(config.window)..t + 1).collect()))
+}
+
+/// The three NSA branches, in the order of the last axis of the gate logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Branch {
+    /// Compressed attention, `o_cmp` (gate index 0).
+    Compressed = 0,
+    /// Selected-block attention, `o_slc` (gate index 1).
+    Selected = 1,
+    /// Sliding-window attention, `o_win` (gate index 2).
+    Window = 2,
+}
+
+/// `σ(x) = 1/(1 + e^{−x})`; `σ(+∞) = 1`, `σ(−∞) = 0`.
+pub fn sigmoid<S: Real>(x: &S) -> S {
+    let ctx = x.ctx();
+    S::one(ctx) / (S::one(ctx) + (-x.clone()).exp())
+}
+
+/// Everything an NSA forward computes, in the order of the data flow.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NsaForward<S> {
+    /// The compressed branch `o_cmp` and per-head `p_cmp`.
+    pub compressed: CompressedBranch<S>,
+    /// Group-summed, remapped block scores `[T, Hkv, M]`.
+    pub block_scores: Array3<S>,
+    /// The selection `[T, Hkv, n]` (ascending, `−1` padded).
+    pub selection: Array3<i32>,
+    /// `o_slc` `[T, Hq, dv]`.
+    pub selected: Array3<S>,
+    /// `o_win` `[T, Hq, dv]`.
+    pub window: Array3<S>,
+    /// `g = σ(gate logits)` `[T, Hq, 3]`, last axis in [`Branch`] order.
+    pub gates: Array3<S>,
+    /// `o = g_cmp o_cmp + g_slc o_slc + g_win o_win` `[T, Hq, dv]`.
+    pub o: Array3<S>,
+}
+
+/// E18–E19: the whole NSA forward of one sequence. `gate_logits` `[T, Hq, 3]` (last axis in
+/// [`Branch`] order) may hold `±∞` (a gate of exactly 1 or 0) but no NaN. Each branch is
+/// normalized on its own; the gates need not sum to 1.
+pub fn nsa_forward<S: Real>(
+    inputs: NsaInputs<'_, S>,
+    gate_logits: ArrayView3<'_, S>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<NsaForward<S>, OracleError> {
+    inputs.validate()?;
+    config.validate()?;
+    let (len, n_heads_q, _) = inputs.q.dim();
+    if gate_logits.dim() != (len, n_heads_q, 3) {
+        return Err(OracleError::ShapeMismatch {
+            argument: "gate_logits",
+            expected: vec![len, n_heads_q, 3],
+            actual: gate_logits.shape().to_vec(),
+        });
+    }
+    if let Some((index, x)) = gate_logits.into_dyn().indexed_iter().find(|(_, x)| x.is_nan()) {
+        return Err(OracleError::NonFinite {
+            argument: "gate_logits",
+            index: index.slice().to_vec(),
+            value: x.to_f64(),
+        });
+    }
+    let compressed = compressed_attention(inputs, config, ctx)?;
+    let n_blocks = selection_blocks(len, config.select_block)?;
+    let block_scores = block_scores(compressed.p.view(), inputs.n_heads_kv(), n_blocks, config, ctx)?;
+    let selection = select_blocks(block_scores.view(), config)?;
+    let selected = selected_attention(inputs, selection.view(), config, ctx)?;
+    let window = window_attention(inputs, config, ctx)?;
+    let gates = gate_logits.mapv(|x| sigmoid(&x));
+    let mut o = Array3::from_elem(selected.dim(), S::zero(ctx));
+    for ((t, h, e), out) in o.indexed_iter_mut() {
+        *out = gates[[t, h, Branch::Compressed as usize]].clone() * compressed.o[[t, h, e]].clone()
+            + gates[[t, h, Branch::Selected as usize]].clone() * selected[[t, h, e]].clone()
+            + gates[[t, h, Branch::Window as usize]].clone() * window[[t, h, e]].clone();
+    }
+    Ok(NsaForward { compressed, block_scores, selection, selected, window, gates, o })
+}
+
+/// E20: a selection transposed to block → selecting queries, in CSR form. The queries of block
+/// `b` are `indices[offsets[b]..offsets[b+1]]`, ascending.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockQueries {
+    /// `[n_blocks + 1]`, non-decreasing, from 0 to `indices.len()`.
+    pub offsets: Vec<i32>,
+    /// The selecting queries of every block, block after block, ascending within a block.
+    pub indices: Vec<i32>,
+}
+
+/// How many queries select each block (E20 fan-in), with a histogram in powers of two.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FanIn {
+    /// Largest number of queries selecting one block.
+    pub max: usize,
+    /// Number of (query, block) pairs, `nnz`.
+    pub total: usize,
+    /// `total / n_blocks` (0 when there are no blocks).
+    pub mean: f64,
+    /// `histogram[0]` counts blocks selected by no query; `histogram[k]` for `k ≥ 1` counts
+    /// blocks selected by `2^{k−1} ≤ count < 2^k` queries. Its length is the last non-empty
+    /// bucket plus one, so that the histogram of a given selection is unique.
+    pub histogram: Vec<usize>,
+}
+
+impl BlockQueries {
+    /// Number of blocks.
+    pub fn n_blocks(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// The queries selecting `block`, ascending.
+    pub fn queries_of(&self, block: usize) -> &[i32] {
+        &self.indices[self.offsets[block] as usize..self.offsets[block + 1] as usize]
+    }
+
+    /// Fan-in statistics of the blocks.
+    pub fn fan_in(&self) -> FanIn {
+        let counts: Vec<usize> = (0..self.n_blocks()).map(|b| self.queries_of(b).len()).collect();
+        let mut histogram = Vec::new();
+        for &count in &counts {
+            let bucket = if count == 0 { 0 } else { count.ilog2() as usize + 1 };
+            if histogram.len() <= bucket {
+                histogram.resize(bucket + 1, 0);
+            }
+            histogram[bucket] += 1;
+        }
+        let total: usize = counts.iter().sum();
+        let mean = if counts.is_empty() { 0.0 } else { total as f64 / counts.len() as f64 };
+        FanIn { max: counts.iter().copied().max().unwrap_or(0), total, mean, histogram }
+    }
+}
+
+/// E20: transposes one KV head's selection `[T, n]` (each row validated by the E14 convention
+/// against `n_blocks`) into block → selecting queries.
+pub fn transpose_selection(selection: ArrayView2<'_, i32>, n_blocks: usize) -> Result<BlockQueries, OracleError> {
+    let mut per_block: Vec<Vec<i32>> = vec![Vec::new(); n_blocks];
+    for (t, row) in selection.rows().into_iter().enumerate() {
+        let query = i32::try_from(t).map_err(|_| OracleError::InvalidParameter {
+            argument: "selection",
+            reason: format!("{} queries do not fit in i32", selection.nrows()),
+        })?;
+        for b in validate_index_row("selection", t, &row.to_vec(), n_blocks)? {
+            // Rows are visited in ascending query order, so each block's list stays ascending.
+            per_block[b].push(query);
+        }
+    }
+    let mut offsets = Vec::with_capacity(n_blocks + 1);
+    offsets.push(0);
+    let mut indices = Vec::new();
+    for queries in per_block {
+        indices.extend(queries);
+        offsets.push(i32::try_from(indices.len()).map_err(|_| OracleError::InvalidParameter {
+            argument: "selection",
+            reason: "more than i32::MAX selected pairs".into(),
+        })?);
+    }
+    Ok(BlockQueries { offsets, indices })
+}
+
+/// E20 for every KV head of a selection `[T, Hkv, n]`: one [`BlockQueries`] per KV head.
+pub fn transpose_selection_heads(
+    selection: ArrayView3<'_, i32>,
+    n_blocks: usize,
+) -> Result<Vec<BlockQueries>, OracleError> {
+    (0..selection.dim().1).map(|kv| transpose_selection(selection.index_axis(Axis(1), kv), n_blocks)).collect()
+}
+
+/// The inverse of [`transpose_selection`]: the selection `[len, width]` (ascending, `−1`
+/// padded) that a CSR describes. The CSR is validated: `offsets` starts at 0, never decreases,
+/// ends at `indices.len()`; the queries of a block are ascending, distinct and in `0..len`; no
+/// query selects more than `width` blocks.
+pub fn selection_from_csr(csr: &BlockQueries, len: usize, width: usize) -> Result<Array2<i32>, OracleError> {
+    let bad = |argument: &'static str, position: usize, reason: String| OracleError::IndexList {
+        argument,
+        position: vec![position],
+        reason,
+    };
+    if csr.offsets.first() != Some(&0) {
+        return Err(bad("offsets", 0, "offsets must start at 0".into()));
+    }
+    for (b, pair) in csr.offsets.windows(2).enumerate() {
+        if pair[1] < pair[0] {
+            return Err(bad("offsets", b + 1, format!("offset {} after {}: decreasing", pair[1], pair[0])));
+        }
+    }
+    let last = *csr.offsets.last().expect("offsets is not empty");
+    if last as usize != csr.indices.len() {
+        return Err(bad(
+            "offsets",
+            csr.offsets.len() - 1,
+            format!("ends at {last}, indices hold {}", csr.indices.len()),
+        ));
+    }
+    let mut out = Array2::from_elem((len, width), -1);
+    let mut filled = vec![0usize; len];
+    for b in 0..csr.n_blocks() {
+        let start = csr.offsets[b] as usize;
+        let queries = csr.queries_of(b);
+        validate_index_row("indices", b, queries, len).map_err(|e| match e {
+            OracleError::IndexList { argument, position, reason } => {
+                OracleError::IndexList { argument, position: vec![start + position[1]], reason }
+            }
+            other => other,
+        })?;
+        for &q in queries {
+            let q = q as usize;
+            if filled[q] == width {
+                return Err(OracleError::InvalidParameter {
+                    argument: "width",
+                    reason: format!("query {q} selects more than {width} blocks"),
+                });
+            }
+            // Blocks are visited in ascending order, so each query's row stays ascending.
+            out[[q, filled[q]]] = b as i32;
+            filled[q] += 1;
+        }
+    }
+    Ok(out)
+}
+
+fn check_head_ratio(n_heads_q: usize, n_heads_kv: usize) -> Result<(), OracleError> {
+    if n_heads_kv == 0 || n_heads_q == 0 || !n_heads_q.is_multiple_of(n_heads_kv) {
+        return Err(OracleError::HeadRatio { n_heads_q, n_heads_kv });
+    }
+    Ok(())
+}
+
+fn check_finite<S: Real, D: Dimension>(
+    argument: &'static str,
+    x: ndarray::ArrayView<'_, S, D>,
+) -> Result<(), OracleError> {
+    match x.into_dyn().indexed_iter().find(|(_, v)| !v.is_finite()) {
+        Some((index, v)) => Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: v.to_f64() }),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inputs::uniform;
+    use crate::real::{Mp, Precision};
+
+    /// A small configuration: `l = 4, s = 2, l' = 8, n = 4`, window 5.
+    fn small() -> NsaConfig {
+        NsaConfig {
+            compress_len: 4,
+            compress_stride: 2,
+            select_block: 8,
+            n_selected: 4,
+            window: 5,
+            ..NsaConfig::default()
+        }
+    }
+
+    fn tensor(seed: u64, shape: (usize, usize, usize)) -> Array3<f64> {
+        Array3::from_shape_vec(shape, uniform(seed, shape.0 * shape.1 * shape.2)).expect("sizes agree")
+    }
+
+    /// `T = 19`, `Hq = 4`, `Hkv = 2`, `d = 3`, `dv = 2`.
+    fn problem() -> (Array3<f64>, Array3<f64>, Array3<f64>) {
+        (tensor(1, (19, 4, 3)), tensor(2, (19, 2, 3)), tensor(3, (19, 2, 2)))
+    }
+
+    #[test]
+    fn window_and_block_counts_at_65536() {
+        assert_eq!(complete_windows_at(65535, 32, 16), Ok(4095));
+        assert_eq!(complete_windows(65536, 32, 16), Ok(4095));
+        assert_eq!(complete_windows_at(30, 32, 16), Ok(0));
+        assert_eq!(complete_windows_at(31, 32, 16), Ok(1));
+        assert_eq!(complete_windows(0, 32, 16), Ok(0));
+        assert_eq!(selection_blocks(65536, 64), Ok(1024));
+        assert_eq!(selection_blocks(65, 64), Ok(2));
+    }
+
+    #[test]
+    fn zero_lengths_are_refused() {
+        assert_eq!(complete_windows_at(3, 0, 1), Err(OracleError::ZeroDimension { argument: "compress_len" }));
+        assert_eq!(complete_windows_at(3, 1, 0), Err(OracleError::ZeroDimension { argument: "compress_stride" }));
+        assert_eq!(selection_blocks(3, 0), Err(OracleError::ZeroDimension { argument: "select_block" }));
+        let bad = NsaConfig { n_selected: 0, ..small() };
+        assert_eq!(bad.validate(), Err(OracleError::ZeroDimension { argument: "n_selected" }));
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let too_few = NsaConfig { n_selected: 2, ..small() };
+        assert!(matches!(too_few.validate(), Err(OracleError::InvalidParameter { argument: "n_selected", .. })));
+        let short = NsaConfig { compress_keys: Compression::Weighted(vec![1.0; 3]), ..small() };
+        assert!(matches!(short.validate(), Err(OracleError::ShapeMismatch { argument: "compress_keys", .. })));
+        let nan = NsaConfig { compress_values: Compression::Weighted(vec![0.0, f64::NAN, 0.0, 0.0]), ..small() };
+        assert!(matches!(
+            nan.validate(),
+            Err(OracleError::NonFinite { argument: "compress_values", ref index, .. }) if index == &[1]
+        ));
+        let scale = NsaConfig { scale: Scale::Value(f64::INFINITY), ..small() };
+        assert!(matches!(scale.validate(), Err(OracleError::InvalidParameter { argument: "scale", .. })));
+    }
+
+    #[test]
+    fn bad_inputs_are_refused() {
+        let (q, k, v) = problem();
+        let config = small();
+        let run = |q: &Array3<f64>, k: &Array3<f64>, v: &Array3<f64>, g: &Array3<f64>| {
+            nsa_forward(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, g.view(), &config, ())
+        };
+        let gates = Array3::zeros((19, 4, 3));
+        assert!(run(&q, &k, &v, &gates).is_ok());
+        let k3 = tensor(2, (19, 3, 3));
+        assert_eq!(
+            run(&q, &k3, &tensor(3, (19, 3, 2)), &gates).unwrap_err(),
+            OracleError::HeadRatio { n_heads_q: 4, n_heads_kv: 3 }
+        );
+        assert!(matches!(
+            run(&q, &tensor(2, (18, 2, 3)), &v, &gates),
+            Err(OracleError::ShapeMismatch { argument: "k", .. })
+        ));
+        assert!(matches!(
+            run(&q, &k, &tensor(3, (19, 1, 2)), &gates),
+            Err(OracleError::ShapeMismatch { argument: "v", .. })
+        ));
+        assert!(matches!(
+            run(&q, &k, &v, &Array3::zeros((19, 4, 2))),
+            Err(OracleError::ShapeMismatch { argument: "gate_logits", .. })
+        ));
+        let mut bad_q = q.clone();
+        bad_q[[5, 1, 2]] = f64::INFINITY;
+        assert!(matches!(
+            run(&bad_q, &k, &v, &gates),
+            Err(OracleError::NonFinite { argument: "q", ref index, .. }) if index == &[5, 1, 2]
+        ));
+        let mut bad_gates = gates.clone();
+        bad_gates[[0, 0, 1]] = f64::NAN;
+        assert!(matches!(run(&q, &k, &v, &bad_gates), Err(OracleError::NonFinite { argument: "gate_logits", .. })));
+        let empty_d = Array3::zeros((19, 4, 0));
+        assert_eq!(
+            run(&empty_d, &Array3::zeros((19, 2, 0)), &v, &gates).unwrap_err(),
+            OracleError::ZeroDimension { argument: "head_dim" }
+        );
+    }
+
+    #[test]
+    fn bad_selections_are_refused() {
+        let (q, k, v) = problem();
+        let inputs = NsaInputs { q: q.view(), k: k.view(), v: v.view() };
+        let mut selection = Array3::from_elem((19, 2, 4), -1);
+        selection[[3, 1, 0]] = 3; // M = ⌈19/8⌉ = 3 blocks: index 3 is out of range.
+        assert!(matches!(
+            selected_attention(inputs, selection.view(), &small(), ()),
+            Err(OracleError::IndexList { argument: "selection", .. })
+        ));
+        assert!(matches!(
+            selected_attention(inputs, Array3::from_elem((19, 1, 4), -1).view(), &small(), ()),
+            Err(OracleError::ShapeMismatch { argument: "selection", .. })
+        ));
+        let scores = Array3::<f64>::zeros((19, 2, 2));
+        assert!(matches!(
+            select_blocks(scores.view(), &small()),
+            Err(OracleError::ShapeMismatch { argument: "block_scores", .. })
+        ));
+    }
+
+    #[test]
+    fn f64_and_mpfr_run_the_same_forward() {
+        let (q, k, v) = problem();
+        let gates = tensor(4, (19, 4, 3));
+        let config = NsaConfig { compress_values: Compression::Weighted(vec![0.5, -1.0, 2.0, 0.25]), ..small() };
+        let f =
+            nsa_forward(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, gates.view(), &config, ()).expect("valid");
+        let p = Precision(256);
+        let mp = |x: &Array3<f64>| x.mapv(|y| Mp::new(y, p));
+        let (qm, km, vm) = (mp(&q), mp(&k), mp(&v));
+        let m = nsa_forward(NsaInputs { q: qm.view(), k: km.view(), v: vm.view() }, mp(&gates).view(), &config, p)
+            .expect("valid");
+        assert_eq!(f.selection, m.selection);
+        for (a, b) in f.o.iter().zip(m.o.iter()) {
+            assert!((a - b.to_f64()).abs() < 1e-13, "{a} vs {b}");
+        }
+        // Queries 0..=2 see no complete window (l = 4): their compressed output is 0 (E1c).
+        assert!(f.compressed.o.index_axis(Axis(0), 2).iter().all(|&x| x == 0.0));
+        assert!(f.compressed.o.index_axis(Axis(0), 3).iter().any(|&x| x != 0.0));
+        // Each row of p_cmp is a distribution over the visible windows.
+        let row_sum: f64 = f.compressed.p.index_axis(Axis(0), 1).row(10).sum();
+        assert!((row_sum - 1.0).abs() < 1e-14);
+    }
+
+    #[test]
+    fn forced_blocks_and_overlaps() {
+        let config = NsaConfig::default();
+        assert_eq!(config.forced_blocks(0), vec![0]);
+        assert_eq!(config.forced_blocks(64), vec![0, 1]);
+        assert_eq!(config.forced_blocks(64 * 5 + 3), vec![0, 4, 5]);
+        // Window 4j−1 overlaps block j in its second half only: s tokens.
+        assert_eq!(config.window_block_overlap(4 * 3 - 1, 3), config.compress_stride);
+        assert_eq!(config.window_block_overlap(4 * 3, 3), config.compress_len);
+        assert_eq!(config.window_block_overlap(4 * 3 + 4, 3), 0);
+    }
+
+    #[test]
+    fn csr_round_trip_and_fan_in() {
+        let selection = ndarray::array![[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, -1]];
+        let csr = transpose_selection(selection.view(), 4).expect("valid");
+        assert_eq!(csr.offsets, vec![0, 3, 6, 8, 8]);
+        assert_eq!(csr.queries_of(1), &[1, 2, 3]);
+        assert_eq!(selection_from_csr(&csr, 4, 3), Ok(selection.clone()));
+        let fan_in = csr.fan_in();
+        assert_eq!((fan_in.max, fan_in.total), (3, 8));
+        assert_eq!(fan_in.mean, 2.0);
+        // Counts 3, 3, 2, 0: one block in bucket 0, one in [2, 4) twice over.
+        assert_eq!(fan_in.histogram, vec![1, 0, 3]);
+        let mut broken = csr.clone();
+        broken.offsets[2] = 7;
+        broken.offsets[3] = 6;
+        assert!(matches!(selection_from_csr(&broken, 4, 3), Err(OracleError::IndexList { argument: "offsets", .. })));
+        let mut unsorted = csr.clone();
+        unsorted.indices.swap(0, 1);
+        assert!(matches!(selection_from_csr(&unsorted, 4, 3), Err(OracleError::IndexList { argument: "indices", .. })));
+        assert!(matches!(selection_from_csr(&csr, 4, 2), Err(OracleError::InvalidParameter { argument: "width", .. })));
+        let bad = ndarray::array![[1, 0, -1]];
+        assert!(matches!(
+            transpose_selection(bad.view(), 4),
+            Err(OracleError::IndexList { argument: "selection", .. })
+        ));
+    }
+}

@@ -102,6 +102,27 @@ impl Mask {
         }
     }
 
+    /// A range of keys that contains every key visible to `query` (exact for the named masks,
+    /// all keys under a predicate). Schedules use it to skip tiles that hold no visible key.
+    pub fn key_range(&self, query: usize, len_q: usize, len_k: usize) -> std::ops::Range<usize> {
+        let i = Pair { query, key: 0, len_q, len_k }.aligned_query();
+        let clamp = |lo: i64, hi_inclusive: i64| -> std::ops::Range<usize> {
+            let lo = lo.clamp(0, len_k as i64) as usize;
+            let hi = (hi_inclusive + 1).clamp(0, len_k as i64) as usize;
+            lo..hi.max(lo)
+        };
+        match self {
+            Mask::None | Mask::Predicate(_) => 0..len_k,
+            Mask::Causal => clamp(0, i),
+            Mask::Window { left, right } => clamp(i - *left as i64, i + *right as i64),
+            Mask::And(parts) => parts.iter().fold(0..len_k, |acc, m| {
+                let r = m.key_range(query, len_q, len_k);
+                let (lo, hi) = (acc.start.max(r.start), acc.end.min(r.end));
+                lo..hi.max(lo)
+            }),
+        }
+    }
+
     /// The visibility matrix `[len_q, len_k]` of one sequence.
     pub fn matrix(&self, len_q: usize, len_k: usize) -> ndarray::Array2<bool> {
         ndarray::Array2::from_shape_fn((len_q, len_k), |(query, key)| self.visible(Pair { query, key, len_q, len_k }))

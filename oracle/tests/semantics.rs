@@ -194,3 +194,29 @@ fn ring_orders_are_permutations_starting_at_home() {
         assert_eq!(chunks, (0..2 * devices).collect::<Vec<_>>());
     }
 }
+
+#[test]
+fn key_ranges_contain_every_visible_key_and_are_tight_for_named_masks() {
+    let masks = [
+        Mask::None,
+        Mask::Causal,
+        Mask::Window { left: 2, right: 1 },
+        Mask::And(vec![Mask::Causal, Mask::Window { left: 3, right: 0 }]),
+    ];
+    for mask in &masks {
+        for (len_q, len_k) in [(5, 5), (3, 8), (8, 3), (0, 4), (4, 0)] {
+            let m = mask.matrix(len_q, len_k);
+            for i in 0..len_q {
+                let visible: Vec<usize> = (0..len_k).filter(|&j| m[[i, j]]).collect();
+                let range = mask.key_range(i, len_q, len_k);
+                let expected = visible.first().map_or(range.start..range.start, |&lo| lo..visible.last().unwrap() + 1);
+                assert_eq!(
+                    range.clone().filter(|&j| m[[i, j]]).count(),
+                    visible.len(),
+                    "{mask:?} row {i} misses a key"
+                );
+                assert_eq!(range.len(), expected.len(), "{mask:?} ({len_q}, {len_k}) row {i}: {range:?} is not tight");
+            }
+        }
+    }
+}

@@ -12,6 +12,7 @@ pub mod block_scores;
 pub mod definition;
 pub mod dsa;
 pub mod f64_oracle_bound;
+pub mod flash_bound;
 pub mod hils;
 pub mod nsa;
 pub mod online;

@@ -1,1 +1,473 @@
-//! Theorems of NSA (E18-E20): compression windows, compressed attention, the Eq. 9 remap, group sums, forced top-n, selection and window branches, gates, and the CSR transpose.
+//! Theorems of NSA (E18–E20): the complete-window count, the Eq. 9 remap of window
+//! probabilities onto selection blocks (overlap form, brute-force token count, the paper's
+//! re-indexed double sum), the forced and causal top-n selection shared by a GQA group, the
+//! selection branch reducing to dense causal attention when every block is selected, and the CSR
+//! transpose of a selection.
+//!
+//! Discrete statements (counts, index lists) are checked exactly: the integers found and required
+//! are compared with [`agree`] at [`EXACT`], so a violation reports the first index where they
+//! differ.
+
+use attnproof_oracle::nsa::{
+    BlockQueries, NsaConfig, NsaForward, NsaInputs, block_scores, nsa_forward, remap_to_blocks, select_blocks,
+    selection_blocks,
+};
+use attnproof_oracle::topk::validate_index_row;
+use attnproof_oracle::{Mp, OracleError, Precision, Real};
+use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDyn};
+
+use crate::definition;
+use crate::residual::{Agreement, Bits, Violation, agree};
+
+/// The threshold of an exact comparison: any difference is a violation.
+pub const EXACT: Bits = Bits(f64::INFINITY);
+
+/// Compares two integer arrays exactly (through [`agree`], so a violation names the index).
+fn exact(
+    theorem: &'static str,
+    quantity: &'static str,
+    found: &ArrayD<i64>,
+    expected: &ArrayD<i64>,
+) -> Result<Agreement, Violation> {
+    if found.shape() != expected.shape() {
+        return Err(Violation::Residual {
+            theorem,
+            quantity,
+            found: Bits(f64::NEG_INFINITY),
+            required: EXACT,
+            index: found.shape().to_vec(),
+        });
+    }
+    // 64 bits hold every i64 exactly.
+    let to_mp = |x: &ArrayD<i64>| x.mapv(|v| Mp::new(v as f64, Precision(64)));
+    agree(theorem, quantity, &to_mp(found), &to_mp(expected), EXACT)
+}
+
+/// A 1-D integer array as an [`ArrayD`].
+fn ints(values: Vec<i64>) -> ArrayD<i64> {
+    ArrayD::from_shape_vec(IxDyn(&[values.len()]), values).expect("length matches")
+}
+
+/// An implementation that refused input the theorem considers valid.
+fn refused(theorem: &'static str, error: OracleError) -> Violation {
+    Violation::Hypothesis { theorem, reason: format!("the implementation refused the input: {error}") }
+}
+
+fn check_config(theorem: &'static str, config: &NsaConfig) -> Result<(), Violation> {
+    config.validate().map_err(|e| Violation::Hypothesis { theorem, reason: format!("invalid config: {e}") })
+}
+
+/// A complete-window count under test: `(position, l, s) ↦ number of complete windows`.
+pub type WindowCountFn<'a> = &'a dyn Fn(usize, usize, usize) -> Result<usize, OracleError>;
+
+/// **Theorem (E18: complete windows).** For every position `t ≤ max_position`, the count under
+/// test equals the number of windows `c ≥ 0` with `c·s + l − 1 ≤ t`, counted one by one (the
+/// closed form is `⌊(t+1−l)/s⌋ + 1` for `t + 1 ≥ l`, else 0). Hypotheses: `l, s > 0`. Exact.
+pub fn complete_window_count(
+    count: WindowCountFn<'_>,
+    max_position: usize,
+    compress_len: usize,
+    compress_stride: usize,
+) -> Result<Agreement, Violation> {
+    const T: &str = "complete_window_count (E18)";
+    if compress_len == 0 || compress_stride == 0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: "l and s must be positive".into() });
+    }
+    let mut found = Vec::new();
+    let mut expected = Vec::new();
+    for t in 0..=max_position {
+        found.push(count(t, compress_len, compress_stride).map_err(|e| refused(T, e))? as i64);
+        let mut windows = 0;
+        while windows * compress_stride + compress_len - 1 <= t {
+            windows += 1;
+        }
+        expected.push(windows as i64);
+    }
+    exact(T, "complete windows", &ints(found), &ints(expected))
+}
+
+/// A remap under test: `(p_cmp [rows, W], n_blocks, config) ↦ p_slc [rows, n_blocks]`.
+pub type RemapFn<'a> = &'a dyn Fn(ArrayView2<'_, Mp>, usize, &NsaConfig) -> Result<Array2<Mp>, OracleError>;
+
+/// The oracle's remap ([`remap_to_blocks`]).
+pub fn oracle_remap(p_cmp: ArrayView2<'_, Mp>, n_blocks: usize, config: &NsaConfig) -> Result<Array2<Mp>, OracleError> {
+    let ctx = p_cmp.first().map(|x| x.ctx()).unwrap_or_default();
+    remap_to_blocks(p_cmp, n_blocks, config, ctx)
+}
+
+/// The remap by brute force over every (window, token) pair: each token `x` of window `c`
+/// (`cs ≤ x < cs + l`) adds `p_cmp[c]/s` to the block `⌊x/l'⌋` that holds it (tokens of blocks
+/// `≥ n_blocks` are dropped).
+pub fn token_count_remap(p_cmp: ArrayView2<'_, Mp>, n_blocks: usize, config: &NsaConfig, ctx: Precision) -> Array2<Mp> {
+    let stride = Mp::new(config.compress_stride as f64, ctx);
+    let mut out = Array2::from_elem((p_cmp.nrows(), n_blocks), Mp::zero(ctx));
+    for c in 0..p_cmp.ncols() {
+        for token in c * config.compress_stride..c * config.compress_stride + config.compress_len {
+            let block = token / config.select_block;
+            if block < n_blocks {
+                for r in 0..p_cmp.nrows() {
+                    out[[r, block]] += p_cmp[[r, c]].clone() / stride.clone();
+                }
+            }
+        }
+    }
+    out
+}
+
+/// **Theorem (E19 (a): overlap form = token count).** For any window probabilities `p_cmp`
+/// `[rows, W]`, the remap under test equals [`token_count_remap`], i.e.
+/// `p_slc[j] = Σ_c p_cmp[c]·|window c ∩ block j|/s` with the intersection counted token by
+/// token. Hypotheses: a valid config. Checked to `required` bits.
+pub fn remap_matches_token_count(
+    remap: RemapFn<'_>,
+    p_cmp: ArrayView2<'_, Mp>,
+    n_blocks: usize,
+    config: &NsaConfig,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "remap_matches_token_count (E19)";
+    check_config(T, config)?;
+    let ctx = p_cmp.first().map(|x| x.ctx()).unwrap_or_default();
+    let found = remap(p_cmp, n_blocks, config).map_err(|e| refused(T, e))?;
+    let expected = token_count_remap(p_cmp, n_blocks, config, ctx);
+    if found.dim() != expected.dim() {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("remap shape {:?}", found.dim()) });
+    }
+    agree(T, "p_slc", &found, &expected, required)
+}
+
+/// The paper's double sum (Eq. 9) re-indexed by `+(l'/s − 1)`:
+/// `p_slc[j] = Σ_{m<l'/s} Σ_{n<l/s} p_cmp[(l'/s)·j − m − n + (l'/s − 1)]`, out-of-range window
+/// indices contributing 0. Requires `s | l` and `s | l'`.
+pub fn reindexed_paper_sum(
+    p_cmp: ArrayView2<'_, Mp>,
+    n_blocks: usize,
+    config: &NsaConfig,
+    ctx: Precision,
+) -> Array2<Mp> {
+    let blocks_per = config.select_block / config.compress_stride;
+    let windows_per = config.compress_len / config.compress_stride;
+    let mut out = Array2::from_elem((p_cmp.nrows(), n_blocks), Mp::zero(ctx));
+    for j in 0..n_blocks {
+        for m in 0..blocks_per {
+            for n in 0..windows_per {
+                // Window (l'/s)·j + (l'/s − 1) − m − n, computed without going below zero.
+                let Some(c) = (blocks_per * j + blocks_per - 1).checked_sub(m + n) else { continue };
+                if c < p_cmp.ncols() {
+                    for r in 0..p_cmp.nrows() {
+                        out[[r, j]] += p_cmp[[r, c]].clone();
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// **Theorem (E19 (b): the paper's double sum, re-indexed, is the overlap form).** For `s | l`
+/// and `s | l'`, the remap under test equals [`reindexed_paper_sum`] for any `p_cmp`. The
+/// un-shifted paper sum lands on windows `4j−4 … 4j` (for `l=32, s=16, l'=64`) and is
+/// rejected. Hypotheses: a valid config with `s | l`, `s | l'`. Checked to `required` bits.
+pub fn paper_double_sum_reindexed(
+    remap: RemapFn<'_>,
+    p_cmp: ArrayView2<'_, Mp>,
+    n_blocks: usize,
+    config: &NsaConfig,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "paper_double_sum_reindexed (E19)";
+    check_config(T, config)?;
+    if !config.compress_len.is_multiple_of(config.compress_stride)
+        || !config.select_block.is_multiple_of(config.compress_stride)
+    {
+        return Err(Violation::Hypothesis { theorem: T, reason: "s must divide l and l'".into() });
+    }
+    let ctx = p_cmp.first().map(|x| x.ctx()).unwrap_or_default();
+    let found = remap(p_cmp, n_blocks, config).map_err(|e| refused(T, e))?;
+    let expected = reindexed_paper_sum(p_cmp, n_blocks, config, ctx);
+    if found.dim() != expected.dim() {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("remap shape {:?}", found.dim()) });
+    }
+    agree(T, "p_slc", &found, &expected, required)
+}
+
+/// The weights `[W, n_blocks]` a remap gives each window: row `c` is the remap of the unit
+/// vector `e_c`. For a linear remap, `p_slc = p_cmp · weights`.
+pub fn measured_remap_weights(
+    remap: RemapFn<'_>,
+    n_windows: usize,
+    n_blocks: usize,
+    config: &NsaConfig,
+    ctx: Precision,
+) -> Result<Array2<Mp>, OracleError> {
+    let identity =
+        Array2::from_shape_fn((n_windows, n_windows), |(r, c)| if r == c { Mp::one(ctx) } else { Mp::zero(ctx) });
+    remap(identity.view(), n_blocks, config)
+}
+
+/// **Theorem (E19 (c): remap weights are window overlaps).** The weight the remap under test
+/// gives window `c` in block `j` (measured on unit vectors, [`measured_remap_weights`]) is the
+/// number of tokens they share divided by `s`, counted token by token. With `l=32, s=16,
+/// l'=64` this makes block `j` weigh windows `4j−1 … 4j+3` by `1, 2, 2, 2, 1` (the test derives
+/// these from the count). Hypotheses: a valid config. Checked to `required` bits.
+pub fn remap_weights_are_overlaps(
+    remap: RemapFn<'_>,
+    n_windows: usize,
+    n_blocks: usize,
+    config: &NsaConfig,
+    ctx: Precision,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "remap_weights_are_overlaps (E19)";
+    check_config(T, config)?;
+    let found = measured_remap_weights(remap, n_windows, n_blocks, config, ctx).map_err(|e| refused(T, e))?;
+    let identity =
+        Array2::from_shape_fn((n_windows, n_windows), |(r, c)| if r == c { Mp::one(ctx) } else { Mp::zero(ctx) });
+    let expected = token_count_remap(identity.view(), n_blocks, config, ctx);
+    if found.dim() != expected.dim() {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("weights shape {:?}", found.dim()) });
+    }
+    agree(T, "weights", &found, &expected, required)
+}
+
+/// Per-head window probabilities and the grouping they are selected under.
+#[derive(Clone, Debug)]
+pub struct SelectionCase {
+    /// `p_cmp` `[Hq, T, W]` (any non-negative values: the selection only ranks them).
+    pub p_cmp: Array3<Mp>,
+    /// KV heads `Hkv` (`Hq % Hkv == 0`).
+    pub n_heads_kv: usize,
+    /// The NSA parameters.
+    pub config: NsaConfig,
+}
+
+/// A selector under test: the blocks each query head attends to, `[T, Hq, n]`.
+pub type SelectorFn<'a> = &'a dyn Fn(&SelectionCase) -> Result<Array3<i32>, OracleError>;
+
+/// The oracle's selector: [`block_scores`] then [`select_blocks`] per KV head, handed to each
+/// query head of the group.
+pub fn oracle_selector(case: &SelectionCase) -> Result<Array3<i32>, OracleError> {
+    let (n_heads_q, len, _) = case.p_cmp.dim();
+    let ctx = case.p_cmp.first().map(|x| x.ctx()).unwrap_or_default();
+    let n_blocks = selection_blocks(len, case.config.select_block)?;
+    let scores = block_scores(case.p_cmp.view(), case.n_heads_kv, n_blocks, &case.config, ctx)?;
+    let per_kv = select_blocks(scores.view(), &case.config)?;
+    let group = n_heads_q / case.n_heads_kv;
+    Ok(Array3::from_shape_fn((len, n_heads_q, case.config.n_selected), |(t, h, slot)| per_kv[[t, h / group, slot]]))
+}
+
+/// **Theorem (E19: forced, causal, shared top-n).** For every query `t` and query head `h`, the
+/// selection under test is a valid index row (ascending, distinct, in `0..M`, `−1` padded to
+/// `n`); it contains every forced block (the first `n_forced_initial` and the `n_forced_local`
+/// most recent eligible ones); it contains no block starting after `t`; it has
+/// `min(n, #eligible)` entries; it is identical for the `G` heads of a KV head; and no
+/// unselected eligible block outranks a selected non-forced one under the group-summed,
+/// token-count-remapped scores (up to a relative `2^-200`, for rounding). Hypotheses: a valid
+/// config, `Hq % Hkv == 0`. Exact.
+pub fn selection_invariants(selector: SelectorFn<'_>, case: &SelectionCase) -> Result<Agreement, Violation> {
+    const T: &str = "selection_invariants (E19)";
+    let config = &case.config;
+    check_config(T, config)?;
+    let (n_heads_q, len, n_windows) = case.p_cmp.dim();
+    if case.n_heads_kv == 0 || !n_heads_q.is_multiple_of(case.n_heads_kv) {
+        return Err(Violation::Hypothesis { theorem: T, reason: "Hq must be a multiple of Hkv".into() });
+    }
+    let ctx = case.p_cmp.first().map(|x| x.ctx()).unwrap_or_default();
+    let group = n_heads_q / case.n_heads_kv;
+    let n_blocks = len.div_ceil(config.select_block);
+    let selection = selector(case).map_err(|e| refused(T, e))?;
+    let width = config.n_selected;
+    if selection.dim() != (len, n_heads_q, width) {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("selection shape {:?}", selection.dim()) });
+    }
+    // Scores as the theorem computes them: group sum, then the token-count remap.
+    let scores: Vec<Array2<Mp>> = (0..case.n_heads_kv)
+        .map(|kv| {
+            let summed = Array2::from_shape_fn((len, n_windows), |(t, c)| {
+                (kv * group..(kv + 1) * group).fold(Mp::zero(ctx), |acc, h| acc + case.p_cmp[[h, t, c]].clone())
+            });
+            token_count_remap(summed.view(), n_blocks, config, ctx)
+        })
+        .collect();
+    let tolerance = Mp::new(2f64.powi(-200), ctx);
+    let shape = IxDyn(&[len, n_heads_q]);
+    let mut found = [(); 6].map(|_| ArrayD::<i64>::zeros(shape.clone()));
+    let mut expected = [(); 6].map(|_| ArrayD::<i64>::zeros(shape.clone()));
+    for t in 0..len {
+        let forced = config.forced_blocks(t);
+        let eligible = (0..n_blocks).filter(|&j| config.block_eligible(j, t)).count();
+        for h in 0..n_heads_q {
+            let idx = IxDyn(&[t, h]);
+            let row: Vec<i32> = selection.index_axis(Axis(0), t).row(h).to_vec();
+            let leader: Vec<i32> = selection.index_axis(Axis(0), t).row(h / group * group).to_vec();
+            let chosen = validate_index_row("selection", t, &row, n_blocks);
+            found[0][&idx] = i64::from(chosen.is_ok());
+            expected[0][&idx] = 1;
+            let chosen = chosen.unwrap_or_default();
+            found[1][&idx] = forced.iter().filter(|f| chosen.contains(f)).count() as i64;
+            expected[1][&idx] = forced.len() as i64;
+            found[2][&idx] = chosen.iter().filter(|&&j| !config.block_eligible(j, t)).count() as i64;
+            found[3][&idx] = chosen.len() as i64;
+            expected[3][&idx] = width.min(eligible) as i64;
+            found[4][&idx] = row.iter().zip(&leader).filter(|(a, b)| a != b).count() as i64;
+            let s = scores[h / group].row(t);
+            let mut outranked = 0;
+            for &b in chosen.iter().filter(|b| !forced.contains(b)) {
+                for u in (0..n_blocks).filter(|u| config.block_eligible(*u, t) && !chosen.contains(u)) {
+                    let margin = tolerance.clone() * s[b].clone().abs().max(Mp::one(ctx));
+                    if s[u] > s[b].clone() + margin {
+                        outranked += 1;
+                    }
+                }
+            }
+            found[5][&idx] = outranked;
+        }
+    }
+    let names = [
+        "valid index rows",
+        "forced blocks kept",
+        "future blocks selected",
+        "selected count",
+        "slots differing from the group's first head",
+        "eligible blocks outranking a selected one",
+    ];
+    let mut agreement = Agreement::exact();
+    for ((f, e), name) in found.iter().zip(&expected).zip(names) {
+        agreement = agreement.and(exact(T, name, f, e)?);
+    }
+    Ok(agreement)
+}
+
+/// One NSA sequence in MPFR: queries `[T, Hq, d]`, keys `[T, Hkv, d]`, values `[T, Hkv, dv]`.
+#[derive(Clone, Debug)]
+pub struct NsaCase {
+    /// Queries.
+    pub q: Array3<Mp>,
+    /// Keys.
+    pub k: Array3<Mp>,
+    /// Values.
+    pub v: Array3<Mp>,
+    /// The NSA parameters.
+    pub config: NsaConfig,
+}
+
+impl NsaCase {
+    /// Borrowed inputs.
+    pub fn inputs(&self) -> NsaInputs<'_, Mp> {
+        NsaInputs { q: self.q.view(), k: self.k.view(), v: self.v.view() }
+    }
+    /// The precision of the case.
+    pub fn ctx(&self) -> Precision {
+        self.q.first().map(|x| x.ctx()).unwrap_or_default()
+    }
+}
+
+/// An NSA forward under test, given the case and gate logits `[T, Hq, 3]`.
+pub type NsaForwardFn<'a> = &'a dyn Fn(&NsaCase, ArrayView3<'_, Mp>) -> Result<NsaForward<Mp>, OracleError>;
+
+/// The oracle's forward ([`nsa_forward`]).
+pub fn oracle_nsa_forward(case: &NsaCase, gate_logits: ArrayView3<'_, Mp>) -> Result<NsaForward<Mp>, OracleError> {
+    nsa_forward(case.inputs(), gate_logits, &case.config, case.ctx())
+}
+
+/// **Theorem (E18: the selection branch alone, with every block selected, is dense causal
+/// attention).** With `n ≥ M` every eligible block is selected; with gate logits `(−∞, +∞, −∞)`
+/// (gates `0, 1, 0`) the output `o` and the branch `o_slc` of the forward under test equal,
+/// per query head `h`, the definition's causal attention of `q_h` over the keys and values of
+/// KV head `h/G`. Hypotheses: a valid config with `n_selected ≥ ⌈T/l'⌉`. Checked to `required`.
+pub fn selection_alone_is_dense_when_all_selected(
+    forward: NsaForwardFn<'_>,
+    case: &NsaCase,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "selection_alone_is_dense_when_all_selected (E18)";
+    check_config(T, &case.config)?;
+    let (len, n_heads_q, head_dim) = case.q.dim();
+    let n_heads_kv = case.k.dim().1;
+    let n_blocks = len.div_ceil(case.config.select_block);
+    if case.config.n_selected < n_blocks {
+        return Err(Violation::Hypothesis {
+            theorem: T,
+            reason: format!("n = {} < M = {n_blocks}", case.config.n_selected),
+        });
+    }
+    if n_heads_kv == 0 || !n_heads_q.is_multiple_of(n_heads_kv) {
+        return Err(Violation::Hypothesis { theorem: T, reason: "Hq must be a multiple of Hkv".into() });
+    }
+    let ctx = case.ctx();
+    let gates = Array3::from_shape_fn((len, n_heads_q, 3), |(_, _, b)| {
+        Mp::new(if b == 1 { f64::INFINITY } else { f64::NEG_INFINITY }, ctx)
+    });
+    let out = forward(case, gates.view()).map_err(|e| refused(T, e))?;
+    let scale = case.config.scale_value::<Mp>(head_dim, ctx);
+    let causal = Array2::from_shape_fn((len, len), |(i, j)| j <= i);
+    let group = n_heads_q / n_heads_kv;
+    let mut expected = Array3::from_elem((len, n_heads_q, case.v.dim().2), Mp::zero(ctx));
+    for h in 0..n_heads_q {
+        let (o, _) = definition::forward(
+            case.q.index_axis(Axis(1), h),
+            case.k.index_axis(Axis(1), h / group),
+            case.v.index_axis(Axis(1), h / group),
+            &scale,
+            causal.view(),
+        );
+        expected.index_axis_mut(Axis(1), h).assign(&o);
+    }
+    if out.o.dim() != expected.dim() || out.selected.dim() != expected.dim() {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("output shape {:?}", out.o.dim()) });
+    }
+    Ok(agree(T, "o", &out.o, &expected, required)?.and(agree(T, "o_slc", &out.selected, &expected, required)?))
+}
+
+/// A CSR transpose under test: `(selection [T, n], n_blocks) ↦ block → selecting queries`.
+pub type TransposeFn<'a> = &'a dyn Fn(ArrayView2<'_, i32>, usize) -> Result<BlockQueries, OracleError>;
+
+/// **Theorem (E20: the CSR transpose round-trips).** For a valid selection `[T, n]` over
+/// `n_blocks` blocks, the transpose under test has `n_blocks + 1` offsets starting at 0, never
+/// decreasing and ending at `nnz` (the number of valid entries) `= indices.len()`; the queries
+/// of each block are ascending and in `0..T`; and reading the CSR back (block by block, each
+/// query collecting the blocks that list it) gives the selection again. Hypotheses: every row
+/// of `selection` obeys the E14 convention. Exact.
+pub fn csr_round_trip(
+    transpose: TransposeFn<'_>,
+    selection: ArrayView2<'_, i32>,
+    n_blocks: usize,
+) -> Result<Agreement, Violation> {
+    const T: &str = "csr_round_trip (E20)";
+    let (len, width) = selection.dim();
+    let mut nnz = 0;
+    for (t, row) in selection.rows().into_iter().enumerate() {
+        nnz += validate_index_row("selection", t, &row.to_vec(), n_blocks)
+            .map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?
+            .len();
+    }
+    let csr = transpose(selection, n_blocks).map_err(|e| refused(T, e))?;
+    let o = &csr.offsets;
+    let mut agreement = exact(T, "offsets length", &ints(vec![o.len() as i64]), &ints(vec![n_blocks as i64 + 1]))?;
+    agreement = agreement.and(exact(T, "first offset", &ints(vec![i64::from(o[0])]), &ints(vec![0]))?);
+    let decreases: Vec<i64> = o.windows(2).map(|w| i64::from(w[1] < w[0])).collect();
+    agreement = agreement.and(exact(T, "offset decreases", &ints(decreases.clone()), &ints(vec![0; decreases.len()]))?);
+    let ends = vec![i64::from(o[n_blocks]), csr.indices.len() as i64];
+    agreement = agreement.and(exact(T, "last offset and indices length", &ints(ends), &ints(vec![nnz as i64; 2]))?);
+    // The offsets are now a valid partition of the indices: read the CSR back.
+    let mut rebuilt = Array2::from_elem((len, width), -1i32);
+    let mut filled = vec![0usize; len];
+    let mut misplaced = vec![0i64; n_blocks];
+    for b in 0..n_blocks {
+        let queries = &csr.indices[o[b] as usize..o[b + 1] as usize];
+        for (i, &q) in queries.iter().enumerate() {
+            let in_range = q >= 0 && (q as usize) < len;
+            let ascending = i == 0 || queries[i - 1] < q;
+            if !in_range || !ascending || filled[q as usize] == width {
+                misplaced[b] += 1;
+                continue;
+            }
+            rebuilt[[q as usize, filled[q as usize]]] = b as i32;
+            filled[q as usize] += 1;
+        }
+    }
+    agreement =
+        agreement.and(exact(T, "queries out of range or order per block", &ints(misplaced), &ints(vec![0; n_blocks]))?);
+    let as_i64 = |x: ArrayView2<'_, i32>| x.mapv(i64::from).into_dyn();
+    Ok(agreement.and(exact(T, "selection read back", &as_i64(rebuilt.view()), &as_i64(selection))?))
+}

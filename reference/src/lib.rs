@@ -1,7 +1,14 @@
 //! Tiled CPU reference schedules that compute attention in the order the GPU kernels will
-//! (tiles, f32 accumulation, bf16/f16 inputs). The schedules arrive with the reference-schedule
-//! issue; this crate exists now so that the workspace layout of DESIGN.md is complete and the
-//! dependency rule (reference → oracle spec types only) is fixed from the start.
+//! (tiles, f32 accumulation, bf16/f16 inputs), so that a kernel's deviation from the oracle can
+//! be explained by its precision recipe and nothing else. Each schedule states its recipe in its
+//! module docs; the verifier's bounds (in `attnproof-proofs`) are derived from those recipes.
+//! Outputs are caller-owned; parallelism is rayon over independent tiles at the top level.
 #![forbid(unsafe_code)]
 
-pub use attnproof_oracle::spec::{AttentionSpec, Layout, Mask};
+pub mod element;
+pub mod error;
+pub mod flash;
+
+pub use element::Element;
+pub use error::ReferenceError;
+pub use flash::{ForwardOutputs, Inputs, TileConfig, flash_forward, flash_forward_owned};

@@ -1,0 +1,18 @@
+//! Typed errors of the reference schedules.
+
+use attnproof_oracle::OracleError;
+use thiserror::Error;
+
+/// Why a schedule refused its arguments.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ReferenceError {
+    /// The problem itself is invalid (shapes, heads, cu_seqlens, non-finite inputs, index lists).
+    #[error(transparent)]
+    Problem(#[from] OracleError),
+    /// A tile size is zero.
+    #[error("`{argument}` is zero")]
+    ZeroTile {
+        /// `q_tile` or `kv_tile`.
+        argument: &'static str,
+    },
+}
