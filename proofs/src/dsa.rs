@@ -1,1 +1,346 @@
-//! Theorems of DSA (E16): the lightning indexer, exact causal top-k, the teacher distribution and KL loss, token-sparse attention.
+//! Theorems of DSA (E16): Hadamard invariance of the lightning indexer, exactness of the causal
+//! top-κ selection, token-sparse attention with everything selected equals dense causal
+//! attention, and the indexer's KL loss (non-negative, the definition, zero at the teacher).
+
+use attnproof_oracle::dsa::{IndexerInputs, IndexerLoss, TokenSparseInputs, TokenSparseOutput, TopKConfig};
+use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Mask, Mp, OracleError, Precision, Qkv, Real};
+use ndarray::{Array2, Array3, ArrayView2, Axis};
+
+use crate::definition;
+use crate::residual::{Agreement, Bits, Violation, agree, bits_of};
+
+/// An indexer under test: inputs ↦ scores `[T, T]`.
+pub type IndexerFn<'a> = &'a dyn Fn(IndexerInputs<'_, Mp>) -> Result<Array2<Mp>, OracleError>;
+/// A causal top-κ under test: scores `[T, T]` ↦ selection `[T, κ]`.
+pub type TopKFn<'a> = &'a dyn Fn(ArrayView2<'_, Mp>, TopKConfig) -> Result<Array2<i32>, OracleError>;
+/// Token-sparse attention under test (scale `1/√d`).
+pub type TokenSparseFn<'a> = &'a dyn Fn(TokenSparseInputs<'_, Mp>) -> Result<TokenSparseOutput<Mp>, OracleError>;
+/// An indexer loss under test: `(teacher [T, T], index scores [T, T])` ↦ loss.
+pub type IndexerLossFn<'a> = &'a dyn Fn(ArrayView2<'_, Mp>, ArrayView2<'_, Mp>) -> Result<IndexerLoss<Mp>, OracleError>;
+
+/// The oracle's indexer.
+pub fn oracle_indexer(inputs: IndexerInputs<'_, Mp>) -> Result<Array2<Mp>, OracleError> {
+    let ctx = inputs.q_index.first().map(|x| x.ctx()).unwrap_or_default();
+    attnproof_oracle::dsa::indexer_scores(inputs, ctx)
+}
+
+/// The oracle's token-sparse attention with the default scale `1/√d`.
+pub fn oracle_token_sparse(inputs: TokenSparseInputs<'_, Mp>) -> Result<TokenSparseOutput<Mp>, OracleError> {
+    let ctx = inputs.query.first().map(|x| x.ctx()).unwrap_or_default();
+    attnproof_oracle::dsa::token_sparse_attention(inputs, Default::default(), ctx)
+}
+
+/// The oracle's indexer loss.
+pub fn oracle_indexer_loss(
+    teacher: ArrayView2<'_, Mp>,
+    scores: ArrayView2<'_, Mp>,
+) -> Result<IndexerLoss<Mp>, OracleError> {
+    let ctx = teacher.first().map(|x| x.ctx()).unwrap_or_default();
+    attnproof_oracle::dsa::indexer_kl_loss(teacher, scores, ctx)
+}
+
+/// The lightning indexer's tensors, owned, in MPFR.
+#[derive(Clone, Debug)]
+pub struct IndexerCase {
+    /// `q^I`, `[T, H_I, d_I]`.
+    pub q_index: Array3<Mp>,
+    /// `w`, `[T, H_I]`.
+    pub weights: Array2<Mp>,
+    /// `k^I`, `[T, d_I]`.
+    pub k_index: Array2<Mp>,
+}
+
+impl IndexerCase {
+    /// Borrowed indexer inputs.
+    pub fn inputs(&self) -> IndexerInputs<'_, Mp> {
+        IndexerInputs { q_index: self.q_index.view(), weights: self.weights.view(), k_index: self.k_index.view() }
+    }
+}
+
+/// The orthonormal Sylvester–Hadamard matrix of order `dim`: `H_1 = [1]`,
+/// `H_{2m} = [[H_m, H_m], [H_m, −H_m]]`, scaled by `1/√dim` (in MPFR at `ctx`). `None` unless
+/// `dim` is a power of two.
+pub fn sylvester_hadamard(dim: usize, ctx: Precision) -> Option<Array2<Mp>> {
+    if !dim.is_power_of_two() {
+        return None;
+    }
+    let scale = Mp::one(ctx) / Mp::from_f64(dim as f64, ctx).sqrt();
+    // Entry (i, j) of the unscaled Sylvester matrix is (−1)^{popcount(i & j)}.
+    Some(Array2::from_shape_fn(
+        (dim, dim),
+        |(i, j)| {
+            if (i & j).count_ones() % 2 == 0 { scale.clone() } else { -scale.clone() }
+        },
+    ))
+}
+
+/// **Theorem (E16, Hadamard invariance).** For an orthonormal `R ∈ R^{d_I×d_I}`, replacing every
+/// indexer query `q^I_ta` by `R q^I_ta` and every indexer key `k^I_s` by `R k^I_s` leaves the
+/// scores `I_ts` unchanged, since `(Rq)·(Rk) = qᵀRᵀRk = q·k` and ReLU and the weights act after
+/// the dot product. Hypotheses: `rotation` is `d_I × d_I` (its orthonormality is the statement's
+/// premise, not checked: a non-orthonormal `R` is what the theorem rejects).
+pub fn hadamard_invariance(
+    indexer: IndexerFn<'_>,
+    case: &IndexerCase,
+    rotation: &Array2<Mp>,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "hadamard_invariance (E16)";
+    let index_dim = case.k_index.ncols();
+    if rotation.dim() != (index_dim, index_dim) {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("rotation is not {index_dim}×{index_dim}") });
+    }
+    let ctx = rotation.first().map(|x| x.ctx()).unwrap_or_default();
+    let oracle_err = |e: OracleError| Violation::Hypothesis { theorem: T, reason: e.to_string() };
+    // Row vectors rotate as xᵀ ↦ xᵀRᵀ.
+    let rotate = |x: ArrayView2<'_, Mp>| definition::product(x, rotation.t(), ctx);
+    let (seq_len, n_heads, _) = case.q_index.dim();
+    let flat_q = case
+        .q_index
+        .to_shape((seq_len * n_heads, index_dim))
+        .map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?;
+    let q_rotated = rotate(flat_q.view())
+        .into_shape_with_order((seq_len, n_heads, index_dim))
+        .map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?;
+    let k_rotated = rotate(case.k_index.view());
+    let original = indexer(case.inputs()).map_err(oracle_err)?;
+    let rotated =
+        indexer(IndexerInputs { q_index: q_rotated.view(), weights: case.weights.view(), k_index: k_rotated.view() })
+            .map_err(oracle_err)?;
+    agree(T, "I", &rotated, &original, required)
+}
+
+/// A structural failure of the selection, reported as a mismatch of `found` against `expected`.
+fn selection_violation(quantity: &'static str, found: String, expected: String, index: Vec<usize>) -> Violation {
+    Violation::NonFinite { theorem: "causal_top_k_is_exact (E16)", quantity, found, expected, index }
+}
+
+/// **Theorem (E16, exact causal top-κ).** For scores `I [T, T]` whose causal entries are finite,
+/// the selection `J [T, κ]` satisfies, row by row: (1) the valid prefix is ascending without
+/// duplicates and followed only by `−1` pads; (2) every selected `s` is causal, `s ≤ t`; (3) it
+/// has exactly `min(κ, t+1)` valid entries; (4) it is optimal with ties to the lower index: for
+/// every selected `s` and unselected causal `s'`, `I_ts > I_ts'`, or `I_ts = I_ts'` and `s < s'`.
+/// Exact comparisons: the agreement is exact or the theorem fails. Hypotheses: `scores` square
+/// with finite causal entries.
+pub fn causal_top_k_is_exact(
+    topk: TopKFn<'_>,
+    scores: &Array2<Mp>,
+    config: TopKConfig,
+) -> Result<Agreement, Violation> {
+    const T: &str = "causal_top_k_is_exact (E16)";
+    let seq_len = scores.nrows();
+    if scores.ncols() != seq_len || scores.indexed_iter().any(|((t, s), x)| s <= t && !x.is_finite()) {
+        return Err(Violation::Hypothesis { theorem: T, reason: "scores must be square, finite on s ≤ t".into() });
+    }
+    let selection =
+        topk(scores.view(), config).map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?;
+    if selection.dim() != (seq_len, config.top_k) {
+        return Err(selection_violation(
+            "selection shape",
+            format!("{:?}", selection.dim()),
+            format!("{:?}", (seq_len, config.top_k)),
+            vec![],
+        ));
+    }
+    for (t, row) in selection.rows().into_iter().enumerate() {
+        let valid = row.iter().take_while(|&&s| s != -1).count();
+        if let Some(slot) = (valid..row.len()).find(|&slot| row[slot] != -1) {
+            return Err(selection_violation("pad", row[slot].to_string(), "-1".into(), vec![t, slot]));
+        }
+        for slot in 0..valid {
+            let s = row[slot];
+            if s < 0 || s as usize > t {
+                return Err(selection_violation("selected key", s.to_string(), format!("in 0..={t}"), vec![t, slot]));
+            }
+            if slot > 0 && s <= row[slot - 1] {
+                return Err(selection_violation(
+                    "selected key",
+                    s.to_string(),
+                    format!("> {} (ascending, no duplicates)", row[slot - 1]),
+                    vec![t, slot],
+                ));
+            }
+        }
+        let wanted = config.top_k.min(t + 1);
+        if valid != wanted {
+            return Err(selection_violation("valid entries", valid.to_string(), wanted.to_string(), vec![t]));
+        }
+        let chosen: Vec<usize> = row.iter().take(valid).map(|&s| s as usize).collect();
+        for &s in &chosen {
+            for other in (0..=t).filter(|o| !chosen.contains(o)) {
+                let (a, b) = (&scores[[t, s]], &scores[[t, other]]);
+                if a < b || (a == b && s > other) {
+                    return Err(selection_violation(
+                        "selected key",
+                        format!("{s} (score {a})"),
+                        format!("to rank above unselected {other} (score {b})"),
+                        vec![t],
+                    ));
+                }
+            }
+        }
+    }
+    Ok(Agreement::exact())
+}
+
+/// Main attention's tensors for token-sparse attention, owned, in MPFR.
+#[derive(Clone, Debug)]
+pub struct TokenSparseCase {
+    /// Queries `[T, H, d]`.
+    pub query: Array3<Mp>,
+    /// Shared keys `[T, d]`.
+    pub key: Array2<Mp>,
+    /// Shared values `[T, dv]`.
+    pub value: Array2<Mp>,
+    /// Selection width `κ`.
+    pub top_k: usize,
+}
+
+/// **Theorem (E16 with E13, full selection).** If every query selects all of its causal keys
+/// (`J_t = {0..t}`, which needs `κ ≥ T`), token-sparse attention equals dense causal attention:
+/// for each head, `O` and `LSE` agree with the oracle's forward (varlen layout, one KV head
+/// shared by all `H` query heads, causal mask, scale `1/√d`). Hypotheses: `κ ≥ T`.
+pub fn full_selection_is_dense(
+    sparse: TokenSparseFn<'_>,
+    case: &TokenSparseCase,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "full_selection_is_dense (E16, E13)";
+    let (seq_len, n_heads, head_dim) = case.query.dim();
+    if case.top_k < seq_len {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("κ = {} < T = {seq_len}", case.top_k) });
+    }
+    let ctx = case.key.first().map(|x| x.ctx()).unwrap_or_default();
+    let oracle_err = |e: OracleError| Violation::Hypothesis { theorem: T, reason: e.to_string() };
+    let selection = Array2::from_shape_fn((seq_len, case.top_k), |(t, slot)| if slot <= t { slot as i32 } else { -1 });
+    let found = sparse(TokenSparseInputs {
+        query: case.query.view(),
+        key: case.key.view(),
+        value: case.value.view(),
+        selection: selection.view(),
+    })
+    .map_err(oracle_err)?;
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, seq_len as i32], cu_seqlens_k: vec![0, seq_len as i32] },
+        n_heads_q: n_heads,
+        n_heads_kv: 1,
+        head_dim,
+        head_dim_v: case.value.ncols(),
+        scale: Default::default(),
+        mask: Mask::Causal,
+    };
+    let k = case.key.clone().insert_axis(Axis(1)).into_dyn();
+    let v = case.value.clone().insert_axis(Axis(1)).into_dyn();
+    let dense = attnproof_oracle::forward(
+        &spec,
+        Qkv { q: case.query.view().into_dyn(), k: k.view(), v: v.view() },
+        DenseConfig::default(),
+        ctx,
+    )
+    .map_err(oracle_err)?;
+    Ok(agree(T, "O", &found.o.into_dyn(), &dense.o, required)?.and(agree(
+        T,
+        "LSE",
+        &found.lse.into_dyn(),
+        &dense.lse,
+        required,
+    )?))
+}
+
+/// Checks that each teacher row sums to 1 to `required` bits and is causal and non-negative.
+fn check_teacher(theorem: &'static str, teacher: &Array2<Mp>, required: Bits) -> Result<(), Violation> {
+    let ctx = teacher.first().map(|x| x.ctx()).unwrap_or_default();
+    let seq_len = teacher.nrows();
+    if teacher.ncols() != seq_len {
+        return Err(Violation::Hypothesis { theorem, reason: "teacher is not square".into() });
+    }
+    for (t, row) in teacher.rows().into_iter().enumerate() {
+        let total = row.iter().fold(Mp::zero(ctx), |acc, x| acc + x.clone());
+        let bad_entry = row.iter().enumerate().any(|(s, x)| *x < Mp::zero(ctx) || (s > t && *x != Mp::zero(ctx)));
+        if bad_entry || bits_of(&(total.clone() - Mp::one(ctx)).abs()).0 < required.0 {
+            return Err(Violation::Hypothesis {
+                theorem,
+                reason: format!("teacher row {t} (sum {total}) is not a causal distribution"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// **Theorem (E16, indexer loss).** For a teacher whose rows are causal probability distributions
+/// and any scores finite on `s ≤ t`, the loss under test equals the definition
+/// `KL_t = Σ_{s≤t, τ_ts>0} τ_ts log(τ_ts / σ_ts)` with `σ_t = e^{I_t·} / Σ_{s≤t} e^{I_ts}` formed
+/// directly (no max shift), per query and in total, and each `KL_t ≥ 0` (Gibbs' inequality).
+/// Hypotheses: rows of `teacher` sum to 1 to `required` bits, are non-negative and vanish after
+/// the diagonal; `scores` is square.
+pub fn kl_loss_matches_definition(
+    loss: IndexerLossFn<'_>,
+    teacher: &Array2<Mp>,
+    scores: &Array2<Mp>,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "kl_loss_matches_definition (E16)";
+    check_teacher(T, teacher, required)?;
+    let ctx = teacher.first().map(|x| x.ctx()).unwrap_or_default();
+    let found =
+        loss(teacher.view(), scores.view()).map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?;
+    let visible = Array2::from_shape_fn(scores.dim(), |(t, s)| s <= t);
+    let student = definition::probabilities(scores.view(), visible.view(), ctx);
+    let expected = ndarray::Array1::from_shape_fn(teacher.nrows(), |t| {
+        (0..=t).filter(|&s| teacher[[t, s]] != Mp::zero(ctx)).fold(Mp::zero(ctx), |acc, s| {
+            let tau = teacher[[t, s]].clone();
+            acc + tau.clone() * (tau / student[[t, s]].clone()).ln()
+        })
+    });
+    // Gibbs' inequality holds exactly; allow the rounding of the definition's own sum.
+    let floor = Mp(rug::Float::with_val(ctx.0, rug::Float::i_exp(1, -(required.0 as i32))));
+    if let Some(t) = found.per_query.iter().position(|x| *x < -floor.clone()) {
+        return Err(Violation::NonFinite {
+            theorem: T,
+            quantity: "KL per query",
+            found: found.per_query[t].to_string(),
+            expected: "≥ 0".into(),
+            index: vec![t],
+        });
+    }
+    let total = expected.iter().fold(Mp::zero(ctx), |acc, x| acc + x.clone());
+    Ok(agree(T, "KL per query", &found.per_query, &expected, required)?.and(agree(
+        T,
+        "KL total",
+        &ndarray::arr0(found.total),
+        &ndarray::arr0(total),
+        required,
+    )?))
+}
+
+/// **Theorem (E16, loss vanishes at the teacher).** If the indexer's scores are `I_ts = log τ_ts +
+/// c_t` on causal keys (any row offsets `c_t`; here `c_t = t`, to exercise the softmax's shift
+/// invariance), then `softmax_s(I_t·) = τ_t` and the loss is 0 in every row. Hypotheses: `teacher`
+/// rows are causal distributions (as in [`kl_loss_matches_definition`]) with every causal entry
+/// positive, so that `log τ_ts` is finite.
+pub fn kl_loss_vanishes_at_teacher(
+    loss: IndexerLossFn<'_>,
+    teacher: &Array2<Mp>,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "kl_loss_vanishes_at_teacher (E16)";
+    check_teacher(T, teacher, required)?;
+    let ctx = teacher.first().map(|x| x.ctx()).unwrap_or_default();
+    if teacher.indexed_iter().any(|((t, s), x)| s <= t && *x == Mp::zero(ctx)) {
+        return Err(Violation::Hypothesis { theorem: T, reason: "a causal teacher entry is 0".into() });
+    }
+    // Entries after the diagonal are ignored by the loss; fill them with 0 to keep them finite.
+    let scores = Array2::from_shape_fn(teacher.dim(), |(t, s)| {
+        if s <= t { teacher[[t, s]].ln() + Mp::from_f64(t as f64, ctx) } else { Mp::zero(ctx) }
+    });
+    let found =
+        loss(teacher.view(), scores.view()).map_err(|e| Violation::Hypothesis { theorem: T, reason: e.to_string() })?;
+    let zeros = ndarray::Array1::from_elem(teacher.nrows(), Mp::zero(ctx));
+    Ok(agree(T, "KL per query", &found.per_query, &zeros, required)?.and(agree(
+        T,
+        "KL total",
+        &ndarray::arr0(found.total),
+        &ndarray::arr0(Mp::zero(ctx)),
+        required,
+    )?))
+}
