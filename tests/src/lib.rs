@@ -1,7 +1,15 @@
-//! The verifier (`attnproof-harness`): it will compare candidates (reference schedules, GPU
-//! kernels) with the oracle under derived bounds, run the discriminability gate, and hold the
-//! proptest strategies and the mutation runner. Today it re-exports the first bound of the
-//! trust chain, the f64 oracle's, which the proofs crate derives and checks.
+//! The verifier (`attnproof-harness`): candidates (reference schedules, GPU kernels) compared
+//! with the oracle under bounds derived from their precision recipes (`attnproof-proofs`),
+//! verdicts with the worst element's coordinates, the discriminability gate, and the input
+//! generators and proptest strategies that fuzz shapes and values.
 #![forbid(unsafe_code)]
 
+pub mod flash;
+pub mod gate;
+pub mod generate;
+pub mod strategies;
+pub mod verdict;
+
 pub use attnproof_proofs::f64_oracle_bound::{BoundReport, OutputRatio, f64_oracle_within_bound};
+pub use flash::{Case, HarnessError, verify_forward};
+pub use verdict::{OutputVerdict, Verdict};
