@@ -13,7 +13,10 @@ use proptest::test_runner::{Config, TestRng, TestRunner};
 const TILE: usize = 16;
 
 fn run<T: Element>(cases: usize) {
-    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha));
+    let mut runner = TestRunner::new_with_rng(
+        Config::default(),
+        TestRng::deterministic_rng(proptest::test_runner::RngAlgorithm::ChaCha),
+    );
     let strategy = (spec(TILE), profile(), proptest::num::u64::ANY);
     let (mut o, mut lse, mut invalid, mut skipped) = (vec![], vec![], 0, 0);
     for _ in 0..cases {
@@ -41,7 +44,12 @@ fn run<T: Element>(cases: usize) {
         let above = r.iter().filter(|&&x| x >= 0.01).count() as f64 / r.len() as f64 * 100.0;
         println!(
             "  {name:<3} n={:<4} min {:.2e}  p10 {:.2e}  median {:.2e}  p90 {:.2e}  max {:.2e}  ({above:.0}% of cases ≥ 1% of the bound)",
-            r.len(), q(0.0), q(0.1), q(0.5), q(0.9), q(1.0)
+            r.len(),
+            q(0.0),
+            q(0.1),
+            q(0.5),
+            q(0.9),
+            q(1.0)
         );
     }
 }
