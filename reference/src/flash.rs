@@ -17,6 +17,7 @@ use rayon::prelude::*;
 
 use crate::element::Element;
 use crate::error::ReferenceError;
+use crate::mask::{kv_head, visible};
 
 /// Tile sizes of a schedule.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,8 +164,7 @@ fn forward_tile<T: Element>(
             let s: Vec<f32> = keys
                 .clone()
                 .map(|j| {
-                    let pair = attnproof_oracle::Pair { query: i, key: j, len_q: seq.len_q, len_k: seq.len_k };
-                    if spec.mask.visible(pair) {
+                    if visible(&spec.mask, i, j, seq.len_q, seq.len_k) {
                         let dot = q.row(i).iter().zip(k.row(j)).fold(0f32, |a, (x, y)| a + x * y);
                         dot * scale
                     } else {
@@ -226,7 +226,7 @@ pub fn flash_forward<T: Element>(
     let results: Vec<TileResult> = tasks
         .par_iter()
         .map(|(seq, h, a)| {
-            let kv = spec.kv_head(*h);
+            let kv = kv_head(*h, spec.n_heads_q, spec.n_heads_kv);
             let q = head_f32(spec, &inputs.q, seq, *h, false);
             let k = head_f32(spec, &inputs.k, seq, kv, true);
             let v = head_f32(spec, &inputs.v, seq, kv, true);

@@ -8,6 +8,7 @@
 pub mod element;
 pub mod error;
 pub mod flash;
+pub mod mask;
 
 pub use element::Element;
 pub use error::ReferenceError;

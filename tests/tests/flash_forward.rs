@@ -4,8 +4,10 @@
 use attnproof_harness::generate::make_case;
 use attnproof_harness::strategies::{profile, spec};
 use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
-use attnproof_reference::{Element, TileConfig, flash_forward_owned};
+use attnproof_oracle::spec::Operand;
+use attnproof_reference::{Element, ForwardOutputs, TileConfig, flash_forward};
 use half::{bf16, f16};
+use ndarray::ArrayD;
 use proptest::prelude::*;
 
 const TILE: usize = 16;
