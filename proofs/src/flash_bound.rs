@@ -6,7 +6,8 @@
 //!
 //! `u = 2^-24` (f32), `u_T` the storage type's unit roundoff (`2^-8` bf16, `2^-11` f16),
 //! `τ_T` its smallest subnormal (absolute rounding error of an underflowing value ≤ `τ_T`),
-//! `g(n) = nu/(1 − nu)`, `n_t = ⌈Lk/kv_tile⌉` the KV tiles a row can visit. Inputs are exact in
+//! `g(n) = nu/(1 − nu)`, `n_t = ⌈Lk/kv_tile⌉ + extra_merges` the rescale steps a row can take
+//! (one per KV tile, plus one per state merge of a split schedule such as ring attention). Inputs are exact in
 //! `T`, hence in f64: the oracle and the candidate see the same numbers. For row `i`, visible key
 //! `j`, with `p_ij`, `s_ij`, `m_i`, `o_i`, `LSE_i` exact:
 //!
@@ -59,6 +60,9 @@ pub struct FlashRecipe {
     pub subnormal: f64,
     /// Keys per KV tile.
     pub kv_tile: usize,
+    /// Additional rescale steps beyond one per KV tile: the E4 merges of a schedule that splits a
+    /// row's keys across workers (ring attention: one per device); 0 for a single-pass forward.
+    pub extra_merges: usize,
 }
 
 /// One head's exact-enough quantities (from the f64 oracle) for evaluating the bound.
@@ -98,7 +102,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
     let (ut, tiny) = (recipe.unit_roundoff, recipe.subnormal);
     let (len_q, d) = x.q.dim();
     let (len_k, dv) = x.v.dim();
-    let n_t = len_k.div_ceil(recipe.kv_tile.max(1));
+    let n_t = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
     let g = gamma32(len_k + n_t);
     let mut o = Array2::<f64>::zeros((len_q, dv));
     let mut lse = Array1::<f64>::zeros(len_q);
@@ -144,4 +148,157 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
     o.mapv_inplace(|b| b * SECOND_ORDER_FACTOR);
     lse.mapv_inplace(|b| b * SECOND_ORDER_FACTOR);
     Ok(ForwardBounds { o, lse })
+}
+
+/// One head's exact-enough backward quantities (from the f64 oracle).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadBackwardExact<'a> {
+    /// The forward quantities.
+    pub forward: HeadExact<'a>,
+    /// Upstream gradient `[Lq, dv]`.
+    pub d_out: ArrayView2<'a, f64>,
+    /// `dP = dO Vᵀ` `[Lq, Lk]`.
+    pub dp: ArrayView2<'a, f64>,
+    /// `dS = P ∘ (dP − D)` `[Lq, Lk]`.
+    pub ds: ArrayView2<'a, f64>,
+    /// `D` `[Lq]`.
+    pub delta: ArrayView1<'a, f64>,
+    /// `dQ` `[Lq, d]` of this head.
+    pub dq: ArrayView2<'a, f64>,
+    /// `dK` `[Lk, d]` of this head (before the GQA sum).
+    pub dk: ArrayView2<'a, f64>,
+    /// `dV` `[Lk, dv]` of this head (before the GQA sum).
+    pub dv: ArrayView2<'a, f64>,
+}
+
+/// Allowed absolute errors of one head's backward outputs (dK, dV before the GQA sum, which
+/// [`gqa_sum_term`] accounts for).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackwardBounds {
+    /// Bound on `D` `[Lq]`.
+    pub delta: Array1<f64>,
+    /// Bound on `dQ` `[Lq, d]`.
+    pub dq: Array2<f64>,
+    /// Bound on `dK` `[Lk, d]`.
+    pub dk: Array2<f64>,
+    /// Bound on `dV` `[Lk, dv]`.
+    pub dv: Array2<f64>,
+}
+
+/// The backward model's bounds for one head.
+///
+/// Recipe (`attnproof-reference`'s `backward` module): `D = rowsum(dO ∘ O)` in f32 from the
+/// candidate forward's `O` (stored in `T`) and `dO` (in `T`); per tile pair `P = exp(s − LSE)`
+/// in f32 from the candidate's f32 LSE; `dV += round_T(P)ᵀ dO`; `dP = dO Vᵀ`;
+/// `dS = P ∘ (dP − D)` in f32, rounded to `T` for `dQ += dS K` and `dK += dSᵀ Q` (f32
+/// accumulators; dQ may be summed from per-KV-tile partials); `dQ, dK ← α̂·(…)`; every gradient
+/// rounded to `T`. With `forward` the bounds of the candidate's forward outputs, first order:
+///
+/// - `ν_i = g(dv) Σ_c |dO_ic||o_ic| + Σ_c |dO_ic| b^O_ic` (`D`);
+/// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + 2u` (relative error of `P`);
+/// - `dV_jc`: `Σ_i p_ij (π_ij + u_T + g(Lq + n_q)) |dO_ic| + Lq (τ_T + τ₃₂) max_i |dO_ic|`
+///   `+ u_T |dV_jc| + τ_T`;
+/// - `ρ_ij = g(dv) Σ_c |dO_ic||v_jc|` (`dP`);
+/// - `ζ_ij = (π_ij + 2u + u_T)|dS_ij| + p_ij(ρ_ij + ν_i) + τ₃₂|dP_ij − D_i| + τ_T` (`dS` after its
+///   rounding to `T`);
+/// - `dQ_ic`: `|α| Σ_j (ζ_ij + g(Lk + n_k)|dS_ij|) |k_jc| + (3u + u_T)|dQ_ic| + τ_T`;
+/// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`.
+///
+/// `n_q`, `n_k` are the query and KV tile counts (the extra additions of partial sums). The same
+/// hypothesis and [`SECOND_ORDER_FACTOR`] as the forward model apply.
+pub fn backward_bounds(
+    x: HeadBackwardExact<'_>,
+    forward: &ForwardBounds,
+    recipe: FlashRecipe,
+    q_tile: usize,
+) -> Result<BackwardBounds, Violation> {
+    const T: &str = "flash_backward_bound";
+    let f = x.forward;
+    let u = F32_UNIT_ROUNDOFF;
+    let (ut, tiny) = (recipe.unit_roundoff, recipe.subnormal);
+    let (len_q, d) = f.q.dim();
+    let (len_k, dv) = f.v.dim();
+    let n_k = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
+    let n_q = len_q.div_ceil(q_tile.max(1));
+    let mut worst: f64 = gamma32(len_q + n_q).max(gamma32(len_k + n_k)).max(ut);
+    let mut pi = Array2::<f64>::zeros((len_q, len_k));
+    for i in 0..len_q {
+        if f.lse[i] == f64::NEG_INFINITY {
+            continue;
+        }
+        for j in 0..len_k {
+            if f.s[[i, j]] == f64::NEG_INFINITY {
+                continue;
+            }
+            let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
+            let sigma = (gamma32(d) + 3.0 * u) * f.scale * dot;
+            pi[[i, j]] = sigma + forward.lse[i] + u * (f.s[[i, j]] - f.lse[i]).abs() + 2.0 * u;
+            worst = worst.max(pi[[i, j]]);
+        }
+    }
+    if worst > FIRST_ORDER_LIMIT {
+        return Err(Violation::Hypothesis {
+            theorem: T,
+            reason: format!("first-order perturbation {worst:e} exceeds 2^-5"),
+        });
+    }
+    let abs_dot = |a: ArrayView2<'_, f64>, i: usize, b: ArrayView2<'_, f64>, j: usize| -> f64 {
+        a.row(i).iter().zip(b.row(j)).map(|(x, y)| x.abs() * y.abs()).sum()
+    };
+    let nu = Array1::from_shape_fn(len_q, |i| {
+        gamma32(dv) * abs_dot(x.d_out, i, f.o, i)
+            + (0..dv).map(|c| x.d_out[[i, c]].abs() * forward.o[[i, c]]).sum::<f64>()
+    });
+    let zeta = Array2::from_shape_fn((len_q, len_k), |(i, j)| {
+        if f.p[[i, j]] == 0.0 && x.ds[[i, j]] == 0.0 {
+            return 0.0;
+        }
+        let rho = gamma32(dv) * abs_dot(x.d_out, i, f.v, j);
+        (pi[[i, j]] + 2.0 * u + ut) * x.ds[[i, j]].abs()
+            + f.p[[i, j]] * (rho + nu[i])
+            + F32_SUBNORMAL * (x.dp[[i, j]] - x.delta[i]).abs()
+            + tiny
+    });
+    let (gq, gk) = (gamma32(len_q + n_q), gamma32(len_k + n_k));
+    let mut b = BackwardBounds {
+        delta: nu.clone(),
+        dq: Array2::zeros((len_q, d)),
+        dk: Array2::zeros((len_k, d)),
+        dv: Array2::zeros((len_k, dv)),
+    };
+    for i in 0..len_q {
+        for c in 0..d {
+            b.dq[[i, c]] = f.scale
+                * (0..len_k).map(|j| (zeta[[i, j]] + gk * x.ds[[i, j]].abs()) * f.k[[j, c]].abs()).sum::<f64>()
+                + (3.0 * u + ut) * x.dq[[i, c]].abs()
+                + tiny;
+        }
+    }
+    for j in 0..len_k {
+        for c in 0..d {
+            b.dk[[j, c]] = f.scale
+                * (0..len_q).map(|i| (zeta[[i, j]] + gq * x.ds[[i, j]].abs()) * f.q[[i, c]].abs()).sum::<f64>()
+                + (3.0 * u + ut) * x.dk[[j, c]].abs()
+                + tiny;
+        }
+        for c in 0..dv {
+            let gmax = (0..len_q).map(|i| x.d_out[[i, c]].abs()).fold(0.0, f64::max);
+            b.dv[[j, c]] =
+                (0..len_q).map(|i| f.p[[i, j]] * (pi[[i, j]] + ut + gq) * x.d_out[[i, c]].abs()).sum::<f64>()
+                    + len_q as f64 * (tiny + F32_SUBNORMAL) * gmax
+                    + ut * x.dv[[j, c]].abs()
+                    + tiny;
+        }
+    }
+    for a in [&mut b.dq, &mut b.dk, &mut b.dv] {
+        a.mapv_inplace(|v| v * SECOND_ORDER_FACTOR);
+    }
+    b.delta.mapv_inplace(|v| v * SECOND_ORDER_FACTOR);
+    Ok(b)
+}
+
+/// The extra error of summing `group` per-head f32 gradients of magnitudes `Σ_h |g_h|`:
+/// `g(group) Σ_h |g_h|` (the per-head bounds add).
+pub fn gqa_sum_term(group: usize, sum_of_abs: f64) -> f64 {
+    gamma32(group) * sum_of_abs * SECOND_ORDER_FACTOR
 }

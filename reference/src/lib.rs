@@ -5,11 +5,13 @@
 //! Outputs are caller-owned; parallelism is rayon over independent tiles at the top level.
 #![forbid(unsafe_code)]
 
+pub mod backward;
 pub mod element;
 pub mod error;
 pub mod flash;
 pub mod mask;
 
+pub use backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
 pub use element::Element;
 pub use error::ReferenceError;
 pub use flash::{ForwardOutputs, Inputs, TileConfig, flash_forward, flash_forward_owned};

@@ -2,6 +2,7 @@
 //! generated cases, per output and storage type: how tight the derived bound is in practice.
 //! Run: `cargo run --release -p attnproof-harness --example error_bound_distribution [-- CASES]`.
 
+use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::strategies::{profile, spec};
 use attnproof_harness::{Case, verify_forward};
@@ -24,7 +25,7 @@ fn run<T: Element>(cases: usize) {
         let case: Case<T> = make_case(&spec, profile, seed);
         let tiles = TileConfig { q_tile: TILE, kv_tile: TILE };
         let (out, l) = flash_forward_owned(&case.spec, &case.inputs(), tiles).expect("valid case");
-        match verify_forward(&case, TILE, out.view(), l.view()) {
+        match verify_forward(&case, recipe::<T>(TILE), out.view(), l.view()) {
             Ok(v) => {
                 invalid += usize::from(!v.valid());
                 for r in &v.outputs {

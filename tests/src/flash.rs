@@ -109,7 +109,7 @@ pub fn problem_forward_bounds(
 
 /// The recipe of the reference forward for storage type `T` and KV tile `kv_tile`.
 pub fn recipe<T: Element>(kv_tile: usize) -> FlashRecipe {
-    FlashRecipe { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: subnormal_of::<T>() as f64, kv_tile }
+    FlashRecipe { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: subnormal_of::<T>() as f64, kv_tile, extra_merges: 0 }
 }
 
 /// The smallest positive subnormal of `T`: the first power of two, from f32's smallest subnormal
@@ -122,10 +122,11 @@ fn subnormal_of<T: Element>() -> f32 {
     T::round(x)
 }
 
-/// Verifies a forward candidate's `(O, LSE)` on `case`.
+/// Verifies a forward candidate's `(O, LSE)` on `case`, under the model for `recipe` (see
+/// [`recipe`] for the reference schedule's).
 pub fn verify_forward<T: Element>(
     case: &Case<T>,
-    kv_tile: usize,
+    recipe: FlashRecipe,
     o: ArrayViewD<'_, T>,
     lse: ArrayViewD<'_, f32>,
 ) -> Result<Verdict, HarnessError> {
@@ -137,7 +138,7 @@ pub fn verify_forward<T: Element>(
         }
     }
     let [q, k, v] = case.widened();
-    let recipe = recipe::<T>(kv_tile);
+    let kv_tile = recipe.kv_tile;
     let ForwardTruth { o: o_true, lse: lse_true, bound_o, bound_lse } =
         problem_forward_bounds(spec, &q, &k, &v, recipe)?;
     let o_cand = o.mapv(|x| x.to_f32() as f64);

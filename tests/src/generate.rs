@@ -127,3 +127,11 @@ fn align_last_key(spec: &AttentionSpec, q: &ArrayD<f64>, k: &mut ArrayD<f64>) {
         }
     }
 }
+
+/// An upstream gradient `dO` for `spec` (Gaussian, rounded to `T`).
+pub fn make_d_out<T: Element>(spec: &AttentionSpec, seed: u64) -> ArrayD<T> {
+    let shape = spec.expected_shape(Operand::O);
+    let n = shape.iter().product();
+    let data = gaussian(seed.wrapping_mul(37).wrapping_add(5), n).into_iter().map(|x| T::from_f32(x as f32)).collect();
+    ArrayD::from_shape_vec(IxDyn(&shape), data).expect("sizes agree")
+}

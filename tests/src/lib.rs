@@ -4,6 +4,7 @@
 //! generators and proptest strategies that fuzz shapes and values.
 #![forbid(unsafe_code)]
 
+pub mod backward;
 pub mod flash;
 pub mod gate;
 pub mod generate;

@@ -1,6 +1,7 @@
 //! The reference FlashAttention forward verified against the oracle on fuzzed shapes and
 //! values, in bf16 and f16: every verdict within bound, every case discriminating.
 
+use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::strategies::{profile, spec};
 use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
@@ -18,7 +19,7 @@ fn check<T: Element>(case: &Case<T>, tiles: TileConfig) -> Result<Verdict, TestC
     let mut lse = ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), f32::NAN);
     let outputs = ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() };
     flash_forward(&case.spec, &case.inputs(), tiles, outputs).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    match verify_forward(case, tiles.kv_tile, o.view(), lse.view()) {
+    match verify_forward(case, recipe::<T>(tiles.kv_tile), o.view(), lse.view()) {
         Ok(v) => Ok(v),
         // A case outside the model's hypothesis is not a failure of the schedule.
         Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),

@@ -1,0 +1,196 @@
+//! Verifying a FlashAttention backward (reference schedule or kernel) against the f64 oracle
+//! under the bound of `attnproof_proofs::flash_bound::backward_bounds`, with the
+//! discriminability gate (zeros, scale `1/d`, last KV tile dropped).
+
+use attnproof_oracle::attention::backward_with_visibility;
+use attnproof_oracle::dense::{self, HeadInputs};
+use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale, backward};
+use attnproof_proofs::flash_bound::{
+    FlashRecipe, HeadBackwardExact, HeadExact, backward_bounds, forward_bounds, gqa_sum_term,
+};
+use attnproof_reference::Element;
+use ndarray::{ArrayD, ArrayViewD, IxDyn, Zip};
+
+use crate::flash::{Case, HarnessError};
+use crate::gate::GateReport;
+use crate::verdict::{Verdict, compare};
+
+/// A candidate's backward outputs.
+#[derive(Clone, Debug)]
+pub struct BackwardCandidate<'a, T> {
+    /// Gradient of Q.
+    pub dq: ArrayViewD<'a, T>,
+    /// Gradient of K.
+    pub dk: ArrayViewD<'a, T>,
+    /// Gradient of V.
+    pub dv: ArrayViewD<'a, T>,
+    /// The preprocess `D` (f32).
+    pub delta: ArrayViewD<'a, f32>,
+}
+
+/// Exact gradients, the model's bounds on them, and the magnitude of the terms each gradient
+/// sums (before cancellation), the scale the gate judges visibility by.
+struct BackwardTruth {
+    grads: attnproof_oracle::Gradients<f64>,
+    magnitude: [f64; 3],
+    bound_dq: ArrayD<f64>,
+    bound_dk: ArrayD<f64>,
+    bound_dv: ArrayD<f64>,
+    bound_delta: ArrayD<f64>,
+}
+
+fn backward_truth(
+    spec: &AttentionSpec,
+    t: [&ArrayD<f64>; 4],
+    recipe: FlashRecipe,
+    q_tile: usize,
+) -> Result<BackwardTruth, HarnessError> {
+    let [q, k, v, g] = t;
+    let grads = backward(spec, Qkv { q: q.view(), k: k.view(), v: v.view() }, g.view(), DenseConfig::default(), ())?;
+    let zeros = |op| ArrayD::<f64>::zeros(IxDyn(&spec.expected_shape(op)));
+    let (mut bound_dq, mut bound_dk, mut bound_dv, mut bound_delta) =
+        (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V), zeros(Operand::RowStat));
+    let (mut abs_dk, mut abs_dv) = (zeros(Operand::K), zeros(Operand::V));
+    // Largest |α| Σ_j P_ij (|dP_ij| + |D_i|) |k_jc| (dQ), the same over i with |q_ic| (dK), and
+    // Σ_i P_ij |dO_ic| (dV): magnitudes of the summed terms, blind to cancellation.
+    let mut magnitude = [0f64; 3];
+    let scale = spec.scale_value::<f64>(());
+    for seq in spec.sequences() {
+        let visible = spec.mask.matrix(seq.len_q, seq.len_k);
+        for h in 0..spec.n_heads_q {
+            let kv = spec.kv_head(h);
+            let (qh, kh) = (spec.head_rows(q.view(), &seq, h, false), spec.head_rows(k.view(), &seq, kv, true));
+            let (vh, gh) = (spec.head_rows(v.view(), &seq, kv, true), spec.head_rows(g.view(), &seq, h, false));
+            let inputs = HeadInputs { q: qh, k: kh, v: vh, visible: visible.view() };
+            let fwd = dense::head_forward(inputs, &scale, DenseConfig::default(), ());
+            let hg = dense::head_backward(inputs, gh, &fwd, &scale, DenseConfig::default(), ());
+            let s = dense::scores(qh, kh, &scale, visible.view(), ());
+            let p = dense::probabilities_from_lse(s.view(), fwd.lse.view(), visible.view(), ());
+            let dp = f64_matmul(gh, vh);
+            let ds = dense::score_gradient(p.view(), dp.view(), hg.delta.view());
+            let fx = HeadExact {
+                q: qh,
+                k: kh,
+                v: vh,
+                s: s.view(),
+                p: p.view(),
+                o: fwd.o.view(),
+                lse: fwd.lse.view(),
+                scale: scale.abs(),
+            };
+            let fb = forward_bounds(fx, recipe)?;
+            let bx = HeadBackwardExact {
+                forward: fx,
+                d_out: gh,
+                dp: dp.view(),
+                ds: ds.view(),
+                delta: hg.delta.view(),
+                dq: hg.dq.view(),
+                dk: hg.dk.view(),
+                dv: hg.dv.view(),
+            };
+            let b = backward_bounds(bx, &fb, recipe, q_tile)?;
+            let (len_q, len_k) = p.dim();
+            let term = |i: usize, j: usize| p[[i, j]] * (dp[[i, j]].abs() + hg.delta[i].abs());
+            for c in 0..spec.head_dim {
+                for i in 0..len_q {
+                    let m = scale.abs() * (0..len_k).map(|j| term(i, j) * kh[[j, c]].abs()).sum::<f64>();
+                    magnitude[0] = magnitude[0].max(m);
+                }
+                for j in 0..len_k {
+                    let m = scale.abs() * (0..len_q).map(|i| term(i, j) * qh[[i, c]].abs()).sum::<f64>();
+                    magnitude[1] = magnitude[1].max(m * group_size(spec));
+                }
+            }
+            for c in 0..spec.head_dim_v {
+                for j in 0..len_k {
+                    let m = (0..len_q).map(|i| p[[i, j]] * gh[[i, c]].abs()).sum::<f64>();
+                    magnitude[2] = magnitude[2].max(m * group_size(spec));
+                }
+            }
+            bound_dq.slice_mut(spec.head_slice(&seq, h, false)).assign(&b.dq);
+            bound_delta.slice_mut(spec.row_stat_slice(&seq, h)).assign(&b.delta);
+            let ks = spec.head_slice(&seq, kv, true);
+            Zip::from(bound_dk.slice_mut(ks.clone())).and(&b.dk.into_dyn()).for_each(|a, x| *a += x);
+            Zip::from(bound_dv.slice_mut(ks.clone())).and(&b.dv.into_dyn()).for_each(|a, x| *a += x);
+            Zip::from(abs_dk.slice_mut(ks.clone())).and(&hg.dk.into_dyn()).for_each(|a, x| *a += x.abs());
+            Zip::from(abs_dv.slice_mut(ks)).and(&hg.dv.into_dyn()).for_each(|a, x| *a += x.abs());
+        }
+    }
+    let group = spec.group_size();
+    Zip::from(&mut bound_dk).and(&abs_dk).for_each(|b, a| *b += gqa_sum_term(group, *a));
+    Zip::from(&mut bound_dv).and(&abs_dv).for_each(|b, a| *b += gqa_sum_term(group, *a));
+    Ok(BackwardTruth { grads, magnitude, bound_dq, bound_dk, bound_dv, bound_delta })
+}
+
+/// Query heads per KV head: dK, dV sum that many per-head terms (an upper bound on the summed
+/// magnitude from one head's).
+fn group_size(spec: &AttentionSpec) -> f64 {
+    spec.group_size() as f64
+}
+
+fn f64_matmul(a: ndarray::ArrayView2<'_, f64>, b: ndarray::ArrayView2<'_, f64>) -> ndarray::Array2<f64> {
+    <f64 as attnproof_oracle::Real>::matmul(a, b.t(), ())
+}
+
+/// Verifies a backward candidate on `case` with upstream gradient `d_out`, under the model for
+/// `recipe` with query tiles of `q_tile` rows (the partial-dQ count).
+pub fn verify_backward<T: Element>(
+    case: &Case<T>,
+    d_out: &ArrayD<T>,
+    q_tile: usize,
+    recipe: FlashRecipe,
+    candidate: BackwardCandidate<'_, T>,
+) -> Result<Verdict, HarnessError> {
+    let spec = &case.spec;
+    for (argument, op, shape) in [
+        ("dq", Operand::Q, candidate.dq.shape()),
+        ("dk", Operand::K, candidate.dk.shape()),
+        ("dv", Operand::V, candidate.dv.shape()),
+        ("delta", Operand::RowStat, candidate.delta.shape()),
+    ] {
+        let expected = spec.expected_shape(op);
+        if shape != expected.as_slice() {
+            return Err(HarnessError::CandidateShape { argument, expected, actual: shape.to_vec() });
+        }
+    }
+    let [q, k, v] = case.widened();
+    let g = d_out.mapv(|x| x.to_f32() as f64);
+    let kv_tile = recipe.kv_tile;
+    let truth = backward_truth(spec, [&q, &k, &v, &g], recipe, q_tile)?;
+    let widen = |t: &ArrayViewD<'_, T>| t.mapv(|x| x.to_f32() as f64);
+    let outputs = vec![
+        compare("D", candidate.delta.mapv(|x| x as f64).view(), truth.grads.delta.view(), truth.bound_delta.view()),
+        compare("dQ", widen(&candidate.dq).view(), truth.grads.dq.view(), truth.bound_dq.view()),
+        compare("dK", widen(&candidate.dk).view(), truth.grads.dk.view(), truth.bound_dk.view()),
+        compare("dV", widen(&candidate.dv).view(), truth.grads.dv.view(), truth.bound_dv.view()),
+    ];
+    let mut gate = GateReport::default();
+    let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+    let wrong_scale = backward(
+        &spec.clone().with_scale(Scale::Value(1.0 / spec.head_dim as f64)),
+        qkv.clone(),
+        g.view(),
+        DenseConfig::default(),
+        (),
+    )?;
+    let without_last_tile = |seq: &Sequence, _h: usize| {
+        let cut = seq.len_k.div_ceil(kv_tile).saturating_sub(1) * kv_tile;
+        let mut m = spec.mask.matrix(seq.len_q, seq.len_k);
+        m.indexed_iter_mut().for_each(|((_, j), x)| *x = *x && j < cut);
+        m
+    };
+    let dropped = backward_with_visibility(spec, qkv, g.view(), &without_last_tile, DenseConfig::default(), ())?;
+    let unit = recipe.unit_roundoff;
+    for (name, truth_t, bound, wrong, dropped_t, scale) in [
+        ("dQ", &truth.grads.dq, &truth.bound_dq, &wrong_scale.dq, &dropped.dq, truth.magnitude[0]),
+        ("dK", &truth.grads.dk, &truth.bound_dk, &wrong_scale.dk, &dropped.dk, truth.magnitude[1]),
+        ("dV", &truth.grads.dv, &truth.bound_dv, &wrong_scale.dv, &dropped.dv, truth.magnitude[2]),
+    ] {
+        gate.score("zeros", name, ArrayD::zeros(truth_t.raw_dim()).view(), truth_t.view(), bound.view(), unit, scale);
+        gate.score("scale 1/d", name, wrong.view(), truth_t.view(), bound.view(), unit, scale);
+        gate.score("last KV tile dropped", name, dropped_t.view(), truth_t.view(), bound.view(), unit, scale);
+    }
+    Ok(Verdict { outputs, gate })
+}
