@@ -52,8 +52,9 @@ fn backward_truth(
     let (mut bound_dq, mut bound_dk, mut bound_dv, mut bound_delta) =
         (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V), zeros(Operand::RowStat));
     let (mut abs_dk, mut abs_dv) = (zeros(Operand::K), zeros(Operand::V));
-    // Largest |α| Σ_j P_ij (|dP_ij| + |D_i|) |k_jc| (dQ), the same over i with |q_ic| (dK), and
-    // Σ_i P_ij |dO_ic| (dV): magnitudes of the summed terms, blind to cancellation.
+    // Magnitudes of the terms each gradient sums, blind to cancellation at every level: with
+    // t_ij = P_ij (Σ_c |dO_ic||v_jc| + Σ_c |dO_ic||o_ic|) (the terms of dP and of D inside dS),
+    // |α| Σ_j t_ij |k_jc| (dQ), |α| Σ_i t_ij |q_ic| (dK), Σ_i P_ij |dO_ic| (dV); the largest of each.
     let mut magnitude = [0f64; 3];
     let scale = spec.scale_value::<f64>(());
     for seq in spec.sequences() {
@@ -92,7 +93,11 @@ fn backward_truth(
             };
             let b = backward_bounds(bx, &fb, recipe, q_tile)?;
             let (len_q, len_k) = p.dim();
-            let term = |i: usize, j: usize| p[[i, j]] * (dp[[i, j]].abs() + hg.delta[i].abs());
+            let abs_dot =
+                |a: ndarray::ArrayView2<'_, f64>, i: usize, b: ndarray::ArrayView2<'_, f64>, j: usize| -> f64 {
+                    a.row(i).iter().zip(b.row(j)).map(|(x, y)| x.abs() * y.abs()).sum()
+                };
+            let term = |i: usize, j: usize| p[[i, j]] * (abs_dot(gh, i, vh, j) + abs_dot(gh, i, fwd.o.view(), i));
             for c in 0..spec.head_dim {
                 for i in 0..len_q {
                     let m = scale.abs() * (0..len_k).map(|j| term(i, j) * kh[[j, c]].abs()).sum::<f64>();

@@ -74,3 +74,19 @@ pub fn profile() -> impl Strategy<Value = ValueProfile> {
     )
         .prop_map(|(distribution, logit_scale, value_mean)| ValueProfile { distribution, logit_scale, value_mean })
 }
+
+/// The proptest configuration of a harness suite: `default_cases` unless `PROPTEST_CASES` is set
+/// (so that `cargo xtask fuzz` and the mutation runner can change the budget), failures persisted
+/// to `proptest-regressions/<suite>.txt` in the harness package (commit those files; each
+/// regression also becomes a named test).
+pub fn suite_config(suite: &str, default_cases: u32) -> proptest::test_runner::Config {
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default_cases);
+    proptest::test_runner::Config {
+        cases,
+        max_global_rejects: 4 * cases.max(64),
+        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Direct(Box::leak(
+            format!("proptest-regressions/{suite}.txt").into_boxed_str(),
+        )))),
+        ..proptest::test_runner::Config::default()
+    }
+}

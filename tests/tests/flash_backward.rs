@@ -5,7 +5,7 @@
 use attnproof_harness::backward::{BackwardCandidate, verify_backward};
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{make_case, make_d_out};
-use attnproof_harness::strategies::{profile, spec};
+use attnproof_harness::strategies::{profile, spec, suite_config};
 use attnproof_harness::{Case, HarnessError};
 use attnproof_oracle::spec::Operand;
 use attnproof_reference::{
@@ -78,7 +78,7 @@ fn check<T: Element>(case: &Case<T>, d_out: &ArrayD<T>) -> Result<(), TestCaseEr
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, max_global_rejects: 200, ..ProptestConfig::default() })]
+    #![proptest_config(suite_config("flash_backward", 32))]
 
     #[test]
     fn reference_backward_is_within_bound_bf16(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
@@ -90,5 +90,32 @@ proptest! {
     fn reference_backward_is_within_bound_f16(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
         let case = make_case::<f16>(&spec, profile, seed);
         check(&case, &make_d_out(&spec, seed))?;
+    }
+}
+
+/// Regression (proptest, flash_backward.txt): one query over two keys, d = 1, peaked, logit
+/// scale 20. The exact dQ vanishes by cancellation, so "zeros" is not a wrong answer there; the
+/// gate once declared the case invalid because it judged visibility against the noise-sized dQ.
+#[test]
+fn gate_treats_a_gradient_that_cancels_to_zero_as_indistinguishable() {
+    use attnproof_harness::generate::{Distribution, ValueProfile};
+    let spec = attnproof_oracle::AttentionSpec::dense(1, 1, 1, 1, 2, 1, 1);
+    let profile = ValueProfile { distribution: Distribution::Peaked, logit_scale: 20.0, value_mean: 0.0 };
+    let seed = 1189096944260537085;
+    let case = make_case::<bf16>(&spec, profile, seed);
+    check(&case, &make_d_out(&spec, seed)).expect("verdict passes and the gate is valid");
+}
+
+/// Regression (proptest, flash_backward.txt): GQA 3:1, d = 1, dv = 59, Gaussian, logit scale 4,
+/// f16. dK is small against the terms it sums, and "zeros" was judged visible against dK itself.
+#[test]
+fn gate_judges_dk_against_the_magnitude_of_its_terms() {
+    use attnproof_harness::generate::{Distribution, ValueProfile};
+    let spec = attnproof_oracle::AttentionSpec::dense(1, 3, 1, 2, 2, 1, 59);
+    let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 4.0, value_mean: 0.0 };
+    let seed = 12786899506420958965;
+    for case_seed in [seed, seed ^ 1] {
+        let case = make_case::<f16>(&spec, profile, case_seed);
+        check(&case, &make_d_out(&spec, case_seed)).expect("verdict passes and the gate is valid");
     }
 }

@@ -3,7 +3,7 @@
 
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::make_case;
-use attnproof_harness::strategies::{profile, spec};
+use attnproof_harness::strategies::{profile, spec, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
 use attnproof_oracle::spec::Operand;
 use attnproof_reference::{Element, ForwardOutputs, TileConfig, flash_forward};
@@ -28,7 +28,7 @@ fn check<T: Element>(case: &Case<T>, tiles: TileConfig) -> Result<Verdict, TestC
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, max_global_rejects: 200, ..ProptestConfig::default() })]
+    #![proptest_config(suite_config("flash_forward", 48))]
 
     #[test]
     fn reference_forward_is_within_bound_bf16(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
