@@ -112,7 +112,7 @@ pub fn hadamard_invariance(
 
 /// A structural failure of the selection, reported as a mismatch of `found` against `expected`.
 fn selection_violation(quantity: &'static str, found: String, expected: String, index: Vec<usize>) -> Violation {
-    Violation::NonFinite { theorem: "causal_top_k_is_exact (E16)", quantity, found, expected, index }
+    Violation::Mismatch { theorem: "causal_top_k_is_exact (E16)", quantity, found, expected, index }
 }
 
 /// **Theorem (E16, exact causal top-κ).** For scores `I [T, T]` whose causal entries are finite,
@@ -295,7 +295,7 @@ pub fn kl_loss_matches_definition(
     // Gibbs' inequality holds exactly; allow the rounding of the definition's own sum.
     let floor = Mp(rug::Float::with_val(ctx.0, rug::Float::i_exp(1, -(required.0 as i32))));
     if let Some(t) = found.per_query.iter().position(|x| *x < -floor.clone()) {
-        return Err(Violation::NonFinite {
+        return Err(Violation::Mismatch {
             theorem: T,
             quantity: "KL per query",
             found: found.per_query[t].to_string(),

@@ -67,6 +67,21 @@ pub enum Violation {
         /// Where.
         index: Vec<usize>,
     },
+    /// A discrete or structural property fails: a wrong index set, a broken ordering, a sign a
+    /// statement requires.
+    #[error("{theorem}: `{quantity}` is {found}, expected {expected} (at index {index:?})")]
+    Mismatch {
+        /// The theorem.
+        theorem: &'static str,
+        /// The property or quantity.
+        quantity: &'static str,
+        /// What was found.
+        found: String,
+        /// What the statement requires.
+        expected: String,
+        /// Where.
+        index: Vec<usize>,
+    },
     /// A bound of a rounding-error model was exceeded.
     #[error(
         "{theorem}: `{quantity}` error {error:e} exceeds its bound {bound:e} (ratio {ratio:.3}) at index {index:?}"
