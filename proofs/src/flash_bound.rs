@@ -14,9 +14,11 @@
 //! - scores: `σ_ij = (g(d) + 3u) |α| Σ_c |q_ic||k_jc|` (f32 dot product, `α̂ = fl32(1/√d)`, one
 //!   product);
 //! - weight of key `j` after every rescale: relative error
-//!   `η_ij = σ_ij + 2u|s_ij − m_i| + 2u + 3u·n_t`: the rounding of `s − m'` (`|s − m'| ≤ |s − m|`),
-//!   `exp` (≤ 2u), and the chain of later rescales `exp(m_t − m_{t+1})` (each 2u plus
-//!   `u|m_t − m_{t+1}|`, and these differences sum to at most `m_i − s_ij`) and their products;
+//!   `η_ij = σ_ij + 2u|s_ij − m_i| + e + c|m_i| + (e + u)·n_t`: the rounding of `s − m'`
+//!   (`|s − m'| ≤ |s − m|`), `exp` (relative error `e`, `2u` for libm), the argument's shift
+//!   rounding `c|m|` (0 for `fl(s − m)`; see [`FlashRecipe::shift_rounding`]), and the chain of
+//!   later rescales `exp(m_t − m_{t+1})` (each `e` plus `u|m_t − m_{t+1}|`, and these differences
+//!   sum to at most `m_i − s_ij`) and their products;
 //! - `O_ic`: `Σ_j p_ij η_ij |v_jc − o_ic|` (softmax sensitivity `∂o/∂s_j = p_j(v_j − o)`, the shift
 //!   cancels), `+ u_T Σ_j p_ij |v_jc|` (the numerator uses `round_T(p)`, the denominator the f32
 //!   `p`), `+ g(Lk + n_t)(Σ_j p_ij |v_jc| + |o_ic|)` (the f32 sums `A` and `ℓ`, every term of which
@@ -63,6 +65,29 @@ pub struct FlashRecipe {
     /// Additional rescale steps beyond one per KV tile: the E4 merges of a schedule that splits a
     /// row's keys across workers (ring attention: one per device); 0 for a single-pass forward.
     pub extra_merges: usize,
+    /// Relative error of the `exp` the candidate uses: `2u` for a libm `expf` (below 1 ulp); a
+    /// kernel using `ex2.approx` states its own (and its proof).
+    pub exp_error: f64,
+    /// Extra absolute error of the exponent argument per unit of `|m|` (the row max or LSE): 0
+    /// when the argument is `fl(s − m)`; `u` for an argument formed as `s·c − fl(m·c)` with
+    /// `c = log2 e` (the rounding of `m·c` shifts every argument by up to `u|m|c`, i.e. `u|m|`
+    /// in natural-log units).
+    pub shift_rounding: f64,
+}
+
+impl FlashRecipe {
+    /// The recipe of a schedule using libm `expf` on `fl(s − m)`: storage unit roundoff
+    /// `unit_roundoff`, subnormal `subnormal`, KV tiles of `kv_tile` keys, no extra merges.
+    pub fn libm(unit_roundoff: f64, subnormal: f64, kv_tile: usize) -> Self {
+        FlashRecipe {
+            unit_roundoff,
+            subnormal,
+            kv_tile,
+            extra_merges: 0,
+            exp_error: 2.0 * F32_UNIT_ROUNDOFF,
+            shift_rounding: 0.0,
+        }
+    }
 }
 
 /// One head's exact-enough quantities (from the f64 oracle) for evaluating the bound.
@@ -120,8 +145,9 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
                 let dot: f64 = x.q.row(i).iter().zip(x.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
                 (gamma32(d) + 3.0 * u) * x.scale * dot
                     + 2.0 * u * (x.s[[i, j]] - m).abs()
-                    + 2.0 * u
-                    + 3.0 * u * n_t as f64
+                    + recipe.exp_error
+                    + recipe.shift_rounding * m.abs()
+                    + (recipe.exp_error + u) * n_t as f64
             })
             .collect();
         worst = worst.max(eta.iter().copied().fold(0.0, f64::max));
@@ -195,7 +221,7 @@ pub struct BackwardBounds {
 /// rounded to `T`. With `forward` the bounds of the candidate's forward outputs, first order:
 ///
 /// - `ν_i = g(dv) Σ_c |dO_ic||o_ic| + Σ_c |dO_ic| b^O_ic` (`D`);
-/// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + 2u` (relative error of `P`);
+/// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + e + c|LSE_i|` (relative error of `P`);
 /// - `dV_jc`: `Σ_i p_ij (π_ij + u_T + g(Lq + n_q)) |dO_ic| + Lq (τ_T + τ₃₂) max_i |dO_ic|`
 ///   `+ u_T |dV_jc| + τ_T`;
 /// - `ρ_ij = g(dv) Σ_c |dO_ic||v_jc|` (`dP`);
@@ -232,7 +258,11 @@ pub fn backward_bounds(
             }
             let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
             let sigma = (gamma32(d) + 3.0 * u) * f.scale * dot;
-            pi[[i, j]] = sigma + forward.lse[i] + u * (f.s[[i, j]] - f.lse[i]).abs() + 2.0 * u;
+            pi[[i, j]] = sigma
+                + forward.lse[i]
+                + u * (f.s[[i, j]] - f.lse[i]).abs()
+                + recipe.exp_error
+                + recipe.shift_rounding * f.lse[i].abs();
             worst = worst.max(pi[[i, j]]);
         }
     }

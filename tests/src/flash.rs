@@ -109,7 +109,7 @@ pub fn problem_forward_bounds(
 
 /// The recipe of the reference forward for storage type `T` and KV tile `kv_tile`.
 pub fn recipe<T: Element>(kv_tile: usize) -> FlashRecipe {
-    FlashRecipe { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: subnormal_of::<T>() as f64, kv_tile, extra_merges: 0 }
+    FlashRecipe::libm(T::UNIT_ROUNDOFF, subnormal_of::<T>() as f64, kv_tile)
 }
 
 /// The smallest positive subnormal of `T`: the first power of two, from f32's smallest subnormal
