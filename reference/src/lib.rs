@@ -10,8 +10,10 @@ pub mod element;
 pub mod error;
 pub mod flash;
 pub mod mask;
+pub mod ring;
 
 pub use backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
 pub use element::Element;
 pub use error::ReferenceError;
 pub use flash::{ForwardOutputs, Inputs, TileConfig, flash_forward, flash_forward_owned};
+pub use ring::{RingConfig, RingLayout, RingStats, ring_backward, ring_forward};

@@ -1,0 +1,383 @@
+//! The ring attention reference (E11, E11a zigzag), forward and backward, verified against the
+//! oracle on fuzzed shapes (G ∈ 1..=4, both layouts, every mask kind, lengths that G and 2G do
+//! not divide, GQA, varlen) in bf16 and f16, under the flash model with the ring's extra tiles
+//! (`RingConfig::extra_merges`); plus the schedule's own claims: G = 1 is the single-pass flash
+//! schedule bit for bit, the causal skip count matches an independent count, zigzag balances
+//! causal work and contiguous does not, and every layout agrees within the bound.
+
+use attnproof_harness::backward::{BackwardCandidate, verify_backward};
+use attnproof_harness::flash::{ForwardTruth, problem_forward_bounds, recipe};
+use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_harness::strategies::{profile, spec};
+use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
+use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Pair, Scale};
+use attnproof_proofs::flash_bound::FlashRecipe;
+use attnproof_reference::{
+    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, ForwardOutputs, ReferenceError, RingConfig, RingLayout,
+    RingStats, TileConfig, flash_backward, flash_forward, ring_backward, ring_forward,
+};
+use half::{bf16, f16};
+use ndarray::ArrayD;
+use proptest::prelude::*;
+
+const TILE: usize = 8;
+const TILES: TileConfig = TileConfig { q_tile: TILE, kv_tile: TILE };
+
+fn config(n_devices: usize, layout: RingLayout) -> RingConfig {
+    RingConfig { n_devices, layout, tiles: TILES }
+}
+
+fn ring_config() -> impl Strategy<Value = RingConfig> {
+    (1usize..=4, prop_oneof![Just(RingLayout::Contiguous), Just(RingLayout::Zigzag)])
+        .prop_map(|(g, layout)| config(g, layout))
+}
+
+/// The flash model with the ring's extra tiles per row.
+fn ring_recipe<T: Element>(config: RingConfig) -> FlashRecipe {
+    FlashRecipe { extra_merges: config.extra_merges(), ..recipe::<T>(config.tiles.kv_tile) }
+}
+
+fn fail<E: std::fmt::Display>(e: E) -> TestCaseError {
+    TestCaseError::fail(e.to_string())
+}
+
+/// A case outside the model's hypothesis is rejected, not failed.
+fn verdict(v: Result<Verdict, HarnessError>) -> Result<Verdict, TestCaseError> {
+    match v {
+        Ok(v) => Ok(v),
+        Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+/// Ring forward into NaN-poisoned outputs, so that an element no device writes fails.
+fn forward<T: Element>(
+    case: &Case<T>,
+    config: RingConfig,
+) -> Result<(ArrayD<T>, ArrayD<f32>, RingStats), ReferenceError> {
+    let mut o = ArrayD::from_elem(case.spec.expected_shape(Operand::O), T::from_f32(f32::NAN));
+    let mut lse = ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), f32::NAN);
+    let stats =
+        ring_forward(&case.spec, &case.inputs(), config, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
+    Ok((o, lse, stats))
+}
+
+/// NaN-poisoned gradients after one backward run.
+#[derive(Debug)]
+struct Grads<T> {
+    dq: ArrayD<T>,
+    dk: ArrayD<T>,
+    dv: ArrayD<T>,
+    delta: ArrayD<f32>,
+}
+
+impl<T: Element> Grads<T> {
+    fn poisoned(spec: &AttentionSpec) -> Self {
+        let nan = |op| ArrayD::from_elem(spec.expected_shape(op), T::from_f32(f32::NAN));
+        Grads {
+            dq: nan(Operand::Q),
+            dk: nan(Operand::K),
+            dv: nan(Operand::V),
+            delta: ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN),
+        }
+    }
+    fn outputs(&mut self) -> BackwardOutputs<'_, T> {
+        BackwardOutputs {
+            dq: self.dq.view_mut(),
+            dk: self.dk.view_mut(),
+            dv: self.dv.view_mut(),
+            delta: self.delta.view_mut(),
+        }
+    }
+    fn candidate(&self) -> BackwardCandidate<'_, T> {
+        BackwardCandidate { dq: self.dq.view(), dk: self.dk.view(), dv: self.dv.view(), delta: self.delta.view() }
+    }
+}
+
+/// Ring forward, then ring backward from its `O` and `LSE`, both under `config`.
+fn backward<T: Element>(
+    case: &Case<T>,
+    d_out: &ArrayD<T>,
+    config: RingConfig,
+) -> Result<(Grads<T>, RingStats), ReferenceError> {
+    let (o, lse, _) = forward(case, config)?;
+    let mut g = Grads::poisoned(&case.spec);
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o.view(),
+        lse: lse.view(),
+        d_out: d_out.view(),
+    };
+    let stats = ring_backward(&case.spec, &inputs, config, g.outputs())?;
+    Ok((g, stats))
+}
+
+fn check_forward<T: Element>(case: &Case<T>, config: RingConfig) -> Result<(), TestCaseError> {
+    let (o, lse, _) = forward(case, config).map_err(fail)?;
+    let v = verdict(verify_forward(case, ring_recipe::<T>(config), o.view(), lse.view()))?;
+    prop_assert!(v.passed(), "{config:?}\n{v}");
+    prop_assert!(v.valid(), "{config:?}\n{v}");
+    Ok(())
+}
+
+fn check_backward<T: Element>(case: &Case<T>, d_out: &ArrayD<T>, config: RingConfig) -> Result<(), TestCaseError> {
+    let (g, _) = backward(case, d_out, config).map_err(fail)?;
+    let v = verdict(verify_backward(case, d_out, TILE, ring_recipe::<T>(config), g.candidate()))?;
+    prop_assert!(v.passed(), "{config:?}\n{v}");
+    prop_assert!(v.valid(), "{config:?}\n{v}");
+    Ok(())
+}
+
+/// The pieces of `len` positions that `device` holds, re-derived here from E11/E11a (not taken
+/// from the schedule): `P` pieces `⌊c·n/P⌋ .. ⌊(c+1)·n/P⌋`; contiguous piece `g`, zigzag pieces
+/// `g` and `2G − 1 − g`.
+fn held(layout: RingLayout, n_devices: usize, device: usize, len: usize) -> Vec<usize> {
+    let (p, pieces) = match layout {
+        RingLayout::Contiguous => (n_devices, vec![device]),
+        RingLayout::Zigzag => (2 * n_devices, vec![device, 2 * n_devices - 1 - device]),
+    };
+    pieces.into_iter().flat_map(|c| c * len / p..(c + 1) * len / p).collect()
+}
+
+fn sees(spec: &AttentionSpec, seq: &Sequence, query: usize, key: usize) -> bool {
+    spec.mask.visible(Pair { query, key, len_q: seq.len_q, len_k: seq.len_k })
+}
+
+/// Independent counts: `(sequence, device, step)` triples where the block `(g − t) mod G` holds
+/// no key visible to the device's queries, and per device its visible (head, query, key) pairs.
+fn expected_stats(spec: &AttentionSpec, config: RingConfig) -> RingStats {
+    let g_count = config.n_devices;
+    let mut stats = RingStats { skipped_blocks: 0, visible_pairs: vec![0; g_count] };
+    for seq in spec.sequences() {
+        for g in 0..g_count {
+            let queries = held(config.layout, g_count, g, seq.len_q);
+            for t in 0..g_count {
+                let keys = held(config.layout, g_count, (g + g_count - t) % g_count, seq.len_k);
+                let pairs =
+                    queries.iter().map(|&i| keys.iter().filter(|&&j| sees(spec, &seq, i, j)).count()).sum::<usize>();
+                if pairs == 0 {
+                    stats.skipped_blocks += 1;
+                }
+                stats.visible_pairs[g] += (pairs * spec.n_heads_q) as u64;
+            }
+        }
+    }
+    stats
+}
+
+fn bits<T: Element>(a: &ArrayD<T>) -> Vec<u32> {
+    a.iter().map(|x| x.to_f32().to_bits()).collect()
+}
+
+fn dense_causal(len: usize, heads: (usize, usize), d: usize) -> AttentionSpec {
+    AttentionSpec {
+        layout: Layout::Dense { batch: 1, len_q: len, len_k: len },
+        n_heads_q: heads.0,
+        n_heads_kv: heads.1,
+        head_dim: d,
+        head_dim_v: d,
+        scale: Scale::InverseSqrtHeadDim,
+        mask: Mask::Causal,
+    }
+}
+
+const GAUSSIAN: ValueProfile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 4.0, value_mean: 0.0 };
+
+proptest! {
+    #![proptest_config(attnproof_harness::strategies::suite_config("ring", 24))]
+
+    #[test]
+    fn ring_forward_is_within_bound_bf16(spec in spec(TILE), cfg in ring_config(), profile in profile(), seed in any::<u64>()) {
+        check_forward(&make_case::<bf16>(&spec, profile, seed), cfg)?;
+    }
+
+    #[test]
+    fn ring_forward_is_within_bound_f16(spec in spec(TILE), cfg in ring_config(), profile in profile(), seed in any::<u64>()) {
+        check_forward(&make_case::<f16>(&spec, profile, seed), cfg)?;
+    }
+
+    #[test]
+    fn ring_backward_is_within_bound_bf16(spec in spec(TILE), cfg in ring_config(), profile in profile(), seed in any::<u64>()) {
+        check_backward(&make_case::<bf16>(&spec, profile, seed), &make_d_out(&spec, seed), cfg)?;
+    }
+
+    #[test]
+    fn ring_backward_is_within_bound_f16(spec in spec(TILE), cfg in ring_config(), profile in profile(), seed in any::<u64>()) {
+        check_backward(&make_case::<f16>(&spec, profile, seed), &make_d_out(&spec, seed), cfg)?;
+    }
+
+    /// One device holds everything and visits its tiles in the flash order: same bits, forward
+    /// and backward (against strategy A, whose dQ also sums keys in ascending order).
+    #[test]
+    fn one_device_is_flash_bit_for_bit(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
+        let case = make_case::<bf16>(&spec, profile, seed);
+        let cfg = config(1, RingLayout::Contiguous);
+        let (o, lse, _) = forward(&case, cfg).map_err(fail)?;
+        let mut o_flash = ArrayD::from_elem(spec.expected_shape(Operand::O), bf16::from_f32(f32::NAN));
+        let mut lse_flash = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
+        flash_forward(&spec, &case.inputs(), TILES, ForwardOutputs { o: o_flash.view_mut(), lse: lse_flash.view_mut() })
+            .map_err(fail)?;
+        prop_assert_eq!(bits(&o), bits(&o_flash));
+        prop_assert_eq!(bits(&lse), bits(&lse_flash));
+        let d_out = make_d_out::<bf16>(&spec, seed);
+        let (ring, _) = backward(&case, &d_out, cfg).map_err(fail)?;
+        let mut flash = Grads::poisoned(&spec);
+        let inputs = BackwardInputs {
+            q: case.q.view(), k: case.k.view(), v: case.v.view(), o: o.view(), lse: lse.view(), d_out: d_out.view(),
+        };
+        flash_backward(&spec, &inputs, TILES, BackwardStrategy::TwoTraversals, flash.outputs()).map_err(fail)?;
+        prop_assert_eq!(bits(&ring.dq), bits(&flash.dq));
+        prop_assert_eq!(bits(&ring.dk), bits(&flash.dk));
+        prop_assert_eq!(bits(&ring.dv), bits(&flash.dv));
+        prop_assert_eq!(bits(&ring.delta), bits(&flash.delta));
+    }
+
+    /// Every device count and layout gives the same answer within the bound: each pair differs
+    /// by at most the sum of the two bounds (a layout-dependent bug shows here as a pair).
+    #[test]
+    fn layouts_agree_within_the_bound(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
+        let case = make_case::<f16>(&spec, profile, seed);
+        let [q, k, v] = case.widened();
+        let mut runs = Vec::new();
+        for g in 1..=4 {
+            for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+                let cfg = config(g, layout);
+                let (o, lse, _) = forward(&case, cfg).map_err(fail)?;
+                let truth = match problem_forward_bounds(&spec, &q, &k, &v, ring_recipe::<f16>(cfg)) {
+                    Ok(t) => t,
+                    Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
+                    Err(e) => return Err(fail(e)),
+                };
+                runs.push((cfg, o.mapv(|x| x.to_f32() as f64), lse.mapv(|x| x as f64), truth));
+            }
+        }
+        for (a, b) in runs.iter().zip(runs.iter().skip(1)) {
+            let close = |x: &ArrayD<f64>, y: &ArrayD<f64>, bx: &ArrayD<f64>, by: &ArrayD<f64>| {
+                x.iter().zip(y).zip(bx.iter().zip(by)).all(|((x, y), (bx, by))| {
+                    if x.is_finite() && y.is_finite() { (x - y).abs() <= bx + by } else { x == y }
+                })
+            };
+            let (ta, tb): (&ForwardTruth, &ForwardTruth) = (&a.3, &b.3);
+            prop_assert!(close(&a.1, &b.1, &ta.bound_o, &tb.bound_o), "O: {:?} vs {:?}", a.0, b.0);
+            prop_assert!(close(&a.2, &b.2, &ta.bound_lse, &tb.bound_lse), "LSE: {:?} vs {:?}", a.0, b.0);
+        }
+    }
+}
+
+proptest! {
+    // Cheap (no oracle): more cases, so that rare shapes (empty pieces, G > Lq) come up.
+    #![proptest_config(attnproof_harness::strategies::suite_config("ring_counts", 128))]
+
+    /// The skip count and per-device loads of forward and backward equal an independent count.
+    #[test]
+    fn skips_and_loads_match_an_independent_count(spec in spec(TILE), cfg in ring_config(), seed in any::<u64>()) {
+        let case = make_case::<bf16>(&spec, GAUSSIAN, seed);
+        let expected = expected_stats(&spec, cfg);
+        let (_, _, fwd) = forward(&case, cfg).map_err(fail)?;
+        prop_assert_eq!(&fwd, &expected, "forward {:?}", cfg);
+        let (_, bwd) = backward(&case, &make_d_out(&spec, seed), cfg).map_err(fail)?;
+        prop_assert_eq!(&bwd, &expected, "backward {:?}", cfg);
+    }
+}
+
+/// Causal, `Lq = Lk = 64`, 4 devices: contiguous skips the `G(G−1)/2 = 6` blocks above the
+/// diagonal; zigzag skips none (every device's late piece sees every block's early piece).
+#[test]
+fn causal_skip_counts() {
+    let spec = dense_causal(64, (1, 1), 16);
+    let case = make_case::<bf16>(&spec, GAUSSIAN, 7);
+    let (_, _, contiguous) = forward(&case, config(4, RingLayout::Contiguous)).unwrap();
+    assert_eq!(contiguous.skipped_blocks, 6);
+    let (_, _, zigzag) = forward(&case, config(4, RingLayout::Zigzag)).unwrap();
+    assert_eq!(zigzag.skipped_blocks, 0);
+    // Non-causal: nothing to skip.
+    let full = AttentionSpec { mask: Mask::None, ..spec };
+    let (_, _, none) = forward(&make_case::<bf16>(&full, GAUSSIAN, 7), config(4, RingLayout::Contiguous)).unwrap();
+    assert_eq!(none.skipped_blocks, 0);
+}
+
+/// Causal load per device: zigzag within one row's worth (`n` pairs) of perfect balance, exact
+/// when `2G` divides `n`; contiguous off by more than that (≈ `(n/G)²(G−1)`).
+#[test]
+fn zigzag_balances_causal_work_and_contiguous_does_not() {
+    for g in 2..=4 {
+        for n in [4 * g, 4 * g + 1, 6 * g - 1, 8 * g, 8 * g + 3, 61] {
+            let spec = dense_causal(n, (1, 1), 8);
+            let case = make_case::<bf16>(&spec, GAUSSIAN, n as u64);
+            let spread = |layout| {
+                let (_, _, s) = forward(&case, config(g, layout)).unwrap();
+                assert_eq!(s, expected_stats(&spec, config(g, layout)), "G={g} n={n} {layout:?}");
+                s.visible_pairs.iter().max().unwrap() - s.visible_pairs.iter().min().unwrap()
+            };
+            let (zigzag, contiguous) = (spread(RingLayout::Zigzag), spread(RingLayout::Contiguous));
+            assert!(zigzag <= n as u64, "G={g} n={n}: zigzag spread {zigzag}");
+            if n % (2 * g) == 0 {
+                assert_eq!(zigzag, 0, "G={g} n={n}");
+            }
+            assert!(contiguous > n as u64, "G={g} n={n}: contiguous spread {contiguous}");
+        }
+    }
+}
+
+/// More devices than tokens (empty pieces), `Lq > Lk` causal (fully masked rows: O = 0,
+/// LSE = −∞, zero gradients), GQA 6:3 in one run, both layouts, forward and backward.
+#[test]
+fn empty_pieces_and_fully_masked_rows_verify() {
+    for (len_q, len_k) in [(1, 1), (3, 2), (9, 3), (2, 13)] {
+        let spec = AttentionSpec {
+            layout: Layout::Dense { batch: 2, len_q, len_k },
+            n_heads_q: 6,
+            n_heads_kv: 3,
+            head_dim: 16,
+            head_dim_v: 8,
+            scale: Scale::InverseSqrtHeadDim,
+            mask: Mask::Causal,
+        };
+        let case = make_case::<f16>(&spec, GAUSSIAN, 11);
+        let d_out = make_d_out::<f16>(&spec, 11);
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            let cfg = config(4, layout);
+            let (o, lse, _) = forward(&case, cfg).unwrap();
+            let v = verify_forward(&case, ring_recipe::<f16>(cfg), o.view(), lse.view()).unwrap();
+            assert!(v.passed() && v.valid(), "{len_q}x{len_k} {layout:?}\n{v}");
+            if len_q > len_k {
+                assert!(lse.iter().any(|x| *x == f32::NEG_INFINITY), "a fully masked row exists");
+            }
+            let (grads, _) = backward(&case, &d_out, cfg).unwrap();
+            let v = verify_backward(&case, &d_out, TILE, ring_recipe::<f16>(cfg), grads.candidate()).unwrap();
+            assert!(v.passed() && v.valid(), "{len_q}x{len_k} {layout:?}\n{v}");
+        }
+    }
+}
+
+#[test]
+fn bad_configurations_are_typed_errors() {
+    let spec = dense_causal(8, (2, 1), 8);
+    let case = make_case::<bf16>(&spec, GAUSSIAN, 3);
+    let zero = RingConfig { n_devices: 0, ..config(2, RingLayout::Zigzag) };
+    assert_eq!(
+        forward(&case, zero).unwrap_err(),
+        ReferenceError::Problem(OracleError::ZeroDimension { argument: "n_devices" })
+    );
+    let no_tile = RingConfig { tiles: TileConfig { q_tile: 8, kv_tile: 0 }, ..config(2, RingLayout::Zigzag) };
+    assert_eq!(forward(&case, no_tile).unwrap_err(), ReferenceError::ZeroTile { argument: "kv_tile" });
+    let d_out = make_d_out::<bf16>(&spec, 3);
+    assert_eq!(
+        backward(&case, &d_out, zero).unwrap_err(),
+        ReferenceError::Problem(OracleError::ZeroDimension { argument: "n_devices" })
+    );
+    // A wrong output shape names the output.
+    let mut o = ArrayD::from_elem(vec![1, 2, 8, 7], bf16::from_f32(0.0));
+    let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), 0f32);
+    let err = ring_forward(
+        &spec,
+        &case.inputs(),
+        config(2, RingLayout::Contiguous),
+        ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() },
+    )
+    .unwrap_err();
+    assert!(matches!(err, ReferenceError::Problem(OracleError::ShapeMismatch { argument: "o", .. })), "{err}");
+}
