@@ -8,6 +8,7 @@ pub mod backward;
 pub mod flash;
 pub mod gate;
 pub mod generate;
+pub mod sparse;
 pub mod strategies;
 pub mod verdict;
 

@@ -1,0 +1,282 @@
+//! Verifier glue for the sparse schedules: each sparse problem is re-expressed as dense attention
+//! under a visibility predicate on a sub-problem whose every head shares that visibility, and then
+//! verified with the dense verifier ([`verify_forward`], [`verify_backward`]) and the dense
+//! rounding-error model (the sparse recipes are the dense ones; see `attnproof_reference::sparse`).
+//!
+//! A [`Mask::Predicate`] sees a (query, key) pair but neither the sequence nor the head, while
+//! block-sparse lists are per (sequence, query head) and NSA selections per KV head. So:
+//!
+//! - block-sparse forward: one sub-problem per (sequence, query head), `Hq = Hkv = 1`, mask
+//!   `spec.mask ∧ listed(tile(j) ∈ C_{tile(i)})`;
+//! - block-sparse backward: one sub-problem per (sequence, KV head) with `Hq = G`, `Hkv = 1`
+//!   (dK/dV are summed over the group, so its heads must be verified together), which requires
+//!   the group's heads to share their lists ([`SparseHarnessError::GroupListsDiffer`] otherwise);
+//! - NSA: one sub-problem per KV head, `Hq = G`, `Hkv = 1`, mask `causal ∧ selected(block(j))`;
+//! - DSA: the whole problem at once (`Hkv = 1`, MQA), mask `selected(j)`.
+//!
+//! Sub-problems are single-sequence varlen specs (`[L, H, D]`, LSE `[H, L]`), so both dense and
+//! varlen originals map onto them. The predicate encodings are themselves checked against the
+//! oracle's sparse functions by the tests (`block_sparse_forward`, `token_sparse_attention`,
+//! `selected_attention`).
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::sync::Arc;
+
+use attnproof_oracle::block_sparse::BlockSparseLayout;
+use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::{AttentionSpec, Layout, Mask, Pair, Predicate};
+use attnproof_proofs::flash_bound::FlashRecipe;
+use attnproof_reference::Element;
+use ndarray::{ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
+use thiserror::Error;
+
+use crate::backward::{BackwardCandidate, verify_backward};
+use crate::flash::{Case, HarnessError, verify_forward};
+use crate::verdict::Verdict;
+
+/// Why a sparse case could not be verified.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum SparseHarnessError {
+    /// The dense verifier refused a sub-problem.
+    #[error(transparent)]
+    Harness(#[from] HarnessError),
+    /// The backward of a GQA group can only be verified when its heads share their lists (a
+    /// predicate mask cannot tell heads apart, and dK/dV sum over the group).
+    #[error("sequence {sequence}, KV head {kv_head}: query heads of the group have different lists")]
+    GroupListsDiffer {
+        /// Sequence index.
+        sequence: usize,
+        /// KV head.
+        kv_head: usize,
+    },
+}
+
+/// A single-sequence varlen spec with `n_heads_q` query heads over one KV head.
+fn sub_spec(spec: &AttentionSpec, len_q: usize, len_k: usize, n_heads_q: usize, mask: Mask) -> AttentionSpec {
+    AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len_q as i32], cu_seqlens_k: vec![0, len_k as i32] },
+        n_heads_q,
+        n_heads_kv: 1,
+        head_dim: spec.head_dim,
+        head_dim_v: spec.head_dim_v,
+        scale: spec.scale,
+        mask,
+    }
+}
+
+/// Heads `heads` of sequence `seq` of a tensor laid out by `spec`, stacked as `[L, |heads|, D]`.
+pub fn stack_heads<T: Clone>(
+    spec: &AttentionSpec,
+    t: ArrayViewD<'_, T>,
+    seq: &Sequence,
+    heads: Range<usize>,
+    keys: bool,
+) -> ArrayD<T> {
+    let views: Vec<_> = heads.map(|h| spec.head_rows(t.clone(), seq, h, keys)).collect();
+    ndarray::stack(Axis(1), &views).expect("heads share a shape").into_dyn()
+}
+
+/// Row statistics (LSE, D) of heads `heads` of sequence `seq`, as `[|heads|, Lq]`.
+pub fn stack_row_stats<T: Clone>(
+    spec: &AttentionSpec,
+    t: ArrayViewD<'_, T>,
+    seq: &Sequence,
+    heads: Range<usize>,
+) -> ArrayD<T> {
+    let views: Vec<_> = heads.map(|h| spec.head_row_stat(t.clone(), seq, h)).collect();
+    ndarray::stack(Axis(0), &views).expect("heads share a length").into_dyn()
+}
+
+/// The sub-case of `case` holding query heads `heads` (all reading one KV head) of sequence
+/// `seq`, under `mask`.
+pub fn sub_case<T: Element>(case: &Case<T>, seq: &Sequence, heads: Range<usize>, mask: Mask) -> Case<T> {
+    let spec = &case.spec;
+    let kv = spec.kv_head(heads.start);
+    assert_eq!(kv, spec.kv_head(heads.end - 1), "sub_case: heads {heads:?} span KV heads");
+    Case {
+        spec: sub_spec(spec, seq.len_q, seq.len_k, heads.len(), mask),
+        q: stack_heads(spec, case.q.view(), seq, heads.clone(), false),
+        k: stack_heads(spec, case.k.view(), seq, kv..kv + 1, true),
+        v: stack_heads(spec, case.v.view(), seq, kv..kv + 1, true),
+    }
+}
+
+/// `spec.mask ∧ (tile(key) listed for tile(query))` for (sequence `seq`, query head `head`).
+pub fn listed_tiles_mask(spec: &AttentionSpec, layout: &BlockSparseLayout, seq: &Sequence, head: usize) -> Mask {
+    let n_tiles = layout.lists.dim().2;
+    let listed: Vec<HashSet<usize>> = (0..n_tiles)
+        .map(|a| {
+            (0..layout.lists.dim().3)
+                .map(|w| layout.lists[[seq.index, head, a, w]])
+                .filter(|&b| b >= 0)
+                .map(|b| b as usize)
+                .collect()
+        })
+        .collect();
+    let (q_tile, kv_tile) = (layout.q_tile, layout.kv_tile);
+    let predicate = Predicate {
+        name: format!("listed tiles (sequence {}, head {head})", seq.index),
+        visible: Arc::new(move |p: Pair| listed[p.query / q_tile].contains(&(p.key / kv_tile))),
+    };
+    Mask::And(vec![spec.mask.clone(), Mask::Predicate(predicate)])
+}
+
+/// Verifies a block-sparse forward candidate `(O, LSE)`: one verdict per (sequence, query head).
+pub fn verify_block_sparse_forward<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    check_candidate_shape(spec, "o", Operand::O, o.shape())?;
+    check_candidate_shape(spec, "lse", Operand::RowStat, lse.shape())?;
+    let mut verdicts = Vec::new();
+    for seq in spec.sequences() {
+        for h in 0..spec.n_heads_q {
+            let sub = sub_case(case, &seq, h..h + 1, listed_tiles_mask(spec, layout, &seq, h));
+            let o_sub = stack_heads(spec, o.view(), &seq, h..h + 1, false);
+            let lse_sub = stack_row_stats(spec, lse.view(), &seq, h..h + 1);
+            verdicts.push(verify_forward(&sub, recipe, o_sub.view(), lse_sub.view())?);
+        }
+    }
+    Ok(verdicts)
+}
+
+/// Verifies a block-sparse backward candidate: one verdict per (sequence, KV head), whose query
+/// heads must share their lists. `q_tile` is the layout's.
+pub fn verify_block_sparse_backward<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+    d_out: &ArrayD<T>,
+    recipe: FlashRecipe,
+    candidate: BackwardCandidate<'_, T>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    check_candidate_shape(spec, "dq", Operand::Q, candidate.dq.shape())?;
+    check_candidate_shape(spec, "dk", Operand::K, candidate.dk.shape())?;
+    check_candidate_shape(spec, "dv", Operand::V, candidate.dv.shape())?;
+    check_candidate_shape(spec, "delta", Operand::RowStat, candidate.delta.shape())?;
+    let group = spec.group_size();
+    let mut verdicts = Vec::new();
+    for seq in spec.sequences() {
+        for kv in 0..spec.n_heads_kv {
+            let heads = kv * group..(kv + 1) * group;
+            let lists = layout.lists.index_axis(Axis(0), seq.index);
+            let first = lists.index_axis(Axis(0), heads.start);
+            if heads.clone().any(|h| lists.index_axis(Axis(0), h) != first) {
+                return Err(SparseHarnessError::GroupListsDiffer { sequence: seq.index, kv_head: kv });
+            }
+            let sub = sub_case(case, &seq, heads.clone(), listed_tiles_mask(spec, layout, &seq, heads.start));
+            let d_out_sub = stack_heads(spec, d_out.view(), &seq, heads.clone(), false);
+            let (dq, dk, dv, delta) = (
+                stack_heads(spec, candidate.dq.clone(), &seq, heads.clone(), false),
+                stack_heads(spec, candidate.dk.clone(), &seq, kv..kv + 1, true),
+                stack_heads(spec, candidate.dv.clone(), &seq, kv..kv + 1, true),
+                stack_row_stats(spec, candidate.delta.clone(), &seq, heads.clone()),
+            );
+            let sub_candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+            verdicts.push(verify_backward(&sub, &d_out_sub, layout.q_tile, recipe, sub_candidate)?);
+        }
+    }
+    Ok(verdicts)
+}
+
+fn check_candidate_shape(
+    spec: &AttentionSpec,
+    argument: &'static str,
+    operand: Operand,
+    actual: &[usize],
+) -> Result<(), HarnessError> {
+    let expected = spec.expected_shape(operand);
+    if actual != expected.as_slice() {
+        return Err(HarnessError::CandidateShape { argument, expected, actual: actual.to_vec() });
+    }
+    Ok(())
+}
+
+/// DSA as dense attention: a single-sequence varlen case with `Hq = H`, `Hkv = 1` (MQA) and the
+/// mask "key `j` is in query `i`'s selection" (causality is part of a valid selection). Keys
+/// `[T, d]`, values `[T, dv]` become `[T, 1, ·]`.
+pub fn dsa_case<T: Element>(
+    query: ArrayView3<'_, T>,
+    key: ArrayView2<'_, T>,
+    value: ArrayView2<'_, T>,
+    selection: ArrayView2<'_, i32>,
+) -> Case<T> {
+    let (len, n_heads, head_dim) = query.dim();
+    let selected: Vec<HashSet<usize>> =
+        selection.rows().into_iter().map(|r| r.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect()).collect();
+    let predicate = Predicate {
+        name: "DSA selection".into(),
+        visible: Arc::new(move |p: Pair| selected[p.query].contains(&p.key)),
+    };
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
+        n_heads_q: n_heads,
+        n_heads_kv: 1,
+        head_dim,
+        head_dim_v: value.ncols(),
+        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        mask: Mask::Predicate(predicate),
+    };
+    Case {
+        spec,
+        q: query.to_owned().into_dyn(),
+        k: key.insert_axis(Axis(1)).to_owned().into_dyn(),
+        v: value.insert_axis(Axis(1)).to_owned().into_dyn(),
+    }
+}
+
+/// `causal ∧ (block(key) selected for (query, KV head kv))` over a sequence of `T` tokens.
+pub fn selected_blocks_mask(selection: ArrayView3<'_, i32>, kv: usize, select_block: usize) -> Mask {
+    let selected: Vec<HashSet<usize>> = selection
+        .index_axis(Axis(1), kv)
+        .rows()
+        .into_iter()
+        .map(|r| r.iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect())
+        .collect();
+    let predicate = Predicate {
+        name: format!("NSA selection (KV head {kv})"),
+        visible: Arc::new(move |p: Pair| selected[p.query].contains(&(p.key / select_block))),
+    };
+    Mask::And(vec![Mask::Causal, Mask::Predicate(predicate)])
+}
+
+/// The NSA sub-case of KV head `kv`: query heads `kv·G .. (kv+1)·G` of `q [T, Hq, d]` over KV
+/// head `kv` of `k`, `v`, as a single-sequence varlen case with `Hkv = 1`.
+pub fn nsa_group_case<T: Element>(
+    q: ArrayView3<'_, T>,
+    k: ArrayView3<'_, T>,
+    v: ArrayView3<'_, T>,
+    selection: ArrayView3<'_, i32>,
+    kv: usize,
+    select_block: usize,
+) -> Case<T> {
+    let (len, n_heads_q, head_dim) = q.dim();
+    let group = n_heads_q / k.dim().1;
+    let heads = Slice::from(kv * group..(kv + 1) * group);
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
+        n_heads_q: group,
+        n_heads_kv: 1,
+        head_dim,
+        head_dim_v: v.dim().2,
+        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        mask: selected_blocks_mask(selection, kv, select_block),
+    };
+    let one = Slice::from(kv..kv + 1);
+    Case {
+        spec,
+        q: q.slice_axis(Axis(1), heads).to_owned().into_dyn(),
+        k: k.slice_axis(Axis(1), one).to_owned().into_dyn(),
+        v: v.slice_axis(Axis(1), one).to_owned().into_dyn(),
+    }
+}
+
+/// Heads `heads` (axis 1) of a `[T, H, ·]` tensor, or of a `[H, T]` row statistic (axis 0).
+pub fn heads_of<T: Clone>(t: ArrayViewD<'_, T>, axis: usize, heads: Range<usize>) -> ArrayD<T> {
+    t.slice_axis(Axis(axis), Slice::from(heads)).to_owned()
+}

@@ -1,0 +1,784 @@
+//! The sparse reference schedules (E14, E16, E18–E20) verified against the f64 oracle under the
+//! dense rounding-error model, through the predicate re-expression of `attnproof_harness::sparse`:
+//! block-sparse forward (per-head lists) and backward through the CSR transpose (lists shared
+//! within a KV group), DSA token-gather forward, NSA selection forward/backward; bf16 and f16;
+//! plus the named edge cases (out-of-range entries, empty lists, CSR round trip, bit-for-bit
+//! agreement with the dense schedules when everything is listed, and the predicate encodings
+//! against the oracle's own sparse functions).
+
+use attnproof_harness::backward::BackwardCandidate;
+use attnproof_harness::flash::{recipe, verify_forward};
+use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_harness::sparse::{
+    SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
+    verify_block_sparse_backward, verify_block_sparse_forward,
+};
+use attnproof_harness::strategies::{interesting_length, profile, suite_config};
+use attnproof_harness::{Case, HarnessError, Verdict};
+use attnproof_oracle::block_sparse::BlockSparseLayout;
+use attnproof_oracle::nsa::selection_from_csr;
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Scale};
+use attnproof_reference::backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
+use attnproof_reference::sparse::{
+    DsaConfig, DsaInputs, DsaOutputs, SelectionBackwardInputs, SelectionConfig, SelectionGradients, SelectionInputs,
+    SelectionOutputs, block_sparse_backward, block_sparse_forward, dsa_forward, nsa_selection_backward,
+    nsa_selection_forward, transpose_lists,
+};
+use attnproof_reference::{Element, ForwardOutputs, ReferenceError, TileConfig, flash_forward_owned};
+use half::{bf16, f16};
+use ndarray::{Array2, Array3, Array4, ArrayD, Axis, Ix3};
+use proptest::prelude::*;
+
+const TILE: usize = 8;
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+
+fn nan<T: Element>(shape: Vec<usize>) -> ArrayD<T> {
+    ArrayD::from_elem(shape, T::from_f32(f32::NAN))
+}
+
+fn same_bits<T: Element>(x: &ArrayD<T>, y: &ArrayD<T>) -> bool {
+    x.shape() == y.shape() && x.iter().zip(y.iter()).all(|(p, q)| p.to_f32().to_bits() == q.to_f32().to_bits())
+}
+
+/// Every verdict passes and discriminates; a model whose hypothesis fails rejects the case.
+fn judge(what: &str, verdicts: Result<Vec<Verdict>, SparseHarnessError>) -> Result<(), TestCaseError> {
+    match verdicts {
+        Ok(vs) => {
+            for (n, v) in vs.iter().enumerate() {
+                prop_assert!(v.passed(), "{what} #{n}:\n{v}");
+                prop_assert!(v.valid(), "{what} #{n}:\n{v}");
+            }
+            Ok(())
+        }
+        Err(SparseHarnessError::Harness(HarnessError::Model(m))) => Err(TestCaseError::reject(m.to_string())),
+        Err(e) => Err(TestCaseError::fail(format!("{what}: {e}"))),
+    }
+}
+
+fn single(r: Result<Verdict, HarnessError>) -> Result<Vec<Verdict>, SparseHarnessError> {
+    Ok(vec![r?])
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-sparse
+
+/// Problems around the tile size: dense or varlen (zero-length sequences included), GQA groups
+/// 1–4, causal (mostly) or unmasked, small head dims (59 included).
+fn block_spec() -> impl Strategy<Value = AttentionSpec> {
+    let dense = (1usize..=2, interesting_length(TILE), interesting_length(TILE))
+        .prop_map(|(batch, len_q, len_k)| Layout::Dense { batch, len_q, len_k });
+    let varlen = prop::collection::vec(
+        (prop_oneof![Just(0usize), interesting_length(TILE)], prop_oneof![Just(0usize), interesting_length(TILE)]),
+        1..=3,
+    )
+    .prop_map(|lens| {
+        let (mut cu_q, mut cu_k) = (vec![0i32], vec![0i32]);
+        for (lq, lk) in lens {
+            cu_q.push(cu_q.last().copied().unwrap_or(0) + lq as i32);
+            cu_k.push(cu_k.last().copied().unwrap_or(0) + lk as i32);
+        }
+        Layout::Varlen { cu_seqlens_q: cu_q, cu_seqlens_k: cu_k }
+    });
+    let heads = prop_oneof![Just((1usize, 1usize)), Just((2, 1)), Just((4, 2)), Just((3, 1)), Just((4, 1))];
+    let dims = prop::sample::select(vec![1usize, 8, 16, 59]);
+    let mask = prop_oneof![3 => Just(Mask::Causal), 1 => Just(Mask::None)];
+    (prop_oneof![3 => dense, 1 => varlen], heads, dims.clone(), dims, mask).prop_map(
+        |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| AttentionSpec {
+            layout,
+            n_heads_q,
+            n_heads_kv,
+            head_dim,
+            head_dim_v,
+            scale: Scale::InverseSqrtHeadDim,
+            mask,
+        },
+    )
+}
+
+/// A valid layout for `spec` from `picks[row][b]` ("list KV tile b"), one row per (sequence,
+/// head, query tile), or per (sequence, KV head, query tile) replicated over the group when
+/// `shared`. Width: one more than the most KV tiles, so every row is `−1` padded.
+fn layout_from(spec: &AttentionSpec, tiles: TileConfig, picks: &[Vec<bool>], shared: bool) -> BlockSparseLayout {
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| s.len_q.div_ceil(tiles.q_tile)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(tiles.kv_tile)).max().unwrap_or(0);
+    let mut lists = Array4::from_elem((seqs.len(), spec.n_heads_q, n_q, n_k + 1), -1i32);
+    for seq in &seqs {
+        for h in 0..spec.n_heads_q {
+            let owner = if shared { spec.kv_head(h) } else { h };
+            let owners = if shared { spec.n_heads_kv } else { spec.n_heads_q };
+            for a in 0..seq.len_q.div_ceil(tiles.q_tile) {
+                let row = &picks[(seq.index * owners + owner) * n_q + a];
+                let chosen = (0..seq.len_k.div_ceil(tiles.kv_tile)).filter(|&b| row[b]);
+                for (w, b) in chosen.enumerate() {
+                    lists[[seq.index, h, a, w]] = b as i32;
+                }
+            }
+        }
+    }
+    BlockSparseLayout { q_tile: tiles.q_tile, kv_tile: tiles.kv_tile, lists }
+}
+
+/// A block-sparse problem: spec, tiles, value profile, seed and the tile picks.
+fn block_problem(
+    shared: bool,
+) -> impl Strategy<Value = (AttentionSpec, TileConfig, ValueProfile, u64, Vec<Vec<bool>>)> {
+    let tiles = prop::sample::select(vec![(8usize, 8usize), (8, 4), (4, 8)])
+        .prop_map(|(q_tile, kv_tile)| TileConfig { q_tile, kv_tile });
+    (block_spec(), tiles, profile(), any::<u64>()).prop_flat_map(move |(spec, tiles, profile, seed)| {
+        let seqs = spec.sequences();
+        let n_q = seqs.iter().map(|s| s.len_q.div_ceil(tiles.q_tile)).max().unwrap_or(0);
+        let n_k = seqs.iter().map(|s| s.len_k.div_ceil(tiles.kv_tile)).max().unwrap_or(0);
+        let owners = if shared { spec.n_heads_kv } else { spec.n_heads_q };
+        let rows = seqs.len() * owners * n_q;
+        // Mostly listed (so that rows see keys), sometimes not.
+        let picks = prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.6), n_k), rows);
+        (Just(spec), Just(tiles), Just(profile), Just(seed), picks)
+    })
+}
+
+fn bs_forward<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+) -> Result<(ArrayD<T>, ArrayD<f32>), ReferenceError> {
+    let mut o = nan::<T>(case.spec.expected_shape(Operand::O));
+    let mut lse = ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), f32::NAN);
+    block_sparse_forward(&case.spec, &case.inputs(), layout, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
+    Ok((o, lse))
+}
+
+/// NaN-poisoned gradients after one backward run: `(dQ, dK, dV, D)`.
+type Grads<T> = (ArrayD<T>, ArrayD<T>, ArrayD<T>, ArrayD<f32>);
+
+fn bs_backward<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+    o: &ArrayD<T>,
+    lse: &ArrayD<f32>,
+    d_out: &ArrayD<T>,
+) -> Result<Grads<T>, ReferenceError> {
+    let spec = &case.spec;
+    let (mut dq, mut dk, mut dv) = (
+        nan::<T>(spec.expected_shape(Operand::Q)),
+        nan::<T>(spec.expected_shape(Operand::K)),
+        nan::<T>(spec.expected_shape(Operand::V)),
+    );
+    let mut delta = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o.view(),
+        lse: lse.view(),
+        d_out: d_out.view(),
+    };
+    let out = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
+    block_sparse_backward(spec, &inputs, layout, out)?;
+    Ok((dq, dk, dv, delta))
+}
+
+fn fail(e: ReferenceError) -> TestCaseError {
+    TestCaseError::fail(e.to_string())
+}
+
+fn check_block_forward<T: Element>(case: &Case<T>, layout: &BlockSparseLayout) -> Result<(), TestCaseError> {
+    let (o, lse) = bs_forward(case, layout).map_err(fail)?;
+    judge(
+        "block-sparse forward",
+        verify_block_sparse_forward(case, layout, recipe::<T>(layout.kv_tile), o.view(), lse.view()),
+    )
+}
+
+fn check_block_backward<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+    d_out: &ArrayD<T>,
+) -> Result<(), TestCaseError> {
+    let (o, lse) = bs_forward(case, layout).map_err(fail)?;
+    let r = recipe::<T>(layout.kv_tile);
+    judge("block-sparse forward", verify_block_sparse_forward(case, layout, r, o.view(), lse.view()))?;
+    let (dq, dk, dv, delta) = bs_backward(case, layout, &o, &lse, d_out).map_err(fail)?;
+    let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+    judge("block-sparse backward", verify_block_sparse_backward(case, layout, d_out, r, candidate))
+}
+
+// ---------------------------------------------------------------------------------------------
+// DSA
+
+/// A DSA problem: `T`, `H`, `d`, `dv`, `κ`, gather chunk, profile, seed, per-query picks.
+type DsaProblem = (usize, usize, usize, usize, usize, usize, ValueProfile, u64, Vec<Vec<bool>>);
+
+fn dsa_problem() -> impl Strategy<Value = DsaProblem> {
+    let dims = prop::sample::select(vec![1usize, 8, 16, 59]);
+    (
+        prop_oneof![interesting_length(TILE), Just(40usize)],
+        1usize..=4,
+        dims.clone(),
+        dims,
+        prop::sample::select(vec![1usize, 4, 16, 64]),
+        prop::sample::select(vec![4usize, 8]),
+        profile(),
+        any::<u64>(),
+    )
+        .prop_flat_map(|(len, h, d, dv, kappa, tile, profile, seed)| {
+            let picks = prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.5), len), len);
+            (Just(len), Just(h), Just(d), Just(dv), Just(kappa), Just(tile), Just(profile), Just(seed), picks)
+        })
+}
+
+/// Selection `[T, κ]`: the picked causal tokens of each query, the first `κ` of them.
+fn dsa_selection(len: usize, kappa: usize, picks: &[Vec<bool>]) -> Array2<i32> {
+    let mut sel = Array2::from_elem((len, kappa), -1i32);
+    for t in 0..len {
+        for (w, s) in (0..=t).filter(|&s| picks[t][s]).take(kappa).enumerate() {
+            sel[[t, w]] = s as i32;
+        }
+    }
+    sel
+}
+
+/// Random `[T, H, d]` queries and shared `[T, d]` keys, `[T, dv]` values in `T`.
+fn dsa_values<T: Element>(
+    len: usize,
+    h: usize,
+    d: usize,
+    dv: usize,
+    profile: ValueProfile,
+    seed: u64,
+) -> (Array3<T>, Array2<T>, Array2<T>) {
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
+        n_heads_q: h,
+        n_heads_kv: 1,
+        head_dim: d,
+        head_dim_v: dv,
+        scale: Scale::InverseSqrtHeadDim,
+        mask: Mask::Causal,
+    };
+    let c = make_case::<T>(&spec, profile, seed);
+    let q = c.q.into_dimensionality::<Ix3>().expect("[T, H, d]");
+    let k = c.k.into_dimensionality::<Ix3>().expect("[T, 1, d]").index_axis_move(Axis(1), 0);
+    let v = c.v.into_dimensionality::<Ix3>().expect("[T, 1, dv]").index_axis_move(Axis(1), 0);
+    (q, k, v)
+}
+
+fn run_dsa<T: Element>(
+    q: &Array3<T>,
+    k: &Array2<T>,
+    v: &Array2<T>,
+    sel: &Array2<i32>,
+    tile: usize,
+) -> Result<(Array3<T>, Array2<f32>), ReferenceError> {
+    let (len, h, _) = q.dim();
+    let mut o = Array3::from_elem((len, h, v.ncols()), T::from_f32(f32::NAN));
+    let mut lse = Array2::from_elem((h, len), f32::NAN);
+    let inputs = DsaInputs { query: q.view(), key: k.view(), value: v.view(), selection: sel.view() };
+    let config = DsaConfig { kv_tile: tile, scale: Scale::InverseSqrtHeadDim };
+    dsa_forward(&inputs, config, DsaOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
+    Ok((o, lse))
+}
+
+fn check_dsa<T: Element>(p: DsaProblem) -> Result<(), TestCaseError> {
+    let (len, h, d, dv, kappa, tile, profile, seed, picks) = p;
+    let (q, k, v) = dsa_values::<T>(len, h, d, dv, profile, seed);
+    let sel = dsa_selection(len, kappa, &picks);
+    let (o, lse) = run_dsa(&q, &k, &v, &sel, tile).map_err(fail)?;
+    let case = dsa_case(q.view(), k.view(), v.view(), sel.view());
+    judge("DSA forward", single(verify_forward(&case, recipe::<T>(tile), o.into_dyn().view(), lse.into_dyn().view())))
+}
+
+// ---------------------------------------------------------------------------------------------
+// NSA selection
+
+/// An NSA problem: `T`, `Hkv`, `G`, `d`, `dv`, block, profile, seed, picks per (t, kv).
+type NsaProblem = (usize, usize, usize, usize, usize, usize, ValueProfile, u64, Vec<Vec<bool>>);
+
+fn nsa_problem() -> impl Strategy<Value = NsaProblem> {
+    let dims = prop::sample::select(vec![1usize, 8, 16, 59]);
+    (
+        prop_oneof![interesting_length(TILE), Just(40usize)],
+        1usize..=2,
+        1usize..=4,
+        dims.clone(),
+        dims,
+        prop::sample::select(vec![4usize, 8]),
+        profile(),
+        any::<u64>(),
+    )
+        .prop_flat_map(|(len, hkv, g, d, dv, block, profile, seed)| {
+            let picks =
+                prop::collection::vec(prop::collection::vec(prop::bool::weighted(0.6), len.div_ceil(block)), len * hkv);
+            (Just(len), Just(hkv), Just(g), Just(d), Just(dv), Just(block), Just(profile), Just(seed), picks)
+        })
+}
+
+/// Selection `[T, Hkv, M + 1]` from the picks (future blocks allowed: they add nothing).
+fn nsa_selection(len: usize, hkv: usize, block: usize, picks: &[Vec<bool>]) -> Array3<i32> {
+    let m = len.div_ceil(block);
+    let mut sel = Array3::from_elem((len, hkv, m + 1), -1i32);
+    for t in 0..len {
+        for kv in 0..hkv {
+            for (w, b) in (0..m).filter(|&b| picks[t * hkv + kv][b]).enumerate() {
+                sel[[t, kv, w]] = b as i32;
+            }
+        }
+    }
+    sel
+}
+
+/// `q [T, Hq, d]`, `k [T, Hkv, d]`, `v [T, Hkv, dv]`, `dO [T, Hq, dv]` in `T`.
+fn nsa_values<T: Element>(
+    len: usize,
+    hkv: usize,
+    g: usize,
+    d: usize,
+    dv: usize,
+    profile: ValueProfile,
+    seed: u64,
+) -> [Array3<T>; 4] {
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
+        n_heads_q: hkv * g,
+        n_heads_kv: hkv,
+        head_dim: d,
+        head_dim_v: dv,
+        scale: Scale::InverseSqrtHeadDim,
+        mask: Mask::Causal,
+    };
+    let c = make_case::<T>(&spec, profile, seed);
+    let three = |a: ArrayD<T>| a.into_dimensionality::<Ix3>().expect("[T, H, D]");
+    [three(c.q), three(c.k), three(c.v), three(make_d_out::<T>(&spec, seed))]
+}
+
+/// NSA forward then backward, NaN-poisoned: `(O, LSE, dQ, dK, dV, D)`.
+type NsaRun<T> = (Array3<T>, Array2<f32>, Array3<T>, Array3<T>, Array3<T>, Array2<f32>);
+
+fn run_nsa<T: Element>(x: &[Array3<T>; 4], sel: &Array3<i32>, block: usize) -> Result<NsaRun<T>, ReferenceError> {
+    let [q, k, v, d_out] = x;
+    let (len, hq, _) = q.dim();
+    let config = SelectionConfig { select_block: block, scale: Scale::InverseSqrtHeadDim };
+    let fwd = SelectionInputs { q: q.view(), k: k.view(), v: v.view(), selection: sel.view() };
+    let poison = |s: (usize, usize, usize)| Array3::from_elem(s, T::from_f32(f32::NAN));
+    let mut o = poison((len, hq, v.dim().2));
+    let mut lse = Array2::from_elem((hq, len), f32::NAN);
+    nsa_selection_forward(&fwd, config, SelectionOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
+    let (mut dq, mut dk, mut dv) = (poison(q.dim()), poison(k.dim()), poison(v.dim()));
+    let mut delta = Array2::from_elem((hq, len), f32::NAN);
+    let inputs = SelectionBackwardInputs { forward: fwd, o: o.view(), lse: lse.view(), d_out: d_out.view() };
+    let out = SelectionGradients { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
+    nsa_selection_backward(&inputs, config, out)?;
+    Ok((o, lse, dq, dk, dv, delta))
+}
+
+fn check_nsa<T: Element>(x: &[Array3<T>; 4], sel: &Array3<i32>, block: usize) -> Result<(), TestCaseError> {
+    let (o, lse, dq, dk, dv, delta) = run_nsa(x, sel, block).map_err(fail)?;
+    let [q, k, v, d_out] = x;
+    let (hq, hkv) = (q.dim().1, k.dim().1);
+    let g = hq / hkv;
+    let r = recipe::<T>(block);
+    for kv in 0..hkv {
+        let heads = kv * g..(kv + 1) * g;
+        let case = nsa_group_case(q.view(), k.view(), v.view(), sel.view(), kv, block);
+        let o_sub = heads_of(o.view().into_dyn(), 1, heads.clone());
+        let lse_sub = heads_of(lse.view().into_dyn(), 0, heads.clone());
+        judge("NSA forward", single(verify_forward(&case, r, o_sub.view(), lse_sub.view())))?;
+        let d_out_sub = heads_of(d_out.view().into_dyn(), 1, heads.clone());
+        let (dq_s, dk_s, dv_s, delta_s) = (
+            heads_of(dq.view().into_dyn(), 1, heads.clone()),
+            heads_of(dk.view().into_dyn(), 1, kv..kv + 1),
+            heads_of(dv.view().into_dyn(), 1, kv..kv + 1),
+            heads_of(delta.view().into_dyn(), 0, heads.clone()),
+        );
+        let candidate = BackwardCandidate { dq: dq_s.view(), dk: dk_s.view(), dv: dv_s.view(), delta: delta_s.view() };
+        let verdict = attnproof_harness::backward::verify_backward(&case, &d_out_sub, block, r, candidate);
+        judge("NSA backward", single(verdict))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Fuzz suites
+
+proptest! {
+    #![proptest_config(suite_config("sparse", 16))]
+
+    #[test]
+    fn block_sparse_forward_per_head_lists_bf16((spec, tiles, profile, seed, picks) in block_problem(false)) {
+        let layout = layout_from(&spec, tiles, &picks, false);
+        check_block_forward(&make_case::<bf16>(&spec, profile, seed), &layout)?;
+    }
+
+    #[test]
+    fn block_sparse_forward_per_head_lists_f16((spec, tiles, profile, seed, picks) in block_problem(false)) {
+        let layout = layout_from(&spec, tiles, &picks, false);
+        check_block_forward(&make_case::<f16>(&spec, profile, seed), &layout)?;
+    }
+
+    #[test]
+    fn block_sparse_backward_bf16((spec, tiles, profile, seed, picks) in block_problem(true)) {
+        let layout = layout_from(&spec, tiles, &picks, true);
+        check_block_backward(&make_case::<bf16>(&spec, profile, seed), &layout, &make_d_out(&spec, seed))?;
+    }
+
+    #[test]
+    fn block_sparse_backward_f16((spec, tiles, profile, seed, picks) in block_problem(true)) {
+        let layout = layout_from(&spec, tiles, &picks, true);
+        check_block_backward(&make_case::<f16>(&spec, profile, seed), &layout, &make_d_out(&spec, seed))?;
+    }
+
+    #[test]
+    fn dsa_forward_bf16(p in dsa_problem()) {
+        check_dsa::<bf16>(p)?;
+    }
+
+    #[test]
+    fn dsa_forward_f16(p in dsa_problem()) {
+        check_dsa::<f16>(p)?;
+    }
+
+    #[test]
+    fn nsa_selection_bf16((len, hkv, g, d, dv, block, profile, seed, picks) in nsa_problem()) {
+        let x = nsa_values::<bf16>(len, hkv, g, d, dv, profile, seed);
+        check_nsa(&x, &nsa_selection(len, hkv, block, &picks), block)?;
+    }
+
+    #[test]
+    fn nsa_selection_f16((len, hkv, g, d, dv, block, profile, seed, picks) in nsa_problem()) {
+        let x = nsa_values::<f16>(len, hkv, g, d, dv, profile, seed);
+        check_nsa(&x, &nsa_selection(len, hkv, block, &picks), block)?;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Named edge cases
+
+const GAUSS: ValueProfile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
+
+fn is_index_error(r: Result<(), ReferenceError>, argument: &str) -> bool {
+    matches!(r, Err(ReferenceError::Problem(OracleError::IndexList { argument: a, .. })) if a == argument)
+}
+
+#[test]
+fn a_list_entry_beyond_the_tile_count_is_a_typed_error() {
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 20, 8, 8).with_mask(Mask::Causal);
+    let case = make_case::<bf16>(&spec, GAUSS, 1);
+    let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
+    // Lk = 20 has 3 KV tiles: entry 3 is one past the end.
+    let mut layout = layout_from(&spec, tiles, &vec![vec![true; 3]; 2], true);
+    layout.lists[[0, 1, 1, 1]] = 3;
+    layout.lists[[0, 1, 1, 2]] = -1;
+    let mut o = nan::<bf16>(spec.expected_shape(Operand::O));
+    let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
+    let r =
+        block_sparse_forward(&spec, &case.inputs(), &layout, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() });
+    assert!(is_index_error(r, "lists"), "forward accepted an out-of-range tile");
+    let d_out = make_d_out::<bf16>(&spec, 1);
+    let r = bs_backward(&case, &layout, &o, &lse, &d_out).map(|_| ());
+    assert!(is_index_error(r, "lists"), "backward accepted an out-of-range tile");
+    // Unsorted and duplicated lists are refused too.
+    let mut dup = layout_from(&spec, tiles, &vec![vec![true; 3]; 2], true);
+    dup.lists[[0, 0, 0, 1]] = 0;
+    assert!(is_index_error(bs_forward(&case, &dup).map(|_| ()), "lists"));
+    let mut zero = layout_from(&spec, tiles, &vec![vec![true; 3]; 2], true);
+    zero.kv_tile = 0;
+    assert!(matches!(bs_forward(&case, &zero), Err(ReferenceError::ZeroTile { argument: "kv_tile" })));
+    // DSA: a key after its query, and a token past the end.
+    let (q, k, v) = dsa_values::<bf16>(6, 2, 8, 8, GAUSS, 2);
+    let mut sel = dsa_selection(6, 3, &vec![vec![true; 6]; 6]);
+    sel[[1, 2]] = 4;
+    assert!(is_index_error(run_dsa(&q, &k, &v, &sel, 4).map(|_| ()), "selection"), "DSA accepted a future key");
+    let mut sel = dsa_selection(6, 3, &vec![vec![true; 6]; 6]);
+    sel[[5, 2]] = 6;
+    assert!(is_index_error(run_dsa(&q, &k, &v, &sel, 4).map(|_| ()), "selection"), "DSA accepted token 6 of 6");
+    // NSA: block M of M.
+    let x = nsa_values::<bf16>(10, 1, 2, 8, 8, GAUSS, 3);
+    let mut sel = nsa_selection(10, 1, 4, &vec![vec![true; 3]; 10]);
+    sel[[7, 0, 2]] = 3;
+    sel[[7, 0, 3]] = -1;
+    assert!(is_index_error(run_nsa(&x, &sel, 4).map(|_| ()), "selection"), "NSA accepted block 3 of 3");
+}
+
+#[test]
+fn an_empty_list_row_gives_a_fully_masked_query_tile() {
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 8, 8);
+    let case = make_case::<f16>(&spec, GAUSS, 7);
+    let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
+    // Query tile 0 lists nothing; query tile 1 lists KV tile 0 only, so KV tile 1 is listed by
+    // nobody.
+    let layout = layout_from(&spec, tiles, &[vec![false, false], vec![true, false]], true);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    for h in 0..2 {
+        for i in 0..8 {
+            assert_eq!(lse[[0, h, i]], f32::NEG_INFINITY, "LSE of an empty tile");
+            assert!((0..8).all(|c| o[[0, h, i, c]].to_f32() == 0.0), "O of an empty tile");
+        }
+        assert!(lse[[0, h, 8]].is_finite());
+    }
+    let d_out = make_d_out::<f16>(&spec, 7);
+    let (dq, dk, dv, delta) = bs_backward(&case, &layout, &o, &lse, &d_out).expect("valid");
+    for h in 0..2 {
+        for i in 0..8 {
+            assert!((0..8).all(|c| dq[[0, h, i, c]].to_f32() == 0.0), "dQ of an empty tile");
+            assert_eq!(delta[[0, h, i]], 0.0);
+        }
+    }
+    for j in 8..16 {
+        assert!((0..8).all(|c| dk[[0, 0, j, c]].to_f32() == 0.0 && dv[[0, 0, j, c]].to_f32() == 0.0), "unlisted tile");
+    }
+    assert!((0..8).any(|c| dk[[0, 0, 0, c]].to_f32() != 0.0), "listed tile has gradients");
+    let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+    let r = recipe::<f16>(8);
+    let fwd = verify_block_sparse_forward(&case, &layout, r, o.view(), lse.view()).expect("verifiable");
+    let bwd = verify_block_sparse_backward(&case, &layout, &d_out, r, candidate).expect("verifiable");
+    assert!(fwd.iter().chain(&bwd).all(|v| v.passed() && v.valid()));
+}
+
+#[test]
+fn the_tile_csr_transpose_round_trips() {
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, 19, 19, 40], cu_seqlens_k: vec![0, 33, 40, 45] },
+        ..AttentionSpec::dense(1, 2, 1, 1, 1, 4, 4)
+    };
+    let tiles = TileConfig { q_tile: 4, kv_tile: 8 };
+    let picks: Vec<Vec<bool>> = (0..3 * 2 * 6).map(|r| (0..5).map(|b| (r * 7 + b * 3) % 5 < 3).collect()).collect();
+    let layout = layout_from(&spec, tiles, &picks, false);
+    let width = layout.lists.dim().3;
+    let mut nonempty = 0;
+    for seq in spec.sequences() {
+        let own = seq.len_q.div_ceil(4);
+        for h in 0..2 {
+            let csr = transpose_lists(&spec, &layout, &seq, h).expect("valid");
+            assert_eq!(csr.n_blocks(), seq.len_k.div_ceil(8));
+            let back = selection_from_csr(&csr, own, width).expect("a valid CSR");
+            for a in 0..own {
+                let original: Vec<i32> = (0..width).map(|w| layout.lists[[seq.index, h, a, w]]).collect();
+                assert_eq!(back.row(a).to_vec(), original, "sequence {}, head {h}, tile {a}", seq.index);
+                for b in 0..csr.n_blocks() {
+                    assert_eq!(csr.queries_of(b).contains(&(a as i32)), original.contains(&(b as i32)));
+                }
+            }
+            nonempty += csr.indices.len();
+        }
+    }
+    assert!(nonempty > 0);
+}
+
+/// Every tile listed, ascending: the block-sparse schedules must equal the dense ones bit for bit
+/// (forward, and backward against strategy `TwoTraversals`, which it mirrors).
+fn every_tile_listed_matches_dense<T: Element>(spec: &AttentionSpec, tiles: TileConfig, seed: u64) {
+    let case = make_case::<T>(spec, GAUSS, seed);
+    let n_k = spec.sequences().iter().map(|s| s.len_k.div_ceil(tiles.kv_tile)).max().unwrap_or(0);
+    let n_q = spec.sequences().iter().map(|s| s.len_q.div_ceil(tiles.q_tile)).max().unwrap_or(0);
+    let picks = vec![vec![true; n_k]; spec.sequences().len() * spec.n_heads_q * n_q];
+    let layout = layout_from(spec, tiles, &picks, false);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    let (o_dense, lse_dense) = flash_forward_owned(spec, &case.inputs(), tiles).expect("valid");
+    assert!(same_bits(&o, &o_dense), "O differs from the dense forward");
+    assert!(lse.iter().zip(&lse_dense).all(|(a, b)| a.to_bits() == b.to_bits()), "LSE differs");
+    let d_out = make_d_out::<T>(spec, seed);
+    let (dq, dk, dv, delta) = bs_backward(&case, &layout, &o, &lse, &d_out).expect("valid");
+    let shape = |op| spec.expected_shape(op);
+    let (mut dq2, mut dk2, mut dv2) =
+        (nan::<T>(shape(Operand::Q)), nan::<T>(shape(Operand::K)), nan::<T>(shape(Operand::V)));
+    let mut delta2 = ArrayD::from_elem(shape(Operand::RowStat), f32::NAN);
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o.view(),
+        lse: lse.view(),
+        d_out: d_out.view(),
+    };
+    let out = BackwardOutputs { dq: dq2.view_mut(), dk: dk2.view_mut(), dv: dv2.view_mut(), delta: delta2.view_mut() };
+    flash_backward(spec, &inputs, tiles, BackwardStrategy::TwoTraversals, out).expect("valid");
+    assert!(same_bits(&dq, &dq2) && same_bits(&dk, &dk2) && same_bits(&dv, &dv2), "gradients differ from dense");
+    assert!(delta.iter().zip(&delta2).all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+#[test]
+fn listing_every_tile_equals_the_dense_flash_schedule_bit_for_bit() {
+    let t = TileConfig { q_tile: 8, kv_tile: 8 };
+    let causal = AttentionSpec::dense(2, 4, 2, 17, 23, 16, 8).with_mask(Mask::Causal);
+    every_tile_listed_matches_dense::<bf16>(&causal, t, 11);
+    every_tile_listed_matches_dense::<f16>(&causal, TileConfig { q_tile: 4, kv_tile: 8 }, 12);
+    let window = AttentionSpec::dense(1, 3, 1, 20, 13, 8, 59).with_mask(Mask::Window { left: 5, right: 2 });
+    every_tile_listed_matches_dense::<bf16>(&window, TileConfig { q_tile: 8, kv_tile: 4 }, 13);
+    let varlen = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, 9, 9, 26], cu_seqlens_k: vec![0, 16, 21, 30] },
+        mask: Mask::Causal,
+        ..AttentionSpec::dense(1, 2, 2, 1, 1, 8, 8)
+    };
+    every_tile_listed_matches_dense::<f16>(&varlen, t, 14);
+}
+
+#[test]
+fn selecting_everything_equals_the_dense_flash_schedule_bit_for_bit() {
+    // NSA with every block selected is causal attention with kv_tile = select_block; DSA with
+    // every causal token selected is causal MQA attention with kv_tile = the gather chunk.
+    let (len, hkv, g, block) = (21, 2, 3, 4);
+    let x = nsa_values::<bf16>(len, hkv, g, 8, 16, GAUSS, 21);
+    let sel = nsa_selection(len, hkv, block, &vec![vec![true; len.div_ceil(block)]; len * hkv]);
+    let (o, lse, dq, dk, dv, _) = run_nsa(&x, &sel, block).expect("valid");
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
+        mask: Mask::Causal,
+        ..AttentionSpec::dense(1, hkv * g, hkv, 1, 1, 8, 16)
+    };
+    let [q, k, v, d_out] = &x;
+    let case = Case { spec: spec.clone(), q: q.clone().into_dyn(), k: k.clone().into_dyn(), v: v.clone().into_dyn() };
+    let tiles = TileConfig { q_tile: 8, kv_tile: block };
+    let (o_dense, lse_dense) = flash_forward_owned(&spec, &case.inputs(), tiles).expect("valid");
+    assert!(same_bits(&o.clone().into_dyn(), &o_dense), "NSA O differs from dense");
+    assert!(lse.iter().zip(&lse_dense).all(|(a, b)| a.to_bits() == b.to_bits()), "NSA LSE differs");
+    let shape = |op| spec.expected_shape(op);
+    let (mut dq2, mut dk2, mut dv2) =
+        (nan::<bf16>(shape(Operand::Q)), nan::<bf16>(shape(Operand::K)), nan::<bf16>(shape(Operand::V)));
+    let mut delta2 = ArrayD::from_elem(shape(Operand::RowStat), f32::NAN);
+    let (o_d, lse_d, d_out_d) = (o.clone().into_dyn(), lse.clone().into_dyn(), d_out.clone().into_dyn());
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o_d.view(),
+        lse: lse_d.view(),
+        d_out: d_out_d.view(),
+    };
+    let out = BackwardOutputs { dq: dq2.view_mut(), dk: dk2.view_mut(), dv: dv2.view_mut(), delta: delta2.view_mut() };
+    flash_backward(&spec, &inputs, tiles, BackwardStrategy::TwoTraversals, out).expect("valid");
+    assert!(same_bits(&dq.into_dyn(), &dq2), "NSA dQ differs from dense");
+    assert!(same_bits(&dk.into_dyn(), &dk2) && same_bits(&dv.into_dyn(), &dv2), "NSA dK/dV differ from dense");
+
+    let (q, k, v) = dsa_values::<f16>(len, 3, 8, 8, GAUSS, 22);
+    let sel = dsa_selection(len, len, &vec![vec![true; len]; len]);
+    let (o, lse) = run_dsa(&q, &k, &v, &sel, 4).expect("valid");
+    let case = dsa_case(q.view(), k.view(), v.view(), sel.view());
+    let spec = case.spec.clone().with_mask(Mask::Causal);
+    let (o_dense, lse_dense) =
+        flash_forward_owned(&spec, &case.inputs(), TileConfig { q_tile: 8, kv_tile: 4 }).expect("valid");
+    assert!(same_bits(&o.into_dyn(), &o_dense), "DSA O differs from dense");
+    assert!(lse.iter().zip(&lse_dense).all(|(a, b)| a.to_bits() == b.to_bits()), "DSA LSE differs");
+}
+
+/// MPFR working precision for comparing two encodings of the same attention: the two paths
+/// order their sums differently, so they agree to about this many bits, not bit for bit.
+const ENCODING_PRECISION: attnproof_oracle::Precision = attnproof_oracle::Precision(128);
+/// Bits two exact-arithmetic encodings must share (128-bit arithmetic over at most a few hundred
+/// terms loses under 10 bits).
+const ENCODING_BITS: attnproof_proofs::Bits = attnproof_proofs::Bits(100.0);
+
+fn mp<D: ndarray::Dimension>(a: &ndarray::Array<f64, D>) -> ndarray::Array<attnproof_oracle::Mp, D> {
+    a.mapv(|x| attnproof_oracle::Mp::new(x, ENCODING_PRECISION))
+}
+
+fn agree(what: &'static str, a: &ArrayD<attnproof_oracle::Mp>, b: &ArrayD<attnproof_oracle::Mp>) {
+    attnproof_proofs::residual::agree("predicate encoding", what, a, b, ENCODING_BITS)
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// The predicate masks the verifier builds encode the same attention as the oracle's sparse
+/// functions: both computed in MPFR, they agree to 100 bits.
+#[test]
+fn the_predicate_encodings_match_the_oracles_sparse_functions() {
+    use attnproof_oracle::{DenseConfig, Mp, Qkv, forward};
+    let prec = ENCODING_PRECISION;
+    // Block-sparse: per-head sub-problems vs block_sparse_forward over the whole problem.
+    let spec = AttentionSpec::dense(2, 4, 2, 19, 21, 8, 8).with_mask(Mask::Causal);
+    let case = make_case::<bf16>(&spec, GAUSS, 31);
+    let tiles = TileConfig { q_tile: 4, kv_tile: 8 };
+    let picks: Vec<Vec<bool>> = (0..2 * 4 * 5).map(|r| (0..3).map(|b| (r + b) % 3 != 0).collect()).collect();
+    let layout = layout_from(&spec, tiles, &picks, false);
+    let [q, k, v] = case.widened().map(|t| mp(&t));
+    let whole = attnproof_oracle::block_sparse::block_sparse_forward(
+        &spec,
+        Qkv { q: q.view(), k: k.view(), v: v.view() },
+        &layout,
+        DenseConfig::default(),
+        prec,
+    )
+    .expect("valid");
+    for seq in spec.sequences() {
+        for h in 0..4 {
+            let sub = sub_case(&case, &seq, h..h + 1, listed_tiles_mask(&spec, &layout, &seq, h));
+            let [sq, sk, sv] = sub.widened().map(|t| mp(&t));
+            let f = forward(&sub.spec, Qkv { q: sq.view(), k: sk.view(), v: sv.view() }, DenseConfig::default(), prec)
+                .expect("valid");
+            agree("block-sparse O", &f.o, &stack_heads(&spec, whole.o.view(), &seq, h..h + 1, false));
+        }
+    }
+    // DSA: the predicate case vs token_sparse_attention.
+    let (q, k, v) = dsa_values::<bf16>(13, 3, 8, 4, GAUSS, 32);
+    let picks: Vec<Vec<bool>> = (0..13).map(|t| (0..13).map(|s| (t * 5 + s * 3) % 4 != 0).collect()).collect();
+    let sel = dsa_selection(13, 5, &picks);
+    let case = dsa_case(q.view(), k.view(), v.view(), sel.view());
+    let [cq, ck, cv] = case.widened().map(|t| mp(&t));
+    let f = forward(&case.spec, Qkv { q: cq.view(), k: ck.view(), v: cv.view() }, DenseConfig::default(), prec)
+        .expect("valid");
+    let w3 = |a: &Array3<bf16>| mp(&a.mapv(|x| x.to_f32() as f64));
+    let w2 = |a: &Array2<bf16>| mp(&a.mapv(|x| x.to_f32() as f64));
+    let (tq, tk, tv) = (w3(&q), w2(&k), w2(&v));
+    let tok = attnproof_oracle::dsa::token_sparse_attention::<Mp>(
+        attnproof_oracle::dsa::TokenSparseInputs {
+            query: tq.view(),
+            key: tk.view(),
+            value: tv.view(),
+            selection: sel.view(),
+        },
+        Default::default(),
+        prec,
+    )
+    .expect("valid");
+    agree("DSA O", &f.o, &tok.o.into_dyn());
+    agree("DSA LSE", &f.lse, &tok.lse.into_dyn());
+    // NSA: per-KV-head cases vs selected_attention.
+    let (len, hkv, g, block) = (23, 2, 2, 4);
+    let x = nsa_values::<bf16>(len, hkv, g, 8, 8, GAUSS, 33);
+    let picks: Vec<Vec<bool>> = (0..len * hkv).map(|r| (0..6).map(|b| (r + 2 * b) % 3 != 1).collect()).collect();
+    let sel = nsa_selection(len, hkv, block, &picks);
+    let (qm, km, vm) = (w3(&x[0]), w3(&x[1]), w3(&x[2]));
+    let config = attnproof_oracle::nsa::NsaConfig { select_block: block, n_selected: 6, ..Default::default() };
+    let whole = attnproof_oracle::nsa::selected_attention::<Mp>(
+        attnproof_oracle::nsa::NsaInputs { q: qm.view(), k: km.view(), v: vm.view() },
+        sel.view(),
+        &config,
+        prec,
+    )
+    .expect("valid");
+    for kv in 0..hkv {
+        let case = nsa_group_case(x[0].view(), x[1].view(), x[2].view(), sel.view(), kv, block);
+        let [cq, ck, cv] = case.widened().map(|t| mp(&t));
+        let f = forward(&case.spec, Qkv { q: cq.view(), k: ck.view(), v: cv.view() }, DenseConfig::default(), prec)
+            .expect("valid");
+        agree("NSA O", &f.o, &heads_of(whole.view().into_dyn(), 1, kv * g..(kv + 1) * g));
+    }
+}
+
+#[test]
+fn nsa_with_64_token_blocks_and_a_gqa_group_of_four_is_within_bound() {
+    let (len, hkv, g, block) = (150, 2, 4, 64);
+    for (n, profile) in [GAUSS, ValueProfile { distribution: Distribution::Peaked, logit_scale: 4.0, value_mean: 3.0 }]
+        .into_iter()
+        .enumerate()
+    {
+        let picks: Vec<Vec<bool>> = (0..len * hkv).map(|r| (0..3).map(|b| (r + b) % 4 != 3).collect()).collect();
+        let sel = nsa_selection(len, hkv, block, &picks);
+        check_nsa(&nsa_values::<bf16>(len, hkv, g, 16, 16, profile, 40 + n as u64), &sel, block).expect("within bound");
+        check_nsa(&nsa_values::<f16>(len, hkv, g, 16, 16, profile, 50 + n as u64), &sel, block).expect("within bound");
+    }
+}
+
+#[test]
+fn the_backward_verifier_refuses_group_heads_with_different_lists() {
+    let spec = AttentionSpec::dense(1, 2, 1, 8, 8, 4, 4);
+    let case = make_case::<bf16>(&spec, GAUSS, 60);
+    let layout =
+        layout_from(&spec, TileConfig { q_tile: 8, kv_tile: 4 }, &[vec![true, false], vec![true, true]], false);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    let d_out = make_d_out::<bf16>(&spec, 60);
+    let (dq, dk, dv, delta) = bs_backward(&case, &layout, &o, &lse, &d_out).expect("valid");
+    let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+    let r = verify_block_sparse_backward(&case, &layout, &d_out, recipe::<bf16>(4), candidate);
+    assert!(matches!(r, Err(SparseHarnessError::GroupListsDiffer { sequence: 0, kv_head: 0 })));
+}
