@@ -1,10 +1,23 @@
-//! CUDA side of attnproof: finding a device, and (later) NVRTC-compiled attention kernels launched through cudarc.
+//! CUDA side of attnproof: finding a device, NVRTC-compiled attention kernels (`gpu/kernels/*.cu`, embedded with
+//! `include_str!`) and their typed launch wrappers.
+//!
+//! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query), [`flash`] (the
+//! FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error recipe), [`error`] (typed
+//! errors). Every `unsafe` block of the crate is in the private `launch` module, each with a `// SAFETY:` note.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
 //! [`cuda_device`], which asks whether the driver library is present before touching it and turns every way of not
 //! having a device into a typed [`GpuUnavailable`] error. Tests use [`skip_unless_gpu`], which reports a skip in the
 //! test's output instead of pretending to have run.
+
+pub mod compile;
+pub mod error;
+pub mod flash;
+mod launch;
+
+pub use error::GpuError;
+pub use flash::{ForwardOutput, GpuElement, flash_forward, flash_forward_device};
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
@@ -36,11 +49,7 @@ pub enum GpuUnavailable {
 /// This never panics on a machine without CUDA: the driver library is probed first, and a panic from cudarc (its way of
 /// reporting a library or symbol it cannot load) is caught and returned as [`GpuUnavailable::DriverPanicked`].
 pub fn cuda_device() -> Result<Arc<CudaContext>, GpuUnavailable> {
-    // SAFETY: `is_culib_present` only tries to `dlopen` the driver library under its usual names and closes it again.
-    // It is `unsafe` because loading a shared library runs that library's initialisers; the library in question is the
-    // system's CUDA driver, which cudarc would load anyway on the first driver call, so probing it adds no new risk.
-    let present = unsafe { cudarc::driver::sys::is_culib_present() };
-    if !present {
+    if !launch::driver_library_present() {
         return Err(GpuUnavailable::NoDriverLibrary);
     }
     // The probe above can succeed while later symbol lookups still fail (an older driver than the `cuda-13000` bindings

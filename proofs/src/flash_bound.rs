@@ -6,7 +6,7 @@
 //!
 //! `u = 2^-24` (f32), `u_T` the storage type's unit roundoff (`2^-8` bf16, `2^-11` f16),
 //! `τ_T` its smallest subnormal (absolute rounding error of an underflowing value ≤ `τ_T`),
-//! `g(n) = nu/(1 − nu)`, `n_t = ⌈Lk/kv_tile⌉ + extra_merges` the rescale steps a row can take
+//! `g(n) = nu/(1 − nu)` (or the tensor-core variant of [`Accumulation`]), `n_t = ⌈Lk/kv_tile⌉ + extra_merges` the rescale steps a row can take
 //! (one per KV tile, plus one per state merge of a split schedule such as ring attention). Inputs are exact in
 //! `T`, hence in f64: the oracle and the candidate see the same numbers. For row `i`, visible key
 //! `j`, with `p_ij`, `s_ij`, `m_i`, `o_i`, `LSE_i` exact:
@@ -73,6 +73,37 @@ pub struct FlashRecipe {
     /// `c = log2 e` (the rounding of `m·c` shifts every argument by up to `u|m|c`, i.e. `u|m|`
     /// in natural-log units).
     pub shift_rounding: f64,
+    /// How the candidate's dot products and f32 accumulators add.
+    pub accumulation: Accumulation,
+}
+
+/// How sums are rounded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accumulation {
+    /// Every addition rounds to nearest in f32: `γ_n` with `u = 2^-24`.
+    RoundToNearest,
+    /// Tensor-core MMA: each instruction adds `k_step` products into the f32 accumulator after
+    /// aligning them to the largest exponent and truncating, which can double the per-addition
+    /// error; a sum of `n` terms is bounded as `γ'_{n + ⌈n/k_step⌉}` with `u' = 2u` (one extra
+    /// addition per instruction for the accumulator itself).
+    TensorCore {
+        /// Products per MMA instruction along the reduction (16 for `m16n8k16`).
+        k_step: usize,
+    },
+}
+
+impl Accumulation {
+    /// The error factor of a sum of `n` terms under this accumulation.
+    pub fn gamma(self, n: usize) -> f64 {
+        match self {
+            Accumulation::RoundToNearest => gamma32(n),
+            Accumulation::TensorCore { k_step } => {
+                let terms = n + n.div_ceil(k_step.max(1));
+                let nu = terms as f64 * 2.0 * F32_UNIT_ROUNDOFF;
+                nu / (1.0 - nu)
+            }
+        }
+    }
 }
 
 impl FlashRecipe {
@@ -86,6 +117,7 @@ impl FlashRecipe {
             extra_merges: 0,
             exp_error: 2.0 * F32_UNIT_ROUNDOFF,
             shift_rounding: 0.0,
+            accumulation: Accumulation::RoundToNearest,
         }
     }
 }
@@ -128,7 +160,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
     let (len_q, d) = x.q.dim();
     let (len_k, dv) = x.v.dim();
     let n_t = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
-    let g = gamma32(len_k + n_t);
+    let g = recipe.accumulation.gamma(len_k + n_t);
     let mut o = Array2::<f64>::zeros((len_q, dv));
     let mut lse = Array1::<f64>::zeros(len_q);
     let mut worst = g.max(ut);
@@ -143,7 +175,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
                     return 0.0;
                 }
                 let dot: f64 = x.q.row(i).iter().zip(x.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
-                (gamma32(d) + 3.0 * u) * x.scale * dot
+                (recipe.accumulation.gamma(d) + 3.0 * u) * x.scale * dot
                     + 2.0 * u * (x.s[[i, j]] - m).abs()
                     + recipe.exp_error
                     + recipe.shift_rounding * m.abs()
@@ -246,7 +278,8 @@ pub fn backward_bounds(
     let (len_k, dv) = f.v.dim();
     let n_k = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
     let n_q = len_q.div_ceil(q_tile.max(1));
-    let mut worst: f64 = gamma32(len_q + n_q).max(gamma32(len_k + n_k)).max(ut);
+    let acc = recipe.accumulation;
+    let mut worst: f64 = acc.gamma(len_q + n_q).max(acc.gamma(len_k + n_k)).max(ut);
     let mut pi = Array2::<f64>::zeros((len_q, len_k));
     for i in 0..len_q {
         if f.lse[i] == f64::NEG_INFINITY {
@@ -257,7 +290,7 @@ pub fn backward_bounds(
                 continue;
             }
             let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
-            let sigma = (gamma32(d) + 3.0 * u) * f.scale * dot;
+            let sigma = (acc.gamma(d) + 3.0 * u) * f.scale * dot;
             pi[[i, j]] = sigma
                 + forward.lse[i]
                 + u * (f.s[[i, j]] - f.lse[i]).abs()
@@ -276,20 +309,20 @@ pub fn backward_bounds(
         a.row(i).iter().zip(b.row(j)).map(|(x, y)| x.abs() * y.abs()).sum()
     };
     let nu = Array1::from_shape_fn(len_q, |i| {
-        gamma32(dv) * abs_dot(x.d_out, i, f.o, i)
+        acc.gamma(dv) * abs_dot(x.d_out, i, f.o, i)
             + (0..dv).map(|c| x.d_out[[i, c]].abs() * forward.o[[i, c]]).sum::<f64>()
     });
     let zeta = Array2::from_shape_fn((len_q, len_k), |(i, j)| {
         if f.p[[i, j]] == 0.0 && x.ds[[i, j]] == 0.0 {
             return 0.0;
         }
-        let rho = gamma32(dv) * abs_dot(x.d_out, i, f.v, j);
+        let rho = acc.gamma(dv) * abs_dot(x.d_out, i, f.v, j);
         (pi[[i, j]] + 2.0 * u + ut) * x.ds[[i, j]].abs()
             + f.p[[i, j]] * (rho + nu[i])
             + F32_SUBNORMAL * (x.dp[[i, j]] - x.delta[i]).abs()
             + tiny
     });
-    let (gq, gk) = (gamma32(len_q + n_q), gamma32(len_k + n_k));
+    let (gq, gk) = (acc.gamma(len_q + n_q), acc.gamma(len_k + n_k));
     let mut b = BackwardBounds {
         delta: nu.clone(),
         dq: Array2::zeros((len_q, d)),

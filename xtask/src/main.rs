@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: project automation for attnproof (test, verify, bench-oracle), with no heavy dependencies.
 
+mod gpu_bundle;
 mod parse;
 mod process;
 mod snapshots;
@@ -21,6 +22,7 @@ commands:
   test [ARGS...]                         cargo test --workspace [ARGS...], then print `test: N passed, M failed`
   verify                                 fmt, clippy, tests (insta read-only), snapshot hygiene, GPU tests if present
   bench-oracle [--len L] [--head-dim D]  dense oracle benchmark in release (defaults: --len 16384 --head-dim 128)
+  gpu-bundle                             build the GPU test binaries (release) into gpu-bundle/ with run.sh
   help                                   print this message";
 
 /// Default sequence length for `bench-oracle`.
@@ -56,6 +58,7 @@ fn run(command: Option<&str>, rest: Vec<OsString>) -> Result<ExitCode> {
             Ok(verify::verify(&repo_root()))
         }
         Some("bench-oracle") => bench_oracle(&repo_root(), &rest),
+        Some("gpu-bundle") => gpu_bundle::gpu_bundle(&repo_root(), &rest),
         Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
     }
 }

@@ -1,0 +1,97 @@
+//! Typed errors of the GPU crate: every way a compile or launch can fail, with the argument or log that explains it.
+
+use crate::GpuUnavailable;
+
+/// Why a GPU operation failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GpuError {
+    /// No usable CUDA device or driver.
+    #[error(transparent)]
+    Unavailable(#[from] GpuUnavailable),
+    /// The NVRTC library could not be loaded (`libnvrtc.so.13` not on the loader path).
+    #[error("the NVRTC library (libnvrtc) could not be loaded; put CUDA's lib64 on LD_LIBRARY_PATH")]
+    NoNvrtc,
+    /// NVRTC rejected the kernel source; `log` is NVRTC's own program log.
+    #[error("NVRTC could not compile `{kernel}` with {options:?}: {status}\n{log}")]
+    Compile {
+        /// The kernel (source file stem).
+        kernel: &'static str,
+        /// The exact options passed to NVRTC.
+        options: Vec<String>,
+        /// NVRTC's status code.
+        status: String,
+        /// NVRTC's program log.
+        log: String,
+    },
+    /// A CUDA driver call failed (module load, allocation, copy, launch, synchronize).
+    #[error("CUDA driver call `{call}` failed: {message}")]
+    Driver {
+        /// Which call.
+        call: &'static str,
+        /// The driver's error.
+        message: String,
+    },
+    /// The device cannot run this kernel (compute capability below 8.0: no bf16 `mma.sync`).
+    #[error("device compute capability {major}.{minor} is below 8.0, which the tensor-core kernels need")]
+    UnsupportedDevice {
+        /// Major version.
+        major: i32,
+        /// Minor version.
+        minor: i32,
+    },
+    /// The problem is valid but outside what the kernel implements (a predicate mask, a head dim not a multiple of
+    /// 8 or above 256, ...).
+    #[error("`{argument}` is not supported by the kernel: {reason}")]
+    Unsupported {
+        /// The argument.
+        argument: &'static str,
+        /// Why.
+        reason: String,
+    },
+    /// The spec itself is invalid (the oracle's validation).
+    #[error(transparent)]
+    Spec(#[from] attnproof_oracle::OracleError),
+    /// A tensor has the wrong shape.
+    #[error("`{argument}` has shape {actual:?}, expected {expected:?}")]
+    Shape {
+        /// The argument.
+        argument: &'static str,
+        /// Expected shape.
+        expected: Vec<usize>,
+        /// Actual shape.
+        actual: Vec<usize>,
+    },
+    /// A host tensor is not in standard (row-major, contiguous) layout.
+    #[error("`{argument}` is not contiguous in row-major order (strides {strides:?})")]
+    Stride {
+        /// The argument.
+        argument: &'static str,
+        /// Its strides, in elements.
+        strides: Vec<isize>,
+    },
+    /// A device buffer is shorter than the tensor it must hold.
+    #[error("device buffer `{argument}` holds {actual} elements, the problem needs at least {needed}")]
+    BufferTooSmall {
+        /// The argument.
+        argument: &'static str,
+        /// Elements needed.
+        needed: usize,
+        /// Elements available.
+        actual: usize,
+    },
+    /// A size does not fit the kernel's 32-bit index arguments.
+    #[error("`{argument}` = {value} does not fit the kernel's 32-bit arguments")]
+    TooLarge {
+        /// The argument.
+        argument: &'static str,
+        /// Its value.
+        value: usize,
+    },
+}
+
+impl GpuError {
+    /// A driver error from cudarc, tagged with the call that produced it.
+    pub(crate) fn driver(call: &'static str, err: impl std::fmt::Display) -> Self {
+        GpuError::Driver { call, message: err.to_string() }
+    }
+}

@@ -1,0 +1,451 @@
+//! The FlashAttention forward kernel (`gpu/kernels/flash_fwd.cu`): typed launch wrappers for bf16 and f16, from
+//! device buffers ([`flash_forward_device`]) or host `ndarray` tensors ([`flash_forward`]), with every shape, stride,
+//! dtype and mask checked before the launch.
+//!
+//! # What the kernel implements
+//!
+//! Dense `[B, H, L, D]` and varlen `[T, H, D]` layouts, GQA/MQA (`Hq % Hkv == 0`), `Lq ≠ Lk`, any lengths (tail
+//! tiles masked), head dims `d`, `dv` that are multiples of 8 up to 256, and the masks `None`, `Causal`,
+//! `Window { left, right }` and `And` of those (bottom-right aligned; an `And` is the intersection, i.e. the smallest
+//! left and right reach). A `Predicate` mask is [`GpuError::Unsupported`]. Tiles: [`Q_TILE`] query rows per CTA,
+//! [`KV_TILE`] keys per KV tile; KV tiles outside a CTA's visible key range are skipped.
+//!
+//! # Precision recipe and its rounding-error model
+//!
+//! The kernel's recipe (spelled out in the `.cu` header) differs from the CPU reference's (`attnproof-reference`'s
+//! `flash` module) only in how `exp` is evaluated: `p = 2^(fma(s, L, −fl(m·L)))` with `L = fl32(log2 e)` and the PTX
+//! instruction `ex2.approx.f32`, and the rescale factor `2^(fl(fl(m_old·L) − fl(m_new·L)))`. It therefore falls
+//! under `attnproof_proofs::flash_bound`'s model with two recipe parameters, [`EXP_RELATIVE_ERROR`] and
+//! [`SHIFT_ROUNDING`]:
+//!
+//! - `exp_error = 5u` (`u = 2^-24`). The PTX ISA (9.x, "Floating Point Instructions: ex2") documents for
+//!   `ex2.approx.f32`: "The maximum ulp error is 2 ulp from correctly rounded result across the full range of
+//!   inputs". The correctly rounded result is within ½ ulp of `2^x`, so the result is within 2.5 ulp of it, and one
+//!   ulp of a normal f32 `y` is at most `2^-23·|y| = 2u|y|`: relative error at most `5u`. Results in the subnormal
+//!   range have absolute error below `2.5·2^-149`, which the model's underflow term `Lk (τ_T + 2^-149) max|v|` and
+//!   `τ_T ≥ 2^-133` absorb (and `ℓ ≥ 1` makes it invisible in `ℓ`).
+//! - `shift_rounding = u`. Write `mL_t = fl(m_t·L) = m_t·L + ε_t`, `|ε_t| ≤ u|m_t|L`. A weight computed at tile `t`
+//!   and rescaled at every later tile has the exponent `fl((s − m_t)L − ε_t) + Σ_t' fl(mL_t' − mL_t'+1)`; the `ε`
+//!   telescope, leaving only `ε_T` of the final row max `m`: `u|m|` in natural-log units. The remaining roundings —
+//!   the fma (`u|s − m_t|`), the subtractions (`u|m_t' − m_t'+1|`, which sum to at most `m − s`) and the rounding
+//!   of `L` (`u|s − m|`, since it multiplies `s − m_t` exactly) — total at most `2u|s − m|`, the model's
+//!   `2u|s_ij − m_i|` term. The `LSE = m + logf(ℓ)` uses the f32 `m` itself, so the same `ε_T` enters `LSE` through
+//!   `ℓ`, which `Σ p η` covers.
+//!
+//! Everything else is the reference's recipe: `s = fl(dot·α̂)`, `α̂ = fl32(1/√d)`, `ℓ` summed in f32 (any order:
+//! the `γ(n)` bound holds for every summation order), `P` rounded to the storage type before `PV`, `O = round_T(A/ℓ)`
+//! with an IEEE division (`__fdiv_rn`, so one rounding, the model's `u|o|`), `LSE = m + ln ℓ` with CUDA's `logf`
+//! (at most 1 ulp, the model's `2u|ln ℓ|`).
+//!
+//! One difference is not a recipe parameter: the dot products `q·k` and `Σ round_T(p)·v` are accumulated by the
+//! tensor cores, whose f32 accumulation is not a sequence of round-to-nearest additions (products are exact; the
+//! additions of a fused block align to the largest exponent and truncate). The model's `γ(d)` (scores) and
+//! `γ(Lk + n_t)` (the `A` sum) assume round-to-nearest f32 additions; truncation doubles the per-addition unit
+//! roundoff. See the crate report: the scores' term would read `γ'(d + ⌈d/16⌉)` with `u' = 2u` for a proof that
+//! covers every tensor core; the tests run under the model as it stands, and their verdicts say how close they come.
+
+use std::sync::Arc;
+
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+use half::{bf16, f16};
+use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
+
+use crate::compile::{self, FLASH_FWD};
+use crate::error::GpuError;
+use crate::launch::{self, FlashBuffers, FlashScalars};
+
+/// Query rows per CTA.
+pub const Q_TILE: usize = 64;
+/// Keys per KV tile (the `kv_tile` of the kernel's `FlashRecipe`).
+pub const KV_TILE: usize = 64;
+/// Threads per CTA (4 warps of 16 query rows each).
+const THREADS: u32 = 128;
+/// Largest head dim the kernel supports.
+pub const MAX_HEAD_DIM: usize = 256;
+/// f32 unit roundoff.
+const U32: f64 = f32::EPSILON as f64 / 2.0;
+/// Relative error of `ex2.approx.f32` (2 ulp from the correctly rounded result, so 2.5 ulp ≤ `5u`; see module docs).
+pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
+/// Shift rounding of the exponent argument per unit of `|m|` (`u`; see module docs).
+pub const SHIFT_ROUNDING: f64 = U32;
+/// "No bound" for a window side, as the kernel receives it.
+const NO_BOUND: i64 = 1 << 30;
+
+/// A storage type the kernel reads and writes.
+pub trait GpuElement: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// Name for errors (`bf16`, `f16`).
+    const NAME: &'static str;
+    /// The kernel's `-D` define selecting this type.
+    const DEFINE: &'static str;
+    /// Whether the value is finite.
+    fn is_finite_value(self) -> bool;
+}
+
+impl GpuElement for bf16 {
+    const NAME: &'static str = "bf16";
+    const DEFINE: &'static str = "ELEM_BF16";
+    fn is_finite_value(self) -> bool {
+        self.is_finite()
+    }
+}
+
+impl GpuElement for f16 {
+    const NAME: &'static str = "f16";
+    const DEFINE: &'static str = "ELEM_F16";
+    fn is_finite_value(self) -> bool {
+        self.is_finite()
+    }
+}
+
+/// A mask as the kernel evaluates it: key `j` visible to row `i` iff `diag − left ≤ j ≤ diag + right`,
+/// `diag = i + Lk − Lq`, with `None` meaning unbounded on that side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelMask {
+    /// Keys visible before the aligned position (`None`: all).
+    pub left: Option<usize>,
+    /// Keys visible after the aligned position (`None`: all; causal is `Some(0)`).
+    pub right: Option<usize>,
+}
+
+impl KernelMask {
+    /// Translates a spec mask; `And` intersects (smallest reach on each side), a predicate is unsupported.
+    pub fn from_mask(mask: &Mask) -> Result<Self, GpuError> {
+        let min = |a: Option<usize>, b: Option<usize>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, None) => x,
+            (None, y) => y,
+        };
+        Ok(match mask {
+            Mask::None => KernelMask { left: None, right: None },
+            Mask::Causal => KernelMask { left: None, right: Some(0) },
+            Mask::Window { left, right } => KernelMask { left: Some(*left), right: Some(*right) },
+            Mask::Predicate(p) => {
+                return Err(GpuError::Unsupported {
+                    argument: "mask",
+                    reason: format!("predicate mask `{}`: the kernel evaluates only causal and window bounds", p.name),
+                });
+            }
+            Mask::And(parts) => parts.iter().try_fold(KernelMask { left: None, right: None }, |acc, m| {
+                let k = KernelMask::from_mask(m)?;
+                Ok::<_, GpuError>(KernelMask { left: min(acc.left, k.left), right: min(acc.right, k.right) })
+            })?,
+        })
+    }
+
+    /// The side's reach as the kernel's `int`: values beyond any length are "no bound".
+    fn kernel_value(side: Option<usize>) -> i32 {
+        side.map_or(NO_BOUND, |x| i64::try_from(x).unwrap_or(NO_BOUND).min(NO_BOUND)) as i32
+    }
+}
+
+/// The scale the kernel multiplies the dot products by: `fl32(1/√d)` computed as the reference does, or the given
+/// value rounded to f32.
+pub fn kernel_scale(spec: &AttentionSpec) -> f32 {
+    match spec.scale {
+        Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f32).sqrt(),
+        Scale::Value(x) => x as f32,
+    }
+}
+
+/// `n` rounded up to a multiple of `m`.
+fn round_up(n: usize, m: usize) -> usize {
+    n.div_ceil(m) * m
+}
+
+fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
+    i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
+}
+
+/// Everything the launch needs, derived from a validated spec.
+struct Plan {
+    scalars: FlashScalars,
+    grid: (u32, u32, u32),
+    shared_bytes: u32,
+    defines: Vec<String>,
+    cu_q: Vec<i32>,
+    cu_k: Vec<i32>,
+}
+
+/// Checks that the kernel supports `spec` and derives the launch plan.
+fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
+    spec.validate()?;
+    for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
+        if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
+            return Err(GpuError::Unsupported {
+                argument,
+                reason: format!("{dim} is not a multiple of 8 in 8..={MAX_HEAD_DIM}"),
+            });
+        }
+    }
+    let mask = KernelMask::from_mask(&spec.mask)?;
+    let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
+    let d_pad = round_up(d, 16);
+    let dv_pad = round_up(dv, 8);
+    // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
+    let shared = 2 * (Q_TILE + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
+    let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+    let seqs = spec.sequences();
+    let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
+    let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
+        Layout::Dense { len_q, len_k, .. } => {
+            let (lq, lk) = (*len_q as i64, *len_k as i64);
+            let (dq, dk, dvv) = (d as i64, d as i64, dv as i64);
+            (
+                0,
+                *len_q,
+                *len_k,
+                [hq as i64 * lq * dq, lq * dq, dq],
+                [hkv as i64 * lk * dk, lk * dk, dk],
+                [hkv as i64 * lk * dvv, lk * dvv, dvv],
+                [hq as i64 * lq * dvv, lq * dvv, dvv],
+                [hq as i64 * lq, lq],
+                vec![0, 0],
+                vec![0, 0],
+            )
+        }
+        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
+            let total_q = *cu_seqlens_q.last().expect("validated: non-empty") as i64;
+            (
+                1,
+                0,
+                0,
+                [0, d as i64, (hq * d) as i64],
+                [0, d as i64, (hkv * d) as i64],
+                [0, dv as i64, (hkv * dv) as i64],
+                [0, dv as i64, (hq * dv) as i64],
+                [0, total_q],
+                cu_seqlens_q.clone(),
+                cu_seqlens_k.clone(),
+            )
+        }
+    };
+    // Every element offset the kernel forms must fit its 64-bit arithmetic, and lengths its 32-bit `int`s.
+    for op in [Operand::Q, Operand::K, Operand::V, Operand::O] {
+        let n: usize = spec.expected_shape(op).iter().product();
+        to_i32("tensor elements / 8", n / 8)?;
+    }
+    let scalars = FlashScalars {
+        varlen,
+        len_q: to_i32("len_q", len_q)?,
+        len_k: to_i32("len_k", len_k)?,
+        group: to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
+        d: to_i32("head_dim", d)?,
+        dv: to_i32("head_dim_v", dv)?,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        scale: kernel_scale(spec),
+        win_left: KernelMask::kernel_value(mask.left),
+        win_right: KernelMask::kernel_value(mask.right),
+    };
+    let grid_x = u32::try_from(max_len_q.div_ceil(Q_TILE))
+        .map_err(|_| GpuError::TooLarge { argument: "query tiles", value: max_len_q.div_ceil(Q_TILE) })?;
+    let grid_y = u32::try_from(hq)
+        .ok()
+        .filter(|&y| y <= 65535)
+        .ok_or(GpuError::TooLarge { argument: "n_heads_q", value: hq })?;
+    let grid_z = u32::try_from(seqs.len())
+        .ok()
+        .filter(|&z| z <= 65535)
+        .ok_or(GpuError::TooLarge { argument: "sequences", value: seqs.len() })?;
+    Ok(Plan { scalars, grid: (grid_x, grid_y, grid_z), shared_bytes: shared as u32, defines, cu_q, cu_k })
+}
+
+fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
+    if buffer.len() < needed {
+        return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
+    }
+    Ok(())
+}
+
+/// Runs the forward on device buffers: `q`, `k`, `v` hold the spec's `Q`, `K`, `V` in row-major order (dense
+/// `[B, H, L, D]`, varlen `[T, H, D]`); the kernel writes `O` into the first elements of `o` and the natural-log LSE
+/// (dense `[B, Hq, Lq]`, varlen `[Hq, Tq]`) into the first elements of `lse`. Buffers may be longer than their
+/// tensors; the kernel touches nothing past them (the tests' guard bands check this). The launch is asynchronous on
+/// `stream`.
+pub fn flash_forward_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let plan = plan::<T>(spec)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", q, size(Operand::Q))?;
+    check_len("k", k, size(Operand::K))?;
+    check_len("v", v, size(Operand::V))?;
+    check_len("o", o, size(Operand::O))?;
+    check_len("lse", lse, size(Operand::RowStat))?;
+    if plan.grid.0 == 0 || plan.grid.2 == 0 {
+        return Ok(()); // no query rows anywhere: there is no output to write
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, FLASH_FWD, &plan.defines)?;
+    let func =
+        module.load_function(FLASH_FWD.name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
+    if plan.shared_bytes > 48 * 1024 {
+        let limit = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
+        if plan.shared_bytes as i64 > limit as i64 {
+            return Err(GpuError::Unsupported {
+                argument: "head_dim",
+                reason: format!("needs {} bytes of shared memory, the device allows {limit}", plan.shared_bytes),
+            });
+        }
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            plan.shared_bytes as i32,
+        )
+        .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+    }
+    let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
+    let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: plan.shared_bytes };
+    launch::launch_flash_forward(
+        stream,
+        &func,
+        cfg,
+        FlashBuffers { q, k, v, o, lse, cu_q: &cu_q, cu_k: &cu_k },
+        plan.scalars,
+    )
+}
+
+/// `O` (storage type) and `LSE` (f32, natural log) of a forward.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForwardOutput<T> {
+    /// `O`, shaped like Q with `dv`.
+    pub o: ArrayD<T>,
+    /// LSE, dense `[B, Hq, Lq]`, varlen `[Hq, Tq]`.
+    pub lse: ArrayD<f32>,
+}
+
+/// Checks a host tensor's shape, layout and values and returns it as a row-major slice.
+fn host_input<'a, T: GpuElement>(
+    spec: &AttentionSpec,
+    argument: &'static str,
+    operand: Operand,
+    t: &'a ArrayViewD<'_, T>,
+) -> Result<&'a [T], GpuError> {
+    let expected = spec.expected_shape(operand);
+    if t.shape() != expected.as_slice() {
+        return Err(GpuError::Shape { argument, expected, actual: t.shape().to_vec() });
+    }
+    let data = t.as_slice().ok_or_else(|| GpuError::Stride { argument, strides: t.strides().to_vec() })?;
+    if let Some(i) = data.iter().position(|x| !x.is_finite_value()) {
+        let index =
+            ndarray::indices(expected.as_slice()).into_iter().nth(i).map(|ix| ix.slice().to_vec()).unwrap_or_default();
+        return Err(attnproof_oracle::OracleError::NonFinite { argument, index, value: f64::NAN }.into());
+    }
+    Ok(data)
+}
+
+/// Runs the forward from host tensors and returns host outputs (copies in, launch, copies out, synchronizes).
+pub fn flash_forward<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+    v: ArrayViewD<'_, T>,
+) -> Result<ForwardOutput<T>, GpuError> {
+    spec.validate()?;
+    let (hq, hk, hv) = (
+        host_input(spec, "q", Operand::Q, &q)?,
+        host_input(spec, "k", Operand::K, &k)?,
+        host_input(spec, "v", Operand::V, &v)?,
+    );
+    let up = |data: &[T]| stream.clone_htod(data).map_err(|e| GpuError::driver("cuMemcpyHtoD", e));
+    let (dq, dk, dv) = (up(hq)?, up(hk)?, up(hv)?);
+    let o_shape = spec.expected_shape(Operand::O);
+    let lse_shape = spec.expected_shape(Operand::RowStat);
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let mut o = stream.alloc_zeros::<T>(o_shape.iter().product::<usize>().max(1)).map_err(alloc_err)?;
+    let mut lse = stream.alloc_zeros::<f32>(lse_shape.iter().product::<usize>().max(1)).map_err(alloc_err)?;
+    flash_forward_device(stream, spec, &dq, &dk, &dv, &mut o, &mut lse)?;
+    let down_err = |e| GpuError::driver("cuMemcpyDtoH", e);
+    let mut o_host = stream.clone_dtoh(&o).map_err(down_err)?;
+    let mut lse_host = stream.clone_dtoh(&lse).map_err(down_err)?;
+    stream.synchronize().map_err(|e| GpuError::driver("cuStreamSynchronize", e))?;
+    o_host.truncate(o_shape.iter().product());
+    lse_host.truncate(lse_shape.iter().product());
+    let o = ArrayD::from_shape_vec(IxDyn(&o_shape), o_host).expect("length matches the shape");
+    let lse = ArrayD::from_shape_vec(IxDyn(&lse_shape), lse_host).expect("length matches the shape");
+    Ok(ForwardOutput { o, lse })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::Predicate;
+
+    #[test]
+    fn masks_translate_to_bounds() {
+        let m = |mask: Mask| KernelMask::from_mask(&mask).unwrap();
+        assert_eq!(m(Mask::None), KernelMask { left: None, right: None });
+        assert_eq!(m(Mask::Causal), KernelMask { left: None, right: Some(0) });
+        assert_eq!(m(Mask::Window { left: 3, right: 5 }), KernelMask { left: Some(3), right: Some(5) });
+        assert_eq!(
+            m(Mask::And(vec![Mask::Causal, Mask::Window { left: 4, right: 9 }, Mask::And(vec![])])),
+            KernelMask { left: Some(4), right: Some(0) }
+        );
+        assert_eq!(m(Mask::And(vec![])), KernelMask { left: None, right: None });
+        assert_eq!(KernelMask::kernel_value(Some(usize::MAX)), NO_BOUND as i32);
+    }
+
+    #[test]
+    fn predicate_masks_are_a_typed_error() {
+        let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
+        let err = KernelMask::from_mask(&Mask::And(vec![Mask::Causal, p])).unwrap_err();
+        assert!(matches!(err, GpuError::Unsupported { argument: "mask", .. }), "{err}");
+    }
+
+    #[test]
+    fn head_dims_must_be_multiples_of_8_up_to_256() {
+        for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
+            let spec = AttentionSpec::dense(1, 1, 1, 4, 4, d, dv);
+            match plan::<bf16>(&spec) {
+                Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
+                Err(e) => panic!("unexpected error {e}"),
+                Ok(_) => panic!("d={d} dv={dv} accepted"),
+            }
+        }
+        assert!(plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 8, 256)).is_ok());
+    }
+
+    #[test]
+    fn bad_specs_are_oracle_errors() {
+        let spec = AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8);
+        assert!(matches!(plan::<bf16>(&spec), Err(GpuError::Spec(_))));
+    }
+
+    #[test]
+    fn plan_strides_and_grid() {
+        let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 64, 32).with_mask(Mask::Causal);
+        let p = plan::<bf16>(&spec).unwrap();
+        assert_eq!(p.grid, (3, 4, 2));
+        assert_eq!(p.scalars.q, [4 * 130 * 64, 130 * 64, 64]);
+        assert_eq!(p.scalars.v, [2 * 70 * 32, 70 * 32, 32]);
+        assert_eq!(p.scalars.lse, [4 * 130, 130]);
+        assert_eq!((p.scalars.win_left, p.scalars.win_right), (NO_BOUND as i32, 0));
+        assert_eq!(p.scalars.group, 2);
+        let varlen = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
+            ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8)
+        };
+        let p = plan::<f16>(&varlen).unwrap();
+        assert_eq!(p.grid, (2, 2, 3));
+        assert_eq!(p.scalars.q, [0, 16, 32]);
+        assert_eq!(p.scalars.k, [0, 16, 16]);
+        assert_eq!(p.scalars.o, [0, 8, 16]);
+        assert_eq!(p.scalars.lse, [0, 70]);
+        assert_eq!(p.cu_k, vec![0, 0, 9, 20]);
+    }
+}

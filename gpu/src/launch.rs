@@ -1,0 +1,145 @@
+//! Every `unsafe` operation of the crate, each with its `// SAFETY:` argument: probing the CUDA libraries, driving
+//! NVRTC to a CUBIN, and launching kernels. The safe modules validate shapes, strides, dtypes and buffer sizes before
+//! they call in here, so the arguments below can state their preconditions as facts.
+
+use std::ffi::{CStr, CString, c_char};
+
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+
+use crate::error::GpuError;
+
+/// Whether the CUDA driver library can be loaded.
+pub(crate) fn driver_library_present() -> bool {
+    // SAFETY: `is_culib_present` only tries to `dlopen` the driver library under its usual names and closes it again.
+    // It is `unsafe` because loading a shared library runs that library's initialisers; the library in question is the
+    // system's CUDA driver, which cudarc would load anyway on the first driver call, so probing it adds no new risk.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Whether the NVRTC library can be loaded (cudarc panics on the first NVRTC call otherwise).
+pub(crate) fn nvrtc_library_present() -> bool {
+    // SAFETY: as for the driver above: a `dlopen` probe of CUDA's own runtime-compiler library.
+    unsafe { nvrtc_sys::is_culib_present() }
+}
+
+/// Why NVRTC failed: its status and program log.
+pub(crate) struct NvrtcFailure {
+    pub status: String,
+    pub log: String,
+}
+
+/// An NVRTC program that is destroyed on every path out of [`compile_cubin`].
+struct Program(nvrtc_sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` came from `nvrtcCreateProgram` and is destroyed exactly once, here. A failure to destroy
+        // leaks host memory only, so the result is ignored rather than turned into a panic in `drop`.
+        let _ = unsafe { nvrtc_result::destroy_program(self.0) };
+    }
+}
+
+/// Compiles `src` with `options` to a CUBIN (a real `sm_XX` target), returning NVRTC's log on failure.
+///
+/// cudarc's safe wrapper only returns PTX, which NVRTC does not produce for a real architecture such as `sm_90a`;
+/// a CUBIN also avoids the driver's PTX JIT and its PTX-version gate.
+pub(crate) fn compile_cubin(src: &str, name: &str, options: &[String]) -> Result<Vec<u8>, NvrtcFailure> {
+    let fail = |status: String, log: String| NvrtcFailure { status, log };
+    let c_src = CString::new(src).map_err(|_| fail("source contains a NUL byte".into(), String::new()))?;
+    let c_name = CString::new(name).map_err(|_| fail("name contains a NUL byte".into(), String::new()))?;
+    let prog =
+        Program(nvrtc_result::create_program(&c_src, Some(&c_name)).map_err(|e| fail(e.to_string(), String::new()))?);
+    // SAFETY: `prog.0` is a live program created above from `c_src` and `c_name`, which outlive it (both are dropped
+    // after `prog`, in reverse declaration order). The options are plain ASCII strings without NUL bytes (built by
+    // `compile::options`), so cudarc's `CString::new(..).unwrap()` inside `compile_program` cannot panic.
+    let compiled = unsafe { nvrtc_result::compile_program(prog.0, options) };
+    if let Err(e) = compiled {
+        // SAFETY: `prog.0` is live; the log is a NUL-terminated buffer of the size NVRTC reported.
+        let log = unsafe { nvrtc_result::get_program_log(prog.0) }
+            .map(|raw| c_chars_to_string(&raw))
+            .unwrap_or_else(|e| format!("(no log: {e})"));
+        return Err(fail(e.to_string(), log));
+    }
+    let mut size = 0usize;
+    // SAFETY: `prog.0` is live and compiled; `size` is a valid out-pointer.
+    unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+        .result()
+        .map_err(|e| fail(e.to_string(), String::new()))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` has exactly the `size` bytes NVRTC asked for, and NVRTC writes no more than that.
+    unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast::<c_char>()) }
+        .result()
+        .map_err(|e| fail(e.to_string(), String::new()))?;
+    Ok(cubin)
+}
+
+fn c_chars_to_string(raw: &[c_char]) -> String {
+    let bytes: Vec<u8> = raw.iter().map(|&c| c as u8).collect();
+    CStr::from_bytes_until_nul(&bytes)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The scalar arguments of `flash_fwd` (gpu/kernels/flash_fwd.cu), in its parameter order.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FlashScalars {
+    pub varlen: i32,
+    pub len_q: i32,
+    pub len_k: i32,
+    pub group: i32,
+    pub d: i32,
+    pub dv: i32,
+    /// (batch, head, row) strides in elements of Q, K, V, O.
+    pub q: [i64; 3],
+    pub k: [i64; 3],
+    pub v: [i64; 3],
+    pub o: [i64; 3],
+    /// (batch, head) strides of LSE.
+    pub lse: [i64; 2],
+    pub scale: f32,
+    pub win_left: i32,
+    pub win_right: i32,
+}
+
+/// Device operands of `flash_fwd`.
+pub(crate) struct FlashBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub o: &'a mut CudaSlice<T>,
+    pub lse: &'a mut CudaSlice<f32>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// Launches `flash_fwd` on `stream`.
+///
+/// Preconditions, established by `flash::flash_forward_device` before this call: `func` is `flash_fwd` compiled for
+/// the element type `T` and the padded head dims the scalars imply; every index the kernel forms from the grid, the
+/// lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the packed totals) and the strides lies inside
+/// the buffer it indexes (the buffer sizes were checked against the spec's shapes); `cfg` has 128 threads per block
+/// and the dynamic shared memory the kernel's layout needs, which the function attribute allows.
+pub(crate) fn launch_flash_forward<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    buffers: FlashBuffers<'_, T>,
+    s: FlashScalars,
+) -> Result<(), GpuError> {
+    let FlashBuffers { q, k, v, o, lse, cu_q, cu_k } = buffers;
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(v).arg(o).arg(lse).arg(cu_q).arg(cu_k);
+    builder.arg(&s.varlen).arg(&s.len_q).arg(&s.len_k).arg(&s.group).arg(&s.d).arg(&s.dv);
+    for strides in [&s.q, &s.k, &s.v, &s.o] {
+        builder.arg(&strides[0]).arg(&strides[1]).arg(&strides[2]);
+    }
+    builder.arg(&s.lse[0]).arg(&s.lse[1]);
+    builder.arg(&s.scale).arg(&s.win_left).arg(&s.win_right);
+    // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type (7 pointers as
+    // CUdeviceptr, 6 `int`, 14 `long long`, one `float`, 2 `int`). The kernel writes only `o` and `lse`, within the
+    // bounds the caller checked (see the preconditions above), and reads the inputs read-only; the buffers are
+    // borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(flash_fwd)", e))?;
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! `cargo xtask gpu-bundle`: builds the GPU test binaries in release and copies them, with a `run.sh` entry script,
+//! into `gpu-bundle/` (ignored by git), so that one call on a GPU machine without Rust runs the whole GPU verification:
+//! `bash gpu-bundle/run.sh`.
+//!
+//! The executables are found from cargo's own JSON messages (`--message-format=json`), not by guessing file names in
+//! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so its size is checked at the end.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+
+use anyhow::{Context, Result, bail};
+
+use crate::process::{cargo, describe, ensure_m4, find_on_path};
+
+/// Packages whose test binaries go into the bundle.
+const PACKAGES: &[&str] = &["attnproof-gpu"];
+/// The bundle directory, relative to the repository root.
+pub const BUNDLE_DIR: &str = "gpu-bundle";
+/// Largest bundle the device tool carries.
+const MAX_BUNDLE_BYTES: u64 = 64 * 1024 * 1024;
+
+/// The entry script: requires a GPU, points NVRTC at the toolkit, runs every test binary and fails if any fails.
+const RUN_SH: &str = r#"#!/usr/bin/env bash
+# Runs every GPU test binary of this bundle (made by `cargo xtask gpu-bundle`). Extra arguments go to each binary.
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+export ATTNPROOF_REQUIRE_GPU=1
+export CUDA_HOME=/usr/local/cuda
+# NVRTC (libnvrtc.so.13) is loaded at run time; the toolkit's lib64 is not always on the loader path.
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
+cd "$here"
+failed=0
+for bin in "$here"/tests/*; do
+    echo "=== $(basename "$bin")"
+    "$bin" --show-output "$@" || failed=$((failed + 1))
+done
+echo "gpu-bundle: $failed test binaries failed"
+exit $((failed > 0))
+"#;
+
+/// `cargo xtask gpu-bundle`.
+pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> {
+    if !rest.is_empty() {
+        bail!("`gpu-bundle` takes no arguments");
+    }
+    ensure_m4()?;
+    let mut executables = vec![];
+    for package in PACKAGES {
+        executables.extend(build_test_binaries(root, package)?);
+    }
+    if executables.is_empty() {
+        bail!("cargo reported no test executables for {PACKAGES:?}");
+    }
+    let bundle = root.join(BUNDLE_DIR);
+    if bundle.exists() {
+        fs::remove_dir_all(&bundle).with_context(|| format!("could not clear {}", bundle.display()))?;
+    }
+    let tests = bundle.join("tests");
+    fs::create_dir_all(&tests).with_context(|| format!("could not create {}", tests.display()))?;
+    let mut total = 0u64;
+    for (name, path) in &executables {
+        let dest = tests.join(name);
+        fs::copy(path, &dest).with_context(|| format!("could not copy {}", path.display()))?;
+        strip_debug_info(&dest)?;
+        total += fs::metadata(&dest)?.len();
+        println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
+    }
+    let script = bundle.join("run.sh");
+    fs::write(&script, RUN_SH).with_context(|| format!("could not write {}", script.display()))?;
+    make_executable(&script)?;
+    total += RUN_SH.len() as u64;
+    if total > MAX_BUNDLE_BYTES {
+        bail!("the bundle is {} MiB, over the 64 MiB the device tool carries", total / (1024 * 1024));
+    }
+    println!(
+        "gpu-bundle: {} test binaries, {} MiB in {}; run `bash {BUNDLE_DIR}/run.sh`",
+        executables.len(),
+        total / (1024 * 1024),
+        bundle.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Builds `package`'s test targets in release and returns (bundle name, executable path) for each.
+fn build_test_binaries(root: &Path, package: &str) -> Result<Vec<(String, PathBuf)>> {
+    let mut cmd = cargo(root);
+    cmd.args(["test", "--release", "-p", package, "--no-run", "--message-format=json"]);
+    println!("$ {}", describe(&cmd));
+    let out = cmd.stderr(Stdio::inherit()).output().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
+    if !out.status.success() {
+        bail!("`{}` failed", describe(&cmd));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Ok(stdout.lines().filter_map(|line| test_executable(line, package)).collect())
+}
+
+/// From one JSON message of cargo: a test executable of `package`, named `<package>-<target>` for the bundle.
+fn test_executable(line: &str, package: &str) -> Option<(String, PathBuf)> {
+    if !line.contains(r#""reason":"compiler-artifact""#) || !line.contains(r#""test":true"#) {
+        return None;
+    }
+    let executable = json_string(line, "executable")?;
+    let target = json_string(line, "name")?;
+    // The package id names the package (`path+file:///…/gpu#attnproof-gpu@0.1.0`); the target name alone is ambiguous.
+    let id = json_string(line, "package_id")?;
+    if !id.contains(&format!("#{package}@")) && !id.contains(&format!("/{package}#")) {
+        return None;
+    }
+    Some((format!("{package}-{target}"), PathBuf::from(executable)))
+}
+
+/// The first string value of `"key":"…"` in a JSON line (cargo escapes nothing in paths and names we use).
+fn json_string(line: &str, key: &str) -> Option<String> {
+    let pattern = format!(r#""{key}":""#);
+    let start = line.find(&pattern)? + pattern.len();
+    let end = line[start..].find('"')? + start;
+    Some(line[start..end].replace(r"\\", r"\"))
+}
+
+/// Drops the release profile's line tables from a copy (they are most of a test binary's size and the bundle has a
+/// 64 MiB budget); panics on the device still name the test and message. Without `strip` the copy stays as is.
+fn strip_debug_info(path: &Path) -> Result<()> {
+    let Some(strip) = find_on_path("strip") else {
+        println!("gpu-bundle: no `strip` on PATH; {} keeps its debug info", path.display());
+        return Ok(());
+    };
+    let status = std::process::Command::new(strip)
+        .arg("--strip-debug")
+        .arg(path)
+        .status()
+        .with_context(|| format!("could not run strip on {}", path.display()))?;
+    if !status.success() {
+        bail!("strip --strip-debug {} failed", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(unix)]
+fn make_executable(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::set_permissions(path, fs::Permissions::from_mode(0o755)).with_context(|| format!("chmod {}", path.display()))
+}
+
+#[cfg(not(unix))]
+fn make_executable(_path: &Path) -> Result<()> {
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_test_executables_of_the_package() {
+        let line = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/main/gpu#attnproof-gpu@0.1.0","target":{"kind":["test"],"name":"flash_forward"},"profile":{"opt_level":"3","test":true},"executable":"/w/main/target/release/deps/flash_forward-0123abcd"}"#;
+        assert_eq!(
+            test_executable(line, "attnproof-gpu"),
+            Some((
+                "attnproof-gpu-flash_forward".into(),
+                PathBuf::from("/w/main/target/release/deps/flash_forward-0123abcd")
+            ))
+        );
+        assert_eq!(test_executable(line, "attnproof-harness"), None);
+        let lib = line.replace(r#""test":true"#, r#""test":false"#);
+        assert_eq!(test_executable(&lib, "attnproof-gpu"), None);
+    }
+
+    #[test]
+    fn run_script_requires_a_gpu_and_runs_every_binary() {
+        assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
+        assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
+        assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
+    }
+}
