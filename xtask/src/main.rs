@@ -1,6 +1,9 @@
 //! `cargo xtask <command>`: project automation for attnproof (test, verify, bench-oracle), with no heavy dependencies.
 
+mod catalog;
+mod fuzz;
 mod gpu_bundle;
+mod mutants;
 mod parse;
 mod process;
 mod snapshots;
@@ -22,6 +25,8 @@ commands:
   test [ARGS...]                         cargo test --workspace [ARGS...], then print `test: N passed, M failed`
   verify                                 fmt, clippy, tests (insta read-only), snapshot hygiene, GPU tests if present
   bench-oracle [--len L] [--head-dim D]  dense oracle benchmark in release (defaults: --len 16384 --head-dim 128)
+  mutants [--list] [--only NAME]         apply each mutant of the catalog to a scratch copy; fail unless all are killed
+  fuzz [--minutes N] [--target T]        run the proptest suites in release with fresh seeds for N minutes
   gpu-bundle                             build the GPU test binaries (release) into gpu-bundle/ with run.sh
   help                                   print this message";
 
@@ -58,6 +63,8 @@ fn run(command: Option<&str>, rest: Vec<OsString>) -> Result<ExitCode> {
             Ok(verify::verify(&repo_root()))
         }
         Some("bench-oracle") => bench_oracle(&repo_root(), &rest),
+        Some("mutants") => mutants::mutants(&repo_root(), &rest),
+        Some("fuzz") => fuzz::fuzz(&repo_root(), &rest),
         Some("gpu-bundle") => gpu_bundle::gpu_bundle(&repo_root(), &rest),
         Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
     }

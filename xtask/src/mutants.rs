@@ -1,0 +1,856 @@
+//! `cargo xtask mutants`: applies every mutant of the catalog to a scratch copy of the repository and checks that the
+//! tests kill it; also the captured, time-limited child runs and libtest parsing that `fuzz` shares.
+//!
+//! Mutant runs use `PROPTEST_CASES=64` (see [`DEFAULT_CASES`]) and a fixed `PROPTEST_RNG_SEED`, so the table is the
+//! same from one run to the next and a mutant that survives can be rerun with a larger budget (`--cases`) to tell a
+//! weak test from an equivalent mutant.
+
+use std::collections::{BTreeSet, HashMap};
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::catalog::{CATALOG, Mutant};
+use crate::parse::{TestCounts, parse_test_result};
+use crate::process::{cargo, describe, ensure_m4};
+
+/// Proptest cases per property in mutant runs: above the suites' own 48, so a mutant that only some shapes expose
+/// still meets one, yet small enough that a mutant's test run takes seconds.
+pub const DEFAULT_CASES: u32 = 64;
+/// The fixed proptest seed of mutant runs, so that which cases run does not change between runs.
+pub const DEFAULT_SEED: u64 = 0x6d75_7461_6e74;
+/// Seconds a mutant's test run may take, build included, before it counts as killed by timeout (a hang).
+pub const DEFAULT_TIMEOUT_S: u64 = 300;
+/// Upper bound on proptest's shrinking after a failure, in milliseconds: a mutant only needs to fail, and an
+/// unbounded shrink of a large case could otherwise eat the whole timeout.
+const MAX_SHRINK_TIME_MS: u32 = 20_000;
+
+const USAGE: &str = "\
+usage: cargo xtask mutants [--list] [--only NAME]... [--cases N] [--seed S] [--timeout SECS]
+
+  --list          print the catalog (and whether each mutant still applies) and exit
+  --only NAME     run only this mutant (repeatable)
+  --cases N       PROPTEST_CASES for every test run (default 64)
+  --seed S        PROPTEST_RNG_SEED for every test run (default fixed)
+  --timeout SECS  per-mutant limit, build included; a run past it counts as killed by timeout (default 300)";
+
+/// Options of `cargo xtask mutants`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Options {
+    list: bool,
+    only: Vec<String>,
+    cases: u32,
+    seed: u64,
+    timeout: Duration,
+}
+
+/// Parses the command line of `mutants`; values may follow their flag or be joined with `=`.
+fn parse_options(args: &[String]) -> Result<Options> {
+    let mut options = Options {
+        list: false,
+        only: Vec::new(),
+        cases: DEFAULT_CASES,
+        seed: DEFAULT_SEED,
+        timeout: Duration::from_secs(DEFAULT_TIMEOUT_S),
+    };
+    let mut iter = args.iter();
+    while let Some(arg) = iter.next() {
+        let (flag, inline) = match arg.split_once('=') {
+            Some((flag, value)) => (flag, Some(value.to_owned())),
+            None => (arg.as_str(), None),
+        };
+        if flag == "--list" {
+            options.list = true;
+            continue;
+        }
+        if flag == "-h" || flag == "--help" {
+            bail!("{USAGE}");
+        }
+        let mut value = || -> Result<String> {
+            match &inline {
+                Some(v) => Ok(v.clone()),
+                None => iter.next().cloned().with_context(|| format!("`{flag}` needs a value\n\n{USAGE}")),
+            }
+        };
+        match flag {
+            "--only" => options.only.push(value()?),
+            "--cases" => options.cases = parse_positive(flag, &value()?)?,
+            "--seed" => {
+                let v = value()?;
+                options.seed = v.parse().with_context(|| format!("`--seed` needs an unsigned integer, got `{v}`"))?;
+            }
+            "--timeout" => options.timeout = Duration::from_secs(parse_positive(flag, &value()?)?),
+            _ => bail!("unknown argument `{arg}`\n\n{USAGE}"),
+        }
+    }
+    Ok(options)
+}
+
+/// A positive integer option value.
+pub fn parse_positive<T: std::str::FromStr + PartialOrd + Default>(flag: &str, value: &str) -> Result<T> {
+    match value.parse::<T>() {
+        Ok(n) if n > T::default() => Ok(n),
+        _ => bail!("`{flag}` needs a positive integer, got `{value}`"),
+    }
+}
+
+/// The arguments as UTF-8 strings, which every option of these commands is.
+pub fn utf8_args(args: &[OsString]) -> Result<Vec<String>> {
+    args.iter()
+        .map(|a| a.to_str().map(str::to_owned).with_context(|| format!("argument {a:?} is not valid UTF-8")))
+        .collect()
+}
+
+/// What became of one mutant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    /// At least one test failed; the names of the failing tests (or of the crashed binaries).
+    Killed(Vec<String>),
+    /// The mutated source did not compile: counted as killed, flagged because such a mutant tests nothing.
+    CompileError,
+    /// The tests ran past the timeout: counted as killed (a hang is a detected change).
+    Timeout,
+    /// Every test passed on the mutated source.
+    Survived,
+    /// The mutant's find text no longer occurs exactly once.
+    Stale(String),
+}
+
+impl Outcome {
+    /// Whether the run counts the mutant as detected.
+    fn is_killed(&self) -> bool {
+        matches!(self, Outcome::Killed(_) | Outcome::CompileError | Outcome::Timeout)
+    }
+
+    fn status(&self) -> &'static str {
+        match self {
+            Outcome::Killed(_) => "killed",
+            Outcome::CompileError => "compile-error",
+            Outcome::Timeout => "timeout",
+            Outcome::Survived => "SURVIVED",
+            Outcome::Stale(_) => "STALE",
+        }
+    }
+
+    fn detail(&self) -> String {
+        match self {
+            Outcome::Killed(tests) => tests.join(", "),
+            Outcome::CompileError => "(does not compile: a weak mutant, see its log)".to_owned(),
+            Outcome::Timeout => "(test run hung past the timeout)".to_owned(),
+            Outcome::Survived => "(no test failed)".to_owned(),
+            Outcome::Stale(why) => why.clone(),
+        }
+    }
+}
+
+/// `cargo xtask mutants`.
+pub fn mutants(root: &Path, args: &[OsString]) -> Result<ExitCode> {
+    let options = parse_options(&utf8_args(args)?)?;
+    let selected = select(&options.only)?;
+    if options.list {
+        print_catalog(root, &selected);
+        return Ok(ExitCode::SUCCESS);
+    }
+    ensure_m4()?;
+
+    let mutants_dir = root.join("target").join("mutants");
+    let scratch = mutants_dir.join("src");
+    let target_dir = mutants_dir.join("target");
+    let logs = mutants_dir.join("logs");
+    println!("mutants: copying the repository to {}", scratch.display());
+    let pristine = copy_repository(root, &scratch)?;
+    recreate_dir(&logs)?;
+    let env = TestEnv { target_dir, cases: options.cases, seed: options.seed };
+
+    // A stale mutant is reported without running anything, so one that cannot apply never hides behind the baseline.
+    let mut sources: HashMap<&str, String> = HashMap::new();
+    for m in &selected {
+        if !sources.contains_key(m.file) {
+            let text = std::fs::read_to_string(scratch.join(m.file)).unwrap_or_default();
+            sources.insert(m.file, text);
+        }
+    }
+
+    // The baseline: the unmutated copy must pass the very commands that are to fail later, else a failure would say
+    // nothing about the mutant. Its output streams to the terminal, because the first run compiles everything.
+    let packages: BTreeSet<&str> = selected.iter().map(|m| m.test_package).collect();
+    for package in &packages {
+        let args = ["test", "-p", package, "--no-fail-fast"].map(str::to_owned);
+        println!("mutants: baseline `cargo {}` (PROPTEST_CASES={})", args.join(" "), options.cases);
+        let mut cmd = env.command(&scratch, &args);
+        let run = run_captured(&mut cmd, None, |line| eprintln!("{line}"), || {})?;
+        let log = logs.join(format!("baseline-{package}.log"));
+        write_log(&log, &cmd, &run)?;
+        let counts = test_counts(&run.lines);
+        if !run.succeeded() || counts.passed == 0 {
+            bail!(
+                "baseline failed: `{}` does not pass on the unmutated copy in {} ({} passed, {} failed); fix the tree \
+                 before running mutants (log: {})",
+                describe(&cmd),
+                scratch.display(),
+                counts.passed,
+                counts.failed,
+                log.display()
+            );
+        }
+        println!("mutants: baseline ok ({} tests passed)", counts.passed);
+    }
+
+    let mut results: Vec<(&Mutant, Outcome, Duration)> = Vec::new();
+    for (index, m) in selected.iter().enumerate() {
+        print!("[{}/{}] {} ... ", index + 1, selected.len(), m.name);
+        flush_stdout();
+        let original = &sources[m.file];
+        let started = Instant::now();
+        let outcome = match m.apply(original) {
+            Err(stale) => Outcome::Stale(format!("{}: {stale}", m.file)),
+            Ok(mutated) => {
+                let path = scratch.join(m.file);
+                std::fs::write(&path, mutated).with_context(|| format!("writing {}", path.display()))?;
+                let mut cmd = env.command(&scratch, &m.test_args());
+                let run = run_captured(&mut cmd, Some(options.timeout), |_| {}, || {});
+                // Restore before looking at the result, so that an error below cannot leave the next mutant (or a
+                // rerun of this one) applied on top of a mutated file.
+                std::fs::write(&path, original).with_context(|| format!("restoring {}", path.display()))?;
+                restore_regressions(root, &scratch, &pristine)?;
+                let run = run?;
+                write_log(&logs.join(format!("{}.log", m.name)), &cmd, &run)?;
+                classify(&run)
+            }
+        };
+        let elapsed = started.elapsed();
+        println!("{} ({:.1}s)", outcome.status(), elapsed.as_secs_f64());
+        results.push((m, outcome, elapsed));
+    }
+
+    print_table(&results);
+    let count = |f: fn(&Outcome) -> bool| results.iter().filter(|(_, o, _)| f(o)).count();
+    let killed = count(Outcome::is_killed);
+    let compile_errors = count(|o| matches!(o, Outcome::CompileError));
+    let timeouts = count(|o| matches!(o, Outcome::Timeout));
+    let survived = count(|o| matches!(o, Outcome::Survived));
+    let stale = count(|o| matches!(o, Outcome::Stale(_)));
+    println!("logs: {}", logs.display());
+    if compile_errors > 0 {
+        println!(
+            "note: {compile_errors} mutant(s) did not compile; they count as killed but test nothing: make them compile"
+        );
+    }
+    println!(
+        "mutants: {killed} killed ({compile_errors} compile errors, {timeouts} timeouts), {survived} survived, {stale} \
+         stale, of {}",
+        results.len()
+    );
+    Ok(if killed == results.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// The mutants to run: all of them, or those named with `--only` (an unknown name is an error listing the names).
+fn select(only: &[String]) -> Result<Vec<&'static Mutant>> {
+    if only.is_empty() {
+        return Ok(CATALOG.iter().collect());
+    }
+    only.iter()
+        .map(|name| {
+            crate::catalog::find(name).with_context(|| {
+                let names: Vec<&str> = CATALOG.iter().map(|m| m.name).collect();
+                format!("no mutant named `{name}`; the catalog holds: {}", names.join(", "))
+            })
+        })
+        .collect()
+}
+
+/// `--list`: every mutant with its file, its tests, whether it applies to the working tree, and what it models.
+fn print_catalog(root: &Path, mutants: &[&Mutant]) {
+    let width = mutants.iter().map(|m| m.name.len()).max().unwrap_or(0);
+    for m in mutants {
+        let state = match std::fs::read_to_string(root.join(m.file)) {
+            Ok(source) => match m.apply(&source) {
+                Ok(_) => "applies".to_owned(),
+                Err(stale) => format!("STALE: {stale}"),
+            },
+            Err(err) => format!("STALE: cannot read the file ({err})"),
+        };
+        println!("{:<width$}  {}  [{}]  tests: {}", m.name, m.file, state, m.test_label());
+        println!("{:<width$}  {}", "", m.description);
+    }
+    println!("{} mutants", mutants.len());
+}
+
+/// The prints the final table: mutant | status | killing test(s).
+fn print_table(results: &[(&Mutant, Outcome, Duration)]) {
+    let rows: Vec<[String; 4]> = results
+        .iter()
+        .map(|(m, o, t)| [m.name.to_owned(), o.status().to_owned(), format!("{:.0}s", t.as_secs_f64()), o.detail()])
+        .collect();
+    let header = ["mutant", "status", "time", "killing test(s)"].map(str::to_owned);
+    let widths: Vec<usize> =
+        (0..3).map(|c| rows.iter().chain([&header]).map(|r| r[c].chars().count()).max().unwrap_or(0)).collect();
+    println!();
+    for row in std::iter::once(&header).chain(&rows) {
+        println!(
+            "{:<w0$} | {:<w1$} | {:>w2$} | {}",
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            w0 = widths[0],
+            w1 = widths[1],
+            w2 = widths[2]
+        );
+    }
+}
+
+/// Environment and target directory shared by every cargo run on the scratch copy.
+struct TestEnv {
+    target_dir: PathBuf,
+    cases: u32,
+    seed: u64,
+}
+
+impl TestEnv {
+    /// A cargo command run in the scratch copy, building into the shared mutants target directory so that only the
+    /// mutated crate and its dependents are rebuilt per mutant.
+    fn command(&self, scratch: &Path, args: &[String]) -> Command {
+        let mut cmd = cargo(scratch);
+        cmd.args(args)
+            .env("CARGO_TARGET_DIR", &self.target_dir)
+            .env("CARGO_TERM_COLOR", "never")
+            .env("PROPTEST_CASES", self.cases.to_string())
+            .env("PROPTEST_RNG_SEED", self.seed.to_string())
+            .env("PROPTEST_MAX_SHRINK_TIME", MAX_SHRINK_TIME_MS.to_string())
+            // Backtraces would be printed (and symbolized, slowly) for every panic proptest catches while shrinking.
+            .env("RUST_BACKTRACE", "0");
+        cmd
+    }
+}
+
+/// Copies the files git knows about (tracked, plus untracked ones that are not ignored) from `root` into a freshly
+/// emptied `scratch`, returning their relative paths. Build outputs, being ignored, stay behind.
+fn copy_repository(root: &Path, scratch: &Path) -> Result<BTreeSet<PathBuf>> {
+    let mut files = BTreeSet::new();
+    for extra in [&["ls-files", "-z"][..], &["ls-files", "-z", "--others", "--exclude-standard"][..]] {
+        let out = Command::new("git")
+            .args(extra)
+            .current_dir(root)
+            .stderr(Stdio::inherit())
+            .output()
+            .context("could not run `git ls-files` (is git installed?)")?;
+        if !out.status.success() {
+            bail!("`git {}` failed in {} (is it a git checkout?)", extra.join(" "), root.display());
+        }
+        files.extend(
+            out.stdout
+                .split(|b| *b == 0)
+                .filter(|p| !p.is_empty())
+                .map(|p| PathBuf::from(String::from_utf8_lossy(p).into_owned())),
+        );
+    }
+    recreate_dir(scratch)?;
+    let mut copied = BTreeSet::new();
+    for file in files {
+        let from = root.join(&file);
+        // A tracked file deleted in the working tree is still listed by git; the copy mirrors the working tree.
+        if !from.is_file() {
+            continue;
+        }
+        let to = scratch.join(&file);
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+        }
+        std::fs::copy(&from, &to).with_context(|| format!("copying {} to {}", from.display(), to.display()))?;
+        copied.insert(file);
+    }
+    if copied.is_empty() {
+        bail!("git lists no files in {}", root.display());
+    }
+    Ok(copied)
+}
+
+/// Deletes a directory if it exists and creates it empty.
+fn recreate_dir(dir: &Path) -> Result<()> {
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+/// Whether a path is a proptest failure-persistence file: `<test>.proptest-regressions` next to a test, or a file
+/// under a `proptest-regressions/` directory.
+pub fn is_regression_file(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "proptest-regressions")
+        || path.components().any(|c| c.as_os_str() == "proptest-regressions")
+}
+
+/// The regression files under `dir`, skipping build output and hidden directories.
+pub fn regression_files(dir: &Path) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name();
+            if path.is_dir() {
+                if name != "target" && !name.to_string_lossy().starts_with('.') {
+                    stack.push(path);
+                }
+            } else if is_regression_file(&path) {
+                found.push(path);
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Puts the scratch copy's proptest regression files back as they were copied: a failing mutant makes proptest
+/// record its seed, and without this every later mutant would replay the seeds that killed earlier ones, so a
+/// mutant's verdict would depend on its place in the catalog.
+fn restore_regressions(root: &Path, scratch: &Path, pristine: &BTreeSet<PathBuf>) -> Result<()> {
+    for path in regression_files(scratch) {
+        let relative = path.strip_prefix(scratch).unwrap_or(&path).to_path_buf();
+        if pristine.contains(&relative) {
+            std::fs::copy(root.join(&relative), &path).with_context(|| format!("restoring {}", path.display()))?;
+        } else {
+            std::fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The mutant's fate from its test run.
+fn classify(run: &Captured) -> Outcome {
+    if run.timed_out() {
+        return Outcome::Timeout;
+    }
+    if run.succeeded() {
+        return Outcome::Survived;
+    }
+    let failed = failed_tests(&run.stdout, &run.stderr);
+    if !failed.is_empty() {
+        return Outcome::Killed(failed);
+    }
+    if compile_failed(&run.lines) {
+        return Outcome::CompileError;
+    }
+    // A test binary that died without libtest reporting a failure (abort, stack overflow, signal) still detected the
+    // mutant; name the binary from cargo's own error line.
+    let crashed: Vec<String> = run
+        .lines
+        .iter()
+        .filter_map(|l| l.trim().strip_prefix("error: test failed, to rerun pass "))
+        .map(|rest| format!("crash: {}", rest.trim_matches('`')))
+        .collect();
+    if crashed.is_empty() {
+        Outcome::Killed(vec!["(cargo test failed; see log)".to_owned()])
+    } else {
+        Outcome::Killed(crashed)
+    }
+}
+
+/// Writes a run's command, exit status and merged output to `path`.
+pub fn write_log(path: &Path, cmd: &Command, run: &Captured) -> Result<()> {
+    let envs: Vec<String> =
+        cmd.get_envs().filter_map(|(k, v)| Some(format!("{}={}", k.to_string_lossy(), v?.to_string_lossy()))).collect();
+    let status = match run.status {
+        Some(s) => s.to_string(),
+        None => "killed after the timeout".to_owned(),
+    };
+    let text = format!(
+        "$ {} {}\n# exit: {status}; {:.1}s\n\n{}\n",
+        envs.join(" "),
+        describe(cmd),
+        run.elapsed.as_secs_f64(),
+        run.lines.join("\n")
+    );
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+fn flush_stdout() {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+}
+
+// --- Captured child runs, shared with `fuzz` ---
+
+/// The result of [`run_captured`].
+#[derive(Debug)]
+pub struct Captured {
+    /// The exit status, or `None` when the run was killed at its timeout.
+    pub status: Option<ExitStatus>,
+    /// stdout and stderr lines, interleaved roughly in the order they arrived (for logs; the two streams are read
+    /// by separate threads, so lines of different streams may trade places).
+    pub lines: Vec<String>,
+    /// stdout lines alone, in order.
+    pub stdout: Vec<String>,
+    /// stderr lines alone, in order.
+    pub stderr: Vec<String>,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+}
+
+impl Captured {
+    /// Whether the run was killed at its timeout.
+    pub fn timed_out(&self) -> bool {
+        self.status.is_none()
+    }
+    /// Whether the run exited successfully.
+    pub fn succeeded(&self) -> bool {
+        self.status.is_some_and(|s| s.success())
+    }
+}
+
+/// How often the watcher wakes to call `on_tick` and check the timeout.
+const TICK: Duration = Duration::from_millis(100);
+
+/// Runs `cmd` with stdout and stderr captured line by line (each line also handed to `on_line` as it arrives), calling
+/// `on_tick` at least every [`TICK`], and killing the command and every process it started once `timeout` has passed.
+///
+/// Killing the whole tree matters: cargo runs the test binary as its child, and a hung test binary would otherwise
+/// outlive cargo and keep the pipes, and this function, waiting forever. The child stays in our process group, so
+/// Ctrl-C still reaches it.
+pub fn run_captured(
+    cmd: &mut Command,
+    timeout: Option<Duration>,
+    mut on_line: impl FnMut(&str),
+    mut on_tick: impl FnMut(),
+) -> Result<Captured> {
+    let started = Instant::now();
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start `{}`", describe(cmd)))?;
+    let (sender, receiver) = mpsc::channel::<(Stream, String)>();
+    let stdout = child.stdout.take().context("child stdout was not captured")?;
+    let stderr = child.stderr.take().context("child stderr was not captured")?;
+    let readers = [forward_lines(stdout, Stream::Out, sender.clone()), forward_lines(stderr, Stream::Err, sender)];
+
+    let (mut lines, mut out_lines, mut err_lines) = (Vec::new(), Vec::new(), Vec::new());
+    let mut status = None;
+    let mut timed_out = false;
+    loop {
+        match receiver.recv_timeout(TICK) {
+            Ok((stream, line)) => {
+                on_line(&line);
+                match stream {
+                    Stream::Out => out_lines.push(line.clone()),
+                    Stream::Err => err_lines.push(line.clone()),
+                }
+                lines.push(line);
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            // Both pipes are closed: the child and everything it started are done writing.
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        on_tick();
+        if status.is_none() {
+            status = child.try_wait().context("waiting for the child")?;
+        }
+        if !timed_out && status.is_none() && timeout.is_some_and(|t| started.elapsed() > t) {
+            timed_out = true;
+            kill_tree(&mut child);
+        }
+    }
+    for reader in readers {
+        let _ = reader.join();
+    }
+    let status = match status {
+        Some(s) => s,
+        None => child.wait().context("waiting for the child")?,
+    };
+    Ok(Captured {
+        status: (!timed_out).then_some(status),
+        lines,
+        stdout: out_lines,
+        stderr: err_lines,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// Which output stream a captured line came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    Out,
+    Err,
+}
+
+/// Reads `source` line by line on a thread, sending each line (lossily decoded, newline removed) to `sender`.
+fn forward_lines(
+    source: impl Read + Send + 'static,
+    stream: Stream,
+    sender: mpsc::Sender<(Stream, String)>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(source);
+        let mut buf = Vec::new();
+        // Bytes rather than `lines()`, because test output need not be UTF-8 and a stray byte must not end the capture.
+        while reader.read_until(b'\n', &mut buf).is_ok_and(|n| n > 0) {
+            let line = String::from_utf8_lossy(&buf).trim_end_matches(['\n', '\r']).to_owned();
+            if sender.send((stream, line)).is_err() {
+                break;
+            }
+            buf.clear();
+        }
+    })
+}
+
+/// Kills `child` and all its descendants (found through `/proc` on Linux), deepest first, each by its id.
+fn kill_tree(child: &mut std::process::Child) {
+    let descendants = descendants(child.id());
+    if !descendants.is_empty() {
+        let _ = Command::new("kill")
+            .arg("-KILL")
+            .args(descendants.iter().rev().map(u32::to_string))
+            .stderr(Stdio::null())
+            .status();
+    }
+    let _ = child.kill();
+}
+
+/// Every process descended from `pid`, parents before children, read from `/proc/<pid>/stat` (empty elsewhere).
+fn descendants(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let parents: Vec<(u32, u32)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|p| Some((p, parent_of(&std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?)?)))
+        .collect();
+    let mut found = vec![pid];
+    let mut next = 0;
+    while next < found.len() {
+        let parent = found[next];
+        found.extend(parents.iter().filter(|(_, pp)| *pp == parent).map(|(p, _)| *p));
+        next += 1;
+    }
+    found.remove(0);
+    found
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line, `pid (comm) state ppid ...`; `comm` may hold spaces and parentheses,
+/// so the fields are read after the last `)`.
+fn parent_of(stat: &str) -> Option<u32> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
+// --- libtest and cargo output ---
+
+/// The sum of every libtest summary line.
+pub fn test_counts(lines: &[String]) -> TestCounts {
+    let mut counts = TestCounts::default();
+    for line in lines {
+        if let Some(found) = parse_test_result(line) {
+            counts += found;
+        }
+    }
+    counts
+}
+
+/// A short name for the test binary cargo announces in `Running tests/x.rs (...)`, `Running unittests src/lib.rs
+/// (...)` or `Doc-tests crate`: `x`, `unittests`, `doctests`.
+fn binary_label(line: &str) -> Option<String> {
+    let line = line.trim();
+    if line.starts_with("Doc-tests ") {
+        return Some("doctests".to_owned());
+    }
+    let source = line.strip_prefix("Running ")?.split(" (").next()?.trim();
+    if source.starts_with("unittests ") {
+        return Some("unittests".to_owned());
+    }
+    Path::new(source).file_stem().map(|s| s.to_string_lossy().into_owned())
+}
+
+/// The tests libtest reports as `test NAME ... FAILED` on stdout, each prefixed with its binary
+/// (`flash_forward::NAME`).
+///
+/// cargo names each binary on stderr before running it, and each binary starts its stdout with `running N tests`;
+/// the k-th such line therefore belongs to the k-th binary cargo announced. Pairing them by position, rather than by
+/// arrival time, keeps the names right even though the two streams are read by different threads.
+pub fn failed_tests(stdout: &[String], stderr: &[String]) -> Vec<String> {
+    let binaries: Vec<String> = stderr.iter().filter_map(|l| binary_label(l)).collect();
+    let mut block = 0usize;
+    let mut failed = Vec::new();
+    for line in stdout {
+        let line = line.trim();
+        if line.starts_with("running ") && (line.ends_with(" tests") || line.ends_with(" test")) {
+            block += 1;
+        } else if let Some(name) = line.strip_prefix("test ").and_then(|l| l.strip_suffix(" ... FAILED")) {
+            let full = match block.checked_sub(1).and_then(|b| binaries.get(b)) {
+                Some(b) => format!("{b}::{name}"),
+                None => name.to_owned(),
+            };
+            if !failed.contains(&full) {
+                failed.push(full);
+            }
+        }
+    }
+    failed
+}
+
+/// Whether cargo reported a compile error.
+pub fn compile_failed(lines: &[String]) -> bool {
+    lines.iter().any(|l| {
+        let l = l.trim_start();
+        l.starts_with("error[E") || l.starts_with("error: could not compile")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(text: &str) -> Vec<String> {
+        text.lines().map(str::to_owned).collect()
+    }
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn options_defaults_and_values() {
+        let o = parse_options(&[]).unwrap();
+        assert_eq!((o.list, o.cases, o.seed, o.timeout.as_secs()), (false, 64, DEFAULT_SEED, 300));
+        let o = parse_options(&strings(&["--only", "a", "--only=b", "--cases", "8", "--seed=3", "--timeout", "9"]))
+            .unwrap();
+        assert_eq!(o.only, ["a", "b"]);
+        assert_eq!((o.cases, o.seed, o.timeout.as_secs()), (8, 3, 9));
+        assert!(parse_options(&strings(&["--list"])).unwrap().list);
+    }
+
+    #[test]
+    fn options_reject_bad_input() {
+        assert!(parse_options(&strings(&["--cases", "0"])).is_err());
+        assert!(parse_options(&strings(&["--timeout"])).is_err());
+        assert!(parse_options(&strings(&["--seed", "-1"])).is_err());
+        assert!(parse_options(&strings(&["--bogus"])).is_err());
+    }
+
+    #[test]
+    fn select_rejects_unknown_names() {
+        assert_eq!(select(&[]).unwrap().len(), CATALOG.len());
+        assert_eq!(select(&strings(&["lse-base-2"])).unwrap()[0].name, "lse-base-2");
+        let err = select(&strings(&["nope"])).unwrap_err().to_string();
+        assert!(err.contains("no mutant named `nope`") && err.contains("lse-base-2"), "{err}");
+    }
+
+    #[test]
+    fn failed_tests_are_named_with_their_binary() {
+        let err = lines(
+            "   Compiling attnproof-harness v0.1.0\n\
+             \x20    Running unittests src/lib.rs (target/debug/deps/attnproof_harness-1)\n\
+             \x20    Running tests/flash_forward.rs (target/debug/deps/flash_forward-2)\n\
+             \x20    Running tests/one.rs (target/debug/deps/one-3)\n\
+             \x20  Doc-tests attnproof_harness\n",
+        );
+        let out = lines(
+            "\nrunning 0 tests\n\
+             test result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s\n\
+             \nrunning 2 tests\n\
+             test reference_forward_is_within_bound_bf16 ... FAILED\n\
+             test reference_forward_is_within_bound_f16 ... ok\n\
+             failures:\n    reference_forward_is_within_bound_bf16\n\
+             test result: FAILED. 1 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.30s\n\
+             \nrunning 1 test\n\
+             test alone ... FAILED\n\
+             \nrunning 1 test\n\
+             test src/lib.rs - x (line 3) ... FAILED\n",
+        );
+        assert_eq!(
+            failed_tests(&out, &err),
+            [
+                "flash_forward::reference_forward_is_within_bound_bf16",
+                "one::alone",
+                "doctests::src/lib.rs - x (line 3)"
+            ]
+        );
+        assert_eq!(test_counts(&out), TestCounts { passed: 1, failed: 1 });
+        // Without cargo's announcements the bare names are still reported.
+        assert_eq!(failed_tests(&out[..6], &[]), ["reference_forward_is_within_bound_bf16"]);
+    }
+
+    #[test]
+    fn compile_errors_are_recognized() {
+        assert!(compile_failed(&lines("error[E0308]: mismatched types\n  --> reference/src/flash.rs:1:1")));
+        assert!(compile_failed(&lines("error: could not compile `attnproof-reference` (lib) due to 1 previous error")));
+        assert!(!compile_failed(&lines("error: test failed, to rerun pass `--test flash_forward`")));
+    }
+
+    #[cfg(unix)]
+    fn status(code: i32) -> ExitStatus {
+        use std::os::unix::process::ExitStatusExt;
+        ExitStatus::from_raw(code << 8)
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn classification() {
+        // Classification reads stdout for test lines and stderr for cargo's; here both get the whole text.
+        let run = |status: Option<ExitStatus>, text: &str| Captured {
+            status,
+            lines: lines(text),
+            stdout: lines(text),
+            stderr: lines(text),
+            elapsed: Duration::ZERO,
+        };
+        assert_eq!(classify(&run(Some(status(0)), "test result: ok. 2 passed; 0 failed;")), Outcome::Survived);
+        assert_eq!(classify(&run(None, "")), Outcome::Timeout);
+        assert_eq!(
+            classify(&run(Some(status(101)), "error[E0425]: cannot find value\nerror: could not compile `x`")),
+            Outcome::CompileError
+        );
+        assert_eq!(
+            classify(&run(Some(status(101)), "     Running tests/a.rs (x)\nrunning 1 test\ntest t ... FAILED")),
+            Outcome::Killed(vec!["a::t".to_owned()])
+        );
+        assert_eq!(
+            classify(&run(Some(status(101)), "error: test failed, to rerun pass `--test a`")),
+            Outcome::Killed(vec!["crash: --test a".to_owned()])
+        );
+        assert!(Outcome::CompileError.is_killed() && Outcome::Timeout.is_killed());
+        assert!(!Outcome::Survived.is_killed() && !Outcome::Stale(String::new()).is_killed());
+    }
+
+    #[test]
+    fn parent_pid_is_read_after_the_command_name() {
+        assert_eq!(parent_of("4242 (cargo) S 17 4242 17 0"), Some(17));
+        assert_eq!(parent_of("7 (a) b (c) R 3 7"), Some(3));
+        assert_eq!(parent_of("garbage"), None);
+    }
+
+    #[test]
+    fn regression_files_are_recognized() {
+        assert!(is_regression_file(Path::new("tests/tests/flash_forward.proptest-regressions")));
+        assert!(is_regression_file(Path::new("tests/proptest-regressions/flash.txt")));
+        assert!(!is_regression_file(Path::new("tests/tests/flash_forward.rs")));
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn captured_run_interleaves_both_streams_and_times_out() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo out; echo err >&2; exit 3"]);
+        let run = run_captured(&mut cmd, None, |_| {}, || {}).unwrap();
+        assert_eq!(run.status.and_then(|s| s.code()), Some(3));
+        let mut got = run.lines.clone();
+        got.sort();
+        assert_eq!(got, ["err", "out"]);
+
+        // The shell's child `sleep` holds the pipes; only killing the whole tree ends the run.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 30; echo never"]);
+        let run = run_captured(&mut cmd, Some(Duration::from_millis(300)), |_| {}, || {}).unwrap();
+        assert!(run.timed_out());
+        assert!(run.elapsed < Duration::from_secs(10), "took {:?}", run.elapsed);
+    }
+}
