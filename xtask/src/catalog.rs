@@ -102,6 +102,21 @@ const FLASH: Mutant = Mutant {
 /// Base entry for mutants of the reference's own mask (E1a) and GQA (E1b) arithmetic, which every schedule uses.
 const MASK: Mutant = Mutant { file: "reference/src/mask.rs", ..FLASH };
 
+/// Base entry for mutants of the FlashAttention backward schedule.
+const BACKWARD: Mutant = Mutant { file: "reference/src/backward.rs", test_target: Some("flash_backward"), ..FLASH };
+
+/// Base entry for mutants of the ring attention schedule.
+const RING: Mutant = Mutant { file: "reference/src/ring.rs", test_target: Some("ring"), ..FLASH };
+
+/// Base entry for mutants of the block-sparse schedule.
+const BLOCK_SPARSE: Mutant = Mutant { file: "reference/src/sparse/block.rs", test_target: Some("sparse"), ..FLASH };
+
+/// Base entry for mutants of the NSA selection schedule.
+const NSA: Mutant = Mutant { file: "reference/src/sparse/nsa.rs", test_target: Some("sparse"), ..FLASH };
+
+/// Base entry for mutants of the DSA token-gather schedule.
+const DSA: Mutant = Mutant { file: "reference/src/sparse/dsa.rs", test_target: Some("sparse"), ..FLASH };
+
 /// Every mutant, in the order the runner applies them.
 pub const CATALOG: &[Mutant] = &[
     // --- Online softmax state (E2-E5) ---
@@ -297,8 +312,122 @@ pub const CATALOG: &[Mutant] = &[
         replace: "head % n_heads_kv",
         ..MASK
     },
+    // --- Backward (E6-E10a) ---
+    Mutant {
+        name: "scale-missing-from-dk",
+        description: "dK is never multiplied by the softmax scale",
+        find: "g.dk.mapv_inplace(|x| x * scale);",
+        replace: "",
+        ..BACKWARD
+    },
+    Mutant {
+        name: "dq-partials-dropped",
+        description: "strategy B sums only the first KV tile's partial dQ",
+        find: "for partial in &partial_dq {",
+        replace: "for partial in partial_dq.iter().take(1) {",
+        ..BACKWARD
+    },
+    Mutant {
+        name: "dk-not-summed-over-group",
+        description: "GQA: a KV head's dK keeps only its last query head instead of the group sum",
+        find: "entry.0 += &g.dk;",
+        replace: "entry.0.assign(&g.dk);",
+        ..BACKWARD
+    },
+    Mutant {
+        name: "delta-not-subtracted",
+        description: "dS = P dP instead of P (dP - D): the rows of dS no longer sum to zero",
+        find: "T::round(pij * (dp - delta[i]))",
+        replace: "T::round(pij * dp)",
+        ..BACKWARD
+    },
+    Mutant {
+        name: "p-from-lse-in-base-2",
+        description: "the backward reconstructs P with an LSE read as base 2",
+        find: "(s - head.lse[i]).exp()",
+        replace: "(s - head.lse[i] / std::f32::consts::LN_2).exp()",
+        ..BACKWARD
+    },
+    // --- Ring attention (E11, E11a) ---
+    Mutant {
+        name: "ring-diagonal-mask-skipped",
+        description: "ring steps evaluate every key of a block, so the diagonal block is not causally masked",
+        find: "if visible(&spec.mask, i, j, seq.len_q, seq.len_k) {",
+        replace: "if true {",
+        ..RING
+    },
+    Mutant {
+        name: "ring-sum-not-rescaled",
+        description: "a device's running sum is not rescaled when a later block raises the max",
+        find: "st.l[r] = rescale * st.l[r] + p.iter().sum::<f32>();",
+        replace: "st.l[r] = st.l[r] + p.iter().sum::<f32>();",
+        ..RING
+    },
+    Mutant {
+        name: "ring-dk-missing-scale",
+        description: "the owner adds the travelling dK back without the softmax scale",
+        find: "dk_sum += &part.dk[h].mapv(|x| x * scale);",
+        replace: "dk_sum += &part.dk[h];",
+        ..RING
+    },
+    Mutant {
+        name: "ring-dkdv-not-summed-over-group",
+        description: "GQA: the owner keeps only the first query head's dK/dV of a group",
+        find: "for h in kv * group..(kv + 1) * group {",
+        replace: "for h in kv * group..kv * group + 1 {",
+        ..RING
+    },
+    Mutant {
+        name: "zigzag-chunk-swapped",
+        description: "zigzag device g takes chunks g and g + G instead of g and 2G - 1 - g: causal work unbalanced",
+        find: "zigzag_chunks(device, self.n_devices).iter().map(|&c| piece(c)).collect()",
+        replace: "[device, device + self.n_devices].iter().map(|&c| piece(c)).collect()",
+        ..RING
+    },
+    // --- Sparse schedules (E14, E16, E18-E20) ---
+    Mutant {
+        name: "block-sparse-index-zero-ignored",
+        description: "the list reader stops at index 0 as if it were the -1 pad: one block-sparse index ignored",
+        find: ".take_while(|&&b| b >= 0)",
+        replace: ".take_while(|&&b| b > 0)",
+        ..BLOCK_SPARSE
+    },
+    Mutant {
+        name: "block-sparse-query-tile-size",
+        description: "query tile rows computed with the KV tile size",
+        find: "let rows = tile_range(a as usize, layout.q_tile, len_q);",
+        replace: "let rows = tile_range(a as usize, layout.kv_tile, len_q);",
+        ..BLOCK_SPARSE
+    },
+    Mutant {
+        name: "csr-first-entry-dropped",
+        description: "the CSR transpose walk skips the first query tile listed for each KV tile (off by one)",
+        find: "for &a in csr.queries_of(b) {",
+        replace: "for &a in csr.queries_of(b).iter().skip(1) {",
+        ..BLOCK_SPARSE
+    },
+    Mutant {
+        name: "nsa-csr-of-wrong-kv-head",
+        description: "the NSA backward walks KV head 0's selecting queries for every KV head",
+        find: "for &t in csr[kv].queries_of(b) {",
+        replace: "for &t in csr[0].queries_of(b) {",
+        ..NSA
+    },
+    Mutant {
+        name: "nsa-gqa-head-modulo",
+        description: "NSA maps query head h to KV head h % Hkv instead of h / G",
+        find: "let kv = h / dims.group;",
+        replace: "let kv = h % dims.n_heads_kv;",
+        ..NSA
+    },
+    Mutant {
+        name: "dsa-gather-offset-lost",
+        description: "the DSA gather reads value rows from the start of the chunk buffer, not the gathered offset",
+        find: "values[[chunk.start + jj, c]]",
+        replace: "values[[jj, c]]",
+        ..DSA
+    },
 ];
-
 /// The catalog entry named `name`.
 pub fn find(name: &str) -> Option<&'static Mutant> {
     CATALOG.iter().find(|m| m.name == name)
