@@ -321,7 +321,7 @@ fn report_failure(
         "  reproduce: PROPTEST_RNG_SEED={seed} PROPTEST_CASES={cases} cargo test --release -p {PACKAGE} --test {target}"
     );
     if written.is_empty() {
-        println!("  proptest records failing seeds in `{TESTS_DIR}/<test>.proptest-regressions`; commit that file.");
+        println!("  proptest records failing seeds in `tests/proptest-regressions/<suite>.txt`; commit that file.");
     } else {
         for p in written {
             println!("  proptest recorded the failing case in {} — commit it", relative(p));
