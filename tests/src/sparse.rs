@@ -104,14 +104,32 @@ pub fn sub_case<T: Element>(case: &Case<T>, seq: &Sequence, heads: Range<usize>,
 
 /// `spec.mask ∧ (tile(key) listed for tile(query))` for (sequence `seq`, query head `head`).
 pub fn listed_tiles_mask(spec: &AttentionSpec, layout: &BlockSparseLayout, seq: &Sequence, head: usize) -> Mask {
+    tiles_mask(spec, layout, seq, head, Listing::All)
+}
+
+/// Which listed tiles a visibility keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Listing {
+    /// Every listed tile: the block-sparse attention itself.
+    All,
+    /// Every listed tile but the last of each query tile's list: the gate's "dropped selected
+    /// block" wrong answer.
+    DropLastPerQueryTile,
+}
+
+fn tiles_mask(spec: &AttentionSpec, layout: &BlockSparseLayout, seq: &Sequence, head: usize, listing: Listing) -> Mask {
     let n_tiles = layout.lists.dim().2;
     let listed: Vec<HashSet<usize>> = (0..n_tiles)
         .map(|a| {
-            (0..layout.lists.dim().3)
+            let mut tiles: Vec<usize> = (0..layout.lists.dim().3)
                 .map(|w| layout.lists[[seq.index, head, a, w]])
                 .filter(|&b| b >= 0)
                 .map(|b| b as usize)
-                .collect()
+                .collect();
+            if listing == Listing::DropLastPerQueryTile {
+                tiles.pop();
+            }
+            tiles.into_iter().collect()
         })
         .collect();
     let (q_tile, kv_tile) = (layout.q_tile, layout.kv_tile);
@@ -139,7 +157,14 @@ pub fn verify_block_sparse_forward<T: Element>(
             let sub = sub_case(case, &seq, h..h + 1, listed_tiles_mask(spec, layout, &seq, h));
             let o_sub = stack_heads(spec, o.view(), &seq, h..h + 1, false);
             let lse_sub = stack_row_stats(spec, lse.view(), &seq, h..h + 1);
-            verdicts.push(verify_forward(&sub, recipe, o_sub.view(), lse_sub.view())?);
+            let mut verdict = verify_forward(&sub, recipe, o_sub.view(), lse_sub.view())?;
+            score_dropped_block(
+                &mut verdict,
+                &sub,
+                tiles_mask(spec, layout, &seq, h, Listing::DropLastPerQueryTile),
+                recipe,
+            )?;
+            verdicts.push(verdict);
         }
     }
     Ok(verdicts)
@@ -182,6 +207,33 @@ pub fn verify_block_sparse_backward<T: Element>(
         }
     }
     Ok(verdicts)
+}
+
+/// Adds the gate's "dropped selected block" wrong answer to a sub-problem's forward verdict: the
+/// oracle's output with the last listed tile of every query tile removed must fail the verdict
+/// wherever it is visibly different.
+fn score_dropped_block<T: Element>(
+    verdict: &mut Verdict,
+    sub: &Case<T>,
+    dropped: Mask,
+    recipe: FlashRecipe,
+) -> Result<(), HarnessError> {
+    let [q, k, v] = sub.widened();
+    let truth = crate::flash::problem_forward_bounds(&sub.spec, &q, &k, &v, recipe)?;
+    let wrong_spec = sub.spec.clone().with_mask(dropped);
+    let qkv = attnproof_oracle::Qkv { q: q.view(), k: k.view(), v: v.view() };
+    let wrong = attnproof_oracle::forward(&wrong_spec, qkv, attnproof_oracle::DenseConfig::default(), ())?;
+    let scale = truth.o.iter().chain(v.iter()).fold(0f64, |m, x| m.max(x.abs()));
+    verdict.gate.score(
+        "dropped selected block",
+        "O",
+        wrong.o.view(),
+        truth.o.view(),
+        truth.bound_o.view(),
+        recipe.unit_roundoff,
+        scale,
+    );
+    Ok(())
 }
 
 fn check_candidate_shape(
