@@ -312,6 +312,14 @@ pub const CATALOG: &[Mutant] = &[
         replace: "head % n_heads_kv",
         ..MASK
     },
+    Mutant {
+        name: "output-unnormalized",
+        description: "O = A instead of A / l: the unnormalized accumulator is returned, and the backward's D is \
+                      computed from it (D from unnormalized A)",
+        find: "T::round(acc[[r, c]] / l[r])",
+        replace: "T::round(acc[[r, c]])",
+        ..FLASH
+    },
     // --- Backward (E6-E10a) ---
     Mutant {
         name: "scale-missing-from-dk",
