@@ -1,14 +1,23 @@
 // FlashAttention-2 style forward with LSE (E2–E5) on tensor cores, compiled by NVRTC (see gpu/src/compile.rs).
 //
-// One CTA of 4 warps per (query tile of BLOCK_M = 64 rows, query head, sequence); each warp owns 16 query rows.
-// S = Q Kᵀ and O += P V use mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}; the online softmax (running max m,
-// partial sums ℓ, accumulator A) lives in registers; P is rounded to the storage type for the PV product. K and V
-// tiles of BLOCK_N = 64 keys are staged in shared memory (no cp.async pipelining yet: correctness first).
+// One CTA of NUM_WARPS warps per (query tile of BLOCK_M = NUM_WARPS · 16 · WARP_M rows, query head, sequence); each
+// warp owns WARP_M consecutive 16-row slices, so that every K/V fragment it loads from shared memory feeds WARP_M
+// MMAs. S = Q Kᵀ and O += P V use mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}, their operands loaded with
+// ldmatrix (V with .trans); the online softmax (running max m, partial sums ℓ, accumulator A) lives in registers;
+// P is rounded to the storage type for the PV product.
+//
+// Pipeline (cp.async, one K and one V buffer, as in FlashAttention-2): V_t is fetched while S = Q K_tᵀ and the
+// softmax run, K_{t+1} while O += P V_t runs. Shared rows carry 16 bytes of padding, so the 8 rows an ldmatrix
+// phase reads (and the 16-byte chunks cp.async writes) fall in distinct bank groups: no bank conflicts without a
+// swizzle. KV tiles that every row of the CTA sees completely take a path without mask arithmetic; only tiles that
+// cross the key tail, the diagonal or a window edge pay for masking.
 //
 // Compile-time parameters (one module per combination, cached by the host):
 //   ELEM_BF16 or ELEM_F16  storage type of Q, K, V, O
 //   HEAD_DIM_PAD           d rounded up to a multiple of 16 (the mma k step); padding columns are zero in smem
-//   HEAD_DIM_V_PAD         dv rounded up to a multiple of 8 (the mma n step)
+//   HEAD_DIM_V_PAD         dv rounded up to a multiple of 16 (two mma n tiles per ldmatrix.x4.trans)
+//   NUM_WARPS, WARP_M      warps per CTA and 16-row slices per warp (the tuning; the arithmetic does not depend on
+//                          them: every row sees the same sequence of operations whatever the tiling)
 //
 // Precision recipe (the rounding-error argument is in gpu/src/flash.rs):
 //   s   = fl(dot(q, k) · α̂)            dot accumulated in f32 by the tensor cores, α̂ = fl32(1/√d) from the host
@@ -51,11 +60,18 @@ __device__ __forceinline__ elem_t to_elem(float x) { return __float2half_rn(x); 
 #ifndef HEAD_DIM_V_PAD
 #error "define HEAD_DIM_V_PAD"
 #endif
-
-#define BLOCK_M 64
-#define BLOCK_N 64
+#ifndef NUM_WARPS
 #define NUM_WARPS 4
-// Row padding of 8 elements (16 bytes) in shared memory: rows g = 0..7 of a fragment then start in different banks.
+#endif
+#ifndef WARP_M
+#define WARP_M 1
+#endif
+
+#define THREADS (NUM_WARPS * 32)
+#define BLOCK_M (NUM_WARPS * 16 * WARP_M)
+#define BLOCK_N 64
+// Row padding of 8 elements (16 bytes): row r starts 16·r bytes past a multiple of 128 (mod 128), so the 8 rows of
+// an ldmatrix phase hit 8 distinct 16-byte bank groups.
 #define SMEM_PAD 8
 #define QK_STRIDE (HEAD_DIM_PAD + SMEM_PAD)
 #define V_STRIDE (HEAD_DIM_V_PAD + SMEM_PAD)
@@ -63,7 +79,9 @@ __device__ __forceinline__ elem_t to_elem(float x) { return __float2half_rn(x); 
 #define N_TILES_O (HEAD_DIM_V_PAD / 8)
 
 static_assert(HEAD_DIM_PAD % 16 == 0 && HEAD_DIM_PAD <= 256, "HEAD_DIM_PAD must be a multiple of 16 up to 256");
-static_assert(HEAD_DIM_V_PAD % 8 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 8 up to 256");
+static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 16 up to 256");
+static_assert(NUM_WARPS == 4 || NUM_WARPS == 8, "NUM_WARPS must be 4 or 8");
+static_assert(WARP_M == 1 || WARP_M == 2, "WARP_M must be 1 or 2");
 
 // fl32(log2 e): the same constant for every score and every row max, so that the shift errors telescope.
 #define LOG2E_F 1.44269504088896340736f
@@ -78,15 +96,40 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ unsigned ld_pair(const elem_t* p) { return *reinterpret_cast<const unsigned*>(p); }
+// Shared-window address of a generic pointer into shared memory (what ldmatrix and cp.async take).
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
+    return addr;
+}
+
+// Four 8x8 b16 matrices; lane l supplies the row address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const elem_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+
+// 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
+    const int bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ unsigned pack_elems(elem_t lo, elem_t hi) {
     unsigned short l = *reinterpret_cast<unsigned short*>(&lo);
@@ -94,24 +137,89 @@ __device__ __forceinline__ unsigned pack_elems(elem_t lo, elem_t hi) {
     return (unsigned)l | ((unsigned)h << 16);
 }
 
-// Copies `rows` valid rows of `cols` valid columns (a multiple of 8) into a [BLOCK rows][stride] smem tile of
-// `cols_pad` columns, zero-filling everything else: padding must be 0, not garbage, because 0 · NaN = NaN in the mma.
-__device__ __forceinline__ void load_tile(elem_t* smem, int stride, const elem_t* __restrict__ g, long long row_stride,
-                                          int rows, int cols, int cols_pad) {
-    const int chunks = cols_pad / 8;
-    for (int idx = threadIdx.x; idx < BLOCK_N * chunks; idx += blockDim.x) {
-        const int r = idx / chunks;
-        const int c = (idx % chunks) * 8;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < rows && c < cols) {
-            // 16-byte aligned: cudaMalloc bases are 256-byte aligned and every stride is a multiple of 8 elements.
-            val = *reinterpret_cast<const uint4*>(g + (long long)r * row_stride + c);
-        }
-        *reinterpret_cast<uint4*>(smem + r * stride + c) = val;
+// Starts copying `rows` valid rows of `cols` valid columns (a multiple of 8) into a [ROWS][STRIDE] smem tile of
+// COLS_PAD columns, zero-filling everything else: padding must be 0, not garbage, because 0 · NaN = NaN in the mma.
+template <int ROWS, int COLS_PAD, int STRIDE>
+__device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __restrict__ g, long long row_stride,
+                                                int rows, int cols) {
+    constexpr int CHUNKS = COLS_PAD / 8;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
+        const int r = idx / CHUNKS;
+        const int c = (idx % CHUNKS) * 8;
+        const bool valid = r < rows && c < cols;
+        // 16-byte aligned: cudaMalloc bases are 256-byte aligned and every stride is a multiple of 8 elements.
+        const elem_t* src = valid ? g + (long long)r * row_stride + c : g;
+        cp_async_16(smem + r * STRIDE + c, src, valid);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+// The online-softmax step of one KV tile for the warp's rows: scale (and, if MASKED, mask) the scores in `s`,
+// update the running max, rescale ℓ and A, and leave p in `s`. `diag0` is the aligned key position of the thread's
+// first row (row g of the warp's first slice); row (mi, r) has diag0 + 16·mi + 8·r.
+template <bool MASKED>
+__device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], float (&m_run)[WARP_M][2],
+                                             float (&ml_run)[WARP_M][2], float (&l_part)[WARP_M][2],
+                                             float (&acc)[WARP_M][N_TILES_O][4], float scale, int key0, int len_k,
+                                             long long diag0, int win_left, int win_right, int tig) {
+#pragma unroll
+    for (int mi = 0; mi < WARP_M; ++mi) {
+        float m_new[2] = {m_run[mi][0], m_run[mi][1]};
+#pragma unroll
+        for (int n = 0; n < N_TILES_S; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                float x = __fmul_rn(s[mi][n][e], scale);
+                if (MASKED) {
+                    const long long j = key0 + n * 8 + tig * 2 + (e % 2);
+                    const long long diag = diag0 + 16 * mi + 8 * r;
+                    const bool vis = j < len_k && j <= diag + win_right && j >= diag - win_left;
+                    x = vis ? x : NEG_INF;
+                }
+                s[mi][n][e] = x;
+                m_new[r] = fmaxf(m_new[r], x);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+        }
+        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)).
+        float rescale[2];
+        float ml_new[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ml_new[r] = m_new[r] == NEG_INF ? 0.f : __fmul_rn(m_new[r], LOG2E_F);
+            rescale[r] = m_run[mi][r] == NEG_INF ? 0.f : ex2_approx(__fsub_rn(ml_run[mi][r], ml_new[r]));
+            m_run[mi][r] = m_new[r];
+            ml_run[mi][r] = ml_new[r];
+            l_part[mi][r] = __fmul_rn(l_part[mi][r], rescale[r]);
+        }
+#pragma unroll
+        for (int n = 0; n < N_TILES_S; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                const float x = s[mi][n][e];
+                // A masked score is −∞, and ex2.approx(−∞) = +0: the unmasked formula serves both paths.
+                const float p = ex2_approx(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
+                s[mi][n][e] = p;
+                l_part[mi][r] = __fadd_rn(l_part[mi][r], p);
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < N_TILES_O; ++n) {
+            acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);
+            acc[mi][n][1] = __fmul_rn(acc[mi][n][1], rescale[0]);
+            acc[mi][n][2] = __fmul_rn(acc[mi][n][2], rescale[1]);
+            acc[mi][n][3] = __fmul_rn(acc[mi][n][3], rescale[1]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
           elem_t* __restrict__ o, float* __restrict__ lse,
           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int varlen,
@@ -127,7 +235,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     elem_t* k_s = q_s + BLOCK_M * QK_STRIDE;
     elem_t* v_s = k_s + BLOCK_N * QK_STRIDE;
 
-    const int tile = blockIdx.x;
+    // Highest query tiles first: under a causal mask they see the most keys, and starting the longest CTAs first
+    // shortens the launch's tail. Neighbouring CTAs still share a head, so its K/V stay in L2.
+    const int tile = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y;
     const int seq = blockIdx.z;
     const int kv_head = head / group;
@@ -171,145 +281,141 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int tile_lo = key_lo < key_hi ? (int)(key_lo / BLOCK_N) : 0;
     const int tile_hi = key_lo < key_hi ? (int)((key_hi + BLOCK_N - 1) / BLOCK_N) : 0;
 
-    load_tile(q_s, QK_STRIDE, q_g, q_row, rows_here, d, HEAD_DIM_PAD);
-
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    const int g = lane / 4;   // fragment row (and +8)
-    const int tig = lane % 4; // thread in group: fragment column pair
-    const int wrow = warp * 16;
+    const int g = lane / 4;    // fragment row (and +8)
+    const int tig = lane % 4;  // thread in group: fragment column pair
+    const int wrow = warp * 16 * WARP_M;
 
-    // Row state for the thread's two rows (g and g + 8 of the warp's slice).
-    float m_run[2] = {NEG_INF, NEG_INF};
-    float ml_run[2] = {0.f, 0.f};
-    float l_part[2] = {0.f, 0.f};
-    float acc[N_TILES_O][4];
+    if (tile_lo < tile_hi) {
+        load_tile_async<BLOCK_M, HEAD_DIM_PAD, QK_STRIDE>(q_s, q_g, q_row, rows_here, d);
+        const int key0 = tile_lo * BLOCK_N;
+        load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE>(k_s, k_g + (long long)key0 * k_row, k_row,
+                                                          min(BLOCK_N, len_k - key0), d);
+        cp_async_commit();
+    }
+
+    // Row state for the thread's rows g and g + 8 of each of the warp's slices.
+    float m_run[WARP_M][2], ml_run[WARP_M][2], l_part[WARP_M][2];
+    float acc[WARP_M][N_TILES_O][4];
 #pragma unroll
-    for (int n = 0; n < N_TILES_O; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+    for (int mi = 0; mi < WARP_M; ++mi) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_run[mi][r] = NEG_INF;
+            ml_run[mi][r] = 0.f;
+            l_part[mi][r] = 0.f;
+        }
+#pragma unroll
+        for (int n = 0; n < N_TILES_O; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.f;
+    }
+    const long long diag0 = row0 + wrow + g + shift;
 
-    const long long diag_row[2] = {row0 + wrow + g + shift, row0 + wrow + g + 8 + shift};
+    // ldmatrix row addresses of this lane (elements). Q (A operand): matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
+    // K (B operand of S, non-transposed): (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15,
+    // k 8-15). V (B operand of PV, transposed): (keys 0-7, n 0-7), (keys 8-15, n 0-7), (keys 0-7, n 8-15), (keys
+    // 8-15, n 8-15).
+    const elem_t* q_lane = q_s + (wrow + (lane % 16)) * QK_STRIDE + (lane / 16) * 8;
+    const elem_t* k_lane = k_s + ((lane % 8) + (lane / 16) * 8) * QK_STRIDE + ((lane / 8) % 2) * 8;
+    const elem_t* v_lane = v_s + ((lane % 8) + ((lane / 8) % 2) * 8) * V_STRIDE + (lane / 16) * 8;
 
     for (int t = tile_lo; t < tile_hi; ++t) {
         const int key0 = t * BLOCK_N;
         const int keys_here = min(BLOCK_N, len_k - key0);
-        __syncthreads();  // everyone is done with the previous K/V tile (and the Q tile is visible on t = tile_lo)
-        load_tile(k_s, QK_STRIDE, k_g + (long long)key0 * k_row, k_row, keys_here, d, HEAD_DIM_PAD);
-        load_tile(v_s, V_STRIDE, v_g + (long long)key0 * v_row, v_row, keys_here, dv, HEAD_DIM_V_PAD);
-        __syncthreads();
+        cp_async_wait_all();
+        __syncthreads();  // K_t (and Q) landed for everyone; every warp is done reading V_{t-1}
+        load_tile_async<BLOCK_N, HEAD_DIM_V_PAD, V_STRIDE>(v_s, v_g + (long long)key0 * v_row, v_row, keys_here, dv);
+        cp_async_commit();
 
-        // S = Q Kᵀ for the warp's 16 rows and the tile's 64 keys.
-        float s[N_TILES_S][4];
+        // S = Q K_tᵀ for the warp's rows and the tile's 64 keys.
+        float s[WARP_M][N_TILES_S][4];
 #pragma unroll
-        for (int n = 0; n < N_TILES_S; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int mi = 0; mi < WARP_M; ++mi)
+#pragma unroll
+            for (int n = 0; n < N_TILES_S; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
-            const elem_t* qa = q_s + (wrow + g) * QK_STRIDE + kk * 16 + tig * 2;
-            const unsigned a0 = ld_pair(qa);
-            const unsigned a1 = ld_pair(qa + 8 * QK_STRIDE);
-            const unsigned a2 = ld_pair(qa + 8);
-            const unsigned a3 = ld_pair(qa + 8 * QK_STRIDE + 8);
+            unsigned a[WARP_M][4];
 #pragma unroll
-            for (int n = 0; n < N_TILES_S; ++n) {
-                const elem_t* kb = k_s + (n * 8 + g) * QK_STRIDE + kk * 16 + tig * 2;
-                mma_16816(s[n], a0, a1, a2, a3, ld_pair(kb), ld_pair(kb + 8));
+            for (int mi = 0; mi < WARP_M; ++mi) ldsm_x4(a[mi], q_lane + mi * 16 * QK_STRIDE + kk * 16);
+#pragma unroll
+            for (int np = 0; np < N_TILES_S / 2; ++np) {
+                unsigned b[4];
+                ldsm_x4(b, k_lane + np * 16 * QK_STRIDE + kk * 16);
+#pragma unroll
+                for (int mi = 0; mi < WARP_M; ++mi) {
+                    mma_16816(s[mi][2 * np], a[mi], b[0], b[1]);
+                    mma_16816(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
             }
         }
 
-        // Scale, mask, and the new running max of each row.
-        float m_new[2] = {m_run[0], m_run[1]};
-#pragma unroll
-        for (int n = 0; n < N_TILES_S; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                const long long j = key0 + n * 8 + tig * 2 + (e % 2);
-                const bool vis = j < len_k && j <= diag_row[r] + win_right && j >= diag_row[r] - win_left;
-                const float x = vis ? __fmul_rn(s[n][e], scale) : NEG_INF;
-                s[n][e] = x;
-                m_new[r] = fmaxf(m_new[r], x);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+        // Only tiles that some row of the CTA does not see completely need the mask.
+        const bool interior = key0 + BLOCK_N <= len_k && key0 >= diag_hi - win_left &&
+                              (long long)key0 + BLOCK_N - 1 <= diag_lo + win_right;
+        if (interior) {
+            softmax_tile<false>(s, m_run, ml_run, l_part, acc, scale, key0, len_k, diag0, win_left, win_right, tig);
+        } else {
+            softmax_tile<true>(s, m_run, ml_run, l_part, acc, scale, key0, len_k, diag0, win_left, win_right, tig);
         }
 
-        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)).
-        float rescale[2];
-        float ml_new[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            ml_new[r] = m_new[r] == NEG_INF ? 0.f : __fmul_rn(m_new[r], LOG2E_F);
-            rescale[r] = m_run[r] == NEG_INF ? 0.f : ex2_approx(__fsub_rn(ml_run[r], ml_new[r]));
-            m_run[r] = m_new[r];
-            ml_run[r] = ml_new[r];
-            l_part[r] = __fmul_rn(l_part[r], rescale[r]);
-        }
-#pragma unroll
-        for (int n = 0; n < N_TILES_S; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                const float x = s[n][e];
-                const float p = x == NEG_INF ? 0.f : ex2_approx(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
-                s[n][e] = p;
-                l_part[r] = __fadd_rn(l_part[r], p);
-            }
-        }
-#pragma unroll
-        for (int n = 0; n < N_TILES_O; ++n) {
-            acc[n][0] = __fmul_rn(acc[n][0], rescale[0]);
-            acc[n][1] = __fmul_rn(acc[n][1], rescale[0]);
-            acc[n][2] = __fmul_rn(acc[n][2], rescale[1]);
-            acc[n][3] = __fmul_rn(acc[n][3], rescale[1]);
+        cp_async_wait_all();
+        __syncthreads();  // V_t landed for everyone; every warp is done reading K_t
+        if (t + 1 < tile_hi) {
+            const int key1 = key0 + BLOCK_N;
+            load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE>(k_s, k_g + (long long)key1 * k_row, k_row,
+                                                              min(BLOCK_N, len_k - key1), d);
+            cp_async_commit();
         }
 
-        // A += round_T(P) V: the S accumulator layout of key tiles 2kk and 2kk+1 is the A-operand layout of PV.
+        // A += round_T(P) V_t: the S accumulator layout of key tiles 2kk and 2kk+1 is the A-operand layout of PV.
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            const unsigned a0 = pack2(s[2 * kk][0], s[2 * kk][1]);
-            const unsigned a1 = pack2(s[2 * kk][2], s[2 * kk][3]);
-            const unsigned a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const unsigned a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-            const elem_t* vb = v_s + (kk * 16 + tig * 2) * V_STRIDE + g;
+            unsigned a[WARP_M][4];
 #pragma unroll
-            for (int n = 0; n < N_TILES_O; ++n) {
-                const elem_t* col = vb + n * 8;
-                const unsigned b0 = pack_elems(col[0], col[V_STRIDE]);
-                const unsigned b1 = pack_elems(col[8 * V_STRIDE], col[9 * V_STRIDE]);
-                mma_16816(acc[n], a0, a1, a2, a3, b0, b1);
+            for (int mi = 0; mi < WARP_M; ++mi) {
+                a[mi][0] = pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+                a[mi][1] = pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+                a[mi][2] = pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+                a[mi][3] = pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+            }
+#pragma unroll
+            for (int np = 0; np < N_TILES_O / 2; ++np) {
+                unsigned b[4];
+                ldsm_x4_trans(b, v_lane + kk * 16 * V_STRIDE + np * 16);
+#pragma unroll
+                for (int mi = 0; mi < WARP_M; ++mi) {
+                    mma_16816(acc[mi][2 * np], a[mi], b[0], b[1]);
+                    mma_16816(acc[mi][2 * np + 1], a[mi], b[2], b[3]);
+                }
             }
         }
     }
 
     // Finalize: ℓ over the quad, O = round_T(A/ℓ), LSE = m + ln ℓ; rows that saw no key get 0 and −∞.
-    float l_row[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = l_part[r];
-        l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 1));
-        l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
-        l_row[r] = l;
-    }
+    for (int mi = 0; mi < WARP_M; ++mi) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = wrow + g + 8 * r;
-        if (row >= rows_here) continue;
-        const bool empty = !(l_row[r] > 0.f);
-        elem_t* o_g = o + o_base + head * o_head + (long long)(row0 + row) * o_row;
+        for (int r = 0; r < 2; ++r) {
+            float l = l_part[mi][r];
+            l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 1));
+            l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
+            const int row = wrow + 16 * mi + g + 8 * r;
+            if (row >= rows_here) continue;
+            const bool empty = !(l > 0.f);
+            elem_t* o_g = o + o_base + head * o_head + (long long)(row0 + row) * o_row;
 #pragma unroll
-        for (int n = 0; n < N_TILES_O; ++n) {
-            const int c = n * 8 + tig * 2;
-            if (c < dv) {
-                const float x0 = empty ? 0.f : __fdiv_rn(acc[n][2 * r], l_row[r]);
-                const float x1 = empty ? 0.f : __fdiv_rn(acc[n][2 * r + 1], l_row[r]);
-                elem_t pair[2] = {to_elem(x0), to_elem(x1)};
-                *reinterpret_cast<unsigned*>(o_g + c) = pack_elems(pair[0], pair[1]);
+            for (int n = 0; n < N_TILES_O; ++n) {
+                const int c = n * 8 + tig * 2;
+                if (c < dv) {
+                    const float x0 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r], l);
+                    const float x1 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r + 1], l);
+                    *reinterpret_cast<unsigned*>(o_g + c) = pack_elems(to_elem(x0), to_elem(x1));
+                }
             }
-        }
-        if (tig == 0) {
-            lse[lse_base + head * lse_head + row0 + row] = empty ? NEG_INF : __fadd_rn(m_run[r], logf(l_row[r]));
+            if (tig == 0) {
+                lse[lse_base + head * lse_head + row0 + row] = empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
+            }
         }
     }
 }

@@ -6,7 +6,9 @@
 //! `--prec-div=true` and `--prec-sqrt=true` (IEEE division and square root), `--fmad=true` (contraction can only
 //! remove roundings), C++17, and the include path `$CUDA_HOME/include`, else `/usr/local/cuda/include`, for
 //! `cuda_bf16.h`/`cuda_fp16.h`. Kernel variants (storage type, padded head dims) are `-D` defines, so each variant is
-//! its own module, compiled once per process and cached under (device ordinal, kernel, options).
+//! its own module, compiled once per process and cached under (device ordinal, kernel name, source text, options).
+//! [`module_from_source`] is the one compile path: the embedded kernels go through it, and so can other texts of a
+//! kernel (the tests compile patched copies of `flash_fwd.cu` as mutants), which the source text in the key keeps apart.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -28,6 +30,9 @@ pub struct KernelSource {
 
 /// `gpu/kernels/flash_fwd.cu`.
 pub const FLASH_FWD: KernelSource = KernelSource { name: "flash_fwd", source: include_str!("../kernels/flash_fwd.cu") };
+
+/// `gpu/kernels/flash_bwd.cu`.
+pub const FLASH_BWD: KernelSource = KernelSource { name: "flash_bwd", source: include_str!("../kernels/flash_bwd.cu") };
 
 /// The compute capability of the context's device.
 pub fn compute_capability(ctx: &Arc<CudaContext>) -> Result<(i32, i32), GpuError> {
@@ -62,7 +67,7 @@ pub fn options(arch: &str, defines: &[String]) -> Vec<String> {
     opts
 }
 
-type CacheKey = (usize, &'static str, Vec<String>);
+type CacheKey = (usize, &'static str, &'static str, Vec<String>);
 
 fn cache() -> &'static Mutex<HashMap<CacheKey, Arc<CudaModule>>> {
     static CACHE: OnceLock<Mutex<HashMap<CacheKey, Arc<CudaModule>>>> = OnceLock::new();
@@ -70,15 +75,27 @@ fn cache() -> &'static Mutex<HashMap<CacheKey, Arc<CudaModule>>> {
 }
 
 /// The module of `kernel` compiled with `defines` for the context's device, from the cache or freshly compiled.
+pub fn module(ctx: &Arc<CudaContext>, kernel: KernelSource, defines: &[String]) -> Result<Arc<CudaModule>, GpuError> {
+    module_from_source(ctx, kernel.name, kernel.source, defines)
+}
+
+/// The module of the CUDA C text `source` (NVRTC program `name`) compiled with the pinned options plus `defines`
+/// for the context's device, from the cache or freshly compiled.
 ///
 /// The lock is held while compiling, so that two threads asking for the same variant compile it once.
-pub fn module(ctx: &Arc<CudaContext>, kernel: KernelSource, defines: &[String]) -> Result<Arc<CudaModule>, GpuError> {
+pub fn module_from_source(
+    ctx: &Arc<CudaContext>,
+    name: &'static str,
+    source: &'static str,
+    defines: &[String],
+) -> Result<Arc<CudaModule>, GpuError> {
+    let kernel = KernelSource { name, source };
     let (major, minor) = compute_capability(ctx)?;
     if major < 8 {
         return Err(GpuError::UnsupportedDevice { major, minor });
     }
     let opts = options(&arch_for(major, minor), defines);
-    let key = (ctx.ordinal(), kernel.name, opts.clone());
+    let key = (ctx.ordinal(), kernel.name, kernel.source, opts.clone());
     // A poisoned lock only means another thread panicked mid-insert; the map itself is still consistent.
     let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
     if let Some(m) = map.get(&key) {

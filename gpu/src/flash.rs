@@ -7,8 +7,14 @@
 //! Dense `[B, H, L, D]` and varlen `[T, H, D]` layouts, GQA/MQA (`Hq % Hkv == 0`), `Lq ≠ Lk`, any lengths (tail
 //! tiles masked), head dims `d`, `dv` that are multiples of 8 up to 256, and the masks `None`, `Causal`,
 //! `Window { left, right }` and `And` of those (bottom-right aligned; an `And` is the intersection, i.e. the smallest
-//! left and right reach). A `Predicate` mask is [`GpuError::Unsupported`]. Tiles: [`Q_TILE`] query rows per CTA,
-//! [`KV_TILE`] keys per KV tile; KV tiles outside a CTA's visible key range are skipped.
+//! left and right reach). A `Predicate` mask is [`GpuError::Unsupported`]. Tiles: [`ForwardTiling::rows`] query rows per
+//! CTA ([`ForwardTiling::for_head_dims`] picks the tiling from the head dims), [`KV_TILE`] keys per KV tile; KV tiles
+//! outside a CTA's visible key range are skipped, and only tiles that cross the key tail, the diagonal or a window
+//! edge evaluate the mask.
+//!
+//! The tiling is a speed choice only: every query row sees the same sequence of operations (the same KV tiles in the
+//! same order, the same roundings) whatever the CTA's shape, since tiles a row cannot see leave its state bitwise
+//! unchanged (`p = 0`, rescale `2^0 = 1`). The tests check that all tilings agree bitwise.
 //!
 //! # Precision recipe and its rounding-error model
 //!
@@ -44,12 +50,13 @@
 //! roundoff. See the crate report: the scores' term would read `γ'(d + ⌈d/16⌉)` with `u' = 2u` for a proof that
 //! covers every tensor core; the tests run under the model as it stands, and their verdicts say how close they come.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
 use half::{bf16, f16};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
@@ -57,12 +64,51 @@ use crate::compile::{self, FLASH_FWD};
 use crate::error::GpuError;
 use crate::launch::{self, FlashBuffers, FlashScalars};
 
-/// Query rows per CTA.
+/// Query rows per CTA of the smallest tiling (4 warps of one 16-row slice), the one used for head dims above 128.
 pub const Q_TILE: usize = 64;
 /// Keys per KV tile (the `kv_tile` of the kernel's `FlashRecipe`).
 pub const KV_TILE: usize = 64;
-/// Threads per CTA (4 warps of 16 query rows each).
-const THREADS: u32 = 128;
+
+/// How the forward kernel tiles query rows: `warps` warps per CTA, each owning `slices` consecutive 16-row slices
+/// (so every K/V fragment a warp loads from shared memory feeds `slices` MMAs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ForwardTiling {
+    /// Warps per CTA: 4 or 8.
+    pub warps: u32,
+    /// 16-row slices per warp: 1 or 2.
+    pub slices: u32,
+}
+
+impl ForwardTiling {
+    /// Every tiling the kernel compiles.
+    pub const ALL: [ForwardTiling; 4] = [
+        ForwardTiling { warps: 4, slices: 1 },
+        ForwardTiling { warps: 4, slices: 2 },
+        ForwardTiling { warps: 8, slices: 1 },
+        ForwardTiling { warps: 8, slices: 2 },
+    ];
+
+    /// Query rows per CTA.
+    pub fn rows(self) -> usize {
+        16 * self.warps as usize * self.slices as usize
+    }
+
+    /// The tiling the launch wrappers use for head dims `d`, `dv`, chosen by the H200 benchmark
+    /// (`gpu/src/bin/bench.rs`). Above 128 the accumulators of two slices would not fit in registers.
+    pub fn for_head_dims(d: usize, dv: usize) -> Self {
+        if d.max(dv) <= 128 { ForwardTiling { warps: 4, slices: 2 } } else { ForwardTiling { warps: 4, slices: 1 } }
+    }
+
+    /// Whether the tiling fits the kernel's register budget for these head dims (two slices of accumulators only up
+    /// to `dv = 128`).
+    pub fn supports(self, d: usize, dv: usize) -> bool {
+        ForwardTiling::ALL.contains(&self) && (self.slices == 1 || d.max(dv) <= 128)
+    }
+
+    fn threads(self) -> u32 {
+        32 * self.warps
+    }
+}
 /// Largest head dim the kernel supports.
 pub const MAX_HEAD_DIM: usize = 256;
 /// f32 unit roundoff.
@@ -163,6 +209,7 @@ fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
 struct Plan {
     scalars: FlashScalars,
     grid: (u32, u32, u32),
+    threads: u32,
     shared_bytes: u32,
     defines: Vec<String>,
     cu_q: Vec<i32>,
@@ -170,7 +217,7 @@ struct Plan {
 }
 
 /// Checks that the kernel supports `spec` and derives the launch plan.
-fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
+fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
     spec.validate()?;
     for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
         if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
@@ -182,11 +229,25 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
     }
     let mask = KernelMask::from_mask(&spec.mask)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
+    if !tiling.supports(d, dv) {
+        return Err(GpuError::Unsupported {
+            argument: "tiling",
+            reason: format!("{tiling:?} is not one of {:?} or does not fit d = {d}, dv = {dv}", ForwardTiling::ALL),
+        });
+    }
+    // Both padded to the 16 of an mma k step / an ldmatrix.x4 pair of n tiles; padding columns are zero-filled.
     let d_pad = round_up(d, 16);
-    let dv_pad = round_up(dv, 8);
+    let dv_pad = round_up(dv, 16);
+    let q_tile = tiling.rows();
     // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
-    let shared = 2 * (Q_TILE + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
-    let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+    let shared = 2 * (q_tile + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
+    let defines = vec![
+        T::DEFINE.to_owned(),
+        format!("HEAD_DIM_PAD={d_pad}"),
+        format!("HEAD_DIM_V_PAD={dv_pad}"),
+        format!("NUM_WARPS={}", tiling.warps),
+        format!("WARP_M={}", tiling.slices),
+    ];
     let seqs = spec.sequences();
     let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
@@ -243,8 +304,8 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         win_left: KernelMask::kernel_value(mask.left),
         win_right: KernelMask::kernel_value(mask.right),
     };
-    let grid_x = u32::try_from(max_len_q.div_ceil(Q_TILE))
-        .map_err(|_| GpuError::TooLarge { argument: "query tiles", value: max_len_q.div_ceil(Q_TILE) })?;
+    let grid_x = u32::try_from(max_len_q.div_ceil(q_tile))
+        .map_err(|_| GpuError::TooLarge { argument: "query tiles", value: max_len_q.div_ceil(q_tile) })?;
     let grid_y = u32::try_from(hq)
         .ok()
         .filter(|&y| y <= 65535)
@@ -253,7 +314,15 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         .ok()
         .filter(|&z| z <= 65535)
         .ok_or(GpuError::TooLarge { argument: "sequences", value: seqs.len() })?;
-    Ok(Plan { scalars, grid: (grid_x, grid_y, grid_z), shared_bytes: shared as u32, defines, cu_q, cu_k })
+    Ok(Plan {
+        scalars,
+        grid: (grid_x, grid_y, grid_z),
+        threads: tiling.threads(),
+        shared_bytes: shared as u32,
+        defines,
+        cu_q,
+        cu_k,
+    })
 }
 
 fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
@@ -267,7 +336,7 @@ fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) ->
 /// `[B, H, L, D]`, varlen `[T, H, D]`); the kernel writes `O` into the first elements of `o` and the natural-log LSE
 /// (dense `[B, Hq, Lq]`, varlen `[Hq, Tq]`) into the first elements of `lse`. Buffers may be longer than their
 /// tensors; the kernel touches nothing past them (the tests' guard bands check this). The launch is asynchronous on
-/// `stream`.
+/// `stream`. The tiling is [`ForwardTiling::for_head_dims`].
 pub fn flash_forward_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
@@ -277,46 +346,121 @@ pub fn flash_forward_device<T: GpuElement>(
     o: &mut CudaSlice<T>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), GpuError> {
-    let plan = plan::<T>(spec)?;
-    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
-    check_len("q", q, size(Operand::Q))?;
-    check_len("k", k, size(Operand::K))?;
-    check_len("v", v, size(Operand::V))?;
-    check_len("o", o, size(Operand::O))?;
-    check_len("lse", lse, size(Operand::RowStat))?;
-    if plan.grid.0 == 0 || plan.grid.2 == 0 {
-        return Ok(()); // no query rows anywhere: there is no output to write
+    let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
+    flash_forward_device_with(stream, spec, FLASH_FWD, tiling, q, k, v, o, lse)
+}
+
+/// [`flash_forward_device`] with an explicit kernel source and tiling: the benchmark compares tilings, and the
+/// tests compile patched copies of `flash_fwd.cu` (mutants) through the same validation and launch path. `kernel`
+/// must define `flash_fwd` with the parameters of `gpu/kernels/flash_fwd.cu`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    kernel: compile::KernelSource,
+    tiling: ForwardTiling,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    PreparedForward::<T>::new(stream, spec, kernel, tiling)?.launch(stream, q, k, v, o, lse)
+}
+
+/// A forward whose validation, compilation and `cu_seqlens` upload are done once, launched any number of times on
+/// buffers of the spec's sizes (what a benchmark times, and what a training loop would hold).
+pub struct PreparedForward<T> {
+    /// The compiled function and its launch configuration; `None` when the spec has no query rows.
+    launch: Option<(CudaFunction, LaunchConfig)>,
+    scalars: FlashScalars,
+    cu_q: CudaSlice<i32>,
+    cu_k: CudaSlice<i32>,
+    /// Elements of Q, K, V, O, LSE.
+    sizes: [usize; 5],
+    _element: PhantomData<T>,
+}
+
+impl<T: GpuElement> PreparedForward<T> {
+    /// Validates `spec` for `kernel` (normally [`compile::FLASH_FWD`]) and `tiling`, compiles (or fetches) the
+    /// module and uploads the sequence offsets on `stream`.
+    pub fn new(
+        stream: &Arc<CudaStream>,
+        spec: &AttentionSpec,
+        kernel: compile::KernelSource,
+        tiling: ForwardTiling,
+    ) -> Result<Self, GpuError> {
+        let plan = plan::<T>(spec, tiling)?;
+        let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+        let sizes = [Operand::Q, Operand::K, Operand::V, Operand::O, Operand::RowStat].map(size);
+        let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
+        let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
+        let launch = if plan.grid.0 == 0 || plan.grid.2 == 0 {
+            None // no query rows anywhere: there is no output to write
+        } else {
+            let ctx = stream.context();
+            let module = compile::module(ctx, kernel, &plan.defines)?;
+            let func =
+                module.load_function("flash_fwd").map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
+            if plan.shared_bytes > 48 * 1024 {
+                let limit = ctx
+                    .attribute(
+                        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                    )
+                    .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
+                if plan.shared_bytes as i64 > limit as i64 {
+                    return Err(GpuError::Unsupported {
+                        argument: "head_dim",
+                        reason: format!(
+                            "needs {} bytes of shared memory, the device allows {limit}",
+                            plan.shared_bytes
+                        ),
+                    });
+                }
+                func.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    plan.shared_bytes as i32,
+                )
+                .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+            }
+            let cfg = LaunchConfig {
+                grid_dim: plan.grid,
+                block_dim: (plan.threads, 1, 1),
+                shared_mem_bytes: plan.shared_bytes,
+            };
+            Some((func, cfg))
+        };
+        Ok(PreparedForward { launch, scalars: plan.scalars, cu_q, cu_k, sizes, _element: PhantomData })
     }
-    let ctx = stream.context();
-    let module = compile::module(ctx, FLASH_FWD, &plan.defines)?;
-    let func =
-        module.load_function(FLASH_FWD.name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
-    if plan.shared_bytes > 48 * 1024 {
-        let limit = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
-        if plan.shared_bytes as i64 > limit as i64 {
-            return Err(GpuError::Unsupported {
-                argument: "head_dim",
-                reason: format!("needs {} bytes of shared memory, the device allows {limit}", plan.shared_bytes),
-            });
-        }
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.shared_bytes as i32,
+
+    /// Checks the buffers' lengths and launches asynchronously on `stream` (see [`flash_forward_device`] for the
+    /// layouts).
+    pub fn launch(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        o: &mut CudaSlice<T>,
+        lse: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let [nq, nk, nv, no, nl] = self.sizes;
+        check_len("q", q, nq)?;
+        check_len("k", k, nk)?;
+        check_len("v", v, nv)?;
+        check_len("o", o, no)?;
+        check_len("lse", lse, nl)?;
+        let Some((func, cfg)) = &self.launch else {
+            return Ok(());
+        };
+        launch::launch_flash_forward(
+            stream,
+            func,
+            *cfg,
+            FlashBuffers { q, k, v, o, lse, cu_q: &self.cu_q, cu_k: &self.cu_k },
+            self.scalars,
         )
-        .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
     }
-    let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
-    let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
-    let cfg = LaunchConfig { grid_dim: plan.grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: plan.shared_bytes };
-    launch::launch_flash_forward(
-        stream,
-        &func,
-        cfg,
-        FlashBuffers { q, k, v, o, lse, cu_q: &cu_q, cu_k: &cu_k },
-        plan.scalars,
-    )
 }
 
 /// `O` (storage type) and `LSE` (f32, natural log) of a forward.
@@ -386,6 +530,25 @@ mod tests {
     use super::*;
     use attnproof_oracle::Predicate;
 
+    const T64: ForwardTiling = ForwardTiling { warps: 4, slices: 1 };
+
+    #[test]
+    fn tilings_rows_and_support() {
+        assert_eq!(ForwardTiling::ALL.map(ForwardTiling::rows), [64, 128, 128, 256]);
+        assert!(ForwardTiling::ALL.iter().all(|t| t.supports(128, 128)));
+        assert!(!ForwardTiling { warps: 4, slices: 2 }.supports(256, 64));
+        assert!(!ForwardTiling { warps: 2, slices: 1 }.supports(64, 64));
+        for (d, dv) in [(8, 8), (64, 64), (128, 128), (256, 8), (200, 72)] {
+            assert!(ForwardTiling::for_head_dims(d, dv).supports(d, dv));
+        }
+        let spec = AttentionSpec::dense(1, 1, 1, 300, 4, 64, 64);
+        let p = plan::<bf16>(&spec, ForwardTiling { warps: 8, slices: 2 }).unwrap();
+        assert_eq!((p.grid.0, p.threads), (2, 256));
+        assert!(p.defines.contains(&"NUM_WARPS=8".to_owned()) && p.defines.contains(&"WARP_M=2".to_owned()));
+        let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 256, 256), ForwardTiling { warps: 8, slices: 2 });
+        assert!(matches!(err, Err(GpuError::Unsupported { argument: "tiling", .. })));
+    }
+
     #[test]
     fn masks_translate_to_bounds() {
         let m = |mask: Mask| KernelMask::from_mask(&mask).unwrap();
@@ -411,25 +574,25 @@ mod tests {
     fn head_dims_must_be_multiples_of_8_up_to_256() {
         for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
             let spec = AttentionSpec::dense(1, 1, 1, 4, 4, d, dv);
-            match plan::<bf16>(&spec) {
+            match plan::<bf16>(&spec, T64) {
                 Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
                 Err(e) => panic!("unexpected error {e}"),
                 Ok(_) => panic!("d={d} dv={dv} accepted"),
             }
         }
-        assert!(plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 8, 256)).is_ok());
+        assert!(plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 8, 256), T64).is_ok());
     }
 
     #[test]
     fn bad_specs_are_oracle_errors() {
         let spec = AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8);
-        assert!(matches!(plan::<bf16>(&spec), Err(GpuError::Spec(_))));
+        assert!(matches!(plan::<bf16>(&spec, T64), Err(GpuError::Spec(_))));
     }
 
     #[test]
     fn plan_strides_and_grid() {
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 64, 32).with_mask(Mask::Causal);
-        let p = plan::<bf16>(&spec).unwrap();
+        let p = plan::<bf16>(&spec, T64).unwrap();
         assert_eq!(p.grid, (3, 4, 2));
         assert_eq!(p.scalars.q, [4 * 130 * 64, 130 * 64, 64]);
         assert_eq!(p.scalars.v, [2 * 70 * 32, 70 * 32, 32]);
@@ -440,7 +603,7 @@ mod tests {
             layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
             ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8)
         };
-        let p = plan::<f16>(&varlen).unwrap();
+        let p = plan::<f16>(&varlen, T64).unwrap();
         assert_eq!(p.grid, (2, 2, 3));
         assert_eq!(p.scalars.q, [0, 16, 32]);
         assert_eq!(p.scalars.k, [0, 16, 16]);

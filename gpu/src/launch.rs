@@ -118,8 +118,9 @@ pub(crate) struct FlashBuffers<'a, T> {
 /// Preconditions, established by `flash::flash_forward_device` before this call: `func` is `flash_fwd` compiled for
 /// the element type `T` and the padded head dims the scalars imply; every index the kernel forms from the grid, the
 /// lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the packed totals) and the strides lies inside
-/// the buffer it indexes (the buffer sizes were checked against the spec's shapes); `cfg` has 128 threads per block
-/// and the dynamic shared memory the kernel's layout needs, which the function attribute allows.
+/// the buffer it indexes (the buffer sizes were checked against the spec's shapes); `cfg` has the `NUM_WARPS · 32`
+/// threads per block the module was compiled for and the dynamic shared memory the kernel's layout needs, which the
+/// function attribute allows.
 pub(crate) fn launch_flash_forward<T>(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -141,5 +142,107 @@ pub(crate) fn launch_flash_forward<T>(
     // bounds the caller checked (see the preconditions above), and reads the inputs read-only; the buffers are
     // borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(flash_fwd)", e))?;
+    Ok(())
+}
+
+/// Pushes the scalar block every kernel of `flash_bwd.cu` takes after its pointers (`COMMON_PARAMS` without the two
+/// `cu_seqlens` pointers, which the callers push first): the forward's scalars, in the forward's order.
+fn push_common<'a>(builder: &mut cudarc::driver::LaunchArgs<'a>, s: &'a FlashScalars) {
+    builder.arg(&s.varlen).arg(&s.len_q).arg(&s.len_k).arg(&s.group).arg(&s.d).arg(&s.dv);
+    for strides in [&s.q, &s.k, &s.v, &s.o] {
+        builder.arg(&strides[0]).arg(&strides[1]).arg(&strides[2]);
+    }
+    builder.arg(&s.lse[0]).arg(&s.lse[1]);
+    builder.arg(&s.scale).arg(&s.win_left).arg(&s.win_right);
+}
+
+/// Device operands of the backward kernels (`gpu/kernels/flash_bwd.cu`). `o` is read by the preprocess only; the
+/// f32 workspaces `dq_acc` (atomic accumulator, zeroed by the caller) and `dq_part` (per-KV-tile partials) are
+/// one-element placeholders when the strategy does not use them.
+pub(crate) struct BackwardBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub o: &'a CudaSlice<T>,
+    pub lse: &'a CudaSlice<f32>,
+    pub d_out: &'a CudaSlice<T>,
+    pub dq: &'a mut CudaSlice<T>,
+    pub dk: &'a mut CudaSlice<T>,
+    pub dv: &'a mut CudaSlice<T>,
+    pub delta: &'a mut CudaSlice<f32>,
+    pub dq_acc: &'a mut CudaSlice<f32>,
+    pub dq_part: &'a mut CudaSlice<f32>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// Which backward kernel to launch, with its own trailing scalars.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum BackwardKernel {
+    /// `bwd_preprocess`: writes `delta`.
+    Preprocess,
+    /// `bwd_kv`: writes `dk`, `dv`, and per `dq_mode` adds to `dq_acc` (1) or writes `dq_part` (2).
+    KvOwner { dq_mode: i32, n_chunks: i32, part_stride: i64 },
+    /// `bwd_dq`: writes `dq`.
+    DqOwner { n_chunks: i32 },
+    /// `bwd_dq_finalize`: writes `dq` from `dq_acc` (mode 0) or `dq_part` (mode 1).
+    Finalize { mode: i32, part_stride: i64 },
+}
+
+/// Launches one kernel of `flash_bwd.cu` on `stream`.
+///
+/// Preconditions, established by `backward::flash_backward_device` before this call: `func` is the kernel `which`
+/// names, compiled from `flash_bwd.cu` for the element type `T` and the padded head dims the scalars imply; every
+/// index the kernel forms from the grid, the lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the
+/// packed totals) and the strides lies inside the buffer it indexes (sizes checked against the spec's shapes; the
+/// workspaces hold `Q`'s element count, times the KV tile count for `dq_part` when mode 2 or finalize mode 1 reads it);
+/// `cfg` has 128 threads per block and the dynamic shared memory the kernel's layout needs, which the function
+/// attribute allows.
+pub(crate) fn launch_flash_backward<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    which: BackwardKernel,
+    buffers: &mut BackwardBuffers<'_, T>,
+    s: FlashScalars,
+) -> Result<(), GpuError> {
+    let b = buffers;
+    let mut builder = stream.launch_builder(func);
+    let call = match which {
+        BackwardKernel::Preprocess => {
+            builder.arg(b.o).arg(b.d_out).arg(&mut *b.delta).arg(b.cu_q).arg(b.cu_k);
+            push_common(&mut builder, &s);
+            "cuLaunchKernel(bwd_preprocess)"
+        }
+        BackwardKernel::KvOwner { ref dq_mode, ref n_chunks, ref part_stride } => {
+            builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);
+            builder.arg(&mut *b.dk).arg(&mut *b.dv).arg(&mut *b.dq_acc).arg(&mut *b.dq_part);
+            builder.arg(b.cu_q).arg(b.cu_k);
+            push_common(&mut builder, &s);
+            builder.arg(dq_mode).arg(n_chunks).arg(part_stride);
+            "cuLaunchKernel(bwd_kv)"
+        }
+        BackwardKernel::DqOwner { ref n_chunks } => {
+            builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);
+            builder.arg(&mut *b.dq).arg(b.cu_q).arg(b.cu_k);
+            push_common(&mut builder, &s);
+            builder.arg(n_chunks);
+            "cuLaunchKernel(bwd_dq)"
+        }
+        BackwardKernel::Finalize { ref mode, ref part_stride } => {
+            builder.arg(&*b.dq_acc).arg(&*b.dq_part).arg(&mut *b.dq).arg(b.cu_q).arg(b.cu_k);
+            push_common(&mut builder, &s);
+            builder.arg(mode).arg(part_stride);
+            "cuLaunchKernel(bwd_dq_finalize)"
+        }
+    };
+    // SAFETY: each arm pushes exactly the parameters of its kernel in `flash_bwd.cu`, in order and type: the pointer
+    // arguments as CUdeviceptr of the element types the kernel declares (`T` for `elem_t`, f32 for `float`, i32 for
+    // the `cu_seqlens`), then `COMMON_PARAMS`' scalars (6 `int`, 14 `long long`, one `float`, 2 `int`, as
+    // `push_common` pushes them), then the kernel's own trailing `int`s and `long long`. The kernel writes only the
+    // outputs its arm pushes mutably, within the bounds the caller checked (see the preconditions), and reads the
+    // others read-only; the buffers are borrowed for this call, and cudarc records their use on `stream`, so none is
+    // freed while the kernel runs.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
     Ok(())
 }

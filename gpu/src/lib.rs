@@ -11,13 +11,17 @@
 //! having a device into a typed [`GpuUnavailable`] error. Tests use [`skip_unless_gpu`], which reports a skip in the
 //! test's output instead of pretending to have run.
 
+pub mod backward;
 pub mod compile;
 pub mod error;
 pub mod flash;
 mod launch;
 
+pub use backward::{
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, GpuBackwardStrategy, flash_backward, flash_backward_device,
+};
 pub use error::GpuError;
-pub use flash::{ForwardOutput, GpuElement, flash_forward, flash_forward_device};
+pub use flash::{ForwardOutput, ForwardTiling, GpuElement, PreparedForward, flash_forward, flash_forward_device};
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;

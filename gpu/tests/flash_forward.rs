@@ -9,7 +9,8 @@
 
 use std::sync::Arc;
 
-use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, KV_TILE, SHIFT_ROUNDING};
+use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
+use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
 use attnproof_gpu::{GpuElement, GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
@@ -83,8 +84,19 @@ fn upload<T: Storage>(stream: &Arc<CudaStream>, t: &ArrayD<T>) -> Result<CudaSli
     stream.clone_htod(data).map_err(|e| e.to_string())
 }
 
-/// One launch with NaN-poisoned outputs followed by guard bands; checks the guards and the device inputs afterwards.
+/// One launch of the production kernel and tiling, guarded as [`run_guarded_with`] says.
 fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
+    let tiling = ForwardTiling::for_head_dims(case.spec.head_dim, case.spec.head_dim_v);
+    run_guarded_with(stream, case, FLASH_FWD, tiling)
+}
+
+/// One launch with NaN-poisoned outputs followed by guard bands; checks the guards and the device inputs afterwards.
+fn run_guarded_with<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    kernel: KernelSource,
+    tiling: ForwardTiling,
+) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
     let spec = &case.spec;
     let (q, k, v) = (upload(stream, &case.q)?, upload(stream, &case.k)?, upload(stream, &case.v)?);
     let o_shape = spec.expected_shape(Operand::O);
@@ -96,7 +108,7 @@ fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(
     lse_init.extend(std::iter::repeat_n(f32::from_bits(GUARD_BITS_32), GUARD));
     let mut o = stream.clone_htod(&o_init).map_err(|e| e.to_string())?;
     let mut lse = stream.clone_htod(&lse_init).map_err(|e| e.to_string())?;
-    flash_forward_device(stream, spec, &q, &k, &v, &mut o, &mut lse).map_err(|e| e.to_string())?;
+    flash_forward_device_with(stream, spec, kernel, tiling, &q, &k, &v, &mut o, &mut lse).map_err(|e| e.to_string())?;
     let o_back = stream.clone_dtoh(&o).map_err(|e| e.to_string())?;
     let lse_back = stream.clone_dtoh(&lse).map_err(|e| e.to_string())?;
     let inputs_back = [&q, &k, &v].map(|t| stream.clone_dtoh(t).map_err(|e| e.to_string()));
@@ -323,6 +335,43 @@ fn head_dims_multiples_of_8_up_to_256() {
     named("head_dims_multiples_of_8_up_to_256", &cases);
 }
 
+/// Every tiling gives bitwise the same outputs (each row's operations do not depend on the CTA shape; see
+/// `attnproof_gpu::flash`), so the oracle checks of the production tiling cover the others; the production tiling's
+/// result is also verified here.
+#[test]
+fn all_tilings_agree_bitwise() {
+    let Some(ctx) = skip_unless_gpu("all_tilings_agree_bitwise") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let specs = [
+        dense(1, 4, 2, 300, 200, 64, 64, Mask::Causal),
+        dense(1, 2, 1, 200, 300, 128, 128, Mask::Causal),
+        dense(2, 2, 2, 257, 257, 128, 64, Mask::None),
+        dense(1, 2, 1, 190, 190, 32, 48, Mask::Window { left: 40, right: 9 }),
+        varlen(&[0, 70, 70, 331], &[0, 65, 130, 400], 4, 2, 128, 128, Mask::Causal),
+        dense(1, 2, 2, 200, 140, 256, 200, Mask::Causal),
+    ];
+    let mut compared = 0;
+    for spec in &specs {
+        let case = make_case::<bf16>(spec, gaussian(4.0), 21);
+        let chosen = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
+        let (o, lse) = run_guarded(&stream, &case).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
+        let v = verify_forward(&case, kernel_recipe::<bf16>(), o.view(), lse.view()).expect("verify");
+        assert!(v.passed() && v.valid(), "{spec:?}:\n{v}");
+        let reference = bits_of(&o, &lse);
+        for tiling in
+            ForwardTiling::ALL.into_iter().filter(|t| *t != chosen && t.supports(spec.head_dim, spec.head_dim_v))
+        {
+            let (o2, lse2) = run_guarded_with(&stream, &case, FLASH_FWD, tiling)
+                .unwrap_or_else(|e| panic!("{tiling:?} {spec:?}: {e}"));
+            assert!(bits_of(&o2, &lse2) == reference, "{tiling:?} differs from {chosen:?} on {spec:?}");
+            compared += 1;
+        }
+    }
+    println!("all_tilings_agree_bitwise: {} specs, {compared} tiling comparisons, all bitwise equal", specs.len());
+}
+
 #[test]
 fn unsupported_and_bad_arguments_are_typed_errors() {
     let Some(ctx) = skip_unless_gpu("unsupported_and_bad_arguments_are_typed_errors") else {
@@ -360,7 +409,7 @@ fn unsupported_and_bad_arguments_are_typed_errors() {
 
 /// Determinism at a benchmark shape: repeated launches give bitwise equal, finite outputs. Also prints the
 /// throughput (median of timed launches with CUDA events), for orientation only: no figure is asserted, and the
-/// figure is only meaningful when this test runs alone (`… flash_forward large_shapes`): beside the other tests it
+/// figure is only meaningful when this test runs alone (`gpu/src/bin/bench.rs` is the benchmark) (`… flash_forward large_shapes`): beside the other tests it
 /// shares the GPU and the CPU with them.
 #[test]
 fn large_shapes_are_deterministic() {
@@ -375,6 +424,10 @@ fn large_shapes_are_deterministic() {
             (upload(&stream, &case.q).unwrap(), upload(&stream, &case.k).unwrap(), upload(&stream, &case.v).unwrap());
         let n_o: usize = spec.expected_shape(Operand::O).iter().product();
         let n_lse: usize = spec.expected_shape(Operand::RowStat).iter().product();
+        // Prepared outside the timed window: validation, the module cache's lock (other tests compile under it) and
+        // the cu_seqlens upload would otherwise sit between the events.
+        let tiling = ForwardTiling::for_head_dims(128, 128);
+        let prepared = attnproof_gpu::PreparedForward::<bf16>::new(&stream, &spec, FLASH_FWD, tiling).unwrap();
         let mut runs: Vec<Bits> = vec![];
         let mut times = vec![];
         for rep in 0..7 {
@@ -382,7 +435,7 @@ fn large_shapes_are_deterministic() {
             let mut lse = stream.clone_htod(&vec![f32::NAN; n_lse]).unwrap();
             let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
             let start = stream.record_event(flags).unwrap();
-            flash_forward_device(&stream, &spec, &q, &k, &v, &mut o, &mut lse).unwrap();
+            prepared.launch(&stream, &q, &k, &v, &mut o, &mut lse).unwrap();
             let end = stream.record_event(flags).unwrap();
             let ms = start.elapsed_ms(&end).unwrap();
             if rep > 0 {
@@ -405,14 +458,21 @@ fn large_shapes_are_deterministic() {
         let flops = 4.0 * 4.0 * 16.0 * 4096.0 * 4096.0 * 128.0 * if matches!(mask, Mask::Causal) { 0.5 } else { 1.0 };
         println!("flash_fwd bf16 (4,16,4096,128) {mask:?}: median {median:.3} ms, {:.1} TFLOP/s", flops / median / 1e9);
     }
-    // Resource use of the variant just timed, for whoever tunes it next (spills show as local memory).
-    let defines = ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=128"].map(String::from);
-    let module = attnproof_gpu::compile::module(&ctx, attnproof_gpu::compile::FLASH_FWD, &defines).unwrap();
-    let f = module.load_function("flash_fwd").unwrap();
-    println!(
-        "flash_fwd bf16 d=dv=128: {} registers/thread, {} bytes local memory/thread, {} bytes static shared",
-        f.num_regs().unwrap(),
-        f.local_size_bytes().unwrap(),
-        f.shared_size_bytes().unwrap()
-    );
+    // Resource use of every tiling at d = dv = 128, for whoever tunes it next (spills show as local memory).
+    for t in ForwardTiling::ALL {
+        let defines = [
+            "ELEM_BF16".to_owned(),
+            "HEAD_DIM_PAD=128".to_owned(),
+            "HEAD_DIM_V_PAD=128".to_owned(),
+            format!("NUM_WARPS={}", t.warps),
+            format!("WARP_M={}", t.slices),
+        ];
+        let module = attnproof_gpu::compile::module(&ctx, FLASH_FWD, &defines).unwrap();
+        let f = module.load_function("flash_fwd").unwrap();
+        println!(
+            "flash_fwd bf16 d=dv=128 {t:?}: {} registers/thread, {} bytes local memory/thread",
+            f.num_regs().unwrap(),
+            f.local_size_bytes().unwrap(),
+        );
+    }
 }

@@ -1,6 +1,6 @@
-//! `cargo xtask gpu-bundle`: builds the GPU test binaries in release and copies them, with a `run.sh` entry script,
-//! into `gpu-bundle/` (ignored by git), so that one call on a GPU machine without Rust runs the whole GPU verification:
-//! `bash gpu-bundle/run.sh`.
+//! `cargo xtask gpu-bundle`: builds the GPU test binaries and the benchmark binaries in release and copies them, with
+//! `bench/peers.py` and a `run.sh` entry script, into `gpu-bundle/` (ignored by git), so that one call on a GPU machine
+//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench]`.
 //!
 //! The executables are found from cargo's own JSON messages (`--message-format=json`), not by guessing file names in
 //! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so its size is checked at the end.
@@ -15,28 +15,85 @@ use crate::process::{cargo, describe, ensure_m4, find_on_path};
 
 /// Packages whose test binaries go into the bundle.
 const PACKAGES: &[&str] = &["attnproof-gpu"];
+/// (package, binary) of the benchmarks that go into the bundle's `bin/`.
+const BENCHES: &[(&str, &str)] = &[("attnproof-gpu", "bench")];
+/// Scripts copied into the bundle's root, relative to the repository root.
+const SCRIPTS: &[&str] = &["bench/peers.py"];
 /// The bundle directory, relative to the repository root.
 pub const BUNDLE_DIR: &str = "gpu-bundle";
 /// Largest bundle the device tool carries.
 const MAX_BUNDLE_BYTES: u64 = 64 * 1024 * 1024;
 
-/// The entry script: requires a GPU, points NVRTC at the toolkit, runs every test binary and fails if any fails.
+/// The entry script: requires a GPU, points NVRTC at the toolkit, and runs one mode.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Runs every GPU test binary of this bundle (made by `cargo xtask gpu-bundle`). Extra arguments go to each binary.
+# Entry script of the GPU bundle (made by `cargo xtask gpu-bundle`). Modes:
+#   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
+#   run.sh mutants          the GPU mutants (patched kernel texts) and the table mutant -> killed by
+#   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
+#   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
+#                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
+# Every mode exits non-zero on any failure.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 export ATTNPROOF_REQUIRE_GPU=1
 export CUDA_HOME=/usr/local/cuda
 # NVRTC (libnvrtc.so.13) is loaded at run time; the toolkit's lib64 is not always on the loader path.
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
+export PATH="$CUDA_HOME/bin:$PATH"
 cd "$here"
-failed=0
-for bin in "$here"/tests/*; do
-    echo "=== $(basename "$bin")"
-    "$bin" --show-output "$@" || failed=$((failed + 1))
-done
-echo "gpu-bundle: $failed test binaries failed"
-exit $((failed > 0))
+# Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
+SANITIZE=(
+    "attnproof-gpu-flash_forward lengths_one_and_tile_edges fully_masked_rows lq_ne_lk_both_ways gqa_and_mqa varlen_with_empty_sequences"
+)
+mode=tests
+case "${1:-}" in
+    tests | mutants | sanitize | bench) mode="$1"; shift ;;
+esac
+case "$mode" in
+tests)
+    failed=0
+    for bin in "$here"/tests/*; do
+        echo "=== $(basename "$bin")"
+        "$bin" --show-output "$@" || failed=$((failed + 1))
+    done
+    echo "gpu-bundle: $failed test binaries failed"
+    exit $((failed > 0))
+    ;;
+mutants)
+    "$here"/tests/attnproof-gpu-mutants --exact all_gpu_mutants_are_killed --nocapture
+    status=$?
+    echo "gpu-bundle mutants: exit $status"
+    exit $status
+    ;;
+sanitize)
+    failed=0
+    for entry in "${SANITIZE[@]}"; do
+        read -r -a words <<<"$entry"
+        bin="${words[0]}"
+        for tool in memcheck racecheck; do
+            echo "=== compute-sanitizer --tool $tool $bin ${words[*]:1}"
+            log="$(mktemp)"
+            compute-sanitizer --tool "$tool" --error-exitcode 99 "$here/tests/$bin" --test-threads=1 "${words[@]:1}" >"$log" 2>&1
+            status=$?
+            grep -E "^test result|SUMMARY|^=========.*(ERROR|rror|azard)" "$log" | tail -n 20
+            if [ "$status" -ne 0 ]; then
+                failed=$((failed + 1))
+                echo "--- $tool $bin failed (exit $status); last lines:"
+                tail -n 40 "$log"
+            fi
+            rm -f "$log"
+        done
+    done
+    echo "gpu-bundle sanitize: $failed runs failed"
+    exit $((failed > 0))
+    ;;
+bench)
+    csv="$(mktemp -d)/ours.csv"
+    "$here"/bin/bench --csv "$csv" "$@" || exit 1
+    python3 "$here"/peers.py --ours "$csv" ${PEERS_ARGS:-} || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
+    ;;
+esac
 "#;
 
 /// `cargo xtask gpu-bundle`.
@@ -52,6 +109,10 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
     if executables.is_empty() {
         bail!("cargo reported no test executables for {PACKAGES:?}");
     }
+    let mut benches = vec![];
+    for (package, bin) in BENCHES {
+        benches.push(build_bin(root, package, bin)?);
+    }
     let bundle = root.join(BUNDLE_DIR);
     if bundle.exists() {
         fs::remove_dir_all(&bundle).with_context(|| format!("could not clear {}", bundle.display()))?;
@@ -65,6 +126,21 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
         strip_debug_info(&dest)?;
         total += fs::metadata(&dest)?.len();
         println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
+    }
+    let bins = bundle.join("bin");
+    fs::create_dir_all(&bins).with_context(|| format!("could not create {}", bins.display()))?;
+    for (name, path) in &benches {
+        let dest = bins.join(name);
+        fs::copy(path, &dest).with_context(|| format!("could not copy {}", path.display()))?;
+        strip_debug_info(&dest)?;
+        total += fs::metadata(&dest)?.len();
+        println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
+    }
+    for script in SCRIPTS {
+        let src = root.join(script);
+        let dest = bundle.join(Path::new(script).file_name().expect("a file name"));
+        fs::copy(&src, &dest).with_context(|| format!("could not copy {}", src.display()))?;
+        total += fs::metadata(&dest)?.len();
     }
     let script = bundle.join("run.sh");
     fs::write(&script, RUN_SH).with_context(|| format!("could not write {}", script.display()))?;
@@ -95,9 +171,30 @@ fn build_test_binaries(root: &Path, package: &str) -> Result<Vec<(String, PathBu
     Ok(stdout.lines().filter_map(|line| test_executable(line, package)).collect())
 }
 
+/// Builds `package`'s binary `bin` in release and returns (name, executable path).
+fn build_bin(root: &Path, package: &str, bin: &str) -> Result<(String, PathBuf)> {
+    let mut cmd = cargo(root);
+    cmd.args(["build", "--release", "-p", package, "--bin", bin, "--message-format=json"]);
+    println!("$ {}", describe(&cmd));
+    let out = cmd.stderr(Stdio::inherit()).output().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
+    if !out.status.success() {
+        bail!("`{}` failed", describe(&cmd));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .filter(|line| line.contains(r#""reason":"compiler-artifact""#) && line.contains(r#""kind":["bin"]"#))
+        .find_map(|line| json_string(line, "executable").map(|e| (bin.to_owned(), PathBuf::from(e))))
+        .with_context(|| format!("cargo reported no executable for {package} --bin {bin}"))
+}
+
 /// From one JSON message of cargo: a test executable of `package`, named `<package>-<target>` for the bundle.
 fn test_executable(line: &str, package: &str) -> Option<(String, PathBuf)> {
-    if !line.contains(r#""reason":"compiler-artifact""#) || !line.contains(r#""test":true"#) {
+    // A binary's test harness (`"kind":["bin"]` built as a test) holds no tests of ours: the binary itself is bundled.
+    if !line.contains(r#""reason":"compiler-artifact""#)
+        || !line.contains(r#""test":true"#)
+        || line.contains(r#""kind":["bin"]"#)
+    {
         return None;
     }
     let executable = json_string(line, "executable")?;
@@ -171,5 +268,9 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
+        for mode in ["tests)", "mutants)", "sanitize)", "bench)"] {
+            assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
+        }
+        assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));
     }
 }

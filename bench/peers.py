@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Times PyTorch's attention kernels on the shapes of gpu/src/bin/bench.rs and prints one table beside ours.
+
+Peers: SDPA with the FlashAttention backend, SDPA with the cuDNN backend, and FlexAttention (torch.compile'd).
+The method is the bench binary's: bf16 inputs drawn at random, three input sets in distinct buffers cycled launch by
+launch (so L2 never holds the next launch's inputs), untimed warm-up launches (compilation, clocks), then --reps
+launches each bracketed by CUDA events, and their median. FLOPs: 4*B*H*L^2*D non-causal, half of that causal.
+
+Usage: python3 bench/peers.py --ours ours.csv [--reps 30] [--warmup 5] [--no-flex] [--csv peers.csv]
+`ours.csv` is the bench binary's CSV; its rows with default=1 are "ours". Run both in the same device call.
+"""
+
+import argparse
+import csv
+import math
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = [(16, 16, 1024, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (1, 8, 65536, 128)]
+SETS = 3
+
+
+def flops(b, h, l, d, causal):
+    return 4.0 * b * h * d * l * l * (0.5 if causal else 1.0)
+
+
+def median_ms(fn, sets, reps, warmup):
+    for i in range(warmup):
+        fn(*sets[i % SETS])
+    pairs = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*sets[i % SETS])
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def sdpa(backend, causal):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def flex(l, causal):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, l, l, device="cuda")
+
+    def run(q, k, v):
+        return compiled(q, k, v, block_mask=block_mask)
+
+    return run
+
+
+def read_ours(path):
+    ours = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row["direction"] == "fwd" and row["default"] == "1":
+                ours[(row["shape"], row["causal"] == "true")] = float(row["ms"])
+    return ours
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    if args.reps < 20:
+        sys.exit("--reps must be at least 20")
+    ours = read_ours(args.ours)
+    peers = [("flash", lambda l, c: sdpa(SDPBackend.FLASH_ATTENTION, c)), ("cudnn", lambda l, c: sdpa(SDPBackend.CUDNN_ATTENTION, c))]
+    if not args.no_flex:
+        peers.append(("flex", flex))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for b, h, l, d in SHAPES:
+        shape = f"({b},{h},{l},{d})"
+        sets = [
+            tuple(torch.randn(b, h, l, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            for _ in range(SETS)
+        ]
+        for causal in (False, True):
+            fl = flops(b, h, l, d, causal)
+            row = {"shape": shape, "causal": causal, "ours": ours.get((shape, causal), math.nan)}
+            for name, make in peers:
+                try:
+                    row[name] = median_ms(make(l, causal), sets, args.reps, args.warmup)
+                except Exception as e:  # a backend that refuses a shape is a row entry, not a crash
+                    print(f"peers: {name} {shape} causal={causal}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+                    row[name] = math.nan
+                print(f"peers: {shape} causal={causal} {name}: {row[name]:.4f} ms", file=sys.stderr, flush=True)
+            row["fl"] = fl
+            rows.append(row)
+        del sets
+        torch.cuda.empty_cache()
+    names = [n for n, _ in peers]
+    tf = lambda fl, ms: fl / ms / 1e9 if ms == ms and ms > 0 else math.nan
+    head = f"{'shape':<20} {'causal':<6} {'ours ms':>8} {'ours TF':>8} " + " ".join(f"{n + ' TF':>9}" for n in names)
+    head += " " + " ".join(f"{'/' + n:>7}" for n in names)
+    print(head)
+    out = []
+    for r in rows:
+        line = f"{r['shape']:<20} {str(r['causal']):<6} {r['ours']:>8.3f} {tf(r['fl'], r['ours']):>8.1f} "
+        line += " ".join(f"{tf(r['fl'], r[n]):>9.1f}" for n in names)
+        line += " " + " ".join(f"{r[n] / r['ours']:>7.2f}" for n in names)
+        print(line)
+        out.append([r["shape"], r["causal"], r["ours"]] + [r[n] for n in names])
+    print("ratio = peer ms / ours ms = ours TFLOP/s / peer TFLOP/s (above 1: ours is faster)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["shape", "causal", "ours_ms"] + [n + "_ms" for n in names])
+            w.writerows(out)
+
+
+if __name__ == "__main__":
+    main()

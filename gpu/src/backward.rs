@@ -1,0 +1,584 @@
+//! The FlashAttention backward kernels (`gpu/kernels/flash_bwd.cu`): typed launch wrappers for bf16 and f16, from
+//! device buffers ([`flash_backward_device`]) or host `ndarray` tensors ([`flash_backward`]), with the three dQ
+//! ownership strategies of [`GpuBackwardStrategy`].
+//!
+//! # What runs
+//!
+//! 1. `bwd_preprocess`: `D = rowsum(dO ∘ O)` in f32 (E7), laid out like LSE.
+//! 2. `bwd_kv`: one CTA per (KV tile of [`KV_TILE`] keys, KV head × column chunk, sequence) owns dK and dV. It loops
+//!    over the KV head's query heads (so GQA needs no atomics for dK/dV) and over the query tiles of [`Q_TILE`] rows
+//!    that can see the tile (the others are skipped, not masked), recomputing `P` from the forward's LSE.
+//! 3. dQ, by strategy: [`GpuBackwardStrategy::TwoTraversals`] (E10a strategy A) launches `bwd_dq`, one CTA per query
+//!    tile owning dQ, which recomputes `P` and `dS` a second time; [`GpuBackwardStrategy::KvOwnerAtomic`] lets
+//!    `bwd_kv` `atomicAdd` each KV tile's dQ into an f32 accumulator, converted by `bwd_dq_finalize`;
+//!    [`GpuBackwardStrategy::KvOwnerDeterministic`] lets `bwd_kv` write each KV tile's dQ as a partial (an f32
+//!    workspace of `⌈max Lk / KV_TILE⌉` copies of Q's size), summed by `bwd_dq_finalize` in ascending KV tile order.
+//!    Strategy A and the deterministic mode are bitwise reproducible; the atomic mode's dQ depends on the order the
+//!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
+//!    three, so they agree bitwise across strategies.
+//!
+//! Supported: what the forward supports (dense and varlen, GQA/MQA, `Lq ≠ Lk`, any length, masks `None`, `Causal`,
+//! `Window`, `And` of those; head dims multiples of 8 up to 256). Output columns are processed in chunks of 64
+//! (grid y), recomputing `S` and `dP` per chunk: correctness first, no tuned path.
+//!
+//! # Precision recipe and why each parameter covers the kernel
+//!
+//! The kernel follows the reference backward's recipe (`attnproof-reference`'s `backward` module, bounded by
+//! `attnproof_proofs::flash_bound::backward_bounds`) except in how `P = exp(s − LSE)` is evaluated and in how the
+//! tensor cores add. The verifier's `FlashRecipe` (`attnproof_proofs::flash_bound`) for this kernel is the
+//! reference's for the storage type (`unit_roundoff = u_T`, `subnormal = τ_T`) with `kv_tile = 64`,
+//! `extra_merges = 0`, `exp_error =` [`EXP_RELATIVE_ERROR`], `shift_rounding =` [`BACKWARD_SHIFT_ROUNDING`] and
+//! `accumulation = TensorCore { k_step: 16 }`, verified with `q_tile = 64` (`gpu/tests/flash_backward.rs`):
+//!
+//! - `exp_error = 5u` (`u = 2^-24`): `ex2.approx.f32` is within 2 ulp of the correctly rounded result (PTX ISA,
+//!   "ex2"), so within 2.5 ulp of `2^x`, a relative error of at most `5u` for a normal result (the forward's
+//!   argument, `attnproof_gpu::flash`). The kernel never takes a subnormal `ex2` result: below an argument of −64 it
+//!   evaluates `fl(ex2(arg + 32) · 2^-32)`, where `arg + 32` is exact (an f32 of magnitude ≥ 64 has an ulp of at least
+//!   `2^-17`, and the sum is smaller) and the scaling is exact unless the result underflows, which rounds once, by at
+//!   most `½τ₃₂`. So `p` carries a relative error `5u` plus an absolute `½τ₃₂`; the model's `τ₃₂|dP − D|` (in `dS`)
+//!   and `Lq(τ_T + τ₃₂) max|dO|` (in `dV`) cover the absolute part.
+//! - `shift_rounding = 3u`: the argument is `arg = fma(s, L_hi, fma(s, L_lo, −fl(LSE·L_hi)))` with
+//!   `L_hi = fl32(log2 e)`, `L_lo = fl32(log2 e − L_hi)` (`|L_hi + L_lo − log2 e| ≤ 2^-50`). In natural-log units its
+//!   error against `s − LSE` is: the outer fma's rounding, `u|s − LSE|` (the model's own `u|s − LSE|` term, the
+//!   rounding of `fl(s − LSE)` in the reference); the rounding of `LSE·L_hi`, `u|LSE|`; the inner fma's rounding,
+//!   at most `u(|LSE| + 2^-24|s|)`; the `LSE·L_lo` the argument leaves out, `|LSE|·L_lo/log2 e ≤ 0.23u|LSE|`; and the
+//!   pair's representation error `2^-50(|s| + |LSE|)`. With `|s| ≤ |s − LSE| + |LSE|` the total is
+//!   `u|s − LSE| + 2.23u|LSE|` plus terms of order `u²`, which the model's second-order factor absorbs; `3u|LSE|`
+//!   covers the `|LSE|` part. (A single `fma(s, L, −fl(LSE·L))`, the forward's form, would add `u|s − LSE|` from the
+//!   rounding of `L`, which no parameter of the backward model covers; hence the split constant.)
+//! - `accumulation = TensorCore { k_step: 16 }`: every product is an `m16n8k16` MMA with f32 accumulation. The model
+//!   charges a sum of `n` terms `γ'(n + ⌈n/16⌉)` with `u' = 2u` (alignment and truncation inside the MMA, one extra
+//!   addition per instruction). The kernel's sums take at most that many instructions: k-steps of 16 rows that lie
+//!   entirely past the valid length are skipped, so `S` (over `d`) and `dP` (over `dv`) take `⌈d/16⌉`, `⌈dv/16⌉`
+//!   instructions, dK and dV `Σ_t ⌈rows_t/16⌉ ≤ ⌈Lq/16⌉ + n_q` over the visited query tiles, dQ (strategy A)
+//!   `⌈Lk/16⌉ + n_k`; the KV-owner strategies add each tile's MMA partial (≤ 4 instructions) into dQ with f32
+//!   round-to-nearest additions (atomic, or in ascending tile order), at most `n_k − 1` of them per term. `D` is an f32
+//!   fma chain and a shuffle tree over `dv` terms: `γ(dv)` for any order, below the tensor-core `γ'`.
+//! - `q_tile = 64`, `kv_tile = 64`: the tile counts `n_q`, `n_k` of the model's partial sums.
+//! - Everything else is the reference's recipe: `s = fl(dot·α̂)` with the host's `α̂ = fl32(1/√d)`;
+//!   `dS = round_T(fl(p·fl(dP − D)))` (the model's `2u + u_T` and `τ_T`); `dV` from `round_T(p)`; dK and dQ scaled
+//!   by one f32 multiplication by `α̂` and rounded once to `T` (`3u + u_T`); under GQA each query head's dK, dV is
+//!   accumulated in its own f32 registers and added to the group's f32 sum in shared memory in ascending head
+//!   order (the model's per-head bounds plus `γ(group)Σ_h|g_h|`).
+//!
+//! The candidate's forward (`O`, `LSE`) enters through the model's forward bounds, evaluated with the same recipe;
+//! the GPU forward (`attnproof_gpu::flash`) satisfies them, since its own `shift_rounding = u` is below `3u`.
+
+use std::sync::Arc;
+
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Layout};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
+
+use crate::compile::{self, FLASH_BWD};
+use crate::error::GpuError;
+use crate::flash::{GpuElement, KernelMask, MAX_HEAD_DIM, kernel_scale};
+use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
+
+/// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
+pub const Q_TILE: usize = 64;
+/// Keys per KV tile (the `kv_tile` of the kernel's `FlashRecipe`).
+pub const KV_TILE: usize = 64;
+/// Output columns per CTA (grid y splits wider head dims).
+const CHUNK: usize = 64;
+/// Threads per CTA.
+const THREADS: u32 = 128;
+/// f32 unit roundoff.
+const U32: f64 = f32::EPSILON as f64 / 2.0;
+/// Relative error of `ex2.approx.f32` on a normal result (see the module docs).
+pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
+/// Shift rounding of the backward's exponent argument per unit of `|LSE|` (see the module docs).
+pub const BACKWARD_SHIFT_ROUNDING: f64 = 3.0 * U32;
+
+/// Who owns dQ (E10a).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GpuBackwardStrategy {
+    /// Strategy A: a second traversal over query tiles recomputes `P` and owns dQ (deterministic).
+    TwoTraversals,
+    /// Strategy B: KV tiles own dK/dV and `atomicAdd` their dQ into an f32 accumulator (not bitwise reproducible).
+    KvOwnerAtomic,
+    /// Strategy B, deterministic: per-KV-tile dQ partials summed in ascending KV tile order.
+    KvOwnerDeterministic,
+}
+
+impl GpuBackwardStrategy {
+    /// All strategies.
+    pub const ALL: [GpuBackwardStrategy; 3] = [
+        GpuBackwardStrategy::TwoTraversals,
+        GpuBackwardStrategy::KvOwnerAtomic,
+        GpuBackwardStrategy::KvOwnerDeterministic,
+    ];
+
+    /// Whether two runs on the same inputs give bitwise equal outputs.
+    pub fn is_deterministic(self) -> bool {
+        self != GpuBackwardStrategy::KvOwnerAtomic
+    }
+}
+
+/// The device inputs of a backward: `Q`, `K`, `V`, the forward's `O` and natural-log `LSE`, and `dO` (shaped like
+/// `O`), in the spec's row-major layouts (LSE dense `[B, Hq, Lq]`, varlen `[Hq, Tq]`).
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardDeviceInputs<'a, T> {
+    /// Queries.
+    pub q: &'a CudaSlice<T>,
+    /// Keys.
+    pub k: &'a CudaSlice<T>,
+    /// Values.
+    pub v: &'a CudaSlice<T>,
+    /// Forward output.
+    pub o: &'a CudaSlice<T>,
+    /// Forward LSE (f32, natural log; −∞ on rows that see no key).
+    pub lse: &'a CudaSlice<f32>,
+    /// Upstream gradient.
+    pub d_out: &'a CudaSlice<T>,
+}
+
+/// The device outputs: gradients shaped like `Q`, `K`, `V`, and `D` shaped like LSE. Buffers may be longer; the
+/// kernels write only the first elements.
+#[derive(Debug)]
+pub struct BackwardDeviceOutputs<'a, T> {
+    /// Gradient of Q.
+    pub dq: &'a mut CudaSlice<T>,
+    /// Gradient of K (summed over the KV head's query heads).
+    pub dk: &'a mut CudaSlice<T>,
+    /// Gradient of V (likewise).
+    pub dv: &'a mut CudaSlice<T>,
+    /// `D = rowsum(dO ∘ O)` (f32).
+    pub delta: &'a mut CudaSlice<f32>,
+}
+
+/// Host outputs of [`flash_backward`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct BackwardOutput<T> {
+    /// Gradient of Q.
+    pub dq: ArrayD<T>,
+    /// Gradient of K.
+    pub dk: ArrayD<T>,
+    /// Gradient of V.
+    pub dv: ArrayD<T>,
+    /// `D` (f32), laid out like LSE.
+    pub delta: ArrayD<f32>,
+}
+
+fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
+    i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
+}
+
+fn grid_dim(argument: &'static str, value: usize, max: usize) -> Result<u32, GpuError> {
+    u32::try_from(value).ok().filter(|&x| x as usize <= max).ok_or(GpuError::TooLarge { argument, value })
+}
+
+/// Everything the launches need, derived from a validated spec.
+#[derive(Debug)]
+struct Plan {
+    scalars: FlashScalars,
+    defines: Vec<String>,
+    cu_q: Vec<i32>,
+    cu_k: Vec<i32>,
+    /// Query tiles and KV tiles of the longest sequence, sequences.
+    q_tiles: u32,
+    kv_tiles: u32,
+    seqs: u32,
+    /// Column chunks of the KV owner (`max(d, dv)`) and of the dQ owner (`d`).
+    kv_chunks: u32,
+    q_chunks: u32,
+    kv_shared: u32,
+    dq_shared: u32,
+    /// Elements of Q (the stride between dQ partials).
+    q_elements: usize,
+}
+
+/// Checks that the kernels support `spec` and derives the launch plan.
+fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
+    spec.validate()?;
+    for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
+        if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
+            return Err(GpuError::Unsupported {
+                argument,
+                reason: format!("{dim} is not a multiple of 8 in 8..={MAX_HEAD_DIM}"),
+            });
+        }
+    }
+    let mask = KernelMask::from_mask(&spec.mask)?;
+    let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
+    // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
+    let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
+    let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+    // Shared memory (see the kernels): K, Q tiles of d_pad + 8 columns, V, dO tiles of dv_pad + 8, dS of 64 + 8, three
+    // f32 row vectors, and under GQA two f32 [64][CHUNK] sums.
+    let tiles = 2 * Q_TILE * (d_pad + 8) + 2 * Q_TILE * (dv_pad + 8);
+    let gqa = if spec.group_size() > 1 { 2 * KV_TILE * CHUNK * 4 } else { 0 };
+    let kv_shared = 2 * (tiles + Q_TILE * (KV_TILE + 8)) + 3 * Q_TILE * 4 + gqa;
+    let dq_shared = 2 * tiles;
+    let seqs = spec.sequences();
+    let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
+    let max_len_k = seqs.iter().map(|s| s.len_k).max().unwrap_or(0);
+    let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
+        Layout::Dense { len_q, len_k, .. } => {
+            let (lq, lk) = (*len_q as i64, *len_k as i64);
+            let (di, dvi) = (d as i64, dv as i64);
+            (
+                0,
+                *len_q,
+                *len_k,
+                [hq as i64 * lq * di, lq * di, di],
+                [hkv as i64 * lk * di, lk * di, di],
+                [hkv as i64 * lk * dvi, lk * dvi, dvi],
+                [hq as i64 * lq * dvi, lq * dvi, dvi],
+                [hq as i64 * lq, lq],
+                vec![0, 0],
+                vec![0, 0],
+            )
+        }
+        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
+            let total_q = *cu_seqlens_q.last().expect("validated: non-empty") as i64;
+            (
+                1,
+                0,
+                0,
+                [0, d as i64, (hq * d) as i64],
+                [0, d as i64, (hkv * d) as i64],
+                [0, dv as i64, (hkv * dv) as i64],
+                [0, dv as i64, (hq * dv) as i64],
+                [0, total_q],
+                cu_seqlens_q.clone(),
+                cu_seqlens_k.clone(),
+            )
+        }
+    };
+    for op in [Operand::Q, Operand::K, Operand::V, Operand::O] {
+        let n: usize = spec.expected_shape(op).iter().product();
+        to_i32("tensor elements / 8", n / 8)?;
+    }
+    let scalars = FlashScalars {
+        varlen,
+        len_q: to_i32("len_q", len_q)?,
+        len_k: to_i32("len_k", len_k)?,
+        group: to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
+        d: to_i32("head_dim", d)?,
+        dv: to_i32("head_dim_v", dv)?,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        scale: kernel_scale(spec),
+        win_left: kernel_value(mask.left),
+        win_right: kernel_value(mask.right),
+    };
+    let kv_chunks = d.max(dv).div_ceil(CHUNK);
+    let q_chunks = d.div_ceil(CHUNK);
+    Ok(Plan {
+        scalars,
+        defines,
+        cu_q,
+        cu_k,
+        q_tiles: grid_dim("query tiles", max_len_q.div_ceil(Q_TILE), u32::MAX as usize >> 1)?,
+        kv_tiles: grid_dim("KV tiles", max_len_k.div_ceil(KV_TILE), u32::MAX as usize >> 1)?,
+        seqs: grid_dim("sequences", seqs.len(), 65535)?,
+        kv_chunks: grid_dim("n_heads_kv x column chunks", kv_chunks, 65535 / hkv.max(1))?,
+        q_chunks: grid_dim("n_heads_q x column chunks", q_chunks, 65535 / hq.max(1))?,
+        kv_shared: kv_shared as u32,
+        dq_shared: dq_shared as u32,
+        q_elements: spec.expected_shape(Operand::Q).iter().product(),
+    })
+}
+
+/// A mask side as the kernels' `int`: values beyond any length are "no bound" (`1 << 30`, as the forward).
+fn kernel_value(side: Option<usize>) -> i32 {
+    const NO_BOUND: i64 = 1 << 30;
+    side.map_or(NO_BOUND, |x| i64::try_from(x).unwrap_or(NO_BOUND).min(NO_BOUND)) as i32
+}
+
+fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
+    if buffer.len() < needed {
+        return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
+    }
+    Ok(())
+}
+
+/// Loads `name` from `module`, allowing it `shared` bytes of dynamic shared memory.
+fn function(
+    ctx: &Arc<CudaContext>,
+    module: &Arc<CudaModule>,
+    name: &'static str,
+    shared: u32,
+) -> Result<CudaFunction, GpuError> {
+    let func = module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_bwd)", e))?;
+    if shared > 48 * 1024 {
+        let limit = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
+        if shared as i64 > limit as i64 {
+            return Err(GpuError::Unsupported {
+                argument: "head_dim",
+                reason: format!("`{name}` needs {shared} bytes of shared memory, the device allows {limit}"),
+            });
+        }
+        func.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
+            .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+    }
+    Ok(func)
+}
+
+/// Runs the backward on device buffers (asynchronously on `stream`): writes dQ, dK, dV and `D` into the first
+/// elements of `outputs`. Inputs are read only. The f32 workspaces of the KV-owner strategies are allocated here.
+pub fn flash_backward_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    inputs: BackwardDeviceInputs<'_, T>,
+    outputs: BackwardDeviceOutputs<'_, T>,
+    strategy: GpuBackwardStrategy,
+) -> Result<(), GpuError> {
+    let plan = plan::<T>(spec)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", inputs.q, size(Operand::Q))?;
+    check_len("k", inputs.k, size(Operand::K))?;
+    check_len("v", inputs.v, size(Operand::V))?;
+    check_len("o", inputs.o, size(Operand::O))?;
+    check_len("lse", inputs.lse, size(Operand::RowStat))?;
+    check_len("d_out", inputs.d_out, size(Operand::O))?;
+    check_len("dq", outputs.dq, size(Operand::Q))?;
+    check_len("dk", outputs.dk, size(Operand::K))?;
+    check_len("dv", outputs.dv, size(Operand::V))?;
+    check_len("delta", outputs.delta, size(Operand::RowStat))?;
+    if plan.seqs == 0 {
+        return Ok(());
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, FLASH_BWD, &plan.defines)?;
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let upload_err = |e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e);
+    let cu_q = stream.clone_htod(&plan.cu_q).map_err(upload_err)?;
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(upload_err)?;
+    let partials = match strategy {
+        GpuBackwardStrategy::KvOwnerDeterministic => plan
+            .q_elements
+            .checked_mul(plan.kv_tiles as usize)
+            .ok_or(GpuError::TooLarge { argument: "dQ partials", value: usize::MAX })?,
+        _ => 0,
+    };
+    let accumulator = if strategy == GpuBackwardStrategy::KvOwnerAtomic { plan.q_elements } else { 0 };
+    let mut dq_acc = stream.alloc_zeros::<f32>(accumulator.max(1)).map_err(alloc_err)?;
+    let mut dq_part = stream.alloc_zeros::<f32>(partials.max(1)).map_err(alloc_err)?;
+    let BackwardDeviceOutputs { dq, dk, dv, delta } = outputs;
+    let mut buffers = BackwardBuffers {
+        q: inputs.q,
+        k: inputs.k,
+        v: inputs.v,
+        o: inputs.o,
+        lse: inputs.lse,
+        d_out: inputs.d_out,
+        dq,
+        dk,
+        dv,
+        delta,
+        dq_acc: &mut dq_acc,
+        dq_part: &mut dq_part,
+        cu_q: &cu_q,
+        cu_k: &cu_k,
+    };
+    let cfg = |grid: (u32, u32, u32), shared: u32| LaunchConfig {
+        grid_dim: grid,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    let hq = spec.n_heads_q as u32;
+    let hkv = spec.n_heads_kv as u32;
+    let s = plan.scalars;
+    let part_stride = plan.q_elements as i64;
+    if plan.q_tiles > 0 {
+        let f = function(ctx, &module, "bwd_preprocess", 0)?;
+        launch::launch_flash_backward(
+            stream,
+            &f,
+            cfg((plan.q_tiles, hq, plan.seqs), 0),
+            BackwardKernel::Preprocess,
+            &mut buffers,
+            s,
+        )?;
+    }
+    if plan.kv_tiles > 0 {
+        let dq_mode = match strategy {
+            GpuBackwardStrategy::TwoTraversals => 0,
+            GpuBackwardStrategy::KvOwnerAtomic => 1,
+            GpuBackwardStrategy::KvOwnerDeterministic => 2,
+        };
+        let f = function(ctx, &module, "bwd_kv", plan.kv_shared)?;
+        launch::launch_flash_backward(
+            stream,
+            &f,
+            cfg((plan.kv_tiles, hkv * plan.kv_chunks, plan.seqs), plan.kv_shared),
+            BackwardKernel::KvOwner { dq_mode, n_chunks: plan.kv_chunks as i32, part_stride },
+            &mut buffers,
+            s,
+        )?;
+    }
+    if plan.q_tiles > 0 {
+        match strategy {
+            GpuBackwardStrategy::TwoTraversals => {
+                let f = function(ctx, &module, "bwd_dq", plan.dq_shared)?;
+                launch::launch_flash_backward(
+                    stream,
+                    &f,
+                    cfg((plan.q_tiles, hq * plan.q_chunks, plan.seqs), plan.dq_shared),
+                    BackwardKernel::DqOwner { n_chunks: plan.q_chunks as i32 },
+                    &mut buffers,
+                    s,
+                )?;
+            }
+            GpuBackwardStrategy::KvOwnerAtomic | GpuBackwardStrategy::KvOwnerDeterministic => {
+                let mode = i32::from(strategy == GpuBackwardStrategy::KvOwnerDeterministic);
+                let f = function(ctx, &module, "bwd_dq_finalize", 0)?;
+                launch::launch_flash_backward(
+                    stream,
+                    &f,
+                    cfg((plan.q_tiles, hq, plan.seqs), 0),
+                    BackwardKernel::Finalize { mode, part_stride },
+                    &mut buffers,
+                    s,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a host tensor's shape and layout and returns it as a row-major slice; `finite` rejects non-finite values.
+fn host_tensor<'a, X: Copy>(
+    spec: &AttentionSpec,
+    argument: &'static str,
+    operand: Operand,
+    t: &'a ArrayViewD<'_, X>,
+    finite: impl Fn(X) -> bool,
+) -> Result<&'a [X], GpuError> {
+    let expected = spec.expected_shape(operand);
+    if t.shape() != expected.as_slice() {
+        return Err(GpuError::Shape { argument, expected, actual: t.shape().to_vec() });
+    }
+    let data = t.as_slice().ok_or_else(|| GpuError::Stride { argument, strides: t.strides().to_vec() })?;
+    if let Some(i) = data.iter().position(|&x| !finite(x)) {
+        let index =
+            ndarray::indices(expected.as_slice()).into_iter().nth(i).map(|ix| ix.slice().to_vec()).unwrap_or_default();
+        return Err(attnproof_oracle::OracleError::NonFinite { argument, index, value: f64::NAN }.into());
+    }
+    Ok(data)
+}
+
+/// Runs the backward from host tensors and returns host outputs (copies in, launches, copies out, synchronizes).
+/// `lse` may hold −∞ (rows that see no key) but no NaN or +∞; the other inputs must be finite.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+    v: ArrayViewD<'_, T>,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+    d_out: ArrayViewD<'_, T>,
+    strategy: GpuBackwardStrategy,
+) -> Result<BackwardOutput<T>, GpuError> {
+    spec.validate()?;
+    let fin = |x: T| x.is_finite_value();
+    let hq = host_tensor(spec, "q", Operand::Q, &q, fin)?;
+    let hk = host_tensor(spec, "k", Operand::K, &k, fin)?;
+    let hv = host_tensor(spec, "v", Operand::V, &v, fin)?;
+    let ho = host_tensor(spec, "o", Operand::O, &o, fin)?;
+    let hl = host_tensor(spec, "lse", Operand::RowStat, &lse, |x: f32| x.is_finite() || x == f32::NEG_INFINITY)?;
+    let hg = host_tensor(spec, "d_out", Operand::O, &d_out, fin)?;
+    let up_err = |e| GpuError::driver("cuMemcpyHtoD", e);
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    // cudarc cannot hold an empty buffer; an empty tensor travels as one zero the kernels never read.
+    fn up<X: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        data: &[X],
+    ) -> Result<CudaSlice<X>, cudarc::driver::DriverError> {
+        if data.is_empty() { stream.alloc_zeros::<X>(1) } else { stream.clone_htod(data) }
+    }
+    let (dq_in, dk_in, dv_in) =
+        (up(stream, hq).map_err(up_err)?, up(stream, hk).map_err(up_err)?, up(stream, hv).map_err(up_err)?);
+    let (o_in, lse_in, g_in) =
+        (up(stream, ho).map_err(up_err)?, up(stream, hl).map_err(up_err)?, up(stream, hg).map_err(up_err)?);
+    let shape = |op: Operand| spec.expected_shape(op);
+    let n = |op: Operand| shape(op).iter().product::<usize>();
+    let mut dq = stream.alloc_zeros::<T>(n(Operand::Q).max(1)).map_err(alloc_err)?;
+    let mut dk = stream.alloc_zeros::<T>(n(Operand::K).max(1)).map_err(alloc_err)?;
+    let mut dv = stream.alloc_zeros::<T>(n(Operand::V).max(1)).map_err(alloc_err)?;
+    let mut delta = stream.alloc_zeros::<f32>(n(Operand::RowStat).max(1)).map_err(alloc_err)?;
+    flash_backward_device(
+        stream,
+        spec,
+        BackwardDeviceInputs { q: &dq_in, k: &dk_in, v: &dv_in, o: &o_in, lse: &lse_in, d_out: &g_in },
+        BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta },
+        strategy,
+    )?;
+    let down_err = |e| GpuError::driver("cuMemcpyDtoH", e);
+    let mut dq_h = stream.clone_dtoh(&dq).map_err(down_err)?;
+    let mut dk_h = stream.clone_dtoh(&dk).map_err(down_err)?;
+    let mut dv_h = stream.clone_dtoh(&dv).map_err(down_err)?;
+    let mut delta_h = stream.clone_dtoh(&delta).map_err(down_err)?;
+    stream.synchronize().map_err(|e| GpuError::driver("cuStreamSynchronize", e))?;
+    let shaped = |mut data: Vec<T>, op: Operand| {
+        data.truncate(n(op));
+        ArrayD::from_shape_vec(IxDyn(&shape(op)), data).expect("length matches the shape")
+    };
+    delta_h.truncate(n(Operand::RowStat));
+    dq_h.truncate(n(Operand::Q));
+    dk_h.truncate(n(Operand::K));
+    dv_h.truncate(n(Operand::V));
+    Ok(BackwardOutput {
+        dq: shaped(dq_h, Operand::Q),
+        dk: shaped(dk_h, Operand::K),
+        dv: shaped(dv_h, Operand::V),
+        delta: ArrayD::from_shape_vec(IxDyn(&shape(Operand::RowStat)), delta_h).expect("length matches the shape"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::{Mask, Predicate};
+    use half::{bf16, f16};
+
+    #[test]
+    fn predicate_masks_and_odd_dims_are_typed_errors() {
+        let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
+        let spec = AttentionSpec::dense(1, 1, 1, 4, 4, 16, 16).with_mask(p);
+        assert!(matches!(plan::<bf16>(&spec), Err(GpuError::Unsupported { argument: "mask", .. })));
+        for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
+            match plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv)) {
+                Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
+                other => panic!("d={d} dv={dv}: {other:?}"),
+            }
+        }
+        assert!(matches!(plan::<bf16>(&AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8)), Err(GpuError::Spec(_))));
+    }
+
+    #[test]
+    fn plan_grids_chunks_and_shared_memory() {
+        let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 128, 200).with_mask(Mask::Causal);
+        let p = plan::<bf16>(&spec).unwrap();
+        assert_eq!((p.q_tiles, p.kv_tiles, p.seqs), (3, 2, 2));
+        assert_eq!((p.kv_chunks, p.q_chunks), (4, 2));
+        assert_eq!(p.defines, ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208"]);
+        assert_eq!((p.scalars.win_left, p.scalars.win_right), (1 << 30, 0));
+        // K, Q, V, dO, dS tiles in T, three f32 row vectors, two f32 GQA sums.
+        let tiles = 2 * 64 * 136 + 2 * 64 * 216;
+        assert_eq!(p.kv_shared as usize, 2 * (tiles + 64 * 72) + 3 * 64 * 4 + 2 * 64 * 64 * 4);
+        assert_eq!(p.dq_shared as usize, 2 * tiles);
+        assert_eq!(p.q_elements, 2 * 4 * 130 * 128);
+        // The largest head dims fit the H200's 227 KiB opt-in shared memory.
+        let big = plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256)).unwrap();
+        assert!(big.kv_shared <= 227 * 1024, "{}", big.kv_shared);
+    }
+
+    #[test]
+    fn strategies_say_which_are_deterministic() {
+        assert!(GpuBackwardStrategy::TwoTraversals.is_deterministic());
+        assert!(GpuBackwardStrategy::KvOwnerDeterministic.is_deterministic());
+        assert!(!GpuBackwardStrategy::KvOwnerAtomic.is_deterministic());
+    }
+}

@@ -1,0 +1,188 @@
+//! Benchmark of the FlashAttention forward kernel on the shapes: median milliseconds and TFLOP/s over timed
+//! launches, as CSV on stdout (and in `--csv PATH`), for `bench/peers.py` to put beside PyTorch's kernels.
+//!
+//! Method (the same as `bench/peers.py`): bf16 inputs drawn at random (never zeros: they run faster than real data),
+//! three input sets in distinct buffers cycled launch by launch so that L2 never holds the next launch's inputs,
+//! `--warmup` untimed launches first (module compile and load, clocks up), then `--reps` launches each bracketed by
+//! CUDA events, and the median of those. FLOPs are `4·B·H·L²·D` non-causal and half that causal (the two matrix
+//! products; softmax arithmetic is not counted), as the peers count them.
+//!
+//! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward]`. `--all-tilings` also times every
+//! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
+//! `--backward` is the hook for the backward kernel: it adds backward rows once `attnproof_gpu` has one.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use attnproof_gpu::compile::FLASH_FWD;
+use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
+use attnproof_oracle::{AttentionSpec, Mask};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+
+/// (B, H, L, D) of the table.
+const SHAPES: [(usize, usize, usize, usize); 4] =
+    [(16, 16, 1024, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (1, 8, 65536, 128)];
+/// Input sets cycled between launches.
+const SETS: usize = 3;
+
+struct Options {
+    reps: usize,
+    warmup: usize,
+    all_tilings: bool,
+    csv: Option<String>,
+    backward: bool,
+}
+
+fn parse() -> Result<Options, String> {
+    let mut o = Options { reps: 30, warmup: 5, all_tilings: false, csv: None, backward: false };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
+        match a.as_str() {
+            "--reps" => o.reps = value("--reps")?.parse().map_err(|e| format!("--reps: {e}"))?,
+            "--warmup" => o.warmup = value("--warmup")?.parse().map_err(|e| format!("--warmup: {e}"))?,
+            "--csv" => o.csv = Some(value("--csv")?),
+            "--all-tilings" => o.all_tilings = true,
+            "--backward" => o.backward = true,
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    if o.reps < 20 {
+        return Err("--reps must be at least 20 (the median of fewer launches is too noisy to report)".into());
+    }
+    Ok(o)
+}
+
+/// Deterministic standard-normal-ish bf16 values (Irwin–Hall sum of four uniforms, scaled to unit variance): random
+/// enough that no cache or zero-skipping helps, and cheap enough for a billion elements.
+fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    (0..n)
+        .map(|_| {
+            let r = next();
+            let sum: f32 = (0..4).map(|i| ((r >> (16 * i)) & 0xffff) as f32 / 65536.0).sum();
+            bf16::from_f32((sum - 2.0) * 1.732_050_8)
+        })
+        .collect()
+}
+
+struct Inputs {
+    q: Vec<CudaSlice<bf16>>,
+    k: Vec<CudaSlice<bf16>>,
+    v: Vec<CudaSlice<bf16>>,
+}
+
+fn upload(stream: &Arc<CudaStream>, n: usize, seed: u64) -> Result<CudaSlice<bf16>, String> {
+    stream.clone_htod(&random_bf16(n, seed)).map_err(|e| format!("upload: {e}"))
+}
+
+/// Median milliseconds of `reps` launches of `fwd`, after `warmup` untimed ones, cycling the input sets.
+fn time_forward(
+    stream: &Arc<CudaStream>,
+    fwd: &PreparedForward<bf16>,
+    inputs: &Inputs,
+    o: &mut CudaSlice<bf16>,
+    lse: &mut CudaSlice<f32>,
+    opts: &Options,
+) -> Result<f64, String> {
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    for i in 0..opts.warmup {
+        let s = i % SETS;
+        fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], o, lse).map_err(|e| err(&e))?;
+    }
+    let mut events = Vec::with_capacity(opts.reps);
+    for i in 0..opts.reps {
+        let s = i % SETS;
+        let start = stream.record_event(flags).map_err(|e| err(&e))?;
+        fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], o, lse).map_err(|e| err(&e))?;
+        let end = stream.record_event(flags).map_err(|e| err(&e))?;
+        events.push((start, end));
+    }
+    stream.synchronize().map_err(|e| err(&e))?;
+    let mut ms = events
+        .iter()
+        .map(|(a, b)| a.elapsed_ms(b).map(f64::from))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| err(&e))?;
+    ms.sort_by(f64::total_cmp);
+    Ok(ms[ms.len() / 2])
+}
+
+fn run(opts: &Options) -> Result<(), String> {
+    let ctx = cuda_device().map_err(|e| e.to_string())?;
+    let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
+    print!("{out}");
+    if opts.backward {
+        // Hook: the backward kernel (gpu/src/backward.rs, another task) adds its rows here, timed by the same
+        // `time_*` method on the same inputs, with FLOPs 2.5× the forward's.
+        eprintln!("bench: no backward kernel in attnproof_gpu yet; backward rows skipped");
+    }
+    for (b, h, l, d) in SHAPES {
+        let n = b * h * l * d;
+        let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
+        for s in 0..SETS as u64 {
+            inputs.q.push(upload(&stream, n, 3 * s + 1)?);
+            inputs.k.push(upload(&stream, n, 3 * s + 2)?);
+            inputs.v.push(upload(&stream, n, 3 * s + 3)?);
+        }
+        let mut o = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+        let mut lse = stream.alloc_zeros::<f32>(b * h * l).map_err(|e| e.to_string())?;
+        let default = ForwardTiling::for_head_dims(d, d);
+        let tilings: Vec<ForwardTiling> = if opts.all_tilings {
+            ForwardTiling::ALL.into_iter().filter(|t| t.supports(d, d)).collect()
+        } else {
+            vec![default]
+        };
+        for causal in [false, true] {
+            let mask = if causal { Mask::Causal } else { Mask::None };
+            let spec = AttentionSpec::dense(b, h, h, l, l, d, d).with_mask(mask);
+            let flops = 4.0 * (b * h * d) as f64 * (l as f64).powi(2) * if causal { 0.5 } else { 1.0 };
+            for &t in &tilings {
+                let fwd = PreparedForward::<bf16>::new(&stream, &spec, FLASH_FWD, t).map_err(|e| e.to_string())?;
+                let ms = time_forward(&stream, &fwd, &inputs, &mut o, &mut lse, opts)?;
+                let line = format!(
+                    "\"({b},{h},{l},{d})\",{causal},fwd,{}x{},{},{ms:.4},{:.1}\n",
+                    t.warps,
+                    t.slices,
+                    u8::from(t == default),
+                    flops / ms / 1e9
+                );
+                print!("{line}");
+                std::io::stdout().flush().ok();
+                out.push_str(&line);
+            }
+        }
+    }
+    if let Some(path) = &opts.csv {
+        std::fs::write(path, &out).map_err(|e| format!("write {path}: {e}"))?;
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let opts = match parse() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run(&opts) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
