@@ -24,7 +24,7 @@ use attnproof_harness::strategies::{profile, spec, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Predicate};
-use attnproof_proofs::flash_bound::{Accumulation, FlashRecipe};
+use attnproof_proofs::flash_bound::{Accumulation, FlashRecipe, ScoreReuse};
 use attnproof_reference::Element;
 use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
@@ -68,6 +68,8 @@ fn kernel_recipe<T: Element>() -> FlashRecipe {
         exp_error: EXP_RELATIVE_ERROR,
         shift_rounding: BACKWARD_SHIFT_ROUNDING,
         accumulation: Accumulation::TensorCore { k_step: 16 },
+        // The backward forms Sᵀ = K Qᵀ with transposed MMAs: no bitwise reuse of the forward's scores.
+        score_reuse: ScoreReuse::Recomputed,
         ..recipe::<T>(KV_TILE)
     }
 }

@@ -75,6 +75,23 @@ pub struct FlashRecipe {
     pub shift_rounding: f64,
     /// How the candidate's dot products and f32 accumulators add.
     pub accumulation: Accumulation,
+    /// Whether the backward recomputes every score bit for bit as its forward did (backward
+    /// model only).
+    pub score_reuse: ScoreReuse,
+}
+
+/// How a backward pass's recomputed scores relate to the forward's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScoreReuse {
+    /// No relation assumed: the score error of `P = exp(s − LSE)` is bounded by `σ_ij` for `s`
+    /// plus the forward's whole LSE bound.
+    Recomputed,
+    /// The backward forms each score with the same operations in the same order as the forward
+    /// that produced `LSE`, so `ŝ` is identical on both sides and `P̂ = exp(ŝ_ij − LSE(ŝ))` is
+    /// the softmax of the perturbed scores: its score-induced relative error is
+    /// `|δ_ij − Σ_k p_ik δ_ik| ≤ (1 − p_ij) σ_ij + Σ_{k≠j} p_ik σ_ik`, which vanishes for a one-hot
+    /// row instead of doubling.
+    BitwiseAsForward,
 }
 
 /// How sums are rounded.
@@ -118,6 +135,7 @@ impl FlashRecipe {
             exp_error: 2.0 * F32_UNIT_ROUNDOFF,
             shift_rounding: 0.0,
             accumulation: Accumulation::RoundToNearest,
+            score_reuse: ScoreReuse::BitwiseAsForward,
         }
     }
 }
@@ -253,7 +271,9 @@ pub struct BackwardBounds {
 /// rounded to `T`. With `forward` the bounds of the candidate's forward outputs, first order:
 ///
 /// - `ν_i = g(dv) Σ_c |dO_ic||o_ic| + Σ_c |dO_ic| b^O_ic` (`D`);
-/// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + e + c|LSE_i|` (relative error of `P`);
+/// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + e + c|LSE_i|` (relative error of `P`); with
+///   [`ScoreReuse::BitwiseAsForward`] the score terms `σ_ij` and `Σ_k p_ik σ_ik` (the score part
+///   of `b^L_i`) become `(1 − p_ij)σ_ij + Σ_{k≠j} p_ik σ_ik`;
 /// - `dV_jc`: `Σ_i p_ij (π_ij + u_T + g(Lq + n_q)) |dO_ic| + Lq (τ_T + τ₃₂) max_i |dO_ic|`
 ///   `+ u_T |dV_jc| + τ_T`;
 /// - `ρ_ij = g(dv) Σ_c |dO_ic||v_jc|` (`dP`);
@@ -285,14 +305,29 @@ pub fn backward_bounds(
         if f.lse[i] == f64::NEG_INFINITY {
             continue;
         }
+        let sigma: Vec<f64> = (0..len_k)
+            .map(|j| {
+                if f.s[[i, j]] == f64::NEG_INFINITY {
+                    return 0.0;
+                }
+                let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
+                (acc.gamma(d) + 3.0 * u) * f.scale * dot
+            })
+            .collect();
+        // The forward LSE bound's own share of score error, Σ_k p_ik σ_ik (scaled as that bound is).
+        let weighted: f64 = (0..len_k).map(|k| f.p[[i, k]] * sigma[k]).sum();
         for j in 0..len_k {
             if f.s[[i, j]] == f64::NEG_INFINITY {
                 continue;
             }
-            let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
-            let sigma = (acc.gamma(d) + 3.0 * u) * f.scale * dot;
-            pi[[i, j]] = sigma
-                + forward.lse[i]
+            let score_part = match recipe.score_reuse {
+                ScoreReuse::Recomputed => sigma[j] + forward.lse[i],
+                ScoreReuse::BitwiseAsForward => {
+                    let relative = (1.0 - f.p[[i, j]]) * sigma[j] + (weighted - f.p[[i, j]] * sigma[j]);
+                    relative + (forward.lse[i] - SECOND_ORDER_FACTOR * weighted).max(0.0)
+                }
+            };
+            pi[[i, j]] = score_part
                 + u * (f.s[[i, j]] - f.lse[i]).abs()
                 + recipe.exp_error
                 + recipe.shift_rounding * f.lse[i].abs();

@@ -782,3 +782,20 @@ fn the_backward_verifier_refuses_group_heads_with_different_lists() {
     let r = verify_block_sparse_backward(&case, &layout, &d_out, recipe::<bf16>(4), candidate);
     assert!(matches!(r, Err(SparseHarnessError::GroupListsDiffer { sequence: 0, kv_head: 0 })));
 }
+
+/// Regression (`cargo xtask fuzz`, sparse.txt): causal 9×7, four query heads on one KV head,
+/// d = 59, dv = 1, heavy-tailed logits at scale 100, f16. Rows are nearly one-hot, so "scale 1/d"
+/// barely moves dV, and the backward bound — which charged the dominant key's score error twice,
+/// once through `s` and once through `LSE` — could not reject it. With the backward recomputing
+/// the forward's scores bit for bit, those two errors cancel (`ScoreReuse::BitwiseAsForward`),
+/// and the gate holds.
+#[test]
+fn peaked_rows_at_logit_scale_100_keep_the_backward_gate_valid() {
+    let spec = AttentionSpec::dense(1, 4, 1, 9, 7, 59, 1).with_mask(Mask::Causal);
+    let tiles = TileConfig { q_tile: 4, kv_tile: 8 };
+    let profile = ValueProfile { distribution: Distribution::HeavyTail, logit_scale: 100.0, value_mean: 0.0 };
+    let seed = 8267731471133192057;
+    let layout = layout_from(&spec, tiles, &[vec![true], vec![false], vec![false]], true);
+    check_block_backward(&make_case::<f16>(&spec, profile, seed), &layout, &make_d_out(&spec, seed))
+        .expect("verdict passes and the gate is valid");
+}

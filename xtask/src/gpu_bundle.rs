@@ -44,6 +44,7 @@ cd "$here"
 # Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
 SANITIZE=(
     "attnproof-gpu-flash_forward lengths_one_and_tile_edges fully_masked_rows lq_ne_lk_both_ways gqa_and_mqa varlen_with_empty_sequences"
+    "attnproof-gpu-flash_backward lq_ne_lk_both_ways fully_masked gqa_and_mqa varlen_with_empty_sequences"
 )
 mode=tests
 case "${1:-}" in
