@@ -18,7 +18,8 @@ pub mod flash;
 mod launch;
 
 pub use backward::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, GpuBackwardStrategy, flash_backward, flash_backward_device,
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, GpuBackwardStrategy, flash_backward,
+    flash_backward_device,
 };
 pub use error::GpuError;
 pub use flash::{ForwardOutput, ForwardTiling, GpuElement, PreparedForward, flash_forward, flash_forward_device};
