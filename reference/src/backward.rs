@@ -62,26 +62,26 @@ pub struct BackwardOutputs<'a, T> {
     pub delta: ArrayViewMutD<'a, f32>,
 }
 
-/// One head's f32 gradients.
-struct HeadGrads {
-    dq: Array2<f32>,
-    dk: Array2<f32>,
-    dv: Array2<f32>,
-    delta: Array1<f32>,
+/// One head's f32 gradients (dQ, dK scaled by `α̂`; dK, dV before the GQA sum).
+pub(crate) struct HeadGrads {
+    pub(crate) dq: Array2<f32>,
+    pub(crate) dk: Array2<f32>,
+    pub(crate) dv: Array2<f32>,
+    pub(crate) delta: Array1<f32>,
 }
 
 /// The f32 tensors of one (sequence, query head).
-struct Head {
-    q: Array2<f32>,
-    k: Array2<f32>,
-    v: Array2<f32>,
-    o: Array2<f32>,
-    d_out: Array2<f32>,
-    lse: Array1<f32>,
+pub(crate) struct Head {
+    pub(crate) q: Array2<f32>,
+    pub(crate) k: Array2<f32>,
+    pub(crate) v: Array2<f32>,
+    pub(crate) o: Array2<f32>,
+    pub(crate) d_out: Array2<f32>,
+    pub(crate) lse: Array1<f32>,
 }
 
-/// `P` and the rounded `dS` of one tile pair, `[rows, keys]`.
-fn tile_p_ds<T: Element>(
+/// `P` and the rounded `dS` of one tile pair, `[rows, keys]` (0 where masked or `LSE = −∞`).
+pub(crate) fn tile_p_ds<T: Element>(
     spec: &AttentionSpec,
     seq: &Sequence,
     head: &Head,
@@ -202,6 +202,19 @@ pub fn flash_backward<T: Element>(
 ) -> Result<(), ReferenceError> {
     spec.validate()?;
     tiles.validate()?;
+    let scale = scale_f32(spec);
+    backward_heads(spec, inputs, out, &|seq, _, head| Ok(head_backward::<T>(spec, seq, head, tiles, strategy, scale)))
+}
+
+/// The part every backward schedule shares: validates inputs and outputs, runs `per_head` on
+/// every (sequence, query head) in parallel, sums dK/dV per KV head in f32 in ascending query
+/// head order, and rounds every gradient to `T` into the caller's outputs.
+pub(crate) fn backward_heads<T: Element>(
+    spec: &AttentionSpec,
+    inputs: &BackwardInputs<'_, T>,
+    out: BackwardOutputs<'_, T>,
+    per_head: &(dyn Fn(&Sequence, usize, &Head) -> Result<HeadGrads, ReferenceError> + Sync),
+) -> Result<(), ReferenceError> {
     check_input(spec, "q", Operand::Q, &inputs.q)?;
     check_input(spec, "k", Operand::K, &inputs.k)?;
     check_input(spec, "v", Operand::V, &inputs.v)?;
@@ -221,7 +234,6 @@ pub fn flash_backward<T: Element>(
     check_output(spec, "dk", Operand::K, &dk)?;
     check_output(spec, "dv", Operand::V, &dv)?;
     check_output(spec, "delta", Operand::RowStat, &delta)?;
-    let scale = scale_f32(spec);
     let tasks: Vec<(Sequence, usize)> =
         spec.sequences().into_iter().flat_map(|s| (0..spec.n_heads_q).map(move |h| (s, h))).collect();
     let grads: Vec<HeadGrads> = tasks
@@ -236,9 +248,9 @@ pub fn flash_backward<T: Element>(
                 d_out: head_f32(spec, &inputs.d_out, seq, *h, false),
                 lse: spec.head_row_stat(inputs.lse.view(), seq, *h).to_owned(),
             };
-            head_backward::<T>(spec, seq, &head, tiles, strategy, scale)
+            per_head(seq, *h, &head)
         })
-        .collect();
+        .collect::<Result<_, ReferenceError>>()?;
     // Sum dK/dV per KV head in f32, ascending query head, then round once.
     let mut dk_acc: std::collections::BTreeMap<(usize, usize), (Array2<f32>, Array2<f32>)> = Default::default();
     for ((seq, h), g) in tasks.iter().zip(&grads) {
@@ -263,7 +275,7 @@ pub fn flash_backward<T: Element>(
 }
 
 /// Rounds `rows` to `T` into the slice `info` of `out`.
-fn write_rows<T: Element>(
+pub(crate) fn write_rows<T: Element>(
     out: &mut ArrayViewMutD<'_, T>,
     info: ndarray::SliceInfo<Vec<ndarray::SliceInfoElem>, ndarray::IxDyn, ndarray::IxDyn>,
     rows: &Array2<f32>,

@@ -18,10 +18,10 @@ use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::nsa::{BlockQueries, transpose_selection};
 use attnproof_oracle::spec::{Operand, Sequence};
-use ndarray::{Array1, Array2, ArrayViewMutD, Axis, Ix2, Slice};
+use ndarray::{Array1, Array2, Axis, Slice};
 use rayon::prelude::*;
 
-use crate::backward::{BackwardInputs, BackwardOutputs};
+use crate::backward::{BackwardInputs, BackwardOutputs, Head, HeadGrads, backward_heads, tile_p_ds, write_rows};
 use crate::element::Element;
 use crate::error::ReferenceError;
 use crate::flash::{ForwardOutputs, Inputs, TileConfig, check_input, check_output, head_f32, scale_f32};
@@ -154,54 +154,6 @@ pub fn block_sparse_forward<T: Element>(
     Ok(())
 }
 
-/// The f32 tensors of one (sequence, query head) for the backward pass.
-struct Head {
-    q: Array2<f32>,
-    k: Array2<f32>,
-    v: Array2<f32>,
-    o: Array2<f32>,
-    d_out: Array2<f32>,
-    lse: Array1<f32>,
-}
-
-/// One head's f32 gradients (dQ, dK scaled by `α̂`; dK, dV before the GQA sum).
-struct HeadGrads {
-    dq: Array2<f32>,
-    dk: Array2<f32>,
-    dv: Array2<f32>,
-    delta: Array1<f32>,
-}
-
-/// `P` and the rounded `dS` of one tile pair, `[rows, keys]` (0 where masked or `LSE = −∞`).
-fn tile_p_ds<T: Element>(
-    spec: &AttentionSpec,
-    seq: &Sequence,
-    head: &Head,
-    delta: &Array1<f32>,
-    rows: &Range<usize>,
-    keys: &Range<usize>,
-    scale: f32,
-) -> (Array2<f32>, Array2<f32>) {
-    let mut p = Array2::<f32>::zeros((rows.len(), keys.len()));
-    let mut ds = Array2::<f32>::zeros((rows.len(), keys.len()));
-    for (r, i) in rows.clone().enumerate() {
-        if head.lse[i] == f32::NEG_INFINITY {
-            continue;
-        }
-        for (c, j) in keys.clone().enumerate() {
-            if !visible(&spec.mask, i, j, seq.len_q, seq.len_k) {
-                continue;
-            }
-            let s = dot32(head.q.row(i), head.k.row(j)) * scale;
-            let pij = (s - head.lse[i]).exp();
-            let dp = dot32(head.d_out.row(i), head.v.row(j));
-            p[[r, c]] = pij;
-            ds[[r, c]] = T::round(pij * (dp - delta[i]));
-        }
-    }
-    (p, ds)
-}
-
 fn head_backward<T: Element>(
     spec: &AttentionSpec,
     layout: &BlockSparseLayout,
@@ -269,66 +221,9 @@ pub fn block_sparse_backward<T: Element>(
     out: BackwardOutputs<'_, T>,
 ) -> Result<(), ReferenceError> {
     validate_layout(spec, layout)?;
-    check_input(spec, "q", Operand::Q, &inputs.q)?;
-    check_input(spec, "k", Operand::K, &inputs.k)?;
-    check_input(spec, "v", Operand::V, &inputs.v)?;
-    check_input(spec, "o", Operand::O, &inputs.o)?;
-    check_input(spec, "d_out", Operand::O, &inputs.d_out)?;
-    let lse_shape = spec.expected_shape(Operand::RowStat);
-    crate::sparse::check_shape("lse", inputs.lse.shape(), &lse_shape)?;
-    let BackwardOutputs { mut dq, mut dk, mut dv, mut delta } = out;
-    check_output(spec, "dq", Operand::Q, &dq)?;
-    check_output(spec, "dk", Operand::K, &dk)?;
-    check_output(spec, "dv", Operand::V, &dv)?;
-    check_output(spec, "delta", Operand::RowStat, &delta)?;
     let scale = scale_f32(spec);
-    let tasks: Vec<(Sequence, usize)> =
-        spec.sequences().into_iter().flat_map(|s| (0..spec.n_heads_q).map(move |h| (s, h))).collect();
-    let grads: Vec<HeadGrads> = tasks
-        .par_iter()
-        .map(|(seq, h)| {
-            let kv = kv_head(*h, spec.n_heads_q, spec.n_heads_kv);
-            let head = Head {
-                q: head_f32(spec, &inputs.q, seq, *h, false),
-                k: head_f32(spec, &inputs.k, seq, kv, true),
-                v: head_f32(spec, &inputs.v, seq, kv, true),
-                o: head_f32(spec, &inputs.o, seq, *h, false),
-                d_out: head_f32(spec, &inputs.d_out, seq, *h, false),
-                lse: spec.head_row_stat(inputs.lse.view(), seq, *h).to_owned(),
-            };
-            let csr = transpose_validated(layout, seq, *h)?;
-            Ok(head_backward::<T>(spec, layout, seq, *h, &head, &csr, scale))
-        })
-        .collect::<Result<_, ReferenceError>>()?;
-    // Sum dK/dV per KV head in f32, ascending query head, then round once.
-    let mut sums: std::collections::BTreeMap<(usize, usize), (Array2<f32>, Array2<f32>)> = Default::default();
-    for ((seq, h), g) in tasks.iter().zip(&grads) {
-        let kv = kv_head(*h, spec.n_heads_q, spec.n_heads_kv);
-        let entry = sums
-            .entry((seq.index, kv))
-            .or_insert_with(|| (Array2::zeros(g.dk.raw_dim()), Array2::zeros(g.dv.raw_dim())));
-        entry.0 += &g.dk;
-        entry.1 += &g.dv;
-        write_rows(&mut dq, spec.head_slice(seq, *h, false), &g.dq);
-        delta.slice_mut(spec.row_stat_slice(seq, *h)).assign(&g.delta);
-    }
-    for seq in spec.sequences() {
-        for kv in 0..spec.n_heads_kv {
-            if let Some((k_sum, v_sum)) = sums.get(&(seq.index, kv)) {
-                write_rows(&mut dk, spec.head_slice(&seq, kv, true), k_sum);
-                write_rows(&mut dv, spec.head_slice(&seq, kv, true), v_sum);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Rounds `rows` to `T` into the slice `info` of `out`.
-fn write_rows<T: Element>(
-    out: &mut ArrayViewMutD<'_, T>,
-    info: ndarray::SliceInfo<Vec<ndarray::SliceInfoElem>, ndarray::IxDyn, ndarray::IxDyn>,
-    rows: &Array2<f32>,
-) {
-    let mut view = out.slice_mut(info).into_dimensionality::<Ix2>().expect("2-D head");
-    view.zip_mut_with(rows, |o, x| *o = T::from_f32(*x));
+    backward_heads(spec, inputs, out, &|seq, h, head| {
+        let csr = transpose_validated(layout, seq, h)?;
+        Ok(head_backward::<T>(spec, layout, seq, h, head, &csr, scale))
+    })
 }
