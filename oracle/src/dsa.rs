@@ -7,10 +7,10 @@
 //! every head. Selections follow the E14/E16 convention: `i32` rows of fixed width `κ`, the valid
 //! prefix ascending without duplicates, padded with `−1`.
 
-use ndarray::{Array1, Array2, Array3, ArrayBase, ArrayView2, ArrayView3, Axis, Data, Dimension};
+use ndarray::{Array1, Array2, Array3, ArrayView2, ArrayView3, Axis};
 
 use crate::dense;
-use crate::error::OracleError;
+use crate::error::{OracleError, check_finite, check_shape};
 use crate::online::SoftmaxState;
 use crate::real::Real;
 use crate::spec::Scale;
@@ -87,29 +87,6 @@ pub struct TokenSparseOutput<S> {
     /// Natural-log LSE over each query's selected keys, `[H, T]` (the varlen LSE layout);
     /// `−∞` for a query that selected nothing (E1c).
     pub lse: Array2<S>,
-}
-
-/// The first non-finite value of `x`, as a typed error naming `argument`.
-fn check_finite<S: Real, A: Data<Elem = S>, D: Dimension>(
-    argument: &'static str,
-    x: &ArrayBase<A, D>,
-) -> Result<(), OracleError> {
-    let x = x.view().into_dyn();
-    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
-        Some((index, value)) => {
-            Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: value.to_f64() })
-        }
-        None => Ok(()),
-    }
-}
-
-/// `expected` shape or a typed error naming `argument`.
-fn check_shape(argument: &'static str, actual: &[usize], expected: &[usize]) -> Result<(), OracleError> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(OracleError::ShapeMismatch { argument, expected: expected.to_vec(), actual: actual.to_vec() })
-    }
 }
 
 /// Causal entries (`s ≤ t`) of a square `[T, T]` score matrix must be finite; the rest is ignored.

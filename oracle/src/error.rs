@@ -1,6 +1,9 @@
 //! Typed errors for bad input. Numerical inaccuracy is never an error; it is data in a verdict.
 
+use ndarray::{ArrayBase, Data, Dimension};
 use thiserror::Error;
+
+use crate::real::Real;
 
 /// Why the oracle refused a problem. Every variant names the argument at fault.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -66,4 +69,27 @@ pub enum OracleError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// The first non-finite value of `x`, as a typed error naming `argument`.
+pub fn check_finite<S: Real, A: Data<Elem = S>, D: Dimension>(
+    argument: &'static str,
+    x: &ArrayBase<A, D>,
+) -> Result<(), OracleError> {
+    let x = x.view().into_dyn();
+    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
+        Some((index, value)) => {
+            Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: value.to_f64() })
+        }
+        None => Ok(()),
+    }
+}
+
+/// `actual` must equal `expected`, else a typed error naming `argument`.
+pub fn check_shape(argument: &'static str, actual: &[usize], expected: &[usize]) -> Result<(), OracleError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(OracleError::ShapeMismatch { argument, expected: expected.to_vec(), actual: actual.to_vec() })
+    }
 }

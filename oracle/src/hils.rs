@@ -17,10 +17,10 @@
 //! the running max, so f64 stays finite for any scores, and the finalize's LSE is
 //! `log(Z_local + Σ_b Ẑ_ib)`.
 
-use ndarray::{Array1, Array2, ArrayBase, ArrayView1, ArrayView2, Axis, Data, Dimension, Slice};
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
 
 use crate::dense;
-use crate::error::OracleError;
+use crate::error::{OracleError, check_finite, check_shape};
 use crate::online::SoftmaxState;
 use crate::real::Real;
 use crate::topk::{padded_ascending, top_k, validate_index_row};
@@ -89,29 +89,6 @@ pub struct HilsOutput<S> {
     pub o: Array2<S>,
     /// `log(Z_i,local + Σ_{b∈R_i} Ẑ_ib)`, `[n]` (with exact masses: the LSE over the keys read).
     pub lse: Array1<S>,
-}
-
-/// The first non-finite value of `x`, as a typed error naming `argument`.
-fn check_finite<S: Real, A: Data<Elem = S>, D: Dimension>(
-    argument: &'static str,
-    x: &ArrayBase<A, D>,
-) -> Result<(), OracleError> {
-    let x = x.view().into_dyn();
-    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
-        Some((index, value)) => {
-            Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: value.to_f64() })
-        }
-        None => Ok(()),
-    }
-}
-
-/// `expected` shape or a typed error naming `argument`.
-fn check_shape(argument: &'static str, actual: &[usize], expected: &[usize]) -> Result<(), OracleError> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(OracleError::ShapeMismatch { argument, expected: expected.to_vec(), actual: actual.to_vec() })
-    }
 }
 
 /// `1/√d`.

@@ -15,7 +15,7 @@
 use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis, Dimension};
 
 use crate::dense::{probabilities_from_lse, scores};
-use crate::error::OracleError;
+use crate::error::{OracleError, check_finite};
 use crate::online::SoftmaxState;
 use crate::real::Real;
 use crate::spec::Scale;
@@ -291,7 +291,7 @@ pub fn select_blocks<S: Real>(block_scores: ArrayView3<'_, S>, config: &NsaConfi
             actual: vec![len, n_heads_kv, n_blocks],
         });
     }
-    check_finite("block_scores", block_scores)?;
+    check_finite("block_scores", &block_scores)?;
     let mut out = Array3::from_elem((len, n_heads_kv, config.n_selected), -1);
     for t in 0..len {
         let forced = config.forced_blocks(t);
@@ -371,9 +371,9 @@ impl<S: Real> NsaInputs<'_, S> {
                 });
             }
         }
-        check_finite("q", self.q)?;
-        check_finite("k", self.k)?;
-        check_finite("v", self.v)
+        check_finite("q", &self.q)?;
+        check_finite("k", &self.k)?;
+        check_finite("v", &self.v)
     }
 }
 
@@ -733,16 +733,6 @@ fn check_head_ratio(n_heads_q: usize, n_heads_kv: usize) -> Result<(), OracleErr
         return Err(OracleError::HeadRatio { n_heads_q, n_heads_kv });
     }
     Ok(())
-}
-
-fn check_finite<S: Real, D: Dimension>(
-    argument: &'static str,
-    x: ndarray::ArrayView<'_, S, D>,
-) -> Result<(), OracleError> {
-    match x.into_dyn().indexed_iter().find(|(_, v)| !v.is_finite()) {
-        Some((index, v)) => Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: v.to_f64() }),
-        None => Ok(()),
-    }
 }
 
 #[cfg(test)]

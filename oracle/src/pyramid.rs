@@ -33,7 +33,7 @@ use std::ops::Range;
 
 use ndarray::{Array2, ArrayView1, ArrayView2, Axis, Slice};
 
-use crate::error::OracleError;
+use crate::error::{OracleError, check_finite};
 use crate::real::Real;
 use crate::topk::{padded_ascending, top_k, validate_index_row};
 use crate::vector::{block_means, dot, log_sum_exp, softmax};
@@ -188,13 +188,6 @@ pub struct Diagnostics<S> {
     pub mass_ratio: S,
 }
 
-fn check_finite<S: Real>(argument: &'static str, x: ArrayView2<'_, S>) -> Result<(), OracleError> {
-    match x.indexed_iter().find(|(_, v)| !v.is_finite()) {
-        Some(((i, j), v)) => Err(OracleError::NonFinite { argument, index: vec![i, j], value: v.to_f64() }),
-        None => Ok(()),
-    }
-}
-
 /// `α = 1/√d`.
 fn inverse_sqrt<S: Real>(head_dim: usize, ctx: S::Ctx) -> S {
     S::one(ctx) / S::from_f64(head_dim as f64, ctx).sqrt()
@@ -234,7 +227,7 @@ fn check_query_vector<S: Real>(
     if query.len() != head_dim {
         return Err(OracleError::ShapeMismatch { argument, expected: vec![head_dim], actual: vec![query.len()] });
     }
-    check_finite(argument, query.insert_axis(Axis(0)))
+    check_finite(argument, &query)
 }
 
 /// E26 leaf score: `log mean_{j} e^{q·k_j/√d}` over the raw `keys` `[n, d]` of one block
@@ -283,7 +276,7 @@ impl<S: Real> Pyramid<S> {
         if keys.ncols() == 0 {
             return Err(OracleError::ZeroDimension { argument: "head_dim" });
         }
-        check_finite("keys", keys)?;
+        check_finite("keys", &keys)?;
         let n_keys = keys.nrows();
         let mut levels = Vec::new();
         let mut span = config.leaf_size;
@@ -439,7 +432,7 @@ impl<S: Real> Pyramid<S> {
                 actual: query.heads.shape().to_vec(),
             });
         }
-        check_finite("query_heads", query.heads)?;
+        check_finite("query_heads", &query.heads)?;
         if query.position >= self.n_keys() {
             return Err(OracleError::InvalidParameter {
                 argument: "position",

@@ -95,11 +95,7 @@ pub(crate) fn scale32(scale: Scale, head_dim: usize) -> Result<f32, ReferenceErr
 
 /// A typed error unless `t` has shape `expected`.
 pub(crate) fn check_shape(argument: &'static str, actual: &[usize], expected: &[usize]) -> Result<(), ReferenceError> {
-    if actual == expected {
-        Ok(())
-    } else {
-        Err(OracleError::ShapeMismatch { argument, expected: expected.to_vec(), actual: actual.to_vec() }.into())
-    }
+    Ok(attnproof_oracle::error::check_shape(argument, actual, expected)?)
 }
 
 /// A typed error at the first non-finite entry of `t`.
