@@ -66,15 +66,15 @@
 
 use std::sync::Arc;
 
+use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Layout};
 use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
 use crate::compile::{self, FLASH_BWD};
 use crate::error::GpuError;
-use crate::flash::{GpuElement, KernelMask, MAX_HEAD_DIM, kernel_scale};
+use crate::flash::{GpuElement, check_len, kernel_scalars};
 use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
@@ -162,10 +162,6 @@ pub struct BackwardOutput<T> {
     pub delta: ArrayD<f32>,
 }
 
-fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
-    i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
-}
-
 fn grid_dim(argument: &'static str, value: usize, max: usize) -> Result<u32, GpuError> {
     u32::try_from(value).ok().filter(|&x| x as usize <= max).ok_or(GpuError::TooLarge { argument, value })
 }
@@ -192,16 +188,7 @@ struct Plan {
 
 /// Checks that the kernels support `spec` and derives the launch plan.
 fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
-    spec.validate()?;
-    for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
-        if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
-            return Err(GpuError::Unsupported {
-                argument,
-                reason: format!("{dim} is not a multiple of 8 in 8..={MAX_HEAD_DIM}"),
-            });
-        }
-    }
-    let mask = KernelMask::from_mask(&spec.mask)?;
+    let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
     // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
     let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
@@ -215,59 +202,6 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
     let seqs = spec.sequences();
     let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let max_len_k = seqs.iter().map(|s| s.len_k).max().unwrap_or(0);
-    let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
-        Layout::Dense { len_q, len_k, .. } => {
-            let (lq, lk) = (*len_q as i64, *len_k as i64);
-            let (di, dvi) = (d as i64, dv as i64);
-            (
-                0,
-                *len_q,
-                *len_k,
-                [hq as i64 * lq * di, lq * di, di],
-                [hkv as i64 * lk * di, lk * di, di],
-                [hkv as i64 * lk * dvi, lk * dvi, dvi],
-                [hq as i64 * lq * dvi, lq * dvi, dvi],
-                [hq as i64 * lq, lq],
-                vec![0, 0],
-                vec![0, 0],
-            )
-        }
-        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
-            let total_q = *cu_seqlens_q.last().expect("validated: non-empty") as i64;
-            (
-                1,
-                0,
-                0,
-                [0, d as i64, (hq * d) as i64],
-                [0, d as i64, (hkv * d) as i64],
-                [0, dv as i64, (hkv * dv) as i64],
-                [0, dv as i64, (hq * dv) as i64],
-                [0, total_q],
-                cu_seqlens_q.clone(),
-                cu_seqlens_k.clone(),
-            )
-        }
-    };
-    for op in [Operand::Q, Operand::K, Operand::V, Operand::O] {
-        let n: usize = spec.expected_shape(op).iter().product();
-        to_i32("tensor elements / 8", n / 8)?;
-    }
-    let scalars = FlashScalars {
-        varlen,
-        len_q: to_i32("len_q", len_q)?,
-        len_k: to_i32("len_k", len_k)?,
-        group: to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
-        d: to_i32("head_dim", d)?,
-        dv: to_i32("head_dim_v", dv)?,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        scale: kernel_scale(spec),
-        win_left: kernel_value(mask.left),
-        win_right: kernel_value(mask.right),
-    };
     let kv_chunks = d.max(dv).div_ceil(CHUNK);
     let q_chunks = d.div_ceil(CHUNK);
     Ok(Plan {
@@ -284,19 +218,6 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         dq_shared: dq_shared as u32,
         q_elements: spec.expected_shape(Operand::Q).iter().product(),
     })
-}
-
-/// A mask side as the kernels' `int`: values beyond any length are "no bound" (`1 << 30`, as the forward).
-fn kernel_value(side: Option<usize>) -> i32 {
-    const NO_BOUND: i64 = 1 << 30;
-    side.map_or(NO_BOUND, |x| i64::try_from(x).unwrap_or(NO_BOUND).min(NO_BOUND)) as i32
-}
-
-fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
-    if buffer.len() < needed {
-        return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
-    }
-    Ok(())
 }
 
 /// Loads `name` from `module`, allowing it `shared` bytes of dynamic shared memory.

@@ -201,7 +201,7 @@ fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
-fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
+pub(crate) fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
     i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
 }
 
@@ -216,8 +216,10 @@ struct Plan {
     cu_k: Vec<i32>,
 }
 
-/// Checks that the kernel supports `spec` and derives the launch plan.
-fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
+/// The kernels' common scalars for a supported, validated spec, with the sequence offsets: the
+/// head-dim and mask checks, the row strides of each layout, and the 32-bit limits. The forward and
+/// backward plans both start from it.
+pub(crate) fn kernel_scalars(spec: &AttentionSpec) -> Result<(FlashScalars, Vec<i32>, Vec<i32>), GpuError> {
     spec.validate()?;
     for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
         if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
@@ -229,27 +231,6 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Pl
     }
     let mask = KernelMask::from_mask(&spec.mask)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
-    if !tiling.supports(d, dv) {
-        return Err(GpuError::Unsupported {
-            argument: "tiling",
-            reason: format!("{tiling:?} is not one of {:?} or does not fit d = {d}, dv = {dv}", ForwardTiling::ALL),
-        });
-    }
-    // Both padded to the 16 of an mma k step / an ldmatrix.x4 pair of n tiles; padding columns are zero-filled.
-    let d_pad = round_up(d, 16);
-    let dv_pad = round_up(dv, 16);
-    let q_tile = tiling.rows();
-    // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
-    let shared = 2 * (q_tile + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
-    let defines = vec![
-        T::DEFINE.to_owned(),
-        format!("HEAD_DIM_PAD={d_pad}"),
-        format!("HEAD_DIM_V_PAD={dv_pad}"),
-        format!("NUM_WARPS={}", tiling.warps),
-        format!("WARP_M={}", tiling.slices),
-    ];
-    let seqs = spec.sequences();
-    let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
         Layout::Dense { len_q, len_k, .. } => {
             let (lq, lk) = (*len_q as i64, *len_k as i64);
@@ -304,6 +285,34 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Pl
         win_left: KernelMask::kernel_value(mask.left),
         win_right: KernelMask::kernel_value(mask.right),
     };
+    Ok((scalars, cu_q, cu_k))
+}
+
+/// Checks that the kernel supports `spec` and derives the launch plan.
+fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
+    let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
+    let (d, dv, hq) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q);
+    if !tiling.supports(d, dv) {
+        return Err(GpuError::Unsupported {
+            argument: "tiling",
+            reason: format!("{tiling:?} is not one of {:?} or does not fit d = {d}, dv = {dv}", ForwardTiling::ALL),
+        });
+    }
+    // Both padded to the 16 of an mma k step / an ldmatrix.x4 pair of n tiles; padding columns are zero-filled.
+    let d_pad = round_up(d, 16);
+    let dv_pad = round_up(dv, 16);
+    let q_tile = tiling.rows();
+    // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
+    let shared = 2 * (q_tile + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
+    let defines = vec![
+        T::DEFINE.to_owned(),
+        format!("HEAD_DIM_PAD={d_pad}"),
+        format!("HEAD_DIM_V_PAD={dv_pad}"),
+        format!("NUM_WARPS={}", tiling.warps),
+        format!("WARP_M={}", tiling.slices),
+    ];
+    let seqs = spec.sequences();
+    let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let grid_x = u32::try_from(max_len_q.div_ceil(q_tile))
         .map_err(|_| GpuError::TooLarge { argument: "query tiles", value: max_len_q.div_ceil(q_tile) })?;
     let grid_y = u32::try_from(hq)
@@ -325,7 +334,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Pl
     })
 }
 
-fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
+pub(crate) fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
     if buffer.len() < needed {
         return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
     }
