@@ -259,12 +259,6 @@ pub fn dsa_case<T: Element>(
     selection: ArrayView2<'_, i32>,
 ) -> Case<T> {
     let (len, n_heads, head_dim) = query.dim();
-    let selected: Vec<HashSet<usize>> =
-        selection.rows().into_iter().map(|r| r.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect()).collect();
-    let predicate = Predicate {
-        name: "DSA selection".into(),
-        visible: Arc::new(move |p: Pair| selected[p.query].contains(&p.key)),
-    };
     let spec = AttentionSpec {
         layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
         n_heads_q: n_heads,
@@ -272,7 +266,7 @@ pub fn dsa_case<T: Element>(
         head_dim,
         head_dim_v: value.ncols(),
         scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
-        mask: Mask::Predicate(predicate),
+        mask: dsa_mask(selection, Listing::All),
     };
     Case {
         spec,
@@ -280,6 +274,43 @@ pub fn dsa_case<T: Element>(
         k: key.insert_axis(Axis(1)).to_owned().into_dyn(),
         v: value.insert_axis(Axis(1)).to_owned().into_dyn(),
     }
+}
+
+/// "Key selected for this query" from a `[T, κ]` selection; with [`Listing::DropLastPerQueryTile`]
+/// each query's last (largest) selected token is left out: the gate's dropped selected block.
+fn dsa_mask(selection: ArrayView2<'_, i32>, listing: Listing) -> Mask {
+    let selected: Vec<HashSet<usize>> = selection
+        .rows()
+        .into_iter()
+        .map(|r| {
+            let mut tokens: Vec<usize> = r.iter().filter(|&&s| s >= 0).map(|&s| s as usize).collect();
+            if listing == Listing::DropLastPerQueryTile {
+                tokens.pop();
+            }
+            tokens.into_iter().collect()
+        })
+        .collect();
+    Mask::Predicate(Predicate {
+        name: "DSA selection".into(),
+        visible: Arc::new(move |p: Pair| selected[p.query].contains(&p.key)),
+    })
+}
+
+/// Verifies a DSA token-gather forward `(O [T, H, dv], LSE [H, T])` as attention under the
+/// selection, with the gate's dropped-selected-token wrong answer added.
+pub fn verify_dsa_forward<T: Element>(
+    query: ArrayView3<'_, T>,
+    key: ArrayView2<'_, T>,
+    value: ArrayView2<'_, T>,
+    selection: ArrayView2<'_, i32>,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Verdict, HarnessError> {
+    let case = dsa_case(query, key, value, selection);
+    let mut verdict = verify_forward(&case, recipe, o, lse)?;
+    score_dropped_block(&mut verdict, &case, dsa_mask(selection, Listing::DropLastPerQueryTile), recipe)?;
+    Ok(verdict)
 }
 
 /// `causal ∧ (block(key) selected for (query, KV head kv))` over a sequence of `T` tokens.

@@ -11,7 +11,7 @@ use attnproof_harness::flash::{recipe, verify_forward};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
 use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
-    verify_block_sparse_backward, verify_block_sparse_forward,
+    verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward,
 };
 use attnproof_harness::strategies::{interesting_length, profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
@@ -286,8 +286,16 @@ fn check_dsa<T: Element>(p: DsaProblem) -> Result<(), TestCaseError> {
     let (q, k, v) = dsa_values::<T>(len, h, d, dv, profile, seed);
     let sel = dsa_selection(len, kappa, &picks);
     let (o, lse) = run_dsa(&q, &k, &v, &sel, tile).map_err(fail)?;
-    let case = dsa_case(q.view(), k.view(), v.view(), sel.view());
-    judge("DSA forward", single(verify_forward(&case, recipe::<T>(tile), o.into_dyn().view(), lse.into_dyn().view())))
+    let verdict = verify_dsa_forward(
+        q.view(),
+        k.view(),
+        v.view(),
+        sel.view(),
+        recipe::<T>(tile),
+        o.into_dyn().view(),
+        lse.into_dyn().view(),
+    );
+    judge("DSA forward", single(verdict))
 }
 
 // ---------------------------------------------------------------------------------------------
