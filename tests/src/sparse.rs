@@ -112,8 +112,8 @@ pub fn listed_tiles_mask(spec: &AttentionSpec, layout: &BlockSparseLayout, seq: 
 enum Listing {
     /// Every listed tile: the block-sparse attention itself.
     All,
-    /// Every listed tile but the last of each query tile's list: the gate's "dropped selected
-    /// block" wrong answer.
+    /// Every listed tile but the last of each query tile's list (each query's last selected token
+    /// or block, for DSA and NSA): the gate's "dropped selected block" wrong answer.
     DropLastPerQueryTile,
 }
 
@@ -315,11 +315,23 @@ pub fn verify_dsa_forward<T: Element>(
 
 /// `causal ∧ (block(key) selected for (query, KV head kv))` over a sequence of `T` tokens.
 pub fn selected_blocks_mask(selection: ArrayView3<'_, i32>, kv: usize, select_block: usize) -> Mask {
+    nsa_mask(selection, kv, select_block, Listing::All)
+}
+
+/// [`selected_blocks_mask`], optionally without each query's last selected block (the gate's
+/// dropped selected block).
+fn nsa_mask(selection: ArrayView3<'_, i32>, kv: usize, select_block: usize, listing: Listing) -> Mask {
     let selected: Vec<HashSet<usize>> = selection
         .index_axis(Axis(1), kv)
         .rows()
         .into_iter()
-        .map(|r| r.iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect())
+        .map(|r| {
+            let mut blocks: Vec<usize> = r.iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect();
+            if listing == Listing::DropLastPerQueryTile {
+                blocks.pop();
+            }
+            blocks.into_iter().collect()
+        })
         .collect();
     let predicate = Predicate {
         name: format!("NSA selection (KV head {kv})"),
@@ -357,6 +369,23 @@ pub fn nsa_group_case<T: Element>(
         k: k.slice_axis(Axis(1), one).to_owned().into_dyn(),
         v: v.slice_axis(Axis(1), one).to_owned().into_dyn(),
     }
+}
+
+/// Verifies the NSA selection forward of KV head `kv` (`o`, `lse` of its query heads) on its
+/// group case, with the gate's dropped-selected-block wrong answer added.
+pub fn verify_nsa_group_forward<T: Element>(
+    case: &Case<T>,
+    selection: ArrayView3<'_, i32>,
+    kv: usize,
+    select_block: usize,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Verdict, HarnessError> {
+    let mut verdict = verify_forward(case, recipe, o, lse)?;
+    let dropped = nsa_mask(selection, kv, select_block, Listing::DropLastPerQueryTile);
+    score_dropped_block(&mut verdict, case, dropped, recipe)?;
+    Ok(verdict)
 }
 
 /// Heads `heads` (axis 1) of a `[T, H, ·]` tensor, or of a `[H, T]` row statistic (axis 0).

@@ -7,11 +7,11 @@
 //! against the oracle's own sparse functions).
 
 use attnproof_harness::backward::BackwardCandidate;
-use attnproof_harness::flash::{recipe, verify_forward};
+use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
 use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
-    verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward,
+    verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
 };
 use attnproof_harness::strategies::{interesting_length, profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
@@ -392,7 +392,8 @@ fn check_nsa<T: Element>(x: &[Array3<T>; 4], sel: &Array3<i32>, block: usize) ->
         let case = nsa_group_case(q.view(), k.view(), v.view(), sel.view(), kv, block);
         let o_sub = heads_of(o.view().into_dyn(), 1, heads.clone());
         let lse_sub = heads_of(lse.view().into_dyn(), 0, heads.clone());
-        judge("NSA forward", single(verify_forward(&case, r, o_sub.view(), lse_sub.view())))?;
+        let verdict = verify_nsa_group_forward(&case, sel.view(), kv, block, r, o_sub.view(), lse_sub.view());
+        judge("NSA forward", single(verdict))?;
         let d_out_sub = heads_of(d_out.view().into_dyn(), 1, heads.clone());
         let (dq_s, dk_s, dv_s, delta_s) = (
             heads_of(dq.view().into_dyn(), 1, heads.clone()),
