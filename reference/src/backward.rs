@@ -110,6 +110,47 @@ pub(crate) fn tile_p_ds<T: Element>(
     (p, ds)
 }
 
+/// The KV tile's side of one tile pair: `dV += round_T(P)ᵀ dO` and `dK += dSᵀ Q` on the rows
+/// `keys`, summing over `rows` in ascending order.
+pub(crate) fn add_kv_tile<T: Element>(
+    g: &mut HeadGrads,
+    head: &Head,
+    p: &Array2<f32>,
+    ds: &Array2<f32>,
+    rows: &std::ops::Range<usize>,
+    keys: &std::ops::Range<usize>,
+) {
+    for (c, j) in keys.clone().enumerate() {
+        for (r, i) in rows.clone().enumerate() {
+            let (pt, dsij) = (T::round(p[[r, c]]), ds[[r, c]]);
+            for e in 0..g.dv.ncols() {
+                g.dv[[j, e]] += pt * head.d_out[[i, e]];
+            }
+            for e in 0..g.dk.ncols() {
+                g.dk[[j, e]] += dsij * head.q[[i, e]];
+            }
+        }
+    }
+}
+
+/// The query tile's side of one tile pair: `dQ += dS K` on the rows `rows` (of `dq`, the head's
+/// dQ or one KV tile's partial), summing over `keys` in ascending order.
+pub(crate) fn add_dq_tile(
+    dq: &mut Array2<f32>,
+    head: &Head,
+    ds: &Array2<f32>,
+    rows: &std::ops::Range<usize>,
+    keys: &std::ops::Range<usize>,
+) {
+    for (r, i) in rows.clone().enumerate() {
+        for (c, j) in keys.clone().enumerate() {
+            for e in 0..dq.ncols() {
+                dq[[i, e]] += ds[[r, c]] * head.k[[j, e]];
+            }
+        }
+    }
+}
+
 fn head_backward<T: Element>(
     spec: &AttentionSpec,
     seq: &Sequence,
@@ -145,19 +186,9 @@ fn head_backward<T: Element>(
         let mut dq_partial = Array2::<f32>::zeros((len_q, d));
         for rows in q_tiles.iter().filter(|rows| meets(rows, keys)) {
             let (p, ds) = tile_p_ds::<T>(spec, seq, head, &delta, rows, keys, scale);
-            for (c, j) in keys.clone().enumerate() {
-                for (r, i) in rows.clone().enumerate() {
-                    let (pt, dsij) = (T::round(p[[r, c]]), ds[[r, c]]);
-                    for e in 0..dv {
-                        g.dv[[j, e]] += pt * head.d_out[[i, e]];
-                    }
-                    for e in 0..d {
-                        g.dk[[j, e]] += dsij * head.q[[i, e]];
-                        if strategy == BackwardStrategy::KvOwnerPartialDq {
-                            dq_partial[[i, e]] += dsij * head.k[[j, e]];
-                        }
-                    }
-                }
+            add_kv_tile::<T>(&mut g, head, &p, &ds, rows, keys);
+            if strategy == BackwardStrategy::KvOwnerPartialDq {
+                add_dq_tile(&mut dq_partial, head, &ds, rows, keys);
             }
         }
         if strategy == BackwardStrategy::KvOwnerPartialDq {
@@ -175,13 +206,7 @@ fn head_backward<T: Element>(
             for rows in &q_tiles {
                 for keys in kv_tiles.iter().filter(|keys| meets(rows, keys)) {
                     let (_, ds) = tile_p_ds::<T>(spec, seq, head, &delta, rows, keys, scale);
-                    for (r, i) in rows.clone().enumerate() {
-                        for (c, j) in keys.clone().enumerate() {
-                            for e in 0..d {
-                                g.dq[[i, e]] += ds[[r, c]] * head.k[[j, e]];
-                            }
-                        }
-                    }
+                    add_dq_tile(&mut g.dq, head, &ds, rows, keys);
                 }
             }
         }

@@ -21,7 +21,9 @@ use attnproof_oracle::spec::{Operand, Sequence};
 use ndarray::{Array1, Array2, Axis, Slice};
 use rayon::prelude::*;
 
-use crate::backward::{BackwardInputs, BackwardOutputs, Head, HeadGrads, backward_heads, tile_p_ds, write_rows};
+use crate::backward::{
+    BackwardInputs, BackwardOutputs, Head, HeadGrads, add_dq_tile, add_kv_tile, backward_heads, tile_p_ds, write_rows,
+};
 use crate::element::Element;
 use crate::error::ReferenceError;
 use crate::flash::{ForwardOutputs, Inputs, TileConfig, check_input, check_output, head_f32, scale_f32};
@@ -178,17 +180,7 @@ fn head_backward<T: Element>(
         for &a in csr.queries_of(b) {
             let rows = tile_range(a as usize, layout.q_tile, len_q);
             let (p, ds) = tile_p_ds::<T>(spec, seq, head, &delta, &rows, &keys, scale);
-            for (c, j) in keys.clone().enumerate() {
-                for (r, i) in rows.clone().enumerate() {
-                    let (pt, dsij) = (T::round(p[[r, c]]), ds[[r, c]]);
-                    for e in 0..dv {
-                        g.dv[[j, e]] += pt * head.d_out[[i, e]];
-                    }
-                    for e in 0..d {
-                        g.dk[[j, e]] += dsij * head.q[[i, e]];
-                    }
-                }
-            }
+            add_kv_tile::<T>(&mut g, head, &p, &ds, &rows, &keys);
         }
     }
     // dQ: query tile a owns its rows and visits its own list, recomputing P and dS.
@@ -197,13 +189,7 @@ fn head_backward<T: Element>(
         for b in list_of(layout, seq, h, a) {
             let keys = tile_range(b, layout.kv_tile, len_k);
             let (_, ds) = tile_p_ds::<T>(spec, seq, head, &delta, &rows, &keys, scale);
-            for (r, i) in rows.clone().enumerate() {
-                for (c, j) in keys.clone().enumerate() {
-                    for e in 0..d {
-                        g.dq[[i, e]] += ds[[r, c]] * head.k[[j, e]];
-                    }
-                }
-            }
+            add_dq_tile(&mut g.dq, head, &ds, &rows, &keys);
         }
     }
     g.dq.mapv_inplace(|x| x * scale);
