@@ -29,8 +29,9 @@ pub fn mask() -> impl Strategy<Value = Mask> {
     ]
 }
 
-/// A problem spec with lengths drawn around tile size `tile` (at most `2·tile + 1`).
-pub fn spec(tile: usize) -> impl Strategy<Value = AttentionSpec> {
+/// Dense (batch 1–2) or varlen (1–3 sequences, zero-length ones included) layouts with lengths
+/// drawn around tile size `tile`, dense three times out of four.
+pub fn layout(tile: usize) -> impl Strategy<Value = Layout> {
     let dense = (1usize..=2, interesting_length(tile), interesting_length(tile))
         .prop_map(|(batch, len_q, len_k)| Layout::Dense { batch, len_q, len_k });
     let varlen = prop::collection::vec(
@@ -45,8 +46,13 @@ pub fn spec(tile: usize) -> impl Strategy<Value = AttentionSpec> {
         }
         Layout::Varlen { cu_seqlens_q: cu_q, cu_seqlens_k: cu_k }
     });
+    prop_oneof![3 => dense, 1 => varlen]
+}
+
+/// A problem spec with lengths drawn around tile size `tile` (at most `2·tile + 1`).
+pub fn spec(tile: usize) -> impl Strategy<Value = AttentionSpec> {
     let heads = prop_oneof![Just((1usize, 1usize)), Just((2, 2)), Just((4, 2)), Just((3, 1)), Just((6, 3))];
-    (prop_oneof![3 => dense, 1 => varlen], heads, head_dim(), head_dim(), mask()).prop_map(
+    (layout(tile), heads, head_dim(), head_dim(), mask()).prop_map(
         |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| AttentionSpec {
             layout,
             n_heads_q,

@@ -13,7 +13,7 @@ use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
     verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
 };
-use attnproof_harness::strategies::{interesting_length, profile, suite_config};
+use attnproof_harness::strategies::{interesting_length, layout, profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::nsa::selection_from_csr;
@@ -68,24 +68,10 @@ fn single(r: Result<Verdict, HarnessError>) -> Result<Vec<Verdict>, SparseHarnes
 /// Problems around the tile size: dense or varlen (zero-length sequences included), GQA groups
 /// 1–4, causal (mostly) or unmasked, small head dims (59 included).
 fn block_spec() -> impl Strategy<Value = AttentionSpec> {
-    let dense = (1usize..=2, interesting_length(TILE), interesting_length(TILE))
-        .prop_map(|(batch, len_q, len_k)| Layout::Dense { batch, len_q, len_k });
-    let varlen = prop::collection::vec(
-        (prop_oneof![Just(0usize), interesting_length(TILE)], prop_oneof![Just(0usize), interesting_length(TILE)]),
-        1..=3,
-    )
-    .prop_map(|lens| {
-        let (mut cu_q, mut cu_k) = (vec![0i32], vec![0i32]);
-        for (lq, lk) in lens {
-            cu_q.push(cu_q.last().copied().unwrap_or(0) + lq as i32);
-            cu_k.push(cu_k.last().copied().unwrap_or(0) + lk as i32);
-        }
-        Layout::Varlen { cu_seqlens_q: cu_q, cu_seqlens_k: cu_k }
-    });
     let heads = prop_oneof![Just((1usize, 1usize)), Just((2, 1)), Just((4, 2)), Just((3, 1)), Just((4, 1))];
     let dims = prop::sample::select(vec![1usize, 8, 16, 59]);
     let mask = prop_oneof![3 => Just(Mask::Causal), 1 => Just(Mask::None)];
-    (prop_oneof![3 => dense, 1 => varlen], heads, dims.clone(), dims, mask).prop_map(
+    (layout(TILE), heads, dims.clone(), dims, mask).prop_map(
         |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| AttentionSpec {
             layout,
             n_heads_q,
