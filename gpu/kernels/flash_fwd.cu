@@ -30,7 +30,8 @@
 //   LSE = m + logf(ℓ)                    natural log; a row that sees no key gets O = 0, LSE = −∞
 // Masks: a key j is visible to row i iff j < Lk, j ≤ i + Lk − Lq + right and j ≥ i + Lk − Lq − left (bottom-right
 // aligned); causal is right = 0, and "no bound" is passed as 1 << 30. KV tiles outside the CTA's visible key range
-// are skipped, not merely masked.
+// are skipped, not merely masked. Positions are 32-bit ints: the host guarantees Lq + Lk ≤ 2^30 per sequence, so
+// i + Lk − Lq ± (a reach ≤ 2^30) cannot overflow.
 
 #if defined(ELEM_BF16)
 #include <cuda_bf16.h>
@@ -103,6 +104,9 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4],
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Bytes per element, for offsets of 32-bit shared-window addresses.
+#define ESZ ((unsigned)sizeof(elem_t))
+
 // Shared-window address of a generic pointer into shared memory (what ldmatrix and cp.async take).
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned addr;
@@ -111,16 +115,16 @@ __device__ __forceinline__ unsigned smem_u32(const void* p) {
 }
 
 // Four 8x8 b16 matrices; lane l supplies the row address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const elem_t* p) {
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(addr));
 }
 
-__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], const elem_t* p) {
+__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_u32(p)));
+                 : "r"(addr));
 }
 
 // 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
@@ -143,14 +147,18 @@ template <int ROWS, int COLS_PAD, int STRIDE>
 __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __restrict__ g, long long row_stride,
                                                 int rows, int cols) {
     constexpr int CHUNKS = COLS_PAD / 8;
+    // 32-bit offsets (a tile spans fewer than 2^31 elements: the host checks the row strides), recomputed each
+    // time instead of hoisted out of the KV loop as 64-bit pointers, which cost two registers per chunk and made
+    // the 128-row tiling spill inside the loop. 16-byte aligned: cudaMalloc bases are 256-byte aligned and every
+    // stride is a multiple of 8 elements.
+    const int stride = (int)row_stride;
 #pragma unroll 4
     for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
         const int r = idx / CHUNKS;
         const int c = (idx % CHUNKS) * 8;
         const bool valid = r < rows && c < cols;
-        // 16-byte aligned: cudaMalloc bases are 256-byte aligned and every stride is a multiple of 8 elements.
-        const elem_t* src = valid ? g + (long long)r * row_stride + c : g;
-        cp_async_16(smem + r * STRIDE + c, src, valid);
+        const int offset = valid ? r * stride + c : 0;
+        cp_async_16(smem + r * STRIDE + c, g + offset, valid);
     }
 }
 
@@ -161,7 +169,7 @@ template <bool MASKED>
 __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], float (&m_run)[WARP_M][2],
                                              float (&ml_run)[WARP_M][2], float (&l_part)[WARP_M][2],
                                              float (&acc)[WARP_M][N_TILES_O][4], float scale, int key0, int len_k,
-                                             long long diag0, int win_left, int win_right, int tig) {
+                                             int diag0, int win_left, int win_right, int tig) {
 #pragma unroll
     for (int mi = 0; mi < WARP_M; ++mi) {
         float m_new[2] = {m_run[mi][0], m_run[mi][1]};
@@ -172,8 +180,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
                 const int r = e / 2;
                 float x = __fmul_rn(s[mi][n][e], scale);
                 if (MASKED) {
-                    const long long j = key0 + n * 8 + tig * 2 + (e % 2);
-                    const long long diag = diag0 + 16 * mi + 8 * r;
+                    const int j = key0 + n * 8 + tig * 2 + (e % 2);
+                    const int diag = diag0 + 16 * mi + 8 * r;
                     const bool vis = j < len_k && j <= diag + win_right && j >= diag - win_left;
                     x = vis ? x : NEG_INF;
                 }
@@ -309,15 +317,15 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #pragma unroll
         for (int n = 0; n < N_TILES_O; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.f;
     }
-    const long long diag0 = row0 + wrow + g + shift;
+    const int diag0 = (int)(row0 + wrow + g + shift);
 
     // ldmatrix row addresses of this lane (elements). Q (A operand): matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
     // K (B operand of S, non-transposed): (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15,
     // k 8-15). V (B operand of PV, transposed): (keys 0-7, n 0-7), (keys 8-15, n 0-7), (keys 0-7, n 8-15), (keys
     // 8-15, n 8-15).
-    const elem_t* q_lane = q_s + (wrow + (lane % 16)) * QK_STRIDE + (lane / 16) * 8;
-    const elem_t* k_lane = k_s + ((lane % 8) + (lane / 16) * 8) * QK_STRIDE + ((lane / 8) % 2) * 8;
-    const elem_t* v_lane = v_s + ((lane % 8) + ((lane / 8) % 2) * 8) * V_STRIDE + (lane / 16) * 8;
+    const unsigned q_lane = smem_u32(q_s + (wrow + (lane % 16)) * QK_STRIDE + (lane / 16) * 8);
+    const unsigned k_lane = smem_u32(k_s + ((lane % 8) + (lane / 16) * 8) * QK_STRIDE + ((lane / 8) % 2) * 8);
+    const unsigned v_lane = smem_u32(v_s + ((lane % 8) + ((lane / 8) % 2) * 8) * V_STRIDE + (lane / 16) * 8);
 
     for (int t = tile_lo; t < tile_hi; ++t) {
         const int key0 = t * BLOCK_N;
@@ -337,11 +345,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
             unsigned a[WARP_M][4];
 #pragma unroll
-            for (int mi = 0; mi < WARP_M; ++mi) ldsm_x4(a[mi], q_lane + mi * 16 * QK_STRIDE + kk * 16);
+            for (int mi = 0; mi < WARP_M; ++mi) ldsm_x4(a[mi], q_lane + (mi * 16 * QK_STRIDE + kk * 16) * ESZ);
 #pragma unroll
             for (int np = 0; np < N_TILES_S / 2; ++np) {
                 unsigned b[4];
-                ldsm_x4(b, k_lane + np * 16 * QK_STRIDE + kk * 16);
+                ldsm_x4(b, k_lane + (np * 16 * QK_STRIDE + kk * 16) * ESZ);
 #pragma unroll
                 for (int mi = 0; mi < WARP_M; ++mi) {
                     mma_16816(s[mi][2 * np], a[mi], b[0], b[1]);
@@ -382,7 +390,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #pragma unroll
             for (int np = 0; np < N_TILES_O / 2; ++np) {
                 unsigned b[4];
-                ldsm_x4_trans(b, v_lane + kk * 16 * V_STRIDE + np * 16);
+                ldsm_x4_trans(b, v_lane + (kk * 16 * V_STRIDE + np * 16) * ESZ);
 #pragma unroll
                 for (int mi = 0; mi < WARP_M; ++mi) {
                     mma_16816(acc[mi][2 * np], a[mi], b[0], b[1]);

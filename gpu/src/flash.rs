@@ -269,6 +269,12 @@ pub(crate) fn kernel_scalars(spec: &AttentionSpec) -> Result<(FlashScalars, Vec<
         let n: usize = spec.expected_shape(op).iter().product();
         to_i32("tensor elements / 8", n / 8)?;
     }
+    // The kernels form key positions relative to the diagonal (`i + Lk − Lq ± reach`, reach ≤ 2^30) in 32-bit ints.
+    for seq in spec.sequences() {
+        if seq.len_q + seq.len_k > NO_BOUND as usize {
+            return Err(GpuError::TooLarge { argument: "len_q + len_k of one sequence", value: seq.len_q + seq.len_k });
+        }
+    }
     let scalars = FlashScalars {
         varlen,
         len_q: to_i32("len_q", len_q)?,
@@ -570,6 +576,14 @@ mod tests {
         );
         assert_eq!(m(Mask::And(vec![])), KernelMask { left: None, right: None });
         assert_eq!(KernelMask::kernel_value(Some(usize::MAX)), NO_BOUND as i32);
+    }
+
+    #[test]
+    fn positions_must_fit_the_kernels_32_bit_arithmetic() {
+        let half = 1usize << 29;
+        assert!(plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half, 8, 8), T64).is_ok());
+        let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half + 1, 8, 8), T64);
+        assert!(matches!(err, Err(GpuError::TooLarge { argument: "len_q + len_k of one sequence", .. })));
     }
 
     #[test]
