@@ -7,6 +7,7 @@ mod mutants;
 mod parse;
 mod process;
 mod snapshots;
+mod teach;
 mod verify;
 
 use std::ffi::OsString;
@@ -28,6 +29,7 @@ commands:
   mutants [--list] [--only NAME]         apply each mutant of the catalog to a scratch copy; fail unless all are killed
   fuzz [--minutes N] [--target T]        run the proptest suites in release with fresh seeds for N minutes
   gpu-bundle                             build the GPU test binaries (release) into gpu-bundle/ with run.sh
+  teach [--out DIR]                      build the teaching book (HTML, from the fixture snapshots) into DIR (default target/book)
   help                                   print this message";
 
 /// Default sequence length for `bench-oracle`.
@@ -66,6 +68,7 @@ fn run(command: Option<&str>, rest: Vec<OsString>) -> Result<ExitCode> {
         Some("mutants") => mutants::mutants(&repo_root(), &rest),
         Some("fuzz") => fuzz::fuzz(&repo_root(), &rest),
         Some("gpu-bundle") => gpu_bundle::gpu_bundle(&repo_root(), &rest),
+        Some("teach") => teach::teach(&repo_root(), &rest),
         Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
     }
 }
