@@ -11,8 +11,9 @@
 //! `T`, hence in f64: the oracle and the candidate see the same numbers. For row `i`, visible key
 //! `j`, with `p_ij`, `s_ij`, `m_i`, `o_i`, `LSE_i` exact:
 //!
-//! - scores: `σ_ij = (g(d) + 3u) |α| Σ_c |q_ic||k_jc|` (f32 dot product, `α̂ = fl32(1/√d)`, one
-//!   product);
+//! - scores: `σ_ij = (g(d) + 3u + 3ε) |α| Σ_c |q_ic||k_jc|` (f32 dot product, `α̂ = fl32(1/√d)`,
+//!   one product; `ε` = [`FlashRecipe::score_storage_rounding`], 0 unless the candidate rounds
+//!   the scaled inputs and the score to storage);
 //! - weight of key `j` after every rescale: relative error
 //!   `η_ij = σ_ij + 2u|s_ij − m_i| + e + c|m_i| + (e + u)·n_t`: the rounding of `s − m'`
 //!   (`|s − m'| ≤ |s − m|`), `exp` (relative error `e`, `2u` for libm), the argument's shift
@@ -25,6 +26,13 @@
 //!   goes through at most `Lk + n_t` additions), `+ u|o_ic|` (division), `+ u_T|o_ic| + τ_T`
 //!   (output rounding), `+ Lk (τ_T + 2^-149) max_j |v_jc|` (`p` underflowing in `T` or f32; `ℓ ≥ 1`);
 //! - `LSE_i`: `Σ_j p_ij η_ij + g(Lk + n_t) + 2u|log ℓ_i| + u|LSE_i|` (`log ℓ_i = LSE_i − m_i`).
+//!
+//! Extension E-score-storage (for PyTorch's math SDPA with reduced-precision reductions, which
+//! computes `ŝ = round_T(Σ_c round_T(q_c·√α) round_T(k_c·√α))`): each product carries a relative
+//! perturbation of at most `2ε` from the two input roundings and the final rounding adds
+//! `ε|ŝ_ij|`, with `|ŝ_ij| ≤ (1 + 2^-5)|α|Σ_c|q_ic||k_jc|` under the hypothesis below; the
+//! `3ε` term covers both to first order. Its test (`tests/tests/check_recipes.rs` in the
+//! harness) simulates that recipe and fails without the term.
 //!
 //! All terms are first order. Hypothesis: every first-order relative perturbation (`η`, `u_T`,
 //! `g(Lk + n_t)`) is at most `2^-5`; then the remainders `e^x − 1 − x ≤ 0.52 x²` and the
@@ -78,6 +86,12 @@ pub struct FlashRecipe {
     /// Whether the backward recomputes every score bit for bit as its forward did (backward
     /// model only).
     pub score_reuse: ScoreReuse,
+    /// Unit roundoff `ε` of a storage rounding inside the score (0 for the fused recipes, whose
+    /// scores stay f32): a candidate that rounds `q·√α` and `k·√α` to storage and then the score
+    /// itself (PyTorch's math SDPA with reduced-precision reductions) perturbs each product by
+    /// `2ε` and the score by `ε|ŝ_ij| ≤ ε(1 + 2^-5)|α| Σ_c |q_ic||k_jc|`; the model adds
+    /// `3ε|α| Σ_c |q_ic||k_jc|` to `σ_ij` (extension E-score-storage, module docs).
+    pub score_storage_rounding: f64,
 }
 
 /// How a backward pass's recomputed scores relate to the forward's.
@@ -136,6 +150,7 @@ impl FlashRecipe {
             shift_rounding: 0.0,
             accumulation: Accumulation::RoundToNearest,
             score_reuse: ScoreReuse::BitwiseAsForward,
+            score_storage_rounding: 0.0,
         }
     }
 }
@@ -193,7 +208,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
                     return 0.0;
                 }
                 let dot: f64 = x.q.row(i).iter().zip(x.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
-                (recipe.accumulation.gamma(d) + 3.0 * u) * x.scale * dot
+                (recipe.accumulation.gamma(d) + 3.0 * u + 3.0 * recipe.score_storage_rounding) * x.scale * dot
                     + 2.0 * u * (x.s[[i, j]] - m).abs()
                     + recipe.exp_error
                     + recipe.shift_rounding * m.abs()
@@ -311,7 +326,7 @@ pub fn backward_bounds(
                     return 0.0;
                 }
                 let dot: f64 = f.q.row(i).iter().zip(f.k.row(j)).map(|(a, b)| a.abs() * b.abs()).sum();
-                (acc.gamma(d) + 3.0 * u) * f.scale * dot
+                (acc.gamma(d) + 3.0 * u + 3.0 * recipe.score_storage_rounding) * f.scale * dot
             })
             .collect();
         // The forward LSE bound's own share of score error, Σ_k p_ik σ_ik (scaled as that bound is).

@@ -2,7 +2,7 @@
 //! under the bound of `attnproof_proofs::flash_bound::backward_bounds`, with the
 //! discriminability gate (zeros, scale `1/d`, last KV tile dropped).
 
-use attnproof_oracle::attention::backward_with_visibility;
+use attnproof_oracle::attention::{Visibility, backward_with_visibility};
 use attnproof_oracle::dense::{self, HeadInputs};
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale, backward};
@@ -46,8 +46,47 @@ fn backward_truth(
     recipe: FlashRecipe,
     q_tile: usize,
 ) -> Result<BackwardTruth, HarnessError> {
+    spec.validate()?;
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    backward_truth_with_visibility(spec, t, &|seq: &Sequence, _| masks[seq.index].clone(), recipe, q_tile)
+}
+
+/// Exact gradients of the whole problem and the model's bounds on them.
+#[derive(Clone, Debug)]
+pub struct BackwardBoundsTruth {
+    /// The f64 oracle's gradients (and `D`).
+    pub grads: attnproof_oracle::Gradients<f64>,
+    /// Bound on dQ.
+    pub bound_dq: ArrayD<f64>,
+    /// Bound on dK (GQA sums included).
+    pub bound_dk: ArrayD<f64>,
+    /// Bound on dV (GQA sums included).
+    pub bound_dv: ArrayD<f64>,
+}
+
+/// The oracle's gradients and the backward model's bounds for upstream gradient `g`, with the
+/// visibility of each (sequence, head) given (the spec's own mask is not applied).
+pub fn problem_backward_bounds_with_visibility(
+    spec: &AttentionSpec,
+    qkvg: [&ArrayD<f64>; 4],
+    visibility: Visibility<'_>,
+    recipe: FlashRecipe,
+    q_tile: usize,
+) -> Result<BackwardBoundsTruth, HarnessError> {
+    let t = backward_truth_with_visibility(spec, qkvg, visibility, recipe, q_tile)?;
+    Ok(BackwardBoundsTruth { grads: t.grads, bound_dq: t.bound_dq, bound_dk: t.bound_dk, bound_dv: t.bound_dv })
+}
+
+fn backward_truth_with_visibility(
+    spec: &AttentionSpec,
+    t: [&ArrayD<f64>; 4],
+    visibility: Visibility<'_>,
+    recipe: FlashRecipe,
+    q_tile: usize,
+) -> Result<BackwardTruth, HarnessError> {
     let [q, k, v, g] = t;
-    let grads = backward(spec, Qkv { q: q.view(), k: k.view(), v: v.view() }, g.view(), DenseConfig::default(), ())?;
+    let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+    let grads = backward_with_visibility(spec, qkv, g.view(), visibility, DenseConfig::default(), ())?;
     let zeros = |op| ArrayD::<f64>::zeros(IxDyn(&spec.expected_shape(op)));
     let (mut bound_dq, mut bound_dk, mut bound_dv, mut bound_delta) =
         (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V), zeros(Operand::RowStat));
@@ -58,8 +97,8 @@ fn backward_truth(
     let mut magnitude = [0f64; 3];
     let scale = spec.scale_value::<f64>(());
     for seq in spec.sequences() {
-        let visible = spec.mask.matrix(seq.len_q, seq.len_k);
         for h in 0..spec.n_heads_q {
+            let visible = visibility(&seq, h);
             let kv = spec.kv_head(h);
             let (qh, kh) = (spec.head_rows(q.view(), &seq, h, false), spec.head_rows(k.view(), &seq, kv, true));
             let (vh, gh) = (spec.head_rows(v.view(), &seq, kv, true), spec.head_rows(g.view(), &seq, h, false));

@@ -1,7 +1,7 @@
 //! Verifying a FlashAttention forward (reference schedule or kernel) against the f64 oracle
 //! under the bound of `attnproof_proofs::flash_bound`, with the discriminability gate.
 
-use attnproof_oracle::attention::forward_with_visibility;
+use attnproof_oracle::attention::{Visibility, forward_with_visibility};
 use attnproof_oracle::dense::{probabilities_from_lse, scores};
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale, forward};
@@ -79,13 +79,29 @@ pub fn problem_forward_bounds(
     v: &ArrayD<f64>,
     recipe: FlashRecipe,
 ) -> Result<ForwardTruth, HarnessError> {
-    let truth = forward(spec, Qkv { q: q.view(), k: k.view(), v: v.view() }, DenseConfig::default(), ())?;
+    spec.validate()?;
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    problem_forward_bounds_with_visibility(spec, q, k, v, &|seq: &Sequence, _| masks[seq.index].clone(), recipe)
+}
+
+/// [`problem_forward_bounds`] with the visibility of each (sequence, head) given (block-sparse
+/// patterns, top-left causal); the spec's own mask is not applied.
+pub fn problem_forward_bounds_with_visibility(
+    spec: &AttentionSpec,
+    q: &ArrayD<f64>,
+    k: &ArrayD<f64>,
+    v: &ArrayD<f64>,
+    visibility: Visibility<'_>,
+    recipe: FlashRecipe,
+) -> Result<ForwardTruth, HarnessError> {
+    let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+    let truth = forward_with_visibility(spec, qkv, visibility, DenseConfig::default(), ())?;
     let mut bound_o = ArrayD::zeros(IxDyn(&spec.expected_shape(Operand::O)));
     let mut bound_lse = ArrayD::zeros(IxDyn(&spec.expected_shape(Operand::RowStat)));
     let scale = spec.scale_value::<f64>(());
     for seq in spec.sequences() {
-        let visible = spec.mask.matrix(seq.len_q, seq.len_k);
         for h in 0..spec.n_heads_q {
+            let visible = visibility(&seq, h);
             let kv = spec.kv_head(h);
             let (qh, kh, vh) = (
                 spec.head_rows(q.view(), &seq, h, false),

@@ -5,6 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backward;
+pub mod case;
 pub mod flash;
 pub mod gate;
 pub mod generate;

@@ -1,0 +1,483 @@
+//! Checking a loaded case: the f64 oracle (or MPFR on request) recomputes the outputs, the bound
+//! model of the stated recipe gives each element's allowed error, and every output gets a verdict.
+//! A failing forward or backward output is then diagnosed: the check is re-run under alternative
+//! hypotheses (another scale, the other causal alignment, LSE in the other base, `O` without the
+//! division by `ℓ`) and the one under which the failures pass is named; when none does, the
+//! failing elements are reported as rectangles.
+
+use std::collections::BTreeMap;
+
+use attnproof_oracle::attention::{backward_with_visibility, forward_with_visibility, to_mpfr};
+use attnproof_oracle::dense::scores;
+use attnproof_oracle::spec::Sequence;
+use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Mp, Precision, Qkv, Real, Scale};
+use ndarray::{ArrayD, ArrayViewD, Axis, Dimension};
+
+use super::format::{CaseFile, CausalAlign, LseBase, MaskSpec};
+use crate::backward::problem_backward_bounds_with_visibility;
+use crate::flash::{HarnessError, problem_forward_bounds_with_visibility};
+use crate::verdict::{OutputVerdict, compare};
+
+/// Which oracle computes the truth.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OracleChoice {
+    /// The f64 oracle (its own error is below `2^-25` of every bound).
+    F64,
+    /// The MPFR oracle at 256 bits, for cases of at most [`MPFR_MAX_SCORES`] scores.
+    Mpfr,
+}
+
+/// Largest `Σ Lq·Lk·Hq` the MPFR oracle is asked to compute.
+pub const MPFR_MAX_SCORES: usize = 1 << 18;
+
+/// The outcome of one output.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Status {
+    /// Every element within its bound.
+    Pass,
+    /// Some element outside its bound.
+    Fail,
+    /// The model's hypothesis does not hold (or no model covers this output): no verdict.
+    NotVerified(String),
+}
+
+/// A rectangle of failing elements: `prefix` (batch and head, or head for packed layouts),
+/// rows and columns as half-open ranges.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Region {
+    /// Leading coordinates (`[b, h]`, or `[h]` when packed).
+    pub prefix: Vec<usize>,
+    /// Rows (queries for `O`, `LSE`, `dQ`; keys for `dK`, `dV`).
+    pub rows: std::ops::Range<usize>,
+    /// Columns (head dims; `0..1` for `LSE`).
+    pub cols: std::ops::Range<usize>,
+    /// Failing elements inside.
+    pub failing: usize,
+}
+
+/// The report of one output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputReport {
+    /// `O`, `LSE`, `dQ`, `dK`, `dV`.
+    pub output: &'static str,
+    /// The outcome.
+    pub status: Status,
+    /// The comparison (absent when not verified).
+    pub verdict: Option<OutputVerdict>,
+    /// For a failure: the hypothesis under which it passes, when one does.
+    pub cause: Option<String>,
+    /// For a failure no hypothesis explains: the failing rectangles (at most [`MAX_REGIONS`]).
+    pub regions: Vec<Region>,
+    /// Failing rectangles beyond those listed.
+    pub more_regions: usize,
+}
+
+/// Rectangles listed per output.
+pub const MAX_REGIONS: usize = 8;
+
+/// The report of one case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CaseReport {
+    /// The recipe checked against.
+    pub recipe: String,
+    /// The `kernel` metadata.
+    pub kernel: String,
+    /// The oracle used.
+    pub oracle: OracleChoice,
+    /// A note on the oracle choice (MPFR skipped for size), if any.
+    pub oracle_note: Option<String>,
+    /// One entry per output present in the case.
+    pub outputs: Vec<OutputReport>,
+}
+
+impl CaseReport {
+    /// Any output failed.
+    pub fn failed(&self) -> bool {
+        self.outputs.iter().any(|o| o.status == Status::Fail)
+    }
+}
+
+/// One output's comparison, before diagnosis.
+#[derive(Clone, Debug)]
+enum Eval {
+    Compared { verdict: OutputVerdict, failing: ArrayD<bool> },
+    NotVerified(String),
+}
+
+impl Eval {
+    fn passed(&self) -> bool {
+        matches!(self, Eval::Compared { verdict, .. } if verdict.passed())
+    }
+}
+
+/// The assumptions a check runs under: the stated ones, or an alternative hypothesis.
+#[derive(Clone, Debug)]
+struct Hypothesis {
+    name: String,
+    spec: AttentionSpec,
+    lse_base: LseBase,
+    normalize_o: bool,
+}
+
+const DISPLAY: [(&str, &str); 5] = [("o", "O"), ("lse", "LSE"), ("dq", "dQ"), ("dk", "dK"), ("dv", "dV")];
+
+fn display(name: &str) -> &'static str {
+    DISPLAY.iter().find(|(n, _)| *n == name).map_or("?", |(_, d)| d)
+}
+
+/// Checks one case.
+pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
+    let (oracle, oracle_note) = match oracle {
+        OracleChoice::Mpfr if score_count(&case.spec) > MPFR_MAX_SCORES => (
+            OracleChoice::F64,
+            Some(format!("MPFR skipped: {} scores exceed the limit {MPFR_MAX_SCORES}", score_count(&case.spec))),
+        ),
+        other => (other, None),
+    };
+    let stated =
+        Hypothesis { name: "as stated".into(), spec: case.spec.clone(), lse_base: case.lse_base, normalize_o: false };
+    let evals = evaluate(case, &stated, oracle, &case.outputs.keys().copied().collect::<Vec<_>>());
+    let failing: Vec<&'static str> = evals
+        .iter()
+        .filter(|(_, e)| matches!(e, Eval::Compared { verdict, .. } if !verdict.passed()))
+        .map(|(n, _)| *n)
+        .collect();
+    let causes = if failing.is_empty() { BTreeMap::new() } else { diagnose(case, oracle, &failing) };
+    let outputs = evals
+        .into_iter()
+        .map(|(name, eval)| match eval {
+            Eval::NotVerified(reason) => OutputReport {
+                output: display(name),
+                status: Status::NotVerified(reason),
+                verdict: None,
+                cause: None,
+                regions: vec![],
+                more_regions: 0,
+            },
+            Eval::Compared { verdict, failing } => {
+                let passed = verdict.passed();
+                let cause = causes.get(name).cloned();
+                let (regions, more_regions) =
+                    if passed || cause.is_some() { (vec![], 0) } else { regions(&case.spec, name, &failing) };
+                OutputReport {
+                    output: display(name),
+                    status: if passed { Status::Pass } else { Status::Fail },
+                    verdict: Some(verdict),
+                    cause,
+                    regions,
+                    more_regions,
+                }
+            }
+        })
+        .collect();
+    CaseReport { recipe: case.recipe.name.clone(), kernel: case.kernel.clone(), oracle, oracle_note, outputs }
+}
+
+fn score_count(spec: &AttentionSpec) -> usize {
+    spec.sequences().iter().map(|s| s.len_q * s.len_k).sum::<usize>() * spec.n_heads_q
+}
+
+/// The alternative hypotheses for the failing outputs, tried in order; for each failing output
+/// the first under which it passes (and every other failing output it touches passes too).
+fn diagnose(case: &CaseFile, oracle: OracleChoice, failing: &[&'static str]) -> BTreeMap<&'static str, String> {
+    let mut causes = BTreeMap::new();
+    for (hyp, touches) in hypotheses(case) {
+        let targets: Vec<&'static str> =
+            failing.iter().copied().filter(|f| touches.contains(f) && !causes.contains_key(f)).collect();
+        if targets.is_empty() {
+            continue;
+        }
+        let evals = evaluate(case, &hyp, oracle, &targets);
+        if targets.iter().all(|t| evals.get(t).is_some_and(Eval::passed)) {
+            for t in targets {
+                causes.insert(t, hyp.name.clone());
+            }
+        }
+    }
+    causes
+}
+
+fn hypotheses(case: &CaseFile) -> Vec<(Hypothesis, Vec<&'static str>)> {
+    let all: Vec<&'static str> = vec!["o", "lse", "dq", "dk", "dv"];
+    let d = case.spec.head_dim as f64;
+    let stated_scale = case.spec.scale_value::<f64>(());
+    let base =
+        |name: String, spec: AttentionSpec| Hypothesis { name, spec, lse_base: case.lse_base, normalize_o: false };
+    let mut out = Vec::new();
+    for (label, value) in [("1/d", 1.0 / d), ("1/sqrt(d)", 1.0 / d.sqrt()), ("1", 1.0)] {
+        if (value - stated_scale).abs() > 1e-12 * value.abs() {
+            let spec = case.spec.clone().with_scale(Scale::Value(value));
+            let name =
+                format!("wrong scale: the candidate used scale {label} = {value:.6}, not the stated {stated_scale:.6}");
+            out.push((base(name, spec), all.clone()));
+        }
+    }
+    let lens_differ = case.spec.sequences().iter().any(|s| s.len_q != s.len_k);
+    let with_mask = |m: MaskSpec| case.spec.clone().with_mask(m.mask());
+    let other = |a: CausalAlign| match a {
+        CausalAlign::BottomRight => CausalAlign::TopLeft,
+        CausalAlign::TopLeft => CausalAlign::BottomRight,
+    };
+    if case.mask.causal && lens_differ {
+        let flipped = MaskSpec { align: other(case.mask.align), ..case.mask };
+        let name = format!(
+            "causal alignment: the candidate aligned the causal mask {}, the case states {}",
+            flipped.align.name(),
+            case.mask.align.name()
+        );
+        out.push((base(name, with_mask(flipped)), all.clone()));
+    }
+    if case.mask.causal {
+        let name = "mask: the candidate applied no causal mask, the case states causal".to_string();
+        out.push((base(name, with_mask(MaskSpec { causal: false, ..case.mask })), all.clone()));
+    } else {
+        for align in [CausalAlign::BottomRight, CausalAlign::TopLeft] {
+            if align == CausalAlign::TopLeft && !lens_differ {
+                continue;
+            }
+            let name = format!("mask: the candidate applied a causal mask ({}), the case states none", align.name());
+            out.push((base(name, with_mask(MaskSpec { causal: true, align, ..case.mask })), all.clone()));
+        }
+    }
+    let flipped_base = match case.lse_base {
+        LseBase::E => (LseBase::Two, "LSE base: the candidate's LSE is in base 2, the case states base e"),
+        LseBase::Two => (LseBase::E, "LSE base: the candidate's LSE is in base e, the case states base 2"),
+    };
+    out.push((
+        Hypothesis {
+            name: flipped_base.1.into(),
+            spec: case.spec.clone(),
+            lse_base: flipped_base.0,
+            normalize_o: false,
+        },
+        vec!["lse"],
+    ));
+    out.push((
+        Hypothesis {
+            name: "unnormalized O: the candidate's O is A = Σ_j exp(s_ij − m_i) v_j, without the division by ℓ_i"
+                .into(),
+            spec: case.spec.clone(),
+            lse_base: case.lse_base,
+            normalize_o: true,
+        },
+        vec!["o"],
+    ));
+    out
+}
+
+/// The MPFR oracle's forward under `spec` and the case's visibility.
+fn oracle_forward_mpfr(case: &CaseFile, spec: &AttentionSpec) -> Result<(ArrayD<f64>, ArrayD<f64>), HarnessError> {
+    let vis = |seq: &Sequence, h: usize| case.visibility(spec, seq, h);
+    let p = Precision::default();
+    let (q, k, v) = (to_mpfr(case.q.view(), p), to_mpfr(case.k.view(), p), to_mpfr(case.v.view(), p));
+    let f = forward_with_visibility::<Mp>(
+        spec,
+        Qkv { q: q.view(), k: k.view(), v: v.view() },
+        &vis,
+        DenseConfig::default(),
+        p,
+    )?;
+    Ok((f.o.mapv(|x| x.to_f64()), f.lse.mapv(|x| x.to_f64())))
+}
+
+/// Row sums `ℓ_i = Σ_j exp(s_ij − m_i)` of the exact softmax, shaped like the LSE.
+fn row_sums(case: &CaseFile, spec: &AttentionSpec, lse: &ArrayD<f64>) -> ArrayD<f64> {
+    let mut out = lse.clone();
+    let scale = spec.scale_value::<f64>(());
+    for seq in spec.sequences() {
+        for h in 0..spec.n_heads_q {
+            let kv = spec.kv_head(h);
+            let visible = case.visibility(spec, &seq, h);
+            let s = scores(
+                spec.head_rows(case.q.view(), &seq, h, false),
+                spec.head_rows(case.k.view(), &seq, kv, true),
+                &scale,
+                visible.view(),
+                (),
+            );
+            let mut row = out.slice_mut(spec.row_stat_slice(&seq, h));
+            for (i, l) in row.iter_mut().enumerate() {
+                let m = s.row(i).iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                *l = if m == f64::NEG_INFINITY { 1.0 } else { (*l - m).exp() };
+            }
+        }
+    }
+    out
+}
+
+/// Compares `names` of the case's outputs under `hyp`.
+fn evaluate(
+    case: &CaseFile,
+    hyp: &Hypothesis,
+    oracle: OracleChoice,
+    names: &[&'static str],
+) -> BTreeMap<&'static str, Eval> {
+    let mut out = BTreeMap::new();
+    let spec = &hyp.spec;
+    let vis = |seq: &Sequence, h: usize| case.visibility(spec, seq, h);
+    let flash = case.recipe.flash;
+    let forward_names: Vec<&'static str> = names.iter().copied().filter(|n| matches!(*n, "o" | "lse")).collect();
+    if !forward_names.is_empty() {
+        match problem_forward_bounds_with_visibility(spec, &case.q, &case.k, &case.v, &vis, flash) {
+            Err(e) => forward_names.iter().for_each(|n| {
+                out.insert(*n, Eval::NotVerified(e.to_string()));
+            }),
+            Ok(truth) => {
+                let (o_true, lse_true) = match oracle {
+                    OracleChoice::Mpfr => match oracle_forward_mpfr(case, spec) {
+                        Ok(t) => t,
+                        Err(e) => {
+                            forward_names.iter().for_each(|n| {
+                                out.insert(*n, Eval::NotVerified(e.to_string()));
+                            });
+                            return out;
+                        }
+                    },
+                    OracleChoice::F64 => (truth.o.clone(), truth.lse.clone()),
+                };
+                if let Some(o) = case.outputs.get("o").filter(|_| forward_names.contains(&"o")) {
+                    let candidate = if hyp.normalize_o {
+                        let l = row_sums(case, spec, &lse_true);
+                        let mut c = o.clone();
+                        divide_rows(spec, &mut c, &l);
+                        c
+                    } else {
+                        o.clone()
+                    };
+                    out.insert("o", compared("O", candidate.view(), o_true.view(), truth.bound_o.view()));
+                }
+                if let Some(lse) = case.outputs.get("lse").filter(|_| forward_names.contains(&"lse")) {
+                    let natural = match hyp.lse_base {
+                        LseBase::E => lse.clone(),
+                        LseBase::Two => lse.mapv(|x| x * std::f64::consts::LN_2),
+                    };
+                    out.insert("lse", compared("LSE", natural.view(), lse_true.view(), truth.bound_lse.view()));
+                }
+            }
+        }
+    }
+    let grads: Vec<&'static str> = names.iter().copied().filter(|n| matches!(*n, "dq" | "dk" | "dv")).collect();
+    if let (false, Some(d_out)) = (grads.is_empty(), case.d_out.as_ref()) {
+        if !case.recipe.has_backward_model() {
+            let reason = format!("no backward model for recipe {:?}", case.recipe.name);
+            grads.iter().for_each(|n| {
+                out.insert(*n, Eval::NotVerified(reason.clone()));
+            });
+            return out;
+        }
+        let qkvg = [&case.q, &case.k, &case.v, d_out];
+        match problem_backward_bounds_with_visibility(spec, qkvg, &vis, flash, case.recipe.q_tile) {
+            Err(e) => grads.iter().for_each(|n| {
+                out.insert(*n, Eval::NotVerified(e.to_string()));
+            }),
+            Ok(truth) => {
+                let exact = match oracle {
+                    OracleChoice::F64 => [truth.grads.dq.clone(), truth.grads.dk.clone(), truth.grads.dv.clone()],
+                    OracleChoice::Mpfr => {
+                        let p = Precision::default();
+                        let [q, k, v, g] = qkvg.map(|t| to_mpfr(t.view(), p));
+                        let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+                        match backward_with_visibility::<Mp>(spec, qkv, g.view(), &vis, DenseConfig::default(), p) {
+                            Ok(gr) => [gr.dq, gr.dk, gr.dv].map(|t| t.mapv(|x| x.to_f64())),
+                            Err(e) => {
+                                grads.iter().for_each(|n| {
+                                    out.insert(*n, Eval::NotVerified(e.to_string()));
+                                });
+                                return out;
+                            }
+                        }
+                    }
+                };
+                for (name, exact, bound) in [
+                    ("dq", &exact[0], &truth.bound_dq),
+                    ("dk", &exact[1], &truth.bound_dk),
+                    ("dv", &exact[2], &truth.bound_dv),
+                ] {
+                    if let Some(c) = case.outputs.get(name).filter(|_| grads.contains(&name)) {
+                        out.insert(name, compared(display(name), c.view(), exact.view(), bound.view()));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn compared(output: &'static str, c: ArrayViewD<'_, f64>, o: ArrayViewD<'_, f64>, b: ArrayViewD<'_, f64>) -> Eval {
+    let verdict = compare(output, c.view(), o.view(), b.view());
+    let mut failing = ArrayD::from_elem(c.raw_dim(), false);
+    ndarray::Zip::from(&mut failing).and(&c).and(&o).and(&b).for_each(|f, &c, &o, &b| {
+        *f = if c.is_nan() || o.is_nan() {
+            true
+        } else if c.is_infinite() || o.is_infinite() {
+            c != o
+        } else {
+            let err = (c - o).abs();
+            err != 0.0 && err / b > 1.0
+        };
+    });
+    Eval::Compared { verdict, failing }
+}
+
+/// Divides each row of an `O`-shaped tensor by its row statistic.
+fn divide_rows(spec: &AttentionSpec, o: &mut ArrayD<f64>, l: &ArrayD<f64>) {
+    for seq in spec.sequences() {
+        for h in 0..spec.n_heads_q {
+            let stat = spec.head_row_stat(l.view(), &seq, h).to_owned();
+            let mut rows = o.slice_mut(spec.head_slice(&seq, h, false));
+            for (mut row, li) in rows.axis_iter_mut(Axis(0)).zip(stat.iter()) {
+                row.mapv_inplace(|x| x / li);
+            }
+        }
+    }
+}
+
+/// Per failing row: (first failing column, last failing column, failing count).
+type RowSpans = BTreeMap<usize, (usize, usize, usize)>;
+
+/// The failing elements of `name` as rectangles: per (batch, head), maximal runs of rows that
+/// hold a failure, each with the span of failing columns.
+fn regions(spec: &AttentionSpec, name: &str, failing: &ArrayD<bool>) -> (Vec<Region>, usize) {
+    let packed = matches!(spec.layout, Layout::Varlen { .. });
+    // (prefix axes, row axis, column axis) of each output's layout.
+    let (prefix_axes, row_axis, col_axis): (Vec<usize>, usize, Option<usize>) = match (name, packed) {
+        ("lse", false) => (vec![0, 1], 2, None),
+        ("lse", true) => (vec![0], 1, None),
+        (_, false) => (vec![0, 1], 2, Some(3)),
+        (_, true) => (vec![1], 0, Some(2)),
+    };
+    let mut by_prefix: BTreeMap<Vec<usize>, RowSpans> = BTreeMap::new();
+    for (idx, &f) in failing.indexed_iter() {
+        if !f {
+            continue;
+        }
+        let idx = idx.slice();
+        let prefix: Vec<usize> = prefix_axes.iter().map(|&a| idx[a]).collect();
+        let col = col_axis.map_or(0, |a| idx[a]);
+        let e = by_prefix.entry(prefix).or_default().entry(idx[row_axis]).or_insert((col, col, 0));
+        e.0 = e.0.min(col);
+        e.1 = e.1.max(col);
+        e.2 += 1;
+    }
+    let mut all = Vec::new();
+    for (prefix, rows) in by_prefix {
+        let mut current: Option<Region> = None;
+        for (row, (lo, hi, n)) in rows {
+            match current.as_mut() {
+                Some(r) if r.rows.end == row => {
+                    r.rows.end = row + 1;
+                    r.cols = r.cols.start.min(lo)..r.cols.end.max(hi + 1);
+                    r.failing += n;
+                }
+                _ => {
+                    all.extend(current.take());
+                    current = Some(Region { prefix: prefix.clone(), rows: row..row + 1, cols: lo..hi + 1, failing: n });
+                }
+            }
+        }
+        all.extend(current);
+    }
+    let more = all.len().saturating_sub(MAX_REGIONS);
+    all.truncate(MAX_REGIONS);
+    (all, more)
+}

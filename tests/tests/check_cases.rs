@@ -1,0 +1,325 @@
+//! `check` on case files written from Rust: correct candidates (the reference schedules, the
+//! oracle rounded to storage) pass; deliberately wrong uses (scale 1/d, top-left causal stated
+//! as bottom-right, LSE in base 2, unnormalized O, a corrupted tile) fail with the cause named;
+//! the binary's exit codes are 0, 1 and 2.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use attnproof_harness::Case;
+use attnproof_harness::case::build::CaseBuilder;
+use attnproof_harness::case::safetensors::Dtype;
+use attnproof_harness::case::{CaseReport, OracleChoice, Status, check, format};
+use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_oracle::attention::forward_with_visibility;
+use attnproof_oracle::spec::{Mask, Operand, Pair, Predicate, Sequence};
+use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Qkv, Scale, forward};
+use attnproof_reference::{
+    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
+};
+use half::bf16;
+use ndarray::{ArrayD, Axis, s};
+
+const TILES: TileConfig = TileConfig { q_tile: 16, kv_tile: 16 };
+
+fn profile() -> ValueProfile {
+    ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 }
+}
+
+/// A reference forward + backward on `spec` (computed under `computed`'s scale and mask),
+/// written as a case stating `spec`'s metadata.
+struct Written {
+    builder: CaseBuilder,
+    lse: ArrayD<f64>,
+    o: ArrayD<f64>,
+}
+
+fn widen<T: Element>(t: &ArrayD<T>) -> ArrayD<f64> {
+    t.mapv(|x| x.to_f32() as f64)
+}
+
+fn reference_case(stated: &AttentionSpec, computed: &AttentionSpec, seed: u64, causal: &str, align: &str) -> Written {
+    let case: Case<bf16> = make_case(computed, profile(), seed);
+    let (o, lse) = flash_forward_owned(computed, &case.inputs(), TILES).expect("reference forward");
+    let d_out = make_d_out::<bf16>(computed, seed ^ 7);
+    let zeros = |op| ArrayD::from_elem(computed.expected_shape(op), bf16::ZERO);
+    let (mut dq, mut dk, mut dv) = (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V));
+    let mut delta = ArrayD::from_elem(computed.expected_shape(Operand::RowStat), 0f32);
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o.view(),
+        lse: lse.view(),
+        d_out: d_out.view(),
+    };
+    let outputs = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
+    flash_backward(computed, &inputs, TILES, BackwardStrategy::KvOwnerPartialDq, outputs).expect("reference backward");
+    let scale = match stated.scale {
+        Scale::Value(x) => x,
+        Scale::InverseSqrtHeadDim => 1.0 / (stated.head_dim as f64).sqrt(),
+    };
+    let builder = CaseBuilder::new()
+        .tensor("q", Dtype::Bf16, &widen(&case.q))
+        .tensor("k", Dtype::Bf16, &widen(&case.k))
+        .tensor("v", Dtype::Bf16, &widen(&case.v))
+        .tensor("o", Dtype::Bf16, &widen(&o))
+        .tensor("lse", Dtype::F32, &lse.mapv(|x| x as f64))
+        .tensor("do", Dtype::Bf16, &widen(&d_out))
+        .tensor("dq", Dtype::Bf16, &widen(&dq))
+        .tensor("dk", Dtype::Bf16, &widen(&dk))
+        .tensor("dv", Dtype::Bf16, &widen(&dv))
+        .meta("format_version", "1")
+        .meta("layout", "bhld")
+        .meta("causal", causal)
+        .meta("causal_align", align)
+        .meta("scale", &format!("{scale:?}"))
+        .meta("lse_base", "e")
+        .meta("recipe", "bf16-in/f32-acc/p-bf16")
+        .meta("kernel", "attnproof reference schedule");
+    Written { builder, lse: lse.mapv(|x| x as f64), o: widen(&o) }
+}
+
+/// Batch 1, 4 query heads over 2 KV heads, Lq = 24 < Lk = 40, d = 16.
+fn gqa_spec() -> AttentionSpec {
+    AttentionSpec::dense(1, 4, 2, 24, 40, 16, 16)
+}
+
+fn top_left() -> Mask {
+    Mask::Predicate(Predicate {
+        name: "top-left causal".into(),
+        visible: std::sync::Arc::new(|p: Pair| p.key <= p.query),
+    })
+}
+
+fn checked(builder: &CaseBuilder) -> CaseReport {
+    let case = format::from_bytes(&builder.bytes()).expect("the case loads");
+    check(&case, OracleChoice::F64)
+}
+
+fn output<'a>(r: &'a CaseReport, name: &str) -> &'a attnproof_harness::case::OutputReport {
+    r.outputs.iter().find(|o| o.output == name).unwrap_or_else(|| panic!("no output {name} in {r:?}"))
+}
+
+fn assert_all_pass(r: &CaseReport) {
+    for o in &r.outputs {
+        assert_eq!(o.status, Status::Pass, "{o:?}");
+    }
+    assert_eq!(r.outputs.len(), 5, "O, LSE, dQ, dK, dV all checked: {r:?}");
+}
+
+fn assert_cause(r: &CaseReport, name: &str, words: &str) {
+    let o = output(r, name);
+    assert_eq!(o.status, Status::Fail, "{o:?}");
+    let cause = o.cause.as_deref().unwrap_or_else(|| panic!("no cause named for {name}: {o:?}"));
+    assert!(cause.contains(words), "cause {cause:?} should mention {words:?}");
+}
+
+#[test]
+fn reference_schedule_passes_causal_gqa_forward_and_backward() {
+    let spec = gqa_spec().with_mask(Mask::Causal);
+    let w = reference_case(&spec, &spec, 11, "true", "bottom_right");
+    assert_all_pass(&checked(&w.builder));
+}
+
+#[test]
+fn reference_schedule_passes_top_left_causal_when_stated() {
+    let spec = gqa_spec().with_mask(top_left());
+    let w = reference_case(&spec, &spec, 12, "true", "top_left");
+    assert_all_pass(&checked(&w.builder));
+}
+
+#[test]
+fn scale_one_over_d_fails_and_is_named() {
+    let stated = gqa_spec();
+    let computed = stated.clone().with_scale(Scale::Value(1.0 / 16.0));
+    let r = checked(&reference_case(&stated, &computed, 13, "false", "bottom_right").builder);
+    for name in ["O", "LSE", "dQ", "dK", "dV"] {
+        assert_cause(&r, name, "scale 1/d");
+    }
+}
+
+#[test]
+fn top_left_causal_stated_as_bottom_right_fails_and_is_named() {
+    let stated = gqa_spec().with_mask(Mask::Causal);
+    let computed = gqa_spec().with_mask(top_left());
+    let r = checked(&reference_case(&stated, &computed, 14, "true", "bottom_right").builder);
+    for name in ["O", "LSE"] {
+        assert_cause(&r, name, "aligned the causal mask top_left");
+    }
+}
+
+#[test]
+fn lse_in_base_two_fails_and_is_named_while_o_passes() {
+    let spec = gqa_spec();
+    let w = reference_case(&spec, &spec, 15, "false", "bottom_right");
+    let base2 = w.lse.mapv(|x| x / std::f64::consts::LN_2);
+    let r = checked(&w.builder.tensor("lse", Dtype::F32, &base2));
+    assert_cause(&r, "LSE", "base 2");
+    assert_eq!(output(&r, "O").status, Status::Pass);
+}
+
+#[test]
+fn unnormalized_o_fails_and_is_named() {
+    let spec = gqa_spec();
+    let w = reference_case(&spec, &spec, 16, "false", "bottom_right");
+    let case = format::from_bytes(&w.builder.bytes()).expect("loads");
+    // A = O·ℓ with ℓ_i = exp(LSE_i − m_i), m_i the row max of the exact scores.
+    let scale = 0.25;
+    let mut a = w.o.clone();
+    for seq in spec.sequences() {
+        for h in 0..spec.n_heads_q {
+            let q = spec.head_rows(case.q.view(), &seq, h, false);
+            let k = spec.head_rows(case.k.view(), &seq, spec.kv_head(h), true);
+            let lse = spec.head_row_stat(w.lse.view(), &seq, h);
+            let mut rows = a.slice_mut(spec.head_slice(&seq, h, false));
+            for (i, mut row) in rows.axis_iter_mut(Axis(0)).enumerate() {
+                let m = k.rows().into_iter().map(|kj| scale * q.row(i).dot(&kj)).fold(f64::NEG_INFINITY, f64::max);
+                let l = (lse[i] - m).exp();
+                row.mapv_inplace(|x| x * l);
+            }
+        }
+    }
+    let r = checked(&w.builder.clone().tensor("o", Dtype::Bf16, &a));
+    assert_cause(&r, "O", "unnormalized O");
+}
+
+#[test]
+fn corrupted_tile_is_reported_as_its_rectangle() {
+    let spec = gqa_spec();
+    let w = reference_case(&spec, &spec, 17, "false", "bottom_right");
+    let mut o = w.o.clone();
+    o.slice_mut(s![0, 1, 8..16, 4..12]).mapv_inplace(|x| x + 0.5);
+    let r = checked(&w.builder.clone().tensor("o", Dtype::Bf16, &o));
+    let out = output(&r, "O");
+    assert_eq!(out.status, Status::Fail);
+    assert!(out.cause.is_none(), "no hypothesis explains a corrupted tile: {out:?}");
+    assert_eq!(out.regions.len(), 1, "{out:?}");
+    let region = &out.regions[0];
+    assert_eq!((region.prefix.as_slice(), region.rows.clone(), region.cols.clone()), (&[0, 1][..], 8..16, 4..12));
+    assert_eq!(region.failing, 64);
+    assert_eq!(output(&r, "LSE").status, Status::Pass);
+}
+
+/// The oracle's forward rounded to storage: a correct candidate for any mask or layout.
+fn oracle_candidate(
+    spec: &AttentionSpec,
+    visibility: attnproof_oracle::attention::Visibility<'_>,
+    seed: u64,
+) -> CaseBuilder {
+    let case: Case<bf16> = make_case(spec, profile(), seed);
+    let [q, k, v] = case.widened();
+    let f = forward_with_visibility(
+        spec,
+        Qkv { q: q.view(), k: k.view(), v: v.view() },
+        visibility,
+        DenseConfig::default(),
+        (),
+    )
+    .expect("oracle");
+    CaseBuilder::new()
+        .tensor("q", Dtype::Bf16, &q)
+        .tensor("k", Dtype::Bf16, &k)
+        .tensor("v", Dtype::Bf16, &v)
+        .tensor("o", Dtype::Bf16, &f.o)
+        .tensor("lse", Dtype::F32, &f.lse)
+        .meta("recipe", "bf16-in/f32-acc/p-bf16")
+}
+
+#[test]
+fn block_sparse_case_with_fully_masked_rows_passes_and_a_dropped_block_fails() {
+    let spec = AttentionSpec::dense(1, 2, 2, 32, 32, 8, 8);
+    // Query block 1 of head 0 sees no block: its rows are fully masked (O = 0, LSE = −∞).
+    let lists = ndarray::Array4::from_shape_vec((1, 2, 2, 2), vec![0, 1, -1, -1, 1, -1, 0, 1]).expect("shape");
+    let layout = attnproof_oracle::block_sparse::BlockSparseLayout { q_tile: 16, kv_tile: 16, lists: lists.clone() };
+    let vis = |seq: &Sequence, h: usize| layout.visibility(&spec, seq, h);
+    let builder = oracle_candidate(&spec, &vis, 21)
+        .tensor("block_indices", Dtype::I32, &lists.mapv(f64::from).into_dyn())
+        .meta("block_q", "16")
+        .meta("block_k", "16");
+    let r = checked(&builder);
+    assert!(r.outputs.iter().all(|o| o.status == Status::Pass), "{r:?}");
+    let case = format::from_bytes(&builder.bytes()).expect("loads");
+    assert!(case.outputs["lse"].slice(s![0, 0, 16..32]).iter().all(|x| *x == f64::NEG_INFINITY));
+    // Stating one more visible block than the candidate used must fail.
+    let mut wider = lists.mapv(f64::from);
+    wider.slice_mut(s![0, 1, 0, ..]).assign(&ndarray::arr1(&[0.0, 1.0]));
+    let r = checked(&builder.tensor("block_indices", Dtype::I32, &wider.into_dyn()));
+    assert_eq!(output(&r, "O").status, Status::Fail, "{r:?}");
+}
+
+#[test]
+fn varlen_case_passes_under_f64_and_mpfr_oracles() {
+    let spec = AttentionSpec {
+        layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 17], cu_seqlens_k: vec![0, 9, 12, 20] },
+        ..AttentionSpec::dense(1, 2, 1, 1, 1, 8, 8).with_mask(Mask::Causal)
+    };
+    let masks = |seq: &Sequence, _h: usize| spec.mask.matrix(seq.len_q, seq.len_k);
+    let cu = |v: &[i32]| ArrayD::from_shape_vec(vec![v.len()], v.iter().map(|&x| x as f64).collect()).expect("1-D");
+    let builder = oracle_candidate(&spec, &masks, 22)
+        .tensor("cu_seqlens_q", Dtype::I32, &cu(&[0, 5, 5, 17]))
+        .tensor("cu_seqlens_k", Dtype::I32, &cu(&[0, 9, 12, 20]))
+        .meta("layout", "thd")
+        .meta("causal", "true");
+    let case = format::from_bytes(&builder.bytes()).expect("loads");
+    for oracle in [OracleChoice::F64, OracleChoice::Mpfr] {
+        let r = check(&case, oracle);
+        assert_eq!(r.oracle, oracle);
+        assert!(r.outputs.iter().all(|o| o.status == Status::Pass), "{r:?}");
+    }
+}
+
+#[test]
+fn oracle_of_a_dense_problem_matches_the_loaded_spec() {
+    // The loader's spec and the writer's agree: the case's own oracle output passes exactly.
+    let spec = AttentionSpec::dense(2, 2, 2, 9, 13, 8, 4);
+    let case: Case<bf16> = make_case(&spec, profile(), 23);
+    let [q, k, v] = case.widened();
+    let f = forward(&spec, Qkv { q: q.view(), k: k.view(), v: v.view() }, DenseConfig::default(), ()).expect("oracle");
+    let builder = CaseBuilder::new()
+        .tensor("q", Dtype::Bf16, &q)
+        .tensor("k", Dtype::Bf16, &k)
+        .tensor("v", Dtype::Bf16, &v)
+        .tensor("o", Dtype::F64, &f.o)
+        .meta("recipe", "bf16-in/f32-acc/p-bf16");
+    let r = checked(&builder);
+    assert_eq!(output(&r, "O").verdict.as_ref().map(|v| v.max_ratio), Some(0.0));
+}
+
+fn case_dir(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("attnproof-check-{test}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+fn run_check(paths: &[PathBuf], extra: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_check")).args(paths).args(extra).output().expect("run check");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.code().expect("exit code"), text)
+}
+
+#[test]
+fn binary_exits_zero_one_and_two() {
+    let dir = case_dir("exit");
+    let spec = gqa_spec().with_mask(Mask::Causal);
+    let good = reference_case(&spec, &spec, 31, "true", "bottom_right");
+    let write = |name: &str, bytes: Vec<u8>| {
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).expect("write case");
+        p
+    };
+    let good_path = write("good.safetensors", good.builder.bytes());
+    let wrong_path = write("wrong.safetensors", good.builder.clone().meta("scale", "0.0625").bytes());
+    let bad_path = write("bad.safetensors", good.builder.clone().without("v").bytes());
+
+    let (code, text) = run_check(std::slice::from_ref(&good_path), &[]);
+    assert_eq!(code, 0, "{text}");
+    let (code, text) = run_check(&[good_path.clone(), wrong_path.clone()], &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(text.contains("likely cause: wrong scale"), "{text}");
+    let (code, text) = run_check(&[good_path.clone(), wrong_path, bad_path], &["--json"]);
+    assert_eq!(code, 2, "{text}");
+    assert!(text.contains("missing required tensor `v`"), "{text}");
+    assert!(text.trim_start().starts_with('[') && text.contains("\"status\":\"pass\""), "{text}");
+    std::fs::remove_dir_all(&dir).ok();
+}
