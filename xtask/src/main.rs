@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: project automation for attnproof (test, verify, bench-oracle), with no heavy dependencies.
 
 mod catalog;
+mod check;
 mod fuzz;
 mod gpu_bundle;
 mod mutants;
@@ -30,6 +31,7 @@ commands:
   fuzz [--minutes N] [--target T]        run the proptest suites in release with fresh seeds for N minutes
   gpu-bundle                             build the GPU test binaries (release) into gpu-bundle/ with run.sh
   teach [--out DIR]                      build the teaching book (HTML, from the fixture snapshots) into DIR (default target/book)
+  check CASE... [--json] [--mpfr]        check case files (docs/case-format.md): exit 0 pass, 1 a failure, 2 a bad file
   help                                   print this message";
 
 /// Default sequence length for `bench-oracle`.
@@ -69,6 +71,7 @@ fn run(command: Option<&str>, rest: Vec<OsString>) -> Result<ExitCode> {
         Some("fuzz") => fuzz::fuzz(&repo_root(), &rest),
         Some("gpu-bundle") => gpu_bundle::gpu_bundle(&repo_root(), &rest),
         Some("teach") => teach::teach(&repo_root(), &rest),
+        Some("check") => check::check(&repo_root(), &rest),
         Some(other) => bail!("unknown command `{other}`\n\n{HELP}"),
     }
 }
