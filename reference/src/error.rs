@@ -3,6 +3,8 @@
 use attnproof_oracle::OracleError;
 use thiserror::Error;
 
+use crate::ring::RingFault;
+
 /// Why a schedule refused its arguments.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum ReferenceError {
@@ -15,4 +17,7 @@ pub enum ReferenceError {
         /// `q_tile` or `kv_tile`.
         argument: &'static str,
     },
+    /// The ring schedule failed: a hop did not complete, or a block arrived out of turn.
+    #[error(transparent)]
+    Ring(#[from] RingFault),
 }

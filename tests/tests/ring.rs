@@ -3,7 +3,11 @@
 //! not divide, GQA, varlen) in bf16 and f16, under the flash model with the ring's extra tiles
 //! (`RingConfig::extra_merges`); plus the schedule's own claims: G = 1 is the single-pass flash
 //! schedule bit for bit, the causal skip count matches an independent count, zigzag balances
-//! causal work and contiguous does not, and every layout agrees within the bound.
+//! causal work and contiguous does not, and every layout agrees within the bound; and the ring
+//! driver's own schedule over the CPU-threads backend (which block each device attends at each
+//! step, the skip count, accumulators travelling home), with a worker that only records.
+
+use std::marker::PhantomData;
 
 use attnproof_harness::backward::{BackwardCandidate, verify_backward};
 use attnproof_harness::flash::{ForwardTruth, problem_forward_bounds, recipe};
@@ -13,6 +17,8 @@ use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Pair, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
+use attnproof_reference::ring::cpu::run_on_threads;
+use attnproof_reference::ring::{DeviceRun, RingFault, RingWorker, Travel};
 use attnproof_reference::{
     BackwardInputs, BackwardOutputs, BackwardStrategy, Element, ForwardOutputs, ReferenceError, RingConfig, RingLayout,
     RingStats, TileConfig, flash_backward, flash_forward, ring_backward, ring_forward,
@@ -380,4 +386,120 @@ fn bad_configurations_are_typed_errors() {
     )
     .unwrap_err();
     assert!(matches!(err, ReferenceError::Problem(OracleError::ShapeMismatch { argument: "o", .. })), "{err}");
+}
+
+/// A travelling block that records who worked on it: its owner and, in order, the `(device,
+/// part)` pairs that attended it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Stamp {
+    owner: usize,
+    attended_by: Vec<(usize, usize)>,
+}
+
+/// How a [`Recorder`]'s blocks travel.
+trait Pass {
+    const TRAVEL: Travel;
+}
+
+/// Read-only blocks (the forward pass).
+struct ReadOnly;
+
+impl Pass for ReadOnly {
+    const TRAVEL: Travel = Travel::ReadOnly;
+}
+
+/// Blocks carrying accumulators (the backward pass).
+struct Accumulating;
+
+impl Pass for Accumulating {
+    const TRAVEL: Travel = Travel::Accumulating;
+}
+
+/// A worker with no numbers: two parts, part 0 seeing every block, part 1 only blocks whose
+/// owner is not after this device (a causal skip); it records every `(part, owner)` it attends.
+struct Recorder<P> {
+    device: usize,
+    attended: Vec<(usize, usize)>,
+    pass: PhantomData<fn() -> P>,
+}
+
+impl<P: Pass> RingWorker for Recorder<P> {
+    type Block = Stamp;
+    type Error = RingFault;
+    const TRAVEL: Travel = P::TRAVEL;
+
+    fn owner(&self, block: &Stamp) -> usize {
+        block.owner
+    }
+
+    fn parts(&self) -> usize {
+        2
+    }
+
+    fn sees(&self, part: usize, block: &Stamp) -> bool {
+        part == 0 || block.owner <= self.device
+    }
+
+    fn attend(&mut self, part: usize, block: &mut Stamp) -> Result<(), RingFault> {
+        self.attended.push((part, block.owner));
+        if P::TRAVEL == Travel::Accumulating {
+            block.attended_by.push((self.device, part));
+        }
+        Ok(())
+    }
+}
+
+/// Runs a ring of `Recorder`s on the CPU-threads backend.
+fn record<P: Pass>(n_devices: usize) -> Vec<(Recorder<P>, DeviceRun<Stamp>)> {
+    run_on_threads(n_devices, |device| {
+        let worker = Recorder { device, attended: Vec::new(), pass: PhantomData };
+        (worker, Stamp { owner: device, attended_by: Vec::new() })
+    })
+    .unwrap_or_else(|e| panic!("G={n_devices}: {e}"))
+}
+
+/// The `(part, owner)` pairs device `g` must attend, in order: at step `t` the block of
+/// `(g − t) mod G` (E11, written out here rather than taken from the oracle), each block once,
+/// part 1 skipping the blocks of later devices.
+fn expected_visits(g: usize, n_devices: usize) -> Vec<(usize, usize)> {
+    (0..n_devices)
+        .map(|t| (g + n_devices - t) % n_devices)
+        .flat_map(|b| std::iter::once((0, b)).chain((b <= g).then_some((1, b))))
+        .collect()
+}
+
+/// The driver over the CPU-threads backend, read-only blocks: each device attends every block
+/// exactly once, in E11 order, skips what its parts cannot see, and ends holding its
+/// successor's block after `G − 1` hops.
+#[test]
+fn driver_visits_every_block_once_in_ring_order() {
+    for n_devices in 1..=5 {
+        let runs = record::<ReadOnly>(n_devices);
+        assert_eq!(runs.len(), n_devices);
+        for (g, (worker, run)) in runs.iter().enumerate() {
+            assert_eq!(worker.device, g);
+            assert_eq!(worker.attended, expected_visits(g, n_devices), "G={n_devices} device {g}");
+            assert_eq!(run.skipped_parts, n_devices - 1 - g, "G={n_devices} device {g}");
+            assert_eq!(run.held, Stamp { owner: (g + 1) % n_devices, attended_by: Vec::new() }, "G={n_devices}");
+        }
+    }
+}
+
+/// The driver over the CPU-threads backend, accumulating blocks: every block is attended by
+/// every device once, in ring order from its owner on (so no device worked on a stale copy),
+/// and comes home to its owner after `G` hops.
+#[test]
+fn driver_brings_accumulators_home_after_every_device_added() {
+    for n_devices in 1..=5 {
+        for (g, (worker, run)) in record::<Accumulating>(n_devices).iter().enumerate() {
+            assert_eq!(worker.attended, expected_visits(g, n_devices), "G={n_devices} device {g}");
+            assert_eq!(run.held.owner, g, "G={n_devices}: block {g} is home");
+            // Block g is at device g + t at step t; part 1 of device d sees it when g <= d.
+            let expected: Vec<(usize, usize)> = (0..n_devices)
+                .map(|t| (g + t) % n_devices)
+                .flat_map(|d| std::iter::once((d, 0)).chain((g <= d).then_some((d, 1))))
+                .collect();
+            assert_eq!(run.held.attended_by, expected, "G={n_devices} block {g}");
+        }
+    }
 }

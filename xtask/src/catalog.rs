@@ -105,8 +105,17 @@ const MASK: Mutant = Mutant { file: "reference/src/mask.rs", ..FLASH };
 /// Base entry for mutants of the FlashAttention backward schedule.
 const BACKWARD: Mutant = Mutant { file: "reference/src/backward.rs", test_target: Some("flash_backward"), ..FLASH };
 
-/// Base entry for mutants of the ring attention schedule.
-const RING: Mutant = Mutant { file: "reference/src/ring.rs", test_target: Some("ring"), ..FLASH };
+/// Base entry for mutants of the ring attention schedule's layout (`reference/src/ring/mod.rs`).
+const RING: Mutant = Mutant { file: "reference/src/ring/mod.rs", test_target: Some("ring"), ..FLASH };
+
+/// Base entry for mutants of the ring driver, the step schedule every ring backend runs.
+const RING_DRIVER: Mutant = Mutant { file: "reference/src/ring/driver.rs", ..RING };
+
+/// Base entry for mutants of the ring forward worker.
+const RING_FORWARD: Mutant = Mutant { file: "reference/src/ring/forward.rs", ..RING };
+
+/// Base entry for mutants of the ring backward worker.
+const RING_BACKWARD: Mutant = Mutant { file: "reference/src/ring/backward.rs", ..RING };
 
 /// Base entry for mutants of the block-sparse schedule.
 const BLOCK_SPARSE: Mutant = Mutant { file: "reference/src/sparse/block.rs", test_target: Some("sparse"), ..FLASH };
@@ -362,28 +371,28 @@ pub const CATALOG: &[Mutant] = &[
         description: "ring steps evaluate every key of a block, so the diagonal block is not causally masked",
         find: "if visible(&spec.mask, i, j, seq.len_q, seq.len_k) {",
         replace: "if true {",
-        ..RING
+        ..RING_FORWARD
     },
     Mutant {
         name: "ring-sum-not-rescaled",
         description: "a device's running sum is not rescaled when a later block raises the max",
         find: "st.l[r] = rescale * st.l[r] + p.iter().sum::<f32>();",
         replace: "st.l[r] = st.l[r] + p.iter().sum::<f32>();",
-        ..RING
+        ..RING_FORWARD
     },
     Mutant {
         name: "ring-dk-missing-scale",
         description: "the owner adds the travelling dK back without the softmax scale",
         find: "dk_sum += &part.dk[h].mapv(|x| x * scale);",
         replace: "dk_sum += &part.dk[h];",
-        ..RING
+        ..RING_BACKWARD
     },
     Mutant {
         name: "ring-dkdv-not-summed-over-group",
         description: "GQA: the owner keeps only the first query head's dK/dV of a group",
         find: "for h in kv * group..(kv + 1) * group {",
         replace: "for h in kv * group..kv * group + 1 {",
-        ..RING
+        ..RING_BACKWARD
     },
     Mutant {
         name: "zigzag-chunk-swapped",
@@ -391,6 +400,27 @@ pub const CATALOG: &[Mutant] = &[
         find: "zigzag_chunks(device, self.n_devices).iter().map(|&c| piece(c)).collect()",
         replace: "[device, device + self.n_devices].iter().map(|&c| piece(c)).collect()",
         ..RING
+    },
+    Mutant {
+        name: "ring-block-merged-twice",
+        description: "the ring driver runs one step too many: each device attends its own block a second time when it comes back",
+        find: "for step in 0..n_devices {",
+        replace: "for step in 0..=n_devices {",
+        ..RING_DRIVER
+    },
+    Mutant {
+        name: "ring-stale-receive-buffer",
+        description: "the ring driver ignores the block it received and attends the one it sent again (stale receive buffer)",
+        find: "held = transport.wait()?;",
+        replace: "transport.wait()?;",
+        ..RING_DRIVER
+    },
+    Mutant {
+        name: "ring-accumulators-sent-before-attend",
+        description: "backward: the driver posts a block before adding its dK/dV, so the successor receives a stale copy",
+        find: "if hop && W::TRAVEL == Travel::ReadOnly {",
+        replace: "if hop {",
+        ..RING_DRIVER
     },
     // --- Sparse schedules (E14, E16, E18-E20) ---
     Mutant {
