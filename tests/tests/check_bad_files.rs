@@ -1,0 +1,191 @@
+//! Bad case files: each defect gives one error naming the tensor or key (exit 2 in the binary),
+//! never a panic; and a proptest fuzzes the loader and checker with byte-level mutations of a
+//! valid file (regressions in `proptest-regressions/check_bad_files.txt`).
+
+use attnproof_harness::case::build::CaseBuilder;
+use attnproof_harness::case::safetensors::{Dtype, RawTensor};
+use attnproof_harness::case::{CaseError, OracleChoice, check, format};
+use attnproof_harness::strategies::suite_config;
+use ndarray::{ArrayD, Dimension};
+use proptest::prelude::*;
+
+fn tensor(shape: &[usize], seed: usize) -> ArrayD<f64> {
+    ArrayD::from_shape_fn(shape.to_vec(), |i| {
+        let k = i.slice().iter().fold(seed, |acc, &x| acc * 31 + x);
+        ((k * 2_654_435_761) % 1000) as f64 / 500.0 - 1.0
+    })
+}
+
+/// A small valid case: B = 1, H = 2, Lq = 5, Lk = 7, D = 4, with `o` and `lse` present.
+fn valid() -> CaseBuilder {
+    CaseBuilder::new()
+        .tensor("q", Dtype::Bf16, &tensor(&[1, 2, 5, 4], 1))
+        .tensor("k", Dtype::Bf16, &tensor(&[1, 2, 7, 4], 2))
+        .tensor("v", Dtype::Bf16, &tensor(&[1, 2, 7, 4], 3))
+        .tensor("o", Dtype::Bf16, &tensor(&[1, 2, 5, 4], 4))
+        .tensor("lse", Dtype::F32, &tensor(&[1, 2, 5], 5))
+        .meta("format_version", "1")
+        .meta("layout", "bhld")
+        .meta("causal", "true")
+        .meta("recipe", "bf16-in/f32-acc/p-bf16")
+}
+
+fn error_of(bytes: &[u8]) -> String {
+    match format::from_bytes(bytes) {
+        Ok(_) => panic!("a bad file loaded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn assert_names(bytes: &[u8], name: &str) {
+    let e = error_of(bytes);
+    assert!(e.contains(&format!("`{name}")), "error {e:?} should name `{name}`");
+    assert!(!e.contains('\n'), "one line: {e:?}");
+}
+
+#[test]
+fn the_valid_file_loads() {
+    let case = format::from_bytes(&valid().bytes()).expect("valid");
+    assert_eq!(case.outputs.len(), 2);
+}
+
+#[test]
+fn truncated_files_name_the_header_or_the_tensor() {
+    let bytes = valid().bytes();
+    assert!(matches!(format::from_bytes(&bytes[..5]), Err(CaseError::Header { .. })));
+    assert!(matches!(format::from_bytes(&bytes[..40]), Err(CaseError::Header { .. })));
+    // Cut inside the data: the last tensor written (`lse`) runs past the end.
+    assert_names(&bytes[..bytes.len() - 3], "lse");
+}
+
+#[test]
+fn huge_header_length_is_refused_before_allocation() {
+    let mut bytes = valid().bytes();
+    bytes[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    let e = error_of(&bytes);
+    assert!(e.contains("exceeds the limit"), "{e}");
+}
+
+#[test]
+fn wrong_dtype_shape_and_missing_tensors_are_named() {
+    let ints = RawTensor { dtype: Dtype::I32, shape: vec![1, 2, 5, 4], bytes: vec![0; 160] };
+    assert_names(&valid().raw("q", ints).bytes(), "q");
+    assert_names(&valid().tensor("k", Dtype::F16, &tensor(&[1, 2, 7, 4], 2)).bytes(), "k");
+    assert_names(&valid().tensor("v", Dtype::Bf16, &tensor(&[1, 2, 6, 4], 3)).bytes(), "v");
+    assert_names(&valid().tensor("o", Dtype::Bf16, &tensor(&[1, 2, 5, 3], 4)).bytes(), "o");
+    assert_names(&valid().tensor("lse", Dtype::F32, &tensor(&[1, 2, 6], 4)).bytes(), "lse");
+    assert_names(&valid().without("v").bytes(), "v");
+    assert_names(&valid().tensor("dq", Dtype::Bf16, &tensor(&[1, 2, 5, 4], 6)).bytes(), "do");
+    let lying = RawTensor { dtype: Dtype::Bf16, shape: vec![1, 2, 5, 4], bytes: vec![0; 10] };
+    assert_names(&valid().raw("o", lying).bytes(), "o");
+}
+
+#[test]
+fn non_finite_inputs_are_named() {
+    let mut q = tensor(&[1, 2, 5, 4], 1);
+    q[[0, 1, 2, 3]] = f64::NAN;
+    let e = error_of(&valid().tensor("q", Dtype::Bf16, &q).bytes());
+    assert!(e.contains("`q`") && e.contains("[0, 1, 2, 3]"), "{e}");
+    let mut v = tensor(&[1, 2, 7, 4], 3);
+    v[[0, 0, 0, 0]] = f64::INFINITY;
+    assert_names(&valid().tensor("v", Dtype::Bf16, &v).bytes(), "v");
+}
+
+#[test]
+fn inconsistent_metadata_is_named() {
+    assert_names(&valid().meta("recipe", "f16-in/f32-acc/p-f16").bytes(), "recipe");
+    assert_names(&valid().meta("recipe", "fp8-magic").bytes(), "recipe");
+    assert_names(&valid().without_meta("recipe").bytes(), "recipe");
+    assert_names(&valid().meta("causal_align", "diagonal").bytes(), "causal_align");
+    assert_names(&valid().meta("causal", "maybe").bytes(), "causal");
+    assert_names(&valid().meta("scale", "nan").bytes(), "scale");
+    assert_names(&valid().meta("lse_base", "10").bytes(), "lse_base");
+    assert_names(&valid().meta("layout", "thd").bytes(), "q");
+    assert_names(&valid().meta("format_version", "7").bytes(), "format_version");
+    assert_names(&valid().meta("window_left", "-3").bytes(), "window_left");
+    let blocks = ArrayD::from_elem(vec![1, 2, 1, 1], 0.0);
+    assert_names(&valid().tensor("block_indices", Dtype::I32, &blocks).bytes(), "block_q");
+}
+
+fn packed() -> CaseBuilder {
+    let cu = |v: &[f64]| ArrayD::from_shape_vec(vec![v.len()], v.to_vec()).expect("1-D");
+    CaseBuilder::new()
+        .tensor("q", Dtype::Bf16, &tensor(&[6, 2, 4], 1))
+        .tensor("k", Dtype::Bf16, &tensor(&[8, 2, 4], 2))
+        .tensor("v", Dtype::Bf16, &tensor(&[8, 2, 4], 3))
+        .tensor("cu_seqlens_q", Dtype::I32, &cu(&[0.0, 2.0, 6.0]))
+        .tensor("cu_seqlens_k", Dtype::I32, &cu(&[0.0, 5.0, 8.0]))
+        .meta("layout", "thd")
+        .meta("recipe", "bf16-in/f32-acc/p-bf16")
+}
+
+#[test]
+fn cu_seqlens_out_of_range_are_named() {
+    format::from_bytes(&packed().bytes()).expect("the packed case is valid");
+    let cu = |v: &[f64]| ArrayD::from_shape_vec(vec![v.len()], v.to_vec()).expect("1-D");
+    assert_names(&packed().tensor("cu_seqlens_q", Dtype::I32, &cu(&[0.0, 2.0, 9.0])).bytes(), "cu_seqlens_q");
+    assert_names(&packed().tensor("cu_seqlens_k", Dtype::I32, &cu(&[0.0, 9.0, 8.0])).bytes(), "cu_seqlens_k");
+    assert_names(&packed().tensor("cu_seqlens_k", Dtype::I32, &cu(&[1.0, 5.0, 8.0])).bytes(), "cu_seqlens_k");
+    assert_names(&packed().tensor("cu_seqlens_k", Dtype::I32, &cu(&[0.0, 8.0])).bytes(), "cu_seqlens_k");
+    assert_names(&packed().tensor("cu_seqlens_q", Dtype::F32, &cu(&[0.0, 2.0, 6.0])).bytes(), "cu_seqlens_q");
+    assert_names(&packed().without("cu_seqlens_k").bytes(), "cu_seqlens_k");
+}
+
+/// One byte-level mutation of a file.
+#[derive(Clone, Debug)]
+enum Mutation {
+    /// Replace the byte at (index mod len).
+    Set(usize, u8),
+    /// Keep only the first (n mod len) bytes.
+    Truncate(usize),
+    /// Insert bytes at (index mod len).
+    Insert(usize, Vec<u8>),
+    /// Overwrite the header length.
+    HeaderLength(u64),
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        4 => (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Set(i, b)),
+        1 => any::<usize>().prop_map(Mutation::Truncate),
+        1 => (any::<usize>(), proptest::collection::vec(any::<u8>(), 1..8)).prop_map(|(i, b)| Mutation::Insert(i, b)),
+        1 => any::<u64>().prop_map(Mutation::HeaderLength),
+    ]
+}
+
+fn mutate(mut bytes: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
+    for m in mutations {
+        let len = bytes.len().max(1);
+        match m {
+            Mutation::Set(i, b) if !bytes.is_empty() => bytes[i % len] = *b,
+            Mutation::Set(..) => {}
+            Mutation::Truncate(n) => bytes.truncate(n % len),
+            Mutation::Insert(i, b) => {
+                let at = i % len;
+                bytes.splice(at..at, b.iter().copied());
+            }
+            Mutation::HeaderLength(n) if bytes.len() >= 8 => bytes[..8].copy_from_slice(&n.to_le_bytes()),
+            Mutation::HeaderLength(_) => {}
+        }
+    }
+    bytes
+}
+
+proptest! {
+    #![proptest_config(suite_config("check_bad_files", 96))]
+
+    /// Whatever the bytes, loading gives a case or an error, and a loaded case checks to a
+    /// report: no panic.
+    #[test]
+    fn mutated_files_never_panic(
+        packed_layout in any::<bool>(),
+        mutations in proptest::collection::vec(mutation(), 1..4),
+    ) {
+        let base = if packed_layout { packed() } else { valid() };
+        let bytes = mutate(base.bytes(), &mutations);
+        if let Ok(case) = format::from_bytes(&bytes) {
+            let report = check(&case, OracleChoice::F64);
+            prop_assert!(!report.outputs.is_empty() || case.outputs.is_empty());
+        }
+    }
+}
