@@ -11,9 +11,9 @@
 //! transport, [`cpu::ChannelLink`] over `std::sync::mpsc`, run one thread per device by
 //! [`cpu::run_on_threads`], and two workers, forward (`forward.rs`) and backward
 //! (`backward.rs`), behind [`ring_forward`] and [`ring_backward`]. The GPU backends (one GPU
-//! holding `G` simulated devices on separate streams, and NCCL) implement the same two traits in
-//! `attnproof-gpu` and run the same driver. `blocks.rs` holds what a device owns: its pieces,
-//! tiles, query rows and travelling KV block.
+//! holding `G` simulated devices on separate streams, and NCCL) are planned on the same two
+//! traits, run by the same driver. `blocks.rs` holds what a device owns: its pieces, tiles, query
+//! rows and travelling KV block.
 //!
 //! # Layout
 //!
@@ -42,8 +42,10 @@
 //! block has met every device. Backward ([`Travel::Accumulating`]): the block is processed, then
 //! posted with its f32 dK/dV accumulators; `G` hops in all, the last bringing every block (and
 //! its accumulators) back to its owner. The driver checks at every step that the held block is
-//! the one E11 puts there ([`RingFault::Misrouted`] otherwise), so a transport that hands back a
-//! stale buffer cannot go unnoticed.
+//! the one E11 puts there ([`RingFault::Misrouted`] otherwise), so a transport that hands back
+//! the wrong block (the one it sent, last step's, another device's) fails at once; stale
+//! *contents* under the right owner show only in the numbers, which the tests compare with the
+//! oracle.
 //!
 //! # Precision recipe
 //!
