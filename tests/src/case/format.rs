@@ -176,6 +176,9 @@ fn parse_bool(key: &str, value: &str) -> Result<bool, CaseError> {
 
 fn parse_window(key: &str, value: Option<&String>) -> Result<Option<usize>, CaseError> {
     let Some(value) = value else { return Ok(None) };
+    if matches!(normalized(value).as_str(), "" | "none") {
+        return Ok(None);
+    }
     match value.trim().parse::<i64>() {
         Ok(-1) => Ok(None),
         Ok(n) if n >= 0 => Ok(Some(n as usize)),
@@ -187,7 +190,7 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
     let SafeTensors { tensors, metadata } = file;
     let meta = |key: &str| metadata.get(key);
     if let Some(version) = meta("format_version")
-        && version.trim() != FORMAT_VERSION
+        && !matches!(version.trim(), "1" | "1.0")
     {
         return Err(key_error(
             "format_version",
@@ -321,7 +324,7 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
     };
     let lse_base = match meta("lse_base").map(|b| normalized(b)).as_deref() {
         None | Some("e" | "ln" | "natural") => LseBase::E,
-        Some("2" | "log2" | "base2") => LseBase::Two,
+        Some("2" | "2.0" | "log2" | "base2") => LseBase::Two,
         Some(other) => return Err(key_error("lse_base", format!("expected e or 2, got {other:?}"))),
     };
     let spec =
