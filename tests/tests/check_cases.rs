@@ -119,7 +119,13 @@ fn assert_cause(r: &CaseReport, name: &str, words: &str) {
 fn reference_schedule_passes_causal_gqa_forward_and_backward() {
     let spec = gqa_spec().with_mask(Mask::Causal);
     let w = reference_case(&spec, &spec, 11, "true", "bottom_right");
-    assert_all_pass(&checked(&w.builder));
+    let r = checked(&w.builder);
+    assert_all_pass(&r);
+    assert!(
+        r.gate.as_ref().is_some_and(|g| g.valid()),
+        "the bounds must reject the canned wrong answers: {:?}",
+        r.gate
+    );
 }
 
 #[test]

@@ -15,7 +15,8 @@ use ndarray::{ArrayD, ArrayViewD, Axis, Dimension};
 
 use super::format::{CaseFile, CausalAlign, LseBase, MaskSpec};
 use crate::backward::problem_backward_bounds_with_visibility;
-use crate::flash::{HarnessError, problem_forward_bounds_with_visibility};
+use crate::flash::{HarnessError, forward_gate, problem_forward_bounds_with_visibility};
+use crate::gate::GateReport;
 use crate::verdict::{OutputVerdict, compare};
 
 /// Which oracle computes the truth.
@@ -88,6 +89,9 @@ pub struct CaseReport {
     pub oracle_note: Option<String>,
     /// One entry per output present in the case.
     pub outputs: Vec<OutputReport>,
+    /// The discriminability gate of the forward bounds (canned wrong answers that must fail),
+    /// when the case has `o` or `lse` and the model applies.
+    pub gate: Option<GateReport>,
 }
 
 impl CaseReport {
@@ -143,6 +147,9 @@ pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
         .map(|(n, _)| *n)
         .collect();
     let causes = if failing.is_empty() { BTreeMap::new() } else { diagnose(case, oracle, &failing) };
+    let mut evals: Vec<(&'static str, Eval)> = evals.into_iter().collect();
+    // Report order: O, LSE, dQ, dK, dV.
+    evals.sort_by_key(|(name, _)| DISPLAY.iter().position(|(n, _)| n == name));
     let outputs = evals
         .into_iter()
         .map(|(name, eval)| match eval {
@@ -170,7 +177,31 @@ pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
             }
         })
         .collect();
-    CaseReport { recipe: case.recipe.name.clone(), kernel: case.kernel.clone(), oracle, oracle_note, outputs }
+    CaseReport {
+        recipe: case.recipe.name.clone(),
+        kernel: case.kernel.clone(),
+        oracle,
+        oracle_note,
+        outputs,
+        gate: forward_gate_of(case),
+    }
+}
+
+/// KV tile of the gate's "last KV tile dropped" answer: the tile of the common peers.
+const GATE_KV_TILE: usize = 64;
+
+/// The canned wrong answers of `flash::forward_gate` scored against the case's forward bounds.
+fn forward_gate_of(case: &CaseFile) -> Option<GateReport> {
+    if !case.has("o") && !case.has("lse") {
+        return None;
+    }
+    let spec = &case.spec;
+    let vis = |seq: &Sequence, h: usize| case.visibility(spec, seq, h);
+    let truth =
+        problem_forward_bounds_with_visibility(spec, &case.q, &case.k, &case.v, &vis, case.recipe.flash).ok()?;
+    let (unit, truths, bounds) =
+        (case.recipe.flash.unit_roundoff, (&truth.o, &truth.lse), (&truth.bound_o, &truth.bound_lse));
+    forward_gate(spec, &case.q, &case.k, &case.v, GATE_KV_TILE, unit, truths, bounds).ok()
 }
 
 fn score_count(spec: &AttentionSpec) -> usize {

@@ -77,6 +77,9 @@ pub fn text(path: &str, outcome: &CaseOutcome) -> String {
             for o in &r.outputs {
                 let _ = write!(s, "\n{}", output_text(o));
             }
+            if let Some(gate) = &r.gate {
+                let _ = write!(s, "\n  {gate}");
+            }
             s
         }
     }
@@ -132,8 +135,23 @@ pub fn json(path: &str, outcome: &CaseOutcome) -> String {
         }
         Ok(r) => {
             let outputs: Vec<String> = r.outputs.iter().map(output_json).collect();
+            let gate = r.gate.as_ref().map_or("null".into(), |g| {
+                let canned: Vec<String> = g
+                    .canned
+                    .iter()
+                    .map(|c| {
+                        format!(
+                            "{{\"name\":{},\"applicable\":{},\"rejected\":{}}}",
+                            json_string(c.name),
+                            c.applicable,
+                            c.rejected
+                        )
+                    })
+                    .collect();
+                format!("{{\"valid\":{},\"canned\":[{}]}}", g.valid(), canned.join(","))
+            });
             format!(
-                "{{\"path\":{},\"status\":{},\"recipe\":{},\"kernel\":{},\"oracle\":{},\"oracle_note\":{},\"outputs\":[{}]}}",
+                "{{\"path\":{},\"status\":{},\"recipe\":{},\"kernel\":{},\"oracle\":{},\"oracle_note\":{},\"outputs\":[{}],\"gate\":{}}}",
                 json_string(path),
                 json_string(if r.failed() { "fail" } else { "pass" }),
                 json_string(&r.recipe),
@@ -143,7 +161,8 @@ pub fn json(path: &str, outcome: &CaseOutcome) -> String {
                     OracleChoice::Mpfr => "mpfr",
                 }),
                 r.oracle_note.as_deref().map_or("null".into(), json_string),
-                outputs.join(",")
+                outputs.join(","),
+                gate
             )
         }
     }
