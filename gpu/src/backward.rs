@@ -253,6 +253,20 @@ pub fn flash_backward_device<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
+    flash_backward_device_with(stream, spec, FLASH_BWD, inputs, outputs, strategy)
+}
+
+/// [`flash_backward_device`] with an explicit kernel source: the tests compile patched copies of `flash_bwd.cu`
+/// (mutants) through the same validation and launch path. `kernel` must define the four kernels of
+/// `gpu/kernels/flash_bwd.cu` with its parameters.
+pub fn flash_backward_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    kernel: compile::KernelSource,
+    inputs: BackwardDeviceInputs<'_, T>,
+    outputs: BackwardDeviceOutputs<'_, T>,
+    strategy: GpuBackwardStrategy,
+) -> Result<(), GpuError> {
     let plan = plan::<T>(spec)?;
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", inputs.q, size(Operand::Q))?;
@@ -269,7 +283,7 @@ pub fn flash_backward_device<T: GpuElement>(
         return Ok(());
     }
     let ctx = stream.context();
-    let module = compile::module(ctx, FLASH_BWD, &plan.defines)?;
+    let module = compile::module(ctx, kernel, &plan.defines)?;
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let upload_err = |e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e);
     let cu_q = stream.clone_htod(&plan.cu_q).map_err(upload_err)?;

@@ -9,196 +9,37 @@
 //! (they share one arithmetic). Without a device each test prints `skipped: no CUDA device` and passes
 //! (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
+mod common;
+
+use common::*;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, EXP_RELATIVE_ERROR, KV_TILE, Q_TILE};
+use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::compile::FLASH_BWD;
 use attnproof_gpu::{
     BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, flash_backward,
-    flash_backward_device, flash_forward, skip_unless_gpu,
+    flash_backward_device, skip_unless_gpu,
 };
 use attnproof_harness::backward::{BackwardCandidate, verify_backward};
-use attnproof_harness::flash::recipe;
-use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
-use attnproof_harness::strategies::{profile, spec, suite_config};
-use attnproof_harness::{Case, HarnessError, Verdict};
+use attnproof_harness::generate::{Distribution, ValueProfile};
+use attnproof_harness::strategies::{profile, suite_config};
+use attnproof_harness::{HarnessError, Verdict};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Layout, Mask, Predicate};
-use attnproof_proofs::flash_bound::{Accumulation, FlashRecipe, ScoreReuse};
-use attnproof_reference::Element;
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use attnproof_oracle::{AttentionSpec, Mask, Predicate};
+use cudarc::driver::CudaStream;
 use half::{bf16, f16};
-use ndarray::{ArrayD, IxDyn};
+use ndarray::ArrayD;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
-/// Elements of sentinel past each output.
-const GUARD: usize = 256;
-/// Bit patterns of the guard bands: NaN payloads no arithmetic produces.
-const GUARD_BITS_16: u16 = 0x7fa5;
-const GUARD_BITS_32: u32 = 0x7fc0_a5a5;
-
-/// A storage type both the kernels and the verifier know.
-trait Storage: GpuElement + Element {
-    fn bits(self) -> u16;
-    fn from_bits16(bits: u16) -> Self;
-}
-
-impl Storage for bf16 {
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn from_bits16(bits: u16) -> Self {
-        bf16::from_bits(bits)
-    }
-}
-
-impl Storage for f16 {
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn from_bits16(bits: u16) -> Self {
-        f16::from_bits(bits)
-    }
-}
-
-/// The backward kernels' recipe for `T` (each parameter justified in `attnproof_gpu::backward`).
-fn kernel_recipe<T: Element>() -> FlashRecipe {
-    FlashRecipe {
-        exp_error: EXP_RELATIVE_ERROR,
-        shift_rounding: BACKWARD_SHIFT_ROUNDING,
-        accumulation: Accumulation::TensorCore { k_step: 16 },
-        // The backward forms Sᵀ = K Qᵀ with transposed MMAs: no bitwise reuse of the forward's scores.
-        score_reuse: ScoreReuse::Recomputed,
-        ..recipe::<T>(KV_TILE)
-    }
-}
-
-/// Gradients of one run.
-struct Grads<T> {
-    dq: ArrayD<T>,
-    dk: ArrayD<T>,
-    dv: ArrayD<T>,
-    delta: ArrayD<f32>,
-}
-
-impl<T: Storage> Grads<T> {
-    fn bits(t: &ArrayD<T>) -> Vec<u16> {
-        t.iter().map(|x| x.bits()).collect()
-    }
-    fn same_dk_dv_delta(&self, other: &Self) -> bool {
-        Self::bits(&self.dk) == Self::bits(&other.dk)
-            && Self::bits(&self.dv) == Self::bits(&other.dv)
-            && self.delta.iter().map(|x| x.to_bits()).eq(other.delta.iter().map(|x| x.to_bits()))
-    }
-    fn same(&self, other: &Self) -> bool {
-        self.same_dk_dv_delta(other) && Self::bits(&self.dq) == Self::bits(&other.dq)
-    }
-}
-
-/// A case with its upstream gradient and the GPU forward's outputs.
-struct Problem<T> {
-    case: Case<T>,
-    d_out: ArrayD<T>,
-    o: ArrayD<T>,
-    lse: ArrayD<f32>,
-}
-
-fn problem<T: Storage>(stream: &Arc<CudaStream>, spec: &AttentionSpec, profile: ValueProfile, seed: u64) -> Problem<T> {
-    let case = make_case::<T>(spec, profile, seed);
-    let d_out = make_d_out::<T>(spec, seed);
-    let fwd = flash_forward(stream, spec, case.q.view(), case.k.view(), case.v.view())
-        .unwrap_or_else(|e| panic!("GPU forward of {spec:?}: {e}"));
-    Problem { case, d_out, o: fwd.o, lse: fwd.lse }
-}
-
-fn upload<X: DeviceRepr + ValidAsZeroBits + Copy>(
-    stream: &Arc<CudaStream>,
-    t: &ArrayD<X>,
-) -> Result<CudaSlice<X>, String> {
-    let data = t.as_slice().ok_or("input not in standard layout")?;
-    if data.is_empty() {
-        // cudarc cannot allocate 0 elements; the kernels read nothing of an empty tensor.
-        return stream.alloc_zeros::<X>(1).map_err(|e| e.to_string());
-    }
-    stream.clone_htod(data).map_err(|e| e.to_string())
-}
-
-/// An output buffer: `n` NaNs then the guard band.
-fn poisoned<X: DeviceRepr + Copy>(
-    stream: &Arc<CudaStream>,
-    n: usize,
-    nan: X,
-    guard: X,
-) -> Result<CudaSlice<X>, String> {
-    let mut init = vec![nan; n];
-    init.extend(std::iter::repeat_n(guard, GUARD));
-    stream.clone_htod(&init).map_err(|e| e.to_string())
-}
-
-/// Splits a downloaded output at its length, checking the guard band after it.
-fn unguard<X: Copy>(
-    name: &str,
-    back: Vec<X>,
-    n: usize,
-    shape: &[usize],
-    intact: impl Fn(X) -> bool,
-) -> Result<ArrayD<X>, String> {
-    if let Some(i) = back[n..].iter().position(|&x| !intact(x)) {
-        return Err(format!("{name} guard band element {i} past the output was overwritten"));
-    }
-    ArrayD::from_shape_vec(IxDyn(shape), back[..n].to_vec()).map_err(|e| e.to_string())
-}
-
-/// One backward with NaN-poisoned, guarded outputs; checks the guards and that no device input changed.
+/// One backward of the production kernels, guarded (see [`common::run_backward_guarded`]).
 fn run_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     p: &Problem<T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<Grads<T>, String> {
-    let spec = &p.case.spec;
-    let (q, k, v) = (upload(stream, &p.case.q)?, upload(stream, &p.case.k)?, upload(stream, &p.case.v)?);
-    let (o, lse, d_out) = (upload(stream, &p.o)?, upload(stream, &p.lse)?, upload(stream, &p.d_out)?);
-    let shape = |op: Operand| spec.expected_shape(op);
-    let n = |op: Operand| shape(op).iter().product::<usize>();
-    let nan = <T as Element>::from_f32(f32::NAN);
-    let guard = T::from_bits16(GUARD_BITS_16);
-    let mut dq = poisoned(stream, n(Operand::Q), nan, guard)?;
-    let mut dk = poisoned(stream, n(Operand::K), nan, guard)?;
-    let mut dv = poisoned(stream, n(Operand::V), nan, guard)?;
-    let mut delta = poisoned(stream, n(Operand::RowStat), f32::NAN, f32::from_bits(GUARD_BITS_32))?;
-    flash_backward_device(
-        stream,
-        spec,
-        BackwardDeviceInputs { q: &q, k: &k, v: &v, o: &o, lse: &lse, d_out: &d_out },
-        BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta },
-        strategy,
-    )
-    .map_err(|e| e.to_string())?;
-    let down = |b: &CudaSlice<T>| stream.clone_dtoh(b).map_err(|e| e.to_string());
-    let (dq_b, dk_b, dv_b) = (down(&dq)?, down(&dk)?, down(&dv)?);
-    let delta_b = stream.clone_dtoh(&delta).map_err(|e| e.to_string())?;
-    let inputs_back = [down(&q)?, down(&k)?, down(&v)?, down(&o)?, down(&d_out)?];
-    let lse_back = stream.clone_dtoh(&lse).map_err(|e| e.to_string())?;
-    stream.synchronize().map_err(|e| e.to_string())?;
-    let originals = [("q", &p.case.q), ("k", &p.case.k), ("v", &p.case.v), ("o", &p.o), ("d_out", &p.d_out)];
-    for ((name, original), back) in originals.into_iter().zip(&inputs_back) {
-        if !original.iter().zip(back.iter()).all(|(a, b)| a.bits() == b.bits()) {
-            return Err(format!("device input `{name}` changed during the backward"));
-        }
-    }
-    if !p.lse.iter().zip(&lse_back).all(|(a, b)| a.to_bits() == b.to_bits()) {
-        return Err("device input `lse` changed during the backward".into());
-    }
-    let g16 = |x: T| x.bits() == GUARD_BITS_16;
-    Ok(Grads {
-        dq: unguard("dQ", dq_b, n(Operand::Q), &shape(Operand::Q), g16)?,
-        dk: unguard("dK", dk_b, n(Operand::K), &shape(Operand::K), g16)?,
-        dv: unguard("dV", dv_b, n(Operand::V), &shape(Operand::V), g16)?,
-        delta: unguard("D", delta_b, n(Operand::RowStat), &shape(Operand::RowStat), |x: f32| {
-            x.to_bits() == GUARD_BITS_32
-        })?,
-    })
+    run_backward_guarded(stream, p, FLASH_BWD, strategy)
 }
 
 /// Worst error/bound per output over a test, for the summary line.
@@ -222,7 +63,7 @@ impl Worst {
 /// Verifies one run; a case outside the model's hypothesis is a rejection, not a failure of the kernel.
 fn verify<T: Storage>(p: &Problem<T>, g: &Grads<T>, worst: &Worst) -> Result<Verdict, TestCaseError> {
     let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-    match verify_backward(&p.case, &p.d_out, Q_TILE, kernel_recipe::<T>(), candidate) {
+    match verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe::<T>(), candidate) {
         Ok(v) => {
             worst.record(&v);
             Ok(v)
@@ -268,15 +109,6 @@ fn check<T: Storage>(
         }
     }
     Ok(())
-}
-
-/// The harness's shapes (lengths around the 64-row tiles), head dims rounded up to the supported multiples of 8.
-fn kernel_spec() -> impl Strategy<Value = AttentionSpec> {
-    spec(KV_TILE).prop_map(|mut s| {
-        s.head_dim = s.head_dim.div_ceil(8) * 8;
-        s.head_dim_v = s.head_dim_v.div_ceil(8) * 8;
-        s
-    })
 }
 
 fn fuzz<T: Storage>(test_name: &str, cases: u32) {
@@ -325,22 +157,6 @@ fn named(test_name: &str, cases: &[(AttentionSpec, ValueProfile)]) {
         one::<f16>(&stream, spec, *profile, &worst);
     }
     println!("{test_name}: {} cases x 2 dtypes x 3 strategies, worst error/bound {}", cases.len(), worst.summary());
-}
-
-fn gaussian(logit_scale: f64) -> ValueProfile {
-    ValueProfile { distribution: Distribution::Gaussian, logit_scale, value_mean: 0.0 }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn dense(b: usize, hq: usize, hkv: usize, lq: usize, lk: usize, d: usize, dv: usize, mask: Mask) -> AttentionSpec {
-    AttentionSpec::dense(b, hq, hkv, lq, lk, d, dv).with_mask(mask)
-}
-
-fn varlen(cu_q: &[i32], cu_k: &[i32], hq: usize, hkv: usize, d: usize, dv: usize, mask: Mask) -> AttentionSpec {
-    AttentionSpec {
-        layout: Layout::Varlen { cu_seqlens_q: cu_q.to_vec(), cu_seqlens_k: cu_k.to_vec() },
-        ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, dv).with_mask(mask)
-    }
 }
 
 #[test]

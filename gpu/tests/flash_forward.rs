@@ -7,66 +7,24 @@
 //! verdict to pass and the discriminability gate to be valid. Without a device each test prints
 //! `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
+mod common;
+
+use common::*;
 use std::sync::Arc;
 
-use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
-use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
+use attnproof_gpu::compile::FLASH_FWD;
+use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{GpuElement, GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
-use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
-use attnproof_harness::strategies::{profile, spec, suite_config};
+use attnproof_harness::strategies::{profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Layout, Mask, Predicate};
-use attnproof_proofs::flash_bound::{Accumulation, FlashRecipe};
-use attnproof_reference::Element;
-use cudarc::driver::{CudaSlice, CudaStream};
+use attnproof_oracle::{AttentionSpec, Mask, Predicate};
+use cudarc::driver::CudaStream;
 use half::{bf16, f16};
-use ndarray::{ArrayD, IxDyn};
+use ndarray::ArrayD;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
-
-/// Elements of sentinel past each output.
-const GUARD: usize = 256;
-/// Bit pattern of the output guard bands: a NaN payload no arithmetic produces.
-const GUARD_BITS_16: u16 = 0x7fa5;
-const GUARD_BITS_32: u32 = 0x7fc0_a5a5;
-
-/// A storage type both the kernel and the verifier know.
-trait Storage: GpuElement + Element {
-    fn bits(self) -> u16;
-    fn from_bits16(bits: u16) -> Self;
-}
-
-impl Storage for bf16 {
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn from_bits16(bits: u16) -> Self {
-        bf16::from_bits(bits)
-    }
-}
-
-impl Storage for f16 {
-    fn bits(self) -> u16 {
-        self.to_bits()
-    }
-    fn from_bits16(bits: u16) -> Self {
-        f16::from_bits(bits)
-    }
-}
-
-/// The kernel's recipe for `T`: the reference's storage type and tiling, with `ex2.approx`'s exp error and the
-/// shift rounding of `fl(m·log2 e)` (both justified in `attnproof_gpu::flash`).
-fn kernel_recipe<T: Element>() -> FlashRecipe {
-    FlashRecipe {
-        exp_error: EXP_RELATIVE_ERROR,
-        shift_rounding: SHIFT_ROUNDING,
-        // m16n8k16 MMAs: 16 products per instruction, aligned and truncated before the add.
-        accumulation: Accumulation::TensorCore { k_step: 16 },
-        ..recipe::<T>(KV_TILE)
-    }
-}
 
 /// Output bits, for bitwise comparisons (NaN-safe).
 type Bits = (Vec<u16>, Vec<u32>);
@@ -75,60 +33,10 @@ fn bits_of<T: Storage>(o: &ArrayD<T>, lse: &ArrayD<f32>) -> Bits {
     (o.iter().map(|x| x.bits()).collect(), lse.iter().map(|x| x.to_bits()).collect())
 }
 
-fn upload<T: Storage>(stream: &Arc<CudaStream>, t: &ArrayD<T>) -> Result<CudaSlice<T>, String> {
-    let data = t.as_slice().ok_or("input not in standard layout")?;
-    if data.is_empty() {
-        // cudarc cannot allocate 0 elements; the kernel reads nothing of an empty tensor.
-        return stream.alloc_zeros::<T>(1).map_err(|e| e.to_string());
-    }
-    stream.clone_htod(data).map_err(|e| e.to_string())
-}
-
-/// One launch of the production kernel and tiling, guarded as [`run_guarded_with`] says.
+/// One launch of the production kernel and tiling, guarded (see [`common::run_forward_guarded`]).
 fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
     let tiling = ForwardTiling::for_head_dims(case.spec.head_dim, case.spec.head_dim_v);
-    run_guarded_with(stream, case, FLASH_FWD, tiling)
-}
-
-/// One launch with NaN-poisoned outputs followed by guard bands; checks the guards and the device inputs afterwards.
-fn run_guarded_with<T: Storage>(
-    stream: &Arc<CudaStream>,
-    case: &Case<T>,
-    kernel: KernelSource,
-    tiling: ForwardTiling,
-) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
-    let spec = &case.spec;
-    let (q, k, v) = (upload(stream, &case.q)?, upload(stream, &case.k)?, upload(stream, &case.v)?);
-    let o_shape = spec.expected_shape(Operand::O);
-    let lse_shape = spec.expected_shape(Operand::RowStat);
-    let (n_o, n_lse) = (o_shape.iter().product::<usize>(), lse_shape.iter().product::<usize>());
-    let mut o_init = vec![<T as Element>::from_f32(f32::NAN); n_o];
-    o_init.extend(std::iter::repeat_n(T::from_bits16(GUARD_BITS_16), GUARD));
-    let mut lse_init = vec![f32::NAN; n_lse];
-    lse_init.extend(std::iter::repeat_n(f32::from_bits(GUARD_BITS_32), GUARD));
-    let mut o = stream.clone_htod(&o_init).map_err(|e| e.to_string())?;
-    let mut lse = stream.clone_htod(&lse_init).map_err(|e| e.to_string())?;
-    flash_forward_device_with(stream, spec, kernel, tiling, &q, &k, &v, &mut o, &mut lse).map_err(|e| e.to_string())?;
-    let o_back = stream.clone_dtoh(&o).map_err(|e| e.to_string())?;
-    let lse_back = stream.clone_dtoh(&lse).map_err(|e| e.to_string())?;
-    let inputs_back = [&q, &k, &v].map(|t| stream.clone_dtoh(t).map_err(|e| e.to_string()));
-    stream.synchronize().map_err(|e| e.to_string())?;
-    if let Some(i) = o_back[n_o..].iter().position(|x| x.bits() != GUARD_BITS_16) {
-        return Err(format!("O guard band element {i} past the output was overwritten"));
-    }
-    if let Some(i) = lse_back[n_lse..].iter().position(|x| x.to_bits() != GUARD_BITS_32) {
-        return Err(format!("LSE guard band element {i} past the output was overwritten"));
-    }
-    for ((name, original), back) in [("q", &case.q), ("k", &case.k), ("v", &case.v)].into_iter().zip(inputs_back) {
-        let back = back?;
-        let same = original.iter().zip(back.iter()).all(|(a, b)| a.bits() == b.bits());
-        if !same {
-            return Err(format!("device input `{name}` changed during the launch"));
-        }
-    }
-    let o = ArrayD::from_shape_vec(IxDyn(&o_shape), o_back[..n_o].to_vec()).map_err(|e| e.to_string())?;
-    let lse = ArrayD::from_shape_vec(IxDyn(&lse_shape), lse_back[..n_lse].to_vec()).map_err(|e| e.to_string())?;
-    Ok((o, lse))
+    run_forward_guarded(stream, case, FLASH_FWD, tiling)
 }
 
 /// Runs A, B, A; requires both A results bitwise equal; verifies A and B. Returns the verdicts.
@@ -142,7 +50,7 @@ fn check<T: Storage>(stream: &Arc<CudaStream>, a: &Case<T>, b: &Case<T>) -> Resu
     }
     let verify = |case: &Case<T>, o: &ArrayD<T>, lse: &ArrayD<f32>| match verify_forward(
         case,
-        kernel_recipe::<T>(),
+        forward_recipe::<T>(),
         o.view(),
         lse.view(),
     ) {
@@ -152,20 +60,6 @@ fn check<T: Storage>(stream: &Arc<CudaStream>, a: &Case<T>, b: &Case<T>) -> Resu
         Err(e) => Err(fail(e.to_string())),
     };
     Ok([verify(a, &o_a, &lse_a)?, verify(b, &o_b, &lse_b)?])
-}
-
-/// Head dims the kernel supports: the strategy's awkward 1, 59 and 111 rounded up to multiples of 8.
-fn supported(dim: usize) -> usize {
-    dim.div_ceil(8) * 8
-}
-
-/// The harness's shapes (lengths around the kernel's 64-row tiles), restricted to what the kernel supports.
-fn kernel_spec() -> impl Strategy<Value = AttentionSpec> {
-    spec(KV_TILE).prop_map(|mut s| {
-        s.head_dim = supported(s.head_dim);
-        s.head_dim_v = supported(s.head_dim_v);
-        s
-    })
 }
 
 fn fuzz<T: Storage>(test_name: &str, cases: u32) {
@@ -223,21 +117,6 @@ fn named(test_name: &str, cases: &[(AttentionSpec, ValueProfile)]) {
         worst = worst.max(one::<bf16>(&stream, spec, *profile)).max(one::<f16>(&stream, spec, *profile));
     }
     println!("{test_name}: {} cases x 2 dtypes, worst error/bound {worst:.3e}", cases.len());
-}
-
-fn gaussian(logit_scale: f64) -> ValueProfile {
-    ValueProfile { distribution: Distribution::Gaussian, logit_scale, value_mean: 0.0 }
-}
-
-fn dense(b: usize, hq: usize, hkv: usize, lq: usize, lk: usize, d: usize, dv: usize, mask: Mask) -> AttentionSpec {
-    AttentionSpec::dense(b, hq, hkv, lq, lk, d, dv).with_mask(mask)
-}
-
-fn varlen(cu_q: &[i32], cu_k: &[i32], hq: usize, hkv: usize, d: usize, dv: usize, mask: Mask) -> AttentionSpec {
-    AttentionSpec {
-        layout: Layout::Varlen { cu_seqlens_q: cu_q.to_vec(), cu_seqlens_k: cu_k.to_vec() },
-        ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, dv).with_mask(mask)
-    }
 }
 
 #[test]
@@ -357,13 +236,13 @@ fn all_tilings_agree_bitwise() {
         let case = make_case::<bf16>(spec, gaussian(4.0), 21);
         let chosen = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
         let (o, lse) = run_guarded(&stream, &case).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
-        let v = verify_forward(&case, kernel_recipe::<bf16>(), o.view(), lse.view()).expect("verify");
+        let v = verify_forward(&case, forward_recipe::<bf16>(), o.view(), lse.view()).expect("verify");
         assert!(v.passed() && v.valid(), "{spec:?}:\n{v}");
         let reference = bits_of(&o, &lse);
         for tiling in
             ForwardTiling::ALL.into_iter().filter(|t| *t != chosen && t.supports(spec.head_dim, spec.head_dim_v))
         {
-            let (o2, lse2) = run_guarded_with(&stream, &case, FLASH_FWD, tiling)
+            let (o2, lse2) = run_forward_guarded(&stream, &case, FLASH_FWD, tiling)
                 .unwrap_or_else(|e| panic!("{tiling:?} {spec:?}: {e}"));
             assert!(bits_of(&o2, &lse2) == reference, "{tiling:?} differs from {chosen:?} on {spec:?}");
             compared += 1;

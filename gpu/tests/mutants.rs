@@ -1,27 +1,29 @@
-//! GPU mutants: named source patches of `gpu/kernels/flash_fwd.cu`, each compiled by NVRTC through the same
-//! `compile::module_from_source` path as the production kernel and launched through the production wrapper
-//! (`flash::flash_forward_device_with`), must all be killed by the oracle verdicts of a few small cases.
+//! GPU mutants: named source patches of `gpu/kernels/flash_fwd.cu` and `gpu/kernels/flash_bwd.cu`, each compiled by
+//! NVRTC through the same `compile::module_from_source` path as the production kernels and launched through the
+//! production wrappers (`flash_forward_device_with`, `flash_backward_device_with`), with NaN-poisoned, guarded
+//! outputs, must all be killed by the oracle verdicts of a few small cases.
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
 //! means the patch, not the case, broke the result. Each patch must match its anchor exactly once, so a refactor of
-//! the kernel that moves an anchor fails this test instead of silently dropping the mutant. Without a device the test
-//! prints `skipped: no CUDA device` and passes.
+//! a kernel that moves an anchor fails this test instead of silently dropping the mutant. Without a device the tests
+//! print `skipped: no CUDA device` and pass.
+
+mod common;
 
 use std::sync::Arc;
 
-use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
-use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
-use attnproof_gpu::skip_unless_gpu;
-use attnproof_harness::flash::recipe;
+use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
+use attnproof_gpu::flash::ForwardTiling;
+use attnproof_gpu::{GpuBackwardStrategy, skip_unless_gpu};
+use attnproof_harness::backward::{BackwardCandidate, verify_backward};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::{Case, verify_forward};
-use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
-use attnproof_proofs::flash_bound::{Accumulation, FlashRecipe};
+use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
-use ndarray::{ArrayD, IxDyn};
 
 /// One mutant: replace `find` (which must occur exactly once) by `replace`.
 struct Mutant {
@@ -30,8 +32,8 @@ struct Mutant {
     replace: &'static str,
 }
 
-/// The catalog. Each entry is a plausible kernel bug; the comment says which check should see it.
-const MUTANTS: &[Mutant] = &[
+/// Mutants of `flash_fwd.cu`. Each entry is a plausible kernel bug; the comment says which check should see it.
+const FORWARD_MUTANTS: &[Mutant] = &[
     // Causal aligned top-left instead of bottom-right: wrong whenever Lq ≠ Lk.
     Mutant {
         name: "causal_top_left",
@@ -114,22 +116,62 @@ const MUTANTS: &[Mutant] = &[
     Mutant { name: "window_left_ignored", find: "&& j >= diag - win_left;", replace: ";" },
 ];
 
-fn kernel_recipe() -> FlashRecipe {
-    FlashRecipe {
-        exp_error: EXP_RELATIVE_ERROR,
-        shift_rounding: SHIFT_ROUNDING,
-        accumulation: Accumulation::TensorCore { k_step: 16 },
-        ..recipe::<bf16>(KV_TILE)
-    }
-}
+/// Mutants of `flash_bwd.cu`, each a plausible bug of one of its four kernels.
+const BACKWARD_MUTANTS: &[Mutant] = &[
+    // dS = P ∘ dP without subtracting D (E9): the softmax Jacobian's rank-one term is lost.
+    Mutant {
+        name: "bwd_ds_missing_delta",
+        find: "__fmul_rn(p, __fsub_rn(dpt[n][e], delta_s[qc]))",
+        replace: "__fmul_rn(p, dpt[n][e])",
+    },
+    // The last query tile that sees a KV tile is skipped: its rows add nothing to dK and dV.
+    Mutant {
+        name: "bwd_kv_tile_rows_off_by_one",
+        find: "*a_hi = (int)(row_hi / TILE);",
+        replace: "*a_hi = (int)(row_hi / TILE) - 1;",
+    },
+    // GQA: each query head's dK overwrites the group's sum instead of adding to it.
+    Mutant {
+        name: "bwd_gqa_dk_overwritten",
+        find: "tot_k[at] = hh == 0 ? acc_k[n][e] : __fadd_rn(tot_k[at], acc_k[n][e]);",
+        replace: "tot_k[at] = acc_k[n][e];",
+    },
+    // dK is written without the softmax scale α̂ (dS is the gradient of the scaled scores).
+    Mutant {
+        name: "bwd_dk_missing_scale",
+        find: "pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])))",
+        replace: "pack_elems(to_elem(xk[0]), to_elem(xk[1]))",
+    },
+    // D = rowsum(dO ∘ O) reduced over 16 of the 32 lanes only.
+    Mutant {
+        name: "bwd_delta_half_reduced",
+        find: "for (int off = 16; off > 0; off >>= 1)",
+        replace: "for (int off = 16; off > 1; off >>= 1)",
+    },
+    // The atomic dQ mode drops the odd column of each pair.
+    Mutant { name: "bwd_atomic_dq_column_lost", find: "atomicAdd(dq_acc + idx + 1, part[2 * r + 1]);", replace: "" },
+    // The window's left bound is not applied when P is recomputed in the KV-owner kernel.
+    Mutant {
+        name: "bwd_window_left_ignored",
+        find: "j >= i + shift - win_left && lse_s[qc] != NEG_INF;",
+        replace: "lse_s[qc] != NEG_INF;",
+    },
+];
 
-fn gaussian(logit_scale: f64) -> ValueProfile {
-    ValueProfile { distribution: Distribution::Gaussian, logit_scale, value_mean: 0.0 }
+/// The backward's killing cases: Lq ≠ Lk both ways with tails, GQA, a window, causal, and a logit scale of 4.
+fn backward_cases(stream: &Arc<CudaStream>) -> Vec<(&'static str, Problem<bf16>)> {
+    let d64 = |b, hq, hkv, lq, lk, mask: Mask| AttentionSpec::dense(b, hq, hkv, lq, lk, 64, 64).with_mask(mask);
+    vec![
+        ("causal_lq_gt_lk_gqa", problem(stream, &d64(1, 4, 2, 150, 100, Mask::Causal), gaussian(1.0), 13)),
+        ("none_lq_lt_lk_tail", problem(stream, &d64(1, 2, 1, 70, 140, Mask::None), gaussian(1.0), 14)),
+        ("window_7_3", problem(stream, &d64(1, 2, 2, 130, 130, Mask::Window { left: 7, right: 3 }), gaussian(1.0), 15)),
+        ("logit_scale_4", problem(stream, &d64(1, 1, 1, 65, 129, Mask::None), gaussian(4.0), 16)),
+    ]
 }
 
 /// The killing cases: one head dim (one module per mutant), masks, Lq ≠ Lk both ways, tails, GQA, a window, and a
 /// row max in the last tile at logit scale 100.
-fn cases() -> Vec<(&'static str, Case<bf16>)> {
+fn forward_cases() -> Vec<(&'static str, Case<bf16>)> {
     let dense = |b, hq, hkv, lq, lk, mask: Mask| AttentionSpec::dense(b, hq, hkv, lq, lk, 64, 64).with_mask(mask);
     vec![
         ("causal_lq_gt_lk_gqa", make_case(&dense(1, 4, 2, 200, 130, Mask::Causal), gaussian(1.0), 3)),
@@ -146,24 +188,12 @@ fn cases() -> Vec<(&'static str, Case<bf16>)> {
     ]
 }
 
-/// Runs `kernel` on `case` with NaN-poisoned outputs; `Ok(())` when the verdict passes and the gate is valid,
-/// otherwise why not.
-fn check(stream: &Arc<CudaStream>, kernel: KernelSource, case: &Case<bf16>) -> Result<(), String> {
-    let spec = &case.spec;
-    let up = |t: &ArrayD<bf16>| stream.clone_htod(t.as_slice().expect("standard layout")).map_err(|e| e.to_string());
-    let (q, k, v) = (up(&case.q)?, up(&case.k)?, up(&case.v)?);
-    let o_shape = spec.expected_shape(Operand::O);
-    let lse_shape = spec.expected_shape(Operand::RowStat);
-    let mut o = stream.clone_htod(&vec![bf16::NAN; o_shape.iter().product()]).map_err(|e| e.to_string())?;
-    let mut lse = stream.clone_htod(&vec![f32::NAN; lse_shape.iter().product()]).map_err(|e| e.to_string())?;
-    let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
-    flash_forward_device_with(stream, spec, kernel, tiling, &q, &k, &v, &mut o, &mut lse).map_err(|e| e.to_string())?;
-    let o = stream.clone_dtoh(&o).map_err(|e| e.to_string())?;
-    let lse = stream.clone_dtoh(&lse).map_err(|e| e.to_string())?;
-    stream.synchronize().map_err(|e| e.to_string())?;
-    let o = ArrayD::from_shape_vec(IxDyn(&o_shape), o).map_err(|e| e.to_string())?;
-    let lse = ArrayD::from_shape_vec(IxDyn(&lse_shape), lse).map_err(|e| e.to_string())?;
-    let verdict = verify_forward(case, kernel_recipe(), o.view(), lse.view()).map_err(|e| e.to_string())?;
+/// Runs the forward `kernel` on `case` (guarded); `Ok(())` when the verdict passes and the gate is valid, otherwise
+/// why not.
+fn check_forward(stream: &Arc<CudaStream>, kernel: KernelSource, case: &Case<bf16>) -> Result<(), String> {
+    let tiling = ForwardTiling::for_head_dims(case.spec.head_dim, case.spec.head_dim_v);
+    let (o, lse) = run_forward_guarded(stream, case, kernel, tiling)?;
+    let verdict = verify_forward(case, forward_recipe::<bf16>(), o.view(), lse.view()).map_err(|e| e.to_string())?;
     if verdict.passed() && verdict.valid() {
         Ok(())
     } else {
@@ -171,32 +201,47 @@ fn check(stream: &Arc<CudaStream>, kernel: KernelSource, case: &Case<bf16>) -> R
     }
 }
 
-/// The kernel text with one patch applied; panics unless the anchor occurs exactly once.
-fn patched(m: &Mutant) -> KernelSource {
-    let n = FLASH_FWD.source.matches(m.find).count();
-    assert_eq!(n, 1, "mutant `{}`: anchor {:?} occurs {n} times in flash_fwd.cu", m.name, m.find);
-    // Leaked: a module's cache key holds its source for the rest of the process, and the catalog is small.
-    let text: &'static str = Box::leak(FLASH_FWD.source.replacen(m.find, m.replace, 1).into_boxed_str());
-    KernelSource { name: FLASH_FWD.name, source: text }
+/// Runs the backward `kernel` with every dQ strategy on `p` (guarded); `Ok(())` when every verdict passes with a
+/// valid gate, otherwise the first strategy's reason.
+fn check_backward(stream: &Arc<CudaStream>, kernel: KernelSource, p: &Problem<bf16>) -> Result<(), String> {
+    for strategy in GpuBackwardStrategy::ALL {
+        let g = run_backward_guarded(stream, p, kernel, strategy).map_err(|e| format!("{strategy:?}: {e}"))?;
+        let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
+        let verdict = verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe::<bf16>(), candidate)
+            .map_err(|e| format!("{strategy:?}: {e}"))?;
+        if !(verdict.passed() && verdict.valid()) {
+            return Err(format!("{strategy:?}: verdict failed, worst error/bound {:.3e}", verdict.max_ratio()));
+        }
+    }
+    Ok(())
 }
 
-#[test]
-fn all_gpu_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_gpu_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    let cases = cases();
-    for (name, case) in &cases {
-        if let Err(why) = check(&stream, FLASH_FWD, case) {
-            panic!("the unpatched kernel fails case `{name}`: {why}");
+/// `base` with one patch applied; panics unless the anchor occurs exactly once.
+fn patched(base: KernelSource, m: &Mutant) -> KernelSource {
+    let n = base.source.matches(m.find).count();
+    assert_eq!(n, 1, "mutant `{}`: anchor {:?} occurs {n} times in {}", m.name, m.find, base.name);
+    // Leaked: a module's cache key holds its source for the rest of the process, and the catalog is small.
+    let text: &'static str = Box::leak(base.source.replacen(m.find, m.replace, 1).into_boxed_str());
+    KernelSource { name: base.name, source: text }
+}
+
+/// Requires the unpatched `base` to pass every case, then every mutant of `catalog` to fail one; prints the table.
+fn hunt<C>(
+    base: KernelSource,
+    catalog: &[Mutant],
+    cases: &[(&str, C)],
+    check: impl Fn(KernelSource, &C) -> Result<(), String>,
+) {
+    for (name, case) in cases {
+        if let Err(why) = check(base, case) {
+            panic!("the unpatched {} fails case `{name}`: {why}", base.name);
         }
     }
     let mut survivors = vec![];
     println!("{:<28} {:<24} detail", "mutant", "killed by");
-    for m in MUTANTS {
-        let kernel = patched(m);
-        let kill = cases.iter().find_map(|(name, case)| check(&stream, kernel, case).err().map(|why| (*name, why)));
+    for m in catalog {
+        let kernel = patched(base, m);
+        let kill = cases.iter().find_map(|(name, case)| check(kernel, case).err().map(|why| (*name, why)));
         match kill {
             Some((by, why)) => {
                 let first_line = why.lines().next().unwrap_or("").chars().take(70).collect::<String>();
@@ -208,19 +253,40 @@ fn all_gpu_mutants_are_killed() {
             }
         }
     }
-    println!("gpu mutants: {} of {} killed", MUTANTS.len() - survivors.len(), MUTANTS.len());
-    assert!(survivors.is_empty(), "surviving GPU mutants: {survivors:?}");
+    println!("gpu mutants of {}: {} of {} killed", base.name, catalog.len() - survivors.len(), catalog.len());
+    assert!(survivors.is_empty(), "surviving GPU mutants of {}: {survivors:?}", base.name);
 }
 
 #[test]
-fn catalog_has_at_least_ten_distinct_mutants_with_unique_anchors() {
-    assert!(MUTANTS.len() >= 10);
-    let mut names: Vec<_> = MUTANTS.iter().map(|m| m.name).collect();
-    names.sort_unstable();
-    names.dedup();
-    assert_eq!(names.len(), MUTANTS.len(), "duplicate mutant names");
-    for m in MUTANTS {
-        assert_eq!(FLASH_FWD.source.matches(m.find).count(), 1, "mutant `{}`: anchor {:?}", m.name, m.find);
-        assert_ne!(m.find, m.replace, "mutant `{}` changes nothing", m.name);
+fn all_forward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_forward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    hunt(FLASH_FWD, FORWARD_MUTANTS, &forward_cases(), |kernel, case| check_forward(&stream, kernel, case));
+}
+
+#[test]
+fn all_backward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_backward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = backward_cases(&stream);
+    hunt(FLASH_BWD, BACKWARD_MUTANTS, &cases, |kernel, p| check_backward(&stream, kernel, p));
+}
+
+#[test]
+fn catalogs_have_distinct_mutants_with_unique_anchors() {
+    assert!(FORWARD_MUTANTS.len() + BACKWARD_MUTANTS.len() >= 10);
+    for (base, catalog) in [(FLASH_FWD, FORWARD_MUTANTS), (FLASH_BWD, BACKWARD_MUTANTS)] {
+        let mut names: Vec<_> = catalog.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), catalog.len(), "duplicate mutant names in {}", base.name);
+        for m in catalog {
+            assert_eq!(base.source.matches(m.find).count(), 1, "mutant `{}`: anchor {:?}", m.name, m.find);
+            assert_ne!(m.find, m.replace, "mutant `{}` changes nothing", m.name);
+        }
     }
 }

@@ -9,12 +9,17 @@
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward]`. `--all-tilings` also times every
 //! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
-//! `--backward` is the hook for the backward kernel: it adds backward rows once `attnproof_gpu` has one.
+//! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
+//! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
+//! 2.5 times the forward's.
 
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use attnproof_gpu::backward::{
+    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, flash_backward_device,
+};
 use attnproof_gpu::compile::FLASH_FWD;
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -85,26 +90,22 @@ fn upload(stream: &Arc<CudaStream>, n: usize, seed: u64) -> Result<CudaSlice<bf1
     stream.clone_htod(&random_bf16(n, seed)).map_err(|e| format!("upload: {e}"))
 }
 
-/// Median milliseconds of `reps` launches of `fwd`, after `warmup` untimed ones, cycling the input sets.
-fn time_forward(
+/// Median milliseconds of `reps` calls of `launch(set)`, each bracketed by CUDA events, after `warmup` untimed
+/// ones, cycling the input sets.
+fn median_ms(
     stream: &Arc<CudaStream>,
-    fwd: &PreparedForward<bf16>,
-    inputs: &Inputs,
-    o: &mut CudaSlice<bf16>,
-    lse: &mut CudaSlice<f32>,
     opts: &Options,
+    mut launch: impl FnMut(usize) -> Result<(), String>,
 ) -> Result<f64, String> {
     let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let err = |e: &dyn std::fmt::Display| e.to_string();
     for i in 0..opts.warmup {
-        let s = i % SETS;
-        fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], o, lse).map_err(|e| err(&e))?;
+        launch(i % SETS)?;
     }
     let mut events = Vec::with_capacity(opts.reps);
     for i in 0..opts.reps {
-        let s = i % SETS;
         let start = stream.record_event(flags).map_err(|e| err(&e))?;
-        fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], o, lse).map_err(|e| err(&e))?;
+        launch(i % SETS)?;
         let end = stream.record_event(flags).map_err(|e| err(&e))?;
         events.push((start, end));
     }
@@ -118,16 +119,50 @@ fn time_forward(
     Ok(ms[ms.len() / 2])
 }
 
+/// The backward's inputs beyond Q, K, V: per input set the forward's `O` and LSE, and a random `dO`.
+struct BackwardInputs {
+    o: Vec<CudaSlice<bf16>>,
+    lse: Vec<CudaSlice<f32>>,
+    d_out: Vec<CudaSlice<bf16>>,
+}
+
+/// Runs the forward on every input set (untimed) and draws the upstream gradients.
+fn backward_inputs(
+    stream: &Arc<CudaStream>,
+    fwd: &PreparedForward<bf16>,
+    inputs: &Inputs,
+    n: usize,
+    rows: usize,
+) -> Result<BackwardInputs, String> {
+    let mut out = BackwardInputs { o: vec![], lse: vec![], d_out: vec![] };
+    for s in 0..SETS {
+        let mut o = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+        let mut lse = stream.alloc_zeros::<f32>(rows).map_err(|e| e.to_string())?;
+        fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse).map_err(|e| e.to_string())?;
+        out.o.push(o);
+        out.lse.push(lse);
+        out.d_out.push(upload(stream, n, 100 + s as u64)?);
+    }
+    Ok(out)
+}
+
+/// One CSV row, printed at once (a long run shows progress) and kept for `--csv`.
+fn emit(out: &mut String, line: String) {
+    print!("{line}");
+    std::io::stdout().flush().ok();
+    out.push_str(&line);
+}
+
+/// The strategies the benchmark times. The deterministic KV-owner mode is left out: its per-KV-tile dQ partials
+/// take `⌈Lk/64⌉` copies of dQ in f32 (268 GB at L = 65536), so it is a verification mode, not a fast path.
+const TIMED_STRATEGIES: [(GpuBackwardStrategy, &str); 2] =
+    [(GpuBackwardStrategy::TwoTraversals, "two-traversals"), (GpuBackwardStrategy::KvOwnerAtomic, "kv-owner-atomic")];
+
 fn run(opts: &Options) -> Result<(), String> {
     let ctx = cuda_device().map_err(|e| e.to_string())?;
     let stream = ctx.new_stream().map_err(|e| e.to_string())?;
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
-    if opts.backward {
-        // Hook: the backward kernel (gpu/src/backward.rs, another task) adds its rows here, timed by the same
-        // `time_*` method on the same inputs, with FLOPs 2.5× the forward's.
-        eprintln!("bench: no backward kernel in attnproof_gpu yet; backward rows skipped");
-    }
     for (b, h, l, d) in SHAPES {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
@@ -150,7 +185,10 @@ fn run(opts: &Options) -> Result<(), String> {
             let flops = 4.0 * (b * h * d) as f64 * (l as f64).powi(2) * if causal { 0.5 } else { 1.0 };
             for &t in &tilings {
                 let fwd = PreparedForward::<bf16>::new(&stream, &spec, FLASH_FWD, t).map_err(|e| e.to_string())?;
-                let ms = time_forward(&stream, &fwd, &inputs, &mut o, &mut lse, opts)?;
+                let ms = median_ms(&stream, opts, |s| {
+                    fwd.launch(&stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
+                        .map_err(|e| e.to_string())
+                })?;
                 let line = format!(
                     "\"({b},{h},{l},{d})\",{causal},fwd,{}x{},{},{ms:.4},{:.1}\n",
                     t.warps,
@@ -158,9 +196,38 @@ fn run(opts: &Options) -> Result<(), String> {
                     u8::from(t == default),
                     flops / ms / 1e9
                 );
-                print!("{line}");
-                std::io::stdout().flush().ok();
-                out.push_str(&line);
+                emit(&mut out, line);
+            }
+            if opts.backward {
+                let fwd =
+                    PreparedForward::<bf16>::new(&stream, &spec, FLASH_FWD, default).map_err(|e| e.to_string())?;
+                let extra = backward_inputs(&stream, &fwd, &inputs, n, b * h * l)?;
+                let mut dq = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+                let mut dk = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+                let mut dv = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+                let mut delta = stream.alloc_zeros::<f32>(b * h * l).map_err(|e| e.to_string())?;
+                for (strategy, name) in TIMED_STRATEGIES {
+                    let ms = median_ms(&stream, opts, |s| {
+                        let inputs = BackwardDeviceInputs {
+                            q: &inputs.q[s],
+                            k: &inputs.k[s],
+                            v: &inputs.v[s],
+                            o: &extra.o[s],
+                            lse: &extra.lse[s],
+                            d_out: &extra.d_out[s],
+                        };
+                        let outputs =
+                            BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
+                        flash_backward_device(&stream, &spec, inputs, outputs, strategy).map_err(|e| e.to_string())
+                    })?;
+                    // Five matrix products to the forward's two: 2.5 times its FLOPs, as the peers count them.
+                    let line = format!(
+                        "\"({b},{h},{l},{d})\",{causal},bwd,{name},{},{ms:.4},{:.1}\n",
+                        u8::from(strategy == GpuBackwardStrategy::TwoTraversals),
+                        2.5 * flops / ms / 1e9
+                    );
+                    emit(&mut out, line);
+                }
             }
         }
     }
