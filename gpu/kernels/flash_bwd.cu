@@ -1,23 +1,31 @@
-// FlashAttention backward (E6–E10) on tensor cores, compiled by NVRTC (see gpu/src/compile.rs and gpu/src/backward.rs).
+// FlashAttention backward (E6–E10) on tensor cores, compiled by NVRTC after common.cuh (see gpu/src/compile.rs and
+// gpu/src/backward.rs).
 //
 // Kernels (one module per storage type and padded head dims; all take the forward's scalar block, in its order):
-//   bwd_preprocess   D = rowsum(dO ∘ O) in f32 (E7), one warp per row.
-//   bwd_kv           KV owner: one CTA of 4 warps per (KV tile of 64 keys, KV head × column chunk, sequence); each warp
-//                    owns 16 keys. For every query head of the KV head's group and every query tile of 64 rows that
-//                    can see the KV tile (the others are skipped, not masked) it recomputes Sᵀ = α̂ K Qᵀ, Pᵀ, dPᵀ = V dOᵀ,
-//                    dSᵀ, accumulates dV += round_T(P)ᵀ dO and dK += dSᵀ Q in registers, and, per `dq_mode`, adds the
-//                    tile's dQ = dS K to an f32 accumulator with atomicAdd (1) or writes it as a per-KV-tile partial (2).
-//   bwd_dq           Strategy A's second traversal: one CTA per (query tile, query head × column chunk, sequence) owns
-//                    dQ, recomputing P and dS, no atomics.
-//   bwd_dq_finalize  dQ = round_T(α̂ · acc) from the atomic accumulator (mode 0) or from the partials summed in
-//                    ascending KV-tile order (mode 1: bitwise deterministic).
-// Every product uses mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}; k-steps whose 16 rows are all past the valid
-// length are skipped (they would add zeros), so a sum of n terms over t tiles takes at most ⌈n/16⌉ + t instructions.
-// Output columns are split in chunks of CHUNK (grid y), so the accumulators stay at 64 registers for any head dim;
-// S and dP are recomputed per chunk (correctness first: there is no tuned path yet).
+//   bwd_preprocess    D = rowsum(dO ∘ O) in f32 (E7), one warp per row.
+//   bwd_kv            KV owner: one CTA of KV_WARPS = 8 warps per (KV tile of KV_TILE = 128 keys, query head × column
+//                     chunk, sequence); warp w owns keys 16w … 16w + 15. For every query tile of Q_TILE = 64 rows
+//                     that can see the KV tile (the others are skipped, not masked) it recomputes Sᵀ = α̂ K Qᵀ, Pᵀ,
+//                     dPᵀ = V dOᵀ and dSᵀ, accumulates dV += round_T(P)ᵀ dO and dK += dSᵀ Q in registers over the
+//                     chunk's columns, and, per `dq_mode`, adds the tile's dQ = dS K to an f32 accumulator with
+//                     vector atomics (1) or writes it as a per-KV-tile partial (2). Q and dO tiles are double
+//                     buffered with cp.async (Q_STAGES = 2; 1 when the head dims are too wide for two stages), so
+//                     tile a + 1 loads while tile a computes. Without GQA it writes dK and dV; under GQA it writes
+//                     its query head's f32 dK, dV sums to a workspace for bwd_kv_group_sum.
+//   bwd_kv_group_sum  GQA: dK = round_T(α̂ · Σ_h dK_h), dV = round_T(Σ_h dV_h), summed in ascending head order.
+//   bwd_dq            Strategy A's second traversal: one CTA of 4 warps per (query tile, query head × column chunk,
+//                     sequence) owns dQ, recomputing P and dS over KV tiles of DQ_KV_TILE = 64 keys, no atomics.
+//   bwd_dq_finalize   dQ = round_T(α̂ · acc) from the atomic accumulator (mode 0) or from the partials summed in
+//                     ascending KV-tile order (mode 1: bitwise deterministic).
+// Every product uses mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16} with operands from ldmatrix (.trans where the
+// reduction runs along the tile's rows); k-steps whose 16 rows are all past the valid length are skipped (they would
+// add zeros), so a sum of n terms over t tiles takes at most ⌈n/16⌉ + t instructions. Output columns are split in
+// chunks of CHUNK ≤ 128 (grid y): up to 128 columns every accumulator stays in registers and S, dP are computed once;
+// wider head dims recompute S and dP per chunk.
 //
-// Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD (d rounded up to 16); HEAD_DIM_V_PAD (dv rounded up to
-// 16: dv is the reduction of dP). Padding columns are zero in shared memory.
+// Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD (d rounded up to 16); HEAD_DIM_V_PAD (dv rounded up
+// to 16: dv is the reduction of dP); CHUNK (a multiple of 32 up to 128); Q_STAGES (1 or 2). Padding columns are zero
+// in shared memory.
 //
 // Precision recipe (the rounding-error argument is in gpu/src/backward.rs):
 //   s    = fl(dot(q, k) · α̂)                      f32 from the tensor cores, α̂ = fl32(1/√d) from the host
@@ -25,37 +33,14 @@
 //   arg  = fma(s, L_hi, fma(s, L_lo, −bL))        ≈ (s − LSE)·log2 e with one rounding of the difference
 //   p    = ex2.approx(arg) if arg ≥ −64, else fl(ex2.approx(arg + 32) · 2^-32) (arg + 32 exact there): p is never
 //          a subnormal ex2 result, so its error is relative plus ½ ulp of the final underflow; p = 0 when masked
-//          or when LSE = −∞ (a row that sees no key)
+//          or when LSE = −∞ (a row that sees no key: bL = +∞ makes arg = −∞)
 //   dP   = dO · vᵀ                                f32 tensor cores
 //   dS   = round_T(fl(p · fl(dP − D)))
 //   dV  += round_T(p)ᵀ dO, dK += dSᵀ Q, dQ += dS K   f32 accumulators (GQA: per head, then summed in f32 in
-//          ascending head order in shared memory)
+//          ascending head order by bwd_kv_group_sum)
 //   dK   = round_T(fl(α̂ · dK)), dQ likewise, dV = round_T(dV)
-// Masks: as the forward (bottom-right aligned; "no bound" is 1 << 30).
-
-#if defined(ELEM_BF16)
-#include <cuda_bf16.h>
-typedef __nv_bfloat16 elem_t;
-#define MMA_ELEM "bf16"
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-__device__ __forceinline__ elem_t to_elem(float x) { return __float2bfloat16_rn(x); }
-__device__ __forceinline__ float to_f32(elem_t x) { return __bfloat162float(x); }
-#elif defined(ELEM_F16)
-#include <cuda_fp16.h>
-typedef __half elem_t;
-#define MMA_ELEM "f16"
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-__device__ __forceinline__ elem_t to_elem(float x) { return __float2half_rn(x); }
-__device__ __forceinline__ float to_f32(elem_t x) { return __half2float(x); }
-#else
-#error "define ELEM_BF16 or ELEM_F16"
-#endif
+// Masks: as the forward (bottom-right aligned; "no bound" is 1 << 30; 32-bit positions, since the host guarantees
+// Lq + Lk ≤ 2^30 per sequence).
 
 #ifndef HEAD_DIM_PAD
 #error "define HEAD_DIM_PAD"
@@ -63,81 +48,67 @@ __device__ __forceinline__ float to_f32(elem_t x) { return __half2float(x); }
 #ifndef HEAD_DIM_V_PAD
 #error "define HEAD_DIM_V_PAD"
 #endif
+#ifndef CHUNK
+#error "define CHUNK"
+#endif
+#ifndef Q_STAGES
+#error "define Q_STAGES"
+#endif
 
-#define TILE 64
+#define Q_TILE 64
+#define KV_TILE 128
+#define DQ_KV_TILE 64
 #define NUM_WARPS 4
-#define CHUNK 64
+#define THREADS (NUM_WARPS * 32)
+#define KV_WARPS 8
+#define KV_THREADS (KV_WARPS * 32)
+// Row padding of 8 elements (16 bytes): the 8 rows of an ldmatrix phase fall in distinct bank groups.
 #define SMEM_PAD 8
 #define QK_STRIDE (HEAD_DIM_PAD + SMEM_PAD)
 #define V_STRIDE (HEAD_DIM_V_PAD + SMEM_PAD)
-#define DS_STRIDE (TILE + SMEM_PAD)
+#define DS_STRIDE (KV_TILE + SMEM_PAD)
 
 static_assert(HEAD_DIM_PAD % 16 == 0 && HEAD_DIM_PAD <= 256, "HEAD_DIM_PAD must be a multiple of 16 up to 256");
 static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 16 up to 256");
+static_assert(CHUNK % 32 == 0 && CHUNK <= 128, "CHUNK must be a multiple of 32 up to 128");
+static_assert(Q_STAGES == 1 || Q_STAGES == 2, "Q_STAGES must be 1 or 2");
+static_assert(KV_TILE == KV_WARPS * 16, "each bwd_kv warp owns 16 keys");
+static_assert(Q_TILE == 4 * 16, "bwd_kv's dQ step gives each quarter of the warps 16 query rows");
 
 // log2 e = L_HI + L_LO: L_HI = fl32(log2 e), L_LO = fl32(log2 e − L_HI); the pair is within 2^-50 of log2 e.
 #define L_HI 1.44269502162933349609375f
 #define L_LO 1.925963033500011079e-8f
-#define NO_BOUND (1 << 30)
-#define NEG_INF __int_as_float((int)0xff800000u)
 #define TWO_M32 2.3283064365386962890625e-10f
-
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    asm volatile("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
+#define POS_INF __int_as_float(0x7f800000)
 
 // 2^arg without a subnormal ex2 result: below −64 the argument is shifted by 32 (exact: |arg| ≥ 64 has an ulp of at
 // least 2^-17, and the sum is smaller in magnitude) and the normal result scaled back by 2^-32 (exact unless it
 // underflows, then one rounding of at most ½ ulp of the smallest subnormal).
+// One ex2 either way (a branch would evaluate both sides on a divergent warp). arg = −∞ gives +0.
 __device__ __forceinline__ float exp2_scaled(float arg) {
-    if (arg >= -64.f) return ex2_approx(arg);
-    return __fmul_rn(ex2_approx(__fadd_rn(arg, 32.f)), TWO_M32);
+    const bool low = arg < -64.f;
+    const float y = ex2_approx(low ? __fadd_rn(arg, 32.f) : arg);
+    return low ? __fmul_rn(y, TWO_M32) : y;
 }
 
-// P = exp(s − LSE) from the scaled score s and the row's bL = fl(LSE · L_HI).
+// P = exp(s − LSE) from the scaled score s and the row's bL = fl(LSE · L_HI); a row that sees no key (LSE = −∞) has
+// bL = +∞, so that its argument is −∞ and p = +0 for any finite s.
 __device__ __forceinline__ float prob(float s, float bl) {
     const float inner = __fmaf_rn(s, L_LO, -bl);
     return exp2_scaled(__fmaf_rn(s, L_HI, inner));
 }
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
-                                          unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned ld_pair(const elem_t* p) { return *reinterpret_cast<const unsigned*>(p); }
-
-__device__ __forceinline__ unsigned pack_elems(elem_t lo, elem_t hi) {
-    unsigned short l = *reinterpret_cast<unsigned short*>(&lo);
-    unsigned short h = *reinterpret_cast<unsigned short*>(&hi);
-    return (unsigned)l | ((unsigned)h << 16);
-}
-
-// Copies `rows` valid rows of `cols` valid columns (a multiple of 8) into a [TILE][stride] smem tile of `cols_pad`
-// columns, zero-filling the rest (0 · NaN = NaN in the mma, so padding must be zeros, not garbage).
-__device__ __forceinline__ void load_tile(elem_t* smem, int stride, const elem_t* __restrict__ g, long long row_stride,
-                                          int rows, int cols, int cols_pad) {
-    const int chunks = cols_pad / 8;
-    for (int idx = threadIdx.x; idx < TILE * chunks; idx += blockDim.x) {
-        const int r = idx / chunks;
-        const int c = (idx % chunks) * 8;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (r < rows && c < cols) {
-            val = *reinterpret_cast<const uint4*>(g + (long long)r * row_stride + c);
-        }
-        *reinterpret_cast<uint4*>(smem + r * stride + c) = val;
-    }
+// Adds two f32 values to consecutive (8-byte aligned) global addresses with one vector reduction (sm_90).
+__device__ __forceinline__ void red_add_v2(float* p, float x0, float x1) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x0), "f"(x1) : "memory");
 }
 
 // The per-sequence view of the problem (dense or varlen).
 struct SeqView {
     int len_q, len_k;
     long long q_base, k_base, v_base, o_base, lse_base;
+    // Index of the sequence's first key among all sequences' keys (the row of the GQA workspace).
+    long long k_row0;
 };
 
 __device__ __forceinline__ SeqView seq_view(int seq, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
@@ -155,6 +126,7 @@ __device__ __forceinline__ SeqView seq_view(int seq, const int* __restrict__ cu_
         s.v_base = (long long)k0 * v_row;
         s.o_base = (long long)q0 * o_row;
         s.lse_base = q0;
+        s.k_row0 = k0;
     } else {
         s.len_q = dense_len_q;
         s.len_k = dense_len_k;
@@ -163,24 +135,25 @@ __device__ __forceinline__ SeqView seq_view(int seq, const int* __restrict__ cu_
         s.v_base = seq * v_batch;
         s.o_base = seq * o_batch;
         s.lse_base = seq * lse_batch;
+        s.k_row0 = (long long)seq * dense_len_k;
     }
     return s;
 }
 
-// The query tiles [a_lo, a_hi] that can see some key of KV tile `b`: rows i with
+// The query tiles [a_lo, a_hi] (of Q_TILE rows) that can see some key of KV tile `b` of `tile_keys` keys: rows i with
 // i + shift − left ≤ key_end − 1 and i + shift + right ≥ key0. The same predicate decides which partials exist.
-__device__ __forceinline__ bool kv_tile_rows(int b, int len_q, int len_k, int win_left, int win_right, int* a_lo,
-                                             int* a_hi) {
-    const long long key0 = (long long)b * TILE;
-    const long long key_end = min((long long)len_k, key0 + TILE);
+__device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, int len_k, int win_left, int win_right,
+                                             int* a_lo, int* a_hi) {
+    const long long key0 = (long long)b * tile_keys;
+    const long long key_end = min((long long)len_k, key0 + tile_keys);
     const long long shift = (long long)len_k - len_q;
     long long row_lo = key0 - shift - win_right;
     long long row_hi = key_end - 1 - shift + win_left;
     if (row_lo < 0) row_lo = 0;
     if (row_hi > (long long)len_q - 1) row_hi = (long long)len_q - 1;
     if (key0 >= key_end || row_lo > row_hi) return false;
-    *a_lo = (int)(row_lo / TILE);
-    *a_hi = (int)(row_hi / TILE);
+    *a_lo = (int)(row_lo / Q_TILE);
+    *a_hi = (int)(row_hi / Q_TILE);
     return true;
 }
 
@@ -196,14 +169,14 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int len_q, int len_k, int wi
              o_batch, o_row, lse_batch)
 
 // D = rowsum(dO ∘ O) in f32: one warp per row, lanes over column pairs, then a shuffle tree (any order: γ(dv)).
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, float* __restrict__ delta,
                COMMON_PARAMS) {
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int head = blockIdx.y;
-    const int row0 = blockIdx.x * TILE;
+    const int row0 = blockIdx.x * Q_TILE;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int r = warp; r < TILE; r += NUM_WARPS) {
+    for (int r = warp; r < Q_TILE; r += NUM_WARPS) {
         const int row = row0 + r;
         if (row >= sv.len_q) break;
         const long long base = sv.o_base + head * o_head + (long long)row * o_row;
@@ -220,209 +193,255 @@ bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+// Pᵀ and dSᵀ of one warp's 16 keys × Q_TILE queries, in place: st holds Sᵀ (unscaled dot products) and becomes P
+// (f32); dpt holds dPᵀ and becomes round_T(dS). If MASKED, element (n, e) (query column n·8 + 2·tig + e % 2, key
+// row g + 8·(e / 2)) is visible iff its query is one of the tile's `rows_left` rows (counted from the thread's first
+// column), its key below len_k, and the key within the window of the query's diagonal `diag0 + n·8 + e % 2`.
+template <bool MASKED>
+__device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], float (&dpt)[Q_TILE / 8][4],
+                                          const float* bl_t, const float* delta_t, float scale, int tig, int diag0,
+                                          int key_t, int rows_left, int len_k, int win_left, int win_right) {
+#pragma unroll
+    for (int n = 0; n < Q_TILE / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = n * 8 + tig * 2 + (e % 2);
+            float p = prob(__fmul_rn(st[n][e], scale), bl_t[qc]);
+            if (MASKED) {
+                const int i = diag0 + n * 8 + (e % 2);
+                const int j = key_t + 8 * (e / 2);
+                const bool vis = n * 8 + (e % 2) < rows_left && j < len_k && j <= i + win_right && j >= i - win_left;
+                p = vis ? p : 0.f;
+            }
+            const float ds = __fmul_rn(p, __fsub_rn(dpt[n][e], delta_t[qc]));
+            st[n][e] = p;
+            dpt[n][e] = to_f32(to_elem(ds));
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 1)
 bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
        elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out, float* __restrict__ dq_acc,
-       float* __restrict__ dq_part, COMMON_PARAMS, int dq_mode, int n_chunks, long long part_stride) {
+       float* __restrict__ dq_part, float* __restrict__ dkv_part, COMMON_PARAMS, int dq_mode, int n_chunks,
+       long long part_stride, long long total_k) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);
-    elem_t* q_s = k_s + TILE * QK_STRIDE;
-    elem_t* v_s = q_s + TILE * QK_STRIDE;
-    elem_t* do_s = v_s + TILE * V_STRIDE;
-    elem_t* ds_s = do_s + TILE * V_STRIDE;
-    float* lse_s = reinterpret_cast<float*>(ds_s + TILE * DS_STRIDE);
-    float* bl_s = lse_s + TILE;
-    float* delta_s = bl_s + TILE;
-    float* tot_k = delta_s + TILE;        // [TILE][CHUNK], only when group > 1
-    float* tot_v = tot_k + TILE * CHUNK;  // [TILE][CHUNK], only when group > 1
+    elem_t* v_s = k_s + KV_TILE * QK_STRIDE;
+    elem_t* q_s = v_s + KV_TILE * V_STRIDE;              // [Q_STAGES][Q_TILE][QK_STRIDE]
+    elem_t* do_s = q_s + Q_STAGES * Q_TILE * QK_STRIDE;  // [Q_STAGES][Q_TILE][V_STRIDE]
+    elem_t* ds_s = do_s + Q_STAGES * Q_TILE * V_STRIDE;  // [Q_TILE][DS_STRIDE]: the tile's dS, queries × keys
+    float* bl_s = reinterpret_cast<float*>(ds_s + Q_TILE * DS_STRIDE);  // [Q_STAGES][Q_TILE] each
+    float* delta_s = bl_s + Q_STAGES * Q_TILE;
 
     const int b = blockIdx.x;
-    const int kv_head = blockIdx.y / n_chunks;
+    const int head = blockIdx.y / n_chunks;
+    const int kv_head = head / group;
     const int c0 = (blockIdx.y % n_chunks) * CHUNK;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
-    const int key0 = b * TILE;
+    const int key0 = b * KV_TILE;
     if (key0 >= sv.len_k) return;
-    const int keys_here = min(TILE, sv.len_k - key0);
-    const long long shift = (long long)sv.len_k - sv.len_q;
+    const int keys_here = min(KV_TILE, sv.len_k - key0);
+    const int shift = sv.len_k - sv.len_q;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
     const int wk = warp * 16;
 
-    load_tile(k_s, QK_STRIDE, k + sv.k_base + kv_head * k_head + (long long)key0 * k_row, k_row, keys_here, d,
-              HEAD_DIM_PAD);
-    load_tile(v_s, V_STRIDE, v + sv.v_base + kv_head * v_head + (long long)key0 * v_row, v_row, keys_here, dv,
-              HEAD_DIM_V_PAD);
+    load_tile_async<KV_TILE, HEAD_DIM_PAD, QK_STRIDE, KV_THREADS>(
+        k_s, k + sv.k_base + kv_head * k_head + (long long)key0 * k_row, k_row, keys_here, d);
+    load_tile_async<KV_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(
+        v_s, v + sv.v_base + kv_head * v_head + (long long)key0 * v_row, v_row, keys_here, dv);
 
     int a_lo = 0, a_hi = -1;
-    if (!kv_tile_rows(b, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi)) {
+    if (!kv_tile_rows(b, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi)) {
         a_lo = 0;
         a_hi = -1;
     }
-    const long long key_g[2] = {key0 + wk + g, key0 + wk + g + 8};
+    const elem_t* q_g = q + sv.q_base + head * q_head;
+    const elem_t* do_g = d_out + sv.o_base + head * o_head;
+    const float* lse_g = lse + sv.lse_base + head * lse_head;
+    const float* delta_g = delta + sv.lse_base + head * lse_head;
+    // Starts loading query tile `a` into `stage`: Q and dO by cp.async, the row statistics by plain loads.
+    auto load_q_tile = [&](int a, int stage) {
+        const int row0 = a * Q_TILE;
+        const int rows = min(Q_TILE, sv.len_q - row0);
+        load_tile_async<Q_TILE, HEAD_DIM_PAD, QK_STRIDE, KV_THREADS>(
+            q_s + stage * Q_TILE * QK_STRIDE, q_g + (long long)row0 * q_row, q_row, rows, d);
+        load_tile_async<Q_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(
+            do_s + stage * Q_TILE * V_STRIDE, do_g + (long long)row0 * o_row, o_row, rows, dv);
+        for (int r = threadIdx.x; r < Q_TILE; r += KV_THREADS) {
+            const float l = r < rows ? lse_g[row0 + r] : NEG_INF;
+            bl_s[stage * Q_TILE + r] = l == NEG_INF ? POS_INF : __fmul_rn(l, L_HI);
+            delta_s[stage * Q_TILE + r] = r < rows ? delta_g[row0 + r] : 0.f;
+        }
+    };
+    if (a_lo <= a_hi) load_q_tile(a_lo, 0);
+    cp_async_commit();
+
+    // ldmatrix lane addresses: K and V are the A operands of Sᵀ and dPᵀ (the warp's 16 keys); Q and dO their B
+    // operands (rows are n), and the B operands of dK and dV (rows are k: transposed).
+    const unsigned k_a = smem_u32(k_s + wk * QK_STRIDE + lane_a(lane, QK_STRIDE));
+    const unsigned v_a = smem_u32(v_s + wk * V_STRIDE + lane_a(lane, V_STRIDE));
+    const unsigned q_b = smem_u32(q_s + lane_b(lane, QK_STRIDE));
+    const unsigned do_b = smem_u32(do_s + lane_b(lane, V_STRIDE));
+    const unsigned q_bt = smem_u32(q_s + lane_b_trans(lane, QK_STRIDE));
+    const unsigned do_bt = smem_u32(do_s + lane_b_trans(lane, V_STRIDE));
+    // The dQ step: warp w computes query rows 16(w % 4) … + 15 and one half of the chunk's columns.
+    const int wq = (warp % 4) * 16;
+    const int dq_c = c0 + (warp / 4) * (CHUNK / 2);
+    const unsigned ds_a = smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE));
+    const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
+    const int key_t = key0 + wk + g;  // the key of the thread's accumulator rows g (and key_t + 8: row g + 8)
 
     float acc_k[CHUNK / 8][4], acc_v[CHUNK / 8][4];
-    for (int hh = 0; hh < group; ++hh) {
-        const int head = kv_head * group + hh;
 #pragma unroll
-        for (int n = 0; n < CHUNK / 8; ++n) {
+    for (int n = 0; n < CHUNK / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
+    }
+
+    for (int a = a_lo; a <= a_hi; ++a) {
+        const int stage = Q_STAGES == 2 ? (a - a_lo) & 1 : 0;
+        if (Q_STAGES == 1 && a > a_lo) {
+            __syncthreads();  // every warp is done with the previous tile's Q, dO and dS
+            load_q_tile(a, 0);
+            cp_async_commit();
         }
-        for (int a = a_lo; a <= a_hi; ++a) {
-            const int row0 = a * TILE;
-            const int rows_here = min(TILE, sv.len_q - row0);
-            __syncthreads();  // everyone is done with the previous Q/dO/dS tiles (and K/V are visible at the start)
-            load_tile(q_s, QK_STRIDE, q + sv.q_base + head * q_head + (long long)row0 * q_row, q_row, rows_here, d,
-                      HEAD_DIM_PAD);
-            load_tile(do_s, V_STRIDE, d_out + sv.o_base + head * o_head + (long long)row0 * o_row, o_row, rows_here,
-                      dv, HEAD_DIM_V_PAD);
-            for (int r = threadIdx.x; r < TILE; r += blockDim.x) {
-                float l = NEG_INF, dl = 0.f;
-                if (r < rows_here) {
-                    l = lse[sv.lse_base + head * lse_head + row0 + r];
-                    dl = delta[sv.lse_base + head * lse_head + row0 + r];
-                }
-                lse_s[r] = l;
-                bl_s[r] = l == NEG_INF ? 0.f : __fmul_rn(l, L_HI);
-                delta_s[r] = dl;
-            }
-            __syncthreads();
+        cp_async_wait_all();
+        __syncthreads();  // tile a (and K, V) landed for everyone; every warp is done with tile a − 1
+        if (Q_STAGES == 2 && a < a_hi) {
+            load_q_tile(a + 1, stage ^ 1);
+            cp_async_commit();
+        }
+        const int row0 = a * Q_TILE;
+        const int rows_here = min(Q_TILE, sv.len_q - row0);
+        const unsigned q_off = stage * Q_TILE * QK_STRIDE * ESZ;
+        const unsigned do_off = stage * Q_TILE * V_STRIDE * ESZ;
+        const float* bl_t = bl_s + stage * Q_TILE;
+        const float* delta_t = delta_s + stage * Q_TILE;
 
-            // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the tile's 64 queries.
-            float st[TILE / 8][4], dpt[TILE / 8][4];
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ for the warp's 16 keys and the tile's 64 queries.
+        float st[Q_TILE / 8][4], dpt[Q_TILE / 8][4];
 #pragma unroll
-            for (int n = 0; n < TILE / 8; ++n) {
+        for (int n = 0; n < Q_TILE / 8; ++n) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
+            unsigned af[4];
+            ldsm_x4(af, k_a + kk * 16 * ESZ);
+#pragma unroll
+            for (int np = 0; np < Q_TILE / 16; ++np) {
+                unsigned bf[4];
+                ldsm_x4(bf, q_b + q_off + (np * 16 * QK_STRIDE + kk * 16) * ESZ);
+                mma_16816(st[2 * np], af, bf[0], bf[1]);
+                mma_16816(st[2 * np + 1], af, bf[2], bf[3]);
             }
+        }
 #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
-                const elem_t* ka = k_s + (wk + g) * QK_STRIDE + kk * 16 + tig * 2;
-                const unsigned a0 = ld_pair(ka), a1 = ld_pair(ka + 8 * QK_STRIDE);
-                const unsigned a2 = ld_pair(ka + 8), a3 = ld_pair(ka + 8 * QK_STRIDE + 8);
+        for (int kk = 0; kk < HEAD_DIM_V_PAD / 16; ++kk) {
+            unsigned af[4];
+            ldsm_x4(af, v_a + kk * 16 * ESZ);
 #pragma unroll
-                for (int n = 0; n < TILE / 8; ++n) {
-                    const elem_t* qb = q_s + (n * 8 + g) * QK_STRIDE + kk * 16 + tig * 2;
-                    mma_16816(st[n], a0, a1, a2, a3, ld_pair(qb), ld_pair(qb + 8));
-                }
+            for (int np = 0; np < Q_TILE / 16; ++np) {
+                unsigned bf[4];
+                ldsm_x4(bf, do_b + do_off + (np * 16 * V_STRIDE + kk * 16) * ESZ);
+                mma_16816(dpt[2 * np], af, bf[0], bf[1]);
+                mma_16816(dpt[2 * np + 1], af, bf[2], bf[3]);
             }
-#pragma unroll
-            for (int kk = 0; kk < HEAD_DIM_V_PAD / 16; ++kk) {
-                const elem_t* va = v_s + (wk + g) * V_STRIDE + kk * 16 + tig * 2;
-                const unsigned a0 = ld_pair(va), a1 = ld_pair(va + 8 * V_STRIDE);
-                const unsigned a2 = ld_pair(va + 8), a3 = ld_pair(va + 8 * V_STRIDE + 8);
-#pragma unroll
-                for (int n = 0; n < TILE / 8; ++n) {
-                    const elem_t* gb = do_s + (n * 8 + g) * V_STRIDE + kk * 16 + tig * 2;
-                    mma_16816(dpt[n], a0, a1, a2, a3, ld_pair(gb), ld_pair(gb + 8));
-                }
-            }
+        }
 
-            // Pᵀ (kept in st, f32) and dSᵀ (in dpt, already rounded to T).
+        // Pᵀ (kept in st, f32) and dSᵀ (in dpt, already rounded to T). Only a warp whose 16 keys some row of the
+        // tile does not see completely pays for the mask.
+        const int wkey0 = key0 + wk;
+        const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&
+                              wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
+        if (interior) {
+            tile_p_ds<false>(st, dpt, bl_t, delta_t, scale, tig, 0, 0, 0, 0, 0, 0);
+        } else {
+            tile_p_ds<true>(st, dpt, bl_t, delta_t, scale, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
+                            sv.len_k, win_left, win_right);
+        }
+
+        // dV += round_T(P)ᵀ dO and dK += dSᵀ Q over the tile's query rows (k = queries).
 #pragma unroll
-            for (int n = 0; n < TILE / 8; ++n) {
+        for (int kk = 0; kk < Q_TILE / 16; ++kk) {
+            if (kk * 16 >= rows_here) break;
+            unsigned pa[4], sa[4];
+            pack_a(pa, st[2 * kk], st[2 * kk + 1]);
+            pack_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+#pragma unroll
+            for (int np = 0; np < CHUNK / 16; ++np) {
+                const int col = c0 + np * 16;
+                unsigned bf[4];
+                if (col < HEAD_DIM_V_PAD) {
+                    ldsm_x4_trans(bf, do_bt + do_off + (kk * 16 * V_STRIDE + col) * ESZ);
+                    mma_16816(acc_v[2 * np], pa, bf[0], bf[1]);
+                    mma_16816(acc_v[2 * np + 1], pa, bf[2], bf[3]);
+                }
+                if (col < HEAD_DIM_PAD) {
+                    ldsm_x4_trans(bf, q_bt + q_off + (kk * 16 * QK_STRIDE + col) * ESZ);
+                    mma_16816(acc_k[2 * np], sa, bf[0], bf[1]);
+                    mma_16816(acc_k[2 * np + 1], sa, bf[2], bf[3]);
+                }
+            }
+        }
+
+        // dQ of this KV tile: dS (queries × keys) through shared memory, times K (k = keys).
+        if (dq_mode != 0 && c0 < d) {
+#pragma unroll
+            for (int n = 0; n < Q_TILE / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int qc = n * 8 + tig * 2 + (e % 2);
-                    const long long i = row0 + qc;
-                    const long long j = key_g[e / 2];
-                    const bool vis = qc < rows_here && j < sv.len_k && j <= i + shift + win_right &&
-                                     j >= i + shift - win_left && lse_s[qc] != NEG_INF;
-                    const float p = vis ? prob(__fmul_rn(st[n][e], scale), bl_s[qc]) : 0.f;
-                    const float ds = __fmul_rn(p, __fsub_rn(dpt[n][e], delta_s[qc]));
-                    st[n][e] = p;
-                    dpt[n][e] = to_f32(to_elem(ds));
+                    ds_s[qc * DS_STRIDE + wk + g + 8 * (e / 2)] = to_elem(dpt[n][e]);
                 }
             }
-
-            // dV += round_T(P)ᵀ dO and dK += dSᵀ Q over the tile's query rows (k = queries).
+            __syncthreads();
+            float part[CHUNK / 16][4];
 #pragma unroll
-            for (int kk = 0; kk < TILE / 16; ++kk) {
-                if (kk * 16 >= rows_here) break;
-                const unsigned pa0 = pack2(st[2 * kk][0], st[2 * kk][1]);
-                const unsigned pa1 = pack2(st[2 * kk][2], st[2 * kk][3]);
-                const unsigned pa2 = pack2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-                const unsigned pa3 = pack2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-                const unsigned sa0 = pack2(dpt[2 * kk][0], dpt[2 * kk][1]);
-                const unsigned sa1 = pack2(dpt[2 * kk][2], dpt[2 * kk][3]);
-                const unsigned sa2 = pack2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-                const unsigned sa3 = pack2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+            for (int n = 0; n < CHUNK / 16; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
 #pragma unroll
-                for (int n = 0; n < CHUNK / 8; ++n) {
-                    const int col = c0 + n * 8;
-                    if (col < dv) {
-                        const elem_t* gb = do_s + (kk * 16 + tig * 2) * V_STRIDE + col + g;
-                        mma_16816(acc_v[n], pa0, pa1, pa2, pa3, pack_elems(gb[0], gb[V_STRIDE]),
-                                  pack_elems(gb[8 * V_STRIDE], gb[9 * V_STRIDE]));
-                    }
-                    if (col < d) {
-                        const elem_t* qb = q_s + (kk * 16 + tig * 2) * QK_STRIDE + col + g;
-                        mma_16816(acc_k[n], sa0, sa1, sa2, sa3, pack_elems(qb[0], qb[QK_STRIDE]),
-                                  pack_elems(qb[8 * QK_STRIDE], qb[9 * QK_STRIDE]));
+            for (int kk = 0; kk < KV_TILE / 16; ++kk) {
+                if (kk * 16 >= keys_here) break;
+                unsigned af[4];
+                ldsm_x4(af, ds_a + kk * 16 * ESZ);
+#pragma unroll
+                for (int np = 0; np < CHUNK / 32; ++np) {
+                    const int col = dq_c + np * 16;
+                    if (col < HEAD_DIM_PAD) {
+                        unsigned bf[4];
+                        ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
+                        mma_16816(part[2 * np], af, bf[0], bf[1]);
+                        mma_16816(part[2 * np + 1], af, bf[2], bf[3]);
                     }
                 }
             }
-
-            // dQ of this KV tile: dS (queries × keys) through shared memory, times K (k = keys).
-            if (dq_mode != 0 && c0 < d) {
 #pragma unroll
-                for (int n = 0; n < TILE / 8; ++n) {
+            for (int n = 0; n < CHUNK / 16; ++n) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int qc = n * 8 + tig * 2 + (e % 2);
-                        ds_s[qc * DS_STRIDE + wk + g + 8 * (e / 2)] = to_elem(dpt[n][e]);
+                for (int r = 0; r < 2; ++r) {
+                    const int row = wq + g + 8 * r;
+                    const int col = dq_c + n * 8 + tig * 2;
+                    if (row >= rows_here || col >= d) continue;
+                    const long long idx = sv.q_base + head * q_head + (long long)(row0 + row) * q_row + col;
+                    if (dq_mode == 1) {
+                        red_add_v2(dq_acc + idx, part[n][2 * r], part[n][2 * r + 1]);
+                    } else {
+                        *reinterpret_cast<float2*>(dq_part + (long long)b * part_stride + idx) =
+                            make_float2(part[n][2 * r], part[n][2 * r + 1]);
                     }
-                }
-                __syncthreads();
-                const int wq = warp * 16;
-#pragma unroll
-                for (int n = 0; n < CHUNK / 8; ++n) {
-                    const int col = c0 + n * 8;
-                    if (col >= d) break;
-                    float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                    for (int kk = 0; kk < TILE / 16; ++kk) {
-                        if (kk * 16 >= keys_here) break;
-                        const elem_t* sa = ds_s + (wq + g) * DS_STRIDE + kk * 16 + tig * 2;
-                        const elem_t* kb = k_s + (kk * 16 + tig * 2) * QK_STRIDE + col + g;
-                        mma_16816(part, ld_pair(sa), ld_pair(sa + 8 * DS_STRIDE), ld_pair(sa + 8),
-                                  ld_pair(sa + 8 * DS_STRIDE + 8), pack_elems(kb[0], kb[QK_STRIDE]),
-                                  pack_elems(kb[8 * QK_STRIDE], kb[9 * QK_STRIDE]));
-                    }
-#pragma unroll
-                    for (int r = 0; r < 2; ++r) {
-                        const int row = wq + g + 8 * r;
-                        if (row >= rows_here) continue;
-                        const long long idx =
-                            sv.q_base + head * q_head + (long long)(row0 + row) * q_row + col + tig * 2;
-                        if (dq_mode == 1) {
-                            atomicAdd(dq_acc + idx, part[2 * r]);
-                            atomicAdd(dq_acc + idx + 1, part[2 * r + 1]);
-                        } else {
-                            float2 val = make_float2(part[2 * r], part[2 * r + 1]);
-                            *reinterpret_cast<float2*>(dq_part + (long long)b * part_stride + idx) = val;
-                        }
-                    }
-                }
-            }
-        }
-        // GQA: this head's f32 dK/dV join the group's sum in ascending head order (each thread owns its elements).
-        if (group > 1) {
-#pragma unroll
-            for (int n = 0; n < CHUNK / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int at = (wk + g + 8 * (e / 2)) * CHUNK + n * 8 + tig * 2 + (e % 2);
-                    tot_k[at] = hh == 0 ? acc_k[n][e] : __fadd_rn(tot_k[at], acc_k[n][e]);
-                    tot_v[at] = hh == 0 ? acc_v[n][e] : __fadd_rn(tot_v[at], acc_v[n][e]);
                 }
             }
         }
     }
 
-    // dK = round_T(α̂ · ΣdK), dV = round_T(ΣdV) for the warp's keys and the chunk's columns.
+    // dK = round_T(α̂ · dK), dV = round_T(dV) for the warp's keys and the chunk's columns; under GQA this head's f32
+    // sums go to the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for bwd_kv_group_sum.
+    const long long n_heads_q = gridDim.y / n_chunks;
 #pragma unroll
     for (int n = 0; n < CHUNK / 8; ++n) {
         const int col = c0 + n * 8 + tig * 2;
@@ -430,57 +449,95 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         for (int r = 0; r < 2; ++r) {
             const int key = wk + g + 8 * r;
             if (key >= keys_here) continue;
-            float xk[2], xv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int at = key * CHUNK + n * 8 + tig * 2 + e;
-                xk[e] = group > 1 ? tot_k[at] : acc_k[n][2 * r + e];
-                xv[e] = group > 1 ? tot_v[at] : acc_v[n][2 * r + e];
-            }
-            if (col < d) {
-                elem_t* p = dk_out + sv.k_base + kv_head * k_head + (long long)(key0 + key) * k_row + col;
-                *reinterpret_cast<unsigned*>(p) =
-                    pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])));
-            }
-            if (col < dv) {
-                elem_t* p = dv_out + sv.v_base + kv_head * v_head + (long long)(key0 + key) * v_row + col;
-                *reinterpret_cast<unsigned*>(p) = pack_elems(to_elem(xv[0]), to_elem(xv[1]));
+            const float* xk = &acc_k[n][2 * r];
+            const float* xv = &acc_v[n][2 * r];
+            if (group == 1) {
+                if (col < d) {
+                    elem_t* p = dk_out + sv.k_base + kv_head * k_head + (long long)(key0 + key) * k_row + col;
+                    *reinterpret_cast<unsigned*>(p) =
+                        pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])));
+                }
+                if (col < dv) {
+                    elem_t* p = dv_out + sv.v_base + kv_head * v_head + (long long)(key0 + key) * v_row + col;
+                    *reinterpret_cast<unsigned*>(p) = pack_elems(to_elem(xv[0]), to_elem(xv[1]));
+                }
+            } else {
+                const long long row = head * total_k + sv.k_row0 + key0 + key;
+                if (col < d) *reinterpret_cast<float2*>(dkv_part + row * d + col) = make_float2(xk[0], xk[1]);
+                if (col < dv) {
+                    float* pv = dkv_part + n_heads_q * total_k * d + row * dv + col;
+                    *reinterpret_cast<float2*>(pv) = make_float2(xv[0], xv[1]);
+                }
             }
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+// GQA: dK = round_T(α̂ · Σ_h dK_h) and dV = round_T(Σ_h dV_h) over the KV head's query heads, in ascending head order,
+// from bwd_kv's f32 workspace. One CTA per (64 keys, KV head, sequence).
+extern "C" __global__ void __launch_bounds__(THREADS)
+bwd_kv_group_sum(const float* __restrict__ dkv_part, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
+                 COMMON_PARAMS, int n_heads_q, long long total_k) {
+    const SeqView sv = SEQ_VIEW(blockIdx.z);
+    const int kv_head = blockIdx.y;
+    const int key0 = blockIdx.x * 64;
+    if (key0 >= sv.len_k) return;
+    const int keys_here = min(64, sv.len_k - key0);
+    const int width = max(d, dv);
+    const float* part_v = dkv_part + (long long)n_heads_q * total_k * d;
+    for (int idx = threadIdx.x; idx < keys_here * width; idx += THREADS) {
+        const int key = idx / width, col = idx % width;
+        const long long row = sv.k_row0 + key0 + key;
+        float tot_k = 0.f, tot_v = 0.f;
+        for (int hh = 0; hh < group; ++hh) {
+            const long long head_row = (long long)(kv_head * group + hh) * total_k + row;
+            if (col < d) {
+                const float x = dkv_part[head_row * d + col];
+                tot_k = hh == 0 ? x : __fadd_rn(tot_k, x);
+            }
+            if (col < dv) {
+                const float x = part_v[head_row * dv + col];
+                tot_v = hh == 0 ? x : __fadd_rn(tot_v, x);
+            }
+        }
+        if (col < d) dk_out[sv.k_base + kv_head * k_head + (long long)(key0 + key) * k_row + col] =
+            to_elem(__fmul_rn(scale, tot_k));
+        if (col < dv) dv_out[sv.v_base + kv_head * v_head + (long long)(key0 + key) * v_row + col] = to_elem(tot_v);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
        elem_t* __restrict__ dq, COMMON_PARAMS, int n_chunks) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);
-    elem_t* k_s = q_s + TILE * QK_STRIDE;
-    elem_t* do_s = k_s + TILE * QK_STRIDE;
-    elem_t* v_s = do_s + TILE * V_STRIDE;
+    elem_t* k_s = q_s + Q_TILE * QK_STRIDE;
+    elem_t* do_s = k_s + DQ_KV_TILE * QK_STRIDE;
+    elem_t* v_s = do_s + Q_TILE * V_STRIDE;
 
     const int tile = blockIdx.x;
     const int head = blockIdx.y / n_chunks;
     const int c0 = (blockIdx.y % n_chunks) * CHUNK;
     const int kv_head = head / group;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
-    const int row0 = tile * TILE;
+    const int row0 = tile * Q_TILE;
     if (row0 >= sv.len_q) return;
-    const int rows_here = min(TILE, sv.len_q - row0);
-    const long long shift = (long long)sv.len_k - sv.len_q;
+    const int rows_here = min(Q_TILE, sv.len_q - row0);
+    const int shift = sv.len_k - sv.len_q;
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
     const int wrow = warp * 16;
 
-    load_tile(q_s, QK_STRIDE, q + sv.q_base + head * q_head + (long long)row0 * q_row, q_row, rows_here, d,
-              HEAD_DIM_PAD);
-    load_tile(do_s, V_STRIDE, d_out + sv.o_base + head * o_head + (long long)row0 * o_row, o_row, rows_here, dv,
-              HEAD_DIM_V_PAD);
+    load_tile_async<Q_TILE, HEAD_DIM_PAD, QK_STRIDE, THREADS>(
+        q_s, q + sv.q_base + head * q_head + (long long)row0 * q_row, q_row, rows_here, d);
+    load_tile_async<Q_TILE, HEAD_DIM_V_PAD, V_STRIDE, THREADS>(
+        do_s, d_out + sv.o_base + head * o_head + (long long)row0 * o_row, o_row, rows_here, dv);
+    cp_async_commit();
     float bl[2], dl[2];
     bool live[2];
-    long long diag[2];
+    int diag[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = wrow + g + 8 * r;
@@ -496,78 +553,90 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         }
     }
 
+    // Lane addresses: Q and dO are A operands, K and V the B operands of S and dP (rows are n), K (transposed) the
+    // B operand of dQ.
+    const unsigned q_a = smem_u32(q_s + wrow * QK_STRIDE + lane_a(lane, QK_STRIDE));
+    const unsigned do_a = smem_u32(do_s + wrow * V_STRIDE + lane_a(lane, V_STRIDE));
+    const unsigned k_b = smem_u32(k_s + lane_b(lane, QK_STRIDE));
+    const unsigned v_b = smem_u32(v_s + lane_b(lane, V_STRIDE));
+    const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
+
     // The KV tiles this query tile visits: exactly those whose kv_tile_rows range contains it.
-    const int n_kt = (sv.len_k + TILE - 1) / TILE;
+    const int n_kt = (sv.len_k + DQ_KV_TILE - 1) / DQ_KV_TILE;
     float acc[CHUNK / 8][4];
 #pragma unroll
     for (int n = 0; n < CHUNK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
     for (int t = 0; t < n_kt; ++t) {
         int a_lo, a_hi;
-        if (!kv_tile_rows(t, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) || tile < a_lo || tile > a_hi)
+        if (!kv_tile_rows(t, DQ_KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) || tile < a_lo ||
+            tile > a_hi)
             continue;
-        const int key0 = t * TILE;
-        const int keys_here = min(TILE, sv.len_k - key0);
-        __syncthreads();
-        load_tile(k_s, QK_STRIDE, k + sv.k_base + kv_head * k_head + (long long)key0 * k_row, k_row, keys_here, d,
-                  HEAD_DIM_PAD);
-        load_tile(v_s, V_STRIDE, v + sv.v_base + kv_head * v_head + (long long)key0 * v_row, v_row, keys_here, dv,
-                  HEAD_DIM_V_PAD);
+        const int key0 = t * DQ_KV_TILE;
+        const int keys_here = min(DQ_KV_TILE, sv.len_k - key0);
+        __syncthreads();  // every warp is done with the previous K and V
+        load_tile_async<DQ_KV_TILE, HEAD_DIM_PAD, QK_STRIDE, THREADS>(
+            k_s, k + sv.k_base + kv_head * k_head + (long long)key0 * k_row, k_row, keys_here, d);
+        load_tile_async<DQ_KV_TILE, HEAD_DIM_V_PAD, V_STRIDE, THREADS>(
+            v_s, v + sv.v_base + kv_head * v_head + (long long)key0 * v_row, v_row, keys_here, dv);
+        cp_async_commit();
+        cp_async_wait_all();
         __syncthreads();
 
-        float s[TILE / 8][4], dp[TILE / 8][4];
+        float s[DQ_KV_TILE / 8][4], dp[DQ_KV_TILE / 8][4];
 #pragma unroll
-        for (int n = 0; n < TILE / 8; ++n) {
+        for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
         }
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
-            const elem_t* qa = q_s + (wrow + g) * QK_STRIDE + kk * 16 + tig * 2;
-            const unsigned a0 = ld_pair(qa), a1 = ld_pair(qa + 8 * QK_STRIDE);
-            const unsigned a2 = ld_pair(qa + 8), a3 = ld_pair(qa + 8 * QK_STRIDE + 8);
+            unsigned af[4];
+            ldsm_x4(af, q_a + kk * 16 * ESZ);
 #pragma unroll
-            for (int n = 0; n < TILE / 8; ++n) {
-                const elem_t* kb = k_s + (n * 8 + g) * QK_STRIDE + kk * 16 + tig * 2;
-                mma_16816(s[n], a0, a1, a2, a3, ld_pair(kb), ld_pair(kb + 8));
+            for (int np = 0; np < DQ_KV_TILE / 16; ++np) {
+                unsigned bf[4];
+                ldsm_x4(bf, k_b + (np * 16 * QK_STRIDE + kk * 16) * ESZ);
+                mma_16816(s[2 * np], af, bf[0], bf[1]);
+                mma_16816(s[2 * np + 1], af, bf[2], bf[3]);
             }
         }
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM_V_PAD / 16; ++kk) {
-            const elem_t* ga = do_s + (wrow + g) * V_STRIDE + kk * 16 + tig * 2;
-            const unsigned a0 = ld_pair(ga), a1 = ld_pair(ga + 8 * V_STRIDE);
-            const unsigned a2 = ld_pair(ga + 8), a3 = ld_pair(ga + 8 * V_STRIDE + 8);
+            unsigned af[4];
+            ldsm_x4(af, do_a + kk * 16 * ESZ);
 #pragma unroll
-            for (int n = 0; n < TILE / 8; ++n) {
-                const elem_t* vb = v_s + (n * 8 + g) * V_STRIDE + kk * 16 + tig * 2;
-                mma_16816(dp[n], a0, a1, a2, a3, ld_pair(vb), ld_pair(vb + 8));
+            for (int np = 0; np < DQ_KV_TILE / 16; ++np) {
+                unsigned bf[4];
+                ldsm_x4(bf, v_b + (np * 16 * V_STRIDE + kk * 16) * ESZ);
+                mma_16816(dp[2 * np], af, bf[0], bf[1]);
+                mma_16816(dp[2 * np + 1], af, bf[2], bf[3]);
             }
         }
 #pragma unroll
-        for (int n = 0; n < TILE / 8; ++n) {
+        for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int r = e / 2;
-                const long long j = key0 + n * 8 + tig * 2 + (e % 2);
+                const int j = key0 + n * 8 + tig * 2 + (e % 2);
                 const bool vis = live[r] && j < sv.len_k && j <= diag[r] + win_right && j >= diag[r] - win_left;
                 const float p = vis ? prob(__fmul_rn(s[n][e], scale), bl[r]) : 0.f;
                 s[n][e] = to_f32(to_elem(__fmul_rn(p, __fsub_rn(dp[n][e], dl[r]))));
             }
         }
 #pragma unroll
-        for (int kk = 0; kk < TILE / 16; ++kk) {
+        for (int kk = 0; kk < DQ_KV_TILE / 16; ++kk) {
             if (kk * 16 >= keys_here) break;
-            const unsigned a0 = pack2(s[2 * kk][0], s[2 * kk][1]);
-            const unsigned a1 = pack2(s[2 * kk][2], s[2 * kk][3]);
-            const unsigned a2 = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-            const unsigned a3 = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            unsigned af[4];
+            pack_a(af, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-            for (int n = 0; n < CHUNK / 8; ++n) {
-                const int col = c0 + n * 8;
-                if (col >= d) break;
-                const elem_t* kb = k_s + (kk * 16 + tig * 2) * QK_STRIDE + col + g;
-                mma_16816(acc[n], a0, a1, a2, a3, pack_elems(kb[0], kb[QK_STRIDE]),
-                          pack_elems(kb[8 * QK_STRIDE], kb[9 * QK_STRIDE]));
+            for (int np = 0; np < CHUNK / 16; ++np) {
+                const int col = c0 + np * 16;
+                if (col >= HEAD_DIM_PAD) break;
+                unsigned bf[4];
+                ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
+                mma_16816(acc[2 * np], af, bf[0], bf[1]);
+                mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
             }
         }
     }
@@ -590,17 +659,17 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 
 // dQ = round_T(α̂ · x): x the atomic accumulator (mode 0) or the sum of the visited partials in ascending KV tile
 // order (mode 1).
-extern "C" __global__ void __launch_bounds__(NUM_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_part, elem_t* __restrict__ dq,
                 COMMON_PARAMS, int mode, long long part_stride) {
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int head = blockIdx.y;
     const int tile = blockIdx.x;
-    const int row0 = tile * TILE;
+    const int row0 = tile * Q_TILE;
     if (row0 >= sv.len_q) return;
-    const int rows_here = min(TILE, sv.len_q - row0);
-    const int n_kt = (sv.len_k + TILE - 1) / TILE;
-    for (int idx = threadIdx.x; idx < rows_here * d; idx += blockDim.x) {
+    const int rows_here = min(Q_TILE, sv.len_q - row0);
+    const int n_kt = (sv.len_k + KV_TILE - 1) / KV_TILE;
+    for (int idx = threadIdx.x; idx < rows_here * d; idx += THREADS) {
         const int r = idx / d, c = idx % d;
         const long long at = sv.q_base + head * q_head + (long long)(row0 + r) * q_row + c;
         float x = 0.f;
@@ -609,7 +678,7 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
         } else {
             for (int t = 0; t < n_kt; ++t) {
                 int a_lo, a_hi;
-                if (kv_tile_rows(t, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) && tile >= a_lo &&
+                if (kv_tile_rows(t, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) && tile >= a_lo &&
                     tile <= a_hi) {
                     x = __fadd_rn(x, dq_part[(long long)t * part_stride + at]);
                 }

@@ -33,28 +33,6 @@
 // are skipped, not merely masked. Positions are 32-bit ints: the host guarantees Lq + Lk ≤ 2^30 per sequence, so
 // i + Lk − Lq ± (a reach ≤ 2^30) cannot overflow.
 
-#if defined(ELEM_BF16)
-#include <cuda_bf16.h>
-typedef __nv_bfloat16 elem_t;
-#define MMA_ELEM "bf16"
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-__device__ __forceinline__ elem_t to_elem(float x) { return __float2bfloat16_rn(x); }
-#elif defined(ELEM_F16)
-#include <cuda_fp16.h>
-typedef __half elem_t;
-#define MMA_ELEM "f16"
-__device__ __forceinline__ unsigned pack2(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&h);
-}
-__device__ __forceinline__ elem_t to_elem(float x) { return __float2half_rn(x); }
-#else
-#error "define ELEM_BF16 or ELEM_F16"
-#endif
-
 #ifndef HEAD_DIM_PAD
 #error "define HEAD_DIM_PAD"
 #endif
@@ -86,81 +64,6 @@ static_assert(WARP_M == 1 || WARP_M == 2, "WARP_M must be 1 or 2");
 
 // fl32(log2 e): the same constant for every score and every row max, so that the shift errors telescope.
 #define LOG2E_F 1.44269504088896340736f
-#define NO_BOUND (1 << 30)
-// NVRTC has no <math.h>: −∞ from its bit pattern.
-#define NEG_INF __int_as_float((int)0xff800000u)
-
-__device__ __forceinline__ float ex2_approx(float x) {
-    float y;
-    // Not .ftz: subnormal results are kept (the bound's underflow term assumes gradual underflow of p).
-    asm volatile("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Bytes per element, for offsets of 32-bit shared-window addresses.
-#define ESZ ((unsigned)sizeof(elem_t))
-
-// Shared-window address of a generic pointer into shared memory (what ldmatrix and cp.async take).
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-    unsigned addr;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(p));
-    return addr;
-}
-
-// Four 8x8 b16 matrices; lane l supplies the row address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
-    const int bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ unsigned pack_elems(elem_t lo, elem_t hi) {
-    unsigned short l = *reinterpret_cast<unsigned short*>(&lo);
-    unsigned short h = *reinterpret_cast<unsigned short*>(&hi);
-    return (unsigned)l | ((unsigned)h << 16);
-}
-
-// Starts copying `rows` valid rows of `cols` valid columns (a multiple of 8) into a [ROWS][STRIDE] smem tile of
-// COLS_PAD columns, zero-filling everything else: padding must be 0, not garbage, because 0 · NaN = NaN in the mma.
-template <int ROWS, int COLS_PAD, int STRIDE>
-__device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __restrict__ g, long long row_stride,
-                                                int rows, int cols) {
-    constexpr int CHUNKS = COLS_PAD / 8;
-    // 32-bit offsets (a tile spans fewer than 2^31 elements: the host checks the row strides), recomputed each
-    // time instead of hoisted out of the KV loop as 64-bit pointers, which cost two registers per chunk and made
-    // the 128-row tiling spill inside the loop. 16-byte aligned: cudaMalloc bases are 256-byte aligned and every
-    // stride is a multiple of 8 elements.
-    const int stride = (int)row_stride;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += THREADS) {
-        const int r = idx / CHUNKS;
-        const int c = (idx % CHUNKS) * 8;
-        const bool valid = r < rows && c < cols;
-        const int offset = valid ? r * stride + c : 0;
-        cp_async_16(smem + r * STRIDE + c, g + offset, valid);
-    }
-}
 
 // The online-softmax step of one KV tile for the warp's rows: scale (and, if MASKED, mask) the scores in `s`,
 // update the running max, rescale ℓ and A, and leave p in `s`. `diag0` is the aligned key position of the thread's
@@ -296,9 +199,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int wrow = warp * 16 * WARP_M;
 
     if (tile_lo < tile_hi) {
-        load_tile_async<BLOCK_M, HEAD_DIM_PAD, QK_STRIDE>(q_s, q_g, q_row, rows_here, d);
+        load_tile_async<BLOCK_M, HEAD_DIM_PAD, QK_STRIDE, THREADS>(q_s, q_g, q_row, rows_here, d);
         const int key0 = tile_lo * BLOCK_N;
-        load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE>(k_s, k_g + (long long)key0 * k_row, k_row,
+        load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE, THREADS>(k_s, k_g + (long long)key0 * k_row, k_row,
                                                           min(BLOCK_N, len_k - key0), d);
         cp_async_commit();
     }
@@ -319,20 +222,18 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     }
     const int diag0 = (int)(row0 + wrow + g + shift);
 
-    // ldmatrix row addresses of this lane (elements). Q (A operand): matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15).
-    // K (B operand of S, non-transposed): (keys 0-7, k 0-7), (keys 0-7, k 8-15), (keys 8-15, k 0-7), (keys 8-15,
-    // k 8-15). V (B operand of PV, transposed): (keys 0-7, n 0-7), (keys 8-15, n 0-7), (keys 0-7, n 8-15), (keys
-    // 8-15, n 8-15).
-    const unsigned q_lane = smem_u32(q_s + (wrow + (lane % 16)) * QK_STRIDE + (lane / 16) * 8);
-    const unsigned k_lane = smem_u32(k_s + ((lane % 8) + (lane / 16) * 8) * QK_STRIDE + ((lane / 8) % 2) * 8);
-    const unsigned v_lane = smem_u32(v_s + ((lane % 8) + ((lane / 8) % 2) * 8) * V_STRIDE + (lane / 16) * 8);
+    // ldmatrix row addresses of this lane: Q is the A operand of S, K its B operand (rows are n), V the B operand of
+    // PV (rows are k, transposed).
+    const unsigned q_lane = smem_u32(q_s + wrow * QK_STRIDE + lane_a(lane, QK_STRIDE));
+    const unsigned k_lane = smem_u32(k_s + lane_b(lane, QK_STRIDE));
+    const unsigned v_lane = smem_u32(v_s + lane_b_trans(lane, V_STRIDE));
 
     for (int t = tile_lo; t < tile_hi; ++t) {
         const int key0 = t * BLOCK_N;
         const int keys_here = min(BLOCK_N, len_k - key0);
         cp_async_wait_all();
         __syncthreads();  // K_t (and Q) landed for everyone; every warp is done reading V_{t-1}
-        load_tile_async<BLOCK_N, HEAD_DIM_V_PAD, V_STRIDE>(v_s, v_g + (long long)key0 * v_row, v_row, keys_here, dv);
+        load_tile_async<BLOCK_N, HEAD_DIM_V_PAD, V_STRIDE, THREADS>(v_s, v_g + (long long)key0 * v_row, v_row, keys_here, dv);
         cp_async_commit();
 
         // S = Q K_tᵀ for the warp's rows and the tile's 64 keys.
@@ -371,7 +272,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         __syncthreads();  // V_t landed for everyone; every warp is done reading K_t
         if (t + 1 < tile_hi) {
             const int key1 = key0 + BLOCK_N;
-            load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE>(k_s, k_g + (long long)key1 * k_row, k_row,
+            load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE, THREADS>(k_s, k_g + (long long)key1 * k_row, k_row,
                                                               min(BLOCK_N, len_k - key1), d);
             cp_async_commit();
         }
@@ -381,12 +282,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             unsigned a[WARP_M][4];
 #pragma unroll
-            for (int mi = 0; mi < WARP_M; ++mi) {
-                a[mi][0] = pack2(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-                a[mi][1] = pack2(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-                a[mi][2] = pack2(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-                a[mi][3] = pack2(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
-            }
+            for (int mi = 0; mi < WARP_M; ++mi) pack_a(a[mi], s[mi][2 * kk], s[mi][2 * kk + 1]);
 #pragma unroll
             for (int np = 0; np < N_TILES_O / 2; ++np) {
                 unsigned b[4];

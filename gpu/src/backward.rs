@@ -5,9 +5,11 @@
 //! # What runs
 //!
 //! 1. `bwd_preprocess`: `D = rowsum(dO ∘ O)` in f32 (E7), laid out like LSE.
-//! 2. `bwd_kv`: one CTA per (KV tile of [`KV_TILE`] keys, KV head × column chunk, sequence) owns dK and dV. It loops
-//!    over the KV head's query heads (so GQA needs no atomics for dK/dV) and over the query tiles of [`Q_TILE`] rows
-//!    that can see the tile (the others are skipped, not masked), recomputing `P` from the forward's LSE.
+//! 2. `bwd_kv`: one CTA of 8 warps per (KV tile of [`KV_TILE`] keys, query head × column chunk, sequence) owns dK
+//!    and dV. It loops over the query tiles of [`Q_TILE`] rows that can see the tile (the others are skipped, not
+//!    masked), recomputing `P` from the forward's LSE, with the next query tile's Q and dO loading (cp.async) while
+//!    the current one computes. Under GQA each query head's f32 dK, dV sums go to a workspace, and
+//!    `bwd_kv_group_sum` adds them in ascending head order (no atomics, bitwise reproducible).
 //! 3. dQ, by strategy: [`GpuBackwardStrategy::TwoTraversals`] (E10a strategy A) launches `bwd_dq`, one CTA per query
 //!    tile owning dQ, which recomputes `P` and `dS` a second time; [`GpuBackwardStrategy::KvOwnerAtomic`] lets
 //!    `bwd_kv` `atomicAdd` each KV tile's dQ into an f32 accumulator, converted by `bwd_dq_finalize`;
@@ -18,15 +20,17 @@
 //!    three, so they agree bitwise across strategies.
 //!
 //! Supported: what the forward supports (dense and varlen, GQA/MQA, `Lq ≠ Lk`, any length, masks `None`, `Causal`,
-//! `Window`, `And` of those; head dims multiples of 8 up to 256). Output columns are processed in chunks of 64
-//! (grid y), recomputing `S` and `dP` per chunk: correctness first, no tuned path.
+//! `Window`, `And` of those; head dims multiples of 8 up to 256). Output columns are processed in chunks of up to 128
+//! (grid y): head dims up to 128 keep every accumulator in registers and compute `S` and `dP` once per tile pair;
+//! wider ones recompute them per chunk. Operands come from shared memory through `ldmatrix` (`.trans` for the
+//! products that reduce along a tile's rows).
 //!
 //! # Precision recipe and why each parameter covers the kernel
 //!
 //! The kernel follows the reference backward's recipe (`attnproof-reference`'s `backward` module, bounded by
 //! `attnproof_proofs::flash_bound::backward_bounds`) except in how `P = exp(s − LSE)` is evaluated and in how the
 //! tensor cores add. The verifier's `FlashRecipe` (`attnproof_proofs::flash_bound`) for this kernel is the
-//! reference's for the storage type (`unit_roundoff = u_T`, `subnormal = τ_T`) with `kv_tile = 64`,
+//! reference's for the storage type (`unit_roundoff = u_T`, `subnormal = τ_T`) with `kv_tile =` [`KV_TILE`],
 //! `extra_merges = 0`, `exp_error =` [`EXP_RELATIVE_ERROR`], `shift_rounding =` [`BACKWARD_SHIFT_ROUNDING`] and
 //! `accumulation = TensorCore { k_step: 16 }`, verified with `q_tile = 64` (`gpu/tests/flash_backward.rs`):
 //!
@@ -51,15 +55,16 @@
 //!   addition per instruction). The kernel's sums take at most that many instructions: k-steps of 16 rows that lie
 //!   entirely past the valid length are skipped, so `S` (over `d`) and `dP` (over `dv`) take `⌈d/16⌉`, `⌈dv/16⌉`
 //!   instructions, dK and dV `Σ_t ⌈rows_t/16⌉ ≤ ⌈Lq/16⌉ + n_q` over the visited query tiles, dQ (strategy A)
-//!   `⌈Lk/16⌉ + n_k`; the KV-owner strategies add each tile's MMA partial (≤ 4 instructions) into dQ with f32
+//!   `⌈Lk/16⌉ + n_k` (its own KV tiles of 64 keys: only the last is partial, so the count holds for any `n_k`); the
+//!   KV-owner strategies add each tile's MMA partial (≤ 8 instructions over 128 keys) into dQ with f32
 //!   round-to-nearest additions (atomic, or in ascending tile order), at most `n_k − 1` of them per term. `D` is an f32
 //!   fma chain and a shuffle tree over `dv` terms: `γ(dv)` for any order, below the tensor-core `γ'`.
-//! - `q_tile = 64`, `kv_tile = 64`: the tile counts `n_q`, `n_k` of the model's partial sums.
+//! - `q_tile = 64`, `kv_tile = 128`: the tile counts `n_q`, `n_k` of the model's partial sums.
 //! - Everything else is the reference's recipe: `s = fl(dot·α̂)` with the host's `α̂ = fl32(1/√d)`;
 //!   `dS = round_T(fl(p·fl(dP − D)))` (the model's `2u + u_T` and `τ_T`); `dV` from `round_T(p)`; dK and dQ scaled
 //!   by one f32 multiplication by `α̂` and rounded once to `T` (`3u + u_T`); under GQA each query head's dK, dV is
-//!   accumulated in its own f32 registers and added to the group's f32 sum in shared memory in ascending head
-//!   order (the model's per-head bounds plus `γ(group)Σ_h|g_h|`).
+//!   accumulated in its own f32 registers, stored in f32, and summed over the group in ascending head order by
+//!   `bwd_kv_group_sum` (the model's per-head bounds plus `γ(group)Σ_h|g_h|`).
 //!
 //! The candidate's forward (`O`, `LSE`) enters through the model's forward bounds, evaluated with the same recipe;
 //! the GPU forward (`attnproof_gpu::flash`) satisfies them, since its own `shift_rounding = u` is below `3u`.
@@ -79,12 +84,20 @@ use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
 pub const Q_TILE: usize = 64;
-/// Keys per KV tile (the `kv_tile` of the kernel's `FlashRecipe`).
-pub const KV_TILE: usize = 64;
-/// Output columns per CTA (grid y splits wider head dims).
-const CHUNK: usize = 64;
-/// Threads per CTA.
+/// Keys per KV tile of `bwd_kv` (the `kv_tile` of the kernel's `FlashRecipe`: the dQ partials of the KV-owner
+/// strategies are sums over this many keys).
+pub const KV_TILE: usize = 128;
+/// Keys per KV tile of strategy A's `bwd_dq` (its dQ is one running sum over all keys, so only the instruction count
+/// depends on it, and the model's count holds for any tile).
+const DQ_KV_TILE: usize = 64;
+/// Widest output-column chunk per CTA (grid y splits wider head dims): up to this width every accumulator stays in
+/// registers and `S`, `dP` are computed once per tile pair.
+const MAX_CHUNK: usize = 128;
+/// Threads per CTA of `bwd_kv` (8 warps of 16 keys) and of the other kernels.
+const KV_THREADS: u32 = 256;
 const THREADS: u32 = 128;
+/// Shared memory a CTA may opt in to on the H200 (and every sm_90 part): 227 KiB.
+const SHARED_OPT_IN: usize = 227 * 1024;
 /// f32 unit roundoff.
 const U32: f64 = f32::EPSILON as f64 / 2.0;
 /// Relative error of `ex2.approx.f32` on a normal result (see the module docs).
@@ -179,9 +192,13 @@ struct Plan {
     seqs: u32,
     /// Column chunks of the KV owner (`max(d, dv)`) and of the dQ owner (`d`).
     kv_chunks: u32,
+    /// Rows of K over all sequences (the GQA workspace's row count).
+    total_k: usize,
     q_chunks: u32,
     kv_shared: u32,
     dq_shared: u32,
+    /// CTAs of 64 keys per sequence of `bwd_kv_group_sum`.
+    group_sum_tiles: u32,
     /// Elements of Q (the stride between dQ partials).
     q_elements: usize,
 }
@@ -192,18 +209,31 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
     // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
     let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
-    let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
-    // Shared memory (see the kernels): K, Q tiles of d_pad + 8 columns, V, dO tiles of dv_pad + 8, dS of 64 + 8, three
-    // f32 row vectors, and under GQA two f32 [64][CHUNK] sums.
-    let tiles = 2 * Q_TILE * (d_pad + 8) + 2 * Q_TILE * (dv_pad + 8);
-    let gqa = if spec.group_size() > 1 { 2 * KV_TILE * CHUNK * 4 } else { 0 };
-    let kv_shared = 2 * (tiles + Q_TILE * (KV_TILE + 8)) + 3 * Q_TILE * 4 + gqa;
-    let dq_shared = 2 * tiles;
+    // The chunk is a multiple of 32 (bwd_kv's dQ step splits it between two halves of its warps).
+    let chunk = MAX_CHUNK.min(d_pad.max(dv_pad).next_multiple_of(32));
+    // Shared memory of bwd_kv (2-byte elements, rows padded by 8): the K and V tiles of KV_TILE rows, Q and dO tiles
+    // of Q_TILE rows per stage, the dS tile [Q_TILE][KV_TILE + 8], and three f32 row vectors per stage. Two stages
+    // (Q and dO of the next query tile loading while this one computes) unless the head dims are too wide for them.
+    let kv_shared = |stages: usize| {
+        let rows = KV_TILE + stages * Q_TILE;
+        2 * (rows * (d_pad + 8) + rows * (dv_pad + 8) + Q_TILE * (KV_TILE + 8)) + 3 * stages * Q_TILE * 4
+    };
+    let q_stages = if kv_shared(2) <= SHARED_OPT_IN { 2 } else { 1 };
+    let defines = vec![
+        T::DEFINE.to_owned(),
+        format!("HEAD_DIM_PAD={d_pad}"),
+        format!("HEAD_DIM_V_PAD={dv_pad}"),
+        format!("CHUNK={chunk}"),
+        format!("Q_STAGES={q_stages}"),
+    ];
+    // bwd_dq: Q, dO tiles of Q_TILE rows and K, V tiles of DQ_KV_TILE rows.
+    let dq_shared = 2 * ((Q_TILE + DQ_KV_TILE) * (d_pad + 8) + (Q_TILE + DQ_KV_TILE) * (dv_pad + 8));
     let seqs = spec.sequences();
     let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let max_len_k = seqs.iter().map(|s| s.len_k).max().unwrap_or(0);
-    let kv_chunks = d.max(dv).div_ceil(CHUNK);
-    let q_chunks = d.div_ceil(CHUNK);
+    let kv_chunks = d.max(dv).div_ceil(chunk);
+    let q_chunks = d.div_ceil(chunk);
+    let k_elements: usize = spec.expected_shape(Operand::K).iter().product();
     Ok(Plan {
         scalars,
         defines,
@@ -211,10 +241,12 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         cu_k,
         q_tiles: grid_dim("query tiles", max_len_q.div_ceil(Q_TILE), u32::MAX as usize >> 1)?,
         kv_tiles: grid_dim("KV tiles", max_len_k.div_ceil(KV_TILE), u32::MAX as usize >> 1)?,
+        group_sum_tiles: grid_dim("KV tiles", max_len_k.div_ceil(64), u32::MAX as usize >> 1)?,
         seqs: grid_dim("sequences", seqs.len(), 65535)?,
-        kv_chunks: grid_dim("n_heads_kv x column chunks", kv_chunks, 65535 / hkv.max(1))?,
+        kv_chunks: grid_dim("n_heads_q x column chunks", kv_chunks, 65535 / hq.max(1))?,
+        total_k: k_elements / (hkv * d).max(1),
         q_chunks: grid_dim("n_heads_q x column chunks", q_chunks, 65535 / hq.max(1))?,
-        kv_shared: kv_shared as u32,
+        kv_shared: kv_shared(q_stages) as u32,
         dq_shared: dq_shared as u32,
         q_elements: spec.expected_shape(Operand::Q).iter().product(),
     })
@@ -298,6 +330,10 @@ pub fn flash_backward_device_with<T: GpuElement>(
     let accumulator = if strategy == GpuBackwardStrategy::KvOwnerAtomic { plan.q_elements } else { 0 };
     let mut dq_acc = stream.alloc_zeros::<f32>(accumulator.max(1)).map_err(alloc_err)?;
     let mut dq_part = stream.alloc_zeros::<f32>(partials.max(1)).map_err(alloc_err)?;
+    // GQA: every query head's f32 dK and dV sums, added in ascending head order by `bwd_kv_group_sum`.
+    let group_sums =
+        if spec.group_size() > 1 { spec.n_heads_q * plan.total_k * (spec.head_dim + spec.head_dim_v) } else { 0 };
+    let mut dkv_part = stream.alloc_zeros::<f32>(group_sums.max(1)).map_err(alloc_err)?;
     let BackwardDeviceOutputs { dq, dk, dv, delta } = outputs;
     let mut buffers = BackwardBuffers {
         q: inputs.q,
@@ -312,18 +348,21 @@ pub fn flash_backward_device_with<T: GpuElement>(
         delta,
         dq_acc: &mut dq_acc,
         dq_part: &mut dq_part,
+        dkv_part: &mut dkv_part,
         cu_q: &cu_q,
         cu_k: &cu_k,
     };
-    let cfg = |grid: (u32, u32, u32), shared: u32| LaunchConfig {
+    let cfg_with = |threads: u32, grid: (u32, u32, u32), shared: u32| LaunchConfig {
         grid_dim: grid,
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: shared,
     };
+    let cfg = |grid, shared| cfg_with(THREADS, grid, shared);
     let hq = spec.n_heads_q as u32;
     let hkv = spec.n_heads_kv as u32;
     let s = plan.scalars;
     let part_stride = plan.q_elements as i64;
+    let total_k = plan.total_k as i64;
     if plan.q_tiles > 0 {
         let f = function(ctx, &module, "bwd_preprocess", 0)?;
         launch::launch_flash_backward(
@@ -345,11 +384,22 @@ pub fn flash_backward_device_with<T: GpuElement>(
         launch::launch_flash_backward(
             stream,
             &f,
-            cfg((plan.kv_tiles, hkv * plan.kv_chunks, plan.seqs), plan.kv_shared),
-            BackwardKernel::KvOwner { dq_mode, n_chunks: plan.kv_chunks as i32, part_stride },
+            cfg_with(KV_THREADS, (plan.kv_tiles, hq * plan.kv_chunks, plan.seqs), plan.kv_shared),
+            BackwardKernel::KvOwner { dq_mode, n_chunks: plan.kv_chunks as i32, part_stride, total_k },
             &mut buffers,
             s,
         )?;
+        if spec.group_size() > 1 {
+            let f = function(ctx, &module, "bwd_kv_group_sum", 0)?;
+            launch::launch_flash_backward(
+                stream,
+                &f,
+                cfg((plan.group_sum_tiles, hkv, plan.seqs), 0),
+                BackwardKernel::GroupSum { n_heads_q: hq as i32, total_k },
+                &mut buffers,
+                s,
+            )?;
+        }
     }
     if plan.q_tiles > 0 {
         match strategy {
@@ -496,18 +546,24 @@ mod tests {
     fn plan_grids_chunks_and_shared_memory() {
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 128, 200).with_mask(Mask::Causal);
         let p = plan::<bf16>(&spec).unwrap();
-        assert_eq!((p.q_tiles, p.kv_tiles, p.seqs), (3, 2, 2));
-        assert_eq!((p.kv_chunks, p.q_chunks), (4, 2));
-        assert_eq!(p.defines, ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208"]);
+        assert_eq!((p.q_tiles, p.kv_tiles, p.group_sum_tiles, p.seqs), (3, 1, 2, 2));
+        // Chunks of 128 columns: max(d, dv) = 200 takes two, d = 128 one.
+        assert_eq!((p.kv_chunks, p.q_chunks), (2, 1));
+        assert_eq!(p.defines, ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208", "CHUNK=128", "Q_STAGES=2"]);
         assert_eq!((p.scalars.win_left, p.scalars.win_right), (1 << 30, 0));
-        // K, Q, V, dO, dS tiles in T, three f32 row vectors, two f32 GQA sums.
-        let tiles = 2 * 64 * 136 + 2 * 64 * 216;
-        assert_eq!(p.kv_shared as usize, 2 * (tiles + 64 * 72) + 3 * 64 * 4 + 2 * 64 * 64 * 4);
-        assert_eq!(p.dq_shared as usize, 2 * tiles);
+        // bwd_kv: K, V tiles of 128 rows and two stages of Q, dO tiles of 64 rows, the dS tile, six f32 row vectors.
+        let rows = 128 + 2 * 64;
+        assert_eq!(p.kv_shared as usize, 2 * (rows * 136 + rows * 216 + 64 * 136) + 6 * 64 * 4);
+        assert_eq!(p.dq_shared as usize, 2 * (128 * 136 + 128 * 216));
         assert_eq!(p.q_elements, 2 * 4 * 130 * 128);
-        // The largest head dims fit the H200's 227 KiB opt-in shared memory.
+        assert_eq!(p.total_k, 2 * 70);
+        // Narrow heads take one chunk of 32 columns.
+        let narrow = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 16, 8)).unwrap();
+        assert_eq!(narrow.defines[3..], ["CHUNK=32", "Q_STAGES=2"]);
+        // The largest head dims fit the H200's 227 KiB opt-in shared memory with one stage.
         let big = plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256)).unwrap();
-        assert!(big.kv_shared <= 227 * 1024, "{}", big.kv_shared);
+        assert_eq!(big.defines[3..], ["CHUNK=128", "Q_STAGES=1"]);
+        assert!(big.kv_shared as usize <= SHARED_OPT_IN, "{}", big.kv_shared);
     }
 
     #[test]

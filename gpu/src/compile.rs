@@ -29,10 +29,16 @@ pub struct KernelSource {
 }
 
 /// `gpu/kernels/flash_fwd.cu`.
-pub const FLASH_FWD: KernelSource = KernelSource { name: "flash_fwd", source: include_str!("../kernels/flash_fwd.cu") };
+pub const FLASH_FWD: KernelSource = KernelSource {
+    name: "flash_fwd",
+    source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_fwd.cu")),
+};
 
 /// `gpu/kernels/flash_bwd.cu`.
-pub const FLASH_BWD: KernelSource = KernelSource { name: "flash_bwd", source: include_str!("../kernels/flash_bwd.cu") };
+pub const FLASH_BWD: KernelSource = KernelSource {
+    name: "flash_bwd",
+    source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_bwd.cu")),
+};
 
 /// The compute capability of the context's device.
 pub fn compute_capability(ctx: &Arc<CudaContext>) -> Result<(i32, i32), GpuError> {

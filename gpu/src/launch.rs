@@ -157,8 +157,8 @@ fn push_common<'a>(builder: &mut cudarc::driver::LaunchArgs<'a>, s: &'a FlashSca
 }
 
 /// Device operands of the backward kernels (`gpu/kernels/flash_bwd.cu`). `o` is read by the preprocess only; the
-/// f32 workspaces `dq_acc` (atomic accumulator, zeroed by the caller) and `dq_part` (per-KV-tile partials) are
-/// one-element placeholders when the strategy does not use them.
+/// f32 workspaces `dq_acc` (atomic accumulator, zeroed by the caller), `dq_part` (per-KV-tile partials) and
+/// `dkv_part` (GQA: every query head's dK and dV sums) are one-element placeholders when unused.
 pub(crate) struct BackwardBuffers<'a, T> {
     pub q: &'a CudaSlice<T>,
     pub k: &'a CudaSlice<T>,
@@ -172,6 +172,7 @@ pub(crate) struct BackwardBuffers<'a, T> {
     pub delta: &'a mut CudaSlice<f32>,
     pub dq_acc: &'a mut CudaSlice<f32>,
     pub dq_part: &'a mut CudaSlice<f32>,
+    pub dkv_part: &'a mut CudaSlice<f32>,
     pub cu_q: &'a CudaSlice<i32>,
     pub cu_k: &'a CudaSlice<i32>,
 }
@@ -181,8 +182,11 @@ pub(crate) struct BackwardBuffers<'a, T> {
 pub(crate) enum BackwardKernel {
     /// `bwd_preprocess`: writes `delta`.
     Preprocess,
-    /// `bwd_kv`: writes `dk`, `dv`, and per `dq_mode` adds to `dq_acc` (1) or writes `dq_part` (2).
-    KvOwner { dq_mode: i32, n_chunks: i32, part_stride: i64 },
+    /// `bwd_kv`: writes `dk`, `dv` (or, under GQA, `dkv_part`), and per `dq_mode` adds to `dq_acc` (1) or writes
+    /// `dq_part` (2).
+    KvOwner { dq_mode: i32, n_chunks: i32, part_stride: i64, total_k: i64 },
+    /// `bwd_kv_group_sum`: writes `dk`, `dv` from `dkv_part`.
+    GroupSum { n_heads_q: i32, total_k: i64 },
     /// `bwd_dq`: writes `dq`.
     DqOwner { n_chunks: i32 },
     /// `bwd_dq_finalize`: writes `dq` from `dq_acc` (mode 0) or `dq_part` (mode 1).
@@ -195,8 +199,9 @@ pub(crate) enum BackwardKernel {
 /// names, compiled from `flash_bwd.cu` for the element type `T` and the padded head dims the scalars imply; every
 /// index the kernel forms from the grid, the lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the
 /// packed totals) and the strides lies inside the buffer it indexes (sizes checked against the spec's shapes; the
-/// workspaces hold `Q`'s element count, times the KV tile count for `dq_part` when mode 2 or finalize mode 1 reads it);
-/// `cfg` has 128 threads per block and the dynamic shared memory the kernel's layout needs, which the function
+/// workspaces hold `Q`'s element count, times the KV tile count for `dq_part` when mode 2 or finalize mode 1 reads it,
+/// and `dkv_part` holds `n_heads_q · total_k · (d + dv)` when the group size exceeds 1); `cfg` has the kernel's
+/// threads per block (256 for `bwd_kv`, 128 for the others) and the dynamic shared memory its layout needs, which the function
 /// attribute allows.
 pub(crate) fn launch_flash_backward<T>(
     stream: &CudaStream,
@@ -214,13 +219,19 @@ pub(crate) fn launch_flash_backward<T>(
             push_common(&mut builder, &s);
             "cuLaunchKernel(bwd_preprocess)"
         }
-        BackwardKernel::KvOwner { ref dq_mode, ref n_chunks, ref part_stride } => {
+        BackwardKernel::KvOwner { ref dq_mode, ref n_chunks, ref part_stride, ref total_k } => {
             builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);
-            builder.arg(&mut *b.dk).arg(&mut *b.dv).arg(&mut *b.dq_acc).arg(&mut *b.dq_part);
+            builder.arg(&mut *b.dk).arg(&mut *b.dv).arg(&mut *b.dq_acc).arg(&mut *b.dq_part).arg(&mut *b.dkv_part);
             builder.arg(b.cu_q).arg(b.cu_k);
             push_common(&mut builder, &s);
-            builder.arg(dq_mode).arg(n_chunks).arg(part_stride);
+            builder.arg(dq_mode).arg(n_chunks).arg(part_stride).arg(total_k);
             "cuLaunchKernel(bwd_kv)"
+        }
+        BackwardKernel::GroupSum { ref n_heads_q, ref total_k } => {
+            builder.arg(&*b.dkv_part).arg(&mut *b.dk).arg(&mut *b.dv).arg(b.cu_q).arg(b.cu_k);
+            push_common(&mut builder, &s);
+            builder.arg(n_heads_q).arg(total_k);
+            "cuLaunchKernel(bwd_kv_group_sum)"
         }
         BackwardKernel::DqOwner { ref n_chunks } => {
             builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);

@@ -121,20 +121,26 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
     // dS = P ∘ dP without subtracting D (E9): the softmax Jacobian's rank-one term is lost.
     Mutant {
         name: "bwd_ds_missing_delta",
-        find: "__fmul_rn(p, __fsub_rn(dpt[n][e], delta_s[qc]))",
+        find: "__fmul_rn(p, __fsub_rn(dpt[n][e], delta_t[qc]))",
         replace: "__fmul_rn(p, dpt[n][e])",
     },
     // The last query tile that sees a KV tile is skipped: its rows add nothing to dK and dV.
     Mutant {
         name: "bwd_kv_tile_rows_off_by_one",
-        find: "*a_hi = (int)(row_hi / TILE);",
-        replace: "*a_hi = (int)(row_hi / TILE) - 1;",
+        find: "*a_hi = (int)(row_hi / Q_TILE);",
+        replace: "*a_hi = (int)(row_hi / Q_TILE) - 1;",
     },
     // GQA: each query head's dK overwrites the group's sum instead of adding to it.
     Mutant {
         name: "bwd_gqa_dk_overwritten",
-        find: "tot_k[at] = hh == 0 ? acc_k[n][e] : __fadd_rn(tot_k[at], acc_k[n][e]);",
-        replace: "tot_k[at] = acc_k[n][e];",
+        find: "tot_k = hh == 0 ? x : __fadd_rn(tot_k, x);",
+        replace: "tot_k = x;",
+    },
+    // GQA: the group sum of dK and dV leaves out the last query head of each group.
+    Mutant {
+        name: "bwd_gqa_last_head_dropped",
+        find: "for (int hh = 0; hh < group; ++hh) {",
+        replace: "for (int hh = 0; hh + 1 < group; ++hh) {",
     },
     // dK is written without the softmax scale α̂ (dS is the gradient of the scaled scores).
     Mutant {
@@ -149,12 +155,34 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
         replace: "for (int off = 16; off > 1; off >>= 1)",
     },
     // The atomic dQ mode drops the odd column of each pair.
-    Mutant { name: "bwd_atomic_dq_column_lost", find: "atomicAdd(dq_acc + idx + 1, part[2 * r + 1]);", replace: "" },
+    Mutant {
+        name: "bwd_atomic_dq_column_lost",
+        find: "red_add_v2(dq_acc + idx, part[n][2 * r], part[n][2 * r + 1]);",
+        replace: "red_add_v2(dq_acc + idx, part[n][2 * r], 0.f);",
+    },
+    // The next query tile is prefetched into the stage being computed on (a race that mixes two tiles).
+    Mutant {
+        name: "bwd_q_prefetch_same_stage",
+        find: "load_q_tile(a + 1, stage ^ 1);",
+        replace: "load_q_tile(a + 1, stage);",
+    },
+    // Both halves of bwd_kv's warps compute the first half of the chunk's dQ columns.
+    Mutant {
+        name: "bwd_dq_column_half_repeated",
+        find: "const int dq_c = c0 + (warp / 4) * (CHUNK / 2);",
+        replace: "const int dq_c = c0;",
+    },
     // The window's left bound is not applied when P is recomputed in the KV-owner kernel.
     Mutant {
         name: "bwd_window_left_ignored",
-        find: "j >= i + shift - win_left && lse_s[qc] != NEG_INF;",
-        replace: "lse_s[qc] != NEG_INF;",
+        find: "j <= i + win_right && j >= i - win_left;",
+        replace: "j <= i + win_right;",
+    },
+    // A warp's keys that cross the diagonal (or a window's right edge) are taken as fully visible: future keys leak.
+    Mutant {
+        name: "bwd_interior_ignores_window_right",
+        find: "wkey0 + 15 <= row0 + shift + win_right && ",
+        replace: "",
     },
 ];
 

@@ -1,6 +1,7 @@
 //! `cargo xtask gpu-bundle`: builds the GPU test binaries and the benchmark binaries in release and copies them, with
 //! `bench/peers.py` and a `run.sh` entry script, into `gpu-bundle/` (ignored by git), so that one call on a GPU machine
-//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench]`.
+//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|peers]`. The
+//! case checker (`check`) and the PyTorch case dumper (`python/`) ride along for the verdict on PyTorch's kernels.
 //!
 //! The executables are found from cargo's own JSON messages (`--message-format=json`), not by guessing file names in
 //! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so its size is checked at the end.
@@ -15,10 +16,13 @@ use crate::process::{cargo, describe, ensure_m4, find_on_path};
 
 /// Packages whose test binaries go into the bundle.
 const PACKAGES: &[&str] = &["attnproof-gpu"];
-/// (package, binary) of the benchmarks that go into the bundle's `bin/`.
-const BENCHES: &[(&str, &str)] = &[("attnproof-gpu", "bench")];
+/// (package, binary) of the programs that go into the bundle's `bin/`: the benchmark and the case checker.
+const BENCHES: &[(&str, &str)] = &[("attnproof-gpu", "bench"), ("attnproof-harness", "check")];
 /// Scripts copied into the bundle's root, relative to the repository root.
 const SCRIPTS: &[&str] = &["bench/peers.py"];
+/// Scripts copied into the bundle at their own relative paths (they import each other by relative path).
+const TREE_SCRIPTS: &[&str] =
+    &["python/attnproof_dump.py", "python/examples/dump_peers.py", "python/examples/peers_table.py"];
 /// The bundle directory, relative to the repository root.
 pub const BUNDLE_DIR: &str = "gpu-bundle";
 /// Largest bundle the device tool carries.
@@ -32,6 +36,9 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
 #   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
 #                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
+#   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
+#                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
+#                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
 # Every mode exits non-zero on any failure.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -50,7 +57,7 @@ SANITIZE=(
 )
 mode=tests
 case "${1:-}" in
-    tests | mutants | sanitize | bench) mode="$1"; shift ;;
+    tests | mutants | sanitize | bench | peers) mode="$1"; shift ;;
 esac
 case "$mode" in
 tests)
@@ -96,6 +103,19 @@ bench)
     "$here"/bin/bench --csv "$csv" "$@" || exit 1
     python3 "$here"/peers.py --ours "$csv" ${PEERS_ARGS:-} || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
+    ;;
+peers)
+    out="${OUT:-$(mktemp -d)}"
+    cases="$(mktemp -d)"
+    PYTHONUNBUFFERED=1 python3 "$here"/python/examples/dump_peers.py --out "$cases" "$@" || exit 1
+    "$here"/bin/check "$cases"/*.safetensors >"$out/check.txt"
+    status=$?
+    "$here"/bin/check "$cases"/*.safetensors --json >"$out/check.json"
+    python3 "$here"/python/examples/peers_table.py "$out/check.json" >"$out/peers.md"
+    (cd "$cases" && tar czf - ./*.safetensors) | split -b 15m - "$out/cases.tgz."
+    tail -n 30 "$out/check.txt"
+    echo "gpu-bundle peers: check exit $status, results in $out"
+    exit $((status > 1))
     ;;
 esac
 "#;
@@ -143,6 +163,14 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
     for script in SCRIPTS {
         let src = root.join(script);
         let dest = bundle.join(Path::new(script).file_name().expect("a file name"));
+        fs::copy(&src, &dest).with_context(|| format!("could not copy {}", src.display()))?;
+        total += fs::metadata(&dest)?.len();
+    }
+    for script in TREE_SCRIPTS {
+        let src = root.join(script);
+        let dest = bundle.join(script);
+        fs::create_dir_all(dest.parent().expect("a parent"))
+            .with_context(|| format!("could not create {}", dest.display()))?;
         fs::copy(&src, &dest).with_context(|| format!("could not copy {}", src.display()))?;
         total += fs::metadata(&dest)?.len();
     }
