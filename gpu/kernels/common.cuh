@@ -92,6 +92,24 @@ __device__ __forceinline__ int lane_b_trans(int lane, int stride) {
     return ((lane % 8) + ((lane / 8) % 2) * 8) * stride + (lane / 16) * 8;
 }
 
+// acc += A · Bᵀ for one warp: A is 16 rows at the lane address `a_lane` (lane_a), B has 16·N_PAIRS rows (the n
+// dimension) at `b_lane` (lane_b) with row stride B_STRIDE, both reduced over K_STEPS k-steps of 16 columns.
+template <int K_STEPS, int N_PAIRS, int B_STRIDE>
+__device__ __forceinline__ void warp_mma_nt(float (&acc)[2 * N_PAIRS][4], unsigned a_lane, unsigned b_lane) {
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+        unsigned af[4];
+        ldsm_x4(af, a_lane + kk * 16 * ESZ);
+#pragma unroll
+        for (int np = 0; np < N_PAIRS; ++np) {
+            unsigned bf[4];
+            ldsm_x4(bf, b_lane + (np * 16 * B_STRIDE + kk * 16) * ESZ);
+            mma_16816(acc[2 * np], af, bf[0], bf[1]);
+            mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
 // 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
     const int bytes = valid ? 16 : 0;

@@ -329,30 +329,8 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.f;
         }
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
-            unsigned af[4];
-            ldsm_x4(af, k_a + kk * 16 * ESZ);
-#pragma unroll
-            for (int np = 0; np < Q_TILE / 16; ++np) {
-                unsigned bf[4];
-                ldsm_x4(bf, q_b + q_off + (np * 16 * QK_STRIDE + kk * 16) * ESZ);
-                mma_16816(st[2 * np], af, bf[0], bf[1]);
-                mma_16816(st[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM_V_PAD / 16; ++kk) {
-            unsigned af[4];
-            ldsm_x4(af, v_a + kk * 16 * ESZ);
-#pragma unroll
-            for (int np = 0; np < Q_TILE / 16; ++np) {
-                unsigned bf[4];
-                ldsm_x4(bf, do_b + do_off + (np * 16 * V_STRIDE + kk * 16) * ESZ);
-                mma_16816(dpt[2 * np], af, bf[0], bf[1]);
-                mma_16816(dpt[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
+        warp_mma_nt<HEAD_DIM_PAD / 16, Q_TILE / 16, QK_STRIDE>(st, k_a, q_b + q_off);
+        warp_mma_nt<HEAD_DIM_V_PAD / 16, Q_TILE / 16, V_STRIDE>(dpt, v_a, do_b + do_off);
 
         // Pᵀ (kept in st, f32) and dSᵀ (in dpt, already rounded to T). Only a warp whose 16 keys some row of the
         // tile does not see completely pays for the mask.
@@ -589,30 +567,8 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.f;
         }
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
-            unsigned af[4];
-            ldsm_x4(af, q_a + kk * 16 * ESZ);
-#pragma unroll
-            for (int np = 0; np < DQ_KV_TILE / 16; ++np) {
-                unsigned bf[4];
-                ldsm_x4(bf, k_b + (np * 16 * QK_STRIDE + kk * 16) * ESZ);
-                mma_16816(s[2 * np], af, bf[0], bf[1]);
-                mma_16816(s[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM_V_PAD / 16; ++kk) {
-            unsigned af[4];
-            ldsm_x4(af, do_a + kk * 16 * ESZ);
-#pragma unroll
-            for (int np = 0; np < DQ_KV_TILE / 16; ++np) {
-                unsigned bf[4];
-                ldsm_x4(bf, v_b + (np * 16 * V_STRIDE + kk * 16) * ESZ);
-                mma_16816(dp[2 * np], af, bf[0], bf[1]);
-                mma_16816(dp[2 * np + 1], af, bf[2], bf[3]);
-            }
-        }
+        warp_mma_nt<HEAD_DIM_PAD / 16, DQ_KV_TILE / 16, QK_STRIDE>(s, q_a, k_b);
+        warp_mma_nt<HEAD_DIM_V_PAD / 16, DQ_KV_TILE / 16, V_STRIDE>(dp, do_a, v_b);
 #pragma unroll
         for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
 #pragma unroll
