@@ -3,8 +3,8 @@
 //
 // Kernels (one module per storage type and padded head dims; all take the forward's scalar block, in its order):
 //   bwd_preprocess    D = rowsum(dO ∘ O) in f32 (E7), one warp per row.
-//   bwd_kv            KV owner: one CTA of KV_WARPS = 8 warps per (KV tile of KV_TILE = 128 keys, query head × column
-//                     chunk, sequence); warp w owns keys 16w … 16w + 15. For every query tile of Q_TILE = 64 rows
+//   bwd_kv            KV owner: one CTA of KV_WARPS warps per (KV tile of KV_TILE = 16 · KV_WARPS keys, query head ×
+//                     column chunk, sequence); warp w owns keys 16w … 16w + 15. For every query tile of Q_TILE = 64 rows
 //                     that can see the KV tile (the others are skipped, not masked) it recomputes Sᵀ = α̂ K Qᵀ, Pᵀ,
 //                     dPᵀ = V dOᵀ and dSᵀ, accumulates dV += round_T(P)ᵀ dO and dK += dSᵀ Q in registers over the
 //                     chunk's columns, and, per `dq_mode`, adds the tile's dQ = dS K to an f32 accumulator with
@@ -24,8 +24,8 @@
 // wider head dims recompute S and dP per chunk.
 //
 // Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD (d rounded up to 16); HEAD_DIM_V_PAD (dv rounded up
-// to 16: dv is the reduction of dP); CHUNK (a multiple of 32 up to 128); Q_STAGES (1 or 2). Padding columns are zero
-// in shared memory.
+// to 16: dv is the reduction of dP); CHUNK (a multiple of 32 up to 128); Q_STAGES (1 or 2); KV_WARPS (4 or 8: the
+// tiling of bwd_kv; 4 warps over 64 keys leave room for two CTAs per SM). Padding columns are zero in shared memory.
 //
 // Precision recipe (the rounding-error argument is in gpu/src/backward.rs):
 //   s    = fl(dot(q, k) · α̂)                      f32 from the tensor cores, α̂ = fl32(1/√d) from the host
@@ -54,14 +54,20 @@
 #ifndef Q_STAGES
 #error "define Q_STAGES"
 #endif
+#ifndef KV_WARPS
+#error "define KV_WARPS"
+#endif
 
 #define Q_TILE 64
-#define KV_TILE 128
+#define KV_TILE (KV_WARPS * 16)
 #define DQ_KV_TILE 64
 #define NUM_WARPS 4
 #define THREADS (NUM_WARPS * 32)
-#define KV_WARPS 8
 #define KV_THREADS (KV_WARPS * 32)
+// bwd_kv's dQ step: each quarter of the warps takes 16 query rows, and the quarters split the chunk's columns in
+// DQ_SPLIT parts.
+#define DQ_SPLIT (KV_WARPS / 4)
+#define DQ_COLS (CHUNK / DQ_SPLIT)
 // Row padding of 8 elements (16 bytes): the 8 rows of an ldmatrix phase fall in distinct bank groups.
 #define SMEM_PAD 8
 #define QK_STRIDE (HEAD_DIM_PAD + SMEM_PAD)
@@ -72,8 +78,9 @@ static_assert(HEAD_DIM_PAD % 16 == 0 && HEAD_DIM_PAD <= 256, "HEAD_DIM_PAD must 
 static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 16 up to 256");
 static_assert(CHUNK % 32 == 0 && CHUNK <= 128, "CHUNK must be a multiple of 32 up to 128");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "Q_STAGES must be 1 or 2");
-static_assert(KV_TILE == KV_WARPS * 16, "each bwd_kv warp owns 16 keys");
+static_assert(KV_WARPS == 4 || KV_WARPS == 8, "KV_WARPS must be 4 or 8");
 static_assert(Q_TILE == 4 * 16, "bwd_kv's dQ step gives each quarter of the warps 16 query rows");
+static_assert(DQ_COLS % 16 == 0, "each dQ column part is whole ldmatrix.x4.trans pairs of n tiles");
 
 // log2 e = L_HI + L_LO: L_HI = fl32(log2 e), L_LO = fl32(log2 e − L_HI); the pair is within 2^-50 of log2 e.
 #define L_HI 1.44269502162933349609375f
@@ -220,7 +227,7 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], float (&dp
     }
 }
 
-extern "C" __global__ void __launch_bounds__(KV_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(KV_THREADS, 8 / KV_WARPS)
 bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
        elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out, float* __restrict__ dq_acc,
@@ -288,9 +295,9 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const unsigned do_b = smem_u32(do_s + lane_b(lane, V_STRIDE));
     const unsigned q_bt = smem_u32(q_s + lane_b_trans(lane, QK_STRIDE));
     const unsigned do_bt = smem_u32(do_s + lane_b_trans(lane, V_STRIDE));
-    // The dQ step: warp w computes query rows 16(w % 4) … + 15 and one half of the chunk's columns.
+    // The dQ step: warp w computes query rows 16(w % 4) … + 15 and DQ_COLS of the chunk's columns.
     const int wq = (warp % 4) * 16;
-    const int dq_c = c0 + (warp / 4) * (CHUNK / 2);
+    const int dq_c = c0 + (warp / 4) * DQ_COLS;
     const unsigned ds_a = smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE));
     const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
     const int key_t = key0 + wk + g;  // the key of the thread's accumulator rows g (and key_t + 8: row g + 8)
@@ -379,16 +386,16 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 }
             }
             __syncthreads();
-            float part[CHUNK / 16][4];
+            float part[DQ_COLS / 8][4];
 #pragma unroll
-            for (int n = 0; n < CHUNK / 16; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
+            for (int n = 0; n < DQ_COLS / 8; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < KV_TILE / 16; ++kk) {
                 if (kk * 16 >= keys_here) break;
                 unsigned af[4];
                 ldsm_x4(af, ds_a + kk * 16 * ESZ);
 #pragma unroll
-                for (int np = 0; np < CHUNK / 32; ++np) {
+                for (int np = 0; np < DQ_COLS / 16; ++np) {
                     const int col = dq_c + np * 16;
                     if (col < HEAD_DIM_PAD) {
                         unsigned bf[4];
@@ -399,7 +406,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 }
             }
 #pragma unroll
-            for (int n = 0; n < CHUNK / 16; ++n) {
+            for (int n = 0; n < DQ_COLS / 8; ++n) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = wq + g + 8 * r;

@@ -84,17 +84,16 @@ use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
 pub const Q_TILE: usize = 64;
-/// Keys per KV tile of `bwd_kv` (the `kv_tile` of the kernel's `FlashRecipe`: the dQ partials of the KV-owner
-/// strategies are sums over this many keys).
-pub const KV_TILE: usize = 128;
+/// Keys per KV tile of `bwd_kv` in the default tiling (the `kv_tile` of the kernel's `FlashRecipe`: the dQ partials of
+/// the KV-owner strategies are sums over this many keys). Another tiling has its own, [`BackwardTiling::kv_tile`].
+pub const KV_TILE: usize = BackwardTiling::DEFAULT.kv_tile();
 /// Keys per KV tile of strategy A's `bwd_dq` (its dQ is one running sum over all keys, so only the instruction count
 /// depends on it, and the model's count holds for any tile).
 const DQ_KV_TILE: usize = 64;
 /// Widest output-column chunk per CTA (grid y splits wider head dims): up to this width every accumulator stays in
 /// registers and `S`, `dP` are computed once per tile pair.
 const MAX_CHUNK: usize = 128;
-/// Threads per CTA of `bwd_kv` (8 warps of 16 keys) and of the other kernels.
-const KV_THREADS: u32 = 256;
+/// Threads per CTA of the kernels other than `bwd_kv`.
 const THREADS: u32 = 128;
 /// Shared memory a CTA may opt in to on the H200 (and every sm_90 part): 227 KiB.
 const SHARED_OPT_IN: usize = 227 * 1024;
@@ -104,6 +103,32 @@ const U32: f64 = f32::EPSILON as f64 / 2.0;
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the backward's exponent argument per unit of `|LSE|` (see the module docs).
 pub const BACKWARD_SHIFT_ROUNDING: f64 = 3.0 * U32;
+
+/// How `bwd_kv` tiles the keys: `kv_warps` warps per CTA, each owning 16 keys, so a KV tile of `16 · kv_warps` keys.
+/// Eight warps (128 keys) load each query tile once per 128 keys; four (64 keys) need half the registers and shared
+/// memory per CTA, so two CTAs share an SM and one's barriers overlap the other's work. The arithmetic of an element
+/// is the same in both but for the KV tile size of the dQ partials, which the recipe's `kv_tile` states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackwardTiling {
+    /// Warps per `bwd_kv` CTA: 4 or 8.
+    pub kv_warps: u32,
+}
+
+impl BackwardTiling {
+    /// Every tiling the kernel compiles.
+    pub const ALL: [BackwardTiling; 2] = [BackwardTiling { kv_warps: 4 }, BackwardTiling { kv_warps: 8 }];
+    /// The tiling of [`flash_backward_device`] (the faster one on the H200 benchmark at d = 128).
+    pub const DEFAULT: BackwardTiling = BackwardTiling { kv_warps: 8 };
+
+    /// Keys per KV tile.
+    pub const fn kv_tile(self) -> usize {
+        16 * self.kv_warps as usize
+    }
+
+    fn threads(self) -> u32 {
+        32 * self.kv_warps
+    }
+}
 
 /// Who owns dQ (E10a).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -204,19 +229,26 @@ struct Plan {
 }
 
 /// Checks that the kernels support `spec` and derives the launch plan.
-fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
+fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<Plan, GpuError> {
+    if !BackwardTiling::ALL.contains(&tiling) {
+        return Err(GpuError::Unsupported {
+            argument: "tiling",
+            reason: format!("{tiling:?} is not one of {:?}", BackwardTiling::ALL),
+        });
+    }
+    let kv_tile = tiling.kv_tile();
     let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
     // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
     let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
     // The chunk is a multiple of 32 (bwd_kv's dQ step splits it between two halves of its warps).
     let chunk = MAX_CHUNK.min(d_pad.max(dv_pad).next_multiple_of(32));
-    // Shared memory of bwd_kv (2-byte elements, rows padded by 8): the K and V tiles of KV_TILE rows, Q and dO tiles
-    // of Q_TILE rows per stage, the dS tile [Q_TILE][KV_TILE + 8], and three f32 row vectors per stage. Two stages
+    // Shared memory of bwd_kv (2-byte elements, rows padded by 8): the K and V tiles of kv_tile rows, Q and dO tiles
+    // of Q_TILE rows per stage, the dS tile [Q_TILE][kv_tile + 8], and two f32 row vectors per stage. Two stages
     // (Q and dO of the next query tile loading while this one computes) unless the head dims are too wide for them.
     let kv_shared = |stages: usize| {
-        let rows = KV_TILE + stages * Q_TILE;
-        2 * (rows * (d_pad + 8) + rows * (dv_pad + 8) + Q_TILE * (KV_TILE + 8)) + 3 * stages * Q_TILE * 4
+        let rows = kv_tile + stages * Q_TILE;
+        2 * (rows * (d_pad + 8) + rows * (dv_pad + 8) + Q_TILE * (kv_tile + 8)) + 2 * stages * Q_TILE * 4
     };
     let q_stages = if kv_shared(2) <= SHARED_OPT_IN { 2 } else { 1 };
     let defines = vec![
@@ -225,6 +257,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         format!("HEAD_DIM_V_PAD={dv_pad}"),
         format!("CHUNK={chunk}"),
         format!("Q_STAGES={q_stages}"),
+        format!("KV_WARPS={}", tiling.kv_warps),
     ];
     // bwd_dq: Q, dO tiles of Q_TILE rows and K, V tiles of DQ_KV_TILE rows.
     let dq_shared = 2 * ((Q_TILE + DQ_KV_TILE) * (d_pad + 8) + (Q_TILE + DQ_KV_TILE) * (dv_pad + 8));
@@ -240,7 +273,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec) -> Result<Plan, GpuError> {
         cu_q,
         cu_k,
         q_tiles: grid_dim("query tiles", max_len_q.div_ceil(Q_TILE), u32::MAX as usize >> 1)?,
-        kv_tiles: grid_dim("KV tiles", max_len_k.div_ceil(KV_TILE), u32::MAX as usize >> 1)?,
+        kv_tiles: grid_dim("KV tiles", max_len_k.div_ceil(kv_tile), u32::MAX as usize >> 1)?,
         group_sum_tiles: grid_dim("KV tiles", max_len_k.div_ceil(64), u32::MAX as usize >> 1)?,
         seqs: grid_dim("sequences", seqs.len(), 65535)?,
         kv_chunks: grid_dim("n_heads_q x column chunks", kv_chunks, 65535 / hq.max(1))?,
@@ -272,6 +305,9 @@ fn function(
         }
         func.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
             .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        // All of the SM's unified L1/shared storage as shared memory, so that two CTAs of the four-warp tiling fit.
+        func.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+            .map_err(|e| GpuError::driver("cuFuncSetAttribute(shared memory carveout)", e))?;
     }
     Ok(func)
 }
@@ -285,21 +321,22 @@ pub fn flash_backward_device<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    flash_backward_device_with(stream, spec, FLASH_BWD, inputs, outputs, strategy)
+    flash_backward_device_with(stream, spec, FLASH_BWD, BackwardTiling::DEFAULT, inputs, outputs, strategy)
 }
 
-/// [`flash_backward_device`] with an explicit kernel source: the tests compile patched copies of `flash_bwd.cu`
-/// (mutants) through the same validation and launch path. `kernel` must define the four kernels of
-/// `gpu/kernels/flash_bwd.cu` with its parameters.
+/// [`flash_backward_device`] with an explicit kernel source and tiling: the tests compile patched copies of
+/// `flash_bwd.cu` (mutants) through the same validation and launch path, and the benchmark times every tiling.
+/// `kernel` must define the kernels of `gpu/kernels/flash_bwd.cu` with its parameters.
 pub fn flash_backward_device_with<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
     kernel: compile::KernelSource,
+    tiling: BackwardTiling,
     inputs: BackwardDeviceInputs<'_, T>,
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    let plan = plan::<T>(spec)?;
+    let plan = plan::<T>(spec, tiling)?;
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", inputs.q, size(Operand::Q))?;
     check_len("k", inputs.k, size(Operand::K))?;
@@ -384,7 +421,7 @@ pub fn flash_backward_device_with<T: GpuElement>(
         launch::launch_flash_backward(
             stream,
             &f,
-            cfg_with(KV_THREADS, (plan.kv_tiles, hq * plan.kv_chunks, plan.seqs), plan.kv_shared),
+            cfg_with(tiling.threads(), (plan.kv_tiles, hq * plan.kv_chunks, plan.seqs), plan.kv_shared),
             BackwardKernel::KvOwner { dq_mode, n_chunks: plan.kv_chunks as i32, part_stride, total_k },
             &mut buffers,
             s,
@@ -532,38 +569,60 @@ mod tests {
     fn predicate_masks_and_odd_dims_are_typed_errors() {
         let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
         let spec = AttentionSpec::dense(1, 1, 1, 4, 4, 16, 16).with_mask(p);
-        assert!(matches!(plan::<bf16>(&spec), Err(GpuError::Unsupported { argument: "mask", .. })));
+        assert!(matches!(
+            plan::<bf16>(&spec, BackwardTiling::DEFAULT),
+            Err(GpuError::Unsupported { argument: "mask", .. })
+        ));
         for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
-            match plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv)) {
+            match plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv), BackwardTiling::DEFAULT) {
                 Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
                 other => panic!("d={d} dv={dv}: {other:?}"),
             }
         }
-        assert!(matches!(plan::<bf16>(&AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8)), Err(GpuError::Spec(_))));
+        assert!(matches!(
+            plan::<bf16>(&AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8), BackwardTiling::DEFAULT),
+            Err(GpuError::Spec(_))
+        ));
     }
 
     #[test]
     fn plan_grids_chunks_and_shared_memory() {
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 128, 200).with_mask(Mask::Causal);
-        let p = plan::<bf16>(&spec).unwrap();
+        let p = plan::<bf16>(&spec, BackwardTiling::DEFAULT).unwrap();
         assert_eq!((p.q_tiles, p.kv_tiles, p.group_sum_tiles, p.seqs), (3, 1, 2, 2));
         // Chunks of 128 columns: max(d, dv) = 200 takes two, d = 128 one.
         assert_eq!((p.kv_chunks, p.q_chunks), (2, 1));
-        assert_eq!(p.defines, ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208", "CHUNK=128", "Q_STAGES=2"]);
+        assert_eq!(
+            p.defines,
+            ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208", "CHUNK=128", "Q_STAGES=2", "KV_WARPS=8"]
+        );
         assert_eq!((p.scalars.win_left, p.scalars.win_right), (1 << 30, 0));
-        // bwd_kv: K, V tiles of 128 rows and two stages of Q, dO tiles of 64 rows, the dS tile, six f32 row vectors.
+        // bwd_kv: K, V tiles of 128 rows and two stages of Q, dO tiles of 64 rows, the dS tile, four f32 row vectors.
         let rows = 128 + 2 * 64;
-        assert_eq!(p.kv_shared as usize, 2 * (rows * 136 + rows * 216 + 64 * 136) + 6 * 64 * 4);
+        assert_eq!(p.kv_shared as usize, 2 * (rows * 136 + rows * 216 + 64 * 136) + 4 * 64 * 4);
         assert_eq!(p.dq_shared as usize, 2 * (128 * 136 + 128 * 216));
         assert_eq!(p.q_elements, 2 * 4 * 130 * 128);
         assert_eq!(p.total_k, 2 * 70);
         // Narrow heads take one chunk of 32 columns.
-        let narrow = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 16, 8)).unwrap();
-        assert_eq!(narrow.defines[3..], ["CHUNK=32", "Q_STAGES=2"]);
+        let narrow = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 16, 8), BackwardTiling::DEFAULT).unwrap();
+        assert_eq!(narrow.defines[3..], ["CHUNK=32", "Q_STAGES=2", "KV_WARPS=8"]);
         // The largest head dims fit the H200's 227 KiB opt-in shared memory with one stage.
-        let big = plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256)).unwrap();
-        assert_eq!(big.defines[3..], ["CHUNK=128", "Q_STAGES=1"]);
+        let big = plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256), BackwardTiling::DEFAULT).unwrap();
+        assert_eq!(big.defines[3..], ["CHUNK=128", "Q_STAGES=1", "KV_WARPS=8"]);
         assert!(big.kv_shared as usize <= SHARED_OPT_IN, "{}", big.kv_shared);
+    }
+
+    #[test]
+    fn four_warp_tiling_halves_the_kv_tile_and_fits_two_ctas_per_sm_at_d_128() {
+        let four = BackwardTiling { kv_warps: 4 };
+        assert_eq!(BackwardTiling::ALL.map(BackwardTiling::kv_tile), [64, 128]);
+        let p = plan::<bf16>(&AttentionSpec::dense(1, 2, 2, 300, 300, 128, 128), four).unwrap();
+        assert_eq!(p.kv_tiles, 5);
+        assert_eq!(p.defines[3..], ["CHUNK=128", "Q_STAGES=2", "KV_WARPS=4"]);
+        // An SM has 228 KiB of shared memory and reserves 1 KiB per CTA.
+        assert!(2 * (p.kv_shared as usize + 1024) <= 228 * 1024, "{}", p.kv_shared);
+        let bad = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 64, 64), BackwardTiling { kv_warps: 6 });
+        assert!(matches!(bad, Err(GpuError::Unsupported { argument: "tiling", .. })));
     }
 
     #[test]

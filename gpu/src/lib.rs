@@ -18,7 +18,7 @@ pub mod flash;
 mod launch;
 
 pub use backward::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, GpuBackwardStrategy, flash_backward,
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, flash_backward,
     flash_backward_device,
 };
 pub use error::GpuError;

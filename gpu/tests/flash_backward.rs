@@ -15,7 +15,7 @@ use common::*;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::backward::{BackwardTiling, Q_TILE};
 use attnproof_gpu::compile::FLASH_BWD;
 use attnproof_gpu::{
     BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, flash_backward,
@@ -33,13 +33,14 @@ use ndarray::ArrayD;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
-/// One backward of the production kernels, guarded (see [`common::run_backward_guarded`]).
+/// One backward of the production kernels in `tiling`, guarded (see [`common::run_backward_guarded_tiled`]).
 fn run_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     p: &Problem<T>,
+    tiling: BackwardTiling,
     strategy: GpuBackwardStrategy,
 ) -> Result<Grads<T>, String> {
-    run_backward_guarded(stream, p, FLASH_BWD, strategy)
+    run_backward_guarded_tiled(stream, p, FLASH_BWD, tiling, strategy)
 }
 
 /// Worst error/bound per output over a test, for the summary line.
@@ -61,9 +62,14 @@ impl Worst {
 }
 
 /// Verifies one run; a case outside the model's hypothesis is a rejection, not a failure of the kernel.
-fn verify<T: Storage>(p: &Problem<T>, g: &Grads<T>, worst: &Worst) -> Result<Verdict, TestCaseError> {
+fn verify<T: Storage>(
+    p: &Problem<T>,
+    g: &Grads<T>,
+    tiling: BackwardTiling,
+    worst: &Worst,
+) -> Result<Verdict, TestCaseError> {
     let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-    match verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe::<T>(), candidate) {
+    match verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe_for::<T>(tiling), candidate) {
         Ok(v) => {
             worst.record(&v);
             Ok(v)
@@ -73,20 +79,21 @@ fn verify<T: Storage>(p: &Problem<T>, g: &Grads<T>, worst: &Worst) -> Result<Ver
     }
 }
 
-/// Every strategy on A, B, A with all the checks of the module docs.
+/// Every strategy on A, B, A in `tiling` with all the checks of the module docs.
 fn check<T: Storage>(
     stream: &Arc<CudaStream>,
     a: &Problem<T>,
     b: &Problem<T>,
+    tiling: BackwardTiling,
     worst: &Worst,
 ) -> Result<(), TestCaseError> {
     let name = <T as GpuElement>::NAME;
     let mut first: Option<Grads<T>> = None;
     for strategy in GpuBackwardStrategy::ALL {
         let fail = |e: String| TestCaseError::fail(format!("{name} {strategy:?} {:?}: {e}", a.case.spec));
-        let ga = run_guarded(stream, a, strategy).map_err(fail)?;
-        let gb = run_guarded(stream, b, strategy).map_err(fail)?;
-        let ga2 = run_guarded(stream, a, strategy).map_err(fail)?;
+        let ga = run_guarded(stream, a, tiling, strategy).map_err(fail)?;
+        let gb = run_guarded(stream, b, tiling, strategy).map_err(fail)?;
+        let ga2 = run_guarded(stream, a, tiling, strategy).map_err(fail)?;
         if strategy.is_deterministic() {
             prop_assert!(ga.same(&ga2), "{name} {strategy:?}: the two runs of input A differ bitwise");
         } else {
@@ -97,7 +104,7 @@ fn check<T: Storage>(
             runs.push((&ga2, a));
         }
         for (g, p) in runs {
-            let v = verify(p, g, worst)?;
+            let v = verify(p, g, tiling, worst)?;
             prop_assert!(v.passed(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
             prop_assert!(v.valid(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
         }
@@ -118,10 +125,12 @@ fn fuzz<T: Storage>(test_name: &str, cases: u32) {
     let stream = ctx.new_stream().expect("create a stream");
     let mut runner = TestRunner::new(suite_config(test_name, cases));
     let worst = Worst::default();
-    let result = runner.run(&(kernel_spec(), profile(), any::<u64>()), |(spec, profile, seed)| {
+    // Every tiling the kernel compiles, drawn per case (a whole suite per tiling would double the device time).
+    let tilings = proptest::sample::select(BackwardTiling::ALL.to_vec());
+    let result = runner.run(&(kernel_spec(), profile(), any::<u64>(), tilings), |(spec, profile, seed, tiling)| {
         let a = problem::<T>(&stream, &spec, profile, seed);
         let b = problem::<T>(&stream, &spec, profile, seed ^ 0x9e37_79b9_7f4a_7c15);
-        check(&stream, &a, &b, &worst)
+        check(&stream, &a, &b, tiling, &worst)
     });
     if let Err(e) = result {
         panic!("{test_name}: {e}");
@@ -139,22 +148,33 @@ fn kernel_backward_is_within_bound_f16() {
     fuzz::<f16>("gpu_flash_backward_f16", 32);
 }
 
-/// Named cases: both dtypes, two seeds each, every strategy; prints the worst ratio per output.
+/// Named cases in the default tiling: both dtypes, two seeds each, every strategy; prints the worst ratio per output.
 fn named(test_name: &str, cases: &[(AttentionSpec, ValueProfile)]) {
+    named_in(test_name, cases, BackwardTiling::DEFAULT);
+}
+
+/// [`named`] in `tiling`.
+fn named_in(test_name: &str, cases: &[(AttentionSpec, ValueProfile)], tiling: BackwardTiling) {
     let Some(ctx) = skip_unless_gpu(test_name) else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
     let worst = Worst::default();
-    fn one<T: Storage>(stream: &Arc<CudaStream>, spec: &AttentionSpec, profile: ValueProfile, worst: &Worst) {
-        let a = problem::<T>(stream, spec, profile, 11);
-        let b = problem::<T>(stream, spec, profile, 12);
-        check(stream, &a, &b, worst)
-            .unwrap_or_else(|e| panic!("{} {spec:?} {profile:?}: {e}", <T as GpuElement>::NAME));
-    }
+    let one = |spec: &AttentionSpec, profile: ValueProfile, bf: bool| {
+        let run = |r: Result<(), TestCaseError>, name: &str| {
+            r.unwrap_or_else(|e| panic!("{name} {tiling:?} {spec:?} {profile:?}: {e}"));
+        };
+        if bf {
+            let (a, b) = (problem::<bf16>(&stream, spec, profile, 11), problem::<bf16>(&stream, spec, profile, 12));
+            run(check(&stream, &a, &b, tiling, &worst), "bf16");
+        } else {
+            let (a, b) = (problem::<f16>(&stream, spec, profile, 11), problem::<f16>(&stream, spec, profile, 12));
+            run(check(&stream, &a, &b, tiling, &worst), "f16");
+        }
+    };
     for (spec, profile) in cases {
-        one::<bf16>(&stream, spec, *profile, &worst);
-        one::<f16>(&stream, spec, *profile, &worst);
+        one(spec, *profile, true);
+        one(spec, *profile, false);
     }
     println!("{test_name}: {} cases x 2 dtypes x 3 strategies, worst error/bound {}", cases.len(), worst.summary());
 }
@@ -189,7 +209,7 @@ fn fully_masked_rows_get_zero_gradients() {
         let stream = ctx.new_stream().expect("create a stream");
         let p = problem::<bf16>(&stream, &cases[0].0, gaussian(1.0), 5);
         for strategy in GpuBackwardStrategy::ALL {
-            let g = run_guarded(&stream, &p, strategy).expect("launch");
+            let g = run_guarded(&stream, &p, BackwardTiling::DEFAULT, strategy).expect("launch");
             for i in 0..70 {
                 assert!((0..64).all(|c| g.dq[[0, 1, i, c]].to_f32() == 0.0), "{strategy:?} row {i}");
             }
@@ -226,6 +246,20 @@ fn gqa_and_mqa() {
         (dense(1, 8, 2, 33, 65, 16, 16, Mask::Window { left: 10, right: 2 }), gaussian(1.0)),
     ];
     named("gqa_and_mqa", &cases);
+}
+
+/// The four-warp tiling (KV tiles of 64 keys) on the edges that depend on the KV tile: key tails of tile ± 1, the
+/// diagonal crossing a tile, GQA's group sum, a varlen batch with empty sequences, and a wide head (one stage).
+#[test]
+fn four_warp_tiling() {
+    let cases = vec![
+        (dense(1, 2, 1, 70, 129, 64, 64, Mask::None), gaussian(1.0)),
+        (dense(1, 4, 2, 150, 63, 128, 128, Mask::Causal), gaussian(4.0)),
+        (dense(1, 2, 2, 130, 130, 64, 32, Mask::Window { left: 7, right: 3 }), gaussian(1.0)),
+        (varlen(&[0, 70, 70, 200], &[0, 65, 130, 259], 2, 1, 64, 64, Mask::Causal), gaussian(1.0)),
+        (dense(1, 1, 1, 65, 65, 256, 256, Mask::None), gaussian(1.0)),
+    ];
+    named_in("four_warp_tiling", &cases, BackwardTiling { kv_warps: 4 });
 }
 
 #[test]
@@ -333,7 +367,7 @@ fn unsupported_and_bad_arguments_are_typed_errors() {
             strategy,
         )
         .unwrap();
-        let guarded = run_guarded(&stream, &p, strategy).unwrap();
+        let guarded = run_guarded(&stream, &p, BackwardTiling::DEFAULT, strategy).unwrap();
         let host = Grads { dq: host.dq, dk: host.dk, dv: host.dv, delta: host.delta };
         assert!(host.same(&guarded), "{strategy:?}: host and device paths differ");
     }

@@ -169,7 +169,7 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
     // Both halves of bwd_kv's warps compute the first half of the chunk's dQ columns.
     Mutant {
         name: "bwd_dq_column_half_repeated",
-        find: "const int dq_c = c0 + (warp / 4) * (CHUNK / 2);",
+        find: "const int dq_c = c0 + (warp / 4) * DQ_COLS;",
         replace: "const int dq_c = c0;",
     },
     // The window's left bound is not applied when P is recomputed in the KV-owner kernel.

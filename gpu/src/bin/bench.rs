@@ -18,9 +18,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use attnproof_gpu::backward::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, flash_backward_device,
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
-use attnproof_gpu::compile::FLASH_FWD;
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
@@ -207,7 +207,11 @@ fn run(opts: &Options) -> Result<(), String> {
                 let mut dk = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
                 let mut dv = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
                 let mut delta = stream.alloc_zeros::<f32>(b * h * l).map_err(|e| e.to_string())?;
-                for (strategy, name) in TIMED_STRATEGIES {
+                // Every tiling with --all-tilings, the default one otherwise; each with both timed strategies.
+                let bwd_tilings: Vec<BackwardTiling> =
+                    if opts.all_tilings { BackwardTiling::ALL.to_vec() } else { vec![BackwardTiling::DEFAULT] };
+                let runs = bwd_tilings.iter().flat_map(|&t| TIMED_STRATEGIES.map(|(s, name)| (t, s, name)));
+                for (tiling, strategy, name) in runs {
                     let ms = median_ms(&stream, opts, |s| {
                         let inputs = BackwardDeviceInputs {
                             q: &inputs.q[s],
@@ -219,12 +223,14 @@ fn run(opts: &Options) -> Result<(), String> {
                         };
                         let outputs =
                             BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
-                        flash_backward_device(&stream, &spec, inputs, outputs, strategy).map_err(|e| e.to_string())
+                        flash_backward_device_with(&stream, &spec, FLASH_BWD, tiling, inputs, outputs, strategy)
+                            .map_err(|e| e.to_string())
                     })?;
                     // Five matrix products to the forward's two: 2.5 times its FLOPs, as the peers count them.
                     let line = format!(
-                        "\"({b},{h},{l},{d})\",{causal},bwd,{name},{},{ms:.4},{:.1}\n",
-                        u8::from(strategy == GpuBackwardStrategy::KvOwnerAtomic),
+                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w,{},{ms:.4},{:.1}\n",
+                        tiling.kv_warps,
+                        u8::from(strategy == GpuBackwardStrategy::KvOwnerAtomic && tiling == BackwardTiling::DEFAULT),
                         2.5 * flops / ms / 1e9
                     );
                     emit(&mut out, line);

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, KV_TILE as BACKWARD_KV_TILE, flash_backward_device_with};
+use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, BackwardTiling, flash_backward_device_with};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
 use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, flash_forward};
@@ -68,15 +68,20 @@ pub fn forward_recipe<T: Element>() -> FlashRecipe {
     }
 }
 
-/// The backward kernels' recipe for `T` (each parameter justified in `attnproof_gpu::backward`).
+/// The backward kernels' recipe for `T` in the default tiling (each parameter justified in `attnproof_gpu::backward`).
 pub fn backward_recipe<T: Element>() -> FlashRecipe {
+    backward_recipe_for::<T>(BackwardTiling::DEFAULT)
+}
+
+/// The backward kernels' recipe for `T` in `tiling` (its KV tile is the size of the dQ partials).
+pub fn backward_recipe_for<T: Element>(tiling: BackwardTiling) -> FlashRecipe {
     FlashRecipe {
         exp_error: attnproof_gpu::backward::EXP_RELATIVE_ERROR,
         shift_rounding: BACKWARD_SHIFT_ROUNDING,
         accumulation: Accumulation::TensorCore { k_step: 16 },
         // The backward forms Sᵀ = K Qᵀ with transposed MMAs: no bitwise reuse of the forward's scores.
         score_reuse: ScoreReuse::Recomputed,
-        ..recipe::<T>(BACKWARD_KV_TILE)
+        ..recipe::<T>(tiling.kv_tile())
     }
 }
 
@@ -211,12 +216,23 @@ pub fn problem<T: Storage>(
     Problem { case, d_out, o: fwd.o, lse: fwd.lse }
 }
 
-/// One backward of `kernel` with `strategy`, NaN-poisoned and guarded; checks the guards and that no device input
-/// changed.
+/// One backward of `kernel` with `strategy` in the default tiling, NaN-poisoned and guarded; checks the guards and
+/// that no device input changed.
 pub fn run_backward_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     p: &Problem<T>,
     kernel: KernelSource,
+    strategy: GpuBackwardStrategy,
+) -> Result<Grads<T>, String> {
+    run_backward_guarded_tiled(stream, p, kernel, BackwardTiling::DEFAULT, strategy)
+}
+
+/// [`run_backward_guarded`] in `tiling`.
+pub fn run_backward_guarded_tiled<T: Storage>(
+    stream: &Arc<CudaStream>,
+    p: &Problem<T>,
+    kernel: KernelSource,
+    tiling: BackwardTiling,
     strategy: GpuBackwardStrategy,
 ) -> Result<Grads<T>, String> {
     let spec = &p.case.spec;
@@ -234,6 +250,7 @@ pub fn run_backward_guarded<T: Storage>(
         stream,
         spec,
         kernel,
+        tiling,
         BackwardDeviceInputs { q: &q, k: &k, v: &v, o: &o, lse: &lse, d_out: &d_out },
         BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta },
         strategy,
