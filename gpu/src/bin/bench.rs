@@ -39,10 +39,12 @@ struct Options {
     all_tilings: bool,
     csv: Option<String>,
     backward: bool,
+    /// `--shape B,H,L,D`: only this row of SHAPES (a quick look while tuning; the report runs all of them).
+    shape: Option<(usize, usize, usize, usize)>,
 }
 
 fn parse() -> Result<Options, String> {
-    let mut o = Options { reps: 30, warmup: 5, all_tilings: false, csv: None, backward: false };
+    let mut o = Options { reps: 30, warmup: 5, all_tilings: false, csv: None, backward: false, shape: None };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -52,6 +54,19 @@ fn parse() -> Result<Options, String> {
             "--csv" => o.csv = Some(value("--csv")?),
             "--all-tilings" => o.all_tilings = true,
             "--backward" => o.backward = true,
+            "--shape" => {
+                let text = value("--shape")?;
+                let dims: Vec<usize> =
+                    text.split(',').map(str::parse).collect::<Result<_, _>>().map_err(|e| format!("--shape: {e}"))?;
+                let shape = match dims[..] {
+                    [b, h, l, d] => (b, h, l, d),
+                    _ => return Err(format!("--shape takes B,H,L,D, not `{text}`")),
+                };
+                if !SHAPES.contains(&shape) {
+                    return Err(format!("--shape {text} is not one of {SHAPES:?}"));
+                }
+                o.shape = Some(shape);
+            }
             other => return Err(format!("unknown argument `{other}`")),
         }
     }
@@ -164,7 +179,7 @@ fn run(opts: &Options) -> Result<(), String> {
     let stream = ctx.new_stream().map_err(|e| e.to_string())?;
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
-    for (b, h, l, d) in SHAPES {
+    for (b, h, l, d) in SHAPES.into_iter().filter(|s| opts.shape.is_none_or(|only| only == *s)) {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
         for s in 0..SETS as u64 {
