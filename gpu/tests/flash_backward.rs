@@ -21,7 +21,7 @@ use attnproof_gpu::{
     BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, flash_backward,
     flash_backward_device, skip_unless_gpu,
 };
-use attnproof_harness::backward::{BackwardCandidate, verify_backward};
+use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::generate::{Distribution, ValueProfile};
 use attnproof_harness::strategies::{profile, suite_config};
 use attnproof_harness::{HarnessError, Verdict};
@@ -61,22 +61,26 @@ impl Worst {
     }
 }
 
-/// Verifies one run; a case outside the model's hypothesis is a rejection, not a failure of the kernel.
-fn verify<T: Storage>(
-    p: &Problem<T>,
-    g: &Grads<T>,
-    tiling: BackwardTiling,
-    worst: &Worst,
-) -> Result<Verdict, TestCaseError> {
-    let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-    match verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe_for::<T>(tiling), candidate) {
-        Ok(v) => {
-            worst.record(&v);
-            Ok(v)
-        }
-        Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
-        Err(e) => Err(TestCaseError::fail(e.to_string())),
+/// A harness error as a test outcome: a case outside the model's hypothesis is a rejection, not a failure of the
+/// kernel.
+fn outcome(e: HarnessError) -> TestCaseError {
+    match e {
+        HarnessError::Model(m) => TestCaseError::reject(m.to_string()),
+        e => TestCaseError::fail(e.to_string()),
     }
+}
+
+/// What the runs of `p` in `tiling` are judged against (the oracle's three backward passes, once per problem).
+fn expectation<T: Storage>(p: &Problem<T>, tiling: BackwardTiling) -> Result<BackwardExpectation, TestCaseError> {
+    BackwardExpectation::new(&p.case, &p.d_out, Q_TILE, backward_recipe_for::<T>(tiling)).map_err(outcome)
+}
+
+/// Verifies one run against its problem's expectation.
+fn verify<T: Storage>(expect: &BackwardExpectation, g: &Grads<T>, worst: &Worst) -> Result<Verdict, TestCaseError> {
+    let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
+    let v = expect.verify(candidate).map_err(outcome)?;
+    worst.record(&v);
+    Ok(v)
 }
 
 /// Every strategy on A, B, A in `tiling` with all the checks of the module docs.
@@ -88,6 +92,7 @@ fn check<T: Storage>(
     worst: &Worst,
 ) -> Result<(), TestCaseError> {
     let name = <T as GpuElement>::NAME;
+    let (expect_a, expect_b) = (expectation(a, tiling)?, expectation(b, tiling)?);
     let mut first: Option<Grads<T>> = None;
     for strategy in GpuBackwardStrategy::ALL {
         let fail = |e: String| TestCaseError::fail(format!("{name} {strategy:?} {:?}: {e}", a.case.spec));
@@ -99,12 +104,12 @@ fn check<T: Storage>(
         } else {
             prop_assert!(ga.same_dk_dv_delta(&ga2), "{name} {strategy:?}: dK, dV or D of input A differ bitwise");
         }
-        let mut runs = vec![(&ga, a), (&gb, b)];
+        let mut runs = vec![(&ga, a, &expect_a), (&gb, b, &expect_b)];
         if !strategy.is_deterministic() {
-            runs.push((&ga2, a));
+            runs.push((&ga2, a, &expect_a));
         }
-        for (g, p) in runs {
-            let v = verify(p, g, tiling, worst)?;
+        for (g, p, expect) in runs {
+            let v = verify(expect, g, worst)?;
             prop_assert!(v.passed(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
             prop_assert!(v.valid(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
         }

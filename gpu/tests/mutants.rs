@@ -17,7 +17,7 @@ use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{GpuBackwardStrategy, skip_unless_gpu};
-use attnproof_harness::backward::{BackwardCandidate, verify_backward};
+use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -229,14 +229,19 @@ fn check_forward(stream: &Arc<CudaStream>, kernel: KernelSource, case: &Case<bf1
     }
 }
 
-/// Runs the backward `kernel` with every dQ strategy on `p` (guarded); `Ok(())` when every verdict passes with a
+/// A backward killing case and what its runs are judged against (computed once for every mutant).
+struct BackwardCase {
+    problem: Problem<bf16>,
+    expect: BackwardExpectation,
+}
+
+/// Runs the backward `kernel` with every dQ strategy on `c` (guarded); `Ok(())` when every verdict passes with a
 /// valid gate, otherwise the first strategy's reason.
-fn check_backward(stream: &Arc<CudaStream>, kernel: KernelSource, p: &Problem<bf16>) -> Result<(), String> {
+fn check_backward(stream: &Arc<CudaStream>, kernel: KernelSource, c: &BackwardCase) -> Result<(), String> {
     for strategy in GpuBackwardStrategy::ALL {
-        let g = run_backward_guarded(stream, p, kernel, strategy).map_err(|e| format!("{strategy:?}: {e}"))?;
+        let g = run_backward_guarded(stream, &c.problem, kernel, strategy).map_err(|e| format!("{strategy:?}: {e}"))?;
         let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-        let verdict = verify_backward(&p.case, &p.d_out, Q_TILE, backward_recipe::<bf16>(), candidate)
-            .map_err(|e| format!("{strategy:?}: {e}"))?;
+        let verdict = c.expect.verify(candidate).map_err(|e| format!("{strategy:?}: {e}"))?;
         if !(verdict.passed() && verdict.valid()) {
             return Err(format!("{strategy:?}: verdict failed, worst error/bound {:.3e}", verdict.max_ratio()));
         }
@@ -300,8 +305,15 @@ fn all_backward_mutants_are_killed() {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let cases = backward_cases(&stream);
-    hunt(FLASH_BWD, BACKWARD_MUTANTS, &cases, |kernel, p| check_backward(&stream, kernel, p));
+    let cases: Vec<(&str, BackwardCase)> = backward_cases(&stream)
+        .into_iter()
+        .map(|(name, problem)| {
+            let expect = BackwardExpectation::new(&problem.case, &problem.d_out, Q_TILE, backward_recipe::<bf16>())
+                .unwrap_or_else(|e| panic!("case `{name}`: {e}"));
+            (name, BackwardCase { problem, expect })
+        })
+        .collect();
+    hunt(FLASH_BWD, BACKWARD_MUTANTS, &cases, |kernel, c| check_backward(&stream, kernel, c));
 }
 
 #[test]

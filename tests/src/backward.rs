@@ -31,6 +31,7 @@ pub struct BackwardCandidate<'a, T> {
 
 /// Exact gradients, the model's bounds on them, and the magnitude of the terms each gradient
 /// sums (before cancellation), the scale the gate judges visibility by.
+#[derive(Debug)]
 struct BackwardTruth {
     grads: attnproof_oracle::Gradients<f64>,
     magnitude: [f64; 3],
@@ -187,54 +188,91 @@ pub fn verify_backward<T: Element>(
     recipe: FlashRecipe,
     candidate: BackwardCandidate<'_, T>,
 ) -> Result<Verdict, HarnessError> {
-    let spec = &case.spec;
-    for (argument, op, shape) in [
-        ("dq", Operand::Q, candidate.dq.shape()),
-        ("dk", Operand::K, candidate.dk.shape()),
-        ("dv", Operand::V, candidate.dv.shape()),
-        ("delta", Operand::RowStat, candidate.delta.shape()),
-    ] {
-        let expected = spec.expected_shape(op);
-        if shape != expected.as_slice() {
-            return Err(HarnessError::CandidateShape { argument, expected, actual: shape.to_vec() });
+    BackwardExpectation::new(case, d_out, q_tile, recipe)?.verify(candidate)
+}
+
+/// What every candidate backward of one problem is judged against: the oracle's gradients, the
+/// model's bounds and the discriminability gate, computed once (three oracle backward passes) and
+/// reused for any number of candidates (strategies, repeated runs, mutants) of the same problem.
+#[derive(Debug)]
+pub struct BackwardExpectation {
+    spec: AttentionSpec,
+    truth: BackwardTruth,
+    gate: GateReport,
+}
+
+impl BackwardExpectation {
+    /// The expectation for `case` with upstream gradient `d_out`, under the model for `recipe` with
+    /// query tiles of `q_tile` rows (the partial-dQ count).
+    pub fn new<T: Element>(
+        case: &Case<T>,
+        d_out: &ArrayD<T>,
+        q_tile: usize,
+        recipe: FlashRecipe,
+    ) -> Result<Self, HarnessError> {
+        let spec = &case.spec;
+        let [q, k, v] = case.widened();
+        let g = d_out.mapv(|x| x.to_f32() as f64);
+        let kv_tile = recipe.kv_tile;
+        let truth = backward_truth(spec, [&q, &k, &v, &g], recipe, q_tile)?;
+        let mut gate = GateReport::default();
+        let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+        let wrong_scale = backward(
+            &spec.clone().with_scale(Scale::Value(1.0 / spec.head_dim as f64)),
+            qkv.clone(),
+            g.view(),
+            DenseConfig::default(),
+            (),
+        )?;
+        let without_last_tile = |seq: &Sequence, _h: usize| {
+            let cut = seq.len_k.div_ceil(kv_tile).saturating_sub(1) * kv_tile;
+            let mut m = spec.mask.matrix(seq.len_q, seq.len_k);
+            m.indexed_iter_mut().for_each(|((_, j), x)| *x = *x && j < cut);
+            m
+        };
+        let dropped = backward_with_visibility(spec, qkv, g.view(), &without_last_tile, DenseConfig::default(), ())?;
+        let unit = recipe.unit_roundoff;
+        for (name, truth_t, bound, wrong, dropped_t, scale) in [
+            ("dQ", &truth.grads.dq, &truth.bound_dq, &wrong_scale.dq, &dropped.dq, truth.magnitude[0]),
+            ("dK", &truth.grads.dk, &truth.bound_dk, &wrong_scale.dk, &dropped.dk, truth.magnitude[1]),
+            ("dV", &truth.grads.dv, &truth.bound_dv, &wrong_scale.dv, &dropped.dv, truth.magnitude[2]),
+        ] {
+            gate.score(
+                "zeros",
+                name,
+                ArrayD::zeros(truth_t.raw_dim()).view(),
+                truth_t.view(),
+                bound.view(),
+                unit,
+                scale,
+            );
+            gate.score("scale 1/d", name, wrong.view(), truth_t.view(), bound.view(), unit, scale);
+            gate.score("last KV tile dropped", name, dropped_t.view(), truth_t.view(), bound.view(), unit, scale);
         }
+        Ok(BackwardExpectation { spec: spec.clone(), truth, gate })
     }
-    let [q, k, v] = case.widened();
-    let g = d_out.mapv(|x| x.to_f32() as f64);
-    let kv_tile = recipe.kv_tile;
-    let truth = backward_truth(spec, [&q, &k, &v, &g], recipe, q_tile)?;
-    let widen = |t: &ArrayViewD<'_, T>| t.mapv(|x| x.to_f32() as f64);
-    let outputs = vec![
-        compare("D", candidate.delta.mapv(|x| x as f64).view(), truth.grads.delta.view(), truth.bound_delta.view()),
-        compare("dQ", widen(&candidate.dq).view(), truth.grads.dq.view(), truth.bound_dq.view()),
-        compare("dK", widen(&candidate.dk).view(), truth.grads.dk.view(), truth.bound_dk.view()),
-        compare("dV", widen(&candidate.dv).view(), truth.grads.dv.view(), truth.bound_dv.view()),
-    ];
-    let mut gate = GateReport::default();
-    let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
-    let wrong_scale = backward(
-        &spec.clone().with_scale(Scale::Value(1.0 / spec.head_dim as f64)),
-        qkv.clone(),
-        g.view(),
-        DenseConfig::default(),
-        (),
-    )?;
-    let without_last_tile = |seq: &Sequence, _h: usize| {
-        let cut = seq.len_k.div_ceil(kv_tile).saturating_sub(1) * kv_tile;
-        let mut m = spec.mask.matrix(seq.len_q, seq.len_k);
-        m.indexed_iter_mut().for_each(|((_, j), x)| *x = *x && j < cut);
-        m
-    };
-    let dropped = backward_with_visibility(spec, qkv, g.view(), &without_last_tile, DenseConfig::default(), ())?;
-    let unit = recipe.unit_roundoff;
-    for (name, truth_t, bound, wrong, dropped_t, scale) in [
-        ("dQ", &truth.grads.dq, &truth.bound_dq, &wrong_scale.dq, &dropped.dq, truth.magnitude[0]),
-        ("dK", &truth.grads.dk, &truth.bound_dk, &wrong_scale.dk, &dropped.dk, truth.magnitude[1]),
-        ("dV", &truth.grads.dv, &truth.bound_dv, &wrong_scale.dv, &dropped.dv, truth.magnitude[2]),
-    ] {
-        gate.score("zeros", name, ArrayD::zeros(truth_t.raw_dim()).view(), truth_t.view(), bound.view(), unit, scale);
-        gate.score("scale 1/d", name, wrong.view(), truth_t.view(), bound.view(), unit, scale);
-        gate.score("last KV tile dropped", name, dropped_t.view(), truth_t.view(), bound.view(), unit, scale);
+
+    /// The verdict on one candidate: every output against its bound, and the case's gate.
+    pub fn verify<T: Element>(&self, candidate: BackwardCandidate<'_, T>) -> Result<Verdict, HarnessError> {
+        for (argument, op, shape) in [
+            ("dq", Operand::Q, candidate.dq.shape()),
+            ("dk", Operand::K, candidate.dk.shape()),
+            ("dv", Operand::V, candidate.dv.shape()),
+            ("delta", Operand::RowStat, candidate.delta.shape()),
+        ] {
+            let expected = self.spec.expected_shape(op);
+            if shape != expected.as_slice() {
+                return Err(HarnessError::CandidateShape { argument, expected, actual: shape.to_vec() });
+            }
+        }
+        let truth = &self.truth;
+        let widen = |t: &ArrayViewD<'_, T>| t.mapv(|x| x.to_f32() as f64);
+        let outputs = vec![
+            compare("D", candidate.delta.mapv(|x| x as f64).view(), truth.grads.delta.view(), truth.bound_delta.view()),
+            compare("dQ", widen(&candidate.dq).view(), truth.grads.dq.view(), truth.bound_dq.view()),
+            compare("dK", widen(&candidate.dk).view(), truth.grads.dk.view(), truth.bound_dk.view()),
+            compare("dV", widen(&candidate.dv).view(), truth.grads.dv.view(), truth.bound_dv.view()),
+        ];
+        Ok(Verdict { outputs, gate: self.gate.clone() })
     }
-    Ok(Verdict { outputs, gate })
 }

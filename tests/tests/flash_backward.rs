@@ -2,7 +2,7 @@
 //! the oracle on fuzzed shapes and values in bf16 and f16, with the forward it depends on
 //! computed by the reference forward; dK and dV agree bit for bit between the strategies.
 
-use attnproof_harness::backward::{BackwardCandidate, verify_backward};
+use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation, verify_backward};
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{make_case, make_d_out};
 use attnproof_harness::strategies::{profile, spec, suite_config};
@@ -63,18 +63,53 @@ fn check<T: Element>(case: &Case<T>, d_out: &ArrayD<T>) -> Result<(), TestCaseEr
         x.iter().zip(y.iter()).all(|(p, q)| p.to_f32().to_bits() == q.to_f32().to_bits())
     };
     prop_assert!(same(&a.dk, &b.dk) && same(&a.dv, &b.dv), "strategies disagree on dK/dV");
+    let expect = match BackwardExpectation::new(case, d_out, TILE, recipe::<T>(TILE)) {
+        Ok(x) => x,
+        Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
+        Err(e) => return Err(TestCaseError::fail(e.to_string())),
+    };
     for (name, g) in [("A", &a), ("B", &b)] {
-        let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-        match verify_backward(case, d_out, TILE, recipe::<T>(TILE), candidate) {
-            Ok(v) => {
-                prop_assert!(v.passed(), "strategy {name}:\n{v}");
-                prop_assert!(v.valid(), "strategy {name}:\n{v}");
-            }
-            Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
-            Err(e) => return Err(TestCaseError::fail(e.to_string())),
-        }
+        let v = expect.verify(g.candidate()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert!(v.passed(), "strategy {name}:\n{v}");
+        prop_assert!(v.valid(), "strategy {name}:\n{v}");
     }
     Ok(())
+}
+
+impl<T> Grads<T> {
+    fn candidate(&self) -> BackwardCandidate<'_, T> {
+        BackwardCandidate { dq: self.dq.view(), dk: self.dk.view(), dv: self.dv.view(), delta: self.delta.view() }
+    }
+}
+
+/// One expectation judges any number of candidates exactly as `verify_backward` judges each alone (same ratios,
+/// same gate), and still rejects a candidate of the wrong shape.
+#[test]
+fn a_prepared_expectation_gives_the_verdicts_of_verify_backward() {
+    let spec = attnproof_oracle::AttentionSpec::dense(1, 2, 1, 37, 45, 16, 8).with_mask(attnproof_oracle::Mask::Causal);
+    use attnproof_harness::generate::{Distribution, ValueProfile};
+    let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
+    let case = make_case::<bf16>(&spec, profile, 5);
+    let d_out = make_d_out(&spec, 5);
+    let tiles = TileConfig { q_tile: TILE, kv_tile: TILE };
+    let expect = BackwardExpectation::new(&case, &d_out, TILE, recipe::<bf16>(TILE)).unwrap();
+    let good = run(&case, &d_out, tiles, BackwardStrategy::TwoTraversals).unwrap();
+    // A wrong candidate too: dV off by one bf16 ulp of 1 everywhere fails, so the two paths must agree on failures.
+    let mut bad = run(&case, &d_out, tiles, BackwardStrategy::KvOwnerPartialDq).unwrap();
+    bad.dv.mapv_inplace(|x| bf16::from_f32(x.to_f32() + 1.0 / 128.0));
+    for g in [&good, &bad] {
+        let alone = verify_backward(&case, &d_out, TILE, recipe::<bf16>(TILE), g.candidate()).unwrap();
+        let reused = expect.verify(g.candidate()).unwrap();
+        assert_eq!(alone.gate, reused.gate);
+        let ratios = |v: &attnproof_harness::Verdict| v.outputs.iter().map(|o| o.max_ratio).collect::<Vec<_>>();
+        assert_eq!(ratios(&alone), ratios(&reused));
+        assert_eq!(alone.passed(), reused.passed());
+    }
+    assert!(expect.verify(good.candidate()).unwrap().passed());
+    assert!(!expect.verify(bad.candidate()).unwrap().passed());
+    let short = ArrayD::<bf16>::zeros(ndarray::IxDyn(&[1]));
+    let candidate = BackwardCandidate { dq: short.view(), ..good.candidate() };
+    assert!(matches!(expect.verify(candidate), Err(HarnessError::CandidateShape { argument: "dq", .. })));
 }
 
 proptest! {
