@@ -16,6 +16,9 @@
 //   ELEM_BF16 or ELEM_F16  storage type of Q, K, V, O
 //   HEAD_DIM_PAD           d rounded up to a multiple of 16 (the mma k step); padding columns are zero in smem
 //   HEAD_DIM_V_PAD         dv rounded up to a multiple of 16 (two mma n tiles per ldmatrix.x4.trans)
+//   STATE_OUT              (optional) write each row's online-softmax state m, ℓ, A in f32 instead of O and LSE:
+//                          one chunk pair's partial state for the ring forward, merged (E4) and finalized (E5) by
+//                          gpu/kernels/ring_state.cu
 //   NUM_WARPS, WARP_M      warps per CTA and 16-row slices per warp (the tuning; the arithmetic does not depend on
 //                          them: every row sees the same sequence of operations whatever the tiling)
 //
@@ -132,7 +135,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+#if defined(STATE_OUT)
+          float* __restrict__ state_a, float* __restrict__ state_m, float* __restrict__ state_l,
+#else
           elem_t* __restrict__ o, float* __restrict__ lse,
+#endif
           const int* __restrict__ cu_q, const int* __restrict__ cu_k, int varlen,
           int dense_len_q, int dense_len_k, int group, int d, int dv,
           long long q_batch, long long q_head, long long q_row,
@@ -306,6 +313,23 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
             l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
             const int row = wrow + 16 * mi + g + 8 * r;
             if (row >= rows_here) continue;
+#if defined(STATE_OUT)
+            // The row's state as it stands (E2): m, ℓ and A relative to 2^fl(m·L); a row that saw no key keeps
+            // m = −∞, ℓ = 0, A = 0. State rows are LSE rows; A is [LSE row][dv].
+            const long long srow = lse_base + head * lse_head + row0 + row;
+#pragma unroll
+            for (int n = 0; n < N_TILES_O; ++n) {
+                const int c = n * 8 + tig * 2;
+                if (c < dv) {
+                    *reinterpret_cast<float2*>(state_a + srow * dv + c) =
+                        make_float2(acc[mi][n][2 * r], acc[mi][n][2 * r + 1]);
+                }
+            }
+            if (tig == 0) {
+                state_m[srow] = m_run[mi][r];
+                state_l[srow] = l;
+            }
+#else
             const bool empty = !(l > 0.f);
             elem_t* o_g = o + o_base + head * o_head + (long long)(row0 + row) * o_row;
 #pragma unroll
@@ -320,6 +344,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
             if (tig == 0) {
                 lse[lse_base + head * lse_head + row0 + row] = empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
             }
+#endif
         }
     }
 }

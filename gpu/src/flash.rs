@@ -62,7 +62,8 @@ use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
 use crate::compile::{self, FLASH_FWD};
 use crate::error::GpuError;
-use crate::launch::{self, FlashBuffers, FlashScalars};
+use crate::launch::{self, FlashBuffers, FlashScalars, ForwardOut};
+use crate::ring_state::{ChunkWindow, DeviceState};
 
 /// Query rows per CTA of the smallest tiling (4 warps of one 16-row slice), the one used for head dims above 128.
 pub const Q_TILE: usize = 64;
@@ -340,6 +341,86 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Pl
     })
 }
 
+/// The compiled `flash_fwd` of `plan` and its launch configuration; `None` when the spec has no query rows (there is
+/// no output to write).
+fn load_forward(
+    stream: &Arc<CudaStream>,
+    kernel: compile::KernelSource,
+    plan: &Plan,
+) -> Result<Option<(CudaFunction, LaunchConfig)>, GpuError> {
+    if plan.grid.0 == 0 || plan.grid.2 == 0 {
+        return Ok(None);
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &plan.defines)?;
+    let func = module.load_function("flash_fwd").map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
+    if plan.shared_bytes > 48 * 1024 {
+        let limit = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
+        if plan.shared_bytes as i64 > limit as i64 {
+            return Err(GpuError::Unsupported {
+                argument: "head_dim",
+                reason: format!("needs {} bytes of shared memory, the device allows {limit}", plan.shared_bytes),
+            });
+        }
+        func.set_attribute(
+            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            plan.shared_bytes as i32,
+        )
+        .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+    }
+    let cfg =
+        LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_bytes };
+    Ok(Some((func, cfg)))
+}
+
+/// One (query chunk, key chunk) pair's partial online-softmax state for the ring forward: `flash_fwd.cu` in its
+/// `STATE_OUT` mode writes each query row's `m`, `ℓ`, `A` (f32, [`DeviceState`]'s layout) instead of `O` and LSE.
+/// `spec` describes the pair as its own problem (the chunks' lengths, [`Mask::None`]); `window` is the global mask
+/// seen from the pair's diagonal ([`ChunkWindow::for_pair`]). A row that sees no key of the chunk gets the empty
+/// state. The launch is asynchronous on `stream`; the arithmetic is the forward's, tile for tile.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward_state_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    window: ChunkWindow,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    state: &mut DeviceState,
+) -> Result<(), GpuError> {
+    if !matches!(spec.mask, Mask::None) {
+        return Err(GpuError::Unsupported {
+            argument: "mask",
+            reason: "a chunk pair's visibility is its `ChunkWindow`; the pair's spec must have Mask::None".into(),
+        });
+    }
+    let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
+    let mut plan = plan::<T>(spec, tiling)?;
+    plan.defines.push("STATE_OUT".to_owned());
+    (plan.scalars.win_left, plan.scalars.win_right) = window.kernel_values();
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", q, size(Operand::Q))?;
+    check_len("k", k, size(Operand::K))?;
+    check_len("v", v, size(Operand::V))?;
+    state.check_fits(size(Operand::RowStat), spec.head_dim_v)?;
+    let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
+    let Some((func, cfg)) = load_forward(stream, FLASH_FWD, &plan)? else {
+        return Ok(());
+    };
+    let DeviceState { a, m, l, .. } = state;
+    let out = ForwardOut::State { a, m, l };
+    launch::launch_flash_forward(
+        stream,
+        &func,
+        cfg,
+        FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k },
+        plan.scalars,
+    )
+}
+
 pub(crate) fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
     if buffer.len() < needed {
         return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
@@ -410,41 +491,7 @@ impl<T: GpuElement> PreparedForward<T> {
         let sizes = [Operand::Q, Operand::K, Operand::V, Operand::O, Operand::RowStat].map(size);
         let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
         let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
-        let launch = if plan.grid.0 == 0 || plan.grid.2 == 0 {
-            None // no query rows anywhere: there is no output to write
-        } else {
-            let ctx = stream.context();
-            let module = compile::module(ctx, kernel, &plan.defines)?;
-            let func =
-                module.load_function("flash_fwd").map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
-            if plan.shared_bytes > 48 * 1024 {
-                let limit = ctx
-                    .attribute(
-                        cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-                    )
-                    .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
-                if plan.shared_bytes as i64 > limit as i64 {
-                    return Err(GpuError::Unsupported {
-                        argument: "head_dim",
-                        reason: format!(
-                            "needs {} bytes of shared memory, the device allows {limit}",
-                            plan.shared_bytes
-                        ),
-                    });
-                }
-                func.set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    plan.shared_bytes as i32,
-                )
-                .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
-            }
-            let cfg = LaunchConfig {
-                grid_dim: plan.grid,
-                block_dim: (plan.threads, 1, 1),
-                shared_mem_bytes: plan.shared_bytes,
-            };
-            Some((func, cfg))
-        };
+        let launch = load_forward(stream, kernel, &plan)?;
         Ok(PreparedForward { launch, scalars: plan.scalars, cu_q, cu_k, sizes, _element: PhantomData })
     }
 
@@ -472,7 +519,7 @@ impl<T: GpuElement> PreparedForward<T> {
             stream,
             func,
             *cfg,
-            FlashBuffers { q, k, v, o, lse, cu_q: &self.cu_q, cu_k: &self.cu_k },
+            FlashBuffers { q, k, v, out: ForwardOut::Final { o, lse }, cu_q: &self.cu_q, cu_k: &self.cu_k },
             self.scalars,
         )
     }

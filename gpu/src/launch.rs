@@ -102,25 +102,33 @@ pub(crate) struct FlashScalars {
     pub win_right: i32,
 }
 
+/// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
+/// `[rows][dv]` and `m`, `l` per LSE row.
+pub(crate) enum ForwardOut<'a, T> {
+    Final { o: &'a mut CudaSlice<T>, lse: &'a mut CudaSlice<f32> },
+    State { a: &'a mut CudaSlice<f32>, m: &'a mut CudaSlice<f32>, l: &'a mut CudaSlice<f32> },
+}
+
 /// Device operands of `flash_fwd`.
 pub(crate) struct FlashBuffers<'a, T> {
     pub q: &'a CudaSlice<T>,
     pub k: &'a CudaSlice<T>,
     pub v: &'a CudaSlice<T>,
-    pub o: &'a mut CudaSlice<T>,
-    pub lse: &'a mut CudaSlice<f32>,
+    pub out: ForwardOut<'a, T>,
     pub cu_q: &'a CudaSlice<i32>,
     pub cu_k: &'a CudaSlice<i32>,
 }
 
 /// Launches `flash_fwd` on `stream`.
 ///
-/// Preconditions, established by `flash::flash_forward_device` before this call: `func` is `flash_fwd` compiled for
-/// the element type `T` and the padded head dims the scalars imply; every index the kernel forms from the grid, the
+/// Preconditions, established by `flash::flash_forward_device` (or `flash::flash_forward_state_device`) before this
+/// call: `func` is `flash_fwd` compiled for the element type `T` and the padded head dims the scalars imply, with
+/// `STATE_OUT` defined exactly when `out` is [`ForwardOut::State`]; every index the kernel forms from the grid, the
 /// lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the packed totals) and the strides lies inside
-/// the buffer it indexes (the buffer sizes were checked against the spec's shapes); `cfg` has the `NUM_WARPS · 32`
-/// threads per block the module was compiled for and the dynamic shared memory the kernel's layout needs, which the
-/// function attribute allows.
+/// the buffer it indexes (the buffer sizes were checked against the spec's shapes; a state holds `rows · dv` values
+/// of `a` and `rows` of `m`, `l`, `rows` the spec's LSE element count); `cfg` has the `NUM_WARPS · 32` threads per
+/// block the module was compiled for and the dynamic shared memory the kernel's layout needs, which the function
+/// attribute allows.
 pub(crate) fn launch_flash_forward<T>(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -128,25 +136,92 @@ pub(crate) fn launch_flash_forward<T>(
     buffers: FlashBuffers<'_, T>,
     s: FlashScalars,
 ) -> Result<(), GpuError> {
-    let FlashBuffers { q, k, v, o, lse, cu_q, cu_k } = buffers;
+    let FlashBuffers { q, k, v, out, cu_q, cu_k } = buffers;
     let mut builder = stream.launch_builder(func);
-    builder.arg(q).arg(k).arg(v).arg(o).arg(lse).arg(cu_q).arg(cu_k);
-    builder.arg(&s.varlen).arg(&s.len_q).arg(&s.len_k).arg(&s.group).arg(&s.d).arg(&s.dv);
-    for strides in [&s.q, &s.k, &s.v, &s.o] {
-        builder.arg(&strides[0]).arg(&strides[1]).arg(&strides[2]);
-    }
-    builder.arg(&s.lse[0]).arg(&s.lse[1]);
-    builder.arg(&s.scale).arg(&s.win_left).arg(&s.win_right);
-    // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type (7 pointers as
-    // CUdeviceptr, 6 `int`, 14 `long long`, one `float`, 2 `int`). The kernel writes only `o` and `lse`, within the
-    // bounds the caller checked (see the preconditions above), and reads the inputs read-only; the buffers are
-    // borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
-    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(flash_fwd)", e))?;
+    builder.arg(q).arg(k).arg(v);
+    let call = match out {
+        ForwardOut::Final { o, lse } => {
+            builder.arg(o).arg(lse);
+            "cuLaunchKernel(flash_fwd)"
+        }
+        ForwardOut::State { a, m, l } => {
+            builder.arg(a).arg(m).arg(l);
+            "cuLaunchKernel(flash_fwd, STATE_OUT)"
+        }
+    };
+    builder.arg(cu_q).arg(cu_k);
+    push_common(&mut builder, &s);
+    // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type: three input
+    // pointers of `elem_t` = T, then `o` (T) and `lse` (f32), or under STATE_OUT `a`, `m`, `l` (f32), then the two
+    // i32 `cu_seqlens` pointers, all as CUdeviceptr; then 6 `int`, 14 `long long`, one `float`, 2 `int`. The kernel
+    // writes only the outputs of `out`, within the bounds the caller checked (see the preconditions above), and reads
+    // the inputs read-only; the buffers are borrowed for this call, and cudarc records their use on `stream`, so none
+    // is freed while the kernel runs.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
     Ok(())
 }
 
-/// Pushes the scalar block every kernel of `flash_bwd.cu` takes after its pointers (`COMMON_PARAMS` without the two
-/// `cu_seqlens` pointers, which the callers push first): the forward's scalars, in the forward's order.
+/// Launches `state_merge` (gpu/kernels/ring_state.cu) on `stream`: `run ← run ⊕ part` over `rows` rows of `dv`
+/// columns.
+///
+/// Preconditions, established by `ring_state::merge_states`: every buffer holds at least `rows` (`m`, `l`) or
+/// `rows · dv` (`a`) elements, and `cfg` gives at least one warp per row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_state_merge(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    run: (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    part: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+    rows: i64,
+    dv: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(run.0).arg(run.1).arg(run.2).arg(part.0).arg(part.1).arg(part.2).arg(&rows).arg(&dv);
+    // SAFETY: `state_merge(float* a_run, float* m_run, float* l_run, const float* a_part, const float* m_part,
+    // const float* l_part, long long rows, int dv)`: six f32 device pointers, an i64 and an i32, in order. It reads
+    // and writes `rows` rows of the buffers, which the caller checked hold them; they are borrowed for this call and
+    // their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(state_merge)", e))?;
+    Ok(())
+}
+
+/// The scalars of `state_finalize` after its pointers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FinalizeScalars {
+    pub rows: i64,
+    pub dv: i32,
+    pub varlen: i32,
+    pub n_heads: i32,
+    pub rows_per_head: i64,
+}
+
+/// Launches `state_finalize` (gpu/kernels/ring_state.cu) on `stream`: `O`, LSE of `rows` state rows.
+///
+/// Preconditions, established by `ring_state::finalize_state`: `a` holds `rows · dv`, `m`, `l` and `lse` `rows`, and
+/// `o` `rows · dv` elements (the spec's O, whose layout `varlen`, `n_heads` and `rows_per_head` describe); `cfg` gives
+/// at least one warp per row.
+pub(crate) fn launch_state_finalize<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    state: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+    out: (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    s: FinalizeScalars,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(state.0).arg(state.1).arg(state.2).arg(out.0).arg(out.1);
+    builder.arg(&s.rows).arg(&s.dv).arg(&s.varlen).arg(&s.n_heads).arg(&s.rows_per_head);
+    // SAFETY: `state_finalize(const float* a, const float* m, const float* l, elem_t* o, float* lse, long long rows,
+    // int dv, int varlen, int n_heads, long long rows_per_head)` with `elem_t` = T (the module's storage define):
+    // five device pointers, then i64, i32, i32, i32, i64, in order. Every index it forms is below the sizes the
+    // caller checked; the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(state_finalize)", e))?;
+    Ok(())
+}
+
+/// Pushes the scalar block `flash_fwd` and every kernel of `flash_bwd.cu` take after their pointers (`COMMON_PARAMS`
+/// without the two `cu_seqlens` pointers, which the callers push first), in the forward's order.
 fn push_common<'a>(builder: &mut cudarc::driver::LaunchArgs<'a>, s: &'a FlashScalars) {
     builder.arg(&s.varlen).arg(&s.len_q).arg(&s.len_k).arg(&s.group).arg(&s.d).arg(&s.dv);
     for strides in [&s.q, &s.k, &s.v, &s.o] {

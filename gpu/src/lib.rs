@@ -16,6 +16,7 @@ pub mod compile;
 pub mod error;
 pub mod flash;
 mod launch;
+pub mod ring_state;
 
 pub use backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, flash_backward,

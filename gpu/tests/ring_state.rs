@@ -1,0 +1,216 @@
+//! The ring forward's GPU arithmetic on one device: every (query chunk, key chunk) pair's partial state from the
+//! forward kernel's `STATE_OUT` mode, merged (E4) in the ring order of E11 over contiguous and zigzag (E11a) layouts,
+//! then finalized (E5), verified against the f64 oracle under the forward recipe with `extra_merges = 2(P − 1)`
+//! (`attnproof_gpu::ring_state`'s docs). With one chunk the pipeline must equal the plain forward bit for bit.
+//!
+//! What these tests do not cover yet: the transport between simulated devices (separate streams, copies, events) and
+//! the ring driver over it; here one stream plays every device in turn.
+
+mod common;
+
+use std::sync::Arc;
+
+use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
+use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
+use attnproof_harness::generate::make_case;
+use attnproof_harness::{Case, verify_forward};
+use attnproof_oracle::online::ring_block_at;
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Mask};
+use attnproof_proofs::flash_bound::FlashRecipe;
+use attnproof_reference::flash::TileConfig;
+use attnproof_reference::ring::{RingConfig, RingLayout};
+use common::*;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::{bf16, f16};
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
+
+/// The rows `range` of axis 2 (the sequence axis of a dense `[B, H, L, D]` or `[B, H, L]` tensor), contiguous.
+fn rows<X: Clone>(t: &ArrayD<X>, range: &std::ops::Range<usize>) -> ArrayD<X> {
+    t.slice_axis(Axis(2), Slice::from(range.clone())).as_standard_layout().to_owned()
+}
+
+/// The dense spec of one chunk pair: the global spec's batch, heads, head dims and scale, the chunks' lengths, no
+/// mask (the pair's visibility is its `ChunkWindow`).
+fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec {
+    let (b, ..) = dense_dims(spec);
+    AttentionSpec::dense(b, spec.n_heads_q, spec.n_heads_kv, n_q, n_k, spec.head_dim, spec.head_dim_v)
+        .with_scale(spec.scale)
+}
+
+/// (B, Lq, Lk) of a dense spec.
+fn dense_dims(spec: &AttentionSpec) -> (usize, usize, usize) {
+    let q = spec.expected_shape(Operand::Q);
+    let k = spec.expected_shape(Operand::K);
+    (q[0], q[2], k[2])
+}
+
+/// The ring forward of `case` over `config`'s devices, one stream playing each device in turn: device `g` attends
+/// its query chunks to the key chunks of device `(g − t) mod G` at step `t`, merging each visible pair's partial state
+/// into its chunk's running state, and finalizes. Returns `O`, LSE, and the pairs skipped as invisible.
+fn ring_forward<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    config: RingConfig,
+) -> Result<(ArrayD<T>, ArrayD<f32>, usize), String> {
+    let spec = &case.spec;
+    let (_, len_q, len_k) = dense_dims(spec);
+    let mut o = ArrayD::from_elem(spec.expected_shape(Operand::O), T::from_f32(f32::NAN));
+    let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
+    let g = config.n_devices;
+    let mut skipped = 0;
+    for device in 0..g {
+        for q_range in config.positions(device, len_q).into_iter().filter(|r| !r.is_empty()) {
+            let n_q = q_range.len();
+            let q_chunk = upload(stream, &rows(&case.q, &q_range))?;
+            let chunk_spec = pair_spec(spec, n_q, 1);
+            let mut run = DeviceState::for_spec(stream, &chunk_spec).map_err(|e| e.to_string())?;
+            for step in 0..g {
+                let owner = ring_block_at(device, step, g);
+                for k_range in config.positions(owner, len_k).into_iter().filter(|r| !r.is_empty()) {
+                    let n_k = k_range.len();
+                    let window =
+                        ChunkWindow::for_pair(&spec.mask, (len_q, len_k), (q_range.start, n_q), (k_range.start, n_k))
+                            .map_err(|e| e.to_string())?;
+                    if !window.sees_any(n_q, n_k) {
+                        skipped += 1;
+                        continue;
+                    }
+                    let pair = pair_spec(spec, n_q, n_k);
+                    let (k_chunk, v_chunk) =
+                        (upload(stream, &rows(&case.k, &k_range))?, upload(stream, &rows(&case.v, &k_range))?);
+                    let mut part = DeviceState::for_spec(stream, &pair).map_err(|e| e.to_string())?;
+                    flash_forward_state_device(stream, &pair, window, &q_chunk, &k_chunk, &v_chunk, &mut part)
+                        .map_err(|e| e.to_string())?;
+                    merge_states(stream, &mut run, &part).map_err(|e| e.to_string())?;
+                }
+            }
+            let (o_chunk, lse_chunk) = finalize(stream, &chunk_spec, &run)?;
+            o.slice_axis_mut(Axis(2), Slice::from(q_range.clone())).assign(&o_chunk);
+            lse.slice_axis_mut(Axis(2), Slice::from(q_range.clone())).assign(&lse_chunk);
+        }
+    }
+    Ok((o, lse, skipped))
+}
+
+/// E5 of `state` into host `O` and LSE shaped for `spec`.
+fn finalize<T: Storage>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    state: &DeviceState,
+) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
+    let (o_shape, lse_shape) = (spec.expected_shape(Operand::O), spec.expected_shape(Operand::RowStat));
+    let mut o: CudaSlice<T> =
+        stream.alloc_zeros(o_shape.iter().product::<usize>().max(1)).map_err(|e| e.to_string())?;
+    let mut lse: CudaSlice<f32> =
+        stream.alloc_zeros(lse_shape.iter().product::<usize>().max(1)).map_err(|e| e.to_string())?;
+    finalize_state(stream, spec, state, &mut o, &mut lse).map_err(|e| e.to_string())?;
+    let (o, lse) =
+        (stream.clone_dtoh(&o).map_err(|e| e.to_string())?, stream.clone_dtoh(&lse).map_err(|e| e.to_string())?);
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    Ok((
+        ArrayD::from_shape_vec(IxDyn(&o_shape), o[..n(&o_shape)].to_vec()).map_err(|e| e.to_string())?,
+        ArrayD::from_shape_vec(IxDyn(&lse_shape), lse[..n(&lse_shape)].to_vec()).map_err(|e| e.to_string())?,
+    ))
+}
+
+/// The forward recipe with the ring's extra rescale steps: `2(P − 1)` for `P` key chunks per sequence.
+fn ring_recipe<T: Storage>(config: RingConfig) -> FlashRecipe {
+    FlashRecipe { extra_merges: 2 * config.pieces().saturating_sub(1), ..forward_recipe::<T>() }
+}
+
+fn config(n_devices: usize, layout: RingLayout) -> RingConfig {
+    // The tiles are the reference schedule's; only the device count and layout matter here.
+    RingConfig { n_devices, layout, tiles: TileConfig { q_tile: 64, kv_tile: 64 } }
+}
+
+/// The cases: causal with Lq = Lk (the skip matters), Lq ≠ Lk both ways, GQA, a window, logit scale 4, chunks that
+/// straddle KV tiles (lengths not multiples of 64).
+fn cases() -> Vec<AttentionSpec> {
+    vec![
+        dense(1, 2, 2, 300, 300, 64, 64, Mask::Causal),
+        dense(2, 4, 2, 130, 250, 64, 64, Mask::Causal),
+        dense(1, 2, 1, 250, 130, 128, 128, Mask::None),
+        dense(1, 2, 2, 200, 200, 64, 32, Mask::Window { left: 40, right: 5 }),
+    ]
+}
+
+fn check<T: Storage>(stream: &Arc<CudaStream>) {
+    let name = <T as GpuElement>::NAME;
+    for (n, spec) in cases().iter().enumerate() {
+        let case = make_case::<T>(spec, gaussian(if n == 1 { 4.0 } else { 1.0 }), 40 + n as u64);
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            for devices in [2, 3, 4] {
+                let config = config(devices, layout);
+                let (o, lse, skipped) = ring_forward(stream, &case, config).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let verdict = verify_forward(&case, ring_recipe::<T>(config), o.view(), lse.view())
+                    .unwrap_or_else(|e| panic!("{name} {spec:?} {config:?}: {e}"));
+                assert!(verdict.passed() && verdict.valid(), "{name} {spec:?} {layout:?} G={devices}:\n{verdict}");
+                if matches!(spec.mask, Mask::Causal) && dense_dims(spec).1 == dense_dims(spec).2 {
+                    assert!(skipped > 0, "{name} {spec:?} {config:?}: a causal ring skips future chunks");
+                }
+                println!("{name} {layout:?} G={devices} {spec:?}: worst error/bound {:.3e}", verdict.max_ratio());
+            }
+        }
+    }
+}
+
+#[test]
+fn ring_forward_states_are_within_the_bound() {
+    let Some(ctx) = skip_unless_gpu("ring_forward_states_are_within_the_bound") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    check::<bf16>(&stream);
+    check::<f16>(&stream);
+}
+
+/// One chunk holding everything: the state-out forward, a merge into the empty state and the finalize give the plain
+/// forward's O and LSE bit for bit (the empty side contributes exact zeros, and the finalize is the forward's own
+/// epilogue).
+#[test]
+fn one_chunk_equals_the_plain_forward_bitwise() {
+    let Some(ctx) = skip_unless_gpu("one_chunk_equals_the_plain_forward_bitwise") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    for spec in cases() {
+        let case = make_case::<bf16>(&spec, gaussian(1.0), 7);
+        let (_, len_q, len_k) = dense_dims(&spec);
+        let (q, k, v) =
+            (upload(&stream, &case.q).unwrap(), upload(&stream, &case.k).unwrap(), upload(&stream, &case.v).unwrap());
+        let mut o = stream.alloc_zeros::<bf16>(case.q.len().max(1) / spec.head_dim * spec.head_dim_v).unwrap();
+        let mut lse =
+            stream.alloc_zeros::<f32>(spec.expected_shape(Operand::RowStat).iter().product::<usize>().max(1)).unwrap();
+        flash_forward_device(&stream, &spec, &q, &k, &v, &mut o, &mut lse).unwrap();
+        let window = ChunkWindow::for_pair(&spec.mask, (len_q, len_k), (0, len_q), (0, len_k)).unwrap();
+        let pair = pair_spec(&spec, len_q, len_k);
+        let mut part = DeviceState::for_spec(&stream, &pair).unwrap();
+        flash_forward_state_device(&stream, &pair, window, &q, &k, &v, &mut part).unwrap();
+        let mut run = DeviceState::for_spec(&stream, &pair).unwrap();
+        merge_states(&stream, &mut run, &part).unwrap();
+        let (o2, lse2) = finalize::<bf16>(&stream, &pair, &run).unwrap();
+        let o1 = stream.clone_dtoh(&o).unwrap();
+        let lse1 = stream.clone_dtoh(&lse).unwrap();
+        assert!(o2.iter().zip(&o1).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?}: O differs");
+        assert!(lse2.iter().zip(&lse1).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?}: LSE differs");
+    }
+}
+
+/// A state of the wrong size and a masked pair spec are typed errors, before any launch.
+#[test]
+fn mismatched_states_and_masked_pair_specs_are_typed_errors() {
+    let Some(ctx) = skip_unless_gpu("mismatched_states_and_masked_pair_specs_are_typed_errors") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 1, 1, 10, 10, 16, 16, Mask::None);
+    let mut small = DeviceState::empty(&stream, 5, 16).unwrap();
+    let right = DeviceState::for_spec(&stream, &spec).unwrap();
+    assert!(merge_states(&stream, &mut small, &right).is_err());
+    let q = upload(&stream, &ArrayD::from_elem(IxDyn(&[1, 1, 10, 16]), f16::ZERO)).unwrap();
+    let window = ChunkWindow { left: None, right: None };
+    let mut state = DeviceState::for_spec(&stream, &spec).unwrap();
+    let causal = spec.clone().with_mask(Mask::Causal);
+    assert!(flash_forward_state_device(&stream, &causal, window, &q, &q, &q, &mut state).is_err());
+}
