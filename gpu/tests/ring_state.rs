@@ -3,8 +3,10 @@
 //! then finalized (E5), verified against the f64 oracle under the forward recipe with `extra_merges = 2(P − 1)`
 //! (`attnproof_gpu::ring_state`'s docs). With one chunk the pipeline must equal the plain forward bit for bit.
 //!
-//! What these tests do not cover yet: the transport between simulated devices (separate streams, copies, events) and
-//! the ring driver over it; here one stream plays every device in turn.
+//! `ring_forward` below plays every device in turn on one stream; the harness's `gpu_ring_forward` runs the ring
+//! driver with one thread and one stream per simulated device and stream-ordered copies between them, and must give
+//! the same bits (same pairs, same merge order per device), which checks that the transport delivers the right data
+//! at the right time (a stale or early-read buffer would change them).
 
 mod common;
 
@@ -13,6 +15,7 @@ use std::sync::Arc;
 use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
+use attnproof_harness::ring_gpu::{dense_dims, gpu_ring_forward, gpu_ring_recipe_extra_merges, pair_spec};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::online::ring_block_at;
 use attnproof_oracle::spec::Operand;
@@ -28,21 +31,6 @@ use ndarray::{ArrayD, Axis, IxDyn, Slice};
 /// The rows `range` of axis 2 (the sequence axis of a dense `[B, H, L, D]` or `[B, H, L]` tensor), contiguous.
 fn rows<X: Clone>(t: &ArrayD<X>, range: &std::ops::Range<usize>) -> ArrayD<X> {
     t.slice_axis(Axis(2), Slice::from(range.clone())).as_standard_layout().to_owned()
-}
-
-/// The dense spec of one chunk pair: the global spec's batch, heads, head dims and scale, the chunks' lengths, no
-/// mask (the pair's visibility is its `ChunkWindow`).
-fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec {
-    let (b, ..) = dense_dims(spec);
-    AttentionSpec::dense(b, spec.n_heads_q, spec.n_heads_kv, n_q, n_k, spec.head_dim, spec.head_dim_v)
-        .with_scale(spec.scale)
-}
-
-/// (B, Lq, Lk) of a dense spec.
-fn dense_dims(spec: &AttentionSpec) -> (usize, usize, usize) {
-    let q = spec.expected_shape(Operand::Q);
-    let k = spec.expected_shape(Operand::K);
-    (q[0], q[2], k[2])
 }
 
 /// The ring forward of `case` over `config`'s devices, one stream playing each device in turn: device `g` attends
@@ -116,7 +104,7 @@ fn finalize<T: Storage>(
 
 /// The forward recipe with the ring's extra rescale steps: `2(P − 1)` for `P` key chunks per sequence.
 fn ring_recipe<T: Storage>(config: RingConfig) -> FlashRecipe {
-    FlashRecipe { extra_merges: 2 * config.pieces().saturating_sub(1), ..forward_recipe::<T>() }
+    FlashRecipe { extra_merges: gpu_ring_recipe_extra_merges(config), ..forward_recipe::<T>() }
 }
 
 fn config(n_devices: usize, layout: RingLayout) -> RingConfig {
@@ -213,4 +201,34 @@ fn mismatched_states_and_masked_pair_specs_are_typed_errors() {
     let mut state = DeviceState::for_spec(&stream, &spec).unwrap();
     let causal = spec.clone().with_mask(Mask::Causal);
     assert!(flash_forward_state_device(&stream, &causal, window, &q, &q, &q, &mut state).is_err());
+}
+
+/// The threaded ring (one host thread and one stream per simulated device, blocks copied between streams and ordered
+/// by events) gives the one-stream emulation's bits, its causal skips, and passes the verifier.
+#[test]
+fn threaded_ring_on_streams_matches_the_one_stream_ring_bitwise() {
+    let Some(ctx) = skip_unless_gpu("threaded_ring_on_streams_matches_the_one_stream_ring_bitwise") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    for (n, spec) in cases().iter().enumerate() {
+        let case = make_case::<bf16>(spec, gaussian(1.0), 60 + n as u64);
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            for devices in [2, 4] {
+                let config = config(devices, layout);
+                let (o, lse, _) = ring_forward(&stream, &case, config).unwrap();
+                let run = gpu_ring_forward(&ctx, &case, config).unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
+                assert!(run.o.iter().zip(&o).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?} {config:?}: O");
+                assert!(run.lse.iter().zip(&lse).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?} {config:?}: LSE");
+                // Contiguous: a causal ring skips whole blocks in the future; zigzag balances them away (every block
+                // holds a piece some query sees), so it skips only chunk pairs inside blocks.
+                let causal_square = matches!(spec.mask, Mask::Causal) && dense_dims(spec).1 == dense_dims(spec).2;
+                if causal_square && layout == RingLayout::Contiguous {
+                    assert!(run.skipped > 0, "{spec:?} {config:?}: a causal ring skips blocks in the future");
+                }
+                let verdict = verify_forward(&case, ring_recipe::<bf16>(config), run.o.view(), run.lse.view()).unwrap();
+                assert!(verdict.passed() && verdict.valid(), "{spec:?} {config:?}:\n{verdict}");
+            }
+        }
+    }
 }

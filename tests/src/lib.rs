@@ -9,6 +9,7 @@ pub mod case;
 pub mod flash;
 pub mod gate;
 pub mod generate;
+pub mod ring_gpu;
 pub mod sparse;
 pub mod strategies;
 pub mod verdict;

@@ -1,0 +1,306 @@
+//! Ring attention forward (E11/E11a) on one GPU holding `G` simulated devices: the reference crate's ring driver
+//! ([`run_device`]) over a stream-ordered transport ([`StreamLink`]) and a GPU worker ([`GpuForwardDevice`]), one host
+//! thread and one CUDA stream per device. It lives in the harness because it joins the driver (reference crate) and
+//! the kernels (gpu crate), which do not depend on each other.
+//!
+//! A device owns the query and KV chunks of its ring positions ([`RingConfig::positions`]); at each step it attends
+//! its query chunks to the held KV block (each visible chunk pair's partial state from the forward kernel's
+//! `STATE_OUT` mode, merged into its query chunk's running state, `attnproof_gpu::ring_state`), and finally turns
+//! every running state into `O` and LSE. The recipe is the forward's with `extra_merges = 2(P − 1)` for `P` key
+//! chunks per sequence ([`gpu_ring_recipe_extra_merges`]).
+//!
+//! Supported: dense layouts (every batch item has the same positions); masks `None`, `Causal`, `Window` and `And`
+//! of those. Varlen is a typed error.
+
+use std::ops::Range;
+use std::sync::{Arc, mpsc};
+
+use attnproof_gpu::GpuElement;
+use attnproof_gpu::GpuError;
+use attnproof_gpu::flash::flash_forward_state_device;
+use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Layout};
+use attnproof_reference::ring::{RingFault, RingPosition, RingTransport, RingWorker, Travel, run_device};
+use attnproof_reference::{Element, RingConfig};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
+use ndarray::{ArrayD, Axis, IxDyn, Slice};
+use thiserror::Error;
+
+use crate::Case;
+
+/// Why a GPU ring run failed.
+#[derive(Debug, Error)]
+pub enum GpuRingError {
+    /// The schedule went wrong (a misrouted block, a neighbour gone).
+    #[error(transparent)]
+    Ring(#[from] RingFault),
+    /// A kernel wrapper refused or failed.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    /// A driver call of the transport failed.
+    #[error("CUDA driver: {0}")]
+    Driver(String),
+    /// The problem is outside what the GPU ring supports.
+    #[error("the GPU ring does not support {0}")]
+    Unsupported(&'static str),
+}
+
+impl From<DriverError> for GpuRingError {
+    fn from(e: DriverError) -> Self {
+        GpuRingError::Driver(e.to_string())
+    }
+}
+
+/// One contiguous run of keys of a KV block: positions `start .. start + len` of every sequence, `[B, Hkv, len, D]`.
+#[derive(Debug)]
+pub struct KvChunk<T> {
+    /// First key position.
+    pub start: usize,
+    /// Keys.
+    pub len: usize,
+    /// Keys, `[B, Hkv, len, d]`.
+    pub k: CudaSlice<T>,
+    /// Values, `[B, Hkv, len, dv]`.
+    pub v: CudaSlice<T>,
+}
+
+/// The travelling block: the KV chunks one device owns (one, or two under zigzag).
+#[derive(Debug)]
+pub struct GpuKvBlock<T> {
+    /// The device that owns these keys.
+    pub owner: usize,
+    /// Its chunks.
+    pub chunks: Vec<KvChunk<T>>,
+    /// Recorded on the sender's stream after the copy that made this block; the receiver's stream waits on it.
+    ready: Option<Arc<CudaEvent>>,
+}
+
+/// A simulated device's link: the hop is a device-to-device copy on the sender's stream (its interconnect) into fresh
+/// buffers, and an event recorded after it that the receiver's stream waits on before anything it enqueues next; the
+/// block's handles travel through `mpsc` channels, in order, so the `k`-th `wait` gets the predecessor's `k`-th post.
+/// `post` only enqueues the copy and returns; the copy reads the held block, which the driver only reads meanwhile.
+#[derive(Debug)]
+pub struct StreamLink<T> {
+    device: usize,
+    stream: Arc<CudaStream>,
+    to_successor: mpsc::Sender<GpuKvBlock<T>>,
+    from_predecessor: mpsc::Receiver<GpuKvBlock<T>>,
+}
+
+impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
+    type Error = GpuRingError;
+
+    fn post(&mut self, outgoing: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        let mut chunks = Vec::with_capacity(outgoing.chunks.len());
+        for c in &outgoing.chunks {
+            let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
+            chunks.push(KvChunk { start: c.start, len: c.len, k, v });
+        }
+        let ready = Some(Arc::new(self.stream.record_event(None)?));
+        self.to_successor
+            .send(GpuKvBlock { owner: outgoing.owner, chunks, ready })
+            .map_err(|_| RingFault::Disconnected { device: self.device }.into())
+    }
+
+    fn wait(&mut self) -> Result<GpuKvBlock<T>, GpuRingError> {
+        let block = self.from_predecessor.recv().map_err(|_| RingFault::Disconnected { device: self.device })?;
+        if let Some(ready) = &block.ready {
+            self.stream.wait(ready)?;
+        }
+        Ok(block)
+    }
+}
+
+/// The links of a ring of `streams.len()` simulated devices, by device: device `g` sends into device `g + 1`'s inbox.
+pub fn stream_ring<T>(streams: &[Arc<CudaStream>]) -> Vec<StreamLink<T>> {
+    let n = streams.len();
+    let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<GpuKvBlock<T>>()).unzip();
+    receivers
+        .into_iter()
+        .enumerate()
+        .map(|(device, from_predecessor)| StreamLink {
+            device,
+            stream: streams[device].clone(),
+            to_successor: senders[(device + 1) % n].clone(),
+            from_predecessor,
+        })
+        .collect()
+}
+
+/// A query chunk of a device: its positions, its queries on the device, and its running state.
+struct QueryChunk<T> {
+    start: usize,
+    len: usize,
+    q: CudaSlice<T>,
+    state: DeviceState,
+}
+
+/// One simulated device of the forward ring.
+pub struct GpuForwardDevice<T> {
+    stream: Arc<CudaStream>,
+    spec: AttentionSpec,
+    lens: (usize, usize),
+    chunks: Vec<QueryChunk<T>>,
+}
+
+/// (B, Lq, Lk) of a dense spec.
+pub fn dense_dims(spec: &AttentionSpec) -> (usize, usize, usize) {
+    let (q, k) = (spec.expected_shape(Operand::Q), spec.expected_shape(Operand::K));
+    (q[0], q[2], k[2])
+}
+
+/// The dense spec of a chunk pair: the global batch, heads, head dims and scale, the chunks' lengths, no mask.
+pub fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec {
+    let (b, ..) = dense_dims(spec);
+    AttentionSpec::dense(b, spec.n_heads_q, spec.n_heads_kv, n_q, n_k, spec.head_dim, spec.head_dim_v)
+        .with_scale(spec.scale)
+}
+
+impl<T: GpuElement> GpuForwardDevice<T> {
+    fn window(&self, q: &QueryChunk<T>, c: &KvChunk<T>) -> Result<ChunkWindow, GpuError> {
+        ChunkWindow::for_pair(&self.spec.mask, self.lens, (q.start, q.len), (c.start, c.len))
+    }
+}
+
+impl<T: GpuElement> RingWorker for GpuForwardDevice<T> {
+    type Block = GpuKvBlock<T>;
+    type Error = GpuRingError;
+    const TRAVEL: Travel = Travel::ReadOnly;
+
+    fn owner(&self, block: &GpuKvBlock<T>) -> usize {
+        block.owner
+    }
+
+    fn parts(&self) -> usize {
+        1
+    }
+
+    fn sees(&self, _part: usize, block: &GpuKvBlock<T>) -> bool {
+        self.chunks
+            .iter()
+            .any(|q| block.chunks.iter().any(|c| self.window(q, c).is_ok_and(|w| w.sees_any(q.len, c.len))))
+    }
+
+    fn attend(&mut self, _part: usize, block: &mut GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        for qi in 0..self.chunks.len() {
+            for c in &block.chunks {
+                let window = self.window(&self.chunks[qi], c)?;
+                let q = &mut self.chunks[qi];
+                if !window.sees_any(q.len, c.len) {
+                    continue;
+                }
+                let pair = pair_spec(&self.spec, q.len, c.len);
+                let mut part = DeviceState::for_spec(&self.stream, &pair)?;
+                flash_forward_state_device(&self.stream, &pair, window, &q.q, &c.k, &c.v, &mut part)?;
+                merge_states(&self.stream, &mut q.state, &part)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The rows `range` of a dense tensor's sequence axis (axis 2), on `stream`.
+fn upload_rows<T: DeviceRepr + ValidAsZeroBits + Clone>(
+    stream: &Arc<CudaStream>,
+    t: &ArrayD<T>,
+    range: &Range<usize>,
+) -> Result<CudaSlice<T>, GpuRingError> {
+    let rows = t.slice_axis(Axis(2), Slice::from(range.clone())).as_standard_layout().to_owned();
+    let data = rows.as_slice().expect("standard layout");
+    Ok(if data.is_empty() { stream.alloc_zeros::<T>(1)? } else { stream.clone_htod(data)? })
+}
+
+/// `O`, LSE and the schedule's count of skipped (device, step) pairs of a GPU ring forward.
+#[derive(Debug)]
+pub struct GpuRingOutput<T> {
+    /// `O`, shaped like the spec's.
+    pub o: ArrayD<T>,
+    /// LSE.
+    pub lse: ArrayD<f32>,
+    /// `(device, step)` pairs whose block no query of the device could see (the causal skip).
+    pub skipped: usize,
+}
+
+/// The `extra_merges` of the forward `FlashRecipe` that covers the GPU ring forward over `config`: `2(P − 1)` for `P`
+/// key chunks per sequence (`attnproof_gpu::ring_state`'s docs).
+pub fn gpu_ring_recipe_extra_merges(config: RingConfig) -> usize {
+    2 * config.pieces().saturating_sub(1)
+}
+
+/// Ring attention forward of `case` over `config.n_devices` simulated devices on `ctx`'s GPU.
+pub fn gpu_ring_forward<T: GpuElement + Element>(
+    ctx: &Arc<CudaContext>,
+    case: &Case<T>,
+    config: RingConfig,
+) -> Result<GpuRingOutput<T>, GpuRingError> {
+    let spec = &case.spec;
+    spec.validate().map_err(GpuError::from)?;
+    config.validate().map_err(|_| GpuRingError::Unsupported("a ring of zero devices or zero tiles"))?;
+    if !matches!(spec.layout, Layout::Dense { .. }) {
+        return Err(GpuRingError::Unsupported("varlen layouts"));
+    }
+    let (_, len_q, len_k) = dense_dims(spec);
+    let g = config.n_devices;
+    let streams: Vec<Arc<CudaStream>> = (0..g).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+    let mut setups = Vec::with_capacity(g);
+    for (device, stream) in streams.iter().enumerate() {
+        let mut chunks = vec![];
+        for range in config.positions(device, len_q).into_iter().filter(|r| !r.is_empty()) {
+            let rows_spec = pair_spec(spec, range.len(), 1);
+            chunks.push(QueryChunk {
+                start: range.start,
+                len: range.len(),
+                q: upload_rows(stream, &case.q, &range)?,
+                state: DeviceState::for_spec(stream, &rows_spec)?,
+            });
+        }
+        let mut kv = vec![];
+        for range in config.positions(device, len_k).into_iter().filter(|r| !r.is_empty()) {
+            let (k, v) = (upload_rows(stream, &case.k, &range)?, upload_rows(stream, &case.v, &range)?);
+            kv.push(KvChunk { start: range.start, len: range.len(), k, v });
+        }
+        let worker = GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks };
+        setups.push((worker, GpuKvBlock { owner: device, chunks: kv, ready: None }));
+    }
+    let links = stream_ring::<T>(&streams);
+    let results: Vec<Result<(GpuForwardDevice<T>, usize), GpuRingError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = setups
+            .into_iter()
+            .zip(links)
+            .enumerate()
+            .map(|(device, ((mut worker, own), mut link))| {
+                s.spawn(move || {
+                    let position = RingPosition { device, n_devices: g };
+                    let run = run_device(position, &mut worker, &mut link, own)?;
+                    Ok((worker, run.skipped_parts))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    let mut o = ArrayD::from_elem(spec.expected_shape(Operand::O), T::from_f32(0.0));
+    let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NEG_INFINITY);
+    let mut skipped = 0;
+    for result in results {
+        let (worker, skips) = result?;
+        skipped += skips;
+        for q in &worker.chunks {
+            let rows_spec = pair_spec(spec, q.len, 1);
+            let (o_shape, lse_shape) =
+                (rows_spec.expected_shape(Operand::O), rows_spec.expected_shape(Operand::RowStat));
+            let n = |s: &[usize]| s.iter().product::<usize>();
+            let mut o_dev = worker.stream.alloc_zeros::<T>(n(&o_shape).max(1))?;
+            let mut lse_dev = worker.stream.alloc_zeros::<f32>(n(&lse_shape).max(1))?;
+            finalize_state(&worker.stream, &rows_spec, &q.state, &mut o_dev, &mut lse_dev)?;
+            let (o_host, lse_host) = (worker.stream.clone_dtoh(&o_dev)?, worker.stream.clone_dtoh(&lse_dev)?);
+            let o_chunk = ArrayD::from_shape_vec(IxDyn(&o_shape), o_host[..n(&o_shape)].to_vec()).expect("O shape");
+            let lse_chunk =
+                ArrayD::from_shape_vec(IxDyn(&lse_shape), lse_host[..n(&lse_shape)].to_vec()).expect("LSE shape");
+            let rows = Slice::from(q.start..q.start + q.len);
+            o.slice_axis_mut(Axis(2), rows).assign(&o_chunk);
+            lse.slice_axis_mut(Axis(2), rows).assign(&lse_chunk);
+        }
+    }
+    Ok(GpuRingOutput { o, lse, skipped })
+}
