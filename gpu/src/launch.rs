@@ -23,6 +23,13 @@ pub(crate) fn nvrtc_library_present() -> bool {
     unsafe { nvrtc_sys::is_culib_present() }
 }
 
+/// Whether the NCCL library can be loaded (cudarc panics on the first NCCL call otherwise).
+pub(crate) fn nccl_library_present() -> bool {
+    // SAFETY: as for the driver above: a `dlopen` probe of NVIDIA's collective-communication library, which cudarc
+    // would load anyway on the first NCCL call.
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
 /// Why NVRTC failed: its status and program log.
 pub(crate) struct NvrtcFailure {
     pub status: String,

@@ -89,6 +89,13 @@ pub fn skip_unless_gpu(test_name: &str) -> Option<Arc<CudaContext>> {
     }
 }
 
+/// Whether the NCCL library can be loaded (its name as cudarc looks for it: `libnccl.so` or `libnccl.so.13`; the GPU
+/// bundle's `run.sh` links pip's `libnccl.so.2` under that name). Multi-GPU code asks this before its first NCCL call,
+/// which would otherwise panic inside cudarc.
+pub fn nccl_present() -> bool {
+    launch::nccl_library_present()
+}
+
 /// Whether the environment demands a real GPU run (see [`REQUIRE_GPU_ENV`]).
 fn gpu_required() -> bool {
     std::env::var(REQUIRE_GPU_ENV).is_ok_and(|v| v.trim() == "1")

@@ -15,16 +15,22 @@ use std::sync::Arc;
 use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
-use attnproof_harness::ring_gpu::{dense_dims, gpu_ring_forward, gpu_ring_recipe_extra_merges, pair_spec};
+use attnproof_harness::ring_gpu::{
+    GpuKvBlock, KvChunk, dense_dims, gpu_ring_forward, gpu_ring_recipe_extra_merges, pair_spec,
+};
+use attnproof_harness::ring_nccl::{BlockLayout, NcclLink, nccl_ring_forward};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::online::ring_block_at;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::flash::TileConfig;
+use attnproof_reference::ring::RingTransport;
 use attnproof_reference::ring::{RingConfig, RingLayout};
 use common::*;
+use cudarc::driver::CudaContext;
 use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::nccl::safe::{Comm, Id};
 use half::{bf16, f16};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
 
@@ -229,6 +235,71 @@ fn threaded_ring_on_streams_matches_the_one_stream_ring_bitwise() {
                 let verdict = verify_forward(&case, ring_recipe::<bf16>(config), run.o.view(), run.lse.view()).unwrap();
                 assert!(verdict.passed() && verdict.valid(), "{spec:?} {config:?}:\n{verdict}");
             }
+        }
+    }
+}
+
+/// NCCL as far as the GPUs at hand allow: on any GPU, a one-rank communicator's link sends a block to itself (its
+/// own successor and predecessor) and hands back the same bits; with two or more GPUs, the NCCL ring forward over
+/// 2, 4 and 8 of them (as many as there are) gives the simulated ring's bits.
+#[test]
+fn nccl_link_round_trip_and_multi_gpu_ring() {
+    let Some(ctx) = skip_unless_gpu("nccl_link_round_trip_and_multi_gpu_ring") else {
+        return;
+    };
+    if !attnproof_gpu::nccl_present() {
+        let required = std::env::var("ATTNPROOF_REQUIRE_GPU").is_ok_and(|v| v.trim() == "1");
+        assert!(!required, "the NCCL library is required (ATTNPROOF_REQUIRE_GPU=1) but cannot be loaded");
+        println!("skipped: no NCCL library (nccl_link_round_trip_and_multi_gpu_ring)");
+        return;
+    }
+    let tiles = TileConfig { q_tile: 64, kv_tile: 64 };
+    let one = RingConfig { n_devices: 1, layout: RingLayout::Contiguous, tiles };
+    let layout = BlockLayout { config: one, len_k: 100, batch: 1, n_heads_kv: 2, d: 16, dv: 8 };
+    let k_host: Vec<bf16> = (0..2 * 100 * 16).map(|i| bf16::from_f32(i as f32 * 0.25 - 7.0)).collect();
+    let v_host: Vec<bf16> = (0..2 * 100 * 8).map(|i| bf16::from_f32(3.0 - i as f32 * 0.5)).collect();
+    let compute = ctx.new_stream().unwrap();
+    let block = GpuKvBlock::new(
+        0,
+        vec![KvChunk {
+            start: 0,
+            len: 100,
+            k: compute.clone_htod(&k_host).unwrap(),
+            v: compute.clone_htod(&v_host).unwrap(),
+        }],
+    );
+    ctx.bind_to_thread().unwrap();
+    let comm = Comm::from_rank(ctx.new_stream().unwrap(), 0, 1, Id::new().unwrap()).unwrap();
+    let mut link = NcclLink::<bf16>::new(comm, compute.clone(), layout);
+    link.post(&block).unwrap();
+    let got = link.wait().unwrap();
+    assert_eq!((got.owner, got.chunks.len()), (0, 1));
+    let (k_back, v_back) =
+        (compute.clone_dtoh(&got.chunks[0].k).unwrap(), compute.clone_dtoh(&got.chunks[0].v).unwrap());
+    assert!(k_back.iter().zip(&k_host).all(|(a, b)| a.to_bits() == b.to_bits()), "K changed in the hop");
+    assert!(v_back.iter().zip(&v_host).all(|(a, b)| a.to_bits() == b.to_bits()), "V changed in the hop");
+
+    let gpus = CudaContext::device_count().unwrap_or(1) as usize;
+    if gpus < 2 {
+        println!("skipped: the NCCL ring over several GPUs ({gpus} GPU here)");
+        return;
+    }
+    let spec = dense(1, 4, 2, 512, 512, 64, 64, Mask::Causal);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 90);
+    for g in [2, 4, 8].into_iter().filter(|&g| g <= gpus) {
+        let contexts: Vec<_> = (0..g).map(|i| CudaContext::new(i).unwrap()).collect();
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            let config = RingConfig { n_devices: g, layout, tiles };
+            let nccl = nccl_ring_forward(&contexts, &case, config).unwrap_or_else(|e| panic!("G={g} {layout:?}: {e}"));
+            let simulated = gpu_ring_forward(&ctx, &case, config).unwrap();
+            assert!(nccl.o.iter().zip(&simulated.o).all(|(a, b)| a.to_bits() == b.to_bits()), "G={g} {layout:?}: O");
+            assert!(
+                nccl.lse.iter().zip(&simulated.lse).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "G={g} {layout:?}: LSE"
+            );
+            let verdict = verify_forward(&case, ring_recipe::<bf16>(config), nccl.o.view(), nccl.lse.view()).unwrap();
+            assert!(verdict.passed() && verdict.valid(), "G={g} {layout:?}:\n{verdict}");
+            println!("NCCL ring G={g} {layout:?}: worst error/bound {:.3e}", verdict.max_ratio());
         }
     }
 }

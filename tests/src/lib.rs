@@ -10,6 +10,7 @@ pub mod flash;
 pub mod gate;
 pub mod generate;
 pub mod ring_gpu;
+pub mod ring_nccl;
 pub mod sparse;
 pub mod strategies;
 pub mod verdict;

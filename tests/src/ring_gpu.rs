@@ -13,7 +13,7 @@
 //! of those. Varlen is a typed error.
 
 use std::ops::Range;
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 
 use attnproof_gpu::GpuElement;
 use attnproof_gpu::GpuError;
@@ -73,7 +73,14 @@ pub struct GpuKvBlock<T> {
     /// Its chunks.
     pub chunks: Vec<KvChunk<T>>,
     /// Recorded on the sender's stream after the copy that made this block; the receiver's stream waits on it.
-    ready: Option<Arc<CudaEvent>>,
+    pub(crate) ready: Option<Arc<CudaEvent>>,
+}
+
+impl<T> GpuKvBlock<T> {
+    /// A block of `owner`'s chunks, ready for any stream (its buffers were filled by work already ordered before).
+    pub fn new(owner: usize, chunks: Vec<KvChunk<T>>) -> Self {
+        GpuKvBlock { owner, chunks, ready: None }
+    }
 }
 
 /// A simulated device's link: the hop is a device-to-device copy on the sender's stream (its interconnect) into fresh
@@ -228,21 +235,46 @@ pub fn gpu_ring_recipe_extra_merges(config: RingConfig) -> usize {
     2 * config.pieces().saturating_sub(1)
 }
 
-/// Ring attention forward of `case` over `config.n_devices` simulated devices on `ctx`'s GPU.
+/// Ring attention forward of `case` over `config.n_devices` simulated devices on `ctx`'s GPU: one stream per device,
+/// blocks moved by [`StreamLink`].
 pub fn gpu_ring_forward<T: GpuElement + Element>(
     ctx: &Arc<CudaContext>,
     case: &Case<T>,
     config: RingConfig,
 ) -> Result<GpuRingOutput<T>, GpuRingError> {
+    let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+    let links: Vec<Mutex<Option<StreamLink<T>>>> =
+        stream_ring::<T>(&streams).into_iter().map(|l| Mutex::new(Some(l))).collect();
+    run_forward_ring(case, config, &streams, |device| {
+        let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
+        Ok(slot.take().expect("each device takes its link once"))
+    })
+}
+
+/// The ring forward of `case` with device `g` computing on `streams[g]` and moving blocks through the link
+/// `make_link(g)` makes on its own thread (an NCCL communicator must be created on the thread that uses it).
+pub fn run_forward_ring<T, L, F>(
+    case: &Case<T>,
+    config: RingConfig,
+    streams: &[Arc<CudaStream>],
+    make_link: F,
+) -> Result<GpuRingOutput<T>, GpuRingError>
+where
+    T: GpuElement + Element,
+    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
+    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
+{
     let spec = &case.spec;
     spec.validate().map_err(GpuError::from)?;
     config.validate().map_err(|_| GpuRingError::Unsupported("a ring of zero devices or zero tiles"))?;
     if !matches!(spec.layout, Layout::Dense { .. }) {
         return Err(GpuRingError::Unsupported("varlen layouts"));
     }
-    let (_, len_q, len_k) = dense_dims(spec);
     let g = config.n_devices;
-    let streams: Vec<Arc<CudaStream>> = (0..g).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+    if streams.len() != g {
+        return Err(GpuRingError::Unsupported("a stream count other than the device count"));
+    }
+    let (_, len_q, len_k) = dense_dims(spec);
     let mut setups = Vec::with_capacity(g);
     for (device, stream) in streams.iter().enumerate() {
         let mut chunks = vec![];
@@ -261,16 +293,16 @@ pub fn gpu_ring_forward<T: GpuElement + Element>(
             kv.push(KvChunk { start: range.start, len: range.len(), k, v });
         }
         let worker = GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks };
-        setups.push((worker, GpuKvBlock { owner: device, chunks: kv, ready: None }));
+        setups.push((worker, GpuKvBlock::new(device, kv)));
     }
-    let links = stream_ring::<T>(&streams);
+    let make_link = &make_link;
     let results: Vec<Result<(GpuForwardDevice<T>, usize), GpuRingError>> = std::thread::scope(|s| {
         let handles: Vec<_> = setups
             .into_iter()
-            .zip(links)
             .enumerate()
-            .map(|(device, ((mut worker, own), mut link))| {
+            .map(|(device, (mut worker, own))| {
                 s.spawn(move || {
+                    let mut link = make_link(device)?;
                     let position = RingPosition { device, n_devices: g };
                     let run = run_device(position, &mut worker, &mut link, own)?;
                     Ok((worker, run.skipped_parts))

@@ -47,6 +47,14 @@ export CUDA_HOME=/usr/local/cuda
 # NVRTC (libnvrtc.so.13) is loaded at run time; the toolkit's lib64 is not always on the loader path.
 export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
 export PATH="$CUDA_HOME/bin:$PATH"
+# NVLink multicast stays off (on a shared host it can put the GPUs out of service), and NCCL comes from pip's
+# nvidia-nccl wheel when the host has no system copy: cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
+export NCCL_NVLS_ENABLE=0
+nccl_dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null)"
+if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
+    mkdir -p /tmp/attnproof-nccl && ln -sf "$nccl_dir/libnccl.so.2" /tmp/attnproof-nccl/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
+fi
 cd "$here"
 # Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
 # The backward line is one test (all three strategies, both dtypes, fully masked and partial rows): under the

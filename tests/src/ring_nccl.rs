@@ -1,0 +1,185 @@
+//! The NCCL ring transport: one GPU per ring device, KV blocks sent to the successor and received from the
+//! predecessor with NCCL point-to-point calls on a communication stream of each GPU, so that a hop overlaps the
+//! attention the compute stream runs meanwhile (E11's two buffers: the held block and the one being received).
+//!
+//! Keep NVLink multicast off on shared hosts: set `NCCL_NVLS_ENABLE=0` in the environment before the communicators
+//! are created (the GPU bundle's `run.sh` does).
+//!
+//! The receiver knows what arrives without asking: at hop `k` device `g` receives the block of
+//! `(g − k − 1) mod G` (E11), whose chunks are that device's ring positions ([`RingConfig::positions`]), so every
+//! receive buffer is allocated with its exact size before the hop.
+
+use std::sync::Arc;
+
+use attnproof_oracle::online::ring_block_at;
+use attnproof_reference::RingConfig;
+use attnproof_reference::ring::{RingFault, RingTransport};
+use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::safe::{Comm, Id, NcclType};
+
+use crate::Case;
+use crate::ring_gpu::{GpuKvBlock, GpuRingError, GpuRingOutput, KvChunk, dense_dims, run_forward_ring};
+use attnproof_gpu::GpuElement;
+use attnproof_reference::Element;
+
+impl From<cudarc::nccl::result::NcclError> for GpuRingError {
+    fn from(e: cudarc::nccl::result::NcclError) -> Self {
+        GpuRingError::Driver(format!("NCCL: {e:?}"))
+    }
+}
+
+/// The shapes of the blocks of a ring: which key positions each device owns, and the elements of its K and V chunks.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockLayout {
+    /// The ring.
+    pub config: RingConfig,
+    /// Keys per sequence.
+    pub len_k: usize,
+    /// Batch, KV heads, head dims: a chunk of `n` keys is `[batch, n_heads_kv, n, d]` (K) and `[…, dv]` (V).
+    pub batch: usize,
+    /// KV heads.
+    pub n_heads_kv: usize,
+    /// Head dim of K.
+    pub d: usize,
+    /// Head dim of V.
+    pub dv: usize,
+}
+
+impl BlockLayout {
+    /// `(first key, keys, K elements, V elements)` of each nonempty chunk `owner` holds.
+    pub fn chunks(&self, owner: usize) -> Vec<(usize, usize, usize, usize)> {
+        let per_key = self.batch * self.n_heads_kv;
+        self.config
+            .positions(owner, self.len_k)
+            .into_iter()
+            .filter(|r| !r.is_empty())
+            .map(|r| (r.start, r.len(), per_key * r.len() * self.d, per_key * r.len() * self.dv))
+            .collect()
+    }
+}
+
+/// One device's NCCL link. `post` makes the communication stream wait for everything the compute stream has enqueued
+/// (the held block is ready), allocates the receive buffers, and enqueues the send to the successor and the receive
+/// from the predecessor in one NCCL group (so neither waits for the other); an event recorded after them is what
+/// `wait` makes the compute stream wait on. The sent buffers stay alive until the send completes: cudarc records
+/// the send's read on them, and a buffer is freed only after its recorded uses.
+#[derive(Debug)]
+pub struct NcclLink<T> {
+    device: usize,
+    n_devices: usize,
+    comm: Comm,
+    compute: Arc<CudaStream>,
+    layout: BlockLayout,
+    hops: usize,
+    pending: Option<GpuKvBlock<T>>,
+}
+
+impl<T> NcclLink<T> {
+    /// Device `rank`'s link on the communicator `comm` (whose stream is the communication stream), with `compute` the
+    /// stream its worker computes on (the same GPU).
+    pub fn new(comm: Comm, compute: Arc<CudaStream>, layout: BlockLayout) -> Self {
+        NcclLink { device: comm.rank(), n_devices: comm.world_size(), comm, compute, layout, hops: 0, pending: None }
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits + NcclType> RingTransport<GpuKvBlock<T>> for NcclLink<T> {
+    type Error = GpuRingError;
+
+    fn post(&mut self, outgoing: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        if self.pending.is_some() {
+            return Err(GpuRingError::Unsupported("a post before the previous hop's wait"));
+        }
+        let comm_stream = self.comm.stream();
+        comm_stream.join(&self.compute)?;
+        let g = self.n_devices;
+        let owner = ring_block_at(self.device, self.hops + 1, g);
+        let mut incoming = Vec::new();
+        for (start, len, k_elems, v_elems) in self.layout.chunks(owner) {
+            let (k, v) = (comm_stream.alloc_zeros::<T>(k_elems)?, comm_stream.alloc_zeros::<T>(v_elems)?);
+            incoming.push(KvChunk { start, len, k, v });
+        }
+        let (next, prev) = (((self.device + 1) % g) as i32, ((self.device + g - 1) % g) as i32);
+        {
+            let mut group = self.comm.group();
+            for c in &outgoing.chunks {
+                group.send(c.k.as_view(), next)?;
+                group.send(c.v.as_view(), next)?;
+            }
+            for c in &mut incoming {
+                group.recv(c.k.as_view_mut(), prev)?;
+                group.recv(c.v.as_view_mut(), prev)?;
+            }
+        } // the group ends here: NCCL enqueues the sends and receives on the communication stream
+        let ready = Some(Arc::new(comm_stream.record_event(None)?));
+        self.pending = Some(GpuKvBlock { owner, chunks: incoming, ready });
+        self.hops += 1;
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<GpuKvBlock<T>, GpuRingError> {
+        let block = self.pending.take().ok_or(RingFault::Disconnected { device: self.device })?;
+        if let Some(ready) = &block.ready {
+            self.compute.wait(ready)?;
+        }
+        Ok(block)
+    }
+}
+
+/// Ring attention forward of `case` over `contexts.len()` GPUs (one per ring device, `config.n_devices` of them),
+/// blocks moved by NCCL. Each device thread creates its communicator (`ncclCommInitRank` with a shared id).
+pub fn nccl_ring_forward<T>(
+    contexts: &[Arc<CudaContext>],
+    case: &Case<T>,
+    config: RingConfig,
+) -> Result<GpuRingOutput<T>, GpuRingError>
+where
+    T: GpuElement + Element + NcclType,
+{
+    if contexts.len() != config.n_devices {
+        return Err(GpuRingError::Unsupported("a GPU count other than the ring's device count"));
+    }
+    let spec = &case.spec;
+    let (batch, _, len_k) = dense_dims(spec);
+    let layout =
+        BlockLayout { config, len_k, batch, n_heads_kv: spec.n_heads_kv, d: spec.head_dim, dv: spec.head_dim_v };
+    let id = Id::new()?;
+    let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
+    let g = config.n_devices;
+    run_forward_ring(case, config, &compute, |device| {
+        let ctx = &contexts[device];
+        // NCCL binds the communicator to the current device.
+        ctx.bind_to_thread()?;
+        let comm = Comm::from_rank(ctx.new_stream()?, device, g, id)?;
+        Ok(NcclLink::new(comm, compute[device].clone(), layout))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_reference::{RingLayout, TileConfig};
+
+    #[test]
+    fn a_receiver_expects_exactly_the_chunks_its_predecessor_holds_at_each_hop() {
+        let tiles = TileConfig { q_tile: 64, kv_tile: 64 };
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            for g in 1..=8 {
+                let config = RingConfig { n_devices: g, layout, tiles };
+                let block = BlockLayout { config, len_k: 1000 + g, batch: 2, n_heads_kv: 3, d: 16, dv: 8 };
+                let total: usize = (0..g).map(|o| block.chunks(o).iter().map(|c| c.1).sum::<usize>()).sum();
+                assert_eq!(total, 1000 + g, "{layout:?} G={g}: the blocks partition the keys");
+                for device in 0..g {
+                    for hop in 0..g {
+                        // What device − 1 holds at step `hop` is what `device` receives by its hop `hop`.
+                        let sent = ring_block_at((device + g - 1) % g, hop, g);
+                        let expected = ring_block_at(device, hop + 1, g);
+                        assert_eq!(sent, expected, "{layout:?} G={g} device {device} hop {hop}");
+                        for (start, len, k, v) in block.chunks(expected) {
+                            assert_eq!((k, v), (2 * 3 * len * 16, 2 * 3 * len * 8), "chunk at {start}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
