@@ -16,7 +16,8 @@ use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
 use attnproof_harness::ring_gpu::{
-    GpuKvBlock, KvChunk, dense_dims, gpu_ring_forward, gpu_ring_recipe_extra_merges, pair_spec,
+    GpuKvBlock, KvChunk, RingMutant, dense_dims, gpu_ring_forward, gpu_ring_forward_mutated,
+    gpu_ring_recipe_extra_merges, pair_spec,
 };
 use attnproof_harness::ring_nccl::{BlockLayout, NcclLink, nccl_ring_forward};
 use attnproof_harness::{Case, verify_forward};
@@ -302,4 +303,40 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
             println!("NCCL ring G={g} {layout:?}: worst error/bound {:.3e}", verdict.max_ratio());
         }
     }
+}
+
+/// The ring mutants (diagonal block unmasked, a block merged twice, zigzag chunks swapped, stale receive buffer),
+/// injected into the simulated GPU ring: each one fails the verifier (or the routing check) on a causal problem.
+#[test]
+fn ring_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("ring_mutants_are_killed") else {
+        return;
+    };
+    let spec = dense(1, 2, 2, 300, 300, 64, 64, Mask::Causal);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 77);
+    let configs = [config(3, RingLayout::Contiguous), config(3, RingLayout::Zigzag), config(4, RingLayout::Zigzag)];
+    let mut survivors = vec![];
+    for mutant in [
+        RingMutant::DiagonalUnmasked,
+        RingMutant::MergedTwice,
+        RingMutant::ZigzagSwapped,
+        RingMutant::StaleReceiveBuffer,
+    ] {
+        let killer = configs.iter().find_map(|&config| match gpu_ring_forward_mutated(&ctx, &case, config, mutant) {
+            Err(e) => Some(format!("{config:?}: {e}")),
+            Ok(run) => {
+                let verdict = verify_forward(&case, ring_recipe::<bf16>(config), run.o.view(), run.lse.view());
+                match verdict {
+                    Ok(v) if v.passed() => None,
+                    Ok(v) => Some(format!("{config:?}: worst error/bound {:.3e}", v.max_ratio())),
+                    Err(e) => Some(format!("{config:?}: {e}")),
+                }
+            }
+        });
+        match killer {
+            Some(why) => println!("{mutant:?} killed by {why}"),
+            None => survivors.push(mutant),
+        }
+    }
+    assert!(survivors.is_empty(), "surviving ring mutants: {survivors:?}");
 }

@@ -52,6 +52,24 @@ impl From<DriverError> for GpuRingError {
     }
 }
 
+/// A deliberate fault of the GPU ring, injected by the tests that show each one is caught (the ring mutants of the
+/// issue: E11 and E11a gone wrong in the ways a real implementation goes wrong). `None` is the correct ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RingMutant {
+    /// The correct ring.
+    None,
+    /// A chunk pair on the diagonal (same first position) is attended without its mask's right reach: future keys
+    /// leak into causal rows.
+    DiagonalUnmasked,
+    /// Every visible chunk pair's partial state is merged into the running state twice.
+    MergedTwice,
+    /// Under zigzag, each device's two key chunks carry each other's positions (chunks `g` and `2G − 1 − g` swapped).
+    ZigzagSwapped,
+    /// The transport keeps sending the first block it ever posted, relabelled with the current owner: the routing
+    /// check sees the right owner, the contents are stale.
+    StaleReceiveBuffer,
+}
+
 /// One contiguous run of keys of a KV block: positions `start .. start + len` of every sequence, `[B, Hkv, len, D]`.
 #[derive(Debug)]
 pub struct KvChunk<T> {
@@ -93,6 +111,9 @@ pub struct StreamLink<T> {
     stream: Arc<CudaStream>,
     to_successor: mpsc::Sender<GpuKvBlock<T>>,
     from_predecessor: mpsc::Receiver<GpuKvBlock<T>>,
+    mutant: RingMutant,
+    /// Under [`RingMutant::StaleReceiveBuffer`]: the first block posted, sent again at every hop.
+    first_posted: Option<GpuKvBlock<T>>,
 }
 
 impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
@@ -100,11 +121,23 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
 
     fn post(&mut self, outgoing: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
         let mut chunks = Vec::with_capacity(outgoing.chunks.len());
-        for c in &outgoing.chunks {
+        let source = match (&self.first_posted, self.mutant) {
+            (Some(first), RingMutant::StaleReceiveBuffer) => first,
+            _ => outgoing,
+        };
+        for c in &source.chunks {
             let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
             chunks.push(KvChunk { start: c.start, len: c.len, k, v });
         }
         let ready = Some(Arc::new(self.stream.record_event(None)?));
+        if self.mutant == RingMutant::StaleReceiveBuffer && self.first_posted.is_none() {
+            let mut kept = Vec::with_capacity(outgoing.chunks.len());
+            for c in &outgoing.chunks {
+                let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
+                kept.push(KvChunk { start: c.start, len: c.len, k, v });
+            }
+            self.first_posted = Some(GpuKvBlock::new(outgoing.owner, kept));
+        }
         self.to_successor
             .send(GpuKvBlock { owner: outgoing.owner, chunks, ready })
             .map_err(|_| RingFault::Disconnected { device: self.device }.into())
@@ -120,7 +153,7 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
 }
 
 /// The links of a ring of `streams.len()` simulated devices, by device: device `g` sends into device `g + 1`'s inbox.
-pub fn stream_ring<T>(streams: &[Arc<CudaStream>]) -> Vec<StreamLink<T>> {
+pub fn stream_ring<T>(streams: &[Arc<CudaStream>], mutant: RingMutant) -> Vec<StreamLink<T>> {
     let n = streams.len();
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<GpuKvBlock<T>>()).unzip();
     receivers
@@ -131,6 +164,8 @@ pub fn stream_ring<T>(streams: &[Arc<CudaStream>]) -> Vec<StreamLink<T>> {
             stream: streams[device].clone(),
             to_successor: senders[(device + 1) % n].clone(),
             from_predecessor,
+            mutant,
+            first_posted: None,
         })
         .collect()
 }
@@ -149,6 +184,7 @@ pub struct GpuForwardDevice<T> {
     spec: AttentionSpec,
     lens: (usize, usize),
     chunks: Vec<QueryChunk<T>>,
+    mutant: RingMutant,
 }
 
 /// (B, Lq, Lk) of a dense spec.
@@ -166,7 +202,12 @@ pub fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec 
 
 impl<T: GpuElement> GpuForwardDevice<T> {
     fn window(&self, q: &QueryChunk<T>, c: &KvChunk<T>) -> Result<ChunkWindow, GpuError> {
-        ChunkWindow::for_pair(&self.spec.mask, self.lens, (q.start, q.len), (c.start, c.len))
+        let w = ChunkWindow::for_pair(&self.spec.mask, self.lens, (q.start, q.len), (c.start, c.len))?;
+        Ok(if self.mutant == RingMutant::DiagonalUnmasked && q.start == c.start {
+            ChunkWindow { right: None, ..w }
+        } else {
+            w
+        })
     }
 }
 
@@ -201,6 +242,9 @@ impl<T: GpuElement> RingWorker for GpuForwardDevice<T> {
                 let mut part = DeviceState::for_spec(&self.stream, &pair)?;
                 flash_forward_state_device(&self.stream, &pair, window, &q.q, &c.k, &c.v, &mut part)?;
                 merge_states(&self.stream, &mut q.state, &part)?;
+                if self.mutant == RingMutant::MergedTwice {
+                    merge_states(&self.stream, &mut q.state, &part)?;
+                }
             }
         }
         Ok(())
@@ -242,10 +286,20 @@ pub fn gpu_ring_forward<T: GpuElement + Element>(
     case: &Case<T>,
     config: RingConfig,
 ) -> Result<GpuRingOutput<T>, GpuRingError> {
+    gpu_ring_forward_mutated(ctx, case, config, RingMutant::None)
+}
+
+/// [`gpu_ring_forward`] with `mutant` injected (the tests' ring mutants).
+pub fn gpu_ring_forward_mutated<T: GpuElement + Element>(
+    ctx: &Arc<CudaContext>,
+    case: &Case<T>,
+    config: RingConfig,
+    mutant: RingMutant,
+) -> Result<GpuRingOutput<T>, GpuRingError> {
     let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
     let links: Vec<Mutex<Option<StreamLink<T>>>> =
-        stream_ring::<T>(&streams).into_iter().map(|l| Mutex::new(Some(l))).collect();
-    run_forward_ring(case, config, &streams, |device| {
+        stream_ring::<T>(&streams, mutant).into_iter().map(|l| Mutex::new(Some(l))).collect();
+    run_forward_ring(case, config, mutant, &streams, |device| {
         let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
         Ok(slot.take().expect("each device takes its link once"))
     })
@@ -256,6 +310,7 @@ pub fn gpu_ring_forward<T: GpuElement + Element>(
 pub fn run_forward_ring<T, L, F>(
     case: &Case<T>,
     config: RingConfig,
+    mutant: RingMutant,
     streams: &[Arc<CudaStream>],
     make_link: F,
 ) -> Result<GpuRingOutput<T>, GpuRingError>
@@ -292,7 +347,15 @@ where
             let (k, v) = (upload_rows(stream, &case.k, &range)?, upload_rows(stream, &case.v, &range)?);
             kv.push(KvChunk { start: range.start, len: range.len(), k, v });
         }
-        let worker = GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks };
+        if mutant == RingMutant::ZigzagSwapped && kv.len() == 2 {
+            // The data stays, the positions trade places (only chunks of equal length can swap without a shape error).
+            if kv[0].len == kv[1].len {
+                let (a, b) = (kv[0].start, kv[1].start);
+                (kv[0].start, kv[1].start) = (b, a);
+            }
+        }
+        let worker =
+            GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks, mutant };
         setups.push((worker, GpuKvBlock::new(device, kv)));
     }
     let make_link = &make_link;

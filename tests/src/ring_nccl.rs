@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::safe::{Comm, Id, NcclType};
 
 use crate::Case;
-use crate::ring_gpu::{GpuKvBlock, GpuRingError, GpuRingOutput, KvChunk, dense_dims, run_forward_ring};
+use crate::ring_gpu::{GpuKvBlock, GpuRingError, GpuRingOutput, KvChunk, RingMutant, dense_dims, run_forward_ring};
 use attnproof_gpu::GpuElement;
 use attnproof_reference::Element;
 
@@ -145,7 +145,7 @@ where
     let id = Id::new()?;
     let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
     let g = config.n_devices;
-    run_forward_ring(case, config, &compute, |device| {
+    run_forward_ring(case, config, RingMutant::None, &compute, |device| {
         let ctx = &contexts[device];
         // NCCL binds the communicator to the current device.
         ctx.bind_to_thread()?;
