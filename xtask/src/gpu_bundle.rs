@@ -50,9 +50,10 @@ export PATH="$CUDA_HOME/bin:$PATH"
 # NVLink multicast stays off (on a shared host it can put the GPUs out of service), and NCCL comes from pip's
 # nvidia-nccl wheel when the host has no system copy: cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
 export NCCL_NVLS_ENABLE=0
-nccl_dir="$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0] + "/lib")' 2>/dev/null)"
-if [ -n "$nccl_dir" ] && [ -e "$nccl_dir/libnccl.so.2" ]; then
-    mkdir -p /tmp/attnproof-nccl && ln -sf "$nccl_dir/libnccl.so.2" /tmp/attnproof-nccl/libnccl.so
+# The wheel's layout differs between CUDA majors (nvidia/nccl/lib, nvidia/cu13/lib): search the nvidia namespace.
+nccl_so="$(python3 -c 'import glob, os, nvidia; print(next(iter(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "**", "libnccl.so*"), recursive=True))), ""))' 2>/dev/null)"
+if [ -n "$nccl_so" ]; then
+    mkdir -p /tmp/attnproof-nccl && ln -sf "$nccl_so" /tmp/attnproof-nccl/libnccl.so
     export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
 fi
 cd "$here"
