@@ -72,7 +72,12 @@ pub struct FlashRecipe {
     pub kv_tile: usize,
     /// Additional rescale steps beyond one per KV tile: the E4 merges of a schedule that splits a
     /// row's keys across workers (ring attention: one per device); 0 for a single-pass forward.
+    /// The backward counts them as extra partial sums over keys (`n_k`).
     pub extra_merges: usize,
+    /// Additional partial sums over queries beyond one per query tile (the backward's `n_q`): a
+    /// schedule that splits a key's queries across workers and adds their f32 dK/dV sums (the ring
+    /// backward on GPUs, one per query chunk and merge); 0 otherwise.
+    pub extra_query_partials: usize,
     /// Relative error of the `exp` the candidate uses: `2u` for a libm `expf` (below 1 ulp); a
     /// kernel using `ex2.approx` states its own (and its proof).
     pub exp_error: f64,
@@ -146,6 +151,7 @@ impl FlashRecipe {
             subnormal,
             kv_tile,
             extra_merges: 0,
+            extra_query_partials: 0,
             exp_error: 2.0 * F32_UNIT_ROUNDOFF,
             shift_rounding: 0.0,
             accumulation: Accumulation::RoundToNearest,
@@ -297,7 +303,8 @@ pub struct BackwardBounds {
 /// - `dQ_ic`: `|α| Σ_j (ζ_ij + g(Lk + n_k)|dS_ij|) |k_jc| + (3u + u_T)|dQ_ic| + τ_T`;
 /// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`.
 ///
-/// `n_q`, `n_k` are the query and KV tile counts (the extra additions of partial sums). The same
+/// `n_q = ⌈Lq/q_tile⌉ + extra_query_partials`, `n_k = ⌈Lk/kv_tile⌉ + extra_merges` are the query
+/// and KV tile counts (the extra additions of partial sums). The same
 /// hypothesis and [`SECOND_ORDER_FACTOR`] as the forward model apply.
 pub fn backward_bounds(
     x: HeadBackwardExact<'_>,
@@ -312,7 +319,7 @@ pub fn backward_bounds(
     let (len_q, d) = f.q.dim();
     let (len_k, dv) = f.v.dim();
     let n_k = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
-    let n_q = len_q.div_ceil(q_tile.max(1));
+    let n_q = len_q.div_ceil(q_tile.max(1)) + recipe.extra_query_partials;
     let acc = recipe.accumulation;
     let mut worst: f64 = acc.gamma(len_q + n_q).max(acc.gamma(len_k + n_k)).max(ut);
     let mut pi = Array2::<f64>::zeros((len_q, len_k));

@@ -154,3 +154,30 @@ fn gate_judges_dk_against_the_magnitude_of_its_terms() {
         check(&case, &make_d_out(&spec, case_seed)).expect("verdict passes and the gate is valid");
     }
 }
+
+/// `extra_query_partials` (the ring backward's extra f32 additions over query chunks) widens exactly the bounds of the
+/// sums over queries, dK and dV, and leaves dQ's alone.
+#[test]
+fn extra_query_partials_widen_the_dk_and_dv_bounds_only() {
+    use attnproof_harness::backward::problem_backward_bounds_with_visibility;
+    use attnproof_harness::generate::{Distribution, ValueProfile};
+    use attnproof_proofs::flash_bound::FlashRecipe;
+    let spec =
+        attnproof_oracle::AttentionSpec::dense(1, 2, 2, 40, 40, 16, 16).with_mask(attnproof_oracle::Mask::Causal);
+    let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
+    let case = make_case::<bf16>(&spec, profile, 3);
+    let g = make_d_out::<bf16>(&spec, 3).mapv(|x| x.to_f32() as f64);
+    let [q, k, v] = case.widened();
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    let visibility = |s: &attnproof_oracle::spec::Sequence, _h: usize| masks[s.index].clone();
+    let bounds = |extra: usize| {
+        let recipe = FlashRecipe { extra_query_partials: extra, ..recipe::<bf16>(TILE) };
+        problem_backward_bounds_with_visibility(&spec, [&q, &k, &v, &g], &visibility, recipe, TILE).unwrap()
+    };
+    let (plain, wider) = (bounds(0), bounds(6));
+    assert_eq!(plain.bound_dq, wider.bound_dq);
+    let grew =
+        |a: &ArrayD<f64>, b: &ArrayD<f64>| a.iter().zip(b).all(|(x, y)| y >= x) && a.iter().zip(b).any(|(x, y)| y > x);
+    assert!(grew(&plain.bound_dk, &wider.bound_dk), "dK bounds did not grow");
+    assert!(grew(&plain.bound_dv, &wider.bound_dv), "dV bounds did not grow");
+}
