@@ -58,6 +58,15 @@
 #error "define KV_WARPS"
 #endif
 
+// KV_ACCUM (optional, the ring backward): bwd_kv adds its query head's f32 dK, dV sums to the workspace instead of
+// writing them (or, without GQA, the rounded gradients): the workspace travels with its KV block and collects every
+// query chunk's sums, and bwd_kv_group_sum turns it into dK, dV at home.
+#if defined(KV_ACCUM)
+#define KV_ACCUMULATE 1
+#else
+#define KV_ACCUMULATE 0
+#endif
+
 #define Q_TILE 64
 #define KV_TILE (KV_WARPS * 16)
 #define DQ_KV_TILE 64
@@ -436,7 +445,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             if (key >= keys_here) continue;
             const float* xk = &acc_k[n][2 * r];
             const float* xv = &acc_v[n][2 * r];
-            if (group == 1) {
+            if (group == 1 && !KV_ACCUMULATE) {
                 if (col < d) {
                     elem_t* p = dk_out + sv.k_base + kv_head * k_head + (long long)(key0 + key) * k_row + col;
                     *reinterpret_cast<unsigned*>(p) =
@@ -448,10 +457,19 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 }
             } else {
                 const long long row = head * total_k + sv.k_row0 + key0 + key;
-                if (col < d) *reinterpret_cast<float2*>(dkv_part + row * d + col) = make_float2(xk[0], xk[1]);
+                // One CTA owns each element within a launch; launches on one stream run in order, so the adds of
+                // KV_ACCUM need no atomics.
+                if (col < d) {
+                    float2* pk = reinterpret_cast<float2*>(dkv_part + row * d + col);
+                    const float2 old = KV_ACCUMULATE ? *pk : make_float2(0.f, 0.f);
+                    *pk = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, xk[0]), __fadd_rn(old.y, xk[1]))
+                                        : make_float2(xk[0], xk[1]);
+                }
                 if (col < dv) {
-                    float* pv = dkv_part + n_heads_q * total_k * d + row * dv + col;
-                    *reinterpret_cast<float2*>(pv) = make_float2(xv[0], xv[1]);
+                    float2* pv = reinterpret_cast<float2*>(dkv_part + n_heads_q * total_k * d + row * dv + col);
+                    const float2 old = KV_ACCUMULATE ? *pv : make_float2(0.f, 0.f);
+                    *pv = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, xv[0]), __fadd_rn(old.y, xv[1]))
+                                        : make_float2(xv[0], xv[1]);
                 }
             }
         }

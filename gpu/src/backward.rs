@@ -19,6 +19,12 @@
 //!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
 //!    three, so they agree bitwise across strategies.
 //!
+//! The ring backward (E11 with dK/dV travelling home) uses the same kernels step by step: [`ring_backward_preprocess`]
+//! per query chunk, [`ring_backward_pair`] per visible chunk pair (the `KV_ACCUM` module: dK/dV sums added in f32 to
+//! the KV chunk's travelling accumulator, dQ added to the query chunk's f32 accumulator), and
+//! [`ring_backward_finish_dq`], [`ring_backward_finish_dkv`] at the end; the recipe then counts the pairs' extra f32
+//! additions in `extra_merges` (dQ) and `extra_query_partials` (dK, dV).
+//!
 //! Supported: what the forward supports (dense and varlen, GQA/MQA, `Lq ≠ Lk`, any length, masks `None`, `Causal`,
 //! `Window`, `And` of those; head dims multiples of 8 up to 256). Output columns are processed in chunks of up to 128
 //! (grid y): head dims up to 128 keep every accumulator in registers and compute `S` and `dP` once per tile pair;
@@ -81,6 +87,7 @@ use crate::compile::{self, FLASH_BWD};
 use crate::error::GpuError;
 use crate::flash::{GpuElement, check_len, kernel_scalars};
 use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
+use crate::ring_state::ChunkWindow;
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
 pub const Q_TILE: usize = 64;
@@ -466,6 +473,244 @@ pub fn flash_backward_device_with<T: GpuElement>(
         }
     }
     Ok(())
+}
+
+/// The read-only inputs of one (query chunk, key chunk) pair of the ring backward: the pair's Q, K, V, the forward's
+/// LSE of the query chunk's rows (the whole row's LSE, not the pair's), dO, and `D` from [`ring_backward_preprocess`].
+#[derive(Clone, Copy, Debug)]
+pub struct PairBackwardInputs<'a, T> {
+    /// Queries of the chunk.
+    pub q: &'a CudaSlice<T>,
+    /// Keys of the chunk.
+    pub k: &'a CudaSlice<T>,
+    /// Values of the chunk.
+    pub v: &'a CudaSlice<T>,
+    /// The rows' LSE (f32, natural log).
+    pub lse: &'a CudaSlice<f32>,
+    /// The rows' upstream gradient.
+    pub d_out: &'a CudaSlice<T>,
+    /// The rows' `D`.
+    pub delta: &'a CudaSlice<f32>,
+}
+
+/// One ring-backward launch: the plan of `spec` with the `KV_ACCUM` module, `window` (for a pair) in place of the
+/// mask, one-element placeholders for the buffers the launched kernel does not touch, and the kernel run.
+#[allow(clippy::too_many_arguments)]
+fn ring_launch<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    window: Option<ChunkWindow>,
+    which: BackwardKernel,
+    name: &'static str,
+    real: RingBuffers<'_, T>,
+) -> Result<(), GpuError> {
+    if window.is_some() && !matches!(spec.mask, attnproof_oracle::Mask::None) {
+        return Err(GpuError::Unsupported {
+            argument: "mask",
+            reason: "a chunk pair's visibility is its `ChunkWindow`; the pair's spec must have Mask::None".into(),
+        });
+    }
+    let tiling = BackwardTiling::DEFAULT;
+    let mut plan = plan::<T>(spec, tiling)?;
+    plan.defines.push("KV_ACCUM".to_owned());
+    if let Some(w) = window {
+        (plan.scalars.win_left, plan.scalars.win_right) = w.kernel_values();
+    }
+    if plan.seqs == 0 {
+        return Ok(());
+    }
+    let ctx = stream.context();
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let upload_err = |e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e);
+    let cu_q = stream.clone_htod(&plan.cu_q).map_err(upload_err)?;
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(upload_err)?;
+    let t1 = || stream.alloc_zeros::<T>(1).map_err(alloc_err);
+    let f1 = || stream.alloc_zeros::<f32>(1).map_err(alloc_err);
+    let (ph_q, ph_k, ph_v, ph_o, ph_do, mut ph_dq, mut ph_dk, mut ph_dv) =
+        (t1()?, t1()?, t1()?, t1()?, t1()?, t1()?, t1()?, t1()?);
+    let (ph_lse, mut ph_delta, mut ph_acc, mut ph_part, mut ph_dkv) = (f1()?, f1()?, f1()?, f1()?, f1()?);
+    let mut buffers = BackwardBuffers {
+        q: real.q.unwrap_or(&ph_q),
+        k: real.k.unwrap_or(&ph_k),
+        v: real.v.unwrap_or(&ph_v),
+        o: real.o.unwrap_or(&ph_o),
+        lse: real.lse.unwrap_or(&ph_lse),
+        d_out: real.d_out.unwrap_or(&ph_do),
+        dq: real.dq.unwrap_or(&mut ph_dq),
+        dk: real.dk.unwrap_or(&mut ph_dk),
+        dv: real.dv.unwrap_or(&mut ph_dv),
+        delta: real.delta.unwrap_or(&mut ph_delta),
+        dq_acc: real.dq_acc.unwrap_or(&mut ph_acc),
+        dq_part: &mut ph_part,
+        dkv_part: real.dkv_acc.unwrap_or(&mut ph_dkv),
+        cu_q: &cu_q,
+        cu_k: &cu_k,
+    };
+    let module = compile::module(ctx, FLASH_BWD, &plan.defines)?;
+    let (grid, threads, shared) = match which {
+        BackwardKernel::Preprocess => ((plan.q_tiles, spec.n_heads_q as u32, plan.seqs), THREADS, 0),
+        BackwardKernel::KvOwner { .. } => {
+            ((plan.kv_tiles, spec.n_heads_q as u32 * plan.kv_chunks, plan.seqs), tiling.threads(), plan.kv_shared)
+        }
+        BackwardKernel::Finalize { .. } => ((plan.q_tiles, spec.n_heads_q as u32, plan.seqs), THREADS, 0),
+        BackwardKernel::GroupSum { .. } => ((plan.group_sum_tiles, spec.n_heads_kv as u32, plan.seqs), THREADS, 0),
+        BackwardKernel::DqOwner { .. } => {
+            return Err(GpuError::Unsupported { argument: "kernel", reason: "bwd_dq is not a ring step".into() });
+        }
+    };
+    if grid.0 == 0 {
+        return Ok(());
+    }
+    let which = match which {
+        BackwardKernel::KvOwner { .. } => BackwardKernel::KvOwner {
+            dq_mode: 1,
+            n_chunks: plan.kv_chunks as i32,
+            part_stride: plan.q_elements as i64,
+            total_k: plan.total_k as i64,
+        },
+        BackwardKernel::GroupSum { .. } => {
+            BackwardKernel::GroupSum { n_heads_q: spec.n_heads_q as i32, total_k: plan.total_k as i64 }
+        }
+        other => other,
+    };
+    let f = function(ctx, &module, name, shared)?;
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared };
+    launch::launch_flash_backward(stream, &f, cfg, which, &mut buffers, plan.scalars)
+}
+
+/// The buffers a ring-backward launch uses; the others are placeholders.
+struct RingBuffers<'a, T> {
+    q: Option<&'a CudaSlice<T>>,
+    k: Option<&'a CudaSlice<T>>,
+    v: Option<&'a CudaSlice<T>>,
+    o: Option<&'a CudaSlice<T>>,
+    lse: Option<&'a CudaSlice<f32>>,
+    d_out: Option<&'a CudaSlice<T>>,
+    dq: Option<&'a mut CudaSlice<T>>,
+    dk: Option<&'a mut CudaSlice<T>>,
+    dv: Option<&'a mut CudaSlice<T>>,
+    delta: Option<&'a mut CudaSlice<f32>>,
+    dq_acc: Option<&'a mut CudaSlice<f32>>,
+    dkv_acc: Option<&'a mut CudaSlice<f32>>,
+}
+
+impl<T> Default for RingBuffers<'_, T> {
+    fn default() -> Self {
+        RingBuffers {
+            q: None,
+            k: None,
+            v: None,
+            o: None,
+            lse: None,
+            d_out: None,
+            dq: None,
+            dk: None,
+            dv: None,
+            delta: None,
+            dq_acc: None,
+            dkv_acc: None,
+        }
+    }
+}
+
+/// The sizes of `spec`'s operands.
+fn sizes(spec: &AttentionSpec) -> impl Fn(Operand) -> usize + '_ {
+    |op| spec.expected_shape(op).iter().product::<usize>()
+}
+
+/// Ring backward, step 1 for a query chunk (`spec`: the chunk's rows as a problem): `D = rowsum(dO ∘ O)` (E7).
+pub fn ring_backward_preprocess<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    o: &CudaSlice<T>,
+    d_out: &CudaSlice<T>,
+    delta: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let size = sizes(spec);
+    check_len("o", o, size(Operand::O))?;
+    check_len("d_out", d_out, size(Operand::O))?;
+    check_len("delta", delta, size(Operand::RowStat))?;
+    let real = RingBuffers { o: Some(o), d_out: Some(d_out), delta: Some(delta), ..RingBuffers::default() };
+    ring_launch(stream, spec, None, BackwardKernel::Preprocess, "bwd_preprocess", real)
+}
+
+/// The f32 workspace a KV chunk's dK, dV sums travel in: `n_heads_q · B · n_k · (d + dv)` values for `spec` (the KV
+/// chunk's keys as a problem), zeroed before the first pair adds to it.
+pub fn ring_dkv_accumulator_len(spec: &AttentionSpec) -> usize {
+    let k_rows: usize = sizes(spec)(Operand::K) / (spec.n_heads_kv * spec.head_dim).max(1);
+    spec.n_heads_q * k_rows * (spec.head_dim + spec.head_dim_v)
+}
+
+/// Ring backward, step 2 for each visible (query chunk, key chunk) pair (`spec`: the pair as a problem with
+/// [`attnproof_oracle::Mask::None`], `window` its visibility): adds the pair's dQ (f32, KV-owner atomics) into
+/// `dq_acc` (Q-shaped) and its per-query-head f32 dK, dV sums into `dkv_acc` (see [`ring_dkv_accumulator_len`]).
+/// The arithmetic inside the pair is the backward kernel's; across pairs each sum gains one f32 addition per pair,
+/// which the recipe's `extra_merges` (dQ) and `extra_query_partials` (dK, dV) count.
+pub fn ring_backward_pair<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    window: ChunkWindow,
+    inputs: PairBackwardInputs<'_, T>,
+    dq_acc: &mut CudaSlice<f32>,
+    dkv_acc: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let size = sizes(spec);
+    check_len("q", inputs.q, size(Operand::Q))?;
+    check_len("k", inputs.k, size(Operand::K))?;
+    check_len("v", inputs.v, size(Operand::V))?;
+    check_len("lse", inputs.lse, size(Operand::RowStat))?;
+    check_len("d_out", inputs.d_out, size(Operand::O))?;
+    check_len("delta", inputs.delta, size(Operand::RowStat))?;
+    check_len("dq_acc", dq_acc, size(Operand::Q))?;
+    check_len("dkv_acc", dkv_acc, ring_dkv_accumulator_len(spec))?;
+    // The kernel reads D through the buffer slot the preprocess writes; a copy keeps `inputs` read-only.
+    let mut delta = stream.clone_dtod(inputs.delta).map_err(|e| GpuError::driver("cuMemcpyDtoD(delta)", e))?;
+    let real = RingBuffers {
+        q: Some(inputs.q),
+        k: Some(inputs.k),
+        v: Some(inputs.v),
+        lse: Some(inputs.lse),
+        d_out: Some(inputs.d_out),
+        delta: Some(&mut delta),
+        dq_acc: Some(dq_acc),
+        dkv_acc: Some(dkv_acc),
+        ..RingBuffers::default()
+    };
+    let which = BackwardKernel::KvOwner { dq_mode: 1, n_chunks: 0, part_stride: 0, total_k: 0 };
+    ring_launch(stream, spec, Some(window), which, "bwd_kv", real)
+}
+
+/// Ring backward, step 3 for a query chunk: `dQ = round_T(α̂ · dq_acc)`.
+pub fn ring_backward_finish_dq<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    dq_acc: &CudaSlice<f32>,
+    dq: &mut CudaSlice<T>,
+) -> Result<(), GpuError> {
+    check_len("dq_acc", dq_acc, sizes(spec)(Operand::Q))?;
+    check_len("dq", dq, sizes(spec)(Operand::Q))?;
+    // The finalize reads the accumulator through its read-only slot; a copy gives it the mutable one the launch
+    // wrapper holds.
+    let mut acc = stream.clone_dtod(dq_acc).map_err(|e| GpuError::driver("cuMemcpyDtoD(dq_acc)", e))?;
+    let real = RingBuffers { dq: Some(dq), dq_acc: Some(&mut acc), ..RingBuffers::default() };
+    ring_launch(stream, spec, None, BackwardKernel::Finalize { mode: 0, part_stride: 0 }, "bwd_dq_finalize", real)
+}
+
+/// Ring backward, step 4 for a KV chunk back home (`spec`: the chunk's keys as a problem): `dK = round_T(α̂ · Σ_h)`,
+/// `dV = round_T(Σ_h)` over each KV head's query heads in ascending order, from `dkv_acc`.
+pub fn ring_backward_finish_dkv<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    dkv_acc: &CudaSlice<f32>,
+    dk: &mut CudaSlice<T>,
+    dv: &mut CudaSlice<T>,
+) -> Result<(), GpuError> {
+    check_len("dkv_acc", dkv_acc, ring_dkv_accumulator_len(spec))?;
+    check_len("dk", dk, sizes(spec)(Operand::K))?;
+    check_len("dv", dv, sizes(spec)(Operand::V))?;
+    let mut acc = stream.clone_dtod(dkv_acc).map_err(|e| GpuError::driver("cuMemcpyDtoD(dkv_acc)", e))?;
+    let real = RingBuffers { dk: Some(dk), dv: Some(dv), dkv_acc: Some(&mut acc), ..RingBuffers::default() };
+    ring_launch(stream, spec, None, BackwardKernel::GroupSum { n_heads_q: 0, total_k: 0 }, "bwd_kv_group_sum", real)
 }
 
 /// Checks a host tensor's shape and layout and returns it as a row-major slice; `finite` rejects non-finite values.

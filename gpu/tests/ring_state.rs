@@ -340,3 +340,157 @@ fn ring_mutants_are_killed() {
     }
     assert!(survivors.is_empty(), "surviving ring mutants: {survivors:?}");
 }
+
+/// Host copy of the first `shape`-many elements of `buf`.
+fn download<X: cudarc::driver::DeviceRepr + Copy>(
+    stream: &Arc<CudaStream>,
+    buf: &CudaSlice<X>,
+    shape: &[usize],
+) -> ArrayD<X> {
+    let host = stream.clone_dtoh(buf).expect("download");
+    ArrayD::from_shape_vec(IxDyn(shape), host[..shape.iter().product::<usize>()].to_vec()).expect("shape")
+}
+
+/// The ring backward's GPU arithmetic, one stream playing every device in E11 order: `D` per query chunk, every
+/// visible pair's dQ added into its query chunk's f32 accumulator and its dK, dV sums into its KV chunk's travelling
+/// f32 accumulator (which visits devices owner, owner + 1, … in step order), then dQ and dK, dV finished.
+fn ring_backward<T: Storage>(stream: &Arc<CudaStream>, p: &Problem<T>, config: RingConfig) -> Grads<T> {
+    use attnproof_gpu::backward::{
+        PairBackwardInputs, ring_backward_finish_dkv, ring_backward_finish_dq, ring_backward_pair,
+        ring_backward_preprocess, ring_dkv_accumulator_len,
+    };
+    let spec = &p.case.spec;
+    let (_, len_q, len_k) = dense_dims(spec);
+    let g = config.n_devices;
+    let nonempty = |device: usize, len: usize| -> Vec<std::ops::Range<usize>> {
+        config.positions(device, len).into_iter().filter(|r| !r.is_empty()).collect()
+    };
+    struct QSide<T> {
+        range: std::ops::Range<usize>,
+        q: CudaSlice<T>,
+        lse: CudaSlice<f32>,
+        d_out: CudaSlice<T>,
+        delta: CudaSlice<f32>,
+        dq_acc: CudaSlice<f32>,
+    }
+    struct KSide<T> {
+        range: std::ops::Range<usize>,
+        k: CudaSlice<T>,
+        v: CudaSlice<T>,
+        acc: CudaSlice<f32>,
+    }
+    let mut q_sides: Vec<Vec<QSide<T>>> = vec![];
+    let mut k_sides: Vec<Vec<KSide<T>>> = vec![];
+    for device in 0..g {
+        let mut qs = vec![];
+        for range in nonempty(device, len_q) {
+            let chunk = pair_spec(spec, range.len(), 1);
+            let o = upload(stream, &rows(&p.o, &range)).unwrap();
+            let d_out = upload(stream, &rows(&p.d_out, &range)).unwrap();
+            let rows_n = chunk.expected_shape(Operand::RowStat).iter().product::<usize>();
+            let mut delta = stream.alloc_zeros::<f32>(rows_n.max(1)).unwrap();
+            ring_backward_preprocess(stream, &chunk, &o, &d_out, &mut delta).unwrap();
+            let q = upload(stream, &rows(&p.case.q, &range)).unwrap();
+            let lse = upload(stream, &rows(&p.lse, &range)).unwrap();
+            let dq_acc = stream.alloc_zeros::<f32>(q.len()).unwrap();
+            qs.push(QSide { range, q, lse, d_out, delta, dq_acc });
+        }
+        q_sides.push(qs);
+        let mut ks = vec![];
+        for range in nonempty(device, len_k) {
+            let chunk = pair_spec(spec, 1, range.len());
+            let (k, v) =
+                (upload(stream, &rows(&p.case.k, &range)).unwrap(), upload(stream, &rows(&p.case.v, &range)).unwrap());
+            let acc = stream.alloc_zeros::<f32>(ring_dkv_accumulator_len(&chunk).max(1)).unwrap();
+            ks.push(KSide { range, k, v, acc });
+        }
+        k_sides.push(ks);
+    }
+    for step in 0..g {
+        for device in 0..g {
+            let owner = ring_block_at(device, step, g);
+            for qs in q_sides[device].iter_mut() {
+                for ks in k_sides[owner].iter_mut() {
+                    let (n_q, n_k) = (qs.range.len(), ks.range.len());
+                    let window =
+                        ChunkWindow::for_pair(&spec.mask, (len_q, len_k), (qs.range.start, n_q), (ks.range.start, n_k))
+                            .unwrap();
+                    if !window.sees_any(n_q, n_k) {
+                        continue;
+                    }
+                    let inputs = PairBackwardInputs {
+                        q: &qs.q,
+                        k: &ks.k,
+                        v: &ks.v,
+                        lse: &qs.lse,
+                        d_out: &qs.d_out,
+                        delta: &qs.delta,
+                    };
+                    ring_backward_pair(stream, &pair_spec(spec, n_q, n_k), window, inputs, &mut qs.dq_acc, &mut ks.acc)
+                        .unwrap();
+                }
+            }
+        }
+    }
+    let nan = T::from_f32(f32::NAN);
+    let mut grads = Grads {
+        dq: ArrayD::from_elem(spec.expected_shape(Operand::Q), nan),
+        dk: ArrayD::from_elem(spec.expected_shape(Operand::K), nan),
+        dv: ArrayD::from_elem(spec.expected_shape(Operand::V), nan),
+        delta: ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN),
+    };
+    for qs in q_sides.iter().flatten() {
+        let chunk = pair_spec(spec, qs.range.len(), 1);
+        let mut dq = stream.alloc_zeros::<T>(qs.q.len()).unwrap();
+        ring_backward_finish_dq(stream, &chunk, &qs.dq_acc, &mut dq).unwrap();
+        let rows_at = Slice::from(qs.range.clone());
+        grads.dq.slice_axis_mut(Axis(2), rows_at).assign(&download(stream, &dq, &chunk.expected_shape(Operand::Q)));
+        let delta = download(stream, &qs.delta, &chunk.expected_shape(Operand::RowStat));
+        grads.delta.slice_axis_mut(Axis(2), rows_at).assign(&delta);
+    }
+    for ks in k_sides.iter().flatten() {
+        let chunk = pair_spec(spec, 1, ks.range.len());
+        let (mut dk, mut dv) =
+            (stream.alloc_zeros::<T>(ks.k.len()).unwrap(), stream.alloc_zeros::<T>(ks.v.len()).unwrap());
+        ring_backward_finish_dkv(stream, &chunk, &ks.acc, &mut dk, &mut dv).unwrap();
+        let rows_at = Slice::from(ks.range.clone());
+        grads.dk.slice_axis_mut(Axis(2), rows_at).assign(&download(stream, &dk, &chunk.expected_shape(Operand::K)));
+        grads.dv.slice_axis_mut(Axis(2), rows_at).assign(&download(stream, &dv, &chunk.expected_shape(Operand::V)));
+    }
+    grads
+}
+
+/// The ring backward's arithmetic over contiguous and zigzag layouts of 2 to 4 devices, verified against the oracle
+/// under the backward recipe with `extra_merges = extra_query_partials = 2(P − 1)` (the pair partials and their f32
+/// additions on both sides).
+#[test]
+fn ring_backward_states_are_within_the_bound() {
+    use attnproof_gpu::backward::Q_TILE;
+    use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
+    let Some(ctx) = skip_unless_gpu("ring_backward_states_are_within_the_bound") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    for (n, spec) in cases().iter().enumerate() {
+        let p = problem::<bf16>(&stream, spec, gaussian(1.0), 80 + n as u64);
+        for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+            for devices in [2, 3, 4] {
+                let config = config(devices, layout);
+                let extra = gpu_ring_recipe_extra_merges(config);
+                let recipe =
+                    FlashRecipe { extra_merges: extra, extra_query_partials: extra, ..backward_recipe::<bf16>() };
+                let expect = BackwardExpectation::new(&p.case, &p.d_out, Q_TILE, recipe)
+                    .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
+                let g = ring_backward(&stream, &p, config);
+                let candidate =
+                    BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
+                let verdict = expect.verify(candidate).unwrap();
+                assert!(verdict.passed() && verdict.valid(), "{spec:?} {layout:?} G={devices}:\n{verdict}");
+                println!(
+                    "ring backward {layout:?} G={devices} {spec:?}: worst error/bound {:.3e}",
+                    verdict.max_ratio()
+                );
+            }
+        }
+    }
+}
