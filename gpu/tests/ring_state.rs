@@ -16,10 +16,10 @@ use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
 use attnproof_harness::ring_gpu::{
-    GpuKvBlock, KvChunk, RingMutant, dense_dims, gpu_ring_forward, gpu_ring_forward_mutated,
-    gpu_ring_recipe_extra_merges, pair_spec,
+    BackwardStart, GpuKvBlock, KvChunk, RingMutant, dense_dims, gpu_ring_backward, gpu_ring_forward,
+    gpu_ring_forward_mutated, gpu_ring_recipe_extra_merges, pair_spec,
 };
-use attnproof_harness::ring_nccl::{BlockLayout, NcclLink, nccl_ring_forward};
+use attnproof_harness::ring_nccl::{BlockLayout, NcclLink, nccl_ring_backward, nccl_ring_forward};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::online::ring_block_at;
 use attnproof_oracle::spec::Operand;
@@ -256,7 +256,9 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
     }
     let tiles = TileConfig { q_tile: 64, kv_tile: 64 };
     let one = RingConfig { n_devices: 1, layout: RingLayout::Contiguous, tiles };
-    let layout = BlockLayout { config: one, len_k: 100, batch: 1, n_heads_kv: 2, d: 16, dv: 8 };
+    // A backward block: K, V and the f32 accumulators (one query head per KV head here) all make the hop.
+    let layout = BlockLayout { config: one, len_k: 100, batch: 1, n_heads_kv: 2, d: 16, dv: 8, accumulators: Some(2) };
+    let acc_host: Vec<f32> = (0..2 * 100 * 24).map(|i| i as f32 * 1e-3 - 1.0).collect();
     let k_host: Vec<bf16> = (0..2 * 100 * 16).map(|i| bf16::from_f32(i as f32 * 0.25 - 7.0)).collect();
     let v_host: Vec<bf16> = (0..2 * 100 * 8).map(|i| bf16::from_f32(3.0 - i as f32 * 0.5)).collect();
     let compute = ctx.new_stream().unwrap();
@@ -267,6 +269,7 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
             len: 100,
             k: compute.clone_htod(&k_host).unwrap(),
             v: compute.clone_htod(&v_host).unwrap(),
+            acc: Some(compute.clone_htod(&acc_host).unwrap()),
         }],
     );
     ctx.bind_to_thread().unwrap();
@@ -279,6 +282,8 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
         (compute.clone_dtoh(&got.chunks[0].k).unwrap(), compute.clone_dtoh(&got.chunks[0].v).unwrap());
     assert!(k_back.iter().zip(&k_host).all(|(a, b)| a.to_bits() == b.to_bits()), "K changed in the hop");
     assert!(v_back.iter().zip(&v_host).all(|(a, b)| a.to_bits() == b.to_bits()), "V changed in the hop");
+    let acc_back = compute.clone_dtoh(got.chunks[0].acc.as_ref().expect("accumulators travel")).unwrap();
+    assert!(acc_back.iter().zip(&acc_host).all(|(a, b)| a.to_bits() == b.to_bits()), "accumulators changed in the hop");
 
     let gpus = CudaContext::device_count().unwrap_or(1) as usize;
     if gpus < 2 {
@@ -301,6 +306,32 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
             let verdict = verify_forward(&case, ring_recipe::<bf16>(config), nccl.o.view(), nccl.lse.view()).unwrap();
             assert!(verdict.passed() && verdict.valid(), "G={g} {layout:?}:\n{verdict}");
             println!("NCCL ring G={g} {layout:?}: worst error/bound {:.3e}", verdict.max_ratio());
+            // The backward, from the NCCL forward's outputs: dK and dV with the simulated ring's bits.
+            let d_out = attnproof_harness::generate::make_d_out::<bf16>(&spec, 91);
+            let start = BackwardStart { o: &nccl.o, lse: &nccl.lse, d_out: &d_out };
+            let nccl_g = nccl_ring_backward(&contexts, &case, start, config).unwrap_or_else(|e| panic!("G={g}: {e}"));
+            let sim_g = gpu_ring_backward(&ctx, &case, start, config).unwrap();
+            // dQ comes from f32 atomics (its last bits depend on their order); dK and dV from ordered adds.
+            for (name, a, b) in [("dK", &nccl_g.dk, &sim_g.dk), ("dV", &nccl_g.dv, &sim_g.dv)] {
+                assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "G={g} {layout:?}: NCCL {name}");
+            }
+            let extra = gpu_ring_recipe_extra_merges(config);
+            let recipe = FlashRecipe { extra_merges: extra, extra_query_partials: extra, ..backward_recipe::<bf16>() };
+            let expect = attnproof_harness::backward::BackwardExpectation::new(
+                &case,
+                &d_out,
+                attnproof_gpu::backward::Q_TILE,
+                recipe,
+            )
+            .unwrap();
+            let candidate = attnproof_harness::backward::BackwardCandidate {
+                dq: nccl_g.dq.view(),
+                dk: nccl_g.dk.view(),
+                dv: nccl_g.dv.view(),
+                delta: nccl_g.delta.view(),
+            };
+            let verdict = expect.verify(candidate).unwrap();
+            assert!(verdict.passed() && verdict.valid(), "G={g} {layout:?} NCCL backward:\n{verdict}");
         }
     }
 }
@@ -482,10 +513,29 @@ fn ring_backward_states_are_within_the_bound() {
                 let expect = BackwardExpectation::new(&p.case, &p.d_out, Q_TILE, recipe)
                     .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
                 let g = ring_backward(&stream, &p, config);
+                // The threaded ring (blocks and their accumulators moved between streams) gives the same bits.
+                let start = BackwardStart { o: &p.o, lse: &p.lse, d_out: &p.d_out };
+                let threaded = gpu_ring_backward(&ctx, &p.case, start, config)
+                    .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
+                // dQ comes from f32 atomics (its last bits depend on their order); dK and dV from ordered adds.
+                for (name, a, b) in [("dK", &threaded.dk, &g.dk), ("dV", &threaded.dv, &g.dv)] {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{spec:?} {config:?}: threaded {name}"
+                    );
+                }
                 let candidate =
                     BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
                 let verdict = expect.verify(candidate).unwrap();
                 assert!(verdict.passed() && verdict.valid(), "{spec:?} {layout:?} G={devices}:\n{verdict}");
+                let threaded = BackwardCandidate {
+                    dq: threaded.dq.view(),
+                    dk: threaded.dk.view(),
+                    dv: threaded.dv.view(),
+                    delta: threaded.delta.view(),
+                };
+                let verdict_threaded = expect.verify(threaded).unwrap();
+                assert!(verdict_threaded.passed(), "{spec:?} {layout:?} G={devices} threaded:\n{verdict_threaded}");
                 println!(
                     "ring backward {layout:?} G={devices} {spec:?}: worst error/bound {:.3e}",
                     verdict.max_ratio()

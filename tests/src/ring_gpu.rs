@@ -21,7 +21,7 @@ use attnproof_gpu::flash::flash_forward_state_device;
 use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout};
-use attnproof_reference::ring::{RingFault, RingPosition, RingTransport, RingWorker, Travel, run_device};
+use attnproof_reference::ring::{DeviceRun, RingFault, RingPosition, RingTransport, RingWorker, Travel, run_device};
 use attnproof_reference::{Element, RingConfig};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
 use ndarray::{ArrayD, Axis, IxDyn, Slice};
@@ -81,6 +81,9 @@ pub struct KvChunk<T> {
     pub k: CudaSlice<T>,
     /// Values, `[B, Hkv, len, dv]`.
     pub v: CudaSlice<T>,
+    /// In the backward pass: the chunk's travelling f32 dK, dV sums, one per query head
+    /// (`attnproof_gpu::backward::ring_dkv_accumulator_len`); `None` in the forward pass.
+    pub acc: Option<CudaSlice<f32>>,
 }
 
 /// The travelling block: the KV chunks one device owns (one, or two under zigzag).
@@ -127,14 +130,16 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
         };
         for c in &source.chunks {
             let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
-            chunks.push(KvChunk { start: c.start, len: c.len, k, v });
+            let acc = c.acc.as_ref().map(|a| self.stream.clone_dtod(a)).transpose()?;
+            chunks.push(KvChunk { start: c.start, len: c.len, k, v, acc });
         }
         let ready = Some(Arc::new(self.stream.record_event(None)?));
         if self.mutant == RingMutant::StaleReceiveBuffer && self.first_posted.is_none() {
             let mut kept = Vec::with_capacity(outgoing.chunks.len());
             for c in &outgoing.chunks {
                 let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
-                kept.push(KvChunk { start: c.start, len: c.len, k, v });
+                let acc = c.acc.as_ref().map(|a| self.stream.clone_dtod(a)).transpose()?;
+                kept.push(KvChunk { start: c.start, len: c.len, k, v, acc });
             }
             self.first_posted = Some(GpuKvBlock::new(outgoing.owner, kept));
         }
@@ -279,6 +284,35 @@ pub fn gpu_ring_recipe_extra_merges(config: RingConfig) -> usize {
     2 * config.pieces().saturating_sub(1)
 }
 
+/// A device after the ring: its worker and what the driver left it.
+type Finished<W> = (W, DeviceRun<<W as RingWorker>::Block>);
+
+/// Runs [`run_device`] for every `(worker, own block)` of `setups` on its own thread, device `g` over the link
+/// `make_link(g)` made on that thread. A panic on a device thread is resumed on the caller's.
+fn run_threads<W, L, F>(setups: Vec<(W, W::Block)>, make_link: &F) -> Vec<Result<Finished<W>, GpuRingError>>
+where
+    W: RingWorker<Error = GpuRingError> + Send,
+    W::Block: Send,
+    L: RingTransport<W::Block, Error = GpuRingError>,
+    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
+{
+    let n_devices = setups.len();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = setups
+            .into_iter()
+            .enumerate()
+            .map(|(device, (mut worker, own))| {
+                s.spawn(move || {
+                    let mut link = make_link(device)?;
+                    let run = run_device(RingPosition { device, n_devices }, &mut worker, &mut link, own)?;
+                    Ok((worker, run))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    })
+}
+
 /// Ring attention forward of `case` over `config.n_devices` simulated devices on `ctx`'s GPU: one stream per device,
 /// blocks moved by [`StreamLink`].
 pub fn gpu_ring_forward<T: GpuElement + Element>(
@@ -345,7 +379,7 @@ where
         let mut kv = vec![];
         for range in config.positions(device, len_k).into_iter().filter(|r| !r.is_empty()) {
             let (k, v) = (upload_rows(stream, &case.k, &range)?, upload_rows(stream, &case.v, &range)?);
-            kv.push(KvChunk { start: range.start, len: range.len(), k, v });
+            kv.push(KvChunk { start: range.start, len: range.len(), k, v, acc: None });
         }
         if mutant == RingMutant::ZigzagSwapped && kv.len() == 2 {
             // The data stays, the positions trade places (only chunks of equal length can swap without a shape error).
@@ -358,28 +392,13 @@ where
             GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks, mutant };
         setups.push((worker, GpuKvBlock::new(device, kv)));
     }
-    let make_link = &make_link;
-    let results: Vec<Result<(GpuForwardDevice<T>, usize), GpuRingError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = setups
-            .into_iter()
-            .enumerate()
-            .map(|(device, (mut worker, own))| {
-                s.spawn(move || {
-                    let mut link = make_link(device)?;
-                    let position = RingPosition { device, n_devices: g };
-                    let run = run_device(position, &mut worker, &mut link, own)?;
-                    Ok((worker, run.skipped_parts))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    });
+    let results = run_threads(setups, &make_link);
     let mut o = ArrayD::from_elem(spec.expected_shape(Operand::O), T::from_f32(0.0));
     let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NEG_INFINITY);
     let mut skipped = 0;
     for result in results {
-        let (worker, skips) = result?;
-        skipped += skips;
+        let (worker, run) = result?;
+        skipped += run.skipped_parts;
         for q in &worker.chunks {
             let rows_spec = pair_spec(spec, q.len, 1);
             let (o_shape, lse_shape) =
@@ -398,4 +417,202 @@ where
         }
     }
     Ok(GpuRingOutput { o, lse, skipped })
+}
+
+/// A query chunk of a device in the backward pass: its inputs, its `D`, and its f32 dQ accumulator.
+struct BackwardQueryChunk<T> {
+    start: usize,
+    len: usize,
+    q: CudaSlice<T>,
+    lse: CudaSlice<f32>,
+    d_out: CudaSlice<T>,
+    delta: CudaSlice<f32>,
+    dq_acc: CudaSlice<f32>,
+}
+
+/// One simulated device of the backward ring ([`Travel::Accumulating`]): every visible chunk pair adds its dQ to the
+/// query chunk's accumulator and its dK, dV sums to the held block's travelling accumulators
+/// (`attnproof_gpu::backward::ring_backward_pair`).
+pub struct GpuBackwardDevice<T> {
+    stream: Arc<CudaStream>,
+    spec: AttentionSpec,
+    lens: (usize, usize),
+    chunks: Vec<BackwardQueryChunk<T>>,
+}
+
+impl<T: GpuElement> GpuBackwardDevice<T> {
+    fn window(&self, q: (usize, usize), c: &KvChunk<T>) -> Result<ChunkWindow, GpuError> {
+        ChunkWindow::for_pair(&self.spec.mask, self.lens, q, (c.start, c.len))
+    }
+}
+
+impl<T: GpuElement> RingWorker for GpuBackwardDevice<T> {
+    type Block = GpuKvBlock<T>;
+    type Error = GpuRingError;
+    const TRAVEL: Travel = Travel::Accumulating;
+
+    fn owner(&self, block: &GpuKvBlock<T>) -> usize {
+        block.owner
+    }
+
+    fn parts(&self) -> usize {
+        1
+    }
+
+    fn sees(&self, _part: usize, block: &GpuKvBlock<T>) -> bool {
+        self.chunks.iter().any(|q| {
+            block.chunks.iter().any(|c| self.window((q.start, q.len), c).is_ok_and(|w| w.sees_any(q.len, c.len)))
+        })
+    }
+
+    fn attend(&mut self, _part: usize, block: &mut GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        use attnproof_gpu::backward::{PairBackwardInputs, ring_backward_pair};
+        for qi in 0..self.chunks.len() {
+            for c in block.chunks.iter_mut() {
+                let (start, len) = (self.chunks[qi].start, self.chunks[qi].len);
+                let window = self.window((start, len), c)?;
+                if !window.sees_any(len, c.len) {
+                    continue;
+                }
+                let pair = pair_spec(&self.spec, len, c.len);
+                let acc = c.acc.as_mut().ok_or(GpuRingError::Unsupported("a backward block without accumulators"))?;
+                let q = &mut self.chunks[qi];
+                let inputs =
+                    PairBackwardInputs { q: &q.q, k: &c.k, v: &c.v, lse: &q.lse, d_out: &q.d_out, delta: &q.delta };
+                ring_backward_pair(&self.stream, &pair, window, inputs, &mut q.dq_acc, acc)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The gradients (and `D`) of a GPU ring backward, host arrays shaped like the spec's.
+#[derive(Debug)]
+pub struct GpuRingGrads<T> {
+    /// Gradient of Q.
+    pub dq: ArrayD<T>,
+    /// Gradient of K.
+    pub dk: ArrayD<T>,
+    /// Gradient of V.
+    pub dv: ArrayD<T>,
+    /// `D = rowsum(dO ∘ O)`.
+    pub delta: ArrayD<f32>,
+}
+
+/// The forward's outputs and the upstream gradient a backward starts from.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardStart<'a, T> {
+    /// The forward's `O`.
+    pub o: &'a ArrayD<T>,
+    /// The forward's LSE.
+    pub lse: &'a ArrayD<f32>,
+    /// The upstream gradient.
+    pub d_out: &'a ArrayD<T>,
+}
+
+/// Ring attention backward (E11, dK/dV travelling home) of `case` over `config.n_devices` simulated devices on
+/// `ctx`'s GPU, blocks and their accumulators moved by [`StreamLink`].
+pub fn gpu_ring_backward<T: GpuElement + Element>(
+    ctx: &Arc<CudaContext>,
+    case: &Case<T>,
+    start: BackwardStart<'_, T>,
+    config: RingConfig,
+) -> Result<GpuRingGrads<T>, GpuRingError> {
+    let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+    let links: Vec<Mutex<Option<StreamLink<T>>>> =
+        stream_ring::<T>(&streams, RingMutant::None).into_iter().map(|l| Mutex::new(Some(l))).collect();
+    run_backward_ring(case, start, config, &streams, |device| {
+        let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
+        Ok(slot.take().expect("each device takes its link once"))
+    })
+}
+
+/// The ring backward of `case` with device `g` computing on `streams[g]` and moving blocks through `make_link(g)`.
+pub fn run_backward_ring<T, L, F>(
+    case: &Case<T>,
+    start: BackwardStart<'_, T>,
+    config: RingConfig,
+    streams: &[Arc<CudaStream>],
+    make_link: F,
+) -> Result<GpuRingGrads<T>, GpuRingError>
+where
+    T: GpuElement + Element,
+    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
+    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
+{
+    use attnproof_gpu::backward::{
+        ring_backward_finish_dkv, ring_backward_finish_dq, ring_backward_preprocess, ring_dkv_accumulator_len,
+    };
+    let spec = &case.spec;
+    spec.validate().map_err(GpuError::from)?;
+    config.validate().map_err(|_| GpuRingError::Unsupported("a ring of zero devices or zero tiles"))?;
+    if !matches!(spec.layout, Layout::Dense { .. }) {
+        return Err(GpuRingError::Unsupported("varlen layouts"));
+    }
+    if streams.len() != config.n_devices {
+        return Err(GpuRingError::Unsupported("a stream count other than the device count"));
+    }
+    let (_, len_q, len_k) = dense_dims(spec);
+    let mut setups = Vec::with_capacity(streams.len());
+    for (device, stream) in streams.iter().enumerate() {
+        let mut chunks = vec![];
+        for range in config.positions(device, len_q).into_iter().filter(|r| !r.is_empty()) {
+            let rows_spec = pair_spec(spec, range.len(), 1);
+            let (o, d_out) = (upload_rows(stream, start.o, &range)?, upload_rows(stream, start.d_out, &range)?);
+            let rows = rows_spec.expected_shape(Operand::RowStat).iter().product::<usize>();
+            let mut delta = stream.alloc_zeros::<f32>(rows.max(1))?;
+            ring_backward_preprocess(stream, &rows_spec, &o, &d_out, &mut delta)?;
+            let q = upload_rows(stream, &case.q, &range)?;
+            let dq_acc = stream.alloc_zeros::<f32>(q.len())?;
+            let lse = upload_rows(stream, start.lse, &range)?;
+            chunks.push(BackwardQueryChunk { start: range.start, len: range.len(), q, lse, d_out, delta, dq_acc });
+        }
+        let mut kv = vec![];
+        for range in config.positions(device, len_k).into_iter().filter(|r| !r.is_empty()) {
+            let (k, v) = (upload_rows(stream, &case.k, &range)?, upload_rows(stream, &case.v, &range)?);
+            let acc = stream.alloc_zeros::<f32>(ring_dkv_accumulator_len(&pair_spec(spec, 1, range.len())).max(1))?;
+            kv.push(KvChunk { start: range.start, len: range.len(), k, v, acc: Some(acc) });
+        }
+        let worker = GpuBackwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks };
+        setups.push((worker, GpuKvBlock::new(device, kv)));
+    }
+    let results = run_threads(setups, &make_link);
+    let nan = T::from_f32(f32::NAN);
+    let mut grads = GpuRingGrads {
+        dq: ArrayD::from_elem(spec.expected_shape(Operand::Q), nan),
+        dk: ArrayD::from_elem(spec.expected_shape(Operand::K), nan),
+        dv: ArrayD::from_elem(spec.expected_shape(Operand::V), nan),
+        delta: ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN),
+    };
+    let n = |s: &[usize]| s.iter().product::<usize>();
+    for result in results {
+        let (worker, run) = result?;
+        let stream = &worker.stream;
+        let download = |buf: &CudaSlice<T>, shape: &[usize]| -> Result<ArrayD<T>, GpuRingError> {
+            let host = stream.clone_dtoh(buf)?;
+            Ok(ArrayD::from_shape_vec(IxDyn(shape), host[..n(shape)].to_vec()).expect("shape"))
+        };
+        for q in &worker.chunks {
+            let rows_spec = pair_spec(spec, q.len, 1);
+            let mut dq = stream.alloc_zeros::<T>(q.q.len())?;
+            ring_backward_finish_dq(stream, &rows_spec, &q.dq_acc, &mut dq)?;
+            let rows = Slice::from(q.start..q.start + q.len);
+            grads.dq.slice_axis_mut(Axis(2), rows).assign(&download(&dq, &rows_spec.expected_shape(Operand::Q))?);
+            let lse_shape = rows_spec.expected_shape(Operand::RowStat);
+            let delta = stream.clone_dtoh(&q.delta)?;
+            let delta = ArrayD::from_shape_vec(IxDyn(&lse_shape), delta[..n(&lse_shape)].to_vec()).expect("shape");
+            grads.delta.slice_axis_mut(Axis(2), rows).assign(&delta);
+        }
+        // The block back home carries every device's dK, dV sums for this device's keys.
+        for c in &run.held.chunks {
+            let k_spec = pair_spec(spec, 1, c.len);
+            let acc = c.acc.as_ref().ok_or(GpuRingError::Unsupported("a backward block without accumulators"))?;
+            let (mut dk, mut dv) = (stream.alloc_zeros::<T>(c.k.len())?, stream.alloc_zeros::<T>(c.v.len())?);
+            ring_backward_finish_dkv(stream, &k_spec, acc, &mut dk, &mut dv)?;
+            let rows = Slice::from(c.start..c.start + c.len);
+            grads.dk.slice_axis_mut(Axis(2), rows).assign(&download(&dk, &k_spec.expected_shape(Operand::K))?);
+            grads.dv.slice_axis_mut(Axis(2), rows).assign(&download(&dv, &k_spec.expected_shape(Operand::V))?);
+        }
+    }
+    Ok(grads)
 }

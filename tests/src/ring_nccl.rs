@@ -18,7 +18,10 @@ use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::safe::{Comm, Id, NcclType};
 
 use crate::Case;
-use crate::ring_gpu::{GpuKvBlock, GpuRingError, GpuRingOutput, KvChunk, RingMutant, dense_dims, run_forward_ring};
+use crate::ring_gpu::{
+    BackwardStart, GpuKvBlock, GpuRingError, GpuRingGrads, GpuRingOutput, KvChunk, RingMutant, dense_dims,
+    run_backward_ring, run_forward_ring,
+};
 use attnproof_gpu::GpuElement;
 use attnproof_reference::Element;
 
@@ -43,6 +46,9 @@ pub struct BlockLayout {
     pub d: usize,
     /// Head dim of V.
     pub dv: usize,
+    /// `Some(n_heads_q)` when blocks carry the backward's f32 dK, dV accumulators (one per query head), `None` in
+    /// the forward pass.
+    pub accumulators: Option<usize>,
 }
 
 impl BlockLayout {
@@ -55,6 +61,11 @@ impl BlockLayout {
             .filter(|r| !r.is_empty())
             .map(|r| (r.start, r.len(), per_key * r.len() * self.d, per_key * r.len() * self.dv))
             .collect()
+    }
+
+    /// f32 accumulator elements of a chunk of `len` keys (backward blocks only).
+    pub fn accumulator_len(&self, len: usize) -> Option<usize> {
+        self.accumulators.map(|hq| hq * self.batch * len * (self.d + self.dv))
     }
 }
 
@@ -96,7 +107,8 @@ impl<T: DeviceRepr + ValidAsZeroBits + NcclType> RingTransport<GpuKvBlock<T>> fo
         let mut incoming = Vec::new();
         for (start, len, k_elems, v_elems) in self.layout.chunks(owner) {
             let (k, v) = (comm_stream.alloc_zeros::<T>(k_elems)?, comm_stream.alloc_zeros::<T>(v_elems)?);
-            incoming.push(KvChunk { start, len, k, v });
+            let acc = self.layout.accumulator_len(len).map(|n| comm_stream.alloc_zeros::<f32>(n)).transpose()?;
+            incoming.push(KvChunk { start, len, k, v, acc });
         }
         let (next, prev) = (((self.device + 1) % g) as i32, ((self.device + g - 1) % g) as i32);
         {
@@ -104,10 +116,16 @@ impl<T: DeviceRepr + ValidAsZeroBits + NcclType> RingTransport<GpuKvBlock<T>> fo
             for c in &outgoing.chunks {
                 group.send(c.k.as_view(), next)?;
                 group.send(c.v.as_view(), next)?;
+                if let Some(acc) = &c.acc {
+                    group.send(acc.as_view(), next)?;
+                }
             }
             for c in &mut incoming {
                 group.recv(c.k.as_view_mut(), prev)?;
                 group.recv(c.v.as_view_mut(), prev)?;
+                if let Some(acc) = &mut c.acc {
+                    group.recv(acc.as_view_mut(), prev)?;
+                }
             }
         } // the group ends here: NCCL enqueues the sends and receives on the communication stream
         let ready = Some(Arc::new(comm_stream.record_event(None)?));
@@ -140,14 +158,56 @@ where
     }
     let spec = &case.spec;
     let (batch, _, len_k) = dense_dims(spec);
-    let layout =
-        BlockLayout { config, len_k, batch, n_heads_kv: spec.n_heads_kv, d: spec.head_dim, dv: spec.head_dim_v };
+    let layout = BlockLayout {
+        config,
+        len_k,
+        batch,
+        n_heads_kv: spec.n_heads_kv,
+        d: spec.head_dim,
+        dv: spec.head_dim_v,
+        accumulators: None,
+    };
     let id = Id::new()?;
     let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
     let g = config.n_devices;
     run_forward_ring(case, config, RingMutant::None, &compute, |device| {
         let ctx = &contexts[device];
         // NCCL binds the communicator to the current device.
+        ctx.bind_to_thread()?;
+        let comm = Comm::from_rank(ctx.new_stream()?, device, g, id)?;
+        Ok(NcclLink::new(comm, compute[device].clone(), layout))
+    })
+}
+
+/// Ring attention backward of `case` over `contexts.len()` GPUs, blocks and their dK, dV accumulators moved by NCCL.
+pub fn nccl_ring_backward<T>(
+    contexts: &[Arc<CudaContext>],
+    case: &Case<T>,
+    start: BackwardStart<'_, T>,
+    config: RingConfig,
+) -> Result<GpuRingGrads<T>, GpuRingError>
+where
+    T: GpuElement + Element + NcclType,
+{
+    if contexts.len() != config.n_devices {
+        return Err(GpuRingError::Unsupported("a GPU count other than the ring's device count"));
+    }
+    let spec = &case.spec;
+    let (batch, _, len_k) = dense_dims(spec);
+    let layout = BlockLayout {
+        config,
+        len_k,
+        batch,
+        n_heads_kv: spec.n_heads_kv,
+        d: spec.head_dim,
+        dv: spec.head_dim_v,
+        accumulators: Some(spec.n_heads_q),
+    };
+    let id = Id::new()?;
+    let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
+    let g = config.n_devices;
+    run_backward_ring(case, start, config, &compute, |device| {
+        let ctx = &contexts[device];
         ctx.bind_to_thread()?;
         let comm = Comm::from_rank(ctx.new_stream()?, device, g, id)?;
         Ok(NcclLink::new(comm, compute[device].clone(), layout))
@@ -165,7 +225,15 @@ mod tests {
         for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
             for g in 1..=8 {
                 let config = RingConfig { n_devices: g, layout, tiles };
-                let block = BlockLayout { config, len_k: 1000 + g, batch: 2, n_heads_kv: 3, d: 16, dv: 8 };
+                let block = BlockLayout {
+                    config,
+                    len_k: 1000 + g,
+                    batch: 2,
+                    n_heads_kv: 3,
+                    d: 16,
+                    dv: 8,
+                    accumulators: Some(6),
+                };
                 let total: usize = (0..g).map(|o| block.chunks(o).iter().map(|c| c.1).sum::<usize>()).sum();
                 assert_eq!(total, 1000 + g, "{layout:?} G={g}: the blocks partition the keys");
                 for device in 0..g {
@@ -176,6 +244,7 @@ mod tests {
                         assert_eq!(sent, expected, "{layout:?} G={g} device {device} hop {hop}");
                         for (start, len, k, v) in block.chunks(expected) {
                             assert_eq!((k, v), (2 * 3 * len * 16, 2 * 3 * len * 8), "chunk at {start}");
+                            assert_eq!(block.accumulator_len(len), Some(6 * 2 * len * 24));
                         }
                     }
                 }
