@@ -175,6 +175,32 @@ pub fn stream_ring<T>(streams: &[Arc<CudaStream>], mutant: RingMutant) -> Vec<St
         .collect()
 }
 
+/// The window of the pair (query positions `q = (start, len)`, key chunk `c`) of a sequence of `lens` (queries,
+/// keys) under `spec`'s mask; [`RingMutant::DiagonalUnmasked`] drops the right reach of diagonal pairs.
+fn pair_window<T>(
+    spec: &AttentionSpec,
+    lens: (usize, usize),
+    q: (usize, usize),
+    c: &KvChunk<T>,
+    mutant: RingMutant,
+) -> Result<ChunkWindow, GpuError> {
+    let w = ChunkWindow::for_pair(&spec.mask, lens, q, (c.start, c.len))?;
+    Ok(if mutant == RingMutant::DiagonalUnmasked && q.0 == c.start { ChunkWindow { right: None, ..w } } else { w })
+}
+
+/// Whether some of the `queries` (positions, lengths) sees some key of `block`: else the driver skips the block.
+fn block_visible<T>(
+    spec: &AttentionSpec,
+    lens: (usize, usize),
+    mut queries: impl Iterator<Item = (usize, usize)>,
+    block: &GpuKvBlock<T>,
+    mutant: RingMutant,
+) -> bool {
+    queries.any(|q| {
+        block.chunks.iter().any(|c| pair_window(spec, lens, q, c, mutant).is_ok_and(|w| w.sees_any(q.1, c.len)))
+    })
+}
+
 /// A query chunk of a device: its positions, its queries on the device, and its running state.
 struct QueryChunk<T> {
     start: usize,
@@ -207,12 +233,7 @@ pub fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec 
 
 impl<T: GpuElement> GpuForwardDevice<T> {
     fn window(&self, q: &QueryChunk<T>, c: &KvChunk<T>) -> Result<ChunkWindow, GpuError> {
-        let w = ChunkWindow::for_pair(&self.spec.mask, self.lens, (q.start, q.len), (c.start, c.len))?;
-        Ok(if self.mutant == RingMutant::DiagonalUnmasked && q.start == c.start {
-            ChunkWindow { right: None, ..w }
-        } else {
-            w
-        })
+        pair_window(&self.spec, self.lens, (q.start, q.len), c, self.mutant)
     }
 }
 
@@ -230,9 +251,7 @@ impl<T: GpuElement> RingWorker for GpuForwardDevice<T> {
     }
 
     fn sees(&self, _part: usize, block: &GpuKvBlock<T>) -> bool {
-        self.chunks
-            .iter()
-            .any(|q| block.chunks.iter().any(|c| self.window(q, c).is_ok_and(|w| w.sees_any(q.len, c.len))))
+        block_visible(&self.spec, self.lens, self.chunks.iter().map(|q| (q.start, q.len)), block, self.mutant)
     }
 
     fn attend(&mut self, _part: usize, block: &mut GpuKvBlock<T>) -> Result<(), GpuRingError> {
@@ -442,7 +461,7 @@ pub struct GpuBackwardDevice<T> {
 
 impl<T: GpuElement> GpuBackwardDevice<T> {
     fn window(&self, q: (usize, usize), c: &KvChunk<T>) -> Result<ChunkWindow, GpuError> {
-        ChunkWindow::for_pair(&self.spec.mask, self.lens, q, (c.start, c.len))
+        pair_window(&self.spec, self.lens, q, c, RingMutant::None)
     }
 }
 
@@ -460,9 +479,7 @@ impl<T: GpuElement> RingWorker for GpuBackwardDevice<T> {
     }
 
     fn sees(&self, _part: usize, block: &GpuKvBlock<T>) -> bool {
-        self.chunks.iter().any(|q| {
-            block.chunks.iter().any(|c| self.window((q.start, q.len), c).is_ok_and(|w| w.sees_any(q.len, c.len)))
-        })
+        block_visible(&self.spec, self.lens, self.chunks.iter().map(|q| (q.start, q.len)), block, RingMutant::None)
     }
 
     fn attend(&mut self, _part: usize, block: &mut GpuKvBlock<T>) -> Result<(), GpuRingError> {

@@ -11,6 +11,7 @@
 
 use std::sync::Arc;
 
+use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::online::ring_block_at;
 use attnproof_reference::RingConfig;
 use attnproof_reference::ring::{RingFault, RingTransport};
@@ -143,6 +144,47 @@ impl<T: DeviceRepr + ValidAsZeroBits + NcclType> RingTransport<GpuKvBlock<T>> fo
     }
 }
 
+/// What every NCCL ring run shares: a compute stream per GPU, the blocks' layout and the communicator id.
+struct NcclRing {
+    compute: Vec<Arc<CudaStream>>,
+    layout: BlockLayout,
+    id: Id,
+}
+
+impl NcclRing {
+    /// The ring of `contexts` (one GPU per device) for `spec`; `accumulators` as in [`BlockLayout`].
+    fn new(
+        contexts: &[Arc<CudaContext>],
+        spec: &AttentionSpec,
+        config: RingConfig,
+        accumulators: Option<usize>,
+    ) -> Result<Self, GpuRingError> {
+        if contexts.len() != config.n_devices {
+            return Err(GpuRingError::Unsupported("a GPU count other than the ring's device count"));
+        }
+        let (batch, _, len_k) = dense_dims(spec);
+        let layout = BlockLayout {
+            config,
+            len_k,
+            batch,
+            n_heads_kv: spec.n_heads_kv,
+            d: spec.head_dim,
+            dv: spec.head_dim_v,
+            accumulators,
+        };
+        let compute = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
+        Ok(NcclRing { compute, layout, id: Id::new()? })
+    }
+
+    /// Device `device`'s link, created on the calling thread (NCCL binds the communicator to the current device).
+    fn link<T>(&self, contexts: &[Arc<CudaContext>], device: usize) -> Result<NcclLink<T>, GpuRingError> {
+        let ctx = &contexts[device];
+        ctx.bind_to_thread()?;
+        let comm = Comm::from_rank(ctx.new_stream()?, device, contexts.len(), self.id)?;
+        Ok(NcclLink::new(comm, self.compute[device].clone(), self.layout))
+    }
+}
+
 /// Ring attention forward of `case` over `contexts.len()` GPUs (one per ring device, `config.n_devices` of them),
 /// blocks moved by NCCL. Each device thread creates its communicator (`ncclCommInitRank` with a shared id).
 pub fn nccl_ring_forward<T>(
@@ -153,30 +195,8 @@ pub fn nccl_ring_forward<T>(
 where
     T: GpuElement + Element + NcclType,
 {
-    if contexts.len() != config.n_devices {
-        return Err(GpuRingError::Unsupported("a GPU count other than the ring's device count"));
-    }
-    let spec = &case.spec;
-    let (batch, _, len_k) = dense_dims(spec);
-    let layout = BlockLayout {
-        config,
-        len_k,
-        batch,
-        n_heads_kv: spec.n_heads_kv,
-        d: spec.head_dim,
-        dv: spec.head_dim_v,
-        accumulators: None,
-    };
-    let id = Id::new()?;
-    let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
-    let g = config.n_devices;
-    run_forward_ring(case, config, RingMutant::None, &compute, |device| {
-        let ctx = &contexts[device];
-        // NCCL binds the communicator to the current device.
-        ctx.bind_to_thread()?;
-        let comm = Comm::from_rank(ctx.new_stream()?, device, g, id)?;
-        Ok(NcclLink::new(comm, compute[device].clone(), layout))
-    })
+    let ring = NcclRing::new(contexts, &case.spec, config, None)?;
+    run_forward_ring(case, config, RingMutant::None, &ring.compute, |device| ring.link(contexts, device))
 }
 
 /// Ring attention backward of `case` over `contexts.len()` GPUs, blocks and their dK, dV accumulators moved by NCCL.
@@ -189,29 +209,8 @@ pub fn nccl_ring_backward<T>(
 where
     T: GpuElement + Element + NcclType,
 {
-    if contexts.len() != config.n_devices {
-        return Err(GpuRingError::Unsupported("a GPU count other than the ring's device count"));
-    }
-    let spec = &case.spec;
-    let (batch, _, len_k) = dense_dims(spec);
-    let layout = BlockLayout {
-        config,
-        len_k,
-        batch,
-        n_heads_kv: spec.n_heads_kv,
-        d: spec.head_dim,
-        dv: spec.head_dim_v,
-        accumulators: Some(spec.n_heads_q),
-    };
-    let id = Id::new()?;
-    let compute: Vec<Arc<CudaStream>> = contexts.iter().map(|c| c.new_stream()).collect::<Result<_, _>>()?;
-    let g = config.n_devices;
-    run_backward_ring(case, start, config, &compute, |device| {
-        let ctx = &contexts[device];
-        ctx.bind_to_thread()?;
-        let comm = Comm::from_rank(ctx.new_stream()?, device, g, id)?;
-        Ok(NcclLink::new(comm, compute[device].clone(), layout))
-    })
+    let ring = NcclRing::new(contexts, &case.spec, config, Some(case.spec.n_heads_q))?;
+    run_backward_ring(case, start, config, &ring.compute, |device| ring.link(contexts, device))
 }
 
 #[cfg(test)]
