@@ -327,5 +327,13 @@ fn binary_exits_zero_one_and_two() {
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("missing required tensor `v`"), "{text}");
     assert!(text.trim_start().starts_with('[') && text.contains("\"status\":\"pass\""), "{text}");
+    // A recipe without a backward model leaves dQ, dK, dV not verified: a pass by default, a failure when the
+    // caller requires every output verified.
+    let unbounded = write("unbounded.safetensors", good.builder.clone().meta("recipe", "bf16-in/bf16-math").bytes());
+    let (code, text) = run_check(std::slice::from_ref(&unbounded), &[]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("not verified"), "{text}");
+    let (code, text) = run_check(&[unbounded], &["--require-verified"]);
+    assert_eq!(code, 1, "{text}");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -1,4 +1,4 @@
-//! `cargo xtask check CASE... [--json] [--mpfr]`: checks case files (docs/case-format.md) by
+//! `cargo xtask check CASE... [--json] [--mpfr] [--require-verified]`: checks case files (docs/case-format.md) by
 //! running the harness's `check` binary in release mode, and hands back its exit status
 //! (0 all pass, 1 a failure, 2 an unreadable or inconsistent case).
 

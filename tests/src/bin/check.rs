@@ -1,6 +1,7 @@
-//! `check CASE... [--json] [--mpfr]`: checks case files (docs/case-format.md) against the oracle
-//! under the bound of each case's stated recipe. Exit status: 0 every case passed, 1 an output
-//! failed, 2 a case file was unreadable or inconsistent (the other cases are still checked).
+//! `check CASE... [--json] [--mpfr] [--require-verified]`: checks case files (docs/case-format.md)
+//! against the oracle under the bound of each case's stated recipe. Exit status: 0 every case
+//! passed, 1 an output failed (or, with `--require-verified`, could not be verified), 2 a case file
+//! was unreadable or inconsistent (the other cases are still checked).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -8,19 +9,22 @@ use std::process::ExitCode;
 use attnproof_harness::case::report::{self, CaseOutcome};
 use attnproof_harness::case::{OracleChoice, check, load};
 
-const USAGE: &str = "usage: check CASE.safetensors... [--json] [--mpfr]
-  --json   one JSON object per case, in a JSON array
-  --mpfr   recompute with the 256-bit MPFR oracle (cases up to 2^18 scores; larger ones use f64)
+const USAGE: &str = "usage: check CASE.safetensors... [--json] [--mpfr] [--require-verified]
+  --json              one JSON object per case, in a JSON array
+  --mpfr              recompute with the 256-bit MPFR oracle (cases up to 2^18 scores; larger ones use f64)
+  --require-verified  an output the model cannot bound (not verified) counts as a failure
 exit status: 0 all pass, 1 a failure, 2 an unreadable or inconsistent case";
 
 fn main() -> ExitCode {
     let mut json = false;
+    let mut require_verified = false;
     let mut oracle = OracleChoice::F64;
     let mut paths = Vec::new();
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--json" => json = true,
             "--mpfr" => oracle = OracleChoice::Mpfr,
+            "--require-verified" => require_verified = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -68,7 +72,7 @@ fn main() -> ExitCode {
     }
     if broken > 0 {
         ExitCode::from(2)
-    } else if failed > 0 {
+    } else if failed > 0 || (require_verified && not_verified > 0) {
         ExitCode::from(1)
     } else {
         ExitCode::SUCCESS
