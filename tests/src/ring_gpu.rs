@@ -104,14 +104,20 @@ impl<T> GpuKvBlock<T> {
     }
 }
 
-/// A simulated device's link: the hop is a device-to-device copy on the sender's stream (its interconnect) into fresh
-/// buffers, and an event recorded after it that the receiver's stream waits on before anything it enqueues next; the
-/// block's handles travel through `mpsc` channels, in order, so the `k`-th `wait` gets the predecessor's `k`-th post.
-/// `post` only enqueues the copy and returns; the copy reads the held block, which the driver only reads meanwhile.
+/// A simulated device's link: the hop is a device-to-device copy into fresh buffers on the sender's communication
+/// stream (its interconnect), which first waits for everything the sender's compute stream has enqueued (the held
+/// block is complete), and an event recorded after the copy that the receiver's compute stream waits on before
+/// anything it enqueues next; the block's handles travel through `mpsc` channels, in order, so the `k`-th `wait` gets
+/// the predecessor's `k`-th post. `post` only enqueues the copy and returns: in the forward pass the driver posts
+/// before it attends, so the copy runs beside the attention of the held block (E11's two buffers), which only reads
+/// it meanwhile.
 #[derive(Debug)]
 pub struct StreamLink<T> {
     device: usize,
+    /// The device's compute stream: the copy waits for it, the receiver's compute stream waits for the copy.
     stream: Arc<CudaStream>,
+    /// The device's communication stream, on which the copies run.
+    comm: Arc<CudaStream>,
     to_successor: mpsc::Sender<GpuKvBlock<T>>,
     from_predecessor: mpsc::Receiver<GpuKvBlock<T>>,
     mutant: RingMutant,
@@ -128,12 +134,13 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
             (Some(first), RingMutant::StaleReceiveBuffer) => first,
             _ => outgoing,
         };
+        self.comm.join(&self.stream)?;
         for c in &source.chunks {
-            let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
-            let acc = c.acc.as_ref().map(|a| self.stream.clone_dtod(a)).transpose()?;
+            let (k, v) = (self.comm.clone_dtod(&c.k)?, self.comm.clone_dtod(&c.v)?);
+            let acc = c.acc.as_ref().map(|a| self.comm.clone_dtod(a)).transpose()?;
             chunks.push(KvChunk { start: c.start, len: c.len, k, v, acc });
         }
-        let ready = Some(Arc::new(self.stream.record_event(None)?));
+        let ready = Some(Arc::new(self.comm.record_event(None)?));
         if self.mutant == RingMutant::StaleReceiveBuffer && self.first_posted.is_none() {
             let mut kept = Vec::with_capacity(outgoing.chunks.len());
             for c in &outgoing.chunks {
@@ -157,20 +164,24 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
     }
 }
 
-/// The links of a ring of `streams.len()` simulated devices, by device: device `g` sends into device `g + 1`'s inbox.
-pub fn stream_ring<T>(streams: &[Arc<CudaStream>], mutant: RingMutant) -> Vec<StreamLink<T>> {
+/// The links of a ring of `streams.len()` simulated devices, by device: device `g` sends into device `g + 1`'s inbox,
+/// each link with a new communication stream beside its device's compute stream.
+pub fn stream_ring<T>(streams: &[Arc<CudaStream>], mutant: RingMutant) -> Result<Vec<StreamLink<T>>, GpuRingError> {
     let n = streams.len();
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..n).map(|_| mpsc::channel::<GpuKvBlock<T>>()).unzip();
     receivers
         .into_iter()
         .enumerate()
-        .map(|(device, from_predecessor)| StreamLink {
-            device,
-            stream: streams[device].clone(),
-            to_successor: senders[(device + 1) % n].clone(),
-            from_predecessor,
-            mutant,
-            first_posted: None,
+        .map(|(device, from_predecessor)| {
+            Ok(StreamLink {
+                device,
+                stream: streams[device].clone(),
+                comm: streams[device].context().new_stream()?,
+                to_successor: senders[(device + 1) % n].clone(),
+                from_predecessor,
+                mutant,
+                first_posted: None,
+            })
         })
         .collect()
 }
@@ -351,7 +362,7 @@ pub fn gpu_ring_forward_mutated<T: GpuElement + Element>(
 ) -> Result<GpuRingOutput<T>, GpuRingError> {
     let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
     let links: Vec<Mutex<Option<StreamLink<T>>>> =
-        stream_ring::<T>(&streams, mutant).into_iter().map(|l| Mutex::new(Some(l))).collect();
+        stream_ring::<T>(&streams, mutant)?.into_iter().map(|l| Mutex::new(Some(l))).collect();
     run_forward_ring(case, config, mutant, &streams, |device| {
         let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
         Ok(slot.take().expect("each device takes its link once"))
@@ -537,7 +548,7 @@ pub fn gpu_ring_backward<T: GpuElement + Element>(
 ) -> Result<GpuRingGrads<T>, GpuRingError> {
     let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
     let links: Vec<Mutex<Option<StreamLink<T>>>> =
-        stream_ring::<T>(&streams, RingMutant::None).into_iter().map(|l| Mutex::new(Some(l))).collect();
+        stream_ring::<T>(&streams, RingMutant::None)?.into_iter().map(|l| Mutex::new(Some(l))).collect();
     run_backward_ring(case, start, config, &streams, |device| {
         let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
         Ok(slot.take().expect("each device takes its link once"))
