@@ -97,13 +97,25 @@ static_assert(DQ_COLS % 16 == 0, "each dQ column part is whole ldmatrix.x4.trans
 #define TWO_M32 2.3283064365386962890625e-10f
 #define POS_INF __int_as_float(0x7f800000)
 
+// 2^x by the ex2 unit with subnormal inputs and results flushed to zero (no range fix-up around it: the non-.ftz
+// form costs three more instructions per call). Only for exp2_scaled below, where the flush changes no result.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 2^arg without a subnormal ex2 result: below −64 the argument is shifted by 32 (exact: |arg| ≥ 64 has an ulp of at
 // least 2^-17, and the sum is smaller in magnitude) and the normal result scaled back by 2^-32 (exact unless it
 // underflows, then one rounding of at most ½ ulp of the smallest subnormal).
 // One ex2 either way (a branch would evaluate both sides on a divergent warp). arg = −∞ gives +0.
+// The flush-to-zero ex2 returns exactly what the gradual-underflow one would: an argument passed to it is either
+// ≥ −64 (normal result), or x = arg + 32 < −32 whose result, if subnormal (x < −126), is below 2^-126 and after the
+// scaling below 2^-158, under half the smallest subnormal 2^-149: +0 either way. A subnormal argument gives 2^x = 1
+// after rounding either way.
 __device__ __forceinline__ float exp2_scaled(float arg) {
     const bool low = arg < -64.f;
-    const float y = ex2_approx(low ? __fadd_rn(arg, 32.f) : arg);
+    const float y = ex2_approx_ftz(low ? __fadd_rn(arg, 32.f) : arg);
     return low ? __fmul_rn(y, TWO_M32) : y;
 }
 
@@ -209,16 +221,20 @@ bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, f
     }
 }
 
-// Pᵀ and dSᵀ of one warp's 16 keys × Q_TILE queries, in place: st holds Sᵀ (unscaled dot products) and becomes P
-// (f32); dpt holds dPᵀ and becomes round_T(dS). If MASKED, element (n, e) (query column n·8 + 2·tig + e % 2, key
-// row g + 8·(e / 2)) is visible iff its query is one of the tile's `rows_left` rows (counted from the thread's first
-// column), its key below len_k, and the key within the window of the query's diagonal `diag0 + n·8 + e % 2`.
+// Pᵀ and dSᵀ of one warp's 16 keys × Q_TILE queries: st holds Sᵀ (unscaled dot products) and becomes P (f32, in
+// place); dpt holds dPᵀ, and dsp receives round_T(dS) packed two per register as the A operand of the next MMA takes
+// it (dsp[n][h] holds elements e = 2h and 2h + 1 of dpt[n], the first in the low half). If MASKED, element (n, e)
+// (query column n·8 + 2·tig + e % 2, key row g + 8·(e / 2)) is visible iff its query is one of the tile's
+// `rows_left` rows (counted from the thread's first column), its key below len_k, and the key within the window of
+// the query's diagonal `diag0 + n·8 + e % 2`.
 template <bool MASKED>
-__device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], float (&dpt)[Q_TILE / 8][4],
-                                          const float* bl_t, const float* delta_t, float scale, int tig, int diag0,
-                                          int key_t, int rows_left, int len_k, int win_left, int win_right) {
+__device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const float (&dpt)[Q_TILE / 8][4],
+                                          unsigned (&dsp)[Q_TILE / 8][2], const float* bl_t, const float* delta_t,
+                                          float scale, int tig, int diag0, int key_t, int rows_left, int len_k,
+                                          int win_left, int win_right) {
 #pragma unroll
     for (int n = 0; n < Q_TILE / 8; ++n) {
+        float ds_pair[2];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int qc = n * 8 + tig * 2 + (e % 2);
@@ -231,7 +247,8 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], float (&dp
             }
             const float ds = __fmul_rn(p, __fsub_rn(dpt[n][e], delta_t[qc]));
             st[n][e] = p;
-            dpt[n][e] = to_f32(to_elem(ds));
+            ds_pair[e % 2] = ds;
+            if (e % 2 == 1) dsp[n][e / 2] = pack2(ds_pair[0], ds_pair[1]);
         }
     }
 }
@@ -348,15 +365,16 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         warp_mma_nt<HEAD_DIM_PAD / 16, Q_TILE / 16, QK_STRIDE>(st, k_a, q_b + q_off);
         warp_mma_nt<HEAD_DIM_V_PAD / 16, Q_TILE / 16, V_STRIDE>(dpt, v_a, do_b + do_off);
 
-        // Pᵀ (kept in st, f32) and dSᵀ (in dpt, already rounded to T). Only a warp whose 16 keys some row of the
+        // Pᵀ (kept in st, f32) and dSᵀ (in dsp, rounded to T and packed). Only a warp whose 16 keys some row of the
         // tile does not see completely pays for the mask.
         const int wkey0 = key0 + wk;
         const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&
                               wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
+        unsigned dsp[Q_TILE / 8][2];
         if (interior) {
-            tile_p_ds<false>(st, dpt, bl_t, delta_t, scale, tig, 0, 0, 0, 0, 0, 0);
+            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, scale, tig, 0, 0, 0, 0, 0, 0);
         } else {
-            tile_p_ds<true>(st, dpt, bl_t, delta_t, scale, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
+            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, scale, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
                             sv.len_k, win_left, win_right);
         }
 
@@ -364,9 +382,9 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #pragma unroll
         for (int kk = 0; kk < Q_TILE / 16; ++kk) {
             if (kk * 16 >= rows_here) break;
-            unsigned pa[4], sa[4];
+            unsigned pa[4];
             pack_a(pa, st[2 * kk], st[2 * kk + 1]);
-            pack_a(sa, dpt[2 * kk], dpt[2 * kk + 1]);
+            const unsigned sa[4] = {dsp[2 * kk][0], dsp[2 * kk][1], dsp[2 * kk + 1][0], dsp[2 * kk + 1][1]};
 #pragma unroll
             for (int np = 0; np < CHUNK / 16; ++np) {
                 const int col = c0 + np * 16;
@@ -391,7 +409,8 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int qc = n * 8 + tig * 2 + (e % 2);
-                    ds_s[qc * DS_STRIDE + wk + g + 8 * (e / 2)] = to_elem(dpt[n][e]);
+                    const unsigned short bits = (unsigned short)(dsp[n][e / 2] >> (16 * (e % 2)));
+                    reinterpret_cast<unsigned short*>(ds_s)[qc * DS_STRIDE + wk + g + 8 * (e / 2)] = bits;
                 }
             }
             __syncthreads();

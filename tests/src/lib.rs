@@ -11,6 +11,7 @@ pub mod gate;
 pub mod generate;
 pub mod ring_gpu;
 pub mod ring_nccl;
+pub mod ring_timing;
 pub mod sparse;
 pub mod strategies;
 pub mod verdict;

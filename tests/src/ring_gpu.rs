@@ -110,7 +110,8 @@ impl<T> GpuKvBlock<T> {
 /// anything it enqueues next; the block's handles travel through `mpsc` channels, in order, so the `k`-th `wait` gets
 /// the predecessor's `k`-th post. `post` only enqueues the copy and returns: in the forward pass the driver posts
 /// before it attends, so the copy runs beside the attention of the held block (E11's two buffers), which only reads
-/// it meanwhile.
+/// it meanwhile; in the backward pass `prefetch` copies K and V before the attention and `post` the dK, dV
+/// accumulators after it.
 #[derive(Debug)]
 pub struct StreamLink<T> {
     device: usize,
@@ -123,20 +124,51 @@ pub struct StreamLink<T> {
     mutant: RingMutant,
     /// Under [`RingMutant::StaleReceiveBuffer`]: the first block posted, sent again at every hop.
     first_posted: Option<GpuKvBlock<T>>,
+    /// The K and V copies `prefetch` started (backward blocks): `post` adds the accumulators.
+    prefetched: Option<Vec<KvPair<T>>>,
+}
+
+/// One chunk's K and V buffers.
+type KvPair<T> = (CudaSlice<T>, CudaSlice<T>);
+
+/// Every ring device's worker and own block, as the driver starts them.
+pub type RingSetups<W, T> = Vec<(W, GpuKvBlock<T>)>;
+
+impl<T: DeviceRepr> StreamLink<T> {
+    /// What a hop sends: `outgoing`, or under [`RingMutant::StaleReceiveBuffer`] the first block ever posted.
+    fn source<'a>(&'a self, outgoing: &'a GpuKvBlock<T>) -> &'a GpuKvBlock<T> {
+        match (&self.first_posted, self.mutant) {
+            (Some(first), RingMutant::StaleReceiveBuffer) => first,
+            _ => outgoing,
+        }
+    }
+
+    /// Copies of the K and V of `block`'s chunks on the communication stream, once the compute stream's work so far
+    /// is done.
+    fn copy_kv(&self, block: &GpuKvBlock<T>) -> Result<Vec<KvPair<T>>, GpuRingError> {
+        self.comm.join(&self.stream)?;
+        block.chunks.iter().map(|c| Ok((self.comm.clone_dtod(&c.k)?, self.comm.clone_dtod(&c.v)?))).collect()
+    }
 }
 
 impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
     type Error = GpuRingError;
 
+    fn prefetch(&mut self, held: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        self.prefetched = Some(self.copy_kv(self.source(held))?);
+        Ok(())
+    }
+
     fn post(&mut self, outgoing: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
-        let mut chunks = Vec::with_capacity(outgoing.chunks.len());
-        let source = match (&self.first_posted, self.mutant) {
-            (Some(first), RingMutant::StaleReceiveBuffer) => first,
-            _ => outgoing,
+        let kv = match self.prefetched.take() {
+            Some(kv) => kv,
+            None => self.copy_kv(self.source(outgoing))?,
         };
+        // The accumulators (what the attention just wrote) leave after it: the join orders the copy after it.
         self.comm.join(&self.stream)?;
-        for c in &source.chunks {
-            let (k, v) = (self.comm.clone_dtod(&c.k)?, self.comm.clone_dtod(&c.v)?);
+        let source = self.source(outgoing);
+        let mut chunks = Vec::with_capacity(source.chunks.len());
+        for (c, (k, v)) in source.chunks.iter().zip(kv) {
             let acc = c.acc.as_ref().map(|a| self.comm.clone_dtod(a)).transpose()?;
             chunks.push(KvChunk { start: c.start, len: c.len, k, v, acc });
         }
@@ -181,6 +213,7 @@ pub fn stream_ring<T>(streams: &[Arc<CudaStream>], mutant: RingMutant) -> Result
                 from_predecessor,
                 mutant,
                 first_posted: None,
+                prefetched: None,
             })
         })
         .collect()
@@ -240,6 +273,13 @@ pub fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec 
     let (b, ..) = dense_dims(spec);
     AttentionSpec::dense(b, spec.n_heads_q, spec.n_heads_kv, n_q, n_k, spec.head_dim, spec.head_dim_v)
         .with_scale(spec.scale)
+}
+
+impl<T> GpuForwardDevice<T> {
+    /// Drops the query chunks (a worker that attends nothing: the ring benchmark's communication-only runs).
+    pub(crate) fn clear_queries(&mut self) {
+        self.chunks.clear();
+    }
 }
 
 impl<T: GpuElement> GpuForwardDevice<T> {
@@ -319,7 +359,7 @@ type Finished<W> = (W, DeviceRun<<W as RingWorker>::Block>);
 
 /// Runs [`run_device`] for every `(worker, own block)` of `setups` on its own thread, device `g` over the link
 /// `make_link(g)` made on that thread. A panic on a device thread is resumed on the caller's.
-fn run_threads<W, L, F>(setups: Vec<(W, W::Block)>, make_link: &F) -> Vec<Result<Finished<W>, GpuRingError>>
+pub(crate) fn run_threads<W, L, F>(setups: Vec<(W, W::Block)>, make_link: &F) -> Vec<Result<Finished<W>, GpuRingError>>
 where
     W: RingWorker<Error = GpuRingError> + Send,
     W::Block: Send,
@@ -369,32 +409,35 @@ pub fn gpu_ring_forward_mutated<T: GpuElement + Element>(
     })
 }
 
-/// The ring forward of `case` with device `g` computing on `streams[g]` and moving blocks through the link
-/// `make_link(g)` makes on its own thread (an NCCL communicator must be created on the thread that uses it).
-pub fn run_forward_ring<T, L, F>(
+/// Checks that the GPU ring supports `case` over `config` on `streams`; returns (Lq, Lk).
+fn check_ring_problem<T>(
     case: &Case<T>,
     config: RingConfig,
-    mutant: RingMutant,
     streams: &[Arc<CudaStream>],
-    make_link: F,
-) -> Result<GpuRingOutput<T>, GpuRingError>
-where
-    T: GpuElement + Element,
-    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
-    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
-{
+) -> Result<(usize, usize), GpuRingError> {
     let spec = &case.spec;
     spec.validate().map_err(GpuError::from)?;
     config.validate().map_err(|_| GpuRingError::Unsupported("a ring of zero devices or zero tiles"))?;
     if !matches!(spec.layout, Layout::Dense { .. }) {
         return Err(GpuRingError::Unsupported("varlen layouts"));
     }
-    let g = config.n_devices;
-    if streams.len() != g {
+    if streams.len() != config.n_devices {
         return Err(GpuRingError::Unsupported("a stream count other than the device count"));
     }
     let (_, len_q, len_k) = dense_dims(spec);
-    let mut setups = Vec::with_capacity(g);
+    Ok((len_q, len_k))
+}
+
+/// Every forward device's worker and own block, inputs uploaded on its stream (`streams[g]`), states at E2's start.
+pub fn prepare_forward_ring<T: GpuElement + Element>(
+    case: &Case<T>,
+    config: RingConfig,
+    mutant: RingMutant,
+    streams: &[Arc<CudaStream>],
+) -> Result<RingSetups<GpuForwardDevice<T>, T>, GpuRingError> {
+    let spec = &case.spec;
+    let (len_q, len_k) = check_ring_problem(case, config, streams)?;
+    let mut setups = Vec::with_capacity(config.n_devices);
     for (device, stream) in streams.iter().enumerate() {
         let mut chunks = vec![];
         for range in config.positions(device, len_q).into_iter().filter(|r| !r.is_empty()) {
@@ -422,7 +465,26 @@ where
             GpuForwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks, mutant };
         setups.push((worker, GpuKvBlock::new(device, kv)));
     }
+    Ok(setups)
+}
+
+/// The ring forward of `case` with device `g` computing on `streams[g]` and moving blocks through the link
+/// `make_link(g)` makes on its own thread (an NCCL communicator must be created on the thread that uses it).
+pub fn run_forward_ring<T, L, F>(
+    case: &Case<T>,
+    config: RingConfig,
+    mutant: RingMutant,
+    streams: &[Arc<CudaStream>],
+    make_link: F,
+) -> Result<GpuRingOutput<T>, GpuRingError>
+where
+    T: GpuElement + Element,
+    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
+    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
+{
+    let setups = prepare_forward_ring(case, config, mutant, streams)?;
     let results = run_threads(setups, &make_link);
+    let spec = &case.spec;
     let mut o = ArrayD::from_elem(spec.expected_shape(Operand::O), T::from_f32(0.0));
     let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NEG_INFINITY);
     let mut skipped = 0;
@@ -468,6 +530,13 @@ pub struct GpuBackwardDevice<T> {
     spec: AttentionSpec,
     lens: (usize, usize),
     chunks: Vec<BackwardQueryChunk<T>>,
+}
+
+impl<T> GpuBackwardDevice<T> {
+    /// Drops the query chunks (a worker that attends nothing: the ring benchmark's communication-only runs).
+    pub(crate) fn clear_queries(&mut self) {
+        self.chunks.clear();
+    }
 }
 
 impl<T: GpuElement> GpuBackwardDevice<T> {
@@ -555,33 +624,18 @@ pub fn gpu_ring_backward<T: GpuElement + Element>(
     })
 }
 
-/// The ring backward of `case` with device `g` computing on `streams[g]` and moving blocks through `make_link(g)`.
-pub fn run_backward_ring<T, L, F>(
+/// Every backward device's worker (its query chunks with `D` computed, dQ accumulators zero) and own block (dK, dV
+/// accumulators zero), uploaded on its stream.
+pub fn prepare_backward_ring<T: GpuElement + Element>(
     case: &Case<T>,
     start: BackwardStart<'_, T>,
     config: RingConfig,
     streams: &[Arc<CudaStream>],
-    make_link: F,
-) -> Result<GpuRingGrads<T>, GpuRingError>
-where
-    T: GpuElement + Element,
-    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
-    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
-{
-    use attnproof_gpu::backward::{
-        ring_backward_finish_dkv, ring_backward_finish_dq, ring_backward_preprocess, ring_dkv_accumulator_len,
-    };
+) -> Result<RingSetups<GpuBackwardDevice<T>, T>, GpuRingError> {
+    use attnproof_gpu::backward::{ring_backward_preprocess, ring_dkv_accumulator_len};
     let spec = &case.spec;
-    spec.validate().map_err(GpuError::from)?;
-    config.validate().map_err(|_| GpuRingError::Unsupported("a ring of zero devices or zero tiles"))?;
-    if !matches!(spec.layout, Layout::Dense { .. }) {
-        return Err(GpuRingError::Unsupported("varlen layouts"));
-    }
-    if streams.len() != config.n_devices {
-        return Err(GpuRingError::Unsupported("a stream count other than the device count"));
-    }
-    let (_, len_q, len_k) = dense_dims(spec);
-    let mut setups = Vec::with_capacity(streams.len());
+    let (len_q, len_k) = check_ring_problem(case, config, streams)?;
+    let mut setups = Vec::with_capacity(config.n_devices);
     for (device, stream) in streams.iter().enumerate() {
         let mut chunks = vec![];
         for range in config.positions(device, len_q).into_iter().filter(|r| !r.is_empty()) {
@@ -604,7 +658,26 @@ where
         let worker = GpuBackwardDevice { stream: stream.clone(), spec: spec.clone(), lens: (len_q, len_k), chunks };
         setups.push((worker, GpuKvBlock::new(device, kv)));
     }
+    Ok(setups)
+}
+
+/// The ring backward of `case` with device `g` computing on `streams[g]` and moving blocks through `make_link(g)`.
+pub fn run_backward_ring<T, L, F>(
+    case: &Case<T>,
+    start: BackwardStart<'_, T>,
+    config: RingConfig,
+    streams: &[Arc<CudaStream>],
+    make_link: F,
+) -> Result<GpuRingGrads<T>, GpuRingError>
+where
+    T: GpuElement + Element,
+    L: RingTransport<GpuKvBlock<T>, Error = GpuRingError>,
+    F: Fn(usize) -> Result<L, GpuRingError> + Sync,
+{
+    use attnproof_gpu::backward::{ring_backward_finish_dkv, ring_backward_finish_dq};
+    let setups = prepare_backward_ring(case, start, config, streams)?;
     let results = run_threads(setups, &make_link);
+    let spec = &case.spec;
     let nan = T::from_f32(f32::NAN);
     let mut grads = GpuRingGrads {
         dq: ArrayD::from_elem(spec.expected_shape(Operand::Q), nan),

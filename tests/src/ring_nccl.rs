@@ -21,8 +21,9 @@ use cudarc::nccl::safe::{Comm, Id, NcclType};
 use crate::Case;
 use crate::ring_gpu::{
     BackwardStart, GpuKvBlock, GpuRingError, GpuRingGrads, GpuRingOutput, KvChunk, RingMutant, dense_dims,
-    run_backward_ring, run_forward_ring,
+    prepare_backward_ring, prepare_forward_ring, run_backward_ring, run_forward_ring,
 };
+use crate::ring_timing::{RingVariant, time_variant};
 use attnproof_gpu::GpuElement;
 use attnproof_reference::Element;
 
@@ -73,7 +74,8 @@ impl BlockLayout {
 /// One device's NCCL link. `post` makes the communication stream wait for everything the compute stream has enqueued
 /// (the held block is ready), allocates the receive buffers, and enqueues the send to the successor and the receive
 /// from the predecessor in one NCCL group (so neither waits for the other); an event recorded after them is what
-/// `wait` makes the compute stream wait on. The sent buffers stay alive until the send completes: cudarc records
+/// `wait` makes the compute stream wait on. In the backward pass `prefetch` exchanges K and V that way before the
+/// attention, and `post` the dK, dV accumulators after it, in a second group. The sent buffers stay alive until the send completes: cudarc records
 /// the send's read on them, and a buffer is freed only after its recorded uses.
 #[derive(Debug)]
 pub struct NcclLink<T> {
@@ -83,6 +85,8 @@ pub struct NcclLink<T> {
     compute: Arc<CudaStream>,
     layout: BlockLayout,
     hops: usize,
+    /// The K and V receives `prefetch` started (backward blocks): `post` adds the accumulators.
+    prefetched: Option<Vec<KvChunk<T>>>,
     pending: Option<GpuKvBlock<T>>,
 }
 
@@ -90,45 +94,92 @@ impl<T> NcclLink<T> {
     /// Device `rank`'s link on the communicator `comm` (whose stream is the communication stream), with `compute` the
     /// stream its worker computes on (the same GPU).
     pub fn new(comm: Comm, compute: Arc<CudaStream>, layout: BlockLayout) -> Self {
-        NcclLink { device: comm.rank(), n_devices: comm.world_size(), comm, compute, layout, hops: 0, pending: None }
+        NcclLink {
+            device: comm.rank(),
+            n_devices: comm.world_size(),
+            comm,
+            compute,
+            layout,
+            hops: 0,
+            prefetched: None,
+            pending: None,
+        }
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits + NcclType> NcclLink<T> {
+    /// Enqueues, in one NCCL group on the communication stream (after the compute stream's work so far), the send of
+    /// `outgoing`'s K and V to the successor and the receive of the predecessor's into fresh buffers for this hop's
+    /// block: its chunks, without accumulators.
+    fn exchange_kv(&mut self, outgoing: &GpuKvBlock<T>) -> Result<Vec<KvChunk<T>>, GpuRingError> {
+        let comm_stream = self.comm.stream().clone();
+        comm_stream.join(&self.compute)?;
+        let owner = ring_block_at(self.device, self.hops + 1, self.n_devices);
+        let mut incoming = Vec::new();
+        for (start, len, k_elems, v_elems) in self.layout.chunks(owner) {
+            let (k, v) = (comm_stream.alloc_zeros::<T>(k_elems)?, comm_stream.alloc_zeros::<T>(v_elems)?);
+            incoming.push(KvChunk { start, len, k, v, acc: None });
+        }
+        let (next, prev) = self.neighbours();
+        let mut group = self.comm.group();
+        for c in &outgoing.chunks {
+            group.send(c.k.as_view(), next)?;
+            group.send(c.v.as_view(), next)?;
+        }
+        for c in &mut incoming {
+            group.recv(c.k.as_view_mut(), prev)?;
+            group.recv(c.v.as_view_mut(), prev)?;
+        }
+        drop(group); // the group ends here: NCCL enqueues the sends and receives on the communication stream
+        Ok(incoming)
+    }
+
+    /// (successor, predecessor) ranks.
+    fn neighbours(&self) -> (i32, i32) {
+        let g = self.n_devices;
+        (((self.device + 1) % g) as i32, ((self.device + g - 1) % g) as i32)
     }
 }
 
 impl<T: DeviceRepr + ValidAsZeroBits + NcclType> RingTransport<GpuKvBlock<T>> for NcclLink<T> {
     type Error = GpuRingError;
 
+    fn prefetch(&mut self, held: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
+        if self.pending.is_some() || self.prefetched.is_some() {
+            return Err(GpuRingError::Unsupported("a prefetch before the previous hop's wait"));
+        }
+        self.prefetched = Some(self.exchange_kv(held)?);
+        Ok(())
+    }
+
     fn post(&mut self, outgoing: &GpuKvBlock<T>) -> Result<(), GpuRingError> {
         if self.pending.is_some() {
             return Err(GpuRingError::Unsupported("a post before the previous hop's wait"));
         }
-        let comm_stream = self.comm.stream();
-        comm_stream.join(&self.compute)?;
-        let g = self.n_devices;
-        let owner = ring_block_at(self.device, self.hops + 1, g);
-        let mut incoming = Vec::new();
-        for (start, len, k_elems, v_elems) in self.layout.chunks(owner) {
-            let (k, v) = (comm_stream.alloc_zeros::<T>(k_elems)?, comm_stream.alloc_zeros::<T>(v_elems)?);
-            let acc = self.layout.accumulator_len(len).map(|n| comm_stream.alloc_zeros::<f32>(n)).transpose()?;
-            incoming.push(KvChunk { start, len, k, v, acc });
+        let mut incoming = match self.prefetched.take() {
+            Some(kv) => kv,
+            None => self.exchange_kv(outgoing)?,
+        };
+        // The accumulators leave after the attention that wrote them: a second group, ordered after it.
+        let comm_stream = self.comm.stream().clone();
+        if outgoing.chunks.iter().any(|c| c.acc.is_some() != self.layout.accumulators.is_some()) {
+            return Err(GpuRingError::Unsupported("a block whose accumulators do not match the ring's layout"));
         }
-        let (next, prev) = (((self.device + 1) % g) as i32, ((self.device + g - 1) % g) as i32);
-        {
-            let mut group = self.comm.group();
-            for c in &outgoing.chunks {
-                group.send(c.k.as_view(), next)?;
-                group.send(c.v.as_view(), next)?;
-                if let Some(acc) = &c.acc {
-                    group.send(acc.as_view(), next)?;
-                }
-            }
+        if self.layout.accumulators.is_some() {
+            comm_stream.join(&self.compute)?;
             for c in &mut incoming {
-                group.recv(c.k.as_view_mut(), prev)?;
-                group.recv(c.v.as_view_mut(), prev)?;
-                if let Some(acc) = &mut c.acc {
-                    group.recv(acc.as_view_mut(), prev)?;
-                }
+                c.acc = self.layout.accumulator_len(c.len).map(|n| comm_stream.alloc_zeros::<f32>(n)).transpose()?;
             }
-        } // the group ends here: NCCL enqueues the sends and receives on the communication stream
+            let (next, prev) = self.neighbours();
+            let mut group = self.comm.group();
+            for acc in outgoing.chunks.iter().filter_map(|c| c.acc.as_ref()) {
+                group.send(acc.as_view(), next)?;
+            }
+            for acc in incoming.iter_mut().filter_map(|c| c.acc.as_mut()) {
+                group.recv(acc.as_view_mut(), prev)?;
+            }
+        }
+        let owner = ring_block_at(self.device, self.hops + 1, self.n_devices);
         let ready = Some(Arc::new(comm_stream.record_event(None)?));
         self.pending = Some(GpuKvBlock { owner, chunks: incoming, ready });
         self.hops += 1;
@@ -211,6 +262,38 @@ where
 {
     let ring = NcclRing::new(contexts, &case.spec, config, Some(case.spec.n_heads_q))?;
     run_backward_ring(case, start, config, &ring.compute, |device| ring.link(contexts, device))
+}
+
+/// Milliseconds of one forward ring of `case` over `contexts.len()` GPUs through NCCL, in `variant`
+/// ([`crate::ring_timing`]; communicators are set up before each device's clock starts).
+pub fn time_nccl_forward<T>(
+    contexts: &[Arc<CudaContext>],
+    case: &Case<T>,
+    config: RingConfig,
+    variant: RingVariant,
+) -> Result<f64, GpuRingError>
+where
+    T: GpuElement + Element + NcclType + Send,
+{
+    let ring = NcclRing::new(contexts, &case.spec, config, None)?;
+    let setups = prepare_forward_ring(case, config, RingMutant::None, &ring.compute)?;
+    time_variant(setups, &ring.compute, variant, |device| ring.link(contexts, device))
+}
+
+/// Milliseconds of one backward ring of `case` from `start` over `contexts.len()` GPUs through NCCL, in `variant`.
+pub fn time_nccl_backward<T>(
+    contexts: &[Arc<CudaContext>],
+    case: &Case<T>,
+    start: BackwardStart<'_, T>,
+    config: RingConfig,
+    variant: RingVariant,
+) -> Result<f64, GpuRingError>
+where
+    T: GpuElement + Element + NcclType + Send,
+{
+    let ring = NcclRing::new(contexts, &case.spec, config, Some(case.spec.n_heads_q))?;
+    let setups = prepare_backward_ring(case, start, config, &ring.compute)?;
+    time_variant(setups, &ring.compute, variant, |device| ring.link(contexts, device))
 }
 
 #[cfg(test)]

@@ -418,8 +418,8 @@ pub const CATALOG: &[Mutant] = &[
     Mutant {
         name: "ring-accumulators-sent-before-attend",
         description: "backward: the driver posts a block before adding its dK/dV, so the successor receives a stale copy",
-        find: "if hop && W::TRAVEL == Travel::ReadOnly {",
-        replace: "if hop {",
+        find: "Travel::ReadOnly if hop => transport.post(&held)?,",
+        replace: "_ if hop => transport.post(&held)?,",
         ..RING_DRIVER
     },
     // --- Sparse schedules (E14, E16, E18-E20) ---

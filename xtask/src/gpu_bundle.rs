@@ -16,8 +16,9 @@ use crate::process::{cargo, describe, ensure_m4, find_on_path};
 
 /// Packages whose test binaries go into the bundle.
 const PACKAGES: &[&str] = &["attnproof-gpu"];
-/// (package, binary) of the programs that go into the bundle's `bin/`: the benchmark and the case checker.
-const BENCHES: &[(&str, &str)] = &[("attnproof-gpu", "bench"), ("attnproof-harness", "check")];
+/// (package, binary) of the programs that go into the bundle's `bin/`: the benchmarks and the case checker.
+const BENCHES: &[(&str, &str)] =
+    &[("attnproof-gpu", "bench"), ("attnproof-harness", "ring_bench"), ("attnproof-harness", "check")];
 /// Scripts copied into the bundle's root, relative to the repository root.
 const SCRIPTS: &[&str] = &["bench/peers.py"];
 /// Scripts copied into the bundle at their own relative paths (they import each other by relative path).
@@ -36,6 +37,8 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
 #   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
 #                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
+#   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
+#                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
 #                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
 #                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
@@ -67,7 +70,7 @@ SANITIZE=(
 )
 mode=tests
 case "${1:-}" in
-    tests | mutants | sanitize | bench | peers) mode="$1"; shift ;;
+    tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
 esac
 case "$mode" in
 tests)
@@ -113,6 +116,11 @@ bench)
     "$here"/bin/bench --csv "$csv" "$@" || exit 1
     python3 "$here"/peers.py --ours "$csv" ${PEERS_ARGS:-} || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
+    ;;
+ring)
+    csv="$(mktemp -d)/ring.csv"
+    "$here"/bin/ring_bench --csv "$csv" "$@" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ring.csv"; fi
     ;;
 peers)
     out="${OUT:-$(mktemp -d)}"
@@ -310,7 +318,7 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in ["tests)", "mutants)", "sanitize)", "bench)"] {
+        for mode in ["tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));

@@ -12,7 +12,8 @@
 //! completes it and hands over the received block, which becomes the held one. A read-only block
 //! ([`Travel::ReadOnly`], forward K/V) is posted before it is attended, so the transfer overlaps
 //! the attention; a block carrying accumulators ([`Travel::Accumulating`], backward dK/dV) can
-//! only go on once the device has added to them, so it is posted after.
+//! only go on once the device has added to them, so it is posted after, and its read-only parts
+//! (K, V) may leave before the attention through [`RingTransport::prefetch`].
 
 use attnproof_oracle::online::ring_block_at;
 use thiserror::Error;
@@ -103,6 +104,12 @@ pub trait RingTransport<B> {
     /// block. Returns without waiting for the hop to complete.
     fn post(&mut self, outgoing: &B) -> Result<(), Self::Error>;
 
+    /// Before the attention of an accumulating block that `post` will then send (see the trait
+    /// docs): may start sending its read-only parts. The default sends everything at `post`.
+    fn prefetch(&mut self, _held: &B) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
     /// Completes the hop started by the last `post` and hands over the block received from the
     /// predecessor (see the trait docs for what completion means).
     fn wait(&mut self) -> Result<B, Self::Error>;
@@ -172,8 +179,10 @@ where
         check_route(worker, &held, position, step)?;
         // A read-only block needs no hop after the last step; an accumulating one goes home.
         let hop = step + 1 < n_devices || W::TRAVEL == Travel::Accumulating;
-        if hop && W::TRAVEL == Travel::ReadOnly {
-            transport.post(&held)?;
+        match W::TRAVEL {
+            Travel::ReadOnly if hop => transport.post(&held)?,
+            Travel::Accumulating if hop => transport.prefetch(&held)?,
+            _ => {}
         }
         for part in 0..worker.parts() {
             if worker.sees(part, &held) {
@@ -209,5 +218,101 @@ fn check_route<W: RingWorker>(
         Ok(())
     } else {
         Err(RingFault::Misrouted { device: position.device, step, expected, received })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    /// What the driver did, in order, on one device; blocks are named by their owners.
+    #[derive(Debug, PartialEq, Eq)]
+    enum Call {
+        Prefetch(usize),
+        Post(usize),
+        Wait,
+        Attend(usize),
+    }
+
+    type Log = Rc<RefCell<Vec<Call>>>;
+
+    /// Device 0 of a ring of two whose transport logs every call and hands over the block E11 puts
+    /// there next.
+    struct Recorder {
+        log: Log,
+        hops: usize,
+    }
+
+    impl RingTransport<usize> for Recorder {
+        type Error = RingFault;
+
+        fn post(&mut self, outgoing: &usize) -> Result<(), RingFault> {
+            self.log.borrow_mut().push(Call::Post(*outgoing));
+            Ok(())
+        }
+
+        fn prefetch(&mut self, held: &usize) -> Result<(), RingFault> {
+            self.log.borrow_mut().push(Call::Prefetch(*held));
+            Ok(())
+        }
+
+        fn wait(&mut self) -> Result<usize, RingFault> {
+            self.log.borrow_mut().push(Call::Wait);
+            self.hops += 1;
+            Ok(ring_block_at(0, self.hops, 2))
+        }
+    }
+
+    /// A worker of either travel whose attention is logged beside the transport's calls.
+    struct Worker<const ACCUMULATING: bool> {
+        log: Log,
+    }
+
+    impl<const ACCUMULATING: bool> RingWorker for Worker<ACCUMULATING> {
+        type Block = usize;
+        type Error = RingFault;
+        const TRAVEL: Travel = if ACCUMULATING { Travel::Accumulating } else { Travel::ReadOnly };
+
+        fn owner(&self, block: &usize) -> usize {
+            *block
+        }
+
+        fn parts(&self) -> usize {
+            1
+        }
+
+        fn sees(&self, _part: usize, _block: &usize) -> bool {
+            true
+        }
+
+        fn attend(&mut self, _part: usize, block: &mut usize) -> Result<(), RingFault> {
+            self.log.borrow_mut().push(Call::Attend(*block));
+            Ok(())
+        }
+    }
+
+    /// The calls of device 0 in a ring of two.
+    fn calls<const ACCUMULATING: bool>() -> Vec<Call> {
+        let log = Log::default();
+        let mut transport = Recorder { log: log.clone(), hops: 0 };
+        let mut worker = Worker::<ACCUMULATING> { log: log.clone() };
+        let position = RingPosition { device: 0, n_devices: 2 };
+        run_device(position, &mut worker, &mut transport, 0).expect("the recorder follows E11");
+        log.take()
+    }
+
+    #[test]
+    fn accumulating_blocks_prefetch_before_the_attention_and_post_after_it() {
+        use Call::*;
+        let expected = vec![Prefetch(0), Attend(0), Post(0), Wait, Prefetch(1), Attend(1), Post(1), Wait];
+        assert_eq!(calls::<true>(), expected);
+    }
+
+    #[test]
+    fn read_only_blocks_post_before_the_attention_and_never_prefetch() {
+        use Call::*;
+        assert_eq!(calls::<false>(), vec![Post(0), Attend(0), Wait, Attend(1)]);
     }
 }
