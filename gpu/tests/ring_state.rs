@@ -284,6 +284,14 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
     assert!(v_back.iter().zip(&v_host).all(|(a, b)| a.to_bits() == b.to_bits()), "V changed in the hop");
     let acc_back = compute.clone_dtoh(got.chunks[0].acc.as_ref().expect("accumulators travel")).unwrap();
     assert!(acc_back.iter().zip(&acc_host).all(|(a, b)| a.to_bits() == b.to_bits()), "accumulators changed in the hop");
+    // The backward's split hop: K and V at `prefetch` (before the attention), the accumulators at `post` (after).
+    link.prefetch(&got).unwrap();
+    link.post(&got).unwrap();
+    let split = link.wait().unwrap();
+    let k_split = compute.clone_dtoh(&split.chunks[0].k).unwrap();
+    let acc_split = compute.clone_dtoh(split.chunks[0].acc.as_ref().expect("accumulators travel")).unwrap();
+    assert!(k_split.iter().zip(&k_host).all(|(a, b)| a.to_bits() == b.to_bits()), "K changed in the split hop");
+    assert!(acc_split.iter().zip(&acc_host).all(|(a, b)| a.to_bits() == b.to_bits()), "accumulators changed");
 
     let gpus = CudaContext::device_count().unwrap_or(1) as usize;
     if gpus < 2 {
