@@ -45,11 +45,12 @@
 //!   argument, `attnproof_gpu::flash`). The kernel never takes a subnormal `ex2` result: below an argument of −64 it
 //!   evaluates `fl(ex2(arg + 32) · 2^-32)`, where `arg + 32` is exact (an f32 of magnitude ≥ 64 has an ulp of at least
 //!   `2^-17`, and the sum is smaller) and the scaling is exact unless the result underflows, which rounds once, by at
-//!   most `½τ₃₂`. So `p` carries a relative error `5u` plus an absolute `½τ₃₂`; the model's `τ₃₂|dP − D|` (in `dS`)
-//!   and `Lq(τ_T + τ₃₂) max|dO|` (in `dV`) cover the absolute part. The `ex2` is the flush-to-zero form (three
-//!   instructions fewer than the gradual-underflow one, whose range fix-up is dead here): its argument is at least −64
-//!   (a normal result), or `arg + 32 < −32` whose result, if subnormal, falls below `2^-158` after the scaling and
-//!   rounds to `+0` either way; so it returns the same bits as `--ftz=false` would.
+//!   most `½τ₃₂`. So `p` carries a relative error `5u` plus an absolute `½τ₃₂`; the model's terms in
+//!   `exp_underflow = τ₃₂` (the default: `τ₃₂|dP − D|` in `dS`, `Lq(τ_T + τ₃₂) max|dO|` in `dV`) cover the absolute
+//!   part. The `ex2` is the flush-to-zero form (three instructions fewer than the gradual-underflow one, whose range
+//!   fix-up is dead here): its argument is at least −64 (a normal result), or `arg + 32 < −32` whose result, if
+//!   subnormal, falls below `2^-158` after the scaling and rounds to `+0` either way; so it returns the same bits as
+//!   `--ftz=false` would. (Dropping the shift would lose results below `2^-126` whole: `exp_underflow = 2^-126`.)
 //! - `shift_rounding = 3u`: the argument is `arg = fma(s, L_hi, fma(s, L_lo, −fl(LSE·L_hi)))` with
 //!   `L_hi = fl32(log2 e)`, `L_lo = fl32(log2 e − L_hi)` (`|L_hi + L_lo − log2 e| ≤ 2^-50`). In natural-log units its
 //!   error against `s − LSE` is: the outer fma's rounding, `u|s − LSE|` (the model's own `u|s − LSE|` term, the

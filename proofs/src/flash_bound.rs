@@ -24,7 +24,9 @@
 //!   cancels), `+ u_T Σ_j p_ij |v_jc|` (the numerator uses `round_T(p)`, the denominator the f32
 //!   `p`), `+ g(Lk + n_t)(Σ_j p_ij |v_jc| + |o_ic|)` (the f32 sums `A` and `ℓ`, every term of which
 //!   goes through at most `Lk + n_t` additions), `+ u|o_ic|` (division), `+ u_T|o_ic| + τ_T`
-//!   (output rounding), `+ Lk (τ_T + 2^-149) max_j |v_jc|` (`p` underflowing in `T` or f32; `ℓ ≥ 1`);
+//!   (output rounding), `+ Lk (τ_T + τ_e) max_j |v_jc|` (`p` underflowing in `T` or in the f32
+//!   `exp`, by at most `τ_e =` [`FlashRecipe::exp_underflow`]: `2^-149` with gradual underflow,
+//!   `2^-126` for an `exp` that flushes subnormal results; `ℓ ≥ 1`);
 //! - `LSE_i`: `Σ_j p_ij η_ij + g(Lk + n_t) + 2u|log ℓ_i| + u|LSE_i|` (`log ℓ_i = LSE_i − m_i`).
 //!
 //! Extension E-score-storage (for PyTorch's math SDPA with reduced-precision reductions, which
@@ -50,6 +52,9 @@ use crate::residual::Violation;
 pub const F32_UNIT_ROUNDOFF: f64 = f32::EPSILON as f64 / 2.0;
 /// Smallest positive f32 subnormal.
 pub const F32_SUBNORMAL: f64 = 1.401_298_464_324_817e-45;
+/// Smallest positive normal f32, `2^-126`: what an `exp` that flushes subnormal results to zero
+/// can lose.
+pub const F32_MIN_NORMAL: f64 = f32::MIN_POSITIVE as f64;
 /// Factor covering second-order terms and the oracle's own error.
 pub const SECOND_ORDER_FACTOR: f64 = 1.0 + 1.0 / 8.0;
 /// Largest first-order relative perturbation the model accepts.
@@ -86,6 +91,11 @@ pub struct FlashRecipe {
     /// `c = log2 e` (the rounding of `m·c` shifts every argument by up to `u|m|c`, i.e. `u|m|`
     /// in natural-log units).
     pub shift_rounding: f64,
+    /// Largest absolute error of an f32 `exp` result from underflow, `τ_e`: [`F32_SUBNORMAL`]
+    /// when subnormal results are kept (one rounding of gradual underflow, at most `2^-150`,
+    /// rounded up); [`F32_MIN_NORMAL`] for an `exp` that flushes subnormal results to zero
+    /// (`ex2.approx.ftz.f32`, CUDA's `--use_fast_math`).
+    pub exp_underflow: f64,
     /// How the candidate's dot products and f32 accumulators add.
     pub accumulation: Accumulation,
     /// Whether the backward recomputes every score bit for bit as its forward did (backward
@@ -154,6 +164,7 @@ impl FlashRecipe {
             extra_query_partials: 0,
             exp_error: 2.0 * F32_UNIT_ROUNDOFF,
             shift_rounding: 0.0,
+            exp_underflow: F32_SUBNORMAL,
             accumulation: Accumulation::RoundToNearest,
             score_reuse: ScoreReuse::BitwiseAsForward,
             score_storage_rounding: 0.0,
@@ -231,7 +242,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
                 + g * (weighted_abs_v + oc.abs())
                 + (u + ut) * oc.abs()
                 + tiny
-                + len_k as f64 * (tiny + F32_SUBNORMAL) * vmax;
+                + len_k as f64 * (tiny + recipe.exp_underflow) * vmax;
         }
         let log_l = (x.lse[i] - m).abs();
         lse[i] = (0..len_k).map(|j| x.p[[i, j]] * eta[j]).sum::<f64>() + g + 2.0 * u * log_l + u * x.lse[i].abs();
@@ -295,10 +306,10 @@ pub struct BackwardBounds {
 /// - `π_ij = σ_ij + b^L_i + u|s_ij − LSE_i| + e + c|LSE_i|` (relative error of `P`); with
 ///   [`ScoreReuse::BitwiseAsForward`] the score terms `σ_ij` and `Σ_k p_ik σ_ik` (the score part
 ///   of `b^L_i`) become `(1 − p_ij)σ_ij + Σ_{k≠j} p_ik σ_ik`;
-/// - `dV_jc`: `Σ_i p_ij (π_ij + u_T + g(Lq + n_q)) |dO_ic| + Lq (τ_T + τ₃₂) max_i |dO_ic|`
+/// - `dV_jc`: `Σ_i p_ij (π_ij + u_T + g(Lq + n_q)) |dO_ic| + Lq (τ_T + τ_e) max_i |dO_ic|`
 ///   `+ u_T |dV_jc| + τ_T`;
 /// - `ρ_ij = g(dv) Σ_c |dO_ic||v_jc|` (`dP`);
-/// - `ζ_ij = (π_ij + 2u + u_T)|dS_ij| + p_ij(ρ_ij + ν_i) + τ₃₂|dP_ij − D_i| + τ_T` (`dS` after its
+/// - `ζ_ij = (π_ij + 2u + u_T)|dS_ij| + p_ij(ρ_ij + ν_i) + τ_e|dP_ij − D_i| + τ_T` (`dS` after its
 ///   rounding to `T`);
 /// - `dQ_ic`: `|α| Σ_j (ζ_ij + g(Lk + n_k)|dS_ij|) |k_jc| + (3u + u_T)|dQ_ic| + τ_T`;
 /// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`.
@@ -376,7 +387,7 @@ pub fn backward_bounds(
         let rho = acc.gamma(dv) * abs_dot(x.d_out, i, f.v, j);
         (pi[[i, j]] + 2.0 * u + ut) * x.ds[[i, j]].abs()
             + f.p[[i, j]] * (rho + nu[i])
-            + F32_SUBNORMAL * (x.dp[[i, j]] - x.delta[i]).abs()
+            + recipe.exp_underflow * (x.dp[[i, j]] - x.delta[i]).abs()
             + tiny
     });
     let (gq, gk) = (acc.gamma(len_q + n_q), acc.gamma(len_k + n_k));
@@ -405,7 +416,7 @@ pub fn backward_bounds(
             let gmax = (0..len_q).map(|i| x.d_out[[i, c]].abs()).fold(0.0, f64::max);
             b.dv[[j, c]] =
                 (0..len_q).map(|i| f.p[[i, j]] * (pi[[i, j]] + ut + gq) * x.d_out[[i, c]].abs()).sum::<f64>()
-                    + len_q as f64 * (tiny + F32_SUBNORMAL) * gmax
+                    + len_q as f64 * (tiny + recipe.exp_underflow) * gmax
                     + ut * x.dv[[j, c]].abs()
                     + tiny;
         }
@@ -421,4 +432,65 @@ pub fn backward_bounds(
 /// `g(group) Σ_h |g_h|` (the per-head bounds add).
 pub fn gqa_sum_term(group: usize, sum_of_abs: f64) -> f64 {
     gamma32(group) * sum_of_abs * SECOND_ORDER_FACTOR
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{arr1, arr2};
+
+    /// With the forward's bounds held fixed, `exp_underflow` reaches `dQ` and `dK` only through `dS`'s term
+    /// `τ_e |dP_ij − D_i|`: raising it from `τ₃₂` to 1 adds exactly `(9/8)|α| Σ_j |dP_ij − D_i| |k_jc|` to `dQ_ic` and
+    /// `(9/8)|α| Σ_i |dP_ij − D_i| |q_ic|` to `dK_jc` (one query, two keys, worked by hand).
+    #[test]
+    fn exp_underflow_enters_ds_as_derived() {
+        let e = 1f64.exp();
+        let (q, k, v) = (arr2(&[[1.0]]), arr2(&[[1.0], [0.5]]), arr2(&[[1.0], [-1.0]]));
+        let s = arr2(&[[1.0, 0.5]]);
+        let lse = arr1(&[(e + e.sqrt()).ln()]);
+        let p = s.mapv(|x| (x - lse[0]).exp());
+        let o = arr2(&[[p[[0, 0]] - p[[0, 1]]]]);
+        let d_out = arr2(&[[1.0]]);
+        let dp = arr2(&[[1.0, -1.0]]);
+        let delta = arr1(&[o[[0, 0]]]);
+        let ds = Array2::from_shape_fn((1, 2), |(i, j)| p[[i, j]] * (dp[[i, j]] - delta[i]));
+        let dq = arr2(&[[ds[[0, 0]] * k[[0, 0]] + ds[[0, 1]] * k[[1, 0]]]]);
+        let dk = arr2(&[[ds[[0, 0]] * q[[0, 0]]], [ds[[0, 1]] * q[[0, 0]]]]);
+        let dv = arr2(&[[p[[0, 0]]], [p[[0, 1]]]]);
+        let forward = HeadExact {
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            s: s.view(),
+            p: p.view(),
+            o: o.view(),
+            lse: lse.view(),
+            scale: 1.0,
+        };
+        let x = HeadBackwardExact {
+            forward,
+            d_out: d_out.view(),
+            dp: dp.view(),
+            ds: ds.view(),
+            delta: delta.view(),
+            dq: dq.view(),
+            dk: dk.view(),
+            dv: dv.view(),
+        };
+        let plain = FlashRecipe::libm(2f64.powi(-8), 2f64.powi(-133), 1);
+        let fixed_forward = forward_bounds(forward, plain).unwrap();
+        let bounds =
+            |exp_underflow| backward_bounds(x, &fixed_forward, FlashRecipe { exp_underflow, ..plain }, 1).unwrap();
+        let (before, after) = (bounds(F32_SUBNORMAL), bounds(1.0));
+        let added = (1.0 - F32_SUBNORMAL) * SECOND_ORDER_FACTOR;
+        let gap = |j: usize| (dp[[0, j]] - delta[0]).abs();
+        let want_dq = added * (gap(0) * k[[0, 0]].abs() + gap(1) * k[[1, 0]].abs());
+        let got_dq = after.dq[[0, 0]] - before.dq[[0, 0]];
+        assert!((got_dq - want_dq).abs() <= 1e-12 * want_dq, "dQ grew by {got_dq}, not {want_dq}");
+        for j in 0..2 {
+            let (want, got) = (added * gap(j) * q[[0, 0]].abs(), after.dk[[j, 0]] - before.dk[[j, 0]]);
+            assert!((got - want).abs() <= 1e-12 * want, "dK[{j}] grew by {got}, not {want}");
+        }
+        assert_eq!(before.delta, after.delta, "D's bound does not involve the exp");
+    }
 }

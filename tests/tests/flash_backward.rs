@@ -181,3 +181,63 @@ fn extra_query_partials_widen_the_dk_and_dv_bounds_only() {
     assert!(grew(&plain.bound_dk, &wider.bound_dk), "dK bounds did not grow");
     assert!(grew(&plain.bound_dv, &wider.bound_dv), "dV bounds did not grow");
 }
+
+/// `exp_underflow` (what an f32 `exp` may lose to underflow: a flushing `exp` loses up to 2^-126) enters the forward's
+/// `O` bound as `Lk τ_e max_j |v_jc|` and the backward's `dV` bound as `Lq τ_e max_i |dO_ic|`, and `dQ`, `dK` through
+/// `τ_e |dP − D|` and `D`'s bound (the first alone: `attnproof_proofs::flash_bound`'s unit test); the LSE bound does not
+/// depend on it. A value of 1 (absurd, but visible in f64) shows each term.
+#[test]
+fn exp_underflow_enters_o_dv_dq_and_dk_as_derived() {
+    use attnproof_harness::backward::problem_backward_bounds_with_visibility;
+    use attnproof_harness::flash::problem_forward_bounds;
+    use attnproof_harness::generate::{Distribution, ValueProfile};
+    use attnproof_proofs::flash_bound::{F32_SUBNORMAL, FlashRecipe, SECOND_ORDER_FACTOR};
+    use ndarray::{Axis, Ix4};
+    let (lq, lk) = (24, 40);
+    let spec = attnproof_oracle::AttentionSpec::dense(1, 2, 2, lq, lk, 16, 8);
+    let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
+    let case = make_case::<bf16>(&spec, profile, 5);
+    let g = make_d_out::<bf16>(&spec, 5).mapv(|x| x.to_f32() as f64);
+    let [q, k, v] = case.widened();
+    let with = |exp_underflow: f64| FlashRecipe { exp_underflow, ..recipe::<bf16>(TILE) };
+    let (plain, wide) = (with(F32_SUBNORMAL), with(1.0));
+    let added = (1.0 - F32_SUBNORMAL) * SECOND_ORDER_FACTOR;
+    let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
+
+    let (fwd_plain, fwd_wide) = (
+        problem_forward_bounds(&spec, &q, &k, &v, plain).unwrap(),
+        problem_forward_bounds(&spec, &q, &k, &v, wide).unwrap(),
+    );
+    assert_eq!(fwd_plain.bound_lse, fwd_wide.bound_lse);
+    let v4 = v.view().into_dimensionality::<Ix4>().unwrap();
+    let (o_plain, o_wide) = (
+        fwd_plain.bound_o.view().into_dimensionality::<Ix4>().unwrap(),
+        fwd_wide.bound_o.view().into_dimensionality::<Ix4>().unwrap(),
+    );
+    for ((b, h, i, c), &wide_bound) in o_wide.indexed_iter() {
+        let vmax =
+            v4.index_axis(Axis(0), b).index_axis(Axis(0), h).column(c).iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let grew = wide_bound - o_plain[[b, h, i, c]];
+        assert!(close(grew, lk as f64 * vmax * added), "O[{b},{h},{i},{c}] grew by {grew:e}");
+    }
+
+    let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+    let visibility = |s: &attnproof_oracle::spec::Sequence, _h: usize| masks[s.index].clone();
+    let bounds =
+        |recipe| problem_backward_bounds_with_visibility(&spec, [&q, &k, &v, &g], &visibility, recipe, TILE).unwrap();
+    let (bwd_plain, bwd_wide) = (bounds(plain), bounds(wide));
+    let g4 = g.view().into_dimensionality::<Ix4>().unwrap();
+    let (dv_plain, dv_wide) = (
+        bwd_plain.bound_dv.view().into_dimensionality::<Ix4>().unwrap(),
+        bwd_wide.bound_dv.view().into_dimensionality::<Ix4>().unwrap(),
+    );
+    for ((b, h, j, c), &wide_bound) in dv_wide.indexed_iter() {
+        let gmax =
+            g4.index_axis(Axis(0), b).index_axis(Axis(0), h).column(c).iter().fold(0.0f64, |m, x| m.max(x.abs()));
+        let grew = wide_bound - dv_plain[[b, h, j, c]];
+        assert!(close(grew, lq as f64 * gmax * added), "dV[{b},{h},{j},{c}] grew by {grew:e}");
+    }
+    let grew = |a: &ArrayD<f64>, b: &ArrayD<f64>| a.iter().zip(b).all(|(x, y)| y > x);
+    assert!(grew(&bwd_plain.bound_dq, &bwd_wide.bound_dq), "dQ bounds did not grow everywhere");
+    assert!(grew(&bwd_plain.bound_dk, &bwd_wide.bound_dk), "dK bounds did not grow everywhere");
+}

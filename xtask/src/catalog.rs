@@ -126,6 +126,15 @@ const NSA: Mutant = Mutant { file: "reference/src/sparse/nsa.rs", test_target: S
 /// Base entry for mutants of the DSA token-gather schedule.
 const DSA: Mutant = Mutant { file: "reference/src/sparse/dsa.rs", test_target: Some("sparse"), ..FLASH };
 
+/// Base entry for mutants of the bound model's plumbing (`proofs/src/flash_bound.rs`): a recipe parameter that stops
+/// entering its term.
+const BOUND_MODEL: Mutant = Mutant {
+    file: "proofs/src/flash_bound.rs",
+    test_target: Some("flash_backward"),
+    test_filter: Some("exp_underflow"),
+    ..FLASH
+};
+
 /// Every mutant, in the order the runner applies them.
 pub const CATALOG: &[Mutant] = &[
     // --- Online softmax state (E2-E5) ---
@@ -421,6 +430,31 @@ pub const CATALOG: &[Mutant] = &[
         find: "Travel::ReadOnly if hop => transport.post(&held)?,",
         replace: "_ if hop => transport.post(&held)?,",
         ..RING_DRIVER
+    },
+    // --- Bound model parameters ---
+    Mutant {
+        name: "bound-exp-underflow-ignored-in-o",
+        description: "the forward bound charges gradual underflow whatever the recipe's exp_underflow says",
+        find: "+ len_k as f64 * (tiny + recipe.exp_underflow) * vmax;",
+        replace: "+ len_k as f64 * (tiny + F32_SUBNORMAL) * vmax;",
+        ..BOUND_MODEL
+    },
+    Mutant {
+        name: "bound-exp-underflow-ignored-in-dv",
+        description: "the dV bound charges gradual underflow whatever the recipe's exp_underflow says",
+        find: "+ len_q as f64 * (tiny + recipe.exp_underflow) * gmax",
+        replace: "+ len_q as f64 * (tiny + F32_SUBNORMAL) * gmax",
+        ..BOUND_MODEL
+    },
+    Mutant {
+        name: "bound-exp-underflow-ignored-in-ds",
+        description: "the dS term of the dQ and dK bounds charges gradual underflow whatever exp_underflow says",
+        find: "+ recipe.exp_underflow * (x.dp[[i, j]] - x.delta[i]).abs()",
+        replace: "+ F32_SUBNORMAL * (x.dp[[i, j]] - x.delta[i]).abs()",
+        // The harness test sees dQ and dK grow through D's bound too: the model's own test holds the forward fixed.
+        test_package: "attnproof-proofs",
+        test_target: None,
+        ..BOUND_MODEL
     },
     // --- Sparse schedules (E14, E16, E18-E20) ---
     Mutant {

@@ -3,7 +3,9 @@
 //! parameter is set to the value that makes the bound largest over the kernels the recipe
 //! covers (the argument for each is in `docs/case-format.md`).
 
-use attnproof_proofs::flash_bound::{Accumulation, F32_SUBNORMAL, F32_UNIT_ROUNDOFF, FlashRecipe, ScoreReuse};
+use attnproof_proofs::flash_bound::{
+    Accumulation, F32_MIN_NORMAL, F32_SUBNORMAL, F32_UNIT_ROUNDOFF, FlashRecipe, ScoreReuse,
+};
 
 use super::error::CaseError;
 use super::safetensors::Dtype;
@@ -86,6 +88,9 @@ impl Recipe {
             // Arguments formed as s·c − fl(m·c) (FlashAttention 2/3, cuDNN) shift by ≤ u|m|;
             // the backward's split-constant FMA form by ≤ 3u|LSE|. 4u covers both.
             shift_rounding: 4.0 * u,
+            // FlashAttention 2 and 3 build with --use_fast_math, whose exp2f flushes subnormal
+            // results to zero: a lost probability of up to 2^-126 covers it and gradual underflow.
+            exp_underflow: F32_MIN_NORMAL,
             // One product per "instruction": γ'_{2n} with u' = 2u dominates round-to-nearest
             // γ_n and every tensor-core MMA shape (k ≥ 1), and absorbs the two extra f32
             // roundings of the math backend's q·√α, k·√α.
