@@ -201,42 +201,31 @@ fn exp_underflow_enters_o_dv_dq_and_dk_as_derived() {
     let [q, k, v] = case.widened();
     let with = |exp_underflow: f64| FlashRecipe { exp_underflow, ..recipe::<bf16>(TILE) };
     let (plain, wide) = (with(F32_SUBNORMAL), with(1.0));
+    // Every element (b, h, row, c) of `wide − plain` is `n · max over rows of |source[b, h, ·, c]|` times the term's
+    // factor: `n` = Lk for O (source V), Lq for dV (source dO).
     let added = (1.0 - F32_SUBNORMAL) * SECOND_ORDER_FACTOR;
-    let close = |got: f64, want: f64| (got - want).abs() <= 1e-9 * want;
+    let grew_by_term = |name: &str, plain: &ArrayD<f64>, wide: &ArrayD<f64>, source: &ArrayD<f64>, n: usize| {
+        let (plain, source) = (plain.view().into_dimensionality::<Ix4>().unwrap(), source.view());
+        let source = source.into_dimensionality::<Ix4>().unwrap();
+        for ((b, h, row, c), &w) in wide.view().into_dimensionality::<Ix4>().unwrap().indexed_iter() {
+            let column = source.index_axis(Axis(0), b).index_axis(Axis(0), h).column(c).to_owned();
+            let want = n as f64 * column.iter().fold(0.0f64, |m, x| m.max(x.abs())) * added;
+            let got = w - plain[[b, h, row, c]];
+            assert!((got - want).abs() <= 1e-9 * want, "{name}[{b},{h},{row},{c}] grew by {got:e}, not {want:e}");
+        }
+    };
 
-    let (fwd_plain, fwd_wide) = (
-        problem_forward_bounds(&spec, &q, &k, &v, plain).unwrap(),
-        problem_forward_bounds(&spec, &q, &k, &v, wide).unwrap(),
-    );
+    let forward = |recipe| problem_forward_bounds(&spec, &q, &k, &v, recipe).unwrap();
+    let (fwd_plain, fwd_wide) = (forward(plain), forward(wide));
     assert_eq!(fwd_plain.bound_lse, fwd_wide.bound_lse);
-    let v4 = v.view().into_dimensionality::<Ix4>().unwrap();
-    let (o_plain, o_wide) = (
-        fwd_plain.bound_o.view().into_dimensionality::<Ix4>().unwrap(),
-        fwd_wide.bound_o.view().into_dimensionality::<Ix4>().unwrap(),
-    );
-    for ((b, h, i, c), &wide_bound) in o_wide.indexed_iter() {
-        let vmax =
-            v4.index_axis(Axis(0), b).index_axis(Axis(0), h).column(c).iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        let grew = wide_bound - o_plain[[b, h, i, c]];
-        assert!(close(grew, lk as f64 * vmax * added), "O[{b},{h},{i},{c}] grew by {grew:e}");
-    }
+    grew_by_term("O", &fwd_plain.bound_o, &fwd_wide.bound_o, &v, lk);
 
     let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
     let visibility = |s: &attnproof_oracle::spec::Sequence, _h: usize| masks[s.index].clone();
     let bounds =
         |recipe| problem_backward_bounds_with_visibility(&spec, [&q, &k, &v, &g], &visibility, recipe, TILE).unwrap();
     let (bwd_plain, bwd_wide) = (bounds(plain), bounds(wide));
-    let g4 = g.view().into_dimensionality::<Ix4>().unwrap();
-    let (dv_plain, dv_wide) = (
-        bwd_plain.bound_dv.view().into_dimensionality::<Ix4>().unwrap(),
-        bwd_wide.bound_dv.view().into_dimensionality::<Ix4>().unwrap(),
-    );
-    for ((b, h, j, c), &wide_bound) in dv_wide.indexed_iter() {
-        let gmax =
-            g4.index_axis(Axis(0), b).index_axis(Axis(0), h).column(c).iter().fold(0.0f64, |m, x| m.max(x.abs()));
-        let grew = wide_bound - dv_plain[[b, h, j, c]];
-        assert!(close(grew, lq as f64 * gmax * added), "dV[{b},{h},{j},{c}] grew by {grew:e}");
-    }
+    grew_by_term("dV", &bwd_plain.bound_dv, &bwd_wide.bound_dv, &g, lq);
     let grew = |a: &ArrayD<f64>, b: &ArrayD<f64>| a.iter().zip(b).all(|(x, y)| y > x);
     assert!(grew(&bwd_plain.bound_dq, &bwd_wide.bound_dq), "dQ bounds did not grow everywhere");
     assert!(grew(&bwd_plain.bound_dk, &bwd_wide.bound_dk), "dK bounds did not grow everywhere");
