@@ -28,6 +28,7 @@ use ndarray::{ArrayD, Axis, IxDyn, Slice};
 use thiserror::Error;
 
 use crate::Case;
+use crate::ring_timing::Idle;
 
 /// Why a GPU ring run failed.
 #[derive(Debug, Error)]
@@ -104,6 +105,37 @@ impl<T> GpuKvBlock<T> {
     }
 }
 
+impl<T: DeviceRepr> GpuKvBlock<T> {
+    /// A copy of the block (K, V and any accumulators) in fresh buffers, made on `stream`.
+    pub(crate) fn copy_on(&self, stream: &Arc<CudaStream>) -> Result<Self, GpuRingError> {
+        let chunks = self
+            .chunks
+            .iter()
+            .map(|c| {
+                let acc = c.acc.as_ref().map(|a| stream.clone_dtod(a)).transpose()?;
+                Ok(KvChunk {
+                    start: c.start,
+                    len: c.len,
+                    k: stream.clone_dtod(&c.k)?,
+                    v: stream.clone_dtod(&c.v)?,
+                    acc,
+                })
+            })
+            .collect::<Result<_, GpuRingError>>()?;
+        Ok(GpuKvBlock::new(self.owner, chunks))
+    }
+}
+
+/// Hands `items[g]` to device `g`, once: the per-device values (links, staged blocks) that each device thread takes
+/// on its own thread.
+pub(crate) fn once_per_device<X: Send>(items: Vec<X>) -> impl Fn(usize) -> Result<X, GpuRingError> + Sync {
+    let slots: Vec<Mutex<Option<X>>> = items.into_iter().map(|x| Mutex::new(Some(x))).collect();
+    move |device| {
+        let mut slot = slots[device].lock().unwrap_or_else(|p| p.into_inner());
+        slot.take().ok_or(GpuRingError::Unsupported("a second hand-out for one device"))
+    }
+}
+
 /// A simulated device's link: the hop is a device-to-device copy into fresh buffers on the sender's communication
 /// stream (its interconnect), which first waits for everything the sender's compute stream has enqueued (the held
 /// block is complete), and an event recorded after the copy that the receiver's compute stream waits on before
@@ -174,13 +206,7 @@ impl<T: DeviceRepr> RingTransport<GpuKvBlock<T>> for StreamLink<T> {
         }
         let ready = Some(Arc::new(self.comm.record_event(None)?));
         if self.mutant == RingMutant::StaleReceiveBuffer && self.first_posted.is_none() {
-            let mut kept = Vec::with_capacity(outgoing.chunks.len());
-            for c in &outgoing.chunks {
-                let (k, v) = (self.stream.clone_dtod(&c.k)?, self.stream.clone_dtod(&c.v)?);
-                let acc = c.acc.as_ref().map(|a| self.stream.clone_dtod(a)).transpose()?;
-                kept.push(KvChunk { start: c.start, len: c.len, k, v, acc });
-            }
-            self.first_posted = Some(GpuKvBlock::new(outgoing.owner, kept));
+            self.first_posted = Some(outgoing.copy_on(&self.stream)?);
         }
         self.to_successor
             .send(GpuKvBlock { owner: outgoing.owner, chunks, ready })
@@ -275,9 +301,8 @@ pub fn pair_spec(spec: &AttentionSpec, n_q: usize, n_k: usize) -> AttentionSpec 
         .with_scale(spec.scale)
 }
 
-impl<T> GpuForwardDevice<T> {
-    /// Drops the query chunks (a worker that attends nothing: the ring benchmark's communication-only runs).
-    pub(crate) fn clear_queries(&mut self) {
+impl<T> Idle for GpuForwardDevice<T> {
+    fn idle(&mut self) {
         self.chunks.clear();
     }
 }
@@ -401,12 +426,7 @@ pub fn gpu_ring_forward_mutated<T: GpuElement + Element>(
     mutant: RingMutant,
 ) -> Result<GpuRingOutput<T>, GpuRingError> {
     let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
-    let links: Vec<Mutex<Option<StreamLink<T>>>> =
-        stream_ring::<T>(&streams, mutant)?.into_iter().map(|l| Mutex::new(Some(l))).collect();
-    run_forward_ring(case, config, mutant, &streams, |device| {
-        let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
-        Ok(slot.take().expect("each device takes its link once"))
-    })
+    run_forward_ring(case, config, mutant, &streams, once_per_device(stream_ring::<T>(&streams, mutant)?))
 }
 
 /// Checks that the GPU ring supports `case` over `config` on `streams`; returns (Lq, Lk).
@@ -532,9 +552,8 @@ pub struct GpuBackwardDevice<T> {
     chunks: Vec<BackwardQueryChunk<T>>,
 }
 
-impl<T> GpuBackwardDevice<T> {
-    /// Drops the query chunks (a worker that attends nothing: the ring benchmark's communication-only runs).
-    pub(crate) fn clear_queries(&mut self) {
+impl<T> Idle for GpuBackwardDevice<T> {
+    fn idle(&mut self) {
         self.chunks.clear();
     }
 }
@@ -616,12 +635,8 @@ pub fn gpu_ring_backward<T: GpuElement + Element>(
     config: RingConfig,
 ) -> Result<GpuRingGrads<T>, GpuRingError> {
     let streams: Vec<Arc<CudaStream>> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
-    let links: Vec<Mutex<Option<StreamLink<T>>>> =
-        stream_ring::<T>(&streams, RingMutant::None)?.into_iter().map(|l| Mutex::new(Some(l))).collect();
-    run_backward_ring(case, start, config, &streams, |device| {
-        let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
-        Ok(slot.take().expect("each device takes its link once"))
-    })
+    let links = once_per_device(stream_ring::<T>(&streams, RingMutant::None)?);
+    run_backward_ring(case, start, config, &streams, links)
 }
 
 /// Every backward device's worker (its query chunks with `D` computed, dQ accumulators zero) and own block (dK, dV

@@ -20,8 +20,8 @@ use attnproof_gpu::GpuElement;
 
 use crate::Case;
 use crate::ring_gpu::{
-    BackwardStart, GpuBackwardDevice, GpuForwardDevice, GpuKvBlock, GpuRingError, KvChunk, RingMutant, RingSetups,
-    prepare_backward_ring, prepare_forward_ring, run_threads, stream_ring,
+    BackwardStart, GpuKvBlock, GpuRingError, RingMutant, RingSetups, once_per_device, prepare_backward_ring,
+    prepare_forward_ring, run_threads, stream_ring,
 };
 
 /// Which parts of a ring run are timed.
@@ -39,18 +39,6 @@ pub enum RingVariant {
 pub trait Idle {
     /// Drops the worker's query chunks: it then sees no block and attends nothing.
     fn idle(&mut self);
-}
-
-impl<T> Idle for GpuForwardDevice<T> {
-    fn idle(&mut self) {
-        self.clear_queries();
-    }
-}
-
-impl<T> Idle for GpuBackwardDevice<T> {
-    fn idle(&mut self) {
-        self.clear_queries();
-    }
 }
 
 /// A transport that moves nothing: each `wait` hands over the next block staged on the device before the run, in
@@ -81,28 +69,7 @@ fn staged_blocks<W, T: DeviceRepr>(
     hops: usize,
     stream: &Arc<CudaStream>,
 ) -> Result<VecDeque<GpuKvBlock<T>>, GpuRingError> {
-    let n_devices = setups.len();
-    (1..=hops)
-        .map(|step| {
-            let owner = ring_block_at(device, step, n_devices);
-            let chunks = setups[owner]
-                .1
-                .chunks
-                .iter()
-                .map(|c| {
-                    let acc = c.acc.as_ref().map(|a| stream.clone_dtod(a)).transpose()?;
-                    Ok(KvChunk {
-                        start: c.start,
-                        len: c.len,
-                        k: stream.clone_dtod(&c.k)?,
-                        v: stream.clone_dtod(&c.v)?,
-                        acc,
-                    })
-                })
-                .collect::<Result<_, GpuRingError>>()?;
-            Ok(GpuKvBlock::new(owner, chunks))
-        })
-        .collect()
+    (1..=hops).map(|step| setups[ring_block_at(device, step, setups.len())].1.copy_on(stream)).collect()
 }
 
 /// Milliseconds of one ring run of `setups` over the links `make_link(g)`: the longest of the devices' times, each
@@ -164,13 +131,10 @@ where
     match variant {
         RingVariant::ComputeOnly => {
             let hops = if W::TRAVEL == Travel::Accumulating { n_devices } else { n_devices - 1 };
-            let staged: Vec<Mutex<Option<VecDeque<GpuKvBlock<T>>>>> = (0..n_devices)
-                .map(|g| staged_blocks(&setups, g, hops, &streams[g]).map(|b| Mutex::new(Some(b))))
-                .collect::<Result<_, _>>()?;
-            time_ring(setups, streams, |device| {
-                let blocks = staged[device].lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
-                Ok(PrestagedLink { device, blocks })
-            })
+            let staged =
+                (0..n_devices).map(|g| staged_blocks(&setups, g, hops, &streams[g])).collect::<Result<_, _>>()?;
+            let blocks = once_per_device(staged);
+            time_ring(setups, streams, |device| Ok(PrestagedLink { device, blocks: blocks(device)? }))
         }
         RingVariant::Full | RingVariant::CommOnly => {
             if variant == RingVariant::CommOnly {
@@ -181,18 +145,6 @@ where
     }
 }
 
-/// Device `g`'s [`StreamLink`](crate::ring_gpu::StreamLink) of a ring of simulated devices on `streams`, handed out
-/// once per device.
-fn stream_links<T: Send>(
-    streams: &[Arc<CudaStream>],
-) -> Result<impl Fn(usize) -> Result<crate::ring_gpu::StreamLink<T>, GpuRingError> + Sync, GpuRingError> {
-    let links: Vec<_> = stream_ring::<T>(streams, RingMutant::None)?.into_iter().map(|l| Mutex::new(Some(l))).collect();
-    Ok(move |device: usize| {
-        let mut slot = links[device].lock().unwrap_or_else(|p| p.into_inner());
-        slot.take().ok_or(GpuRingError::Unsupported("a second link for one device"))
-    })
-}
-
 /// Milliseconds of one forward ring of `case` over `config` in `variant`, simulated devices on `streams` (one GPU).
 pub fn time_forward_on_streams<T: GpuElement + Element + Send>(
     case: &Case<T>,
@@ -201,7 +153,7 @@ pub fn time_forward_on_streams<T: GpuElement + Element + Send>(
     variant: RingVariant,
 ) -> Result<f64, GpuRingError> {
     let setups = prepare_forward_ring(case, config, RingMutant::None, streams)?;
-    time_variant(setups, streams, variant, stream_links::<T>(streams)?)
+    time_variant(setups, streams, variant, once_per_device(stream_ring::<T>(streams, RingMutant::None)?))
 }
 
 /// Milliseconds of one backward ring of `case` from `start` over `config` in `variant`, simulated devices on
@@ -214,7 +166,7 @@ pub fn time_backward_on_streams<T: GpuElement + Element + Send>(
     variant: RingVariant,
 ) -> Result<f64, GpuRingError> {
     let setups = prepare_backward_ring(case, start, config, streams)?;
-    time_variant(setups, streams, variant, stream_links::<T>(streams)?)
+    time_variant(setups, streams, variant, once_per_device(stream_ring::<T>(streams, RingMutant::None)?))
 }
 
 /// The share of the communication the full ring hides behind compute: `(compute + comm − ring) / comm` in `[0, 1]`
