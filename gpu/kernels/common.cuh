@@ -79,6 +79,15 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned (&r)[4], unsigned addr) {
                  : "r"(addr));
 }
 
+// Four 8x8 b16 matrices stored transposed: register r[i] is the thread's fragment of matrix i (the m16n8 accumulator
+// layout: row lane / 4, columns 2·(lane % 4) and + 1), and lane l supplies the address of memory row l % 8 of matrix
+// l / 8, which receives column l % 8 of the fragment (sm_90).
+__device__ __forceinline__ void stsm_x4_trans(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+                 "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
 // ldmatrix row addresses of a lane (in elements from the tile's origin), for a row-major [rows][stride] tile:
 //   A operand (16 rows × 16 k):                matrices (rows 0-7 | 8-15) × (k 0-7 | 8-15)
 //   B operand, rows are n (non-transposed):    (n 0-7, k 0-7), (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15)

@@ -28,12 +28,11 @@
 // tiling of bwd_kv; 4 warps over 64 keys leave room for two CTAs per SM). Padding columns are zero in shared memory.
 //
 // Precision recipe (the rounding-error argument is in gpu/src/backward.rs):
-//   s    = fl(dot(q, k) · α̂)                      f32 from the tensor cores, α̂ = fl32(1/√d) from the host
-//   bL   = fl(LSE · L_hi)                         per row; L_hi + L_lo = log2 e to 2^-50
-//   arg  = fma(s, L_hi, fma(s, L_lo, −bL))        ≈ (s − LSE)·log2 e with one rounding of the difference
-//   p    = ex2.approx(arg) if arg ≥ −64, else fl(ex2.approx(arg + 32) · 2^-32) (arg + 32 exact there): p is never
-//          a subnormal ex2 result, so its error is relative plus ½ ulp of the final underflow; p = 0 when masked
-//          or when LSE = −∞ (a row that sees no key: bL = +∞ makes arg = −∞)
+//   dot  = q · k                                  f32 from the tensor cores (unscaled)
+//   cL   = fl32(α̂ · log2 e), bL = fl32(LSE · log2 e)   each one rounding of an f64 product; α̂ = fl32(1/√d)
+//   arg  = fma(dot, cL, −bL)                      ≈ (α̂·dot − LSE)·log2 e, one rounding
+//   p    = ex2.approx.ftz(arg)                    results below 2^-126 flush to +0; p = 0 when masked or when
+//          LSE = −∞ (a row that sees no key: bL = +∞ makes arg = −∞)
 //   dP   = dO · vᵀ                                f32 tensor cores
 //   dS   = round_T(fl(p · fl(dP − D)))
 //   dV  += round_T(p)ᵀ dO, dK += dSᵀ Q, dQ += dS K   f32 accumulators (GQA: per head, then summed in f32 in
@@ -77,6 +76,9 @@
 // DQ_SPLIT parts.
 #define DQ_SPLIT (KV_WARPS / 4)
 #define DQ_COLS (CHUNK / DQ_SPLIT)
+// Whether one chunk covers both padded head dims (then the host launches one chunk, c0 = 0, and every column test
+// against a padded width below is a compile-time constant).
+#define ONE_CHUNK (HEAD_DIM_PAD <= CHUNK && HEAD_DIM_V_PAD <= CHUNK)
 // Row padding of 8 elements (16 bytes): the 8 rows of an ldmatrix phase fall in distinct bank groups.
 #define SMEM_PAD 8
 #define QK_STRIDE (HEAD_DIM_PAD + SMEM_PAD)
@@ -91,44 +93,37 @@ static_assert(KV_WARPS == 4 || KV_WARPS == 8, "KV_WARPS must be 4 or 8");
 static_assert(Q_TILE == 4 * 16, "bwd_kv's dQ step gives each quarter of the warps 16 query rows");
 static_assert(DQ_COLS % 16 == 0, "each dQ column part is whole ldmatrix.x4.trans pairs of n tiles");
 
-// log2 e = L_HI + L_LO: L_HI = fl32(log2 e), L_LO = fl32(log2 e − L_HI); the pair is within 2^-50 of log2 e.
-#define L_HI 1.44269502162933349609375f
-#define L_LO 1.925963033500011079e-8f
-#define TWO_M32 2.3283064365386962890625e-10f
+// log2 e, the double nearest it (within 2^-53 relative): the two per-launch and per-row products cL and bL are formed
+// in f64 and rounded once to f32, so neither carries the rounding of an f32 log2 e.
+#define LOG2E_D 1.4426950408889634
 #define POS_INF __int_as_float(0x7f800000)
 
-// 2^x by the ex2 unit with subnormal inputs and results flushed to zero (no range fix-up around it: the non-.ftz
-// form costs three more instructions per call). Only for exp2_scaled below, where the flush changes no result.
-__device__ __forceinline__ float ex2_approx_ftz(float x) {
+// cL = fl32(α̂ · log2 e): the unscaled dot product times cL is the exponent's score term.
+__device__ __forceinline__ float scale_log2(float scale) { return __double2float_rn((double)scale * LOG2E_D); }
+
+// bL = fl32(LSE · log2 e) of a row; a row that sees no key (LSE = −∞) gets +∞, so that its argument is −∞ and p = +0
+// for any finite score.
+__device__ __forceinline__ float row_bl(float lse) {
+    return lse == NEG_INF ? POS_INF : __double2float_rn((double)lse * LOG2E_D);
+}
+
+// P = exp(α̂·dot − LSE) = 2^fma(dot, cL, −bL) by the ex2 unit with subnormal inputs and results flushed to zero (the
+// non-.ftz form adds a range fix-up of three instructions per element): a result below 2^-126 is lost whole, which
+// the recipe's exp_underflow = 2^-126 charges (gpu/src/backward.rs); a subnormal argument gives 2^0 = 1, as it
+// would after rounding anyway.
+__device__ __forceinline__ float prob(float dot, float cl, float bl) {
     float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmaf_rn(dot, cl, -bl)));
     return y;
 }
 
-// 2^arg without a subnormal ex2 result: below −64 the argument is shifted by 32 (exact: |arg| ≥ 64 has an ulp of at
-// least 2^-17, and the sum is smaller in magnitude) and the normal result scaled back by 2^-32 (exact unless it
-// underflows, then one rounding of at most ½ ulp of the smallest subnormal).
-// One ex2 either way (a branch would evaluate both sides on a divergent warp). arg = −∞ gives +0.
-// The flush-to-zero ex2 returns exactly what the gradual-underflow one would: an argument passed to it is either
-// ≥ −64 (normal result), or x = arg + 32 < −32 whose result, if subnormal (x < −126), is below 2^-126 and after the
-// scaling below 2^-158, under half the smallest subnormal 2^-149: +0 either way. A subnormal argument gives 2^x = 1
-// after rounding either way.
-__device__ __forceinline__ float exp2_scaled(float arg) {
-    const bool low = arg < -64.f;
-    const float y = ex2_approx_ftz(low ? __fadd_rn(arg, 32.f) : arg);
-    return low ? __fmul_rn(y, TWO_M32) : y;
-}
-
-// P = exp(s − LSE) from the scaled score s and the row's bL = fl(LSE · L_HI); a row that sees no key (LSE = −∞) has
-// bL = +∞, so that its argument is −∞ and p = +0 for any finite s.
-__device__ __forceinline__ float prob(float s, float bl) {
-    const float inner = __fmaf_rn(s, L_LO, -bl);
-    return exp2_scaled(__fmaf_rn(s, L_HI, inner));
-}
-
-// Adds two f32 values to consecutive (8-byte aligned) global addresses with one vector reduction (sm_90).
-__device__ __forceinline__ void red_add_v2(float* p, float x0, float x1) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x0), "f"(x1) : "memory");
+// If `add`, adds two f32 values to consecutive (8-byte aligned) global addresses with one vector reduction (sm_90).
+// The condition is a predicate inside the asm: a C++ `if` around an asm statement compiles to a branch per call.
+__device__ __forceinline__ void red_add_v2(bool add, float* p, float x0, float x1) {
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p red.global.add.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(p),
+        "f"(x0), "f"(x1), "r"((int)add)
+        : "memory");
 }
 
 // The per-sequence view of the problem (dense or varlen).
@@ -230,7 +225,7 @@ bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, f
 template <bool MASKED>
 __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const float (&dpt)[Q_TILE / 8][4],
                                           unsigned (&dsp)[Q_TILE / 8][2], const float* bl_t, const float* delta_t,
-                                          float scale, int tig, int diag0, int key_t, int rows_left, int len_k,
+                                          float cl, int tig, int diag0, int key_t, int rows_left, int len_k,
                                           int win_left, int win_right) {
 #pragma unroll
     for (int n = 0; n < Q_TILE / 8; ++n) {
@@ -238,7 +233,7 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const floa
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int qc = n * 8 + tig * 2 + (e % 2);
-            float p = prob(__fmul_rn(st[n][e], scale), bl_t[qc]);
+            float p = prob(st[n][e], cl, bl_t[qc]);
             if (MASKED) {
                 const int i = diag0 + n * 8 + (e % 2);
                 const int j = key_t + 8 * (e / 2);
@@ -249,6 +244,64 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const floa
             st[n][e] = p;
             ds_pair[e % 2] = ds;
             if (e % 2 == 1) dsp[n][e / 2] = pack2(ds_pair[0], ds_pair[1]);
+        }
+    }
+}
+
+// dV += round_T(P)ᵀ dO and dK += dSᵀ Q for one warp's 16 keys over the tile's query rows (k = queries): P from `st`
+// (f32, rounded here), dS from `dsp`, dO and Q from shared memory (`.trans`: the reduction runs along their rows).
+// FULL: all Q_TILE rows are valid (no k-step test); otherwise k-steps wholly past `rows_here` are skipped.
+template <bool FULL>
+__device__ __forceinline__ void add_dk_dv(float (&acc_k)[CHUNK / 8][4], float (&acc_v)[CHUNK / 8][4],
+                                          const float (&st)[Q_TILE / 8][4], const unsigned (&dsp)[Q_TILE / 8][2],
+                                          unsigned do_bt, unsigned q_bt, int c0, int rows_here) {
+#pragma unroll
+    for (int kk = 0; kk < Q_TILE / 16; ++kk) {
+        if (!FULL && kk * 16 >= rows_here) break;
+        unsigned pa[4];
+        pack_a(pa, st[2 * kk], st[2 * kk + 1]);
+        const unsigned sa[4] = {dsp[2 * kk][0], dsp[2 * kk][1], dsp[2 * kk + 1][0], dsp[2 * kk + 1][1]};
+#pragma unroll
+        for (int np = 0; np < CHUNK / 16; ++np) {
+            const int col = c0 + np * 16;
+            unsigned bf[4];
+            if (col < HEAD_DIM_V_PAD) {
+                ldsm_x4_trans(bf, do_bt + (kk * 16 * V_STRIDE + col) * ESZ);
+                mma_16816(acc_v[2 * np], pa, bf[0], bf[1]);
+                mma_16816(acc_v[2 * np + 1], pa, bf[2], bf[3]);
+            }
+            if (col < HEAD_DIM_PAD) {
+                ldsm_x4_trans(bf, q_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
+                mma_16816(acc_k[2 * np], sa, bf[0], bf[1]);
+                mma_16816(acc_k[2 * np + 1], sa, bf[2], bf[3]);
+            }
+        }
+    }
+}
+
+// One warp's share of a KV tile's dQ = dS K: 16 query rows (dS from shared memory at `ds_a`) × DQ_COLS columns from
+// `dq_c`, reduced over the tile's keys (K transposed from shared memory at `k_bt`). FULL: all KV_TILE keys are valid;
+// otherwise k-steps wholly past `keys_here` are skipped.
+template <bool FULL>
+__device__ __forceinline__ void tile_dq(float (&part)[DQ_COLS / 8][4], unsigned ds_a, unsigned k_bt, int dq_c,
+                                        int keys_here) {
+#pragma unroll
+    for (int n = 0; n < DQ_COLS / 8; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KV_TILE / 16; ++kk) {
+        if (!FULL && kk * 16 >= keys_here) break;
+        unsigned af[4];
+        ldsm_x4(af, ds_a + kk * 16 * ESZ);
+#pragma unroll
+        for (int np = 0; np < DQ_COLS / 16; ++np) {
+            const int col = dq_c + np * 16;
+            // One chunk as wide as the padded d: every warp's columns are inside it.
+            if ((ONE_CHUNK && CHUNK == HEAD_DIM_PAD) || col < HEAD_DIM_PAD) {
+                unsigned bf[4];
+                ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
+                mma_16816(part[2 * np], af, bf[0], bf[1]);
+                mma_16816(part[2 * np + 1], af, bf[2], bf[3]);
+            }
         }
     }
 }
@@ -269,9 +322,9 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     float* delta_s = bl_s + Q_STAGES * Q_TILE;
 
     const int b = blockIdx.x;
-    const int head = blockIdx.y / n_chunks;
+    const int head = ONE_CHUNK ? blockIdx.y : blockIdx.y / n_chunks;
     const int kv_head = head / group;
-    const int c0 = (blockIdx.y % n_chunks) * CHUNK;
+    const int c0 = ONE_CHUNK ? 0 : (blockIdx.y % n_chunks) * CHUNK;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int key0 = b * KV_TILE;
     if (key0 >= sv.len_k) return;
@@ -304,9 +357,12 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             q_s + stage * Q_TILE * QK_STRIDE, q_g + (long long)row0 * q_row, q_row, rows, d);
         load_tile_async<Q_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(
             do_s + stage * Q_TILE * V_STRIDE, do_g + (long long)row0 * o_row, o_row, rows, dv);
-        for (int r = threadIdx.x; r < Q_TILE; r += KV_THREADS) {
+#pragma unroll
+        for (int round = 0; round < (Q_TILE + KV_THREADS - 1) / KV_THREADS; ++round) {
+            const int r = (int)threadIdx.x + round * KV_THREADS;
+            if (r >= Q_TILE) break;
             const float l = r < rows ? lse_g[row0 + r] : NEG_INF;
-            bl_s[stage * Q_TILE + r] = l == NEG_INF ? POS_INF : __fmul_rn(l, L_HI);
+            bl_s[stage * Q_TILE + r] = row_bl(l);
             delta_s[stage * Q_TILE + r] = r < rows ? delta_g[row0 + r] : 0.f;
         }
     };
@@ -325,8 +381,12 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const int wq = (warp % 4) * 16;
     const int dq_c = c0 + (warp / 4) * DQ_COLS;
     const unsigned ds_a = smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE));
+    // stmatrix row addresses: lane l writes row l % 8 (a query) of block l / 8: keys wk + 8·(l/8 % 2), queries
+    // 8·(l / 16) further down.
+    const unsigned ds_st = smem_u32(ds_s + ((lane % 8) + (lane / 16) * 8) * DS_STRIDE + wk + ((lane / 8) % 2) * 8);
     const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
     const int key_t = key0 + wk + g;  // the key of the thread's accumulator rows g (and key_t + 8: row g + 8)
+    const float cl = scale_log2(scale);
 
     float acc_k[CHUNK / 8][4], acc_v[CHUNK / 8][4];
 #pragma unroll
@@ -372,80 +432,60 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                               wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
         unsigned dsp[Q_TILE / 8][2];
         if (interior) {
-            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, scale, tig, 0, 0, 0, 0, 0, 0);
+            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, 0, 0, 0, 0, 0, 0);
         } else {
-            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, scale, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
+            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, cl, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
                             sv.len_k, win_left, win_right);
         }
 
         // dV += round_T(P)ᵀ dO and dK += dSᵀ Q over the tile's query rows (k = queries).
-#pragma unroll
-        for (int kk = 0; kk < Q_TILE / 16; ++kk) {
-            if (kk * 16 >= rows_here) break;
-            unsigned pa[4];
-            pack_a(pa, st[2 * kk], st[2 * kk + 1]);
-            const unsigned sa[4] = {dsp[2 * kk][0], dsp[2 * kk][1], dsp[2 * kk + 1][0], dsp[2 * kk + 1][1]};
-#pragma unroll
-            for (int np = 0; np < CHUNK / 16; ++np) {
-                const int col = c0 + np * 16;
-                unsigned bf[4];
-                if (col < HEAD_DIM_V_PAD) {
-                    ldsm_x4_trans(bf, do_bt + do_off + (kk * 16 * V_STRIDE + col) * ESZ);
-                    mma_16816(acc_v[2 * np], pa, bf[0], bf[1]);
-                    mma_16816(acc_v[2 * np + 1], pa, bf[2], bf[3]);
-                }
-                if (col < HEAD_DIM_PAD) {
-                    ldsm_x4_trans(bf, q_bt + q_off + (kk * 16 * QK_STRIDE + col) * ESZ);
-                    mma_16816(acc_k[2 * np], sa, bf[0], bf[1]);
-                    mma_16816(acc_k[2 * np + 1], sa, bf[2], bf[3]);
-                }
-            }
+        if (rows_here == Q_TILE) {
+            add_dk_dv<true>(acc_k, acc_v, st, dsp, do_bt + do_off, q_bt + q_off, c0, rows_here);
+        } else {
+            add_dk_dv<false>(acc_k, acc_v, st, dsp, do_bt + do_off, q_bt + q_off, c0, rows_here);
         }
 
         // dQ of this KV tile: dS (queries × keys) through shared memory, times K (k = keys).
         if (dq_mode != 0 && c0 < d) {
+            // dsp[n][h] is the fragment of the 8 × 8 block (keys wk + 8h …, queries 8n …); stmatrix.trans writes each
+            // block transposed, four per instruction, so ds_s holds dS with queries as rows.
 #pragma unroll
-            for (int n = 0; n < Q_TILE / 8; ++n) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int qc = n * 8 + tig * 2 + (e % 2);
-                    const unsigned short bits = (unsigned short)(dsp[n][e / 2] >> (16 * (e % 2)));
-                    reinterpret_cast<unsigned short*>(ds_s)[qc * DS_STRIDE + wk + g + 8 * (e / 2)] = bits;
-                }
+            for (int n = 0; n < Q_TILE / 8; n += 2) {
+                stsm_x4_trans(ds_st + n * 8 * DS_STRIDE * ESZ, dsp[n][0], dsp[n][1], dsp[n + 1][0], dsp[n + 1][1]);
             }
             __syncthreads();
             float part[DQ_COLS / 8][4];
-#pragma unroll
-            for (int n = 0; n < DQ_COLS / 8; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < KV_TILE / 16; ++kk) {
-                if (kk * 16 >= keys_here) break;
-                unsigned af[4];
-                ldsm_x4(af, ds_a + kk * 16 * ESZ);
-#pragma unroll
-                for (int np = 0; np < DQ_COLS / 16; ++np) {
-                    const int col = dq_c + np * 16;
-                    if (col < HEAD_DIM_PAD) {
-                        unsigned bf[4];
-                        ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
-                        mma_16816(part[2 * np], af, bf[0], bf[1]);
-                        mma_16816(part[2 * np + 1], af, bf[2], bf[3]);
-                    }
-                }
+            if (keys_here == KV_TILE) {
+                tile_dq<true>(part, ds_a, k_bt, dq_c, keys_here);
+            } else {
+                tile_dq<false>(part, ds_a, k_bt, dq_c, keys_here);
             }
-#pragma unroll
-            for (int n = 0; n < DQ_COLS / 8; ++n) {
+            // The warp's rows of the tile's dQ: added to the f32 accumulator (mode 1) or stored as this KV tile's
+            // partial (mode 2); one branch on the mode around all of them, so each row's stores are predicated.
+            float* dq_tile = (dq_mode == 1 ? dq_acc : dq_part + (long long)b * part_stride) + sv.q_base +
+                             head * q_head + (long long)row0 * q_row;
+            if (dq_mode == 1) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = wq + g + 8 * r;
-                    const int col = dq_c + n * 8 + tig * 2;
-                    if (row >= rows_here || col >= d) continue;
-                    const long long idx = sv.q_base + head * q_head + (long long)(row0 + row) * q_row + col;
-                    if (dq_mode == 1) {
-                        red_add_v2(dq_acc + idx, part[n][2 * r], part[n][2 * r + 1]);
-                    } else {
-                        *reinterpret_cast<float2*>(dq_part + (long long)b * part_stride + idx) =
-                            make_float2(part[n][2 * r], part[n][2 * r + 1]);
+                    float* dq_row = dq_tile + (long long)row * q_row + dq_c + tig * 2;
+#pragma unroll
+                    for (int n = 0; n < DQ_COLS / 8; ++n) {
+                        const bool live = row < rows_here && dq_c + n * 8 + tig * 2 < d;
+                        red_add_v2(live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const int row = wq + g + 8 * r;
+                    float* dq_row = dq_tile + (long long)row * q_row;
+#pragma unroll
+                    for (int n = 0; n < DQ_COLS / 8; ++n) {
+                        const int col = dq_c + n * 8 + tig * 2;
+                        if (row < rows_here && col < d) {
+                            *reinterpret_cast<float2*>(dq_row + col) = make_float2(part[n][2 * r], part[n][2 * r + 1]);
+                        }
                     }
                 }
             }
@@ -570,7 +610,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         if (row < rows_here) {
             const float l = lse[sv.lse_base + head * lse_head + row0 + row];
             live[r] = l != NEG_INF;
-            bl[r] = live[r] ? __fmul_rn(l, L_HI) : 0.f;
+            bl[r] = live[r] ? row_bl(l) : 0.f;
             dl[r] = delta[sv.lse_base + head * lse_head + row0 + row];
         }
     }
@@ -582,6 +622,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const unsigned k_b = smem_u32(k_s + lane_b(lane, QK_STRIDE));
     const unsigned v_b = smem_u32(v_s + lane_b(lane, V_STRIDE));
     const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
+    const float cl = scale_log2(scale);
 
     // The KV tiles this query tile visits: exactly those whose kv_tile_rows range contains it.
     const int n_kt = (sv.len_k + DQ_KV_TILE - 1) / DQ_KV_TILE;
@@ -620,7 +661,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 const int r = e / 2;
                 const int j = key0 + n * 8 + tig * 2 + (e % 2);
                 const bool vis = live[r] && j < sv.len_k && j <= diag[r] + win_right && j >= diag[r] - win_left;
-                const float p = vis ? prob(__fmul_rn(s[n][e], scale), bl[r]) : 0.f;
+                const float p = vis ? prob(s[n][e], cl, bl[r]) : 0.f;
                 s[n][e] = to_f32(to_elem(__fmul_rn(p, __fsub_rn(dp[n][e], dl[r]))));
             }
         }

@@ -37,29 +37,37 @@
 //! `attnproof_proofs::flash_bound::backward_bounds`) except in how `P = exp(s − LSE)` is evaluated and in how the
 //! tensor cores add. The verifier's `FlashRecipe` (`attnproof_proofs::flash_bound`) for this kernel is the
 //! reference's for the storage type (`unit_roundoff = u_T`, `subnormal = τ_T`) with `kv_tile =` [`KV_TILE`],
-//! `extra_merges = 0`, `exp_error =` [`EXP_RELATIVE_ERROR`], `shift_rounding =` [`BACKWARD_SHIFT_ROUNDING`] and
-//! `accumulation = TensorCore { k_step: 16 }`, verified with `q_tile = 64` (`gpu/tests/flash_backward.rs`):
+//! `extra_merges = 0`, `exp_error =` [`EXP_RELATIVE_ERROR`], `shift_rounding =` [`BACKWARD_SHIFT_ROUNDING`],
+//! `exp_underflow =` [`EXP_UNDERFLOW`] and `accumulation = TensorCore { k_step: 16 }`, verified with `q_tile = 64`
+//! (`gpu/tests/flash_backward.rs`).
 //!
-//! - `exp_error = 5u` (`u = 2^-24`): `ex2.approx.f32` is within 2 ulp of the correctly rounded result (PTX ISA,
-//!   "ex2"), so within 2.5 ulp of `2^x`, a relative error of at most `5u` for a normal result (the forward's
-//!   argument, `attnproof_gpu::flash`). The kernel never takes a subnormal `ex2` result: below an argument of −64 it
-//!   evaluates `fl(ex2(arg + 32) · 2^-32)`, where `arg + 32` is exact (an f32 of magnitude ≥ 64 has an ulp of at least
-//!   `2^-17`, and the sum is smaller) and the scaling is exact unless the result underflows, which rounds once, by at
-//!   most `½τ₃₂`. So `p` carries a relative error `5u` plus an absolute `½τ₃₂`; the model's terms in
-//!   `exp_underflow = τ₃₂` (the default: `τ₃₂|dP − D|` in `dS`, `Lq(τ_T + τ₃₂) max|dO|` in `dV`) cover the absolute
-//!   part. The `ex2` is the flush-to-zero form (three instructions fewer than the gradual-underflow one, whose range
-//!   fix-up is dead here): its argument is at least −64 (a normal result), or `arg + 32 < −32` whose result, if
-//!   subnormal, falls below `2^-158` after the scaling and rounds to `+0` either way; so it returns the same bits as
-//!   `--ftz=false` would. (Dropping the shift would lose results below `2^-126` whole: `exp_underflow = 2^-126`.)
-//! - `shift_rounding = 3u`: the argument is `arg = fma(s, L_hi, fma(s, L_lo, −fl(LSE·L_hi)))` with
-//!   `L_hi = fl32(log2 e)`, `L_lo = fl32(log2 e − L_hi)` (`|L_hi + L_lo − log2 e| ≤ 2^-50`). In natural-log units its
-//!   error against `s − LSE` is: the outer fma's rounding, `u|s − LSE|` (the model's own `u|s − LSE|` term, the
-//!   rounding of `fl(s − LSE)` in the reference); the rounding of `LSE·L_hi`, `u|LSE|`; the inner fma's rounding,
-//!   at most `u(|LSE| + 2^-24|s|)`; the `LSE·L_lo` the argument leaves out, `|LSE|·L_lo/log2 e ≤ 0.23u|LSE|`; and the
-//!   pair's representation error `2^-50(|s| + |LSE|)`. With `|s| ≤ |s − LSE| + |LSE|` the total is
-//!   `u|s − LSE| + 2.23u|LSE|` plus terms of order `u²`, which the model's second-order factor absorbs; `3u|LSE|`
-//!   covers the `|LSE|` part. (A single `fma(s, L, −fl(LSE·L))`, the forward's form, would add `u|s − LSE|` from the
-//!   rounding of `L`, which no parameter of the backward model covers; hence the split constant.)
+//! `P` is FlashAttention's fused form: `p = ex2.approx.ftz(fma(dot, c_L, −b_L))`, with `dot` the unscaled tensor-core
+//! dot product `q·k`, `c_L = fl32(α̂·log2 e)` per launch and `b_L = fl32(LSE·log2 e)` per row, each product formed in
+//! f64 (`log2 e` to `2^-53`) and rounded once to f32. Write `s = α·q·k` (exact, with the oracle's `α`),
+//! `α̂ = α(1 + δ₀)`, `c_L = α̂·log2 e·(1 + δ₁)`, `b_L = LSE·log2 e·(1 + δ₂)` (`LSE` the candidate's f32 value, whose own
+//! error is the forward bound `b^L` the model adds), the fma's rounding `(1 + δ₃)`, every `|δ| ≤ u`. In natural-log
+//! units the argument is `α·dot·(1 + δ₀)(1 + δ₁) − LSE(1 + δ₂)`, times `(1 + δ₃)`, so its error against `s − LSE` is,
+//! to first order:
+//!
+//! - `α(dot − q·k)`, the tensor cores' dot-product error, and `(δ₀ + δ₁)α·dot`, at most `2u|α|Σ_c|q_c||k_c|`: both
+//!   inside the model's score term `σ_ij = (g(d) + 3u)|α|Σ_c|q_c||k_c|` (the reference spends the same `2u` on `α̂`
+//!   and the rounding of `fl(dot·α̂)`), with `u|α|Σ_c|q_c||k_c|` to spare;
+//! - `δ₃(s − LSE)`: `u|s − LSE|`, the model's own `u|s_ij − LSE_i|` (the reference's rounding of `fl(s − LSE)`);
+//! - `δ₂·LSE`: `u|LSE|`, the shift rounding. The f64 products and the f64 `log2 e` add relative errors of `2^-52`,
+//!   `2^-29` of the `u` terms beside them. `shift_rounding = 2u` charges `u|LSE|` and covers those with room.
+//!
+//! The exponential:
+//!
+//! - `exp_error = 5u` (`u = 2^-24`): `ex2.approx.ftz.f32` is within 2 ulp of the correctly rounded result for a
+//!   normal result (PTX ISA, "ex2"; the `.ftz` form only flushes subnormal inputs and results), so within 2.5 ulp of
+//!   `2^x`, a relative error of at most `5u` (the forward's argument, `attnproof_gpu::flash`).
+//! - `exp_underflow = 2^-126`: a result below `2^-126` is flushed to `+0`, a loss of at most `2^-126` beside the
+//!   relative error: the model's terms `2^-126|dP − D|` in `dS` and `Lq(τ_T + 2^-126) max|dO|` in `dV` cover it. A
+//!   subnormal argument is flushed to 0 and gives `2^0 = 1`, which is its correctly rounded result. (An earlier
+//!   recipe kept subnormal results by shifting arguments below −64; the shift cost three instructions per element
+//!   and the flush's loss is far below every other term of these bounds.)
+//! - A masked element has `p = 0` exactly (a select), and a row that sees no key (`LSE = −∞`) has `b_L = +∞`, so its
+//!   argument is `−∞` and `p = +0` for any finite score.
 //! - `accumulation = TensorCore { k_step: 16 }`: every product is an `m16n8k16` MMA with f32 accumulation. The model
 //!   charges a sum of `n` terms `γ'(n + ⌈n/16⌉)` with `u' = 2u` (alignment and truncation inside the MMA, one extra
 //!   addition per instruction). The kernel's sums take at most that many instructions: k-steps of 16 rows that lie
@@ -70,14 +78,14 @@
 //!   round-to-nearest additions (atomic, or in ascending tile order), at most `n_k − 1` of them per term. `D` is an f32
 //!   fma chain and a shuffle tree over `dv` terms: `γ(dv)` for any order, below the tensor-core `γ'`.
 //! - `q_tile = 64`, `kv_tile = 128`: the tile counts `n_q`, `n_k` of the model's partial sums.
-//! - Everything else is the reference's recipe: `s = fl(dot·α̂)` with the host's `α̂ = fl32(1/√d)`;
+//! - Everything else is the reference's recipe: `α̂ = fl32(1/√d)` from the host;
 //!   `dS = round_T(fl(p·fl(dP − D)))` (the model's `2u + u_T` and `τ_T`); `dV` from `round_T(p)`; dK and dQ scaled
 //!   by one f32 multiplication by `α̂` and rounded once to `T` (`3u + u_T`); under GQA each query head's dK, dV is
 //!   accumulated in its own f32 registers, stored in f32, and summed over the group in ascending head order by
 //!   `bwd_kv_group_sum` (the model's per-head bounds plus `γ(group)Σ_h|g_h|`).
 //!
 //! The candidate's forward (`O`, `LSE`) enters through the model's forward bounds, evaluated with the same recipe;
-//! the GPU forward (`attnproof_gpu::flash`) satisfies them, since its own `shift_rounding = u` is below `3u`.
+//! the GPU forward (`attnproof_gpu::flash`) satisfies them, since its own `shift_rounding = u` is below `2u`.
 
 use std::sync::Arc;
 
@@ -113,7 +121,10 @@ const U32: f64 = f32::EPSILON as f64 / 2.0;
 /// Relative error of `ex2.approx.f32` on a normal result (see the module docs).
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the backward's exponent argument per unit of `|LSE|` (see the module docs).
-pub const BACKWARD_SHIFT_ROUNDING: f64 = 3.0 * U32;
+pub const BACKWARD_SHIFT_ROUNDING: f64 = 2.0 * U32;
+/// What the backward's flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal
+/// f32 (see the module docs).
+pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
 
 /// How `bwd_kv` tiles the keys: `kv_warps` warps per CTA, each owning 16 keys, so a KV tile of `16 · kv_warps` keys.
 /// Eight warps (128 keys) load each query tile once per 128 keys; four (64 keys) need half the registers and shared

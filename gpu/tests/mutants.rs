@@ -157,8 +157,8 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
     // The atomic dQ mode drops the odd column of each pair.
     Mutant {
         name: "bwd_atomic_dq_column_lost",
-        find: "red_add_v2(dq_acc + idx, part[n][2 * r], part[n][2 * r + 1]);",
-        replace: "red_add_v2(dq_acc + idx, part[n][2 * r], 0.f);",
+        find: "red_add_v2(live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);",
+        replace: "red_add_v2(live, dq_row + n * 8, part[n][2 * r], 0.f);",
     },
     // The next query tile is prefetched into the stage being computed on (a race that mixes two tiles).
     Mutant {

@@ -32,6 +32,10 @@ const MAX_BUNDLE_BYTES: u64 = 64 * 1024 * 1024;
 /// The entry script: requires a GPU, points NVRTC at the toolkit, and runs one mode.
 const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Entry script of the GPU bundle (made by `cargo xtask gpu-bundle`). Modes:
+#   run.sh all [ARGS]       the whole GPU verification in one go: every test binary (the GPU mutants among them) and
+#                           the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
+#                           and the peers (ARGS go to bin/bench). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
+#                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
 #   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
 #   run.sh mutants          the GPU mutants (patched kernel texts) and the table mutant -> killed by
 #   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
@@ -70,9 +74,49 @@ SANITIZE=(
 )
 mode=tests
 case "${1:-}" in
-    tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
+    all | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
 esac
 case "$mode" in
+all)
+    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
+    work="$(mktemp -d)"
+    start=$(date +%s)
+    # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
+    # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest.
+    for bin in "$here"/tests/*; do
+        name="$(basename "$bin")"
+        ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
+    done
+    (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
+    wait
+    phase1=$(($(date +%s) - start))
+    # Phase 2, alone on the GPU: ours, then PyTorch's kernels in the same call.
+    PEERS_ARGS="${PEERS_ARGS:---backward}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
+    echo $? >"$work/bench.rc"
+    failed=0
+    {
+        echo "gpu-bundle all: tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
+        for rc in "$work"/*.rc; do
+            name="$(basename "$rc" .rc)"
+            status="$(cat "$rc")"
+            [ "$status" = "0" ] || failed=$((failed + 1))
+            counts="$(grep -h "^test result" "$work/$name.log" 2>/dev/null | sed 's/^test result: //; s/; finished.*//' | paste -sd' ' -)"
+            echo "$name: exit $status${counts:+ ($counts)}"
+        done
+        grep -h "^gpu mutants of\|^gpu-bundle sanitize" "$work"/*.log
+        grep -h "skipped: no CUDA device" "$work"/test-*.log && failed=$((failed + 1))
+        echo
+        sed -n '/^shape /,$p' "$work/bench.log"
+        echo
+        echo "gpu-bundle all: $failed parts failed"
+    } >"$work/summary.txt"
+    cat "$work/summary.txt"
+    mkdir -p "$logs"
+    cp "$work/summary.txt" "$logs/summary.txt"
+    (cd "$work" && tar czf "$logs/all-logs.tgz" ./*.log ./*.rc summary.txt)
+    echo "gpu-bundle all: logs in $logs (all-logs.tgz)"
+    exit $((failed > 0))
+    ;;
 tests)
     failed=0
     for bin in "$here"/tests/*; do
@@ -318,9 +362,15 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in ["tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
+        for mode in ["all)", "tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));
+        // `all` runs the tests and the sanitizer, then the benchmark with the backward, and fails on a skip.
+        for step in
+            ["bash \"$here/run.sh\" sanitize", "bash \"$here/run.sh\" bench --backward", "skipped: no CUDA device"]
+        {
+            assert!(RUN_SH.contains(step), "run.sh all lacks {step}");
+        }
     }
 }

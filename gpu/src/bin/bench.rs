@@ -7,11 +7,14 @@
 //! CUDA events, and the median of those. FLOPs are `4·B·H·L²·D` non-causal and half that causal (the two matrix
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
-//! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward]`. `--all-tilings` also times every
+//! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
+//! [--bwd-source PATH]...`. `--all-tilings` also times every
 //! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
-//! 2.5 times the forward's.
+//! 2.5 times the forward's. `--bwd-source PATH` (repeatable) also times the backward compiled from another text of
+//! the kernel (a whole NVRTC source: `common.cuh` followed by a `flash_bwd.cu`), in rows named after the file: one
+//! device call can then compare candidate kernels with the embedded one on the same inputs.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -20,7 +23,7 @@ use std::sync::Arc;
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
@@ -41,10 +44,32 @@ struct Options {
     backward: bool,
     /// `--shape B,H,L,D`: only this row of SHAPES (a quick look while tuning; the report runs all of them).
     shape: Option<(usize, usize, usize, usize)>,
+    /// `--bwd-source PATH`: other texts of the backward kernel, each timed beside the embedded one (name, source).
+    bwd_sources: Vec<KernelSource>,
+}
+
+/// The kernel text in `path` as a source the compile cache can key on (leaked: it lives as long as the process).
+fn kernel_from_file(path: &str) -> Result<KernelSource, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("--bwd-source {path}: {e}"))?;
+    if !text.contains("bwd_kv(") {
+        return Err(format!("--bwd-source {path}: no bwd_kv kernel in the file"));
+    }
+    let stem = std::path::Path::new(path).file_stem().and_then(|s| s.to_str()).unwrap_or("variant");
+    // NVRTC program names and CSV cells: keep the name plain.
+    let name: String = stem.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').collect();
+    Ok(KernelSource { name: Box::leak(name.into_boxed_str()), source: Box::leak(text.into_boxed_str()) })
 }
 
 fn parse() -> Result<Options, String> {
-    let mut o = Options { reps: 30, warmup: 5, all_tilings: false, csv: None, backward: false, shape: None };
+    let mut o = Options {
+        reps: 30,
+        warmup: 5,
+        all_tilings: false,
+        csv: None,
+        backward: false,
+        shape: None,
+        bwd_sources: vec![],
+    };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -54,6 +79,10 @@ fn parse() -> Result<Options, String> {
             "--csv" => o.csv = Some(value("--csv")?),
             "--all-tilings" => o.all_tilings = true,
             "--backward" => o.backward = true,
+            "--bwd-source" => {
+                let path = value("--bwd-source")?;
+                o.bwd_sources.push(kernel_from_file(&path)?);
+            }
             "--shape" => {
                 let text = value("--shape")?;
                 let dims: Vec<usize> =
@@ -69,6 +98,9 @@ fn parse() -> Result<Options, String> {
             }
             other => return Err(format!("unknown argument `{other}`")),
         }
+    }
+    if !o.bwd_sources.is_empty() && !o.backward {
+        return Err("--bwd-source times backward kernels: add --backward".into());
     }
     if o.reps < 20 {
         return Err("--reps must be at least 20 (the median of fewer launches is too noisy to report)".into());
@@ -225,8 +257,12 @@ fn run(opts: &Options) -> Result<(), String> {
                 // Every tiling with --all-tilings, the default one otherwise; each with both timed strategies.
                 let bwd_tilings: Vec<BackwardTiling> =
                     if opts.all_tilings { BackwardTiling::ALL.to_vec() } else { vec![BackwardTiling::DEFAULT] };
-                let runs = bwd_tilings.iter().flat_map(|&t| TIMED_STRATEGIES.map(|(s, name)| (t, s, name)));
-                for (tiling, strategy, name) in runs {
+                let kernels = std::iter::once(FLASH_BWD).chain(opts.bwd_sources.iter().copied());
+                let runs = kernels.flat_map(|kernel| {
+                    bwd_tilings.iter().flat_map(move |&t| TIMED_STRATEGIES.map(|(s, name)| (kernel, t, s, name)))
+                });
+                for (kernel, tiling, strategy, name) in runs {
+                    let embedded = kernel.source == FLASH_BWD.source;
                     let ms = median_ms(&stream, opts, |s| {
                         let inputs = BackwardDeviceInputs {
                             q: &inputs.q[s],
@@ -238,14 +274,19 @@ fn run(opts: &Options) -> Result<(), String> {
                         };
                         let outputs =
                             BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
-                        flash_backward_device_with(&stream, &spec, FLASH_BWD, tiling, inputs, outputs, strategy)
+                        flash_backward_device_with(&stream, &spec, kernel, tiling, inputs, outputs, strategy)
                             .map_err(|e| e.to_string())
                     })?;
                     // Five matrix products to the forward's two: 2.5 times its FLOPs, as the peers count them.
+                    let source = if embedded { String::new() } else { format!("@{}", kernel.name) };
                     let line = format!(
-                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w,{},{ms:.4},{:.1}\n",
+                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w{source},{},{ms:.4},{:.1}\n",
                         tiling.kv_warps,
-                        u8::from(strategy == GpuBackwardStrategy::KvOwnerAtomic && tiling == BackwardTiling::DEFAULT),
+                        u8::from(
+                            embedded
+                                && strategy == GpuBackwardStrategy::KvOwnerAtomic
+                                && tiling == BackwardTiling::DEFAULT
+                        ),
                         2.5 * flops / ms / 1e9
                     );
                     emit(&mut out, line);

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, BackwardTiling, flash_backward_device_with};
+use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, BackwardTiling, EXP_UNDERFLOW, flash_backward_device_with};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
 use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, flash_forward};
@@ -78,6 +78,7 @@ pub fn backward_recipe_for<T: Element>(tiling: BackwardTiling) -> FlashRecipe {
     FlashRecipe {
         exp_error: attnproof_gpu::backward::EXP_RELATIVE_ERROR,
         shift_rounding: BACKWARD_SHIFT_ROUNDING,
+        exp_underflow: EXP_UNDERFLOW,
         accumulation: Accumulation::TensorCore { k_step: 16 },
         // The backward forms Sᵀ = K Qᵀ with transposed MMAs: no bitwise reuse of the forward's scores.
         score_reuse: ScoreReuse::Recomputed,

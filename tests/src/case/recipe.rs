@@ -86,7 +86,8 @@ impl Recipe {
             // 1 ulp. 8u covers both with margin.
             exp_error: 8.0 * u,
             // Arguments formed as s·c − fl(m·c) (FlashAttention 2/3, cuDNN) shift by ≤ u|m|;
-            // the backward's split-constant FMA form by ≤ 3u|LSE|. 4u covers both.
+            // a backward's fma(dot, c, −fl(LSE·log2 e)) by ≤ 1.23u|LSE| with an f32 log2 e
+            // (its rounding multiplies LSE). 4u covers both.
             shift_rounding: 4.0 * u,
             // FlashAttention 2 and 3 build with --use_fast_math, whose exp2f flushes subnormal
             // results to zero: a lost probability of up to 2^-126 covers it and gradual underflow.
