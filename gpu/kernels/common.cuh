@@ -39,6 +39,15 @@ __device__ __forceinline__ float ex2_approx(float x) {
     return y;
 }
 
+// 2^x with subnormal inputs and results flushed to zero: one MUFU.EX2, where the gradual-underflow form above adds a
+// range fix-up of three instructions. A result below 2^-126 is lost whole (the recipes that use it charge
+// exp_underflow = 2^-126); a subnormal input gives 2^0 = 1, its correctly rounded result anyway.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // C += A·B for one m16n8k16 tile: A row-major 16×16, B column-major 16×8, f32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "

@@ -72,9 +72,12 @@
 #define NUM_WARPS 4
 #define THREADS (NUM_WARPS * 32)
 #define KV_THREADS (KV_WARPS * 32)
-// bwd_kv's dQ step: each quarter of the warps takes 16 query rows, and the quarters split the chunk's columns in
-// DQ_SPLIT parts.
-#define DQ_SPLIT (KV_WARPS / 4)
+// bwd_kv's dQ step: the warps form DQ_ROW_GROUPS groups along the tile's query rows, DQ_MT m-tiles of 16 rows each,
+// and split the chunk's columns in DQ_SPLIT parts. Two groups of 32 rows, where the parts stay whole pairs of 16
+// columns, let each dS fragment a warp loads feed twice the MMAs of four groups of 16 rows (fewer ldmatrix per MMA).
+#define DQ_ROW_GROUPS ((CHUNK / (KV_WARPS / 2)) % 16 == 0 ? 2 : 4)
+#define DQ_MT (Q_TILE / 16 / DQ_ROW_GROUPS)
+#define DQ_SPLIT (KV_WARPS / DQ_ROW_GROUPS)
 #define DQ_COLS (CHUNK / DQ_SPLIT)
 // Whether one chunk covers both padded head dims (then the host launches one chunk, c0 = 0, and every column test
 // against a padded width below is a compile-time constant).
@@ -90,7 +93,7 @@ static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD
 static_assert(CHUNK % 32 == 0 && CHUNK <= 128, "CHUNK must be a multiple of 32 up to 128");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "Q_STAGES must be 1 or 2");
 static_assert(KV_WARPS == 4 || KV_WARPS == 8, "KV_WARPS must be 4 or 8");
-static_assert(Q_TILE == 4 * 16, "bwd_kv's dQ step gives each quarter of the warps 16 query rows");
+static_assert(Q_TILE == 4 * 16, "bwd_kv's dQ step splits the tile's four m-tiles among its row groups");
 static_assert(DQ_COLS % 16 == 0, "each dQ column part is whole ldmatrix.x4.trans pairs of n tiles");
 
 // log2 e, the double nearest it (within 2^-53 relative): the two per-launch and per-row products cL and bL are formed
@@ -107,15 +110,9 @@ __device__ __forceinline__ float row_bl(float lse) {
     return lse == NEG_INF ? POS_INF : __double2float_rn((double)lse * LOG2E_D);
 }
 
-// P = exp(α̂·dot − LSE) = 2^fma(dot, cL, −bL) by the ex2 unit with subnormal inputs and results flushed to zero (the
-// non-.ftz form adds a range fix-up of three instructions per element): a result below 2^-126 is lost whole, which
-// the recipe's exp_underflow = 2^-126 charges (gpu/src/backward.rs); a subnormal argument gives 2^0 = 1, as it
-// would after rounding anyway.
-__device__ __forceinline__ float prob(float dot, float cl, float bl) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(__fmaf_rn(dot, cl, -bl)));
-    return y;
-}
+// P = exp(α̂·dot − LSE) = 2^fma(dot, cL, −bL), flushing results below 2^-126 (the recipe's exp_underflow,
+// gpu/src/backward.rs).
+__device__ __forceinline__ float prob(float dot, float cl, float bl) { return ex2_approx_ftz(__fmaf_rn(dot, cl, -bl)); }
 
 // If `add`, adds two f32 values to consecutive (8-byte aligned) global addresses with one vector reduction (sm_90).
 // The condition is a predicate inside the asm: a C++ `if` around an asm statement compiles to a branch per call.
@@ -279,19 +276,23 @@ __device__ __forceinline__ void add_dk_dv(float (&acc_k)[CHUNK / 8][4], float (&
     }
 }
 
-// One warp's share of a KV tile's dQ = dS K: 16 query rows (dS from shared memory at `ds_a`) × DQ_COLS columns from
+// One warp's share of a KV tile's dQ = dS K: DQ_MT m-tiles of 16 query rows (dS from shared memory at `ds_a`) × DQ_COLS columns from
 // `dq_c`, reduced over the tile's keys (K transposed from shared memory at `k_bt`). FULL: all KV_TILE keys are valid;
 // otherwise k-steps wholly past `keys_here` are skipped.
 template <bool FULL>
-__device__ __forceinline__ void tile_dq(float (&part)[DQ_COLS / 8][4], unsigned ds_a, unsigned k_bt, int dq_c,
+__device__ __forceinline__ void tile_dq(float (&part)[DQ_MT][DQ_COLS / 8][4], unsigned ds_a, unsigned k_bt, int dq_c,
                                         int keys_here) {
 #pragma unroll
-    for (int n = 0; n < DQ_COLS / 8; ++n) part[n][0] = part[n][1] = part[n][2] = part[n][3] = 0.f;
+    for (int mt = 0; mt < DQ_MT; ++mt) {
+#pragma unroll
+        for (int n = 0; n < DQ_COLS / 8; ++n) part[mt][n][0] = part[mt][n][1] = part[mt][n][2] = part[mt][n][3] = 0.f;
+    }
 #pragma unroll
     for (int kk = 0; kk < KV_TILE / 16; ++kk) {
         if (!FULL && kk * 16 >= keys_here) break;
-        unsigned af[4];
-        ldsm_x4(af, ds_a + kk * 16 * ESZ);
+        unsigned af[DQ_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < DQ_MT; ++mt) ldsm_x4(af[mt], ds_a + (mt * 16 * DS_STRIDE + kk * 16) * ESZ);
 #pragma unroll
         for (int np = 0; np < DQ_COLS / 16; ++np) {
             const int col = dq_c + np * 16;
@@ -299,8 +300,11 @@ __device__ __forceinline__ void tile_dq(float (&part)[DQ_COLS / 8][4], unsigned 
             if ((ONE_CHUNK && CHUNK == HEAD_DIM_PAD) || col < HEAD_DIM_PAD) {
                 unsigned bf[4];
                 ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
-                mma_16816(part[2 * np], af, bf[0], bf[1]);
-                mma_16816(part[2 * np + 1], af, bf[2], bf[3]);
+#pragma unroll
+                for (int mt = 0; mt < DQ_MT; ++mt) {
+                    mma_16816(part[mt][2 * np], af[mt], bf[0], bf[1]);
+                    mma_16816(part[mt][2 * np + 1], af[mt], bf[2], bf[3]);
+                }
             }
         }
     }
@@ -377,9 +381,10 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const unsigned do_b = smem_u32(do_s + lane_b(lane, V_STRIDE));
     const unsigned q_bt = smem_u32(q_s + lane_b_trans(lane, QK_STRIDE));
     const unsigned do_bt = smem_u32(do_s + lane_b_trans(lane, V_STRIDE));
-    // The dQ step: warp w computes query rows 16(w % 4) … + 15 and DQ_COLS of the chunk's columns.
-    const int wq = (warp % 4) * 16;
-    const int dq_c = c0 + (warp / 4) * DQ_COLS;
+    // The dQ step: warp w computes the 16·DQ_MT query rows of row group w % DQ_ROW_GROUPS and DQ_COLS of the chunk's
+    // columns.
+    const int wq = (warp % DQ_ROW_GROUPS) * 16 * DQ_MT;
+    const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;
     const unsigned ds_a = smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE));
     // stmatrix row addresses: lane l writes row l % 8 (a query) of block l / 8: keys wk + 8·(l/8 % 2), queries
     // 8·(l / 16) further down.
@@ -454,7 +459,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 stsm_x4_trans(ds_st + n * 8 * DS_STRIDE * ESZ, dsp[n][0], dsp[n][1], dsp[n + 1][0], dsp[n + 1][1]);
             }
             __syncthreads();
-            float part[DQ_COLS / 8][4];
+            float part[DQ_MT][DQ_COLS / 8][4];
             if (keys_here == KV_TILE) {
                 tile_dq<true>(part, ds_a, k_bt, dq_c, keys_here);
             } else {
@@ -466,25 +471,28 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                              head * q_head + (long long)row0 * q_row;
             if (dq_mode == 1) {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = wq + g + 8 * r;
+                for (int rr = 0; rr < 2 * DQ_MT; ++rr) {
+                    const int mt = rr / 2, r = rr % 2;
+                    const int row = wq + 16 * mt + g + 8 * r;
                     float* dq_row = dq_tile + (long long)row * q_row + dq_c + tig * 2;
 #pragma unroll
                     for (int n = 0; n < DQ_COLS / 8; ++n) {
                         const bool live = row < rows_here && dq_c + n * 8 + tig * 2 < d;
-                        red_add_v2(live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
+                        red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], part[mt][n][2 * r + 1]);
                     }
                 }
             } else {
 #pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const int row = wq + g + 8 * r;
+                for (int rr = 0; rr < 2 * DQ_MT; ++rr) {
+                    const int mt = rr / 2, r = rr % 2;
+                    const int row = wq + 16 * mt + g + 8 * r;
                     float* dq_row = dq_tile + (long long)row * q_row;
 #pragma unroll
                     for (int n = 0; n < DQ_COLS / 8; ++n) {
                         const int col = dq_c + n * 8 + tig * 2;
                         if (row < rows_here && col < d) {
-                            *reinterpret_cast<float2*>(dq_row + col) = make_float2(part[n][2 * r], part[n][2 * r + 1]);
+                            *reinterpret_cast<float2*>(dq_row + col) =
+                                make_float2(part[mt][n][2 * r], part[mt][n][2 * r + 1]);
                         }
                     }
                 }

@@ -25,8 +25,9 @@
 // Precision recipe (the rounding-error argument is in gpu/src/flash.rs):
 //   s   = fl(dot(q, k) · α̂)            dot accumulated in f32 by the tensor cores, α̂ = fl32(1/√d) from the host
 //   m   = running max of s (f32), mL = fl(m · L) with L = fl32(log2 e)
-//   p   = ex2.approx.f32(fma(s, L, −mL)) f32, subnormals kept (no .ftz)
-//   r   = ex2.approx.f32(fl(mL_old − mL_new)) rescale of ℓ and A when the max moves
+//   p   = ex2.approx.ftz.f32(fma(s, L, −mL))  f32; results below 2^-126 flush to +0
+//   r   = ex2.approx.ftz.f32(fl(mL_old − mL_new)) rescale of ℓ and A when the max moves (exactly 1 when it does
+//         not, and then a warp whose rows all keep their max skips A's rescale: multiplying by 1 is exact)
 //   ℓ   = r·ℓ + Σ p                      f32, thread partials reduced over the quad at the end
 //   A   = r·A + round_T(p) · V           f32 accumulators of the tensor cores
 //   O   = round_T(A / ℓ)                 IEEE division (__fdiv_rn), round to nearest even
@@ -100,13 +101,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
             m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
             m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
         }
-        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)).
+        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)), exactly 1 when the max did not move. Both
+        // flush results below 2^-126 to zero (the recipe's exp_underflow, gpu/src/flash.rs).
         float rescale[2];
         float ml_new[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             ml_new[r] = m_new[r] == NEG_INF ? 0.f : __fmul_rn(m_new[r], LOG2E_F);
-            rescale[r] = m_run[mi][r] == NEG_INF ? 0.f : ex2_approx(__fsub_rn(ml_run[mi][r], ml_new[r]));
+            if (m_run[mi][r] == NEG_INF) {
+                rescale[r] = 0.f;
+            } else {
+                rescale[r] = ml_run[mi][r] == ml_new[r] ? 1.f : ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]));
+            }
             m_run[mi][r] = m_new[r];
             ml_run[mi][r] = ml_new[r];
             l_part[mi][r] = __fmul_rn(l_part[mi][r], rescale[r]);
@@ -118,17 +124,21 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
                 const int r = e / 2;
                 const float x = s[mi][n][e];
                 // A masked score is −∞, and ex2.approx(−∞) = +0: the unmasked formula serves both paths.
-                const float p = ex2_approx(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
+                const float p = ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
                 s[mi][n][e] = p;
                 l_part[mi][r] = __fadd_rn(l_part[mi][r], p);
             }
         }
+        // Multiplying by 1 is exact: a warp whose rows all kept their max (most tiles, once a row's max has settled)
+        // skips A's rescale, and every tiling still computes the same bits.
+        if (!__all_sync(0xffffffffu, rescale[0] == 1.f && rescale[1] == 1.f)) {
 #pragma unroll
-        for (int n = 0; n < N_TILES_O; ++n) {
-            acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);
-            acc[mi][n][1] = __fmul_rn(acc[mi][n][1], rescale[0]);
-            acc[mi][n][2] = __fmul_rn(acc[mi][n][2], rescale[1]);
-            acc[mi][n][3] = __fmul_rn(acc[mi][n][3], rescale[1]);
+            for (int n = 0; n < N_TILES_O; ++n) {
+                acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);
+                acc[mi][n][1] = __fmul_rn(acc[mi][n][1], rescale[0]);
+                acc[mi][n][2] = __fmul_rn(acc[mi][n][2], rescale[1]);
+                acc[mi][n][3] = __fmul_rn(acc[mi][n][3], rescale[1]);
+            }
         }
     }
 }

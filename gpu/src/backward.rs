@@ -122,9 +122,8 @@ const U32: f64 = f32::EPSILON as f64 / 2.0;
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the backward's exponent argument per unit of `|LSE|` (see the module docs).
 pub const BACKWARD_SHIFT_ROUNDING: f64 = 2.0 * U32;
-/// What the backward's flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal
-/// f32 (see the module docs).
-pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
+/// What the backward's flush-to-zero `ex2` may lose to underflow (see the module docs): the forward's.
+pub use crate::flash::EXP_UNDERFLOW;
 
 /// How `bwd_kv` tiles the keys: `kv_warps` warps per CTA, each owning 16 keys, so a KV tile of `16 · kv_warps` keys.
 /// Eight warps (128 keys) load each query tile once per 128 keys; four (64 keys) need half the registers and shared

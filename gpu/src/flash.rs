@@ -20,16 +20,23 @@
 //!
 //! The kernel's recipe (spelled out in the `.cu` header) differs from the CPU reference's (`attnproof-reference`'s
 //! `flash` module) only in how `exp` is evaluated: `p = 2^(fma(s, L, −fl(m·L)))` with `L = fl32(log2 e)` and the PTX
-//! instruction `ex2.approx.f32`, and the rescale factor `2^(fl(fl(m_old·L) − fl(m_new·L)))`. It therefore falls
-//! under `attnproof_proofs::flash_bound`'s model with two recipe parameters, [`EXP_RELATIVE_ERROR`] and
-//! [`SHIFT_ROUNDING`]:
+//! instruction `ex2.approx.ftz.f32`, and the rescale factor `2^(fl(fl(m_old·L) − fl(m_new·L)))` (exactly 1 when the
+//! max did not move). It therefore falls under `attnproof_proofs::flash_bound`'s model with three recipe parameters,
+//! [`EXP_RELATIVE_ERROR`], [`SHIFT_ROUNDING`] and [`EXP_UNDERFLOW`]:
 //!
 //! - `exp_error = 5u` (`u = 2^-24`). The PTX ISA (9.x, "Floating Point Instructions: ex2") documents for
 //!   `ex2.approx.f32`: "The maximum ulp error is 2 ulp from correctly rounded result across the full range of
 //!   inputs". The correctly rounded result is within ½ ulp of `2^x`, so the result is within 2.5 ulp of it, and one
-//!   ulp of a normal f32 `y` is at most `2^-23·|y| = 2u|y|`: relative error at most `5u`. Results in the subnormal
-//!   range have absolute error below `2.5·2^-149`, which the model's underflow term `Lk (τ_T + 2^-149) max|v|` and
-//!   `τ_T ≥ 2^-133` absorb (and `ℓ ≥ 1` makes it invisible in `ℓ`).
+//!   ulp of a normal f32 `y` is at most `2^-23·|y| = 2u|y|`: relative error at most `5u`. The `.ftz` form has the
+//!   same accuracy on normal results; it only flushes subnormal inputs and results.
+//! - `exp_underflow = 2^-126`. A weight `p` below `2^-126` is flushed to `+0`: at most `2^-126` lost per key, which
+//!   the model's underflow term `Lk (τ_T + τ_e) max|v|` charges with `τ_e = 2^-126`. A rescale factor that flushes
+//!   is below `2^-126`, so every weight it would have scaled (each at most 1 before it) ends below `2^-126` too: the
+//!   same term covers them. In `ℓ ≥ 1` these losses, at most `Lk·2^-126`, are far below the `exp_error` every row
+//!   carries. The flush saves the three-instruction range fix-up of the gradual-underflow `ex2` per element. A
+//!   rescale factor whose argument is 0 is set to exactly 1 (a select, not the `ex2`), and a warp whose rows all
+//!   have factor 1 skips the multiplication of its accumulators by it: both exact, so the tilings still agree bit
+//!   for bit.
 //! - `shift_rounding = u`. Write `mL_t = fl(m_t·L) = m_t·L + ε_t`, `|ε_t| ≤ u|m_t|L`. A weight computed at tile `t`
 //!   and rescaled at every later tile has the exponent `fl((s − m_t)L − ε_t) + Σ_t' fl(mL_t' − mL_t'+1)`; the `ε`
 //!   telescope, leaving only `ε_T` of the final row max `m`: `u|m|` in natural-log units. The remaining roundings —
@@ -118,6 +125,9 @@ const U32: f64 = f32::EPSILON as f64 / 2.0;
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the exponent argument per unit of `|m|` (`u`; see module docs).
 pub const SHIFT_ROUNDING: f64 = U32;
+/// What the kernels' flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal f32
+/// (the recipes' `exp_underflow`; see the module docs here and in [`crate::backward`]).
+pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
 /// "No bound" for a window side, as the kernel receives it.
 const NO_BOUND: i64 = 1 << 30;
 

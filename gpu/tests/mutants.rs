@@ -47,7 +47,7 @@ const FORWARD_MUTANTS: &[Mutant] = &[
         replace: "const bool vis = j <= len_k &&",
     },
     // ℓ and A are never rescaled when the running max moves.
-    Mutant { name: "missing_rescale", find: "ex2_approx(__fsub_rn(ml_run[mi][r], ml_new[r]))", replace: "1.f" },
+    Mutant { name: "missing_rescale", find: "ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]))", replace: "1.f" },
     // A is not rescaled, ℓ is (a half-done rescale).
     Mutant {
         name: "accumulator_not_rescaled",
@@ -57,8 +57,8 @@ const FORWARD_MUTANTS: &[Mutant] = &[
     // p = 2^(s·L) without subtracting the running max: overflows at large logits, and LSE loses m.
     Mutant {
         name: "missing_max_subtraction",
-        find: "ex2_approx(__fmaf_rn(x, LOG2E_F, -ml_new[r]))",
-        replace: "ex2_approx(__fmul_rn(x, LOG2E_F))",
+        find: "ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]))",
+        replace: "ex2_approx_ftz(__fmul_rn(x, LOG2E_F))",
     },
     // LSE in base 2.
     Mutant {
@@ -157,8 +157,8 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
     // The atomic dQ mode drops the odd column of each pair.
     Mutant {
         name: "bwd_atomic_dq_column_lost",
-        find: "red_add_v2(live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);",
-        replace: "red_add_v2(live, dq_row + n * 8, part[n][2 * r], 0.f);",
+        find: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], part[mt][n][2 * r + 1]);",
+        replace: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], 0.f);",
     },
     // The next query tile is prefetched into the stage being computed on (a race that mixes two tiles).
     Mutant {
@@ -169,7 +169,7 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
     // Both halves of bwd_kv's warps compute the first half of the chunk's dQ columns.
     Mutant {
         name: "bwd_dq_column_half_repeated",
-        find: "const int dq_c = c0 + (warp / 4) * DQ_COLS;",
+        find: "const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;",
         replace: "const int dq_c = c0;",
     },
     // The window's left bound is not applied when P is recomputed in the KV-owner kernel.

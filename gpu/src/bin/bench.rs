@@ -8,13 +8,14 @@
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
-//! [--bwd-source PATH]...`. `--all-tilings` also times every
+//! [--fwd-source PATH]... [--bwd-source PATH]...`. `--all-tilings` also times every
 //! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
-//! 2.5 times the forward's. `--bwd-source PATH` (repeatable) also times the backward compiled from another text of
-//! the kernel (a whole NVRTC source: `common.cuh` followed by a `flash_bwd.cu`), in rows named after the file: one
-//! device call can then compare candidate kernels with the embedded one on the same inputs.
+//! 2.5 times the forward's. `--fwd-source PATH` and `--bwd-source PATH` (repeatable) also time the forward or the
+//! backward compiled from another text of the kernel (a whole NVRTC source: `common.cuh` followed by a
+//! `flash_fwd.cu` or `flash_bwd.cu`), in rows whose tiling ends in `@` and the file's name: one device call can then
+//! compare candidate kernels with the embedded ones on the same inputs.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -44,15 +45,18 @@ struct Options {
     backward: bool,
     /// `--shape B,H,L,D`: only this row of SHAPES (a quick look while tuning; the report runs all of them).
     shape: Option<(usize, usize, usize, usize)>,
-    /// `--bwd-source PATH`: other texts of the backward kernel, each timed beside the embedded one (name, source).
+    /// `--fwd-source PATH`: other texts of the forward kernel, each timed beside the embedded one.
+    fwd_sources: Vec<KernelSource>,
+    /// `--bwd-source PATH`: other texts of the backward kernel, each timed beside the embedded one.
     bwd_sources: Vec<KernelSource>,
 }
 
-/// The kernel text in `path` as a source the compile cache can key on (leaked: it lives as long as the process).
-fn kernel_from_file(path: &str) -> Result<KernelSource, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("--bwd-source {path}: {e}"))?;
-    if !text.contains("bwd_kv(") {
-        return Err(format!("--bwd-source {path}: no bwd_kv kernel in the file"));
+/// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
+/// (leaked: it lives as long as the process).
+fn kernel_from_file(flag: &str, path: &str, entry: &str) -> Result<KernelSource, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{flag} {path}: {e}"))?;
+    if !text.contains(&format!("{entry}(")) {
+        return Err(format!("{flag} {path}: no {entry} kernel in the file"));
     }
     let stem = std::path::Path::new(path).file_stem().and_then(|s| s.to_str()).unwrap_or("variant");
     // NVRTC program names and CSV cells: keep the name plain.
@@ -68,6 +72,7 @@ fn parse() -> Result<Options, String> {
         csv: None,
         backward: false,
         shape: None,
+        fwd_sources: vec![],
         bwd_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
@@ -79,9 +84,13 @@ fn parse() -> Result<Options, String> {
             "--csv" => o.csv = Some(value("--csv")?),
             "--all-tilings" => o.all_tilings = true,
             "--backward" => o.backward = true,
+            "--fwd-source" => {
+                let path = value("--fwd-source")?;
+                o.fwd_sources.push(kernel_from_file("--fwd-source", &path, "flash_fwd")?);
+            }
             "--bwd-source" => {
                 let path = value("--bwd-source")?;
-                o.bwd_sources.push(kernel_from_file(&path)?);
+                o.bwd_sources.push(kernel_from_file("--bwd-source", &path, "bwd_kv")?);
             }
             "--shape" => {
                 let text = value("--shape")?;
@@ -193,6 +202,11 @@ fn backward_inputs(
     Ok(out)
 }
 
+/// The tiling column's suffix naming a kernel text from a file (empty for the embedded kernel).
+fn source_suffix(kernel: KernelSource, embedded: bool) -> String {
+    if embedded { String::new() } else { format!("@{}", kernel.name) }
+}
+
 /// One CSV row, printed at once (a long run shows progress) and kept for `--csv`.
 fn emit(out: &mut String, line: String) {
     print!("{line}");
@@ -231,17 +245,20 @@ fn run(opts: &Options) -> Result<(), String> {
             let mask = if causal { Mask::Causal } else { Mask::None };
             let spec = AttentionSpec::dense(b, h, h, l, l, d, d).with_mask(mask);
             let flops = 4.0 * (b * h * d) as f64 * (l as f64).powi(2) * if causal { 0.5 } else { 1.0 };
-            for &t in &tilings {
-                let fwd = PreparedForward::<bf16>::new(&stream, &spec, FLASH_FWD, t).map_err(|e| e.to_string())?;
+            let fwd_kernels = std::iter::once(FLASH_FWD).chain(opts.fwd_sources.iter().copied());
+            for (kernel, &t) in fwd_kernels.flat_map(|k| tilings.iter().map(move |t| (k, t))) {
+                let embedded = kernel.source == FLASH_FWD.source;
+                let fwd = PreparedForward::<bf16>::new(&stream, &spec, kernel, t).map_err(|e| e.to_string())?;
                 let ms = median_ms(&stream, opts, |s| {
                     fwd.launch(&stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
                         .map_err(|e| e.to_string())
                 })?;
                 let line = format!(
-                    "\"({b},{h},{l},{d})\",{causal},fwd,{}x{},{},{ms:.4},{:.1}\n",
+                    "\"({b},{h},{l},{d})\",{causal},fwd,{}x{}{},{},{ms:.4},{:.1}\n",
                     t.warps,
                     t.slices,
-                    u8::from(t == default),
+                    source_suffix(kernel, embedded),
+                    u8::from(embedded && t == default),
                     flops / ms / 1e9
                 );
                 emit(&mut out, line);
@@ -278,10 +295,10 @@ fn run(opts: &Options) -> Result<(), String> {
                             .map_err(|e| e.to_string())
                     })?;
                     // Five matrix products to the forward's two: 2.5 times its FLOPs, as the peers count them.
-                    let source = if embedded { String::new() } else { format!("@{}", kernel.name) };
                     let line = format!(
-                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w{source},{},{ms:.4},{:.1}\n",
+                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w{},{},{ms:.4},{:.1}\n",
                         tiling.kv_warps,
+                        source_suffix(kernel, embedded),
                         u8::from(
                             embedded
                                 && strategy == GpuBackwardStrategy::KvOwnerAtomic

@@ -8,7 +8,10 @@ use std::sync::Arc;
 
 use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, BackwardTiling, EXP_UNDERFLOW, flash_backward_device_with};
 use attnproof_gpu::compile::KernelSource;
-use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, ForwardTiling, KV_TILE, SHIFT_ROUNDING, flash_forward_device_with};
+use attnproof_gpu::flash::{
+    EXP_RELATIVE_ERROR, EXP_UNDERFLOW as FORWARD_EXP_UNDERFLOW, ForwardTiling, KV_TILE, SHIFT_ROUNDING,
+    flash_forward_device_with,
+};
 use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, flash_forward};
 use attnproof_harness::Case;
 use attnproof_harness::flash::recipe;
@@ -56,12 +59,13 @@ impl Storage for f16 {
     }
 }
 
-/// The forward kernel's recipe for `T`: the reference's storage type and tiling, with `ex2.approx`'s exp error and
-/// the shift rounding of `fl(m·log2 e)` (both justified in `attnproof_gpu::flash`).
+/// The forward kernel's recipe for `T`: the reference's storage type and tiling, with `ex2.approx`'s exp error, the
+/// shift rounding of `fl(m·log2 e)` and the flush-to-zero `ex2`'s underflow (all justified in `attnproof_gpu::flash`).
 pub fn forward_recipe<T: Element>() -> FlashRecipe {
     FlashRecipe {
         exp_error: EXP_RELATIVE_ERROR,
         shift_rounding: SHIFT_ROUNDING,
+        exp_underflow: FORWARD_EXP_UNDERFLOW,
         // m16n8k16 MMAs: 16 products per instruction, aligned and truncated before the add.
         accumulation: Accumulation::TensorCore { k_step: 16 },
         ..recipe::<T>(KV_TILE)
