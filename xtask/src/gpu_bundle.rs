@@ -34,7 +34,7 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 # Entry script of the GPU bundle (made by `cargo xtask gpu-bundle`). Modes:
 #   run.sh all [ARGS]       the whole GPU verification in one go: every test binary (the GPU mutants among them) and
 #                           the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
-#                           and the peers (ARGS go to bin/bench). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
+#                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
 #                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
 #   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
 #   run.sh mutants          the GPU mutants (patched kernel texts) and the table mutant -> killed by
@@ -90,8 +90,9 @@ all)
     (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
     wait
     phase1=$(($(date +%s) - start))
-    # Phase 2, alone on the GPU: ours, then PyTorch's kernels in the same call.
-    PEERS_ARGS="${PEERS_ARGS:---backward}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
+    # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
+    # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
+    PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
     echo $? >"$work/bench.rc"
     failed=0
     {
