@@ -36,6 +36,11 @@ const RUN_SH: &str = r#"#!/usr/bin/env bash
 #                           the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
 #                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
 #                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
+#   run.sh fuzz [MINUTES] [PROCESSES]
+#                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
+#                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
+#                           cases per process from $PROPTEST_CASES (default 48 forward, 16 backward). A failing case's
+#                           regression file and log land in $ATTNPROOF_LOGS (default $OUT, else a fresh directory).
 #   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
 #   run.sh mutants          the GPU mutants (patched kernel texts) and the table mutant -> killed by
 #   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
@@ -74,7 +79,7 @@ SANITIZE=(
 )
 mode=tests
 case "${1:-}" in
-    all | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -116,6 +121,46 @@ all)
     cp "$work/summary.txt" "$logs/summary.txt"
     (cd "$work" && tar czf "$logs/all-logs.tgz" ./*.log ./*.rc summary.txt)
     echo "gpu-bundle all: logs in $logs (all-logs.tgz)"
+    exit $((failed > 0))
+    ;;
+fuzz)
+    minutes="${1:-5}"
+    processes="${2:-3}"
+    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
+    mkdir -p "$logs"
+    deadline=$(($(date +%s) + 60 * minutes))
+    batch=0
+    failed=0
+    total=0
+    while [ "$(date +%s)" -lt "$deadline" ] && [ "$failed" -eq 0 ]; do
+        batch=$((batch + 1))
+        work="$(mktemp -d)"
+        for i in $(seq "$processes"); do
+            for side in forward backward; do
+                cases="${PROPTEST_CASES:-$([ "$side" = forward ] && echo 48 || echo 16)}"
+                # Each process in its own directory: proptest writes a failure's regression file relative to it.
+                dir="$work/$side-$i"
+                mkdir -p "$dir"
+                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-flash_$side" \
+                    "kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
+            done
+        done
+        wait
+        for dir in "$work"/*; do
+            total=$((total + 1))
+            if [ "$(cat "$dir/rc")" != "0" ]; then
+                failed=$((failed + 1))
+                name="fuzz-batch$batch-$(basename "$dir")"
+                cp "$dir/log" "$logs/$name.log"
+                for f in "$dir"/proptest-regressions/*.txt; do [ -f "$f" ] && cp "$f" "$logs/$name-$(basename "$f")"; done
+                echo "gpu-bundle fuzz: $(basename "$dir") of batch $batch failed; log and regression file in $logs"
+            fi
+        done
+        grep -h "worst error/bound" "$work"/*/log | sed "s/^/batch $batch: /"
+        rm -rf "$work"
+    done
+    echo "gpu-bundle fuzz: $batch batches, $total processes, $failed failed"
+    echo "(commit a regression file under tests/proptest-regressions/ of this repository and add a named test for it)"
     exit $((failed > 0))
     ;;
 tests)
@@ -363,7 +408,7 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in ["all)", "tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
+        for mode in ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));
