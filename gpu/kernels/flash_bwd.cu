@@ -576,6 +576,29 @@ bwd_kv_group_sum(const float* __restrict__ dkv_part, elem_t* __restrict__ dk_out
     }
 }
 
+// Strategy A: dQ += dS K for one warp's 16 query rows over a KV tile of DQ_KV_TILE keys (dS from `ds`, f32 values
+// already rounded to T; K transposed from shared memory at `k_bt`). FULL: all DQ_KV_TILE keys are valid; otherwise
+// k-steps wholly past `keys_here` are skipped.
+template <bool FULL>
+__device__ __forceinline__ void add_dq(float (&acc)[CHUNK / 8][4], const float (&ds)[DQ_KV_TILE / 8][4], unsigned k_bt,
+                                       int c0, int keys_here) {
+#pragma unroll
+    for (int kk = 0; kk < DQ_KV_TILE / 16; ++kk) {
+        if (!FULL && kk * 16 >= keys_here) break;
+        unsigned af[4];
+        pack_a(af, ds[2 * kk], ds[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < CHUNK / 16; ++np) {
+            const int col = c0 + np * 16;
+            if (col >= HEAD_DIM_PAD) break;
+            unsigned bf[4];
+            ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
+            mma_16816(acc[2 * np], af, bf[0], bf[1]);
+            mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -587,8 +610,8 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     elem_t* v_s = do_s + Q_TILE * V_STRIDE;
 
     const int tile = blockIdx.x;
-    const int head = blockIdx.y / n_chunks;
-    const int c0 = (blockIdx.y % n_chunks) * CHUNK;
+    const int head = ONE_CHUNK ? blockIdx.y : blockIdx.y / n_chunks;
+    const int c0 = ONE_CHUNK ? 0 : (blockIdx.y % n_chunks) * CHUNK;
     const int kv_head = head / group;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int row0 = tile * Q_TILE;
@@ -618,7 +641,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         if (row < rows_here) {
             const float l = lse[sv.lse_base + head * lse_head + row0 + row];
             live[r] = l != NEG_INF;
-            bl[r] = live[r] ? row_bl(l) : 0.f;
+            bl[r] = row_bl(l);  // +∞ for a row that sees no key: its p is +0 on the unmasked path too
             dl[r] = delta[sv.lse_base + head * lse_head + row0 + row];
         }
     }
@@ -662,30 +685,38 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         }
         warp_mma_nt<HEAD_DIM_PAD / 16, DQ_KV_TILE / 16, QK_STRIDE>(s, q_a, k_b);
         warp_mma_nt<HEAD_DIM_V_PAD / 16, DQ_KV_TILE / 16, V_STRIDE>(dp, do_a, v_b);
+        // dS = round_T(p·(dP − D)) in place of s. Only a KV tile that some row of the query tile does not see
+        // completely (a tail, the diagonal, a window edge, a partial query tile) pays for the mask.
+        const bool interior = rows_here == Q_TILE && keys_here == DQ_KV_TILE &&
+                              key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&
+                              key0 >= row0 + Q_TILE - 1 + shift - win_left;
+        if (interior) {
 #pragma unroll
-        for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
+            for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                const int j = key0 + n * 8 + tig * 2 + (e % 2);
-                const bool vis = live[r] && j < sv.len_k && j <= diag[r] + win_right && j >= diag[r] - win_left;
-                const float p = vis ? prob(s[n][e], cl, bl[r]) : 0.f;
-                s[n][e] = to_f32(to_elem(__fmul_rn(p, __fsub_rn(dp[n][e], dl[r]))));
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e / 2;
+                    const float p = prob(s[n][e], cl, bl[r]);
+                    s[n][e] = to_f32(to_elem(__fmul_rn(p, __fsub_rn(dp[n][e], dl[r]))));
+                }
             }
-        }
+            add_dq<true>(acc, s, k_bt, c0, keys_here);
+        } else {
 #pragma unroll
-        for (int kk = 0; kk < DQ_KV_TILE / 16; ++kk) {
-            if (kk * 16 >= keys_here) break;
-            unsigned af[4];
-            pack_a(af, s[2 * kk], s[2 * kk + 1]);
+            for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
 #pragma unroll
-            for (int np = 0; np < CHUNK / 16; ++np) {
-                const int col = c0 + np * 16;
-                if (col >= HEAD_DIM_PAD) break;
-                unsigned bf[4];
-                ldsm_x4_trans(bf, k_bt + (kk * 16 * QK_STRIDE + col) * ESZ);
-                mma_16816(acc[2 * np], af, bf[0], bf[1]);
-                mma_16816(acc[2 * np + 1], af, bf[2], bf[3]);
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e / 2;
+                    const int j = key0 + n * 8 + tig * 2 + (e % 2);
+                    const bool vis = live[r] && j < sv.len_k && j <= diag[r] + win_right && j >= diag[r] - win_left;
+                    const float p = vis ? prob(s[n][e], cl, bl[r]) : 0.f;
+                    s[n][e] = to_f32(to_elem(__fmul_rn(p, __fsub_rn(dp[n][e], dl[r]))));
+                }
+            }
+            if (keys_here == DQ_KV_TILE) {
+                add_dq<true>(acc, s, k_bt, c0, keys_here);
+            } else {
+                add_dq<false>(acc, s, k_bt, c0, keys_here);
             }
         }
     }

@@ -166,7 +166,7 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
         find: "load_q_tile(a + 1, stage ^ 1);",
         replace: "load_q_tile(a + 1, stage);",
     },
-    // Both halves of bwd_kv's warps compute the first half of the chunk's dQ columns.
+    // Every column part of bwd_kv's warps computes the first part of the chunk's dQ columns.
     Mutant {
         name: "bwd_dq_column_half_repeated",
         find: "const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;",
@@ -177,6 +177,13 @@ const BACKWARD_MUTANTS: &[Mutant] = &[
         name: "bwd_window_left_ignored",
         find: "j <= i + win_right && j >= i - win_left;",
         replace: "j <= i + win_right;",
+    },
+    // Strategy A takes a KV tile that crosses the diagonal (or a window's right edge) for an interior one: future keys
+    // leak into dQ.
+    Mutant {
+        name: "bwd_dq_interior_ignores_diagonal",
+        find: "key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&",
+        replace: "",
     },
     // A warp's keys that cross the diagonal (or a window's right edge) are taken as fully visible: future keys leak.
     Mutant {
