@@ -249,6 +249,17 @@ struct Plan {
     q_elements: usize,
 }
 
+/// The define of `flash_bwd.cu`'s ring mode, which adds a pair's f32 dK/dV sums to a travelling accumulator.
+pub(crate) const KV_ACCUM: &str = "KV_ACCUM";
+
+/// The defines of the backward module a launch for `spec` in `tiling` compiles (after the checks of a launch).
+pub(crate) fn backward_defines<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: BackwardTiling,
+) -> Result<Vec<String>, GpuError> {
+    Ok(plan::<T>(spec, tiling)?.defines)
+}
+
 /// Checks that the kernels support `spec` and derives the launch plan.
 fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<Plan, GpuError> {
     if !BackwardTiling::ALL.contains(&tiling) {
@@ -526,7 +537,7 @@ fn ring_launch<T: GpuElement>(
     }
     let tiling = BackwardTiling::DEFAULT;
     let mut plan = plan::<T>(spec, tiling)?;
-    plan.defines.push("KV_ACCUM".to_owned());
+    plan.defines.push(KV_ACCUM.to_owned());
     if let Some(w) = window {
         (plan.scalars.win_left, plan.scalars.win_right) = w.kernel_values();
     }

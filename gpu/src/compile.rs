@@ -20,7 +20,7 @@ use crate::error::GpuError;
 use crate::launch;
 
 /// A kernel source embedded in the binary.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelSource {
     /// The source file's stem, also the NVRTC program name.
     pub name: &'static str,
@@ -107,18 +107,34 @@ pub fn module_from_source(
     if let Some(m) = map.get(&key) {
         return Ok(m.clone());
     }
-    if !launch::nvrtc_library_present() {
-        return Err(GpuError::NoNvrtc);
-    }
-    let cubin = launch::compile_cubin(kernel.source, kernel.name, &opts).map_err(|f| GpuError::Compile {
-        kernel: kernel.name,
-        options: opts.clone(),
-        status: f.status,
-        log: f.log,
-    })?;
+    let cubin = compile_with_options(kernel, opts)?;
     let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| GpuError::driver("cuModuleLoadData", e))?;
     map.insert(key, module.clone());
     Ok(module)
+}
+
+/// Whether NVRTC can be loaded here. It needs no device: kernels compile on any machine that has it.
+pub fn nvrtc_present() -> bool {
+    launch::nvrtc_library_present()
+}
+
+/// The CUBIN of `kernel` compiled for `arch` (e.g. `sm_90a`) with the pinned options plus `defines`, without a device
+/// or the module cache: what a launch on such a device would load. For compile-only checks of kernel texts.
+pub fn compile_for_arch(kernel: KernelSource, arch: &str, defines: &[String]) -> Result<Vec<u8>, GpuError> {
+    compile_with_options(kernel, options(arch, defines))
+}
+
+/// The one NVRTC call of the crate's compile paths.
+fn compile_with_options(kernel: KernelSource, opts: Vec<String>) -> Result<Vec<u8>, GpuError> {
+    if !launch::nvrtc_library_present() {
+        return Err(GpuError::NoNvrtc);
+    }
+    launch::compile_cubin(kernel.source, kernel.name, &opts).map_err(|f| GpuError::Compile {
+        kernel: kernel.name,
+        options: opts,
+        status: f.status,
+        log: f.log,
+    })
 }
 
 #[cfg(test)]

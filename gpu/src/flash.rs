@@ -128,6 +128,8 @@ pub const SHIFT_ROUNDING: f64 = U32;
 /// What the kernels' flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal f32
 /// (the recipes' `exp_underflow`; see the module docs here and in [`crate::backward`]).
 pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
+/// The define of `flash_fwd.cu`'s ring mode, which writes a chunk pair's online-softmax state instead of `O` and LSE.
+pub(crate) const STATE_OUT: &str = "STATE_OUT";
 /// "No bound" for a window side, as the kernel receives it.
 const NO_BOUND: i64 = 1 << 30;
 
@@ -305,6 +307,14 @@ pub(crate) fn kernel_scalars(spec: &AttentionSpec) -> Result<(FlashScalars, Vec<
     Ok((scalars, cu_q, cu_k))
 }
 
+/// The defines of the forward module a launch for `spec` in `tiling` compiles (after the checks of a launch).
+pub(crate) fn forward_defines<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: ForwardTiling,
+) -> Result<Vec<String>, GpuError> {
+    Ok(plan::<T>(spec, tiling)?.defines)
+}
+
 /// Checks that the kernel supports `spec` and derives the launch plan.
 fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
     let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
@@ -408,7 +418,7 @@ pub fn flash_forward_state_device<T: GpuElement>(
     }
     let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
     let mut plan = plan::<T>(spec, tiling)?;
-    plan.defines.push("STATE_OUT".to_owned());
+    plan.defines.push(STATE_OUT.to_owned());
     (plan.scalars.win_left, plan.scalars.win_right) = window.kernel_values();
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", q, size(Operand::Q))?;

@@ -28,7 +28,40 @@ pub use flash::{ForwardOutput, ForwardTiling, GpuElement, PreparedForward, flash
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
+use attnproof_oracle::AttentionSpec;
 use cudarc::driver::CudaContext;
+
+use crate::compile::KernelSource;
+
+/// One module a launch may compile: a kernel text and its defines.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModuleVariant {
+    /// The kernel text.
+    pub kernel: KernelSource,
+    /// The `-D` defines of the variant.
+    pub defines: Vec<String>,
+}
+
+/// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain and
+/// the ring's `STATE_OUT` mode), the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
+/// finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
+pub fn module_variants<T: GpuElement>(
+    spec: &AttentionSpec,
+    forward: ForwardTiling,
+    backward: BackwardTiling,
+) -> Result<Vec<ModuleVariant>, GpuError> {
+    let fwd = flash::forward_defines::<T>(spec, forward)?;
+    let bwd = backward::backward_defines::<T>(spec, backward)?;
+    let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
+    let variant = |kernel, defines| ModuleVariant { kernel, defines };
+    Ok(vec![
+        variant(compile::FLASH_FWD, with(&fwd, flash::STATE_OUT)),
+        variant(compile::FLASH_FWD, fwd),
+        variant(compile::FLASH_BWD, with(&bwd, backward::KV_ACCUM)),
+        variant(compile::FLASH_BWD, bwd),
+        variant(ring_state::RING_STATE, vec![T::DEFINE.to_owned()]),
+    ])
+}
 
 /// Environment variable that turns a GPU skip into a test failure.
 ///
@@ -87,6 +120,23 @@ pub fn skip_unless_gpu(test_name: &str) -> Option<Arc<CudaContext>> {
             None
         }
     }
+}
+
+/// Environment variable that turns a missing NVRTC into a failure of the compile-only tests: `cargo xtask test` and
+/// `verify` set it when they have NVRTC to offer (NVIDIA's wheel, installed by xtask), so that CI cannot skip them.
+pub const REQUIRE_NVRTC_ENV: &str = "ATTNPROOF_REQUIRE_NVRTC";
+
+/// Whether a compile-only test (kernels compiled by NVRTC without a device) can run: `true` when NVRTC loads; else it
+/// prints `skipped: no NVRTC (test)` and returns `false`, or panics when [`REQUIRE_NVRTC_ENV`] is `1`.
+pub fn nvrtc_or_skip(test_name: &str) -> bool {
+    if compile::nvrtc_present() {
+        return true;
+    }
+    if std::env::var(REQUIRE_NVRTC_ENV).is_ok_and(|v| v.trim() == "1") {
+        panic!("{test_name}: NVRTC is required ({REQUIRE_NVRTC_ENV}=1) but libnvrtc could not be loaded");
+    }
+    println!("skipped: no NVRTC ({test_name})");
+    false
 }
 
 /// Whether the NCCL library can be loaded (its name as cudarc looks for it: `libnccl.so` or `libnccl.so.13`; the GPU

@@ -14,9 +14,9 @@ mod common;
 use std::sync::Arc;
 
 use attnproof_gpu::backward::Q_TILE;
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
-use attnproof_gpu::{GpuBackwardStrategy, skip_unless_gpu};
+use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
 use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::{Case, verify_forward};
@@ -321,6 +321,32 @@ fn all_backward_mutants_are_killed() {
         })
         .collect();
     hunt(FLASH_BWD, BACKWARD_MUTANTS, &cases, |kernel, c| check_backward(&stream, kernel, c));
+}
+
+/// Every mutant compiles (for sm_90a, with the killing cases' defines): a patch that broke the build would fail every
+/// case and pass for killed without modelling any bug. Needs NVRTC only, not a device.
+#[test]
+fn every_mutant_compiles_for_sm_90a() {
+    if !nvrtc_or_skip("every_mutant_compiles_for_sm_90a") {
+        return;
+    }
+    let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 64, 64);
+    let variants = module_variants::<bf16>(&spec, ForwardTiling::for_head_dims(64, 64), BackwardTiling::DEFAULT)
+        .expect("the cases' modules");
+    // The plain module of each kernel (the ring modes add a define to it).
+    let plain = |kernel: KernelSource| {
+        variants.iter().filter(|v| v.kernel == kernel).min_by_key(|v| v.defines.len()).expect("a variant").clone()
+    };
+    let mut broken = vec![];
+    for (base, catalog) in [(FLASH_FWD, FORWARD_MUTANTS), (FLASH_BWD, BACKWARD_MUTANTS)] {
+        let defines = plain(base).defines;
+        for m in catalog {
+            if let Err(e) = compile_for_arch(patched(base, m), "sm_90a", &defines) {
+                broken.push(format!("{}: {e}", m.name));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "mutants that do not compile:\n{}", broken.join("\n\n"));
 }
 
 #[test]

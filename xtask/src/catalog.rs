@@ -135,6 +135,15 @@ const BOUND_MODEL: Mutant = Mutant {
     ..FLASH
 };
 
+/// Base entry for mutants of a CUDA kernel's text that break one of its compiled variants: the GPU crate's
+/// compile-only test (NVRTC, no device; `gpu/tests/compile_only.rs`) must reject them.
+const KERNEL_TEXT: Mutant = Mutant {
+    file: "gpu/kernels/flash_bwd.cu",
+    test_package: "attnproof-gpu",
+    test_target: Some("compile_only"),
+    ..FLASH
+};
+
 /// Every mutant, in the order the runner applies them.
 pub const CATALOG: &[Mutant] = &[
     // --- Online softmax state (E2-E5) ---
@@ -455,6 +464,14 @@ pub const CATALOG: &[Mutant] = &[
         test_package: "attnproof-proofs",
         test_target: None,
         ..BOUND_MODEL
+    },
+    // --- Kernel texts (compiled by NVRTC without a device) ---
+    Mutant {
+        name: "kernel-dq-row-groups-ignore-narrow-chunks",
+        description: "bwd_kv's dQ step always takes two row groups, so a 32-column chunk splits into parts of 8 columns",
+        find: "#define DQ_ROW_GROUPS ((CHUNK / (KV_WARPS / 2)) % 16 == 0 ? 2 : 4)",
+        replace: "#define DQ_ROW_GROUPS 2",
+        ..KERNEL_TEXT
     },
     // --- Sparse schedules (E14, E16, E18-E20) ---
     Mutant {

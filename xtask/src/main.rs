@@ -17,7 +17,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 
-use crate::process::{cargo, ensure_m4, failure_code, run_counting_tests, run_status};
+use crate::process::{cargo, ensure_m4, failure_code, nvrtc_env, run_counting_tests, run_status};
 
 /// One line per command, printed by `cargo xtask help`.
 const HELP: &str = "\
@@ -92,7 +92,7 @@ fn repo_root() -> PathBuf {
 fn test(root: &Path, extra: &[OsString]) -> Result<ExitCode> {
     ensure_m4()?;
     let mut cmd = cargo(root);
-    cmd.arg("test");
+    cmd.arg("test").envs(nvrtc_env());
     if !selects_packages(extra) {
         cmd.arg("--workspace");
     }

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 
 use crate::catalog::{CATALOG, Mutant};
 use crate::parse::{TestCounts, parse_test_result};
-use crate::process::{cargo, describe, ensure_m4};
+use crate::process::{cargo, describe, ensure_m4, nvrtc_env};
 
 /// Proptest cases per property in mutant runs: above the suites' own 48, so a mutant that only some shapes expose
 /// still meets one, yet small enough that a mutant's test run takes seconds.
@@ -323,6 +323,8 @@ impl TestEnv {
             .env("PROPTEST_CASES", self.cases.to_string())
             .env("PROPTEST_RNG_SEED", self.seed.to_string())
             .env("PROPTEST_MAX_SHRINK_TIME", MAX_SHRINK_TIME_MS.to_string())
+            // NVRTC for the kernels' compile-only tests (the kernel-text mutants' killers).
+            .envs(nvrtc_env())
             // Backtraces would be printed (and symbolized, slowly) for every panic proptest catches while shrinking.
             .env("RUST_BACKTRACE", "0");
         cmd

@@ -1,4 +1,5 @@
-//! Running child processes: cargo (with its output streamed and tallied), and installing `m4` when GMP needs it.
+//! Running child processes: cargo (with its output streamed and tallied), installing `m4` when GMP needs it, and
+//! NVIDIA's NVRTC wheels for the kernels' compile-only tests.
 
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Write};
@@ -144,4 +145,76 @@ pub fn failure_code(status: ExitStatus) -> u8 {
         Some(code) if (1..=255).contains(&code) => code as u8,
         _ => 1,
     }
+}
+
+/// NVIDIA's wheels that give the kernels' compile-only tests NVRTC on a machine without CUDA: the compiler of the
+/// CUDA 13.0 toolkit the H200 hosts run (so the same front end judges the kernels), and the headers they include
+/// (`cuda_bf16.h`, `cuda_fp16.h` and what those include).
+const NVRTC_WHEELS: [&str; 3] =
+    ["nvidia-cuda-nvrtc==13.0.88", "nvidia-cuda-runtime==13.0.96", "nvidia-cuda-crt==13.0.88"];
+/// The variable that makes the compile-only tests fail instead of skip (`attnproof_gpu::REQUIRE_NVRTC_ENV`).
+const REQUIRE_NVRTC_ENV: &str = "ATTNPROOF_REQUIRE_NVRTC";
+
+/// Environment for a test run that gives the kernels' compile-only tests NVRTC, installing NVIDIA's wheels into
+/// `~/.cache/attnproof-nvrtc-13.0.88` with pip when they are not there yet (once per machine, about 60 MB).
+///
+/// Nothing is changed where a CUDA toolkit is installed (`$CUDA_HOME` or `/usr/local/cuda`: its own NVRTC and headers
+/// serve), nor off Linux x86-64 (no such wheels). When the wheels cannot be had, the tests print `skipped: no NVRTC`
+/// and this says why; when they can, `ATTNPROOF_REQUIRE_NVRTC=1` makes sure the tests really ran.
+pub fn nvrtc_env() -> Vec<(&'static str, OsString)> {
+    if !(cfg!(target_os = "linux") && cfg!(target_arch = "x86_64")) {
+        return vec![];
+    }
+    if std::env::var_os("CUDA_HOME").is_some() || Path::new("/usr/local/cuda/include/cuda_bf16.h").exists() {
+        return vec![];
+    }
+    let Some(cache) = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+    else {
+        println!("nvrtc: no HOME or XDG_CACHE_HOME to keep NVIDIA's wheels in; the compile-only tests will skip");
+        return vec![];
+    };
+    let target = cache.join("attnproof-nvrtc-13.0.88");
+    let root = target.join("nvidia").join("cu13");
+    let library = root.join("lib").join("libnvrtc.so.13");
+    if !library.exists() {
+        if let Err(err) = install_nvrtc_wheels(&target) {
+            println!("nvrtc: could not install NVIDIA's NVRTC wheels ({err:#}); the compile-only tests will skip");
+            return vec![];
+        }
+        if !library.exists() {
+            println!(
+                "nvrtc: pip installed the wheels but {} is missing; the compile-only tests will skip",
+                library.display()
+            );
+            return vec![];
+        }
+    }
+    let mut paths = vec![root.join("lib")];
+    paths.extend(std::env::var_os("LD_LIBRARY_PATH").iter().flat_map(std::env::split_paths));
+    let library_path = std::env::join_paths(paths).unwrap_or_default();
+    vec![
+        ("LD_LIBRARY_PATH", library_path),
+        // The kernels' include path is $CUDA_HOME/include (attnproof_gpu::compile::include_dir).
+        ("CUDA_HOME", root.into_os_string()),
+        (REQUIRE_NVRTC_ENV, OsString::from("1")),
+    ]
+}
+
+/// `python3 -m pip install --target <target>` of [`NVRTC_WHEELS`] (no dependencies: the three are self-contained).
+fn install_nvrtc_wheels(target: &Path) -> Result<()> {
+    if find_on_path("python3").is_none() {
+        bail!("python3 is not on PATH");
+    }
+    println!("nvrtc: installing {} into {} (once)", NVRTC_WHEELS.join(" "), target.display());
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps", "--target"])
+        .arg(target)
+        .args(NVRTC_WHEELS);
+    let status = run_status(&mut cmd)?;
+    if !status.success() {
+        bail!("`{}` failed ({status})", describe(&cmd));
+    }
+    Ok(())
 }

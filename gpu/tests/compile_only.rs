@@ -1,0 +1,73 @@
+//! Every module the launch plans compile, for a grid of head dims, dtypes and tilings, compiles with NVRTC for sm_90a
+//! (the H200's target) on any machine that has NVRTC, device or not: a kernel edit that breaks a variant (a
+//! `static_assert` for some head dim, a syntax error in a mode's `#if`) fails here, in CI, before any device time.
+//! `cargo xtask test` and `verify` provide NVRTC from NVIDIA's wheel; without it the test prints `skipped: no NVRTC`.
+
+use std::collections::BTreeSet;
+
+use attnproof_gpu::compile::compile_for_arch;
+use attnproof_gpu::{BackwardTiling, ForwardTiling, GpuElement, ModuleVariant, module_variants, nvrtc_or_skip};
+use attnproof_oracle::{AttentionSpec, Mask};
+use half::{bf16, f16};
+
+/// (d, dv) pairs: the benchmark's 64 and 128, the smallest, a non-multiple of 16, d ≠ dv both ways, wide heads
+/// (two column chunks, one query stage) and the largest.
+const HEAD_DIMS: [(usize, usize); 8] =
+    [(8, 8), (64, 64), (128, 128), (40, 40), (64, 128), (160, 96), (200, 200), (256, 256)];
+/// Head dims at which every tiling and both dtypes are compiled (the tuned paths); elsewhere bf16 in the default
+/// forward tiling (the storage type only changes the header's types and conversions).
+const EVERY_TILING_AT: [(usize, usize); 2] = [(64, 64), (128, 128)];
+
+/// The variants of `T` for one spec's head dims, in the given forward tilings and both backward tilings.
+fn variants<T: GpuElement>(d: usize, dv: usize, forward: &[ForwardTiling]) -> Vec<ModuleVariant> {
+    let spec = AttentionSpec::dense(1, 2, 1, 100, 130, d, dv).with_mask(Mask::Causal);
+    let pairs = forward.iter().flat_map(|&f| BackwardTiling::ALL.map(|b| (f, b)));
+    pairs
+        .flat_map(|(fwd, bwd)| {
+            module_variants::<T>(&spec, fwd, bwd).unwrap_or_else(|e| panic!("d = {d}, dv = {dv}: {e}"))
+        })
+        .collect()
+}
+
+/// The whole grid.
+fn grid() -> Vec<ModuleVariant> {
+    let mut out = vec![];
+    for (d, dv) in HEAD_DIMS {
+        out.extend(variants::<bf16>(d, dv, &[ForwardTiling::for_head_dims(d, dv)]));
+    }
+    for (d, dv) in EVERY_TILING_AT {
+        let every: Vec<ForwardTiling> = ForwardTiling::ALL.into_iter().filter(|t| t.supports(d, dv)).collect();
+        out.extend(variants::<bf16>(d, dv, &every));
+        out.extend(variants::<f16>(d, dv, &every));
+    }
+    out
+}
+
+#[test]
+fn every_planned_module_compiles_for_sm_90a() {
+    if !nvrtc_or_skip("every_planned_module_compiles_for_sm_90a") {
+        return;
+    }
+    // Distinct modules only: the backward's defines repeat across forward tilings and so on.
+    let mut seen = BTreeSet::new();
+    let unique: Vec<ModuleVariant> =
+        grid().into_iter().filter(|v| seen.insert((v.kernel.name, v.defines.clone()))).collect();
+    // Two compiles at a time (NVRTC is single-threaded per program; CI machines have two cores).
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let halves: Vec<_> = unique
+            .chunks(unique.len().div_ceil(2).max(1))
+            .map(|part| {
+                scope.spawn(move || {
+                    part.iter()
+                        .filter_map(|v| compile_for_arch(v.kernel, "sm_90a", &v.defines).err().map(|e| format!("{e}")))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
+    });
+    println!("compiled {} distinct modules for sm_90a, {} failed", unique.len(), failures.len());
+    assert!(failures.is_empty(), "modules that do not compile:\n{}", failures.join("\n\n"));
+    // The grid really reaches the wide-head paths: two column chunks and one query stage in the backward.
+    assert!(unique.iter().any(|v| v.defines.iter().any(|d| d == "Q_STAGES=1")), "no single-stage backward variant");
+}
