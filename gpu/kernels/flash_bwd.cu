@@ -5,7 +5,7 @@
 //   bwd_preprocess    D = rowsum(dO ∘ O) in f32 (E7), one warp per row.
 //   bwd_kv            KV owner: one CTA of KV_WARPS warps per (KV tile of KV_TILE = 16 · KV_WARPS keys, query head ×
 //                     column chunk, sequence); warp w owns keys 16w … 16w + 15. For every query tile of Q_TILE = 64 rows
-//                     that can see the KV tile (the others are skipped, not masked) it recomputes Sᵀ = α̂ K Qᵀ, Pᵀ,
+//                     that can see the KV tile (the others are skipped, not masked) it recomputes Sᵀ = K Qᵀ, Pᵀ,
 //                     dPᵀ = V dOᵀ and dSᵀ, accumulates dV += round_T(P)ᵀ dO and dK += dSᵀ Q in registers over the
 //                     chunk's columns, and, per `dq_mode`, adds the tile's dQ = dS K to an f32 accumulator with
 //                     vector atomics (1) or writes it as a per-KV-tile partial (2). Q and dO tiles are double

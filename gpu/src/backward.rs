@@ -273,7 +273,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<P
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
     // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
     let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
-    // The chunk is a multiple of 32 (bwd_kv's dQ step splits it between two halves of its warps).
+    // The chunk is a multiple of 32 (bwd_kv's dQ step splits it in two or four parts of whole 16-column pairs).
     let chunk = MAX_CHUNK.min(d_pad.max(dv_pad).next_multiple_of(32));
     // Shared memory of bwd_kv (2-byte elements, rows padded by 8): the K and V tiles of kv_tile rows, Q and dO tiles
     // of Q_TILE rows per stage, the dS tile [Q_TILE][kv_tile + 8], and two f32 row vectors per stage. Two stages
