@@ -1,5 +1,6 @@
-// Helpers shared by the FlashAttention kernels (prepended to flash_fwd.cu and flash_bwd.cu by gpu/src/compile.rs):
-// the storage type, tensor-core MMA, ldmatrix, cp.async and the exp2 instruction, written once.
+// Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_bwd.cu and ring_state.cu by
+// gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix, cp.async and the
+// exp2 instruction, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
 
@@ -31,6 +32,144 @@ __device__ __forceinline__ float to_f32(elem_t x) { return __half2float(x); }
 #define NO_BOUND (1 << 30)
 // NVRTC has no <math.h>: −∞ from its bit pattern.
 #define NEG_INF __int_as_float((int)0xff800000u)
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Kernel parameter structs: one per kernel family, passed by value as one kernel argument (`const FlashParams params`,
+// ...) and mirrored field for field by the #[repr(C)] structs of gpu/src/params.rs (the model is FlashAttention's
+// Flash_fwd_params). PARAM_SIZE and PARAM_AT pin every layout here, so that NVRTC rejects a kernel text whose struct
+// drifted; a unit test of gpu/src/params.rs reads these same lines and compares them with the Rust struct's
+// std::mem::size_of and offset_of!, so the two sides cannot disagree silently. One field per line, with no implicit
+// padding (`reserved` fills the tail to the 8-byte alignment), so that no byte the host copies is uninitialised.
+
+// The attention problem's scalars, read by flash_fwd and by every kernel of flash_bwd.cu (inside BackwardParams).
+struct FlashParams {
+    long long q_batch;      // (batch, head, row) strides of Q in elements (varlen: batch stride 0, rows packed)
+    long long q_head;
+    long long q_row;
+    long long k_batch;      // likewise for K
+    long long k_head;
+    long long k_row;
+    long long v_batch;      // likewise for V
+    long long v_head;
+    long long v_row;
+    long long o_batch;      // likewise for O (and dO, dQ's layout is Q's)
+    long long o_head;
+    long long o_row;
+    long long lse_batch;    // (batch, head) strides of LSE (and D); varlen: lse_head is the packed total Tq
+    long long lse_head;
+    int varlen;             // 1: packed [T, H, D] with cu_seqlens; 0: dense [B, H, L, D]
+    int dense_len_q;        // Lq and Lk of every sequence of a dense problem (0 when varlen)
+    int dense_len_k;
+    int group;              // query heads per KV head (n_heads_q / n_heads_kv)
+    int d;                  // head dim of Q and K
+    int dv;                 // head dim of V and O
+    float scale;            // α̂: fl32(1/√d) or the spec's scale rounded to f32
+    int win_left;           // window reaches left and right of the bottom-right diagonal; NO_BOUND is unbounded
+    int win_right;
+    int reserved;           // explicit tail padding, always 0
+};
+
+// The backward family's parameters: the problem's scalars and the trailing scalars of flash_bwd.cu's kernels (each
+// kernel reads the ones it needs; the header of flash_bwd.cu says which).
+struct BackwardParams {
+    FlashParams flash;      // the problem
+    long long part_stride;  // elements between two KV tiles' dQ partials (Q's element count)
+    long long total_k;      // K rows over all sequences: the row count of the GQA and KV_ACCUM workspaces
+    int dq_mode;            // bwd_kv: 0 no dQ (strategy A), 1 atomic accumulator, 2 per-KV-tile partials
+    int n_chunks;           // column chunks per query head (bwd_kv: of max(d, dv); bwd_dq: of d)
+    int n_heads_q;          // query heads (bwd_kv_group_sum)
+    int finalize_mode;      // bwd_dq_finalize: 0 from the atomic accumulator, 1 from the partials
+};
+
+// The scalars of ring_state.cu's state_merge and state_finalize.
+struct RingStateParams {
+    long long rows;           // state rows (LSE rows)
+    long long rows_per_head;  // varlen: rows of one query head (Tq), to map an LSE row to O's packed row
+    int dv;                   // columns of A and O
+    int varlen;               // O is packed [Tq, Hq, dv] (1) or dense [B, Hq, Lq, dv] (0)
+    int n_heads;              // query heads (varlen)
+    int reserved;             // explicit tail padding, always 0
+};
+
+// NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
+// builtin, is a constant expression, which is all a static_assert needs.
+#define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
+#define PARAM_SIZE(type, bytes) \
+    static_assert(sizeof(type) == (bytes), #type " is not " #bytes " bytes as gpu/src/params.rs says")
+#define PARAM_AT(type, field, offset)                       \
+    static_assert(PARAM_OFFSET(type, field) == (offset), \
+                  #type "." #field " is not at byte " #offset " as gpu/src/params.rs says")
+
+PARAM_SIZE(FlashParams, 152);
+PARAM_AT(FlashParams, q_batch, 0);
+PARAM_AT(FlashParams, q_head, 8);
+PARAM_AT(FlashParams, q_row, 16);
+PARAM_AT(FlashParams, k_batch, 24);
+PARAM_AT(FlashParams, k_head, 32);
+PARAM_AT(FlashParams, k_row, 40);
+PARAM_AT(FlashParams, v_batch, 48);
+PARAM_AT(FlashParams, v_head, 56);
+PARAM_AT(FlashParams, v_row, 64);
+PARAM_AT(FlashParams, o_batch, 72);
+PARAM_AT(FlashParams, o_head, 80);
+PARAM_AT(FlashParams, o_row, 88);
+PARAM_AT(FlashParams, lse_batch, 96);
+PARAM_AT(FlashParams, lse_head, 104);
+PARAM_AT(FlashParams, varlen, 112);
+PARAM_AT(FlashParams, dense_len_q, 116);
+PARAM_AT(FlashParams, dense_len_k, 120);
+PARAM_AT(FlashParams, group, 124);
+PARAM_AT(FlashParams, d, 128);
+PARAM_AT(FlashParams, dv, 132);
+PARAM_AT(FlashParams, scale, 136);
+PARAM_AT(FlashParams, win_left, 140);
+PARAM_AT(FlashParams, win_right, 144);
+PARAM_AT(FlashParams, reserved, 148);
+
+PARAM_SIZE(BackwardParams, 184);
+PARAM_AT(BackwardParams, flash, 0);
+PARAM_AT(BackwardParams, part_stride, 152);
+PARAM_AT(BackwardParams, total_k, 160);
+PARAM_AT(BackwardParams, dq_mode, 168);
+PARAM_AT(BackwardParams, n_chunks, 172);
+PARAM_AT(BackwardParams, n_heads_q, 176);
+PARAM_AT(BackwardParams, finalize_mode, 180);
+
+PARAM_SIZE(RingStateParams, 32);
+PARAM_AT(RingStateParams, rows, 0);
+PARAM_AT(RingStateParams, rows_per_head, 8);
+PARAM_AT(RingStateParams, dv, 16);
+PARAM_AT(RingStateParams, varlen, 20);
+PARAM_AT(RingStateParams, n_heads, 24);
+PARAM_AT(RingStateParams, reserved, 28);
+
+// The problem's scalars as `const` locals with the names the kernel bodies use (the names of the positional
+// parameters they replaced), so that a kernel's body reads as before and every text anchor of the GPU mutation
+// catalog still occurs exactly once. A kernel that does not read one of them is not warned about it.
+#define UNPACK_FLASH_PARAMS(fp)                                \
+    [[maybe_unused]] const int varlen = (fp).varlen;           \
+    [[maybe_unused]] const int dense_len_q = (fp).dense_len_q; \
+    [[maybe_unused]] const int dense_len_k = (fp).dense_len_k; \
+    [[maybe_unused]] const int group = (fp).group;             \
+    [[maybe_unused]] const int d = (fp).d;                     \
+    [[maybe_unused]] const int dv = (fp).dv;                   \
+    [[maybe_unused]] const long long q_batch = (fp).q_batch;   \
+    [[maybe_unused]] const long long q_head = (fp).q_head;     \
+    [[maybe_unused]] const long long q_row = (fp).q_row;       \
+    [[maybe_unused]] const long long k_batch = (fp).k_batch;   \
+    [[maybe_unused]] const long long k_head = (fp).k_head;     \
+    [[maybe_unused]] const long long k_row = (fp).k_row;       \
+    [[maybe_unused]] const long long v_batch = (fp).v_batch;   \
+    [[maybe_unused]] const long long v_head = (fp).v_head;     \
+    [[maybe_unused]] const long long v_row = (fp).v_row;       \
+    [[maybe_unused]] const long long o_batch = (fp).o_batch;   \
+    [[maybe_unused]] const long long o_head = (fp).o_head;     \
+    [[maybe_unused]] const long long o_row = (fp).o_row;       \
+    [[maybe_unused]] const long long lse_batch = (fp).lse_batch; \
+    [[maybe_unused]] const long long lse_head = (fp).lse_head; \
+    [[maybe_unused]] const float scale = (fp).scale;           \
+    [[maybe_unused]] const int win_left = (fp).win_left;       \
+    [[maybe_unused]] const int win_right = (fp).win_right
 
 __device__ __forceinline__ float ex2_approx(float x) {
     float y;

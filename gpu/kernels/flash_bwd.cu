@@ -1,7 +1,10 @@
 // FlashAttention backward (E6–E10) on tensor cores, compiled by NVRTC after common.cuh (see gpu/src/compile.rs and
 // gpu/src/backward.rs).
 //
-// Kernels (one module per storage type and padded head dims; all take the forward's scalar block, in its order):
+// Kernels (one module per storage type and padded head dims). Each takes its pointers, the sequence offsets and one
+// BackwardParams (common.cuh): the problem's FlashParams, which every kernel unpacks, and the trailing scalars, of
+// which bwd_kv reads dq_mode, n_chunks, part_stride and total_k, bwd_kv_group_sum n_heads_q and total_k, bwd_dq
+// n_chunks, and bwd_dq_finalize finalize_mode and part_stride.
 //   bwd_preprocess    D = rowsum(dO ∘ O) in f32 (E7), one warp per row.
 //   bwd_kv            KV owner: one CTA of KV_WARPS warps per (KV tile of KV_TILE = 16 · KV_WARPS keys, query head ×
 //                     column chunk, sequence); warp w owns keys 16w … 16w + 15. For every query tile of Q_TILE = 64 rows
@@ -177,12 +180,9 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, in
     return true;
 }
 
-#define COMMON_PARAMS                                                                                               \
-    const int *__restrict__ cu_q, const int *__restrict__ cu_k, int varlen, int dense_len_q, int dense_len_k,       \
-        int group, int d, int dv, long long q_batch, long long q_head, long long q_row, long long k_batch,           \
-        long long k_head, long long k_row, long long v_batch, long long v_head, long long v_row, long long o_batch,  \
-        long long o_head, long long o_row, long long lse_batch, long long lse_head, float scale, int win_left,      \
-        int win_right
+// The arguments every kernel of this file takes after its own pointers: the sequence offsets and the family's one
+// parameter struct (common.cuh), whose problem scalars UNPACK_FLASH_PARAMS(params.flash) turns into locals.
+#define COMMON_PARAMS const int *__restrict__ cu_q, const int *__restrict__ cu_k, const BackwardParams params
 
 #define SEQ_VIEW(seq)                                                                                                \
     seq_view(seq, cu_q, cu_k, varlen, dense_len_q, dense_len_k, q_batch, q_row, k_batch, k_row, v_batch, v_row,     \
@@ -192,6 +192,7 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, in
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, float* __restrict__ delta,
                COMMON_PARAMS) {
+    UNPACK_FLASH_PARAMS(params.flash);
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int head = blockIdx.y;
     const int row0 = blockIdx.x * Q_TILE;
@@ -314,8 +315,12 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 8 / KV_WARPS)
 bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
        elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out, float* __restrict__ dq_acc,
-       float* __restrict__ dq_part, float* __restrict__ dkv_part, COMMON_PARAMS, int dq_mode, int n_chunks,
-       long long part_stride, long long total_k) {
+       float* __restrict__ dq_part, float* __restrict__ dkv_part, COMMON_PARAMS) {
+    UNPACK_FLASH_PARAMS(params.flash);
+    const int dq_mode = params.dq_mode;
+    const int n_chunks = params.n_chunks;
+    const long long part_stride = params.part_stride;
+    const long long total_k = params.total_k;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* k_s = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* v_s = k_s + KV_TILE * QK_STRIDE;
@@ -499,6 +504,11 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             }
         }
     }
+    // Drain: a KV tile that no query tile sees (a_lo > a_hi: a window, or keys past every row's diagonal) skips the
+    // loop, and its K, V copies, committed above, were never waited for. A CTA must not exit with copies into its
+    // shared memory in flight (the next CTA on the SM may already own those bytes); after the loop nothing else is
+    // outstanding, so for every other CTA this returns at once.
+    cp_async_wait_all();
 
     // dK = round_T(α̂ · dK), dV = round_T(dV) for the warp's keys and the chunk's columns; under GQA this head's f32
     // sums go to the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for bwd_kv_group_sum.
@@ -547,7 +557,10 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 // from bwd_kv's f32 workspace. One CTA per (64 keys, KV head, sequence).
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_kv_group_sum(const float* __restrict__ dkv_part, elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out,
-                 COMMON_PARAMS, int n_heads_q, long long total_k) {
+                 COMMON_PARAMS) {
+    UNPACK_FLASH_PARAMS(params.flash);
+    const int n_heads_q = params.n_heads_q;
+    const long long total_k = params.total_k;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int kv_head = blockIdx.y;
     const int key0 = blockIdx.x * 64;
@@ -602,7 +615,9 @@ __device__ __forceinline__ void add_dq(float (&acc)[CHUNK / 8][4], const float (
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-       elem_t* __restrict__ dq, COMMON_PARAMS, int n_chunks) {
+       elem_t* __restrict__ dq, COMMON_PARAMS) {
+    UNPACK_FLASH_PARAMS(params.flash);
+    const int n_chunks = params.n_chunks;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* k_s = q_s + Q_TILE * QK_STRIDE;
@@ -720,6 +735,10 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             }
         }
     }
+    // Drain: a query tile that sees no key (a window, a sequence without keys) visits no KV tile, and its Q, dO
+    // copies, committed above, were never waited for; a CTA must not exit with copies into its shared memory in
+    // flight. Every visited tile waits for all copies, so for every other CTA nothing is outstanding here.
+    cp_async_wait_all();
 
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -741,7 +760,10 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 // order (mode 1).
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_part, elem_t* __restrict__ dq,
-                COMMON_PARAMS, int mode, long long part_stride) {
+                COMMON_PARAMS) {
+    UNPACK_FLASH_PARAMS(params.flash);
+    const int mode = params.finalize_mode;
+    const long long part_stride = params.part_stride;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int head = blockIdx.y;
     const int tile = blockIdx.x;

@@ -22,6 +22,9 @@
 //   NUM_WARPS, WARP_M      warps per CTA and 16-row slices per warp (the tuning; the arithmetic does not depend on
 //                          them: every row sees the same sequence of operations whatever the tiling)
 //
+// Arguments: the pointers of Q, K, V, the outputs (O and LSE, or the state's A, m, ℓ) and the sequence offsets, then
+// the problem's scalars as one FlashParams (common.cuh), unpacked into locals of the same names at the kernel's top.
+//
 // Precision recipe (the rounding-error argument is in gpu/src/flash.rs):
 //   s   = fl(dot(q, k) · α̂)            dot accumulated in f32 by the tensor cores, α̂ = fl32(1/√d) from the host
 //   m   = running max of s (f32), mL = fl(m · L) with L = fl32(log2 e)
@@ -150,14 +153,8 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #else
           elem_t* __restrict__ o, float* __restrict__ lse,
 #endif
-          const int* __restrict__ cu_q, const int* __restrict__ cu_k, int varlen,
-          int dense_len_q, int dense_len_k, int group, int d, int dv,
-          long long q_batch, long long q_head, long long q_row,
-          long long k_batch, long long k_head, long long k_row,
-          long long v_batch, long long v_head, long long v_row,
-          long long o_batch, long long o_head, long long o_row,
-          long long lse_batch, long long lse_head,
-          float scale, int win_left, int win_right) {
+          const int* __restrict__ cu_q, const int* __restrict__ cu_k, const FlashParams params) {
+    UNPACK_FLASH_PARAMS(params);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* k_s = q_s + BLOCK_M * QK_STRIDE;
@@ -312,6 +309,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
             }
         }
     }
+
+    // No asynchronous copy is outstanding here: every iteration waits for all of them, and the last one starts no K
+    // prefetch (a CTA that sees no KV tile starts none at all).
 
     // Finalize: ℓ over the quad, O = round_T(A/ℓ), LSE = m + ln ℓ; rows that saw no key get 0 and −∞.
 #pragma unroll

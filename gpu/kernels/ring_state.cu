@@ -1,5 +1,5 @@
 // Online-softmax states of query rows on the device, for the ring forward on GPUs (E11 with E2–E5), compiled by NVRTC
-// after common.cuh (see gpu/src/ring_state.rs). A state is, per query row, m (the running max of the scaled scores),
+// after common.cuh (see gpu/src/ring/state.rs). A state is, per query row, m (the running max of the scaled scores),
 // ℓ and the unnormalized accumulator A, in f32, exactly as flash_fwd.cu's STATE_OUT mode writes them: p and A are
 // relative to 2^fl(m·L) with L = fl32(log2 e). Rows are LSE rows (dense [B, Hq, Lq], varlen [Hq, Tq]); A is
 // [row][dv]. An empty row (no visible key yet) is m = −∞, ℓ = 0, A = 0.
@@ -9,13 +9,17 @@
 //                   ℓ = fl(fl(r₁ℓ₁) + fl(r₂ℓ₂)), A likewise per column: one rescale of each side, as the forward's
 //                   own tile step rescales its state, so a row's terms pass through at most one rescale per merge.
 //   state_finalize  E5: O = round_T(A / ℓ) (IEEE division), LSE = m + logf(ℓ); an empty row gets O = 0, LSE = −∞.
+// Both take their pointers and one RingStateParams (common.cuh): state_merge reads rows and dv, state_finalize all of
+// it.
 
 // fl32(log2 e): the forward kernel's LOG2E_F, so that merged and in-kernel rescales use the same shift.
 #define LOG2E_F 1.44269504088896340736f
 
 extern "C" __global__ void state_merge(float* __restrict__ a_run, float* __restrict__ m_run, float* __restrict__ l_run,
                                        const float* __restrict__ a_part, const float* __restrict__ m_part,
-                                       const float* __restrict__ l_part, long long rows, int dv) {
+                                       const float* __restrict__ l_part, const RingStateParams params) {
+    const long long rows = params.rows;
+    const int dv = params.dv;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;
@@ -40,8 +44,12 @@ extern "C" __global__ void state_merge(float* __restrict__ a_run, float* __restr
 // (t·Hq + h)·dv).
 extern "C" __global__ void state_finalize(const float* __restrict__ a, const float* __restrict__ m,
                                           const float* __restrict__ l, elem_t* __restrict__ o,
-                                          float* __restrict__ lse, long long rows, int dv, int varlen, int n_heads,
-                                          long long rows_per_head) {
+                                          float* __restrict__ lse, const RingStateParams params) {
+    const long long rows = params.rows;
+    const int dv = params.dv;
+    const int varlen = params.varlen;
+    const int n_heads = params.n_heads;
+    const long long rows_per_head = params.rows_per_head;
     const long long row = (long long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;

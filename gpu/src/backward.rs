@@ -19,11 +19,12 @@
 //!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
 //!    three, so they agree bitwise across strategies.
 //!
-//! The ring backward (E11 with dK/dV travelling home) uses the same kernels step by step: [`ring_backward_preprocess`]
-//! per query chunk, [`ring_backward_pair`] per visible chunk pair (the `KV_ACCUM` module: dK/dV sums added in f32 to
-//! the KV chunk's travelling accumulator, dQ added to the query chunk's f32 accumulator), and
-//! [`ring_backward_finish_dq`], [`ring_backward_finish_dkv`] at the end; the recipe then counts the pairs' extra f32
-//! additions in `extra_merges` (dQ) and `extra_query_partials` (dK, dV).
+//! The ring backward (E11 with dK/dV travelling home) uses the same kernels step by step, from
+//! [`crate::ring::backward_steps`]: `ring_backward_preprocess` per query chunk, `ring_backward_pair` per visible chunk
+//! pair (the `KV_ACCUM` module: dK/dV sums added in f32 to the KV chunk's travelling accumulator, dQ added to the
+//! query chunk's f32 accumulator), and `ring_backward_finish_dq`, `ring_backward_finish_dkv` at the end, each one
+//! launch of this module's `ring_launch`; the recipe then counts the pairs' extra f32 additions in `extra_merges` (dQ)
+//! and `extra_query_partials` (dK, dV).
 //!
 //! Supported: what the forward supports (dense and varlen, GQA/MQA, `Lq ≠ Lk`, any length, masks `None`, `Causal`,
 //! `Window`, `And` of those; head dims multiples of 8 up to 256). Output columns are processed in chunks of up to 128
@@ -95,11 +96,12 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
+use crate::common::{GpuElement, check_len};
 use crate::compile::{self, FLASH_BWD};
 use crate::error::GpuError;
-use crate::flash::{GpuElement, check_len, kernel_scalars};
-use crate::launch::{self, BackwardBuffers, BackwardKernel, FlashScalars};
-use crate::ring_state::ChunkWindow;
+use crate::launch::{self, BackwardBuffers, BackwardKernel};
+use crate::params::{BackwardParams, FlashParams};
+use crate::ring::state::ChunkWindow;
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
 pub const Q_TILE: usize = 64;
@@ -122,8 +124,9 @@ const U32: f64 = f32::EPSILON as f64 / 2.0;
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the backward's exponent argument per unit of `|LSE|` (see the module docs).
 pub const BACKWARD_SHIFT_ROUNDING: f64 = 2.0 * U32;
-/// What the backward's flush-to-zero `ex2` may lose to underflow (see the module docs): the forward's.
-pub use crate::flash::EXP_UNDERFLOW;
+/// What the backward's flush-to-zero `ex2` may lose to underflow (see the module docs): the forward's, the crate-wide
+/// constant defined in [`crate::common`].
+pub use crate::common::EXP_UNDERFLOW;
 
 /// How `bwd_kv` tiles the keys: `kv_warps` warps per CTA, each owning 16 keys, so a KV tile of `16 · kv_warps` keys.
 /// Eight warps (128 keys) load each query tile once per 128 keys; four (64 keys) need half the registers and shared
@@ -228,7 +231,7 @@ fn grid_dim(argument: &'static str, value: usize, max: usize) -> Result<u32, Gpu
 /// Everything the launches need, derived from a validated spec.
 #[derive(Debug)]
 struct Plan {
-    scalars: FlashScalars,
+    params: FlashParams,
     defines: Vec<String>,
     cu_q: Vec<i32>,
     cu_k: Vec<i32>,
@@ -269,7 +272,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<P
         });
     }
     let kv_tile = tiling.kv_tile();
-    let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
+    let (params, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
     // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
     let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
@@ -300,7 +303,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<P
     let q_chunks = d.div_ceil(chunk);
     let k_elements: usize = spec.expected_shape(Operand::K).iter().product();
     Ok(Plan {
-        scalars,
+        params,
         defines,
         cu_q,
         cu_k,
@@ -317,13 +320,14 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<P
     })
 }
 
-/// Loads `name` from `module`, allowing it `shared` bytes of dynamic shared memory.
+/// Loads `kernel` from `module`, allowing it `shared` bytes of dynamic shared memory.
 fn function(
     ctx: &Arc<CudaContext>,
     module: &Arc<CudaModule>,
-    name: &'static str,
+    kernel: BackwardKernel,
     shared: u32,
 ) -> Result<CudaFunction, GpuError> {
+    let name = kernel.name();
     let func = module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_bwd)", e))?;
     if shared > 48 * 1024 {
         let limit = ctx
@@ -429,19 +433,17 @@ pub fn flash_backward_device_with<T: GpuElement>(
     let cfg = |grid, shared| cfg_with(THREADS, grid, shared);
     let hq = spec.n_heads_q as u32;
     let hkv = spec.n_heads_kv as u32;
-    let s = plan.scalars;
-    let part_stride = plan.q_elements as i64;
-    let total_k = plan.total_k as i64;
+    // The scalars every kernel shares; each launch below sets the ones its kernel reads beside them.
+    let base = BackwardParams {
+        flash: plan.params,
+        part_stride: plan.q_elements as i64,
+        total_k: plan.total_k as i64,
+        ..BackwardParams::default()
+    };
     if plan.q_tiles > 0 {
-        let f = function(ctx, &module, "bwd_preprocess", 0)?;
-        launch::launch_flash_backward(
-            stream,
-            &f,
-            cfg((plan.q_tiles, hq, plan.seqs), 0),
-            BackwardKernel::Preprocess,
-            &mut buffers,
-            s,
-        )?;
+        let which = BackwardKernel::Preprocess;
+        let f = function(ctx, &module, which, 0)?;
+        launch::launch_flash_backward(stream, &f, cfg((plan.q_tiles, hq, plan.seqs), 0), which, &mut buffers, &base)?;
     }
     if plan.kv_tiles > 0 {
         let dq_mode = match strategy {
@@ -449,50 +451,54 @@ pub fn flash_backward_device_with<T: GpuElement>(
             GpuBackwardStrategy::KvOwnerAtomic => 1,
             GpuBackwardStrategy::KvOwnerDeterministic => 2,
         };
-        let f = function(ctx, &module, "bwd_kv", plan.kv_shared)?;
+        let which = BackwardKernel::KvOwner;
+        let f = function(ctx, &module, which, plan.kv_shared)?;
         launch::launch_flash_backward(
             stream,
             &f,
             cfg_with(tiling.threads(), (plan.kv_tiles, hq * plan.kv_chunks, plan.seqs), plan.kv_shared),
-            BackwardKernel::KvOwner { dq_mode, n_chunks: plan.kv_chunks as i32, part_stride, total_k },
+            which,
             &mut buffers,
-            s,
+            &BackwardParams { dq_mode, n_chunks: plan.kv_chunks as i32, ..base },
         )?;
         if spec.group_size() > 1 {
-            let f = function(ctx, &module, "bwd_kv_group_sum", 0)?;
+            let which = BackwardKernel::GroupSum;
+            let f = function(ctx, &module, which, 0)?;
             launch::launch_flash_backward(
                 stream,
                 &f,
                 cfg((plan.group_sum_tiles, hkv, plan.seqs), 0),
-                BackwardKernel::GroupSum { n_heads_q: hq as i32, total_k },
+                which,
                 &mut buffers,
-                s,
+                &BackwardParams { n_heads_q: hq as i32, ..base },
             )?;
         }
     }
     if plan.q_tiles > 0 {
         match strategy {
             GpuBackwardStrategy::TwoTraversals => {
-                let f = function(ctx, &module, "bwd_dq", plan.dq_shared)?;
+                let which = BackwardKernel::DqOwner;
+                let f = function(ctx, &module, which, plan.dq_shared)?;
                 launch::launch_flash_backward(
                     stream,
                     &f,
                     cfg((plan.q_tiles, hq * plan.q_chunks, plan.seqs), plan.dq_shared),
-                    BackwardKernel::DqOwner { n_chunks: plan.q_chunks as i32 },
+                    which,
                     &mut buffers,
-                    s,
+                    &BackwardParams { n_chunks: plan.q_chunks as i32, ..base },
                 )?;
             }
             GpuBackwardStrategy::KvOwnerAtomic | GpuBackwardStrategy::KvOwnerDeterministic => {
-                let mode = i32::from(strategy == GpuBackwardStrategy::KvOwnerDeterministic);
-                let f = function(ctx, &module, "bwd_dq_finalize", 0)?;
+                let finalize_mode = i32::from(strategy == GpuBackwardStrategy::KvOwnerDeterministic);
+                let which = BackwardKernel::Finalize;
+                let f = function(ctx, &module, which, 0)?;
                 launch::launch_flash_backward(
                     stream,
                     &f,
                     cfg((plan.q_tiles, hq, plan.seqs), 0),
-                    BackwardKernel::Finalize { mode, part_stride },
+                    which,
                     &mut buffers,
-                    s,
+                    &BackwardParams { finalize_mode, ..base },
                 )?;
             }
         }
@@ -500,33 +506,14 @@ pub fn flash_backward_device_with<T: GpuElement>(
     Ok(())
 }
 
-/// The read-only inputs of one (query chunk, key chunk) pair of the ring backward: the pair's Q, K, V, the forward's
-/// LSE of the query chunk's rows (the whole row's LSE, not the pair's), dO, and `D` from [`ring_backward_preprocess`].
-#[derive(Clone, Copy, Debug)]
-pub struct PairBackwardInputs<'a, T> {
-    /// Queries of the chunk.
-    pub q: &'a CudaSlice<T>,
-    /// Keys of the chunk.
-    pub k: &'a CudaSlice<T>,
-    /// Values of the chunk.
-    pub v: &'a CudaSlice<T>,
-    /// The rows' LSE (f32, natural log).
-    pub lse: &'a CudaSlice<f32>,
-    /// The rows' upstream gradient.
-    pub d_out: &'a CudaSlice<T>,
-    /// The rows' `D`.
-    pub delta: &'a CudaSlice<f32>,
-}
-
-/// One ring-backward launch: the plan of `spec` with the `KV_ACCUM` module, `window` (for a pair) in place of the
-/// mask, one-element placeholders for the buffers the launched kernel does not touch, and the kernel run.
-#[allow(clippy::too_many_arguments)]
-fn ring_launch<T: GpuElement>(
+/// One ring-backward launch (the steps of `crate::ring::backward_steps`): the plan of `spec` with the `KV_ACCUM`
+/// module, `window` (for a pair) in place of the mask, one-element placeholders for the buffers the launched kernel
+/// does not touch, and the kernel run.
+pub(crate) fn ring_launch<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
     window: Option<ChunkWindow>,
     which: BackwardKernel,
-    name: &'static str,
     real: RingBuffers<'_, T>,
 ) -> Result<(), GpuError> {
     if window.is_some() && !matches!(spec.mask, attnproof_oracle::Mask::None) {
@@ -539,7 +526,7 @@ fn ring_launch<T: GpuElement>(
     let mut plan = plan::<T>(spec, tiling)?;
     plan.defines.push(KV_ACCUM.to_owned());
     if let Some(w) = window {
-        (plan.scalars.win_left, plan.scalars.win_right) = w.kernel_values();
+        (plan.params.win_left, plan.params.win_right) = w.kernel_values();
     }
     if plan.seqs == 0 {
         return Ok(());
@@ -574,49 +561,57 @@ fn ring_launch<T: GpuElement>(
     let module = compile::module(ctx, FLASH_BWD, &plan.defines)?;
     let (grid, threads, shared) = match which {
         BackwardKernel::Preprocess => ((plan.q_tiles, spec.n_heads_q as u32, plan.seqs), THREADS, 0),
-        BackwardKernel::KvOwner { .. } => {
+        BackwardKernel::KvOwner => {
             ((plan.kv_tiles, spec.n_heads_q as u32 * plan.kv_chunks, plan.seqs), tiling.threads(), plan.kv_shared)
         }
-        BackwardKernel::Finalize { .. } => ((plan.q_tiles, spec.n_heads_q as u32, plan.seqs), THREADS, 0),
-        BackwardKernel::GroupSum { .. } => ((plan.group_sum_tiles, spec.n_heads_kv as u32, plan.seqs), THREADS, 0),
-        BackwardKernel::DqOwner { .. } => {
+        BackwardKernel::Finalize => ((plan.q_tiles, spec.n_heads_q as u32, plan.seqs), THREADS, 0),
+        BackwardKernel::GroupSum => ((plan.group_sum_tiles, spec.n_heads_kv as u32, plan.seqs), THREADS, 0),
+        BackwardKernel::DqOwner => {
             return Err(GpuError::Unsupported { argument: "kernel", reason: "bwd_dq is not a ring step".into() });
         }
     };
     if grid.0 == 0 {
         return Ok(());
     }
-    let which = match which {
-        BackwardKernel::KvOwner { .. } => BackwardKernel::KvOwner {
+    // The ring's pair step adds its dQ to the query chunk's f32 accumulator (the atomic mode), and its finish step
+    // reads that accumulator (finalize mode 0).
+    let flash = plan.params;
+    let params = match which {
+        BackwardKernel::KvOwner => BackwardParams {
+            flash,
             dq_mode: 1,
             n_chunks: plan.kv_chunks as i32,
             part_stride: plan.q_elements as i64,
             total_k: plan.total_k as i64,
+            ..BackwardParams::default()
         },
-        BackwardKernel::GroupSum { .. } => {
-            BackwardKernel::GroupSum { n_heads_q: spec.n_heads_q as i32, total_k: plan.total_k as i64 }
-        }
-        other => other,
+        BackwardKernel::GroupSum => BackwardParams {
+            flash,
+            n_heads_q: spec.n_heads_q as i32,
+            total_k: plan.total_k as i64,
+            ..BackwardParams::default()
+        },
+        _ => BackwardParams { flash, finalize_mode: 0, ..BackwardParams::default() },
     };
-    let f = function(ctx, &module, name, shared)?;
+    let f = function(ctx, &module, which, shared)?;
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: shared };
-    launch::launch_flash_backward(stream, &f, cfg, which, &mut buffers, plan.scalars)
+    launch::launch_flash_backward(stream, &f, cfg, which, &mut buffers, &params)
 }
 
 /// The buffers a ring-backward launch uses; the others are placeholders.
-struct RingBuffers<'a, T> {
-    q: Option<&'a CudaSlice<T>>,
-    k: Option<&'a CudaSlice<T>>,
-    v: Option<&'a CudaSlice<T>>,
-    o: Option<&'a CudaSlice<T>>,
-    lse: Option<&'a CudaSlice<f32>>,
-    d_out: Option<&'a CudaSlice<T>>,
-    dq: Option<&'a mut CudaSlice<T>>,
-    dk: Option<&'a mut CudaSlice<T>>,
-    dv: Option<&'a mut CudaSlice<T>>,
-    delta: Option<&'a mut CudaSlice<f32>>,
-    dq_acc: Option<&'a mut CudaSlice<f32>>,
-    dkv_acc: Option<&'a mut CudaSlice<f32>>,
+pub(crate) struct RingBuffers<'a, T> {
+    pub(crate) q: Option<&'a CudaSlice<T>>,
+    pub(crate) k: Option<&'a CudaSlice<T>>,
+    pub(crate) v: Option<&'a CudaSlice<T>>,
+    pub(crate) o: Option<&'a CudaSlice<T>>,
+    pub(crate) lse: Option<&'a CudaSlice<f32>>,
+    pub(crate) d_out: Option<&'a CudaSlice<T>>,
+    pub(crate) dq: Option<&'a mut CudaSlice<T>>,
+    pub(crate) dk: Option<&'a mut CudaSlice<T>>,
+    pub(crate) dv: Option<&'a mut CudaSlice<T>>,
+    pub(crate) delta: Option<&'a mut CudaSlice<f32>>,
+    pub(crate) dq_acc: Option<&'a mut CudaSlice<f32>>,
+    pub(crate) dkv_acc: Option<&'a mut CudaSlice<f32>>,
 }
 
 impl<T> Default for RingBuffers<'_, T> {
@@ -636,106 +631,6 @@ impl<T> Default for RingBuffers<'_, T> {
             dkv_acc: None,
         }
     }
-}
-
-/// The sizes of `spec`'s operands.
-fn sizes(spec: &AttentionSpec) -> impl Fn(Operand) -> usize + '_ {
-    |op| spec.expected_shape(op).iter().product::<usize>()
-}
-
-/// Ring backward, step 1 for a query chunk (`spec`: the chunk's rows as a problem): `D = rowsum(dO ∘ O)` (E7).
-pub fn ring_backward_preprocess<T: GpuElement>(
-    stream: &Arc<CudaStream>,
-    spec: &AttentionSpec,
-    o: &CudaSlice<T>,
-    d_out: &CudaSlice<T>,
-    delta: &mut CudaSlice<f32>,
-) -> Result<(), GpuError> {
-    let size = sizes(spec);
-    check_len("o", o, size(Operand::O))?;
-    check_len("d_out", d_out, size(Operand::O))?;
-    check_len("delta", delta, size(Operand::RowStat))?;
-    let real = RingBuffers { o: Some(o), d_out: Some(d_out), delta: Some(delta), ..RingBuffers::default() };
-    ring_launch(stream, spec, None, BackwardKernel::Preprocess, "bwd_preprocess", real)
-}
-
-/// The f32 workspace a KV chunk's dK, dV sums travel in: `n_heads_q · B · n_k · (d + dv)` values for `spec` (the KV
-/// chunk's keys as a problem), zeroed before the first pair adds to it.
-pub fn ring_dkv_accumulator_len(spec: &AttentionSpec) -> usize {
-    let k_rows: usize = sizes(spec)(Operand::K) / (spec.n_heads_kv * spec.head_dim).max(1);
-    spec.n_heads_q * k_rows * (spec.head_dim + spec.head_dim_v)
-}
-
-/// Ring backward, step 2 for each visible (query chunk, key chunk) pair (`spec`: the pair as a problem with
-/// [`attnproof_oracle::Mask::None`], `window` its visibility): adds the pair's dQ (f32, KV-owner atomics) into
-/// `dq_acc` (Q-shaped) and its per-query-head f32 dK, dV sums into `dkv_acc` (see [`ring_dkv_accumulator_len`]).
-/// The arithmetic inside the pair is the backward kernel's; across pairs each sum gains one f32 addition per pair,
-/// which the recipe's `extra_merges` (dQ) and `extra_query_partials` (dK, dV) count.
-pub fn ring_backward_pair<T: GpuElement>(
-    stream: &Arc<CudaStream>,
-    spec: &AttentionSpec,
-    window: ChunkWindow,
-    inputs: PairBackwardInputs<'_, T>,
-    dq_acc: &mut CudaSlice<f32>,
-    dkv_acc: &mut CudaSlice<f32>,
-) -> Result<(), GpuError> {
-    let size = sizes(spec);
-    check_len("q", inputs.q, size(Operand::Q))?;
-    check_len("k", inputs.k, size(Operand::K))?;
-    check_len("v", inputs.v, size(Operand::V))?;
-    check_len("lse", inputs.lse, size(Operand::RowStat))?;
-    check_len("d_out", inputs.d_out, size(Operand::O))?;
-    check_len("delta", inputs.delta, size(Operand::RowStat))?;
-    check_len("dq_acc", dq_acc, size(Operand::Q))?;
-    check_len("dkv_acc", dkv_acc, ring_dkv_accumulator_len(spec))?;
-    // The kernel reads D through the buffer slot the preprocess writes; a copy keeps `inputs` read-only.
-    let mut delta = stream.clone_dtod(inputs.delta).map_err(|e| GpuError::driver("cuMemcpyDtoD(delta)", e))?;
-    let real = RingBuffers {
-        q: Some(inputs.q),
-        k: Some(inputs.k),
-        v: Some(inputs.v),
-        lse: Some(inputs.lse),
-        d_out: Some(inputs.d_out),
-        delta: Some(&mut delta),
-        dq_acc: Some(dq_acc),
-        dkv_acc: Some(dkv_acc),
-        ..RingBuffers::default()
-    };
-    let which = BackwardKernel::KvOwner { dq_mode: 1, n_chunks: 0, part_stride: 0, total_k: 0 };
-    ring_launch(stream, spec, Some(window), which, "bwd_kv", real)
-}
-
-/// Ring backward, step 3 for a query chunk: `dQ = round_T(α̂ · dq_acc)`.
-pub fn ring_backward_finish_dq<T: GpuElement>(
-    stream: &Arc<CudaStream>,
-    spec: &AttentionSpec,
-    dq_acc: &CudaSlice<f32>,
-    dq: &mut CudaSlice<T>,
-) -> Result<(), GpuError> {
-    check_len("dq_acc", dq_acc, sizes(spec)(Operand::Q))?;
-    check_len("dq", dq, sizes(spec)(Operand::Q))?;
-    // The finalize reads the accumulator through its read-only slot; a copy gives it the mutable one the launch
-    // wrapper holds.
-    let mut acc = stream.clone_dtod(dq_acc).map_err(|e| GpuError::driver("cuMemcpyDtoD(dq_acc)", e))?;
-    let real = RingBuffers { dq: Some(dq), dq_acc: Some(&mut acc), ..RingBuffers::default() };
-    ring_launch(stream, spec, None, BackwardKernel::Finalize { mode: 0, part_stride: 0 }, "bwd_dq_finalize", real)
-}
-
-/// Ring backward, step 4 for a KV chunk back home (`spec`: the chunk's keys as a problem): `dK = round_T(α̂ · Σ_h)`,
-/// `dV = round_T(Σ_h)` over each KV head's query heads in ascending order, from `dkv_acc`.
-pub fn ring_backward_finish_dkv<T: GpuElement>(
-    stream: &Arc<CudaStream>,
-    spec: &AttentionSpec,
-    dkv_acc: &CudaSlice<f32>,
-    dk: &mut CudaSlice<T>,
-    dv: &mut CudaSlice<T>,
-) -> Result<(), GpuError> {
-    check_len("dkv_acc", dkv_acc, ring_dkv_accumulator_len(spec))?;
-    check_len("dk", dk, sizes(spec)(Operand::K))?;
-    check_len("dv", dv, sizes(spec)(Operand::V))?;
-    let mut acc = stream.clone_dtod(dkv_acc).map_err(|e| GpuError::driver("cuMemcpyDtoD(dkv_acc)", e))?;
-    let real = RingBuffers { dk: Some(dk), dv: Some(dv), dkv_acc: Some(&mut acc), ..RingBuffers::default() };
-    ring_launch(stream, spec, None, BackwardKernel::GroupSum { n_heads_q: 0, total_k: 0 }, "bwd_kv_group_sum", real)
 }
 
 /// Checks a host tensor's shape and layout and returns it as a row-major slice; `finite` rejects non-finite values.
@@ -832,6 +727,7 @@ pub fn flash_backward<T: GpuElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::common::NO_BOUND;
     use attnproof_oracle::{Mask, Predicate};
     use half::{bf16, f16};
 
@@ -866,7 +762,7 @@ mod tests {
             p.defines,
             ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=208", "CHUNK=128", "Q_STAGES=2", "KV_WARPS=8"]
         );
-        assert_eq!((p.scalars.win_left, p.scalars.win_right), (1 << 30, 0));
+        assert_eq!((p.params.win_left, p.params.win_right), (NO_BOUND as i32, 0));
         // bwd_kv: K, V tiles of 128 rows and two stages of Q, dO tiles of 64 rows, the dS tile, four f32 row vectors.
         let rows = 128 + 2 * 64;
         assert_eq!(p.kv_shared as usize, 2 * (rows * 136 + rows * 216 + 64 * 136) + 4 * 64 * 4);

@@ -9,6 +9,24 @@
 //! its own module, compiled once per process and cached under (device ordinal, kernel name, source text, options).
 //! [`module_from_source`] is the one compile path: the embedded kernels go through it, and so can other texts of a
 //! kernel (the tests compile patched copies of `flash_fwd.cu` as mutants), which the source text in the key keeps apart.
+//!
+//! # Which devices run which kernel
+//!
+//! Before NVRTC is called, [`check_device_supports`] compares the device's compute capability with what the kernel's
+//! instructions need ([`DEVICE_REQUIREMENTS`]) and answers [`GpuError::UnsupportedDevice`] instead of a compile log:
+//!
+//! - `flash_fwd` needs 8.0: `cp.async` and the bf16/f16 `mma.sync.m16n8k16` exist from `sm_80` on (with `ldmatrix`,
+//!   from `sm_75`). It runs on the A100 (8.0), the consumer Ampere and Ada parts (8.6, 8.9) and everything later.
+//! - `flash_bwd` needs 9.0: `bwd_kv` stores dS with `stmatrix` and adds dQ with the vector reduction
+//!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
+//! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
+//!   arithmetic, `ex2.approx` and warp shuffles only.
+//!
+//! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) would not
+//! exist in later architectures' plain targets. The kernels use none of them: every instruction they use is in the
+//! plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run every kernel.
+//! `gpu/tests/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
+//! accepts exactly the pairs this table admits.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -39,6 +57,58 @@ pub const FLASH_BWD: KernelSource = KernelSource {
     name: "flash_bwd",
     source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_bwd.cu")),
 };
+
+/// What a kernel needs of the device: the lowest compute capability whose target has every instruction it uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceRequirement {
+    /// The kernel (its [`KernelSource::name`]).
+    pub kernel: &'static str,
+    /// The lowest compute capability (major, minor) that runs it.
+    pub needs: (i32, i32),
+    /// The instructions that set `needs`.
+    pub instructions: &'static str,
+}
+
+/// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
+/// [`DEFAULT_REQUIREMENT`].
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 3] = [
+    DeviceRequirement { kernel: "flash_fwd", needs: (8, 0), instructions: "cp.async and bf16/f16 mma.sync.m16n8k16" },
+    DeviceRequirement {
+        kernel: "flash_bwd",
+        needs: (9, 0),
+        instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
+    },
+    DeviceRequirement {
+        kernel: "ring_state",
+        needs: (7, 5),
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; no newer instruction",
+    },
+];
+
+/// The requirement assumed for a kernel text the table does not name: the tensor-core floor of the crate's kernels.
+pub const DEFAULT_REQUIREMENT: DeviceRequirement =
+    DeviceRequirement { kernel: "(unlisted kernel)", needs: (8, 0), instructions: "the crate's tensor-core floor" };
+
+/// What `kernel` needs of the device ([`DEVICE_REQUIREMENTS`], else [`DEFAULT_REQUIREMENT`]).
+pub fn device_requirement(kernel: &str) -> DeviceRequirement {
+    DEVICE_REQUIREMENTS.into_iter().find(|r| r.kernel == kernel).unwrap_or(DEFAULT_REQUIREMENT)
+}
+
+/// Whether a device of compute capability `have` (major, minor) can run `kernel`: `Ok` or
+/// [`GpuError::UnsupportedDevice`] saying what the kernel needs and why. Pure: every launch path asks it (through
+/// [`module_from_source`]) before NVRTC is called, and tests ask it without a device.
+pub fn check_device_supports(kernel: &'static str, have: (i32, i32)) -> Result<(), GpuError> {
+    let requirement = device_requirement(kernel);
+    if have < requirement.needs {
+        return Err(GpuError::UnsupportedDevice {
+            kernel,
+            needs: requirement.needs,
+            instructions: requirement.instructions,
+            have,
+        });
+    }
+    Ok(())
+}
 
 /// The compute capability of the context's device.
 pub fn compute_capability(ctx: &Arc<CudaContext>) -> Result<(i32, i32), GpuError> {
@@ -97,9 +167,7 @@ pub fn module_from_source(
 ) -> Result<Arc<CudaModule>, GpuError> {
     let kernel = KernelSource { name, source };
     let (major, minor) = compute_capability(ctx)?;
-    if major < 8 {
-        return Err(GpuError::UnsupportedDevice { major, minor });
-    }
+    check_device_supports(kernel.name, (major, minor))?;
     let opts = options(&arch_for(major, minor), defines);
     let key = (ctx.ordinal(), kernel.name, kernel.source, opts.clone());
     // A poisoned lock only means another thread panicked mid-insert; the map itself is still consistent.
@@ -157,6 +225,46 @@ mod tests {
             assert!(o.iter().any(|x| x == pinned), "{pinned} missing from {o:?}");
         }
         assert_eq!(&o[o.len() - 2..], ["-DELEM_BF16", "-DHEAD_DIM_PAD=64"]);
+    }
+
+    #[test]
+    fn the_forward_runs_from_ampere_on_and_the_backward_from_hopper_on() {
+        let supported = |kernel: &'static str, cc: (i32, i32)| check_device_supports(kernel, cc).is_ok();
+        for cc in [(8, 0), (8, 6), (8, 9)] {
+            assert!(supported("flash_fwd", cc), "{cc:?}");
+            assert!(supported("ring_state", cc), "{cc:?}");
+            match check_device_supports("flash_bwd", cc) {
+                Err(GpuError::UnsupportedDevice { kernel: "flash_bwd", needs: (9, 0), have, instructions }) => {
+                    assert_eq!(have, cc);
+                    assert!(instructions.contains("stmatrix") && instructions.contains("red.global.add.v2.f32"));
+                }
+                other => panic!("flash_bwd on {cc:?}: {other:?}"),
+            }
+        }
+        // Hopper, Blackwell and the consumer Blackwell parts run everything: no kernel needs an sm_90a-only
+        // instruction, which their plain targets would lack.
+        for cc in [(9, 0), (10, 0), (12, 0)] {
+            for kernel in ["flash_fwd", "flash_bwd", "ring_state"] {
+                assert!(supported(kernel, cc), "{kernel} on {cc:?}");
+            }
+        }
+        // Turing: only the state kernels.
+        assert!(!supported("flash_fwd", (7, 5)) && !supported("flash_bwd", (7, 5)) && supported("ring_state", (7, 5)));
+        assert!(!supported("ring_state", (7, 0)));
+        // The comparison is on (major, minor): a high minor version does not make up for a lower major one.
+        assert!(!supported("flash_fwd", (7, 9)) && supported("flash_fwd", (8, 0)));
+        let message = check_device_supports("flash_bwd", (8, 6)).unwrap_err().to_string();
+        assert!(
+            message.contains("`flash_bwd` needs compute capability 9.0") && message.ends_with("the device has 8.6")
+        );
+    }
+
+    #[test]
+    fn unlisted_kernels_get_the_tensor_core_floor() {
+        assert_eq!(device_requirement("a_patched_copy"), DEFAULT_REQUIREMENT);
+        assert!(check_device_supports("a_patched_copy", (7, 5)).is_err());
+        assert!(check_device_supports("a_patched_copy", (8, 0)).is_ok());
+        assert_eq!(device_requirement("flash_bwd").needs, (9, 0));
     }
 
     #[test]

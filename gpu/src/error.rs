@@ -1,6 +1,19 @@
 //! Typed errors of the GPU crate: every way a compile or launch can fail, with the argument or log that explains it.
+//! Both error types live here, so that every module can name them without importing the crate root.
 
-use crate::GpuUnavailable;
+/// Why no CUDA device can be used on this machine.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GpuUnavailable {
+    /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded.
+    #[error("no CUDA driver library (libcuda) could be loaded")]
+    NoDriverLibrary,
+    /// The driver library loaded, but it reported no usable device 0.
+    #[error("no usable CUDA device: the driver says {0}")]
+    NoDevice(String),
+    /// cudarc panicked while talking to the driver (for example a symbol missing from an old driver).
+    #[error("the CUDA driver could not be used: {0}")]
+    DriverPanicked(String),
+}
 
 /// Why a GPU operation failed.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -31,13 +44,24 @@ pub enum GpuError {
         /// The driver's error.
         message: String,
     },
-    /// The device cannot run this kernel (compute capability below 8.0: no bf16 `mma.sync`).
-    #[error("device compute capability {major}.{minor} is below 8.0, which the tensor-core kernels need")]
+    /// The device cannot run this kernel: its compute capability is below the one the kernel's instructions need
+    /// (`compile::check_device_supports`, asked before NVRTC is called).
+    #[error(
+        "`{kernel}` needs compute capability {}.{} or later ({instructions}); the device has {}.{}",
+        needs.0,
+        needs.1,
+        have.0,
+        have.1
+    )]
     UnsupportedDevice {
-        /// Major version.
-        major: i32,
-        /// Minor version.
-        minor: i32,
+        /// The kernel (source file stem).
+        kernel: &'static str,
+        /// The lowest compute capability (major, minor) that has every instruction the kernel uses.
+        needs: (i32, i32),
+        /// The instructions that set `needs`.
+        instructions: &'static str,
+        /// The device's compute capability (major, minor).
+        have: (i32, i32),
     },
     /// The problem is valid but outside what the kernel implements (a predicate mask, a head dim not a multiple of
     /// 8 or above 256, ...).

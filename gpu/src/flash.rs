@@ -61,16 +61,17 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
+use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUfunction_attribute_enum;
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, ValidAsZeroBits};
-use half::{bf16, f16};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
+use crate::common::{GpuElement, check_len};
 use crate::compile::{self, FLASH_FWD};
 use crate::error::GpuError;
-use crate::launch::{self, FlashBuffers, FlashScalars, ForwardOut};
-use crate::ring_state::{ChunkWindow, DeviceState};
+use crate::launch::{self, FlashBuffers, ForwardOut};
+use crate::params::FlashParams;
+use crate::ring::state::{ChunkWindow, DeviceState};
 
 /// Query rows per CTA of the smallest tiling (4 warps of one 16-row slice), the one used for head dims above 128.
 pub const Q_TILE: usize = 64;
@@ -117,194 +118,31 @@ impl ForwardTiling {
         32 * self.warps
     }
 }
-/// Largest head dim the kernel supports.
-pub const MAX_HEAD_DIM: usize = 256;
 /// f32 unit roundoff.
 const U32: f64 = f32::EPSILON as f64 / 2.0;
 /// Relative error of `ex2.approx.f32` (2 ulp from the correctly rounded result, so 2.5 ulp ≤ `5u`; see module docs).
 pub const EXP_RELATIVE_ERROR: f64 = 5.0 * U32;
 /// Shift rounding of the exponent argument per unit of `|m|` (`u`; see module docs).
 pub const SHIFT_ROUNDING: f64 = U32;
-/// What the kernels' flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal f32
-/// (the recipes' `exp_underflow`; see the module docs here and in [`crate::backward`]).
-pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
+/// What the kernels' flush-to-zero `ex2` may lose to underflow (the forward recipe's `exp_underflow`; the crate-wide
+/// constant, defined in [`crate::common`]).
+pub use crate::common::EXP_UNDERFLOW;
 /// The define of `flash_fwd.cu`'s ring mode, which writes a chunk pair's online-softmax state instead of `O` and LSE.
 pub(crate) const STATE_OUT: &str = "STATE_OUT";
-/// "No bound" for a window side, as the kernel receives it.
-const NO_BOUND: i64 = 1 << 30;
-
-/// A storage type the kernel reads and writes.
-pub trait GpuElement: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + std::fmt::Debug + 'static {
-    /// Name for errors (`bf16`, `f16`).
-    const NAME: &'static str;
-    /// The kernel's `-D` define selecting this type.
-    const DEFINE: &'static str;
-    /// Whether the value is finite.
-    fn is_finite_value(self) -> bool;
-}
-
-impl GpuElement for bf16 {
-    const NAME: &'static str = "bf16";
-    const DEFINE: &'static str = "ELEM_BF16";
-    fn is_finite_value(self) -> bool {
-        self.is_finite()
-    }
-}
-
-impl GpuElement for f16 {
-    const NAME: &'static str = "f16";
-    const DEFINE: &'static str = "ELEM_F16";
-    fn is_finite_value(self) -> bool {
-        self.is_finite()
-    }
-}
-
-/// A mask as the kernel evaluates it: key `j` visible to row `i` iff `diag − left ≤ j ≤ diag + right`,
-/// `diag = i + Lk − Lq`, with `None` meaning unbounded on that side.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct KernelMask {
-    /// Keys visible before the aligned position (`None`: all).
-    pub left: Option<usize>,
-    /// Keys visible after the aligned position (`None`: all; causal is `Some(0)`).
-    pub right: Option<usize>,
-}
-
-impl KernelMask {
-    /// Translates a spec mask; `And` intersects (smallest reach on each side), a predicate is unsupported.
-    pub fn from_mask(mask: &Mask) -> Result<Self, GpuError> {
-        let min = |a: Option<usize>, b: Option<usize>| match (a, b) {
-            (Some(x), Some(y)) => Some(x.min(y)),
-            (x, None) => x,
-            (None, y) => y,
-        };
-        Ok(match mask {
-            Mask::None => KernelMask { left: None, right: None },
-            Mask::Causal => KernelMask { left: None, right: Some(0) },
-            Mask::Window { left, right } => KernelMask { left: Some(*left), right: Some(*right) },
-            Mask::Predicate(p) => {
-                return Err(GpuError::Unsupported {
-                    argument: "mask",
-                    reason: format!("predicate mask `{}`: the kernel evaluates only causal and window bounds", p.name),
-                });
-            }
-            Mask::And(parts) => parts.iter().try_fold(KernelMask { left: None, right: None }, |acc, m| {
-                let k = KernelMask::from_mask(m)?;
-                Ok::<_, GpuError>(KernelMask { left: min(acc.left, k.left), right: min(acc.right, k.right) })
-            })?,
-        })
-    }
-
-    /// The side's reach as the kernel's `int`: values beyond any length are "no bound".
-    fn kernel_value(side: Option<usize>) -> i32 {
-        side.map_or(NO_BOUND, |x| i64::try_from(x).unwrap_or(NO_BOUND).min(NO_BOUND)) as i32
-    }
-}
-
-/// The scale the kernel multiplies the dot products by: `fl32(1/√d)` computed as the reference does, or the given
-/// value rounded to f32.
-pub fn kernel_scale(spec: &AttentionSpec) -> f32 {
-    match spec.scale {
-        Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f32).sqrt(),
-        Scale::Value(x) => x as f32,
-    }
-}
 
 /// `n` rounded up to a multiple of `m`.
 fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
-
-pub(crate) fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
-    i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
-}
-
 /// Everything the launch needs, derived from a validated spec.
 struct Plan {
-    scalars: FlashScalars,
+    params: FlashParams,
     grid: (u32, u32, u32),
     threads: u32,
     shared_bytes: u32,
     defines: Vec<String>,
     cu_q: Vec<i32>,
     cu_k: Vec<i32>,
-}
-
-/// The kernels' common scalars for a supported, validated spec, with the sequence offsets: the
-/// head-dim and mask checks, the row strides of each layout, and the 32-bit limits. The forward and
-/// backward plans both start from it.
-pub(crate) fn kernel_scalars(spec: &AttentionSpec) -> Result<(FlashScalars, Vec<i32>, Vec<i32>), GpuError> {
-    spec.validate()?;
-    for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
-        if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
-            return Err(GpuError::Unsupported {
-                argument,
-                reason: format!("{dim} is not a multiple of 8 in 8..={MAX_HEAD_DIM}"),
-            });
-        }
-    }
-    let mask = KernelMask::from_mask(&spec.mask)?;
-    let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
-    let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
-        Layout::Dense { len_q, len_k, .. } => {
-            let (lq, lk) = (*len_q as i64, *len_k as i64);
-            let (dq, dk, dvv) = (d as i64, d as i64, dv as i64);
-            (
-                0,
-                *len_q,
-                *len_k,
-                [hq as i64 * lq * dq, lq * dq, dq],
-                [hkv as i64 * lk * dk, lk * dk, dk],
-                [hkv as i64 * lk * dvv, lk * dvv, dvv],
-                [hq as i64 * lq * dvv, lq * dvv, dvv],
-                [hq as i64 * lq, lq],
-                vec![0, 0],
-                vec![0, 0],
-            )
-        }
-        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
-            let total_q = *cu_seqlens_q.last().expect("validated: non-empty") as i64;
-            (
-                1,
-                0,
-                0,
-                [0, d as i64, (hq * d) as i64],
-                [0, d as i64, (hkv * d) as i64],
-                [0, dv as i64, (hkv * dv) as i64],
-                [0, dv as i64, (hq * dv) as i64],
-                [0, total_q],
-                cu_seqlens_q.clone(),
-                cu_seqlens_k.clone(),
-            )
-        }
-    };
-    // Every element offset the kernel forms must fit its 64-bit arithmetic, and lengths its 32-bit `int`s.
-    for op in [Operand::Q, Operand::K, Operand::V, Operand::O] {
-        let n: usize = spec.expected_shape(op).iter().product();
-        to_i32("tensor elements / 8", n / 8)?;
-    }
-    // The kernels form key positions relative to the diagonal (`i + Lk − Lq ± reach`, reach ≤ 2^30) in 32-bit ints.
-    for seq in spec.sequences() {
-        if seq.len_q + seq.len_k > NO_BOUND as usize {
-            return Err(GpuError::TooLarge { argument: "len_q + len_k of one sequence", value: seq.len_q + seq.len_k });
-        }
-    }
-    let scalars = FlashScalars {
-        varlen,
-        len_q: to_i32("len_q", len_q)?,
-        len_k: to_i32("len_k", len_k)?,
-        group: to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
-        d: to_i32("head_dim", d)?,
-        dv: to_i32("head_dim_v", dv)?,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        scale: kernel_scale(spec),
-        win_left: KernelMask::kernel_value(mask.left),
-        win_right: KernelMask::kernel_value(mask.right),
-    };
-    Ok((scalars, cu_q, cu_k))
 }
 
 /// The defines of the forward module a launch for `spec` in `tiling` compiles (after the checks of a launch).
@@ -317,7 +155,7 @@ pub(crate) fn forward_defines<T: GpuElement>(
 
 /// Checks that the kernel supports `spec` and derives the launch plan.
 fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
-    let (scalars, cu_q, cu_k) = kernel_scalars(spec)?;
+    let (params, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let (d, dv, hq) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q);
     if !tiling.supports(d, dv) {
         return Err(GpuError::Unsupported {
@@ -351,7 +189,7 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Pl
         .filter(|&z| z <= 65535)
         .ok_or(GpuError::TooLarge { argument: "sequences", value: seqs.len() })?;
     Ok(Plan {
-        scalars,
+        params,
         grid: (grid_x, grid_y, grid_z),
         threads: tiling.threads(),
         shared_bytes: shared as u32,
@@ -419,7 +257,7 @@ pub fn flash_forward_state_device<T: GpuElement>(
     let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
     let mut plan = plan::<T>(spec, tiling)?;
     plan.defines.push(STATE_OUT.to_owned());
-    (plan.scalars.win_left, plan.scalars.win_right) = window.kernel_values();
+    (plan.params.win_left, plan.params.win_right) = window.kernel_values();
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", q, size(Operand::Q))?;
     check_len("k", k, size(Operand::K))?;
@@ -437,15 +275,8 @@ pub fn flash_forward_state_device<T: GpuElement>(
         &func,
         cfg,
         FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k },
-        plan.scalars,
+        &plan.params,
     )
-}
-
-pub(crate) fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
-    if buffer.len() < needed {
-        return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
-    }
-    Ok(())
 }
 
 /// Runs the forward on device buffers: `q`, `k`, `v` hold the spec's `Q`, `K`, `V` in row-major order (dense
@@ -489,7 +320,7 @@ pub fn flash_forward_device_with<T: GpuElement>(
 pub struct PreparedForward<T> {
     /// The compiled function and its launch configuration; `None` when the spec has no query rows.
     launch: Option<(CudaFunction, LaunchConfig)>,
-    scalars: FlashScalars,
+    params: FlashParams,
     cu_q: CudaSlice<i32>,
     cu_k: CudaSlice<i32>,
     /// Elements of Q, K, V, O, LSE.
@@ -512,7 +343,7 @@ impl<T: GpuElement> PreparedForward<T> {
         let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
         let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
         let launch = load_forward(stream, kernel, &plan)?;
-        Ok(PreparedForward { launch, scalars: plan.scalars, cu_q, cu_k, sizes, _element: PhantomData })
+        Ok(PreparedForward { launch, params: plan.params, cu_q, cu_k, sizes, _element: PhantomData })
     }
 
     /// Checks the buffers' lengths and launches asynchronously on `stream` (see [`flash_forward_device`] for the
@@ -540,7 +371,7 @@ impl<T: GpuElement> PreparedForward<T> {
             func,
             *cfg,
             FlashBuffers { q, k, v, out: ForwardOut::Final { o, lse }, cu_q: &self.cu_q, cu_k: &self.cu_k },
-            self.scalars,
+            &self.params,
         )
     }
 }
@@ -610,7 +441,8 @@ pub fn flash_forward<T: GpuElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use attnproof_oracle::Predicate;
+    use attnproof_oracle::Layout;
+    use half::{bf16, f16};
 
     const T64: ForwardTiling = ForwardTiling { warps: 4, slices: 1 };
 
@@ -632,32 +464,11 @@ mod tests {
     }
 
     #[test]
-    fn masks_translate_to_bounds() {
-        let m = |mask: Mask| KernelMask::from_mask(&mask).unwrap();
-        assert_eq!(m(Mask::None), KernelMask { left: None, right: None });
-        assert_eq!(m(Mask::Causal), KernelMask { left: None, right: Some(0) });
-        assert_eq!(m(Mask::Window { left: 3, right: 5 }), KernelMask { left: Some(3), right: Some(5) });
-        assert_eq!(
-            m(Mask::And(vec![Mask::Causal, Mask::Window { left: 4, right: 9 }, Mask::And(vec![])])),
-            KernelMask { left: Some(4), right: Some(0) }
-        );
-        assert_eq!(m(Mask::And(vec![])), KernelMask { left: None, right: None });
-        assert_eq!(KernelMask::kernel_value(Some(usize::MAX)), NO_BOUND as i32);
-    }
-
-    #[test]
     fn positions_must_fit_the_kernels_32_bit_arithmetic() {
         let half = 1usize << 29;
         assert!(plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half, 8, 8), T64).is_ok());
         let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half + 1, 8, 8), T64);
         assert!(matches!(err, Err(GpuError::TooLarge { argument: "len_q + len_k of one sequence", .. })));
-    }
-
-    #[test]
-    fn predicate_masks_are_a_typed_error() {
-        let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
-        let err = KernelMask::from_mask(&Mask::And(vec![Mask::Causal, p])).unwrap_err();
-        assert!(matches!(err, GpuError::Unsupported { argument: "mask", .. }), "{err}");
     }
 
     #[test]
@@ -680,25 +491,20 @@ mod tests {
     }
 
     #[test]
-    fn plan_strides_and_grid() {
+    fn plan_params_and_grid() {
+        // The strides of each layout are checked in `params`; the plan must carry the spec's parameters unchanged.
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 64, 32).with_mask(Mask::Causal);
         let p = plan::<bf16>(&spec, T64).unwrap();
         assert_eq!(p.grid, (3, 4, 2));
-        assert_eq!(p.scalars.q, [4 * 130 * 64, 130 * 64, 64]);
-        assert_eq!(p.scalars.v, [2 * 70 * 32, 70 * 32, 32]);
-        assert_eq!(p.scalars.lse, [4 * 130, 130]);
-        assert_eq!((p.scalars.win_left, p.scalars.win_right), (NO_BOUND as i32, 0));
-        assert_eq!(p.scalars.group, 2);
+        assert_eq!(p.params, FlashParams::for_spec(&spec).unwrap().0);
+        assert_eq!(p.params.q_strides(), [4 * 130 * 64, 130 * 64, 64]);
         let varlen = AttentionSpec {
             layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
             ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8)
         };
         let p = plan::<f16>(&varlen, T64).unwrap();
         assert_eq!(p.grid, (2, 2, 3));
-        assert_eq!(p.scalars.q, [0, 16, 32]);
-        assert_eq!(p.scalars.k, [0, 16, 16]);
-        assert_eq!(p.scalars.o, [0, 8, 16]);
-        assert_eq!(p.scalars.lse, [0, 70]);
+        assert_eq!(p.params, FlashParams::for_spec(&varlen).unwrap().0);
         assert_eq!(p.cu_k, vec![0, 0, 9, 20]);
     }
 }

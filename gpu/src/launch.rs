@@ -4,10 +4,11 @@
 
 use std::ffi::{CStr, CString, c_char};
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
+use crate::params::{BackwardParams, FlashParams, RingStateParams};
 
 /// Whether the CUDA driver library can be loaded.
 pub(crate) fn driver_library_present() -> bool {
@@ -88,26 +89,18 @@ fn c_chars_to_string(raw: &[c_char]) -> String {
         .unwrap_or_else(|_| String::from_utf8_lossy(&bytes).into_owned())
 }
 
-/// The scalar arguments of `flash_fwd` (gpu/kernels/flash_fwd.cu), in its parameter order.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FlashScalars {
-    pub varlen: i32,
-    pub len_q: i32,
-    pub len_k: i32,
-    pub group: i32,
-    pub d: i32,
-    pub dv: i32,
-    /// (batch, head, row) strides in elements of Q, K, V, O.
-    pub q: [i64; 3],
-    pub k: [i64; 3],
-    pub v: [i64; 3],
-    pub o: [i64; 3],
-    /// (batch, head) strides of LSE.
-    pub lse: [i64; 2],
-    pub scale: f32,
-    pub win_left: i32,
-    pub win_right: i32,
-}
+// SAFETY: `FlashParams` is `#[repr(C)]` plain old data (`i64`, `i32` and `f32` fields, no padding: an explicit
+// `reserved` field fills the tail), valid for every bit pattern and holding no pointer, so the driver may copy its bytes
+// as the kernel's `const FlashParams` argument. Its layout is the C struct's of `gpu/kernels/common.cuh`: NVRTC checks
+// the C side's size and offsets (`PARAM_SIZE`, `PARAM_AT`), and `params::tests` checks the same numbers against
+// `size_of` and `offset_of!` of this struct.
+unsafe impl DeviceRepr for FlashParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams` and `i64`/`i32` fields, no padding), its
+// layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for BackwardParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (`i64`/`i32` fields and an explicit `reserved` tail), its
+// layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for RingStateParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -129,7 +122,7 @@ pub(crate) struct FlashBuffers<'a, T> {
 /// Launches `flash_fwd` on `stream`.
 ///
 /// Preconditions, established by `flash::flash_forward_device` (or `flash::flash_forward_state_device`) before this
-/// call: `func` is `flash_fwd` compiled for the element type `T` and the padded head dims the scalars imply, with
+/// call: `func` is `flash_fwd` compiled for the element type `T` and the padded head dims `params` implies, with
 /// `STATE_OUT` defined exactly when `out` is [`ForwardOut::State`]; every index the kernel forms from the grid, the
 /// lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the packed totals) and the strides lies inside
 /// the buffer it indexes (the buffer sizes were checked against the spec's shapes; a state holds `rows · dv` values
@@ -141,7 +134,7 @@ pub(crate) fn launch_flash_forward<T>(
     func: &CudaFunction,
     cfg: LaunchConfig,
     buffers: FlashBuffers<'_, T>,
-    s: FlashScalars,
+    params: &FlashParams,
 ) -> Result<(), GpuError> {
     let FlashBuffers { q, k, v, out, cu_q, cu_k } = buffers;
     let mut builder = stream.launch_builder(func);
@@ -156,56 +149,43 @@ pub(crate) fn launch_flash_forward<T>(
             "cuLaunchKernel(flash_fwd, STATE_OUT)"
         }
     };
-    builder.arg(cu_q).arg(cu_k);
-    push_common(&mut builder, &s);
+    builder.arg(cu_q).arg(cu_k).arg(params);
     // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type: three input
     // pointers of `elem_t` = T, then `o` (T) and `lse` (f32), or under STATE_OUT `a`, `m`, `l` (f32), then the two
-    // i32 `cu_seqlens` pointers, all as CUdeviceptr; then 6 `int`, 14 `long long`, one `float`, 2 `int`. The kernel
-    // writes only the outputs of `out`, within the bounds the caller checked (see the preconditions above), and reads
-    // the inputs read-only; the buffers are borrowed for this call, and cudarc records their use on `stream`, so none
-    // is freed while the kernel runs.
+    // i32 `cu_seqlens` pointers, all as CUdeviceptr; then `const FlashParams params` by value, whose layout the two
+    // sides share (see the `DeviceRepr` impl above). The kernel writes only the outputs of `out`, within the bounds the
+    // caller checked (see the preconditions above), and reads the inputs read-only; the buffers are borrowed for this
+    // call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
     Ok(())
 }
 
-/// Launches `state_merge` (gpu/kernels/ring_state.cu) on `stream`: `run ← run ⊕ part` over `rows` rows of `dv`
-/// columns.
+/// Launches `state_merge` (gpu/kernels/ring_state.cu) on `stream`: `run ← run ⊕ part` over `params.rows` rows of
+/// `params.dv` columns.
 ///
-/// Preconditions, established by `ring_state::merge_states`: every buffer holds at least `rows` (`m`, `l`) or
+/// Preconditions, established by `ring::state::merge_states`: every buffer holds at least `rows` (`m`, `l`) or
 /// `rows · dv` (`a`) elements, and `cfg` gives at least one warp per row.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_state_merge(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
     run: (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
     part: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
-    rows: i64,
-    dv: i32,
+    params: &RingStateParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(run.0).arg(run.1).arg(run.2).arg(part.0).arg(part.1).arg(part.2).arg(&rows).arg(&dv);
+    builder.arg(run.0).arg(run.1).arg(run.2).arg(part.0).arg(part.1).arg(part.2).arg(params);
     // SAFETY: `state_merge(float* a_run, float* m_run, float* l_run, const float* a_part, const float* m_part,
-    // const float* l_part, long long rows, int dv)`: six f32 device pointers, an i64 and an i32, in order. It reads
-    // and writes `rows` rows of the buffers, which the caller checked hold them; they are borrowed for this call and
-    // their use is recorded on `stream`.
+    // const float* l_part, const RingStateParams params)`: six f32 device pointers, then the struct by value (layout
+    // shared, see the `DeviceRepr` impl above). It reads and writes `rows` rows of the buffers, which the caller
+    // checked hold them; they are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(state_merge)", e))?;
     Ok(())
 }
 
-/// The scalars of `state_finalize` after its pointers.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct FinalizeScalars {
-    pub rows: i64,
-    pub dv: i32,
-    pub varlen: i32,
-    pub n_heads: i32,
-    pub rows_per_head: i64,
-}
-
-/// Launches `state_finalize` (gpu/kernels/ring_state.cu) on `stream`: `O`, LSE of `rows` state rows.
+/// Launches `state_finalize` (gpu/kernels/ring_state.cu) on `stream`: `O`, LSE of `params.rows` state rows.
 ///
-/// Preconditions, established by `ring_state::finalize_state`: `a` holds `rows · dv`, `m`, `l` and `lse` `rows`, and
+/// Preconditions, established by `ring::state::finalize_state`: `a` holds `rows · dv`, `m`, `l` and `lse` `rows`, and
 /// `o` `rows · dv` elements (the spec's O, whose layout `varlen`, `n_heads` and `rows_per_head` describe); `cfg` gives
 /// at least one warp per row.
 pub(crate) fn launch_state_finalize<T>(
@@ -214,28 +194,16 @@ pub(crate) fn launch_state_finalize<T>(
     cfg: LaunchConfig,
     state: (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
     out: (&mut CudaSlice<T>, &mut CudaSlice<f32>),
-    s: FinalizeScalars,
+    params: &RingStateParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(state.0).arg(state.1).arg(state.2).arg(out.0).arg(out.1);
-    builder.arg(&s.rows).arg(&s.dv).arg(&s.varlen).arg(&s.n_heads).arg(&s.rows_per_head);
-    // SAFETY: `state_finalize(const float* a, const float* m, const float* l, elem_t* o, float* lse, long long rows,
-    // int dv, int varlen, int n_heads, long long rows_per_head)` with `elem_t` = T (the module's storage define):
-    // five device pointers, then i64, i32, i32, i32, i64, in order. Every index it forms is below the sizes the
+    builder.arg(state.0).arg(state.1).arg(state.2).arg(out.0).arg(out.1).arg(params);
+    // SAFETY: `state_finalize(const float* a, const float* m, const float* l, elem_t* o, float* lse,
+    // const RingStateParams params)` with `elem_t` = T (the module's storage define): five device pointers, then the
+    // struct by value (layout shared, see the `DeviceRepr` impl above). Every index it forms is below the sizes the
     // caller checked; the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(state_finalize)", e))?;
     Ok(())
-}
-
-/// Pushes the scalar block `flash_fwd` and every kernel of `flash_bwd.cu` take after their pointers (`COMMON_PARAMS`
-/// without the two `cu_seqlens` pointers, which the callers push first), in the forward's order.
-fn push_common<'a>(builder: &mut cudarc::driver::LaunchArgs<'a>, s: &'a FlashScalars) {
-    builder.arg(&s.varlen).arg(&s.len_q).arg(&s.len_k).arg(&s.group).arg(&s.d).arg(&s.dv);
-    for strides in [&s.q, &s.k, &s.v, &s.o] {
-        builder.arg(&strides[0]).arg(&strides[1]).arg(&strides[2]);
-    }
-    builder.arg(&s.lse[0]).arg(&s.lse[1]);
-    builder.arg(&s.scale).arg(&s.win_left).arg(&s.win_right);
 }
 
 /// Device operands of the backward kernels (`gpu/kernels/flash_bwd.cu`). `o` is read by the preprocess only; the
@@ -259,83 +227,93 @@ pub(crate) struct BackwardBuffers<'a, T> {
     pub cu_k: &'a CudaSlice<i32>,
 }
 
-/// Which backward kernel to launch, with its own trailing scalars.
-#[derive(Clone, Copy, Debug)]
+/// Which kernel of `flash_bwd.cu` to launch; its trailing scalars are the fields of [`BackwardParams`] it reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BackwardKernel {
     /// `bwd_preprocess`: writes `delta`.
     Preprocess,
     /// `bwd_kv`: writes `dk`, `dv` (or, under GQA, `dkv_part`), and per `dq_mode` adds to `dq_acc` (1) or writes
     /// `dq_part` (2).
-    KvOwner { dq_mode: i32, n_chunks: i32, part_stride: i64, total_k: i64 },
+    KvOwner,
     /// `bwd_kv_group_sum`: writes `dk`, `dv` from `dkv_part`.
-    GroupSum { n_heads_q: i32, total_k: i64 },
+    GroupSum,
     /// `bwd_dq`: writes `dq`.
-    DqOwner { n_chunks: i32 },
+    DqOwner,
     /// `bwd_dq_finalize`: writes `dq` from `dq_acc` (mode 0) or `dq_part` (mode 1).
-    Finalize { mode: i32, part_stride: i64 },
+    Finalize,
+}
+
+impl BackwardKernel {
+    /// The kernel's name in `flash_bwd.cu`.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            BackwardKernel::Preprocess => "bwd_preprocess",
+            BackwardKernel::KvOwner => "bwd_kv",
+            BackwardKernel::GroupSum => "bwd_kv_group_sum",
+            BackwardKernel::DqOwner => "bwd_dq",
+            BackwardKernel::Finalize => "bwd_dq_finalize",
+        }
+    }
+
+    /// The driver call's name in an error: `cuLaunchKernel(<kernel>)`.
+    fn launch_call(self) -> &'static str {
+        match self {
+            BackwardKernel::Preprocess => "cuLaunchKernel(bwd_preprocess)",
+            BackwardKernel::KvOwner => "cuLaunchKernel(bwd_kv)",
+            BackwardKernel::GroupSum => "cuLaunchKernel(bwd_kv_group_sum)",
+            BackwardKernel::DqOwner => "cuLaunchKernel(bwd_dq)",
+            BackwardKernel::Finalize => "cuLaunchKernel(bwd_dq_finalize)",
+        }
+    }
 }
 
 /// Launches one kernel of `flash_bwd.cu` on `stream`.
 ///
 /// Preconditions, established by `backward::flash_backward_device` before this call: `func` is the kernel `which`
-/// names, compiled from `flash_bwd.cu` for the element type `T` and the padded head dims the scalars imply; every
+/// names, compiled from `flash_bwd.cu` for the element type `T` and the padded head dims `params` implies; every
 /// index the kernel forms from the grid, the lengths (or `cu_q`/`cu_k`, validated non-decreasing and ending at the
 /// packed totals) and the strides lies inside the buffer it indexes (sizes checked against the spec's shapes; the
 /// workspaces hold `Q`'s element count, times the KV tile count for `dq_part` when mode 2 or finalize mode 1 reads it,
 /// and `dkv_part` holds `n_heads_q · total_k · (d + dv)` when the group size exceeds 1); `cfg` has the kernel's
-/// threads per block (256 for `bwd_kv`, 128 for the others) and the dynamic shared memory its layout needs, which the function
-/// attribute allows.
+/// threads per block (`32 · KV_WARPS` for `bwd_kv`, 128 for the others) and the dynamic shared memory its layout
+/// needs, which the function attribute allows.
 pub(crate) fn launch_flash_backward<T>(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
     which: BackwardKernel,
     buffers: &mut BackwardBuffers<'_, T>,
-    s: FlashScalars,
+    params: &BackwardParams,
 ) -> Result<(), GpuError> {
     let b = buffers;
     let mut builder = stream.launch_builder(func);
-    let call = match which {
+    match which {
         BackwardKernel::Preprocess => {
-            builder.arg(b.o).arg(b.d_out).arg(&mut *b.delta).arg(b.cu_q).arg(b.cu_k);
-            push_common(&mut builder, &s);
-            "cuLaunchKernel(bwd_preprocess)"
+            builder.arg(b.o).arg(b.d_out).arg(&mut *b.delta);
         }
-        BackwardKernel::KvOwner { ref dq_mode, ref n_chunks, ref part_stride, ref total_k } => {
+        BackwardKernel::KvOwner => {
             builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);
             builder.arg(&mut *b.dk).arg(&mut *b.dv).arg(&mut *b.dq_acc).arg(&mut *b.dq_part).arg(&mut *b.dkv_part);
-            builder.arg(b.cu_q).arg(b.cu_k);
-            push_common(&mut builder, &s);
-            builder.arg(dq_mode).arg(n_chunks).arg(part_stride).arg(total_k);
-            "cuLaunchKernel(bwd_kv)"
         }
-        BackwardKernel::GroupSum { ref n_heads_q, ref total_k } => {
-            builder.arg(&*b.dkv_part).arg(&mut *b.dk).arg(&mut *b.dv).arg(b.cu_q).arg(b.cu_k);
-            push_common(&mut builder, &s);
-            builder.arg(n_heads_q).arg(total_k);
-            "cuLaunchKernel(bwd_kv_group_sum)"
+        BackwardKernel::GroupSum => {
+            builder.arg(&*b.dkv_part).arg(&mut *b.dk).arg(&mut *b.dv);
         }
-        BackwardKernel::DqOwner { ref n_chunks } => {
+        BackwardKernel::DqOwner => {
             builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(&*b.delta);
-            builder.arg(&mut *b.dq).arg(b.cu_q).arg(b.cu_k);
-            push_common(&mut builder, &s);
-            builder.arg(n_chunks);
-            "cuLaunchKernel(bwd_dq)"
+            builder.arg(&mut *b.dq);
         }
-        BackwardKernel::Finalize { ref mode, ref part_stride } => {
-            builder.arg(&*b.dq_acc).arg(&*b.dq_part).arg(&mut *b.dq).arg(b.cu_q).arg(b.cu_k);
-            push_common(&mut builder, &s);
-            builder.arg(mode).arg(part_stride);
-            "cuLaunchKernel(bwd_dq_finalize)"
+        BackwardKernel::Finalize => {
+            builder.arg(&*b.dq_acc).arg(&*b.dq_part).arg(&mut *b.dq);
         }
-    };
-    // SAFETY: each arm pushes exactly the parameters of its kernel in `flash_bwd.cu`, in order and type: the pointer
-    // arguments as CUdeviceptr of the element types the kernel declares (`T` for `elem_t`, f32 for `float`, i32 for
-    // the `cu_seqlens`), then `COMMON_PARAMS`' scalars (6 `int`, 14 `long long`, one `float`, 2 `int`, as
-    // `push_common` pushes them), then the kernel's own trailing `int`s and `long long`. The kernel writes only the
-    // outputs its arm pushes mutably, within the bounds the caller checked (see the preconditions), and reads the
-    // others read-only; the buffers are borrowed for this call, and cudarc records their use on `stream`, so none is
-    // freed while the kernel runs.
-    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
+    }
+    builder.arg(b.cu_q).arg(b.cu_k).arg(params);
+    // SAFETY: each arm pushes exactly the pointer parameters of its kernel in `flash_bwd.cu`, in order and type, as
+    // CUdeviceptr of the element types the kernel declares (`T` for `elem_t`, f32 for `float`); then every kernel
+    // takes `COMMON_PARAMS`: the two i32 `cu_seqlens` pointers and `const BackwardParams params` by value, whose layout
+    // the two sides share (see the `DeviceRepr` impl above). The kernel writes only the outputs its arm pushes
+    // mutably, within the bounds the caller checked (see the preconditions), and reads the others read-only; the
+    // buffers are borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel
+    // runs.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(which.launch_call(), e))?;
     Ok(())
 }

@@ -1,9 +1,16 @@
 //! CUDA side of attnproof: finding a device, NVRTC-compiled attention kernels (`gpu/kernels/*.cu`, embedded with
 //! `include_str!`) and their typed launch wrappers.
 //!
-//! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query), [`flash`] (the
-//! FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error recipe), [`error`] (typed
-//! errors). Every `unsafe` block of the crate is in the private `launch` module, each with a `// SAFETY:` note.
+//! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query, which device runs which
+//! kernel), [`flash`] (the FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error
+//! recipe), [`backward`] (the backward kernels, likewise), [`ring`] (the ring's GPU pieces), [`common`] (what every
+//! kernel family shares: storage types, the kernel mask, limits and checks), [`error`] (typed errors). The private
+//! `params` module holds the kernels' parameter structs, one per kernel family, mirrored by `gpu/kernels/common.cuh`.
+//! Every `unsafe` block of the crate is in the private `launch` module, each with a `// SAFETY:` note.
+//!
+//! The modules import each other without a cycle (a test below checks it): `error` imports no module, `common`
+//! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `backward` and
+//! `ring`, and the crate root only re-exports and imports.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
@@ -12,18 +19,23 @@
 //! test's output instead of pretending to have run.
 
 pub mod backward;
+pub mod common;
 pub mod compile;
 pub mod error;
 pub mod flash;
 mod launch;
-pub mod ring_state;
+mod params;
+pub mod ring;
 
 pub use backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, flash_backward,
-    flash_backward_device,
+    flash_backward_device, flash_backward_device_with,
 };
-pub use error::GpuError;
-pub use flash::{ForwardOutput, ForwardTiling, GpuElement, PreparedForward, flash_forward, flash_forward_device};
+pub use common::{GpuElement, KernelMask, kernel_scale};
+pub use error::{GpuError, GpuUnavailable};
+pub use flash::{
+    ForwardOutput, ForwardTiling, PreparedForward, flash_forward, flash_forward_device, flash_forward_device_with,
+};
 
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
@@ -59,7 +71,7 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_FWD, fwd),
         variant(compile::FLASH_BWD, with(&bwd, backward::KV_ACCUM)),
         variant(compile::FLASH_BWD, bwd),
-        variant(ring_state::RING_STATE, vec![T::DEFINE.to_owned()]),
+        variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
     ])
 }
 
@@ -68,20 +80,6 @@ pub fn module_variants<T: GpuElement>(
 /// `cargo xtask verify` sets it when `nvidia-smi` lists a GPU, so that a broken driver setup on a GPU machine fails
 /// loudly instead of letting every GPU test skip and pass.
 pub const REQUIRE_GPU_ENV: &str = "ATTNPROOF_REQUIRE_GPU";
-
-/// Why no CUDA device can be used on this machine.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GpuUnavailable {
-    /// The CUDA driver library (`libcuda.so` / `nvcuda.dll`) could not be loaded.
-    #[error("no CUDA driver library (libcuda) could be loaded")]
-    NoDriverLibrary,
-    /// The driver library loaded, but it reported no usable device 0.
-    #[error("no usable CUDA device: the driver says {0}")]
-    NoDevice(String),
-    /// cudarc panicked while talking to the driver (for example a symbol missing from an old driver).
-    #[error("the CUDA driver could not be used: {0}")]
-    DriverPanicked(String),
-}
 
 /// Opens the primary context of CUDA device 0, or says why there is none.
 ///
@@ -174,6 +172,101 @@ mod tests {
         assert_eq!(panic_message(boxed.as_ref()), "owned text");
         let boxed: Box<dyn std::any::Any + Send> = Box::new(42_u32);
         assert_eq!(panic_message(boxed.as_ref()), "a panic without a message");
+    }
+
+    #[test]
+    fn every_kernel_a_launch_compiles_has_a_device_requirement() {
+        let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 64, 64);
+        let variants =
+            module_variants::<half::bf16>(&spec, ForwardTiling::for_head_dims(64, 64), BackwardTiling::DEFAULT)
+                .unwrap();
+        let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
+        kernels.dedup();
+        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state"]);
+        for kernel in kernels {
+            assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");
+        }
+    }
+
+    /// The module of `gpu/src` that a `crate::` path names: the longest prefix that is a file (`a/b.rs`,
+    /// `a/b/mod.rs`), else the crate root (a re-export or an item of `lib.rs`).
+    fn module_file(files: &std::collections::BTreeMap<String, String>, path: &[&str]) -> String {
+        for n in (1..=path.len()).rev() {
+            let stem = path[..n].join("/");
+            for candidate in [format!("{stem}.rs"), format!("{stem}/mod.rs")] {
+                if files.contains_key(&candidate) {
+                    return candidate;
+                }
+            }
+        }
+        "lib.rs".to_owned()
+    }
+
+    #[test]
+    fn modules_import_each_other_without_a_cycle() {
+        // Every file of the library, without its test module (tests may reach anywhere) and its comments.
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = std::collections::BTreeMap::new();
+        let mut stack = vec![root.clone()];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() && !path.ends_with("bin") {
+                    stack.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let rel = path.strip_prefix(&root).unwrap().to_string_lossy().replace('\\', "/");
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    let code = text.split("#[cfg(test)]").next().unwrap_or("");
+                    let code: String =
+                        code.lines().filter(|l| !l.trim_start().starts_with("//")).map(|l| format!("{l}\n")).collect();
+                    files.insert(rel, code);
+                }
+            }
+        }
+        assert!(files.len() >= 10 && files.contains_key("ring/state.rs"), "{:?}", files.keys());
+        // Edges: file → the module file of every `crate::a::b` path it names (a `use` line or a qualified path).
+        let mut edges: std::collections::BTreeMap<String, std::collections::BTreeSet<String>> = Default::default();
+        for (file, code) in &files {
+            for occurrence in code.split("crate::").skip(1) {
+                let path: Vec<&str> = occurrence
+                    .split(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':'))
+                    .next()
+                    .unwrap_or("")
+                    .split("::")
+                    .filter(|s| !s.is_empty() && s.chars().next().is_some_and(|c| c.is_lowercase()))
+                    .collect();
+                let target = module_file(&files, &path);
+                if &target != file {
+                    edges.entry(file.clone()).or_default().insert(target);
+                }
+            }
+        }
+        // Depth-first search for a cycle; the report names it.
+        fn visit(
+            node: &str,
+            edges: &std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
+            path: &mut Vec<String>,
+            done: &mut std::collections::BTreeSet<String>,
+        ) {
+            if let Some(at) = path.iter().position(|n| n == node) {
+                panic!("modules import each other in a circle: {} -> {node}", path[at..].join(" -> "));
+            }
+            if done.contains(node) {
+                return;
+            }
+            path.push(node.to_owned());
+            for next in edges.get(node).into_iter().flatten() {
+                visit(next, edges, path, done);
+            }
+            path.pop();
+            done.insert(node.to_owned());
+        }
+        let mut done = std::collections::BTreeSet::new();
+        for file in files.keys() {
+            visit(file, &edges, &mut vec![], &mut done);
+        }
+        // The graph has the edges this test is about, so an empty parse cannot pass it.
+        assert!(edges["flash.rs"].contains("common.rs") && edges["ring/state.rs"].contains("launch.rs"), "{edges:?}");
     }
 
     #[test]

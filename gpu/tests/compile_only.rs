@@ -2,10 +2,14 @@
 //! (the H200's target) on any machine that has NVRTC, device or not: a kernel edit that breaks a variant (a
 //! `static_assert` for some head dim, a syntax error in a mode's `#if`) fails here, in CI, before any device time.
 //! `cargo xtask test` and `verify` provide NVRTC from NVIDIA's wheel; without it the test prints `skipped: no NVRTC`.
+//! A second test compiles each kernel for the architectures from Turing to Blackwell and checks that NVRTC accepts
+//! exactly the devices `compile::check_device_supports` admits, so that the launch paths' early "unsupported device"
+//! answer is neither too strict nor too lax.
 
 use std::collections::BTreeSet;
 
-use attnproof_gpu::compile::compile_for_arch;
+use attnproof_gpu::GpuError;
+use attnproof_gpu::compile::{arch_for, check_device_supports, compile_for_arch};
 use attnproof_gpu::{BackwardTiling, ForwardTiling, GpuElement, ModuleVariant, module_variants, nvrtc_or_skip};
 use attnproof_oracle::{AttentionSpec, Mask};
 use half::{bf16, f16};
@@ -70,4 +74,54 @@ fn every_planned_module_compiles_for_sm_90a() {
     assert!(failures.is_empty(), "modules that do not compile:\n{}", failures.join("\n\n"));
     // The grid really reaches the wide-head paths: two column chunks and one query stage in the backward.
     assert!(unique.iter().any(|v| v.defines.iter().any(|d| d == "Q_STAGES=1")), "no single-stage backward variant");
+}
+
+/// Compute capabilities from Turing (the oldest target of CUDA 13's NVRTC) to consumer Blackwell.
+const CAPABILITIES: [(i32, i32); 7] = [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)];
+
+#[test]
+fn nvrtc_compiles_a_kernel_exactly_for_the_devices_the_support_table_admits() {
+    if !nvrtc_or_skip("nvrtc_compiles_a_kernel_exactly_for_the_devices_the_support_table_admits") {
+        return;
+    }
+    // Every kernel text and mode a launch compiles, at one head dim: the instructions do not depend on it.
+    let spec = AttentionSpec::dense(1, 2, 1, 100, 130, 64, 64).with_mask(Mask::Causal);
+    let variants = module_variants::<bf16>(&spec, ForwardTiling::for_head_dims(64, 64), BackwardTiling::DEFAULT)
+        .expect("the spec's modules");
+    let cases: Vec<(&ModuleVariant, (i32, i32))> =
+        variants.iter().flat_map(|v| CAPABILITIES.map(|cc| (v, cc))).collect();
+    let disagreements: Vec<String> = std::thread::scope(|scope| {
+        let halves: Vec<_> = cases
+            .chunks(cases.len().div_ceil(2))
+            .map(|part| {
+                scope.spawn(move || {
+                    let mut out = vec![];
+                    for &(v, (major, minor)) in part {
+                        let admitted = check_device_supports(v.kernel.name, (major, minor)).is_ok();
+                        let arch = arch_for(major, minor);
+                        let compiled = compile_for_arch(v.kernel, &arch, &v.defines);
+                        // A rejection must come from an instruction the target lacks, not from a broken text.
+                        let lacks_instruction = matches!(
+                            &compiled,
+                            Err(GpuError::Compile { log, .. }) if log.contains("requires .target sm_")
+                        );
+                        if compiled.is_ok() != admitted || (!admitted && !lacks_instruction) {
+                            let nvrtc = compiled.err().map_or("compiled".to_owned(), |e| e.to_string());
+                            out.push(format!(
+                                "{} {:?} for {arch}: the table admits it: {admitted}; NVRTC: {nvrtc}",
+                                v.kernel.name, v.defines
+                            ));
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
+    });
+    println!("compiled {} (module, architecture) pairs, {} disagree with the table", cases.len(), disagreements.len());
+    assert!(disagreements.is_empty(), "NVRTC and check_device_supports disagree:\n{}", disagreements.join("\n\n"));
+    // Both answers occur, so neither half of the comparison is vacuous.
+    assert!(cases.iter().any(|(v, cc)| check_device_supports(v.kernel.name, *cc).is_err()));
+    assert!(cases.iter().any(|(v, cc)| check_device_supports(v.kernel.name, *cc).is_ok()));
 }

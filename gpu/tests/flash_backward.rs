@@ -1,32 +1,35 @@
 //! The FlashAttention backward kernels verified on the device against the f64 oracle, under the rounding-error bound
 //! of the kernels' recipe (`attnproof_gpu::backward` docs), in bf16 and f16, for each dQ ownership strategy.
 //!
-//! Each case runs the GPU forward for `O` and `LSE`, then each strategy with NaN-poisoned outputs followed by sentinel
-//! guard bands (an element no kernel writes fails the verdict; a write past an output trips the guard), checks every
-//! device input unchanged afterwards, alternates inputs A, B, A (the deterministic strategies give bitwise equal A
-//! results; the atomic one gives bitwise equal dK, dV, D and a dQ within the bound both times), requires the verdict
-//! to pass and the discriminability gate to be valid, and requires dK, dV and D bitwise equal across the strategies
-//! (they share one arithmetic). Without a device each test prints `skipped: no CUDA device` and passes
-//! (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
+//! The kernels are the harness's `GpuCandidate`; the named cases are the harness's adversarial table
+//! (`candidate_tests!`), which the reference schedule runs too. Each case runs the GPU forward for `O` and `LSE`, then
+//! each strategy with NaN-poisoned outputs followed by sentinel guard bands (an element no kernel writes fails the
+//! verdict; a write past an output trips the guard), checks every device input unchanged afterwards, alternates
+//! inputs A, B, A (the deterministic strategies give bitwise equal A results; the atomic one gives bitwise equal dK,
+//! dV, D and a dQ within the bound both times), requires the verdict to pass and the discriminability gate to be
+//! valid, and requires dK, dV and D bitwise equal across the strategies (they share one arithmetic). Without a device
+//! each test prints `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
 mod common;
 
 use common::*;
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use attnproof_gpu::backward::{BackwardTiling, Q_TILE};
+use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::compile::FLASH_BWD;
 use attnproof_gpu::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, flash_backward,
-    flash_backward_device, skip_unless_gpu,
+    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, flash_backward, flash_backward_device,
+    skip_unless_gpu,
 };
-use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
-use attnproof_harness::generate::{Distribution, ValueProfile};
+use attnproof_harness::adversarial::{
+    AdversarialCase, Direction, Directions, Group, Repeat, Worst, backward_verdicts, run_cases,
+};
+use attnproof_harness::candidate::GpuCandidate;
+use attnproof_harness::candidate_tests;
+use attnproof_harness::generate::{make_case, make_d_out};
 use attnproof_harness::strategies::{profile, suite_config};
-use attnproof_harness::{HarnessError, Verdict};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Mask, Predicate};
+use attnproof_oracle::{Mask, Predicate};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
 use ndarray::ArrayD;
@@ -43,104 +46,29 @@ fn run_guarded<T: Storage>(
     run_backward_guarded_tiled(stream, p, FLASH_BWD, tiling, strategy)
 }
 
-/// Worst error/bound per output over a test, for the summary line.
-#[derive(Default)]
-struct Worst(Mutex<BTreeMap<&'static str, f64>>);
-
-impl Worst {
-    fn record(&self, v: &Verdict) {
-        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        for o in &v.outputs {
-            let e = m.entry(o.output).or_insert(0.0);
-            *e = e.max(o.max_ratio);
-        }
-    }
-    fn summary(&self) -> String {
-        let m = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        m.iter().map(|(k, v)| format!("{k} {v:.3e}")).collect::<Vec<_>>().join(", ")
-    }
-}
-
-/// A harness error as a test outcome: a case outside the model's hypothesis is a rejection, not a failure of the
-/// kernel.
-fn outcome(e: HarnessError) -> TestCaseError {
-    match e {
-        HarnessError::Model(m) => TestCaseError::reject(m.to_string()),
-        e => TestCaseError::fail(e.to_string()),
-    }
-}
-
-/// What the runs of `p` in `tiling` are judged against (the oracle's three backward passes, once per problem).
-fn expectation<T: Storage>(p: &Problem<T>, tiling: BackwardTiling) -> Result<BackwardExpectation, TestCaseError> {
-    BackwardExpectation::new(&p.case, &p.d_out, Q_TILE, backward_recipe_for::<T>(tiling)).map_err(outcome)
-}
-
-/// Verifies one run against its problem's expectation.
-fn verify<T: Storage>(expect: &BackwardExpectation, g: &Grads<T>, worst: &Worst) -> Result<Verdict, TestCaseError> {
-    let candidate = BackwardCandidate { dq: g.dq.view(), dk: g.dk.view(), dv: g.dv.view(), delta: g.delta.view() };
-    let v = expect.verify(candidate).map_err(outcome)?;
-    worst.record(&v);
-    Ok(v)
-}
-
-/// Every strategy on A, B, A in `tiling` with all the checks of the module docs.
-fn check<T: Storage>(
-    stream: &Arc<CudaStream>,
-    a: &Problem<T>,
-    b: &Problem<T>,
-    tiling: BackwardTiling,
-    worst: &Worst,
-) -> Result<(), TestCaseError> {
-    let name = <T as GpuElement>::NAME;
-    let (expect_a, expect_b) = (expectation(a, tiling)?, expectation(b, tiling)?);
-    let mut first: Option<Grads<T>> = None;
-    for strategy in GpuBackwardStrategy::ALL {
-        let fail = |e: String| TestCaseError::fail(format!("{name} {strategy:?} {:?}: {e}", a.case.spec));
-        let ga = run_guarded(stream, a, tiling, strategy).map_err(fail)?;
-        let gb = run_guarded(stream, b, tiling, strategy).map_err(fail)?;
-        let ga2 = run_guarded(stream, a, tiling, strategy).map_err(fail)?;
-        if strategy.is_deterministic() {
-            prop_assert!(ga.same(&ga2), "{name} {strategy:?}: the two runs of input A differ bitwise");
-        } else {
-            prop_assert!(ga.same_dk_dv_delta(&ga2), "{name} {strategy:?}: dK, dV or D of input A differ bitwise");
-        }
-        let mut runs = vec![(&ga, a, &expect_a), (&gb, b, &expect_b)];
-        if !strategy.is_deterministic() {
-            runs.push((&ga2, a, &expect_a));
-        }
-        for (g, p, expect) in runs {
-            let v = verify(expect, g, worst)?;
-            prop_assert!(v.passed(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
-            prop_assert!(v.valid(), "{name} {strategy:?} {:?}:\n{v}", p.case.spec);
-        }
-        match &first {
-            None => first = Some(ga),
-            Some(f) => {
-                prop_assert!(f.same_dk_dv_delta(&ga), "{name} {strategy:?}: dK, dV or D differ from TwoTraversals")
-            }
-        }
-    }
-    Ok(())
-}
-
 fn fuzz<T: Storage>(test_name: &str, cases: u32) {
-    let Some(ctx) = skip_unless_gpu(test_name) else {
+    let Some(candidate) = GpuCandidate::if_available(test_name) else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let mut runner = TestRunner::new(suite_config(test_name, cases));
-    let worst = Worst::default();
+    let worst = std::cell::RefCell::new(Worst::default());
     // Every tiling the kernel compiles, drawn per case (a whole suite per tiling would double the device time).
     let tilings = proptest::sample::select(BackwardTiling::ALL.to_vec());
     let result = runner.run(&(kernel_spec(), profile(), any::<u64>(), tilings), |(spec, profile, seed, tiling)| {
-        let a = problem::<T>(&stream, &spec, profile, seed);
-        let b = problem::<T>(&stream, &spec, profile, seed ^ 0x9e37_79b9_7f4a_7c15);
-        check(&stream, &a, &b, tiling, &worst)
+        let candidate = candidate.clone().with_backward_tiling(tiling);
+        let seeds = [seed, seed ^ 0x9e37_79b9_7f4a_7c15];
+        let cases = seeds.map(|s| make_case::<T>(&spec, profile, s));
+        let d_outs = seeds.map(|s| make_d_out::<T>(&spec, s));
+        let problems = [(&cases[0], &d_outs[0]), (&cases[1], &d_outs[1])];
+        let verdicts =
+            backward_verdicts(&candidate, &problems, Repeat::FirstInput).map_err(|e| e.into_test_case_error())?;
+        verdicts.iter().for_each(|v| worst.borrow_mut().record(v));
+        Ok(())
     });
     if let Err(e) = result {
         panic!("{test_name}: {e}");
     }
-    println!("{test_name}: {} cases x 3 strategies, worst error/bound {}", runner.config().cases, worst.summary());
+    println!("{test_name}: {} cases x 3 strategies, worst error/bound {}", runner.config().cases, worst.borrow());
 }
 
 #[test]
@@ -153,137 +81,76 @@ fn kernel_backward_is_within_bound_f16() {
     fuzz::<f16>("gpu_flash_backward_f16", 32);
 }
 
-/// Named cases in the default tiling: both dtypes, two seeds each, every strategy; prints the worst ratio per output.
-fn named(test_name: &str, cases: &[(AttentionSpec, ValueProfile)]) {
-    named_in(test_name, cases, BackwardTiling::DEFAULT);
-}
+// The adversarial table (`attnproof_harness::adversarial`) in the default tiling: one test per group, both dtypes,
+// every strategy, inputs A, B, A.
+candidate_tests!(GpuCandidate::if_available, [backward]);
 
-/// [`named`] in `tiling`.
-fn named_in(test_name: &str, cases: &[(AttentionSpec, ValueProfile)], tiling: BackwardTiling) {
-    let Some(ctx) = skip_unless_gpu(test_name) else {
+/// The verdict already demands exact zeros on rows that see no key; this pins it without the oracle too.
+#[test]
+fn fully_masked_rows_get_zero_gradients() {
+    let Some(ctx) = skip_unless_gpu("fully_masked_rows_get_zero_gradients (direct)") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let worst = Worst::default();
-    let one = |spec: &AttentionSpec, profile: ValueProfile, bf: bool| {
-        let run = |r: Result<(), TestCaseError>, name: &str| {
-            r.unwrap_or_else(|e| panic!("{name} {tiling:?} {spec:?} {profile:?}: {e}"));
-        };
-        if bf {
-            let (a, b) = (problem::<bf16>(&stream, spec, profile, 11), problem::<bf16>(&stream, spec, profile, 12));
-            run(check(&stream, &a, &b, tiling, &worst), "bf16");
-        } else {
-            let (a, b) = (problem::<f16>(&stream, spec, profile, 11), problem::<f16>(&stream, spec, profile, 12));
-            run(check(&stream, &a, &b, tiling, &worst), "f16");
+    // Bottom-right causal with Lq > Lk: the first Lq − Lk = 70 rows see no key (LSE = −∞, dQ = 0).
+    let p = problem::<bf16>(&stream, &dense(1, 2, 2, 100, 30, 64, 64, Mask::Causal), gaussian(1.0), 5);
+    for strategy in GpuBackwardStrategy::ALL {
+        let g = run_guarded(&stream, &p, BackwardTiling::DEFAULT, strategy).expect("launch");
+        for i in 0..70 {
+            assert!((0..64).all(|c| g.dq[[0, 1, i, c]].to_f32() == 0.0), "{strategy:?} row {i}");
         }
-    };
-    for (spec, profile) in cases {
-        one(spec, *profile, true);
-        one(spec, *profile, false);
+        // Row 70 sees one key (P = 1, so dS = dP − D = 0 exactly and dQ = 0); row 71 sees two.
+        assert!((0..64).any(|c| g.dq[[0, 1, 71, c]].to_f32() != 0.0), "{strategy:?} row 71");
     }
-    println!("{test_name}: {} cases x 2 dtypes x 3 strategies, worst error/bound {}", cases.len(), worst.summary());
-}
-
-#[test]
-fn lq_ne_lk_both_ways() {
-    let mut cases = vec![];
-    for mask in [Mask::None, Mask::Causal, Mask::Window { left: 7, right: 3 }] {
-        for (lq, lk) in [(1, 130), (130, 1), (65, 200), (200, 65)] {
-            cases.push((dense(1, 2, 1, lq, lk, 64, 64, mask.clone()), gaussian(1.0)));
-        }
-    }
-    named("lq_ne_lk_both_ways", &cases);
-}
-
-#[test]
-fn fully_masked_rows_get_zero_gradients() {
-    let cases = vec![
-        // Bottom-right causal with Lq > Lk: the first Lq − Lk rows see no key (LSE = −∞, dQ = 0, D = rowsum(dO∘0)).
-        (dense(1, 2, 2, 100, 30, 64, 64, Mask::Causal), gaussian(1.0)),
-        (dense(1, 1, 1, 70, 5, 32, 16, Mask::Window { left: 0, right: 0 }), gaussian(1.0)),
-        (
-            dense(1, 1, 1, 129, 129, 64, 64, Mask::And(vec![Mask::Causal, Mask::Window { left: 3, right: 0 }])),
-            gaussian(1.0),
-        ),
-        // A sequence with queries and no keys, and one with keys and no queries (dK = dV = 0 there).
-        (varlen(&[0, 5, 70, 70], &[0, 0, 64, 100], 2, 1, 64, 64, Mask::None), gaussian(1.0)),
-    ];
-    named("fully_masked_rows_get_zero_gradients", &cases);
-    // The verdict already demands exact zeros there; this pins it without the oracle too.
-    if let Some(ctx) = skip_unless_gpu("fully_masked_rows_get_zero_gradients (direct)") {
-        let stream = ctx.new_stream().expect("create a stream");
-        let p = problem::<bf16>(&stream, &cases[0].0, gaussian(1.0), 5);
-        for strategy in GpuBackwardStrategy::ALL {
-            let g = run_guarded(&stream, &p, BackwardTiling::DEFAULT, strategy).expect("launch");
-            for i in 0..70 {
-                assert!((0..64).all(|c| g.dq[[0, 1, i, c]].to_f32() == 0.0), "{strategy:?} row {i}");
-            }
-            // Row 70 sees one key (P = 1, so dS = dP − D = 0 exactly and dQ = 0); row 71 sees two.
-            assert!((0..64).any(|c| g.dq[[0, 1, 71, c]].to_f32() != 0.0), "{strategy:?} row 71");
-        }
-    }
-}
-
-#[test]
-fn logit_scale_100() {
-    let cases = vec![
-        (dense(1, 2, 1, 129, 129, 64, 64, Mask::None), gaussian(100.0)),
-        (dense(1, 2, 1, 129, 129, 64, 64, Mask::Causal), gaussian(100.0)),
-        // d = 64, not the forward's 128: at d = 128 this profile's score error exceeds the backward model's
-        // first-order hypothesis (2^-5), which is a limit of the model, not a verdict on the kernel.
-        (
-            dense(1, 1, 1, 65, 200, 64, 64, Mask::None),
-            ValueProfile { distribution: Distribution::MaxInLastTile, logit_scale: 100.0, value_mean: 3.0 },
-        ),
-        (
-            dense(1, 1, 1, 64, 64, 32, 32, Mask::None),
-            ValueProfile { distribution: Distribution::Peaked, logit_scale: 100.0, value_mean: 0.0 },
-        ),
-    ];
-    named("logit_scale_100", &cases);
-}
-
-#[test]
-fn gqa_and_mqa() {
-    let cases = vec![
-        (dense(2, 6, 3, 70, 90, 128, 64, Mask::None), gaussian(1.0)),
-        (dense(1, 4, 1, 129, 129, 64, 128, Mask::Causal), gaussian(4.0)),
-        (dense(1, 8, 2, 33, 65, 16, 16, Mask::Window { left: 10, right: 2 }), gaussian(1.0)),
-    ];
-    named("gqa_and_mqa", &cases);
 }
 
 /// The four-warp tiling (KV tiles of 64 keys) on the edges that depend on the KV tile: key tails of tile ± 1, the
 /// diagonal crossing a tile, GQA's group sum, a varlen batch with empty sequences, and a wide head (one stage).
 #[test]
 fn four_warp_tiling() {
-    let cases = vec![
-        (dense(1, 2, 1, 70, 129, 64, 64, Mask::None), gaussian(1.0)),
-        (dense(1, 4, 2, 150, 63, 128, 128, Mask::Causal), gaussian(4.0)),
-        (dense(1, 2, 2, 130, 130, 64, 32, Mask::Window { left: 7, right: 3 }), gaussian(1.0)),
-        (varlen(&[0, 70, 70, 200], &[0, 65, 130, 259], 2, 1, 64, 64, Mask::Causal), gaussian(1.0)),
-        (dense(1, 1, 1, 65, 65, 256, 256, Mask::None), gaussian(1.0)),
+    let Some(candidate) = GpuCandidate::if_available("four_warp_tiling") else {
+        return;
+    };
+    let candidate = candidate.with_backward_tiling(BackwardTiling { kv_warps: 4 });
+    let specs = [
+        dense(1, 2, 1, 70, 129, 64, 64, Mask::None),
+        dense(1, 4, 2, 150, 63, 128, 128, Mask::Causal),
+        dense(1, 2, 2, 130, 130, 64, 32, Mask::Window { left: 7, right: 3 }),
+        varlen(&[0, 70, 70, 200], &[0, 65, 130, 259], 2, 1, 64, 64, Mask::Causal),
+        dense(1, 1, 1, 65, 65, 256, 256, Mask::None),
     ];
-    named_in("four_warp_tiling", &cases, BackwardTiling { kv_warps: 4 });
+    let profiles = [gaussian(1.0), gaussian(4.0), gaussian(1.0), gaussian(1.0), gaussian(1.0)];
+    let cases: Vec<AdversarialCase> = specs
+        .into_iter()
+        .zip(profiles)
+        .enumerate()
+        .map(|(n, (spec, profile))| AdversarialCase {
+            name: format!("four-warp #{n}: {spec:?}"),
+            group: Group::TileEdges,
+            spec,
+            profile,
+            directions: Directions::Both,
+        })
+        .collect();
+    let (worst, count) = run_cases(&candidate, &cases, Direction::Backward);
+    println!("four_warp_tiling: {count} cases x 2 dtypes x 3 strategies, worst error/bound {worst}");
 }
 
+/// Benchmark-sized problems against the f64 oracle (the table's cases are small): every strategy within bound with a
+/// valid gate, inputs A, B, A repeatable as the strategy promises.
 #[test]
-fn varlen_with_empty_sequences() {
-    let cases = vec![
-        (varlen(&[0, 70, 70, 71, 200], &[0, 65, 130, 130, 259], 2, 1, 64, 64, Mask::None), gaussian(1.0)),
-        (varlen(&[0, 70, 70, 71, 200], &[0, 65, 130, 130, 259], 4, 2, 64, 32, Mask::Causal), gaussian(4.0)),
-        (varlen(&[0, 0, 129], &[0, 10, 10], 1, 1, 128, 128, Mask::Window { left: 5, right: 5 }), gaussian(1.0)),
-    ];
-    named("varlen_with_empty_sequences", &cases);
-}
-
-#[test]
-fn head_dims_multiples_of_8_up_to_256() {
-    let mut cases = vec![];
-    for (d, dv) in [(8, 256), (256, 8), (256, 256), (128, 128), (24, 40), (200, 72)] {
-        cases.push((dense(1, 2, 1, 65, 129, d, dv, Mask::Causal), gaussian(1.0)));
-    }
-    named("head_dims_multiples_of_8_up_to_256", &cases);
+fn larger_shapes_are_within_bound() {
+    let Some(candidate) = GpuCandidate::if_available("larger_shapes_are_within_bound") else {
+        return;
+    };
+    let spec = dense(1, 4, 2, 1024, 1024, 128, 128, Mask::Causal);
+    let cases = [7, 8].map(|seed| make_case::<bf16>(&spec, gaussian(1.0), seed));
+    let d_outs = [7, 8].map(|seed| make_d_out::<bf16>(&spec, seed));
+    let problems = [(&cases[0], &d_outs[0]), (&cases[1], &d_outs[1])];
+    let mut worst = Worst::default();
+    let verdicts = backward_verdicts(&candidate, &problems, Repeat::FirstInput).unwrap_or_else(|e| panic!("{e}"));
+    verdicts.iter().for_each(|v| worst.record(v));
+    println!("larger_shapes_are_within_bound: {} verdicts, worst error/bound {worst}", verdicts.len());
 }
 
 #[test]

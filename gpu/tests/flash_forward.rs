@@ -1,10 +1,11 @@
 //! The FlashAttention forward kernel verified on the device against the f64 oracle, under the rounding-error bound of
 //! the kernel's recipe (`attnproof_gpu::flash` docs), in bf16 and f16.
 //!
-//! Every case runs with NaN-poisoned outputs followed by sentinel guard bands (an element the kernel never writes
-//! fails the verdict; a write past an output trips the guard), checks the device inputs unchanged after the launch,
-//! alternates inputs A, B, A (both A results bitwise equal: no state leaks between launches) and requires the
-//! verdict to pass and the discriminability gate to be valid. Without a device each test prints
+//! The kernel is the harness's `GpuCandidate`: every case runs with NaN-poisoned outputs followed by sentinel guard
+//! bands (an element the kernel never writes fails the verdict; a write past an output trips the guard), checks the
+//! device inputs unchanged after the launch, alternates inputs A, B, A (both A results bitwise equal: no state leaks
+//! between launches) and requires the verdict to pass and the discriminability gate to be valid. The named cases are
+//! the harness's adversarial table (`candidate_tests!`), which the reference schedule runs too. Without a device each test prints
 //! `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
 mod common;
@@ -14,12 +15,15 @@ use std::sync::Arc;
 
 use attnproof_gpu::compile::FLASH_FWD;
 use attnproof_gpu::flash::ForwardTiling;
-use attnproof_gpu::{GpuElement, GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
-use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
+use attnproof_gpu::{GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
+use attnproof_harness::adversarial::{Repeat, Worst, forward_verdicts};
+use attnproof_harness::candidate::GpuCandidate;
+use attnproof_harness::candidate_tests;
+use attnproof_harness::generate::make_case;
 use attnproof_harness::strategies::{profile, suite_config};
-use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
+use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Mask, Predicate};
+use attnproof_oracle::{Mask, Predicate};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
 use ndarray::ArrayD;
@@ -39,50 +43,25 @@ fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(
     run_forward_guarded(stream, case, FLASH_FWD, tiling)
 }
 
-/// Runs A, B, A; requires both A results bitwise equal; verifies A and B. Returns the verdicts.
-fn check<T: Storage>(stream: &Arc<CudaStream>, a: &Case<T>, b: &Case<T>) -> Result<[Verdict; 2], TestCaseError> {
-    let fail = |e: String| TestCaseError::fail(format!("{} {:?}: {e}", <T as GpuElement>::NAME, a.spec));
-    let (o_a, lse_a) = run_guarded(stream, a).map_err(fail)?;
-    let (o_b, lse_b) = run_guarded(stream, b).map_err(fail)?;
-    let (o_a2, lse_a2) = run_guarded(stream, a).map_err(fail)?;
-    if bits_of(&o_a, &lse_a) != bits_of(&o_a2, &lse_a2) {
-        return Err(fail("A, B, A: the two runs of input A differ bitwise".into()));
-    }
-    let verify = |case: &Case<T>, o: &ArrayD<T>, lse: &ArrayD<f32>| match verify_forward(
-        case,
-        forward_recipe::<T>(),
-        o.view(),
-        lse.view(),
-    ) {
-        Ok(v) => Ok(v),
-        // A case outside the model's hypothesis is not a failure of the kernel.
-        Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
-        Err(e) => Err(fail(e.to_string())),
-    };
-    Ok([verify(a, &o_a, &lse_a)?, verify(b, &o_b, &lse_b)?])
-}
-
 fn fuzz<T: Storage>(test_name: &str, cases: u32) {
-    let Some(ctx) = skip_unless_gpu(test_name) else {
+    let Some(candidate) = GpuCandidate::if_available(test_name) else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let mut runner = TestRunner::new(suite_config(test_name, cases));
-    let worst = std::cell::Cell::new(0f64);
+    let worst = std::cell::RefCell::new(Worst::default());
     let result = runner.run(&(kernel_spec(), profile(), any::<u64>()), |(spec, profile, seed)| {
         let a = make_case::<T>(&spec, profile, seed);
         let b = make_case::<T>(&spec, profile, seed ^ 0x9e37_79b9_7f4a_7c15);
-        for v in check(&stream, &a, &b)? {
-            prop_assert!(v.passed(), "{v}");
-            prop_assert!(v.valid(), "{v}");
-            worst.set(worst.get().max(v.max_ratio()));
-        }
+        // A, B, A: both A results bitwise equal; both verdicts pass with a valid gate.
+        let verdicts =
+            forward_verdicts(&candidate, &[&a, &b], Repeat::FirstInput).map_err(|e| e.into_test_case_error())?;
+        verdicts.iter().for_each(|v| worst.borrow_mut().record(v));
         Ok(())
     });
     if let Err(e) = result {
         panic!("{test_name}: {e}");
     }
-    println!("{test_name}: {} cases, worst error/bound {:.3e}", runner.config().cases, worst.get());
+    println!("{test_name}: {} cases, worst error/bound {}", runner.config().cases, worst.borrow());
 }
 
 #[test]
@@ -95,123 +74,43 @@ fn kernel_forward_is_within_bound_f16() {
     fuzz::<f16>("gpu_flash_forward_f16", 64);
 }
 
-/// A named case: both dtypes, two seeds, verdict and gate; prints the worst ratio.
-fn named(test_name: &str, cases: &[(AttentionSpec, ValueProfile)]) {
-    let Some(ctx) = skip_unless_gpu(test_name) else {
+// The adversarial table (`attnproof_harness::adversarial`): one test per group, both dtypes, inputs A, B, A.
+candidate_tests!(GpuCandidate::if_available, [forward]);
+
+/// The verdict already demands exact `O = 0` and `LSE = −∞` on rows that see no key; this pins it without the
+/// oracle too.
+#[test]
+fn fully_masked_rows_give_zero_and_minus_infinity() {
+    let Some(ctx) = skip_unless_gpu("fully_masked_rows_give_zero_and_minus_infinity (direct)") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    fn one<T: Storage>(stream: &Arc<CudaStream>, spec: &AttentionSpec, profile: ValueProfile) -> f64 {
-        let a = make_case::<T>(spec, profile, 11);
-        let b = make_case::<T>(spec, profile, 12);
+    // Bottom-right causal with Lq > Lk: the first Lq − Lk = 70 rows see no key.
+    let case = make_case::<bf16>(&dense(1, 2, 2, 100, 30, 64, 64, Mask::Causal), gaussian(1.0), 5);
+    let (o, lse) = run_guarded(&stream, &case).expect("launch");
+    for i in 0..70 {
+        assert_eq!(lse[[0, 1, i]], f32::NEG_INFINITY, "row {i}");
+        assert!((0..64).all(|c| o[[0, 1, i, c]].to_f32() == 0.0), "row {i}");
+    }
+    assert!(lse[[0, 1, 70]].is_finite());
+}
+
+/// Benchmark-sized problems against the f64 oracle (the table's cases are small): the verdict within bound with a
+/// valid gate, inputs A, B, A bitwise repeatable, causal and not.
+#[test]
+fn large_shapes_are_within_bound() {
+    let Some(candidate) = GpuCandidate::if_available("large_shapes_are_within_bound") else {
+        return;
+    };
+    let mut worst = Worst::default();
+    for mask in [Mask::None, Mask::Causal] {
+        let spec = dense(1, 4, 2, 4096, 4096, 128, 128, mask.clone());
+        let (a, b) = (make_case::<bf16>(&spec, gaussian(1.0), 7), make_case::<bf16>(&spec, gaussian(1.0), 8));
         let verdicts =
-            check(stream, &a, &b).unwrap_or_else(|e| panic!("{} {spec:?} {profile:?}: {e}", <T as GpuElement>::NAME));
-        for v in &verdicts {
-            assert!(v.passed(), "{} {spec:?} {profile:?}:\n{v}", <T as GpuElement>::NAME);
-            assert!(v.valid(), "{} {spec:?} {profile:?}:\n{v}", <T as GpuElement>::NAME);
-        }
-        verdicts.iter().map(Verdict::max_ratio).fold(0.0, f64::max)
+            forward_verdicts(&candidate, &[&a, &b], Repeat::FirstInput).unwrap_or_else(|e| panic!("{mask:?}: {e}"));
+        verdicts.iter().for_each(|v| worst.record(v));
     }
-    let mut worst = 0f64;
-    for (spec, profile) in cases {
-        worst = worst.max(one::<bf16>(&stream, spec, *profile)).max(one::<f16>(&stream, spec, *profile));
-    }
-    println!("{test_name}: {} cases x 2 dtypes, worst error/bound {worst:.3e}", cases.len());
-}
-
-#[test]
-fn lq_ne_lk_both_ways() {
-    let mut cases = vec![];
-    for mask in [Mask::None, Mask::Causal, Mask::Window { left: 7, right: 3 }] {
-        for (lq, lk) in [(1, 130), (130, 1), (65, 200), (200, 65)] {
-            cases.push((dense(1, 2, 1, lq, lk, 64, 64, mask.clone()), gaussian(1.0)));
-        }
-    }
-    named("lq_ne_lk_both_ways", &cases);
-}
-
-#[test]
-fn lengths_one_and_tile_edges() {
-    let mut cases = vec![];
-    for (lq, lk) in [(1, 1), (63, 63), (64, 64), (65, 65), (127, 129), (129, 127), (128, 64), (64, 129)] {
-        for mask in [Mask::None, Mask::Causal] {
-            cases.push((dense(2, 2, 2, lq, lk, 128, 128, mask), gaussian(4.0)));
-        }
-    }
-    named("lengths_one_and_tile_edges", &cases);
-}
-
-#[test]
-fn fully_masked_rows_give_zero_and_minus_infinity() {
-    let cases = vec![
-        // Bottom-right causal with Lq > Lk: the first Lq − Lk rows see no key.
-        (dense(1, 2, 2, 100, 30, 64, 64, Mask::Causal), gaussian(1.0)),
-        (dense(1, 1, 1, 70, 5, 32, 16, Mask::Window { left: 0, right: 0 }), gaussian(1.0)),
-        (
-            dense(1, 1, 1, 129, 129, 64, 64, Mask::And(vec![Mask::Causal, Mask::Window { left: 3, right: 0 }])),
-            gaussian(1.0),
-        ),
-        // A sequence with queries and no keys.
-        (varlen(&[0, 5, 70], &[0, 0, 64], 2, 1, 64, 64, Mask::None), gaussian(1.0)),
-    ];
-    named("fully_masked_rows_give_zero_and_minus_infinity", &cases);
-    // The verdict already demands exact O = 0 and LSE = −∞ there; this pins it without the oracle too.
-    if let Some(ctx) = skip_unless_gpu("fully_masked_rows_give_zero_and_minus_infinity (direct)") {
-        let stream = ctx.new_stream().expect("create a stream");
-        let case = make_case::<bf16>(&cases[0].0, gaussian(1.0), 5);
-        let (o, lse) = run_guarded(&stream, &case).expect("launch");
-        for i in 0..70 {
-            assert_eq!(lse[[0, 1, i]], f32::NEG_INFINITY, "row {i}");
-            assert!((0..64).all(|c| o[[0, 1, i, c]].to_f32() == 0.0), "row {i}");
-        }
-        assert!(lse[[0, 1, 70]].is_finite());
-    }
-}
-
-#[test]
-fn logit_scale_100() {
-    let cases = vec![
-        (dense(1, 2, 1, 129, 129, 64, 64, Mask::None), gaussian(100.0)),
-        (dense(1, 2, 1, 129, 129, 64, 64, Mask::Causal), gaussian(100.0)),
-        (
-            dense(1, 1, 1, 65, 200, 128, 64, Mask::None),
-            ValueProfile { distribution: Distribution::MaxInLastTile, logit_scale: 100.0, value_mean: 3.0 },
-        ),
-        (
-            dense(1, 1, 1, 64, 64, 32, 32, Mask::None),
-            ValueProfile { distribution: Distribution::Peaked, logit_scale: 100.0, value_mean: 0.0 },
-        ),
-    ];
-    named("logit_scale_100", &cases);
-}
-
-#[test]
-fn gqa_and_mqa() {
-    let cases = vec![
-        (dense(2, 6, 3, 70, 90, 128, 64, Mask::None), gaussian(1.0)),
-        (dense(1, 4, 1, 129, 129, 64, 128, Mask::Causal), gaussian(4.0)),
-        (dense(1, 8, 2, 33, 65, 16, 16, Mask::Window { left: 10, right: 2 }), gaussian(1.0)),
-    ];
-    named("gqa_and_mqa", &cases);
-}
-
-#[test]
-fn varlen_with_empty_sequences() {
-    let cases = vec![
-        (varlen(&[0, 70, 70, 71, 200], &[0, 65, 130, 130, 259], 2, 1, 64, 64, Mask::None), gaussian(1.0)),
-        (varlen(&[0, 70, 70, 71, 200], &[0, 65, 130, 130, 259], 4, 2, 64, 32, Mask::Causal), gaussian(4.0)),
-        (varlen(&[0, 0, 129], &[0, 10, 10], 1, 1, 128, 128, Mask::Window { left: 5, right: 5 }), gaussian(1.0)),
-    ];
-    named("varlen_with_empty_sequences", &cases);
-}
-
-#[test]
-fn head_dims_multiples_of_8_up_to_256() {
-    let mut cases = vec![];
-    for (d, dv) in [(8, 256), (256, 8), (256, 256), (128, 128), (64, 64), (24, 40), (200, 72)] {
-        cases.push((dense(1, 2, 1, 65, 129, d, dv, Mask::Causal), gaussian(1.0)));
-    }
-    named("head_dims_multiples_of_8_up_to_256", &cases);
+    println!("large_shapes_are_within_bound: 2 shapes, worst error/bound {worst}");
 }
 
 /// Every tiling gives bitwise the same outputs (each row's operations do not depend on the CTA shape; see

@@ -1,7 +1,8 @@
-//! GPU mutants: named source patches of `gpu/kernels/flash_fwd.cu` and `gpu/kernels/flash_bwd.cu`, each compiled by
-//! NVRTC through the same `compile::module_from_source` path as the production kernels and launched through the
-//! production wrappers (`flash_forward_device_with`, `flash_backward_device_with`), with NaN-poisoned, guarded
-//! outputs, must all be killed by the oracle verdicts of a few small cases.
+//! GPU mutants: the catalog's kernel-text mutants (`attnproof-catalog`, `Runner::KernelText`), named source patches
+//! of `gpu/kernels/flash_fwd.cu` and `gpu/kernels/flash_bwd.cu`, each compiled by NVRTC through the same
+//! `compile::module_from_source` path as the production kernels and launched through the production wrappers
+//! (`flash_forward_device_with`, `flash_backward_device_with`), with NaN-poisoned, guarded outputs, must all be
+//! killed by the oracle verdicts of a few small cases.
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
@@ -13,6 +14,7 @@ mod common;
 
 use std::sync::Arc;
 
+use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
@@ -25,173 +27,14 @@ use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
 
-/// One mutant: replace `find` (which must occur exactly once) by `replace`.
-struct Mutant {
-    name: &'static str,
-    find: &'static str,
-    replace: &'static str,
+/// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
+/// and every mutant of a kernel is tried against every case of that kernel until one kills it.
+const KERNELS: [KernelSource; 2] = [FLASH_FWD, FLASH_BWD];
+
+/// The catalog's kernel-text mutants of `kernel`, in catalog order.
+fn catalog_mutants(kernel: KernelSource) -> Vec<&'static Mutant> {
+    attnproof_catalog::kernel_text_mutants(kernel.name).collect()
 }
-
-/// Mutants of `flash_fwd.cu`. Each entry is a plausible kernel bug; the comment says which check should see it.
-const FORWARD_MUTANTS: &[Mutant] = &[
-    // Causal aligned top-left instead of bottom-right: wrong whenever Lq ≠ Lk.
-    Mutant {
-        name: "causal_top_left",
-        find: "const long long shift = (long long)len_k - len_q;",
-        replace: "const long long shift = 0;",
-    },
-    // The key past the end is visible in the tail tile (it reads the zero-filled padding row: a spurious s = 0).
-    Mutant {
-        name: "tail_mask_off_by_one",
-        find: "const bool vis = j < len_k &&",
-        replace: "const bool vis = j <= len_k &&",
-    },
-    // ℓ and A are never rescaled when the running max moves.
-    Mutant { name: "missing_rescale", find: "ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]))", replace: "1.f" },
-    // A is not rescaled, ℓ is (a half-done rescale).
-    Mutant {
-        name: "accumulator_not_rescaled",
-        find: "acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);",
-        replace: "",
-    },
-    // p = 2^(s·L) without subtracting the running max: overflows at large logits, and LSE loses m.
-    Mutant {
-        name: "missing_max_subtraction",
-        find: "ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]))",
-        replace: "ex2_approx_ftz(__fmul_rn(x, LOG2E_F))",
-    },
-    // LSE in base 2.
-    Mutant {
-        name: "lse_base_2",
-        find: "__fadd_rn(m_run[mi][r], logf(l))",
-        replace: "__fadd_rn(m_run[mi][r], log2f(l))",
-    },
-    // Scale 1/d instead of 1/√d.
-    Mutant {
-        name: "scale_one_over_d",
-        find: "float x = __fmul_rn(s[mi][n][e], scale);",
-        replace: "float x = __fmul_rn(s[mi][n][e], scale * scale);",
-    },
-    // GQA maps query head h to KV head h % group instead of h / group.
-    Mutant {
-        name: "gqa_head_map",
-        find: "const int kv_head = head / group;",
-        replace: "const int kv_head = head % group;",
-    },
-    // The last KV tile of every CTA is skipped.
-    Mutant {
-        name: "last_kv_tile_skipped",
-        find: "for (int t = tile_lo; t < tile_hi; ++t) {",
-        replace: "for (int t = tile_lo; t + 1 < tile_hi; ++t) {",
-    },
-    // Only warp 0 stores its rows (the others' stay NaN-poisoned).
-    Mutant {
-        name: "only_first_warp_writes",
-        find: "if (row >= rows_here) continue;",
-        replace: "if (row >= rows_here || warp > 0) continue;",
-    },
-    // The row max is reduced over half the quad only.
-    Mutant {
-        name: "row_max_half_reduced",
-        find: "m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));",
-        replace: "",
-    },
-    // ℓ is reduced over half the quad only.
-    Mutant { name: "row_sum_half_reduced", find: "l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));", replace: "" },
-    // The last tile's K is never fetched: its scores use the previous tile's keys.
-    Mutant { name: "stale_k_tile", find: "if (t + 1 < tile_hi) {", replace: "if (t + 2 < tile_hi) {" },
-    // The tail tile is taken for an interior one (no mask past Lk).
-    Mutant {
-        name: "interior_ignores_tail",
-        find: "const bool interior = key0 + BLOCK_N <= len_k && key0 >= diag_hi - win_left &&",
-        replace: "const bool interior = key0 >= diag_hi - win_left &&",
-    },
-    // Diagonal tiles are taken for interior ones when their first key is visible.
-    Mutant {
-        name: "interior_ignores_diagonal",
-        find: "(long long)key0 + BLOCK_N - 1 <= diag_lo + win_right;",
-        replace: "(long long)key0 <= diag_lo + win_right;",
-    },
-    // The window's left bound is not applied inside a tile.
-    Mutant { name: "window_left_ignored", find: "&& j >= diag - win_left;", replace: ";" },
-];
-
-/// Mutants of `flash_bwd.cu`, each a plausible bug of one of its four kernels.
-const BACKWARD_MUTANTS: &[Mutant] = &[
-    // dS = P ∘ dP without subtracting D (E9): the softmax Jacobian's rank-one term is lost.
-    Mutant {
-        name: "bwd_ds_missing_delta",
-        find: "__fmul_rn(p, __fsub_rn(dpt[n][e], delta_t[qc]))",
-        replace: "__fmul_rn(p, dpt[n][e])",
-    },
-    // The last query tile that sees a KV tile is skipped: its rows add nothing to dK and dV.
-    Mutant {
-        name: "bwd_kv_tile_rows_off_by_one",
-        find: "*a_hi = (int)(row_hi / Q_TILE);",
-        replace: "*a_hi = (int)(row_hi / Q_TILE) - 1;",
-    },
-    // GQA: each query head's dK overwrites the group's sum instead of adding to it.
-    Mutant {
-        name: "bwd_gqa_dk_overwritten",
-        find: "tot_k = hh == 0 ? x : __fadd_rn(tot_k, x);",
-        replace: "tot_k = x;",
-    },
-    // GQA: the group sum of dK and dV leaves out the last query head of each group.
-    Mutant {
-        name: "bwd_gqa_last_head_dropped",
-        find: "for (int hh = 0; hh < group; ++hh) {",
-        replace: "for (int hh = 0; hh + 1 < group; ++hh) {",
-    },
-    // dK is written without the softmax scale α̂ (dS is the gradient of the scaled scores).
-    Mutant {
-        name: "bwd_dk_missing_scale",
-        find: "pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])))",
-        replace: "pack_elems(to_elem(xk[0]), to_elem(xk[1]))",
-    },
-    // D = rowsum(dO ∘ O) reduced over 16 of the 32 lanes only.
-    Mutant {
-        name: "bwd_delta_half_reduced",
-        find: "for (int off = 16; off > 0; off >>= 1)",
-        replace: "for (int off = 16; off > 1; off >>= 1)",
-    },
-    // The atomic dQ mode drops the odd column of each pair.
-    Mutant {
-        name: "bwd_atomic_dq_column_lost",
-        find: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], part[mt][n][2 * r + 1]);",
-        replace: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], 0.f);",
-    },
-    // The next query tile is prefetched into the stage being computed on (a race that mixes two tiles).
-    Mutant {
-        name: "bwd_q_prefetch_same_stage",
-        find: "load_q_tile(a + 1, stage ^ 1);",
-        replace: "load_q_tile(a + 1, stage);",
-    },
-    // Every column part of bwd_kv's warps computes the first part of the chunk's dQ columns.
-    Mutant {
-        name: "bwd_dq_column_half_repeated",
-        find: "const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;",
-        replace: "const int dq_c = c0;",
-    },
-    // The window's left bound is not applied when P is recomputed in the KV-owner kernel.
-    Mutant {
-        name: "bwd_window_left_ignored",
-        find: "j <= i + win_right && j >= i - win_left;",
-        replace: "j <= i + win_right;",
-    },
-    // Strategy A takes a KV tile that crosses the diagonal (or a window's right edge) for an interior one: future keys
-    // leak into dQ.
-    Mutant {
-        name: "bwd_dq_interior_ignores_diagonal",
-        find: "key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&",
-        replace: "",
-    },
-    // A warp's keys that cross the diagonal (or a window's right edge) are taken as fully visible: future keys leak.
-    Mutant {
-        name: "bwd_interior_ignores_window_right",
-        find: "wkey0 + 15 <= row0 + shift + win_right && ",
-        replace: "",
-    },
-];
 
 /// The backward's killing cases: Lq ≠ Lk both ways with tails, GQA, a window, causal, and a logit scale of 4.
 fn backward_cases(stream: &Arc<CudaStream>) -> Vec<(&'static str, Problem<bf16>)> {
@@ -258,17 +101,15 @@ fn check_backward(stream: &Arc<CudaStream>, kernel: KernelSource, c: &BackwardCa
 
 /// `base` with one patch applied; panics unless the anchor occurs exactly once.
 fn patched(base: KernelSource, m: &Mutant) -> KernelSource {
-    let n = base.source.matches(m.find).count();
-    assert_eq!(n, 1, "mutant `{}`: anchor {:?} occurs {n} times in {}", m.name, m.find, base.name);
+    let text = m.apply(base.source).unwrap_or_else(|stale| panic!("mutant `{}` in {}: {stale}", m.name, base.name));
     // Leaked: a module's cache key holds its source for the rest of the process, and the catalog is small.
-    let text: &'static str = Box::leak(base.source.replacen(m.find, m.replace, 1).into_boxed_str());
-    KernelSource { name: base.name, source: text }
+    KernelSource { name: base.name, source: Box::leak(text.into_boxed_str()) }
 }
 
 /// Requires the unpatched `base` to pass every case, then every mutant of `catalog` to fail one; prints the table.
 fn hunt<C>(
     base: KernelSource,
-    catalog: &[Mutant],
+    catalog: &[&Mutant],
     cases: &[(&str, C)],
     check: impl Fn(KernelSource, &C) -> Result<(), String>,
 ) {
@@ -277,18 +118,19 @@ fn hunt<C>(
             panic!("the unpatched {} fails case `{name}`: {why}", base.name);
         }
     }
+    assert!(!catalog.is_empty(), "the catalog holds no kernel-text mutant of {}", base.name);
     let mut survivors = vec![];
-    println!("{:<28} {:<24} detail", "mutant", "killed by");
+    println!("{:<40} {:<24} detail", "mutant", "killed by");
     for m in catalog {
         let kernel = patched(base, m);
         let kill = cases.iter().find_map(|(name, case)| check(kernel, case).err().map(|why| (*name, why)));
         match kill {
             Some((by, why)) => {
                 let first_line = why.lines().next().unwrap_or("").chars().take(70).collect::<String>();
-                println!("{:<28} {:<24} {first_line}", m.name, by);
+                println!("{:<40} {:<24} {first_line}", m.name, by);
             }
             None => {
-                println!("{:<28} {:<24}", m.name, "SURVIVED");
+                println!("{:<40} {:<24}", m.name, "SURVIVED");
                 survivors.push(m.name);
             }
         }
@@ -303,7 +145,7 @@ fn all_forward_mutants_are_killed() {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    hunt(FLASH_FWD, FORWARD_MUTANTS, &forward_cases(), |kernel, case| check_forward(&stream, kernel, case));
+    hunt(FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| check_forward(&stream, kernel, case));
 }
 
 #[test]
@@ -320,7 +162,7 @@ fn all_backward_mutants_are_killed() {
             (name, BackwardCase { problem, expect })
         })
         .collect();
-    hunt(FLASH_BWD, BACKWARD_MUTANTS, &cases, |kernel, c| check_backward(&stream, kernel, c));
+    hunt(FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| check_backward(&stream, kernel, c));
 }
 
 /// Every mutant compiles (for sm_90a, with the killing cases' defines): a patch that broke the build would fail every
@@ -338,9 +180,9 @@ fn every_mutant_compiles_for_sm_90a() {
         variants.iter().filter(|v| v.kernel == kernel).min_by_key(|v| v.defines.len()).expect("a variant").clone()
     };
     let mut broken = vec![];
-    for (base, catalog) in [(FLASH_FWD, FORWARD_MUTANTS), (FLASH_BWD, BACKWARD_MUTANTS)] {
+    for base in KERNELS {
         let defines = plain(base).defines;
-        for m in catalog {
+        for m in catalog_mutants(base) {
             if let Err(e) = compile_for_arch(patched(base, m), "sm_90a", &defines) {
                 broken.push(format!("{}: {e}", m.name));
             }
@@ -349,17 +191,30 @@ fn every_mutant_compiles_for_sm_90a() {
     assert!(broken.is_empty(), "mutants that do not compile:\n{}", broken.join("\n\n"));
 }
 
+/// The catalog and this test agree: every kernel-text mutant of the catalog patches a kernel that has killing cases
+/// here (else it would never run), applies exactly once to the text the crate embeds (the catalog's own test reads
+/// the file; this reads what the crate compiles), and every kernel with cases has mutants.
 #[test]
-fn catalogs_have_distinct_mutants_with_unique_anchors() {
-    assert!(FORWARD_MUTANTS.len() + BACKWARD_MUTANTS.len() >= 10);
-    for (base, catalog) in [(FLASH_FWD, FORWARD_MUTANTS), (FLASH_BWD, BACKWARD_MUTANTS)] {
-        let mut names: Vec<_> = catalog.iter().map(|m| m.name).collect();
-        names.sort_unstable();
-        names.dedup();
-        assert_eq!(names.len(), catalog.len(), "duplicate mutant names in {}", base.name);
-        for m in catalog {
-            assert_eq!(base.source.matches(m.find).count(), 1, "mutant `{}`: anchor {:?}", m.name, m.find);
-            assert_ne!(m.find, m.replace, "mutant `{}` changes nothing", m.name);
+fn every_catalog_kernel_text_mutant_has_cases_and_applies() {
+    let names: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
+    for m in attnproof_catalog::all() {
+        if let Runner::KernelText { kernel } = m.runner {
+            let base = KERNELS.iter().find(|k| k.name == kernel).unwrap_or_else(|| {
+                panic!(
+                    "catalog mutant `{}` patches kernel `{kernel}`, which has no killing cases here ({names:?})",
+                    m.name
+                )
+            });
+            assert!(
+                m.file.ends_with(&format!("{kernel}.cu")),
+                "mutant `{}`: file {} is not {kernel}.cu",
+                m.name,
+                m.file
+            );
+            assert!(m.apply(base.source).is_ok(), "mutant `{}` does not apply to the embedded {kernel}", m.name);
         }
+    }
+    for base in KERNELS {
+        assert!(!catalog_mutants(base).is_empty(), "kernel {} has killing cases but no catalog mutants", base.name);
     }
 }

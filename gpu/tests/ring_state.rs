@@ -1,33 +1,32 @@
 //! The ring forward's GPU arithmetic on one device: every (query chunk, key chunk) pair's partial state from the
 //! forward kernel's `STATE_OUT` mode, merged (E4) in the ring order of E11 over contiguous and zigzag (E11a) layouts,
 //! then finalized (E5), verified against the f64 oracle under the forward recipe with `extra_merges = 2(P − 1)`
-//! (`attnproof_gpu::ring_state`'s docs). With one chunk the pipeline must equal the plain forward bit for bit.
+//! (`attnproof_gpu::ring::state`'s docs). With one chunk the pipeline must equal the plain forward bit for bit.
 //!
-//! `ring_forward` below plays every device in turn on one stream; the harness's `gpu_ring_forward` runs the ring
+//! `ring_forward` below plays every device in turn on one stream; the crate's `ring::gpu_ring_forward` runs the ring
 //! driver with one thread and one stream per simulated device and stream-ordered copies between them, and must give
 //! the same bits (same pairs, same merge order per device), which checks that the transport delivers the right data
-//! at the right time (a stale or early-read buffer would change them).
+//! at the right time (a stale or early-read buffer would change them). That bitwise comparison is also what kills the
+//! GPU ring's mutants (`xtask/catalog/src/ring.rs`), which the GPU bundle builds as patched copies of this crate.
 
 mod common;
 
 use std::sync::Arc;
 
-use attnproof_gpu::ring_state::{ChunkWindow, DeviceState, finalize_state, merge_states};
+use attnproof_gpu::ring::state::{ChunkWindow, DeviceState, finalize_state, merge_states};
+use attnproof_gpu::ring::{
+    BackwardStart, BlockLayout, GpuKvBlock, KvChunk, NcclLink, RingInputs, dense_dims, gpu_ring_backward,
+    gpu_ring_forward, gpu_ring_recipe_extra_merges, nccl_ring_backward, nccl_ring_forward, pair_spec,
+};
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
-use attnproof_harness::ring_gpu::{
-    BackwardStart, GpuKvBlock, KvChunk, RingMutant, dense_dims, gpu_ring_backward, gpu_ring_forward,
-    gpu_ring_forward_mutated, gpu_ring_recipe_extra_merges, pair_spec,
-};
-use attnproof_harness::ring_nccl::{BlockLayout, NcclLink, nccl_ring_backward, nccl_ring_forward};
+use attnproof_harness::ring_gpu::{backward_start, ring_inputs};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::online::ring_block_at;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
 use attnproof_proofs::flash_bound::FlashRecipe;
-use attnproof_reference::flash::TileConfig;
-use attnproof_reference::ring::RingTransport;
-use attnproof_reference::ring::{RingConfig, RingLayout};
+use attnproof_ring_driver::{RingLayout, RingSplit, RingTransport};
 use common::*;
 use cudarc::driver::CudaContext;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -46,7 +45,7 @@ fn rows<X: Clone>(t: &ArrayD<X>, range: &std::ops::Range<usize>) -> ArrayD<X> {
 fn ring_forward<T: Storage>(
     stream: &Arc<CudaStream>,
     case: &Case<T>,
-    config: RingConfig,
+    config: RingSplit,
 ) -> Result<(ArrayD<T>, ArrayD<f32>, usize), String> {
     let spec = &case.spec;
     let (_, len_q, len_k) = dense_dims(spec);
@@ -110,13 +109,12 @@ fn finalize<T: Storage>(
 }
 
 /// The forward recipe with the ring's extra rescale steps: `2(P − 1)` for `P` key chunks per sequence.
-fn ring_recipe<T: Storage>(config: RingConfig) -> FlashRecipe {
+fn ring_recipe<T: Storage>(config: RingSplit) -> FlashRecipe {
     FlashRecipe { extra_merges: gpu_ring_recipe_extra_merges(config), ..forward_recipe::<T>() }
 }
 
-fn config(n_devices: usize, layout: RingLayout) -> RingConfig {
-    // The tiles are the reference schedule's; only the device count and layout matter here.
-    RingConfig { n_devices, layout, tiles: TileConfig { q_tile: 64, kv_tile: 64 } }
+fn config(n_devices: usize, layout: RingLayout) -> RingSplit {
+    RingSplit { n_devices, layout }
 }
 
 /// The cases: causal with Lq = Lk (the skip matters), Lq ≠ Lk both ways, GQA, a window, logit scale 4, chunks that
@@ -224,7 +222,8 @@ fn threaded_ring_on_streams_matches_the_one_stream_ring_bitwise() {
             for devices in [2, 4] {
                 let config = config(devices, layout);
                 let (o, lse, _) = ring_forward(&stream, &case, config).unwrap();
-                let run = gpu_ring_forward(&ctx, &case, config).unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
+                let run = gpu_ring_forward(&ctx, &ring_inputs(&case), config)
+                    .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
                 assert!(run.o.iter().zip(&o).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?} {config:?}: O");
                 assert!(run.lse.iter().zip(&lse).all(|(a, b)| a.to_bits() == b.to_bits()), "{spec:?} {config:?}: LSE");
                 // Contiguous: a causal ring skips whole blocks in the future; zigzag balances them away (every block
@@ -254,10 +253,9 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
         println!("skipped: no NCCL library (nccl_link_round_trip_and_multi_gpu_ring)");
         return;
     }
-    let tiles = TileConfig { q_tile: 64, kv_tile: 64 };
-    let one = RingConfig { n_devices: 1, layout: RingLayout::Contiguous, tiles };
+    let one = RingSplit { n_devices: 1, layout: RingLayout::Contiguous };
     // A backward block: K, V and the f32 accumulators (one query head per KV head here) all make the hop.
-    let layout = BlockLayout { config: one, len_k: 100, batch: 1, n_heads_kv: 2, d: 16, dv: 8, accumulators: Some(2) };
+    let layout = BlockLayout { split: one, len_k: 100, batch: 1, n_heads_kv: 2, d: 16, dv: 8, accumulators: Some(2) };
     let acc_host: Vec<f32> = (0..2 * 100 * 24).map(|i| i as f32 * 1e-3 - 1.0).collect();
     let k_host: Vec<bf16> = (0..2 * 100 * 16).map(|i| bf16::from_f32(i as f32 * 0.25 - 7.0)).collect();
     let v_host: Vec<bf16> = (0..2 * 100 * 8).map(|i| bf16::from_f32(3.0 - i as f32 * 0.5)).collect();
@@ -300,12 +298,14 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
     }
     let spec = dense(1, 4, 2, 512, 512, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 90);
+    let inputs: RingInputs<'_, bf16> = ring_inputs(&case);
     for g in [2, 4, 8].into_iter().filter(|&g| g <= gpus) {
         let contexts: Vec<_> = (0..g).map(|i| CudaContext::new(i).unwrap()).collect();
         for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
-            let config = RingConfig { n_devices: g, layout, tiles };
-            let nccl = nccl_ring_forward(&contexts, &case, config).unwrap_or_else(|e| panic!("G={g} {layout:?}: {e}"));
-            let simulated = gpu_ring_forward(&ctx, &case, config).unwrap();
+            let config = RingSplit { n_devices: g, layout };
+            let nccl =
+                nccl_ring_forward(&contexts, &inputs, config).unwrap_or_else(|e| panic!("G={g} {layout:?}: {e}"));
+            let simulated = gpu_ring_forward(&ctx, &inputs, config).unwrap();
             assert!(nccl.o.iter().zip(&simulated.o).all(|(a, b)| a.to_bits() == b.to_bits()), "G={g} {layout:?}: O");
             assert!(
                 nccl.lse.iter().zip(&simulated.lse).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -316,9 +316,10 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
             println!("NCCL ring G={g} {layout:?}: worst error/bound {:.3e}", verdict.max_ratio());
             // The backward, from the NCCL forward's outputs: dK and dV with the simulated ring's bits.
             let d_out = attnproof_harness::generate::make_d_out::<bf16>(&spec, 91);
-            let start = BackwardStart { o: &nccl.o, lse: &nccl.lse, d_out: &d_out };
-            let nccl_g = nccl_ring_backward(&contexts, &case, start, config).unwrap_or_else(|e| panic!("G={g}: {e}"));
-            let sim_g = gpu_ring_backward(&ctx, &case, start, config).unwrap();
+            let start: BackwardStart<'_, bf16> = backward_start(&nccl.o, &nccl.lse, &d_out);
+            let nccl_g =
+                nccl_ring_backward(&contexts, &inputs, &start, config).unwrap_or_else(|e| panic!("G={g}: {e}"));
+            let sim_g = gpu_ring_backward(&ctx, &inputs, &start, config).unwrap();
             // dQ comes from f32 atomics (its last bits depend on their order); dK and dV from ordered adds.
             for (name, a, b) in [("dK", &nccl_g.dk, &sim_g.dk), ("dV", &nccl_g.dv, &sim_g.dv)] {
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "G={g} {layout:?}: NCCL {name}");
@@ -344,42 +345,6 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
     }
 }
 
-/// The ring mutants (diagonal block unmasked, a block merged twice, zigzag chunks swapped, stale receive buffer),
-/// injected into the simulated GPU ring: each one fails the verifier (or the routing check) on a causal problem.
-#[test]
-fn ring_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("ring_mutants_are_killed") else {
-        return;
-    };
-    let spec = dense(1, 2, 2, 300, 300, 64, 64, Mask::Causal);
-    let case = make_case::<bf16>(&spec, gaussian(1.0), 77);
-    let configs = [config(3, RingLayout::Contiguous), config(3, RingLayout::Zigzag), config(4, RingLayout::Zigzag)];
-    let mut survivors = vec![];
-    for mutant in [
-        RingMutant::DiagonalUnmasked,
-        RingMutant::MergedTwice,
-        RingMutant::ZigzagSwapped,
-        RingMutant::StaleReceiveBuffer,
-    ] {
-        let killer = configs.iter().find_map(|&config| match gpu_ring_forward_mutated(&ctx, &case, config, mutant) {
-            Err(e) => Some(format!("{config:?}: {e}")),
-            Ok(run) => {
-                let verdict = verify_forward(&case, ring_recipe::<bf16>(config), run.o.view(), run.lse.view());
-                match verdict {
-                    Ok(v) if v.passed() => None,
-                    Ok(v) => Some(format!("{config:?}: worst error/bound {:.3e}", v.max_ratio())),
-                    Err(e) => Some(format!("{config:?}: {e}")),
-                }
-            }
-        });
-        match killer {
-            Some(why) => println!("{mutant:?} killed by {why}"),
-            None => survivors.push(mutant),
-        }
-    }
-    assert!(survivors.is_empty(), "surviving ring mutants: {survivors:?}");
-}
-
 /// Host copy of the first `shape`-many elements of `buf`.
 fn download<X: cudarc::driver::DeviceRepr + Copy>(
     stream: &Arc<CudaStream>,
@@ -393,8 +358,8 @@ fn download<X: cudarc::driver::DeviceRepr + Copy>(
 /// The ring backward's GPU arithmetic, one stream playing every device in E11 order: `D` per query chunk, every
 /// visible pair's dQ added into its query chunk's f32 accumulator and its dK, dV sums into its KV chunk's travelling
 /// f32 accumulator (which visits devices owner, owner + 1, … in step order), then dQ and dK, dV finished.
-fn ring_backward<T: Storage>(stream: &Arc<CudaStream>, p: &Problem<T>, config: RingConfig) -> Grads<T> {
-    use attnproof_gpu::backward::{
+fn ring_backward<T: Storage>(stream: &Arc<CudaStream>, p: &Problem<T>, config: RingSplit) -> Grads<T> {
+    use attnproof_gpu::ring::backward_steps::{
         PairBackwardInputs, ring_backward_finish_dkv, ring_backward_finish_dq, ring_backward_pair,
         ring_backward_preprocess, ring_dkv_accumulator_len,
     };
@@ -522,8 +487,8 @@ fn ring_backward_states_are_within_the_bound() {
                     .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
                 let g = ring_backward(&stream, &p, config);
                 // The threaded ring (blocks and their accumulators moved between streams) gives the same bits.
-                let start = BackwardStart { o: &p.o, lse: &p.lse, d_out: &p.d_out };
-                let threaded = gpu_ring_backward(&ctx, &p.case, start, config)
+                let start = backward_start(&p.o, &p.lse, &p.d_out);
+                let threaded = gpu_ring_backward(&ctx, &ring_inputs(&p.case), &start, config)
                     .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
                 // dQ comes from f32 atomics (its last bits depend on their order); dK and dV from ordered adds.
                 for (name, a, b) in [("dK", &threaded.dk, &g.dk), ("dV", &threaded.dv, &g.dv)] {

@@ -1,4 +1,4 @@
-//! The attnproof oracle: every attention equation of `EQUATIONS.md`, generic over one scalar
+//! The attnproof oracle: every attention equation of `docs/equations.md`, generic over one scalar
 //! trait ([`Real`]) and instantiated for `f64` (fast, faer products) and MPFR ([`Mp`], any
 //! precision, 256 bits by default).
 //!

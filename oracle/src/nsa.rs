@@ -217,7 +217,7 @@ pub fn compress<S: Real>(
     Ok(out)
 }
 
-/// E19, the **Convention** of EQUATIONS.md: remap window probabilities `p_cmp` `[rows, W]` onto
+/// E19, the **Convention** of `docs/equations.md`: remap window probabilities `p_cmp` `[rows, W]` onto
 /// `n_blocks` selection blocks, `p_slc[j] = Σ_c p_cmp[c] · |window c ∩ block j| / s`. Windows
 /// beyond the `W` given contribute nothing. With `l = 32, s = 16, l' = 64` block `j` weighs
 /// windows `4j−1 … 4j+3` by `1, 2, 2, 2, 1`.

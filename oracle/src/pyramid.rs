@@ -3,7 +3,7 @@
 //! score), the coarse-to-fine descent with causal eligibility and forced blocks, GQA-shared
 //! selection, and the Recall@K / attention-mass diagnostics against the exact-mass reference.
 //!
-//! Conventions chosen here (EQUATIONS.md leaves them open):
+//! Conventions chosen here (`docs/equations.md` leaves them open):
 //! - **Partial nodes.** Leaf `b` holds keys `[bC, min((b+1)C, N))`; only the last leaf can be
 //!   partial. A node at level `ℓ` covers `C·β^ℓ` consecutive keys (the last node of a level may
 //!   cover fewer and have fewer than `β` children). Every summary is the mean of the *raw keys*

@@ -218,7 +218,7 @@ impl Geometry {
     }
 }
 
-/// The PISA score of a node for one query head, from the definition: leaves by the exact
+/// The PISA score (E26) of a node for one query head, from the definition: leaves by the exact
 /// log-mean-exp of their raw key scores, intermediate nodes by the count-weighted log-mean-exp of
 /// the scores of their children's raw-key means.
 fn def_node_score(case: &DescentCase, g: &Geometry, level: usize, node: usize, q: ArrayView1<'_, Mp>) -> Mp {

@@ -20,8 +20,9 @@ use rayon::prelude::*;
 
 use crate::element::Element;
 use crate::error::ReferenceError;
-use crate::flash::{TileConfig, check_input, check_output, head_f32, scale_f32};
+use crate::flash::{check_input, check_output, head_f32, scale_f32};
 use crate::mask::{kv_head, visible};
+use crate::tile::TileConfig;
 
 /// How dQ is owned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,9 +1,8 @@
 //! Typed errors of the reference schedules.
 
 use attnproof_oracle::OracleError;
+use attnproof_ring_driver::RingFault;
 use thiserror::Error;
-
-use crate::ring::RingFault;
 
 /// Why a schedule refused its arguments.
 #[derive(Debug, Clone, PartialEq, Error)]

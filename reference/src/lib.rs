@@ -12,12 +12,14 @@ pub mod flash;
 pub mod mask;
 pub mod ring;
 pub mod sparse;
+pub mod tile;
 
 pub use backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
 pub use element::Element;
 pub use error::ReferenceError;
-pub use flash::{ForwardOutputs, Inputs, TileConfig, flash_forward, flash_forward_owned};
+pub use flash::{ForwardOutputs, Inputs, flash_forward, flash_forward_owned};
 pub use ring::{RingConfig, RingLayout, RingStats, ring_backward, ring_forward};
 pub use sparse::{
     block_sparse_backward, block_sparse_forward, dsa_forward, nsa_selection_backward, nsa_selection_forward,
 };
+pub use tile::TileConfig;

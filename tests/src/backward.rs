@@ -137,7 +137,12 @@ fn backward_truth_with_visibility(
                 |a: ndarray::ArrayView2<'_, f64>, i: usize, b: ndarray::ArrayView2<'_, f64>, j: usize| -> f64 {
                     a.row(i).iter().zip(b.row(j)).map(|(x, y)| x.abs() * y.abs()).sum()
                 };
-            let term = |i: usize, j: usize| p[[i, j]] * (abs_dot(gh, i, vh, j) + abs_dot(gh, i, fwd.o.view(), i));
+            // Each term once per (i, j), not once per column c of the sums below: the same values, summed in the
+            // same order, at a cost of O(Lq Lk dv) instead of O(Lq Lk d dv).
+            let row_o: Vec<f64> = (0..len_q).map(|i| abs_dot(gh, i, fwd.o.view(), i)).collect();
+            let terms =
+                ndarray::Array2::from_shape_fn((len_q, len_k), |(i, j)| p[[i, j]] * (abs_dot(gh, i, vh, j) + row_o[i]));
+            let term = |i: usize, j: usize| terms[[i, j]];
             for c in 0..spec.head_dim {
                 for i in 0..len_q {
                     let m = scale.abs() * (0..len_k).map(|j| term(i, j) * kh[[j, c]].abs()).sum::<f64>();

@@ -123,20 +123,9 @@ pub fn problem_forward_bounds_with_visibility(
     Ok(ForwardTruth { o: truth.o, lse: truth.lse, bound_o, bound_lse })
 }
 
-/// The recipe of the reference forward for storage type `T` and KV tile `kv_tile`.
-pub fn recipe<T: Element>(kv_tile: usize) -> FlashRecipe {
-    FlashRecipe::libm(T::UNIT_ROUNDOFF, subnormal_of::<T>() as f64, kv_tile)
-}
-
-/// The smallest positive subnormal of `T`: the first power of two, from f32's smallest subnormal
-/// upward, that survives rounding to `T`.
-fn subnormal_of<T: Element>() -> f32 {
-    let mut x = f32::from_bits(1);
-    while T::round(x) == 0.0 {
-        x *= 2.0;
-    }
-    T::round(x)
-}
+/// The recipe of the reference forward for storage type `T` and KV tile `kv_tile` (its home, with every other
+/// recipe, is [`crate::recipes`]).
+pub use crate::recipes::reference as recipe;
 
 /// Verifies a forward candidate's `(O, LSE)` on `case`, under the model for `recipe` (see
 /// [`recipe`] for the reference schedule's).

@@ -4,14 +4,15 @@
 //! generators and proptest strategies that fuzz shapes and values.
 #![forbid(unsafe_code)]
 
+pub mod adversarial;
 pub mod backward;
+pub mod candidate;
 pub mod case;
 pub mod flash;
 pub mod gate;
 pub mod generate;
+pub mod recipes;
 pub mod ring_gpu;
-pub mod ring_nccl;
-pub mod ring_timing;
 pub mod sparse;
 pub mod strategies;
 pub mod verdict;

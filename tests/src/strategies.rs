@@ -1,7 +1,9 @@
-//! Proptest strategies for shapes and values: batch, `Hq`/`Hkv` with `Hkv > 1`, `Lq ≠ Lk` both
-//! ways, lengths 1, tile − 1, tile, tile + 1 and primes, head dims including 59, 111 and 256,
-//! every mask kind, varlen with zero-length sequences, and the value profiles of
-//! [`crate::generate`]. Built with `prop_flat_map` so dependent sizes shrink together.
+//! Proptest strategies for shapes and values: batch, GQA groups 1–16 over one or two KV heads,
+//! `Lq ≠ Lk` both ways, lengths 1, tile − 1, tile, tile + 1 and primes, head dims every multiple
+//! of 8 up to 256 and the awkward 1, 59 and 111, every mask kind with windows of every width
+//! class relative to the tile, varlen with zero-length sequences, and the value profiles of
+//! [`crate::generate`]. Built with `prop_flat_map` so dependent sizes shrink together; the unit
+//! test below draws specs and checks that every class is reached.
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
 use proptest::prelude::*;
@@ -14,19 +16,42 @@ pub fn interesting_length(tile: usize) -> impl Strategy<Value = usize> {
     prop::sample::select(vec![1, 2, tile - 1, tile, tile + 1, 2 * tile + 1, 7, 13, 31, 61, 67])
 }
 
-/// Head dimensions, including the awkward 59 and 111 and the large 256.
+/// Head dimensions: every multiple of 8 from 8 to 256 (what the GPU kernels compile), the awkward 1, 59 and 111
+/// (which only the reference and the oracle accept), and small dims often, which keeps CPU cases cheap.
 pub fn head_dim() -> impl Strategy<Value = usize> {
-    prop::sample::select(vec![1, 8, 16, 59, 64, 111, 128, 256])
+    prop_oneof![
+        2 => (1usize..=32).prop_map(|m| 8 * m),
+        1 => prop::sample::select(vec![1, 59, 111]),
+        1 => prop::sample::select(vec![8, 16]),
+    ]
 }
 
-/// Every mask kind, with windows that cut tiles.
-pub fn mask() -> impl Strategy<Value = Mask> {
+/// One side of a sliding window, by width class relative to tile size `tile`: none (0), narrow (1), inside a tile,
+/// exactly a tile, and wider than a tile (up to three tiles).
+pub fn window_side(tile: usize) -> impl Strategy<Value = usize> {
+    prop_oneof![Just(0usize), Just(1usize), 2..tile.max(3), Just(tile), (tile + 1)..=(3 * tile)]
+}
+
+/// Every mask kind, with windows of every width class relative to tile size `tile` on either side (so one-sided
+/// windows, narrow ones and ones wider than a tile all occur), with and without causal.
+pub fn mask(tile: usize) -> impl Strategy<Value = Mask> {
+    let window = || (window_side(tile), window_side(tile));
     prop_oneof![
         Just(Mask::None),
         Just(Mask::Causal),
-        (0usize..20, 0usize..20).prop_map(|(left, right)| Mask::Window { left, right }),
-        (0usize..20).prop_map(|left| Mask::And(vec![Mask::Causal, Mask::Window { left, right: 0 }])),
+        window().prop_map(|(left, right)| Mask::Window { left, right }),
+        window().prop_map(|(left, right)| Mask::And(vec![Mask::Causal, Mask::Window { left, right }])),
     ]
+}
+
+/// `(Hq, Hkv)`: one KV head shared by a group of 1 to 16 query heads (MQA above 1), or two KV heads with groups of 1
+/// to 8 (`Hq ≤ 16`, which bounds the CPU cost); non-powers of two included, groups up to 4 four times as often as
+/// larger ones. The group's range depends on the KV heads drawn, hence `prop_flat_map`.
+pub fn heads() -> impl Strategy<Value = (usize, usize)> {
+    (1usize..=2).prop_flat_map(|n_heads_kv| {
+        let largest = 16 / n_heads_kv;
+        prop_oneof![4 => 1usize..=4, 1 => 5usize..=largest].prop_map(move |group| (group * n_heads_kv, n_heads_kv))
+    })
 }
 
 /// Dense (batch 1–2) or varlen (1–3 sequences, zero-length ones included) layouts with lengths
@@ -51,8 +76,7 @@ pub fn layout(tile: usize) -> impl Strategy<Value = Layout> {
 
 /// A problem spec with lengths drawn around tile size `tile` (at most `2·tile + 1`).
 pub fn spec(tile: usize) -> impl Strategy<Value = AttentionSpec> {
-    let heads = prop_oneof![Just((1usize, 1usize)), Just((2, 2)), Just((4, 2)), Just((3, 1)), Just((6, 3))];
-    (layout(tile), heads, head_dim(), head_dim(), mask()).prop_map(
+    (layout(tile), heads(), head_dim(), head_dim(), mask(tile)).prop_map(
         |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| AttentionSpec {
             layout,
             n_heads_q,
@@ -94,5 +118,84 @@ pub fn suite_config(suite: &str, default_cases: u32) -> proptest::test_runner::C
             format!("proptest-regressions/{suite}.txt").into_boxed_str(),
         )))),
         ..proptest::test_runner::Config::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::{RngAlgorithm, TestRng, TestRunner};
+
+    /// Draws specs with a fixed seed and requires every class the module docs promise: a strategy that lost one
+    /// (a window class, a head dim, a GQA group, an empty varlen sequence) would fail here.
+    #[test]
+    fn drawn_specs_reach_every_class() {
+        const TILE: usize = 16;
+        let config = proptest::test_runner::Config::default();
+        let mut runner = TestRunner::new_with_rng(config, TestRng::from_seed(RngAlgorithm::ChaCha, &[7; 32]));
+        let strategy = spec(TILE);
+        let specs: Vec<AttentionSpec> =
+            (0..3000).map(|_| strategy.new_tree(&mut runner).expect("draw").current()).collect();
+
+        let windows: Vec<(usize, usize, bool)> = specs
+            .iter()
+            .filter_map(|s| match &s.mask {
+                Mask::Window { left, right } => Some((*left, *right, false)),
+                Mask::And(parts) => parts.iter().find_map(|p| match p {
+                    Mask::Window { left, right } => Some((*left, *right, true)),
+                    _ => None,
+                }),
+                _ => None,
+            })
+            .collect();
+        type Class = (&'static str, fn(usize, usize) -> bool);
+        let classes: [Class; 8] = [
+            ("zero width", |l, r| l == 0 && r == 0),
+            ("one each side", |l, r| l == 1 && r == 1),
+            ("left only", |l, r| l > 0 && r == 0),
+            ("right only", |l, r| l == 0 && r > 0),
+            ("left inside a tile", |l, _| (2..TILE).contains(&l)),
+            ("left exactly a tile", |l, _| l == TILE),
+            ("left wider than a tile", |l, _| l > TILE),
+            ("right wider than a tile", |_, r| r > TILE),
+        ];
+        for causal in [false, true] {
+            for (name, class) in classes {
+                assert!(windows.iter().any(|&(l, r, c)| c == causal && class(l, r)), "window {name}, causal {causal}");
+            }
+        }
+        assert!(
+            specs.iter().any(|s| matches!(s.mask, Mask::None)) && specs.iter().any(|s| matches!(s.mask, Mask::Causal))
+        );
+
+        for d in (8..=256).step_by(8) {
+            assert!(specs.iter().any(|s| s.head_dim == d), "head_dim {d}");
+            assert!(specs.iter().any(|s| s.head_dim_v == d), "head_dim_v {d}");
+        }
+        assert!(specs.iter().any(|s| s.head_dim != s.head_dim_v));
+        for group in 1..=16 {
+            assert!(specs.iter().any(|s| s.group_size() == group), "GQA group {group}");
+        }
+        assert!(specs.iter().any(|s| s.n_heads_kv == 1 && s.n_heads_q > 1), "MQA");
+        assert!(
+            specs.iter().any(|s| s.n_heads_kv == 2 && s.group_size() == 7),
+            "a non-power-of-two group over 2 KV heads"
+        );
+
+        let empty = |cu: &[i32]| cu.windows(2).any(|w| w[0] == w[1]);
+        assert!(specs.iter().any(|s| matches!(&s.layout, Layout::Varlen { cu_seqlens_q, .. } if empty(cu_seqlens_q))));
+        assert!(specs.iter().any(|s| matches!(&s.layout, Layout::Varlen { cu_seqlens_k, .. } if empty(cu_seqlens_k))));
+        let dense_lengths: Vec<(usize, usize)> = specs
+            .iter()
+            .filter_map(|s| match s.layout {
+                Layout::Dense { len_q, len_k, .. } => Some((len_q, len_k)),
+                Layout::Varlen { .. } => None,
+            })
+            .collect();
+        for len in [1, TILE - 1, TILE, TILE + 1] {
+            assert!(dense_lengths.iter().any(|&(_, lk)| lk == len), "Lk = {len}");
+        }
+        assert!(dense_lengths.iter().any(|&(lq, lk)| lq > lk) && dense_lengths.iter().any(|&(lq, lk)| lq < lk));
     }
 }

@@ -128,6 +128,35 @@ fn reference_schedule_passes_causal_gqa_forward_and_backward() {
     );
 }
 
+/// A case file is a candidate like the reference schedule and the GPU kernels: its forward, read from the file,
+/// passes the same runner with a valid gate; the same file with a corrupted `O` fails it; what the seam does not
+/// cover (a backward, whose D the file lacks; another storage type) is a typed `Unsupported`, never a pass.
+#[test]
+fn case_file_is_a_candidate_of_the_common_runner() {
+    use attnproof_harness::adversarial::{Repeat, forward_verdicts};
+    use attnproof_harness::candidate::{Candidate, CandidateError};
+    use attnproof_harness::case::candidate::CaseFileCandidate;
+    let spec = gqa_spec().with_mask(Mask::Causal);
+    let w = reference_case(&spec, &spec, 11, "true", "bottom_right");
+    let file = format::from_bytes(&w.builder.bytes()).expect("the case loads");
+    let candidate = CaseFileCandidate { file: &file };
+    let case = candidate.case::<bf16>().expect("bf16 inputs");
+    let verdicts = forward_verdicts(&candidate, &[&case], Repeat::Never).expect("the file's forward passes");
+    assert!(verdicts.iter().all(|v| v.passed() && v.valid()));
+
+    let mut corrupted_o = w.o.clone();
+    corrupted_o[[0, 1, 3, 2]] += 0.5;
+    let corrupted = format::from_bytes(&w.builder.clone().tensor("o", Dtype::Bf16, &corrupted_o).bytes()).unwrap();
+    let bad = CaseFileCandidate { file: &corrupted };
+    assert!(forward_verdicts(&bad, &[&case], Repeat::Never).is_err(), "a corrupted O must fail");
+
+    let unsupported = |r: Result<_, CandidateError>| matches!(r, Err(CandidateError::Unsupported { .. }));
+    let forward = candidate.forward(&case).unwrap();
+    let d_out = make_d_out::<bf16>(&spec, 1);
+    assert!(unsupported(candidate.backward((), &case, &forward, &d_out).map(|_| ())));
+    assert!(unsupported(candidate.case::<half::f16>().map(|_| ())));
+}
+
 #[test]
 fn reference_schedule_passes_top_left_causal_when_stated() {
     let spec = gqa_spec().with_mask(top_left());

@@ -1,85 +1,34 @@
 //! The reference FlashAttention backward, both ownership strategies (E10a), verified against
-//! the oracle on fuzzed shapes and values in bf16 and f16, with the forward it depends on
-//! computed by the reference forward; dK and dV agree bit for bit between the strategies.
+//! the oracle on fuzzed shapes and values in bf16 and f16 and on the harness's adversarial table
+//! (`candidate_tests!`, the same cases the GPU kernels run), with the forward it depends on
+//! computed by the reference forward; dK, dV and D agree bit for bit between the strategies.
 
+use attnproof_harness::adversarial::{Repeat, backward_verdicts};
 use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation, verify_backward};
-use attnproof_harness::flash::recipe;
+use attnproof_harness::candidate::{Candidate, Gradients, ReferenceCandidate, Storage};
 use attnproof_harness::generate::{make_case, make_d_out};
+use attnproof_harness::recipes;
 use attnproof_harness::strategies::{profile, spec, suite_config};
-use attnproof_harness::{Case, HarnessError};
-use attnproof_oracle::spec::Operand;
-use attnproof_reference::{
-    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
-};
+use attnproof_harness::{Case, HarnessError, candidate_tests};
+use attnproof_reference::{BackwardStrategy, TileConfig};
 use half::{bf16, f16};
 use ndarray::ArrayD;
 use proptest::prelude::*;
 
 const TILE: usize = 16;
+const REFERENCE: ReferenceCandidate = ReferenceCandidate { tiles: TileConfig { q_tile: TILE, kv_tile: TILE } };
 
-/// NaN-poisoned gradients after one backward run.
-struct Grads<T> {
-    dq: ArrayD<T>,
-    dk: ArrayD<T>,
-    dv: ArrayD<T>,
-    delta: ArrayD<f32>,
-}
-
-fn run<T: Element>(
-    case: &Case<T>,
-    d_out: &ArrayD<T>,
-    tiles: TileConfig,
-    strategy: BackwardStrategy,
-) -> Result<Grads<T>, TestCaseError> {
-    let fail = |e: attnproof_reference::ReferenceError| TestCaseError::fail(e.to_string());
-    let (o, lse) = flash_forward_owned(&case.spec, &case.inputs(), tiles).map_err(fail)?;
-    let nan = |op| ArrayD::from_elem(case.spec.expected_shape(op), T::from_f32(f32::NAN));
-    let mut g = Grads {
-        dq: nan(Operand::Q),
-        dk: nan(Operand::K),
-        dv: nan(Operand::V),
-        delta: ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), f32::NAN),
-    };
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
-    let outputs =
-        BackwardOutputs { dq: g.dq.view_mut(), dk: g.dk.view_mut(), dv: g.dv.view_mut(), delta: g.delta.view_mut() };
-    flash_backward(&case.spec, &inputs, tiles, strategy, outputs).map_err(fail)?;
-    Ok(g)
-}
-
-fn check<T: Element>(case: &Case<T>, d_out: &ArrayD<T>) -> Result<(), TestCaseError> {
-    let tiles = TileConfig { q_tile: TILE, kv_tile: TILE };
-    let a = run(case, d_out, tiles, BackwardStrategy::TwoTraversals)?;
-    let b = run(case, d_out, tiles, BackwardStrategy::KvOwnerPartialDq)?;
-    // KV tiles own dK/dV in both strategies, with the same arithmetic.
-    let same = |x: &ArrayD<T>, y: &ArrayD<T>| {
-        x.iter().zip(y.iter()).all(|(p, q)| p.to_f32().to_bits() == q.to_f32().to_bits())
-    };
-    prop_assert!(same(&a.dk, &b.dk) && same(&a.dv, &b.dv), "strategies disagree on dK/dV");
-    let expect = match BackwardExpectation::new(case, d_out, TILE, recipe::<T>(TILE)) {
-        Ok(x) => x,
-        Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
-        Err(e) => return Err(TestCaseError::fail(e.to_string())),
-    };
-    for (name, g) in [("A", &a), ("B", &b)] {
-        let v = expect.verify(g.candidate()).map_err(|e| TestCaseError::fail(e.to_string()))?;
-        prop_assert!(v.passed(), "strategy {name}:\n{v}");
-        prop_assert!(v.valid(), "strategy {name}:\n{v}");
-    }
+/// Both strategies on one case, from the reference forward's `O` and LSE: verdicts pass, gates valid, dK, dV and D
+/// bitwise equal between the strategies (KV tiles own them in both, with the same arithmetic).
+fn check<T: Storage>(case: &Case<T>, d_out: &ArrayD<T>) -> Result<(), TestCaseError> {
+    backward_verdicts(&REFERENCE, &[(case, d_out)], Repeat::Never).map_err(|e| e.into_test_case_error())?;
     Ok(())
 }
 
-impl<T> Grads<T> {
-    fn candidate(&self) -> BackwardCandidate<'_, T> {
-        BackwardCandidate { dq: self.dq.view(), dk: self.dk.view(), dv: self.dv.view(), delta: self.delta.view() }
-    }
+/// One strategy's gradients on `case`, from the reference forward.
+fn run<T: Storage>(case: &Case<T>, d_out: &ArrayD<T>, strategy: BackwardStrategy) -> Gradients<T> {
+    let forward = REFERENCE.forward(case).expect("reference forward");
+    REFERENCE.backward(strategy, case, &forward, d_out).expect("reference backward")
 }
 
 /// One expectation judges any number of candidates exactly as `verify_backward` judges each alone (same ratios,
@@ -91,14 +40,13 @@ fn a_prepared_expectation_gives_the_verdicts_of_verify_backward() {
     let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
     let case = make_case::<bf16>(&spec, profile, 5);
     let d_out = make_d_out(&spec, 5);
-    let tiles = TileConfig { q_tile: TILE, kv_tile: TILE };
-    let expect = BackwardExpectation::new(&case, &d_out, TILE, recipe::<bf16>(TILE)).unwrap();
-    let good = run(&case, &d_out, tiles, BackwardStrategy::TwoTraversals).unwrap();
+    let expect = BackwardExpectation::new(&case, &d_out, TILE, recipes::reference::<bf16>(TILE)).unwrap();
+    let good = run(&case, &d_out, BackwardStrategy::TwoTraversals);
     // A wrong candidate too: dV off by one bf16 ulp of 1 everywhere fails, so the two paths must agree on failures.
-    let mut bad = run(&case, &d_out, tiles, BackwardStrategy::KvOwnerPartialDq).unwrap();
+    let mut bad = run(&case, &d_out, BackwardStrategy::KvOwnerPartialDq);
     bad.dv.mapv_inplace(|x| bf16::from_f32(x.to_f32() + 1.0 / 128.0));
     for g in [&good, &bad] {
-        let alone = verify_backward(&case, &d_out, TILE, recipe::<bf16>(TILE), g.candidate()).unwrap();
+        let alone = verify_backward(&case, &d_out, TILE, recipes::reference::<bf16>(TILE), g.candidate()).unwrap();
         let reused = expect.verify(g.candidate()).unwrap();
         assert_eq!(alone.gate, reused.gate);
         let ratios = |v: &attnproof_harness::Verdict| v.outputs.iter().map(|o| o.max_ratio).collect::<Vec<_>>();
@@ -111,6 +59,10 @@ fn a_prepared_expectation_gives_the_verdicts_of_verify_backward() {
     let candidate = BackwardCandidate { dq: short.view(), ..good.candidate() };
     assert!(matches!(expect.verify(candidate), Err(HarnessError::CandidateShape { argument: "dq", .. })));
 }
+
+// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, both dtypes, both
+// strategies.
+candidate_tests!(ReferenceCandidate::for_tests, [backward]);
 
 proptest! {
     #![proptest_config(suite_config("flash_backward", 32))]
@@ -171,7 +123,7 @@ fn extra_query_partials_widen_the_dk_and_dv_bounds_only() {
     let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
     let visibility = |s: &attnproof_oracle::spec::Sequence, _h: usize| masks[s.index].clone();
     let bounds = |extra: usize| {
-        let recipe = FlashRecipe { extra_query_partials: extra, ..recipe::<bf16>(TILE) };
+        let recipe = FlashRecipe { extra_query_partials: extra, ..recipes::reference::<bf16>(TILE) };
         problem_backward_bounds_with_visibility(&spec, [&q, &k, &v, &g], &visibility, recipe, TILE).unwrap()
     };
     let (plain, wider) = (bounds(0), bounds(6));
@@ -199,7 +151,7 @@ fn exp_underflow_enters_o_dv_dq_and_dk_as_derived() {
     let case = make_case::<bf16>(&spec, profile, 5);
     let g = make_d_out::<bf16>(&spec, 5).mapv(|x| x.to_f32() as f64);
     let [q, k, v] = case.widened();
-    let with = |exp_underflow: f64| FlashRecipe { exp_underflow, ..recipe::<bf16>(TILE) };
+    let with = |exp_underflow: f64| FlashRecipe { exp_underflow, ..recipes::reference::<bf16>(TILE) };
     let (plain, wide) = (with(F32_SUBNORMAL), with(1.0));
     // Every element (b, h, row, c) of `wide − plain` is `n · max over rows of |source[b, h, ·, c]|` times the term's
     // factor: `n` = Lk for O (source V), Lq for dV (source dO).

@@ -1,30 +1,30 @@
 //! The reference FlashAttention forward verified against the oracle on fuzzed shapes and
-//! values, in bf16 and f16: every verdict within bound, every case discriminating.
+//! values, in bf16 and f16, and on the harness's adversarial table (`candidate_tests!`, the
+//! same cases the GPU kernel runs): every verdict within bound, every case discriminating.
 
-use attnproof_harness::flash::recipe;
+use attnproof_harness::adversarial::{Repeat, forward_verdicts};
+use attnproof_harness::candidate::{ReferenceCandidate, Storage};
+use attnproof_harness::candidate_tests;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::strategies::{profile, spec, suite_config};
-use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
-use attnproof_oracle::spec::Operand;
-use attnproof_reference::{Element, ForwardOutputs, TileConfig, flash_forward};
+use attnproof_oracle::AttentionSpec;
+use attnproof_reference::TileConfig;
 use half::{bf16, f16};
-use ndarray::ArrayD;
 use proptest::prelude::*;
 
 const TILE: usize = 16;
 
-fn check<T: Element>(case: &Case<T>, tiles: TileConfig) -> Result<Verdict, TestCaseError> {
-    // Outputs start as NaN so that an element the schedule never writes fails the verdict.
-    let mut o = ArrayD::from_elem(case.spec.expected_shape(Operand::O), T::from_f32(f32::NAN));
-    let mut lse = ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), f32::NAN);
-    let outputs = ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() };
-    flash_forward(&case.spec, &case.inputs(), tiles, outputs).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    match verify_forward(case, recipe::<T>(tiles.kv_tile), o.view(), lse.view()) {
-        Ok(v) => Ok(v),
-        // A case outside the model's hypothesis is not a failure of the schedule.
-        Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
-        Err(e) => Err(TestCaseError::fail(e.to_string())),
-    }
+/// The reference schedule in tiles of `TILE`, on one fuzzed case: the verdict passes and the gate is valid (a case
+/// outside the model's hypothesis is rejected, not failed).
+fn check<T: Storage>(
+    spec: &AttentionSpec,
+    profile: attnproof_harness::generate::ValueProfile,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let candidate = ReferenceCandidate { tiles: TileConfig { q_tile: TILE, kv_tile: TILE } };
+    let case = make_case::<T>(spec, profile, seed);
+    forward_verdicts(&candidate, &[&case], Repeat::Never).map_err(|e| e.into_test_case_error())?;
+    Ok(())
 }
 
 proptest! {
@@ -32,17 +32,14 @@ proptest! {
 
     #[test]
     fn reference_forward_is_within_bound_bf16(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
-        let case = make_case::<bf16>(&spec, profile, seed);
-        let v = check(&case, TileConfig { q_tile: TILE, kv_tile: TILE })?;
-        prop_assert!(v.passed(), "{v}");
-        prop_assert!(v.valid(), "{v}");
+        check::<bf16>(&spec, profile, seed)?;
     }
 
     #[test]
     fn reference_forward_is_within_bound_f16(spec in spec(TILE), profile in profile(), seed in any::<u64>()) {
-        let case = make_case::<f16>(&spec, profile, seed);
-        let v = check(&case, TileConfig { q_tile: TILE, kv_tile: TILE })?;
-        prop_assert!(v.passed(), "{v}");
-        prop_assert!(v.valid(), "{v}");
+        check::<f16>(&spec, profile, seed)?;
     }
 }
+
+// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, both dtypes.
+candidate_tests!(ReferenceCandidate::for_tests, [forward]);

@@ -6,7 +6,6 @@
 //! take turns, one per batch. The reported case count is tests × K per batch: libtest says how many tests ran, not
 //! how many cases each drew, and a failing property stops early.
 
-use std::ffi::OsString;
 use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,67 +13,35 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 
-use crate::mutants::{
-    compile_failed, failed_tests, parse_positive, regression_files, run_captured, test_counts, utf8_args, write_log,
-};
+use crate::flags::Parsed;
+use crate::mutants::{compile_failed, failed_tests, regression_files, run_captured, test_counts, write_log};
 use crate::process::{cargo, describe, ensure_m4, run_status};
 
 /// The package whose integration tests are fuzzed.
 const PACKAGE: &str = "attnproof-harness";
 /// Its integration tests, relative to the repository root: every `*.rs` file here is a target.
 const TESTS_DIR: &str = "tests/tests";
-/// Default proptest cases per property per batch.
-const DEFAULT_CASES_PER_BATCH: u32 = 256;
-/// Default duration when `--minutes` is not given.
-const DEFAULT_MINUTES: f64 = 10.0;
 /// How often the progress line is redrawn on a terminal.
 const REDRAW: Duration = Duration::from_millis(250);
 /// Width of the text progress bar, in characters.
 const BAR_WIDTH: usize = 24;
 
-const USAGE: &str = "\
-usage: cargo xtask fuzz [--minutes N] [--target T] [--cases-per-batch K]
-
-  --minutes N          fuzz for N minutes (default 10; fractions allowed), not counting the initial build
-  --target T           fuzz only tests/tests/T.rs (default: every file in tests/tests/)
-  --cases-per-batch K  PROPTEST_CASES of each batch (default 256)";
-
-/// Options of `cargo xtask fuzz`.
+/// Options of `cargo xtask fuzz`, from the flags declared in [`crate::flags::COMMANDS`] (defaults there too).
 #[derive(Debug, Clone, PartialEq)]
 struct Options {
     minutes: f64,
     target: Option<String>,
-    cases_per_batch: u32,
+    cases_per_batch: u64,
 }
 
-fn parse_options(args: &[String]) -> Result<Options> {
-    let mut options = Options { minutes: DEFAULT_MINUTES, target: None, cases_per_batch: DEFAULT_CASES_PER_BATCH };
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) => (flag, Some(value.to_owned())),
-            None => (arg.as_str(), None),
-        };
-        if flag == "-h" || flag == "--help" {
-            bail!("{USAGE}");
-        }
-        let value = match inline {
-            Some(v) => v,
-            None => iter.next().cloned().with_context(|| format!("`{flag}` needs a value\n\n{USAGE}"))?,
-        };
-        match flag {
-            "--minutes" => {
-                options.minutes = match value.parse::<f64>() {
-                    Ok(m) if m.is_finite() && m > 0.0 => m,
-                    _ => bail!("`--minutes` needs a positive number, got `{value}`"),
-                }
-            }
-            "--target" => options.target = Some(value),
-            "--cases-per-batch" => options.cases_per_batch = parse_positive(flag, &value)?,
-            _ => bail!("unknown argument `{arg}`\n\n{USAGE}"),
+impl Options {
+    fn from_flags(flags: &Parsed) -> Options {
+        Options {
+            minutes: flags.number("--minutes").expect("--minutes has a default"),
+            target: flags.text("--target"),
+            cases_per_batch: flags.int("--cases-per-batch").expect("--cases-per-batch has a default"),
         }
     }
-    Ok(options)
 }
 
 /// The integration test targets of the harness: the stems of `tests/tests/*.rs`, sorted.
@@ -170,8 +137,8 @@ fn regression_snapshot(root: &Path) -> Vec<(PathBuf, Option<SystemTime>)> {
 }
 
 /// `cargo xtask fuzz`.
-pub fn fuzz(root: &Path, args: &[OsString]) -> Result<ExitCode> {
-    let options = parse_options(&utf8_args(args)?)?;
+pub fn fuzz(root: &Path, flags: &Parsed) -> Result<ExitCode> {
+    let options = Options::from_flags(flags);
     let targets = choose_targets(list_targets(root)?, options.target.as_deref())?;
     ensure_m4()?;
 
@@ -236,10 +203,10 @@ pub fn fuzz(root: &Path, args: &[OsString]) -> Result<ExitCode> {
         if run.timed_out() {
             // Cut at the deadline: not a failure; the tests that finished (`test NAME ... ok`) still count.
             let finished = run.stdout.iter().filter(|l| l.trim_end().ends_with(" ... ok")).count() as u64;
-            totals.cases += finished * u64::from(k);
+            totals.cases += finished * k;
             cut = Some(current.clone());
         } else {
-            totals.cases += (counts.passed + counts.failed) * u64::from(k);
+            totals.cases += (counts.passed + counts.failed) * k;
         }
         if !run.succeeded() && !run.timed_out() {
             if counts.passed + counts.failed == 0 && compile_failed(&run.lines) {
@@ -307,7 +274,7 @@ fn report_failure(
     log: &Path,
     target: &str,
     seed: u64,
-    cases: u32,
+    cases: u64,
     failed: &[String],
     written: &[PathBuf],
 ) {
@@ -333,22 +300,20 @@ fn report_failure(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn strings(args: &[&str]) -> Vec<String> {
-        args.iter().map(|s| (*s).to_owned()).collect()
-    }
+    use crate::flags::parse_for_test;
 
     #[test]
-    fn options() {
-        assert_eq!(parse_options(&[]).unwrap(), Options { minutes: 10.0, target: None, cases_per_batch: 256 });
+    fn options_come_from_the_declared_flags() {
+        let options = |args: &[&str]| Options::from_flags(&parse_for_test(args).unwrap());
+        assert_eq!(options(&["fuzz"]), Options { minutes: 10.0, target: None, cases_per_batch: 256 });
         assert_eq!(
-            parse_options(&strings(&["--minutes", "0.5", "--target=flash_forward", "--cases-per-batch", "32"]))
-                .unwrap(),
+            options(&["fuzz", "--minutes", "0.5", "--target=flash_forward", "--cases-per-batch", "32"]),
             Options { minutes: 0.5, target: Some("flash_forward".to_owned()), cases_per_batch: 32 }
         );
         for bad in [&["--minutes", "0"][..], &["--minutes", "inf"], &["--cases-per-batch", "0"], &["--target"], &["-x"]]
         {
-            assert!(parse_options(&strings(bad)).is_err(), "{bad:?}");
+            let args: Vec<&str> = std::iter::once("fuzz").chain(bad.iter().copied()).collect();
+            assert!(parse_for_test(&args).is_err(), "{bad:?}");
         }
     }
 

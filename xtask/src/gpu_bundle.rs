@@ -3,6 +3,11 @@
 //! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|peers]`. The
 //! case checker (`check`) and the PyTorch case dumper (`python/`) ride along for the verdict on PyTorch's kernels.
 //!
+//! The catalog's scratch-built GPU mutants (`Runner::ScratchGpu`) are built here too: each is patched into the scratch
+//! copy that `cargo xtask mutants` uses (one shared target directory, so dependencies compile once), its killing test
+//! binary is built in release into `gpu-bundle/mutants/<name>/test`, and `run.sh` runs it on the GPU host, counting
+//! the mutant killed when it fails while the unpatched binary passes.
+//!
 //! The executables are found from cargo's own JSON messages (`--message-format=json`), not by guessing file names in
 //! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so its size is checked at the end.
 
@@ -11,7 +16,9 @@ use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 
 use anyhow::{Context, Result, bail};
+use attnproof_catalog::{Mutant, Runner};
 
+use crate::mutants::{ScratchTree, recreate_dir};
 use crate::process::{cargo, describe, ensure_m4, find_on_path};
 
 /// Packages whose test binaries go into the bundle.
@@ -29,214 +36,21 @@ pub const BUNDLE_DIR: &str = "gpu-bundle";
 /// Largest bundle the device tool carries.
 const MAX_BUNDLE_BYTES: u64 = 64 * 1024 * 1024;
 
-/// The entry script: requires a GPU, points NVRTC at the toolkit, and runs one mode.
-const RUN_SH: &str = r#"#!/usr/bin/env bash
-# Entry script of the GPU bundle (made by `cargo xtask gpu-bundle`). Modes:
-#   run.sh all [ARGS]       the whole GPU verification in one go: every test binary (the GPU mutants among them) and
-#                           the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
-#                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
-#                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
-#   run.sh fuzz [MINUTES] [PROCESSES]
-#                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
-#                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
-#                           cases per process from $PROPTEST_CASES (default 48 forward, 16 backward). A failing case's
-#                           regression file and log land in $ATTNPROOF_LOGS (default $OUT, else a fresh directory).
-#   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
-#   run.sh mutants          the GPU mutants (patched kernel texts) and the table mutant -> killed by
-#   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
-#   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
-#                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
-#   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
-#                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
-#   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
-#                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
-#                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
-# Every mode exits non-zero on any failure.
-set -u
-here="$(cd "$(dirname "$0")" && pwd)"
-export ATTNPROOF_REQUIRE_GPU=1
-export CUDA_HOME=/usr/local/cuda
-# NVRTC (libnvrtc.so.13) is loaded at run time; the toolkit's lib64 is not always on the loader path.
-export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
-export PATH="$CUDA_HOME/bin:$PATH"
-# NVLink multicast stays off (on a shared host it can put the GPUs out of service), and NCCL comes from pip's
-# nvidia-nccl wheel when the host has no system copy: cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
-export NCCL_NVLS_ENABLE=0
-# The wheel's layout differs between CUDA majors (nvidia/nccl/lib, nvidia/cu13/lib): search the nvidia namespace.
-nccl_so="$(python3 -c 'import glob, os, nvidia; print(next(iter(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "**", "libnccl.so*"), recursive=True))), ""))' 2>/dev/null)"
-if [ -n "$nccl_so" ]; then
-    mkdir -p /tmp/attnproof-nccl && ln -sf "$nccl_so" /tmp/attnproof-nccl/libnccl.so
-    export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
-fi
-cd "$here"
-# Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
-# The backward line is one test (all three strategies, both dtypes, fully masked and partial rows): under the
-# sanitizer each backward test takes minutes, and a wider filter did not finish in a 7-minute device call.
-SANITIZE=(
-    "attnproof-gpu-flash_forward lengths_one_and_tile_edges fully_masked_rows lq_ne_lk_both_ways gqa_and_mqa varlen_with_empty_sequences"
-    "attnproof-gpu-flash_backward fully_masked"
-    "attnproof-gpu-ring_state one_chunk"
-)
-mode=tests
-case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
-esac
-case "$mode" in
-all)
-    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
-    work="$(mktemp -d)"
-    start=$(date +%s)
-    # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
-    # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest.
-    for bin in "$here"/tests/*; do
-        name="$(basename "$bin")"
-        ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
-    done
-    (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
-    wait
-    phase1=$(($(date +%s) - start))
-    # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
-    # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
-    PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
-    echo $? >"$work/bench.rc"
-    failed=0
-    {
-        echo "gpu-bundle all: tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
-        for rc in "$work"/*.rc; do
-            name="$(basename "$rc" .rc)"
-            status="$(cat "$rc")"
-            [ "$status" = "0" ] || failed=$((failed + 1))
-            counts="$(grep -h "^test result" "$work/$name.log" 2>/dev/null | sed 's/^test result: //; s/; finished.*//' | paste -sd' ' -)"
-            echo "$name: exit $status${counts:+ ($counts)}"
-        done
-        grep -h "^gpu mutants of\|^gpu-bundle sanitize" "$work"/*.log
-        grep -h "skipped: no CUDA device" "$work"/test-*.log && failed=$((failed + 1))
-        echo
-        sed -n '/^shape /,$p' "$work/bench.log"
-        echo
-        echo "gpu-bundle all: $failed parts failed"
-    } >"$work/summary.txt"
-    cat "$work/summary.txt"
-    mkdir -p "$logs"
-    cp "$work/summary.txt" "$logs/summary.txt"
-    (cd "$work" && tar czf "$logs/all-logs.tgz" ./*.log ./*.rc summary.txt)
-    echo "gpu-bundle all: logs in $logs (all-logs.tgz)"
-    exit $((failed > 0))
-    ;;
-fuzz)
-    minutes="${1:-5}"
-    processes="${2:-3}"
-    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
-    mkdir -p "$logs"
-    deadline=$(($(date +%s) + 60 * minutes))
-    batch=0
-    failed=0
-    total=0
-    while [ "$(date +%s)" -lt "$deadline" ] && [ "$failed" -eq 0 ]; do
-        batch=$((batch + 1))
-        work="$(mktemp -d)"
-        for i in $(seq "$processes"); do
-            for side in forward backward; do
-                cases="${PROPTEST_CASES:-$([ "$side" = forward ] && echo 48 || echo 16)}"
-                # Each process in its own directory: proptest writes a failure's regression file relative to it.
-                dir="$work/$side-$i"
-                mkdir -p "$dir"
-                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-flash_$side" \
-                    "kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
-            done
-        done
-        wait
-        for dir in "$work"/*; do
-            total=$((total + 1))
-            if [ "$(cat "$dir/rc")" != "0" ]; then
-                failed=$((failed + 1))
-                name="fuzz-batch$batch-$(basename "$dir")"
-                cp "$dir/log" "$logs/$name.log"
-                for f in "$dir"/proptest-regressions/*.txt; do [ -f "$f" ] && cp "$f" "$logs/$name-$(basename "$f")"; done
-                echo "gpu-bundle fuzz: $(basename "$dir") of batch $batch failed; log and regression file in $logs"
-            fi
-        done
-        grep -h "worst error/bound" "$work"/*/log | sed "s/^/batch $batch: /"
-        rm -rf "$work"
-    done
-    echo "gpu-bundle fuzz: $batch batches, $total processes, $failed failed"
-    echo "(commit a regression file under tests/proptest-regressions/ of this repository and add a named test for it)"
-    exit $((failed > 0))
-    ;;
-tests)
-    failed=0
-    for bin in "$here"/tests/*; do
-        echo "=== $(basename "$bin")"
-        "$bin" --show-output "$@" || failed=$((failed + 1))
-    done
-    echo "gpu-bundle: $failed test binaries failed"
-    exit $((failed > 0))
-    ;;
-mutants)
-    # Both catalogs: all_forward_mutants_are_killed and all_backward_mutants_are_killed.
-    "$here"/tests/attnproof-gpu-mutants mutants_are_killed --nocapture
-    status=$?
-    echo "gpu-bundle mutants: exit $status"
-    exit $status
-    ;;
-sanitize)
-    failed=0
-    for entry in "${SANITIZE[@]}"; do
-        read -r -a words <<<"$entry"
-        bin="${words[0]}"
-        for tool in memcheck racecheck; do
-            echo "=== compute-sanitizer --tool $tool $bin ${words[*]:1}"
-            log="$(mktemp)"
-            compute-sanitizer --tool "$tool" --error-exitcode 99 "$here/tests/$bin" --test-threads=1 "${words[@]:1}" >"$log" 2>&1
-            status=$?
-            grep -E "^test result|SUMMARY|^=========.*(ERROR|rror|azard)" "$log" | tail -n 20
-            if [ "$status" -ne 0 ]; then
-                failed=$((failed + 1))
-                echo "--- $tool $bin failed (exit $status); last lines:"
-                tail -n 40 "$log"
-            fi
-            rm -f "$log"
-        done
-    done
-    echo "gpu-bundle sanitize: $failed runs failed"
-    exit $((failed > 0))
-    ;;
-bench)
-    csv="$(mktemp -d)/ours.csv"
-    "$here"/bin/bench --csv "$csv" "$@" || exit 1
-    python3 "$here"/peers.py --ours "$csv" ${PEERS_ARGS:-} || exit 1
-    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
-    ;;
-ring)
-    csv="$(mktemp -d)/ring.csv"
-    "$here"/bin/ring_bench --csv "$csv" "$@" || exit 1
-    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ring.csv"; fi
-    ;;
-peers)
-    out="${OUT:-$(mktemp -d)}"
-    cases="$(mktemp -d)"
-    PYTHONUNBUFFERED=1 python3 "$here"/python/examples/dump_peers.py --out "$cases" "$@" || exit 1
-    "$here"/bin/check "$cases"/*.safetensors >"$out/check.txt"
-    status=$?
-    "$here"/bin/check "$cases"/*.safetensors --json >"$out/check.json"
-    python3 "$here"/python/examples/peers_table.py "$out/check.json" >"$out/peers.md"
-    (cd "$cases" && tar czf - ./*.safetensors) | split -b 15m - "$out/cases.tgz."
-    tail -n 30 "$out/check.txt"
-    echo "gpu-bundle peers: check exit $status, results in $out"
-    exit $((status > 1))
-    ;;
-esac
-"#;
+/// The entry script, `xtask/bundle/run.sh` (a real file, so that shellcheck can read it): requires a GPU, points
+/// NVRTC at the toolkit, and runs one mode.
+const RUN_SH: &str = include_str!("../bundle/run.sh");
+/// Where [`RUN_SH`] lives, relative to xtask's manifest directory (for the shellcheck test).
+#[cfg(test)]
+const RUN_SH_PATH: &str = "bundle/run.sh";
+/// The bundle's directory of scratch-built GPU mutants, one subdirectory per mutant (read by `run.sh`).
+const MUTANTS_DIR: &str = "mutants";
 
 /// `cargo xtask gpu-bundle`.
-pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> {
-    if !rest.is_empty() {
-        bail!("`gpu-bundle` takes no arguments");
-    }
+pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
     ensure_m4()?;
     let mut executables = vec![];
     for package in PACKAGES {
-        executables.extend(build_test_binaries(root, package)?);
+        executables.extend(build_test_binaries(root, package, None)?);
     }
     if executables.is_empty() {
         bail!("cargo reported no test executables for {PACKAGES:?}");
@@ -245,6 +59,7 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
     for (package, bin) in BENCHES {
         benches.push(build_bin(root, package, bin)?);
     }
+    let scratch_mutants = build_scratch_mutants(root, &executables)?;
     let bundle = root.join(BUNDLE_DIR);
     if bundle.exists() {
         fs::remove_dir_all(&bundle).with_context(|| format!("could not clear {}", bundle.display()))?;
@@ -265,6 +80,18 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
         let dest = bins.join(name);
         fs::copy(path, &dest).with_context(|| format!("could not copy {}", path.display()))?;
         strip_debug_info(&dest)?;
+        total += fs::metadata(&dest)?.len();
+        println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
+    }
+    for built in &scratch_mutants {
+        let dir = bundle.join(MUTANTS_DIR).join(built.name);
+        fs::create_dir_all(&dir).with_context(|| format!("could not create {}", dir.display()))?;
+        let dest = dir.join("test");
+        fs::copy(&built.staged, &dest).with_context(|| format!("could not copy {}", built.staged.display()))?;
+        // Release test binaries keep their line tables; the staged copy was stripped already.
+        fs::write(dir.join("filter"), built.filter).with_context(|| format!("could not write {}", dir.display()))?;
+        fs::write(dir.join("baseline"), &built.baseline)
+            .with_context(|| format!("could not write {}", dir.display()))?;
         total += fs::metadata(&dest)?.len();
         println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
     }
@@ -290,18 +117,71 @@ pub fn gpu_bundle(root: &Path, rest: &[std::ffi::OsString]) -> Result<ExitCode> 
         bail!("the bundle is {} MiB, over the 64 MiB the device tool carries", total / (1024 * 1024));
     }
     println!(
-        "gpu-bundle: {} test binaries, {} MiB in {}; run `bash {BUNDLE_DIR}/run.sh`",
+        "gpu-bundle: {} test binaries, {} scratch-built mutants, {} MiB in {}; run `bash {BUNDLE_DIR}/run.sh`",
         executables.len(),
+        scratch_mutants.len(),
         total / (1024 * 1024),
         bundle.display()
     );
     Ok(ExitCode::SUCCESS)
 }
 
-/// Builds `package`'s test targets in release and returns (bundle name, executable path) for each.
-fn build_test_binaries(root: &Path, package: &str) -> Result<Vec<(String, PathBuf)>> {
+/// A scratch-built GPU mutant's killing test binary, staged outside the bundle until the bundle is rewritten.
+struct ScratchMutant {
+    /// The catalog name, the bundle's subdirectory.
+    name: &'static str,
+    /// The libtest filter `run.sh` passes (empty for every test).
+    filter: &'static str,
+    /// The bundle name of the unpatched binary under `tests/`, which must pass the same filter.
+    baseline: String,
+    /// The stripped copy of the patched build.
+    staged: PathBuf,
+}
+
+/// Builds the killing test binary of every [`Runner::ScratchGpu`] mutant of the catalog from a patched scratch copy,
+/// and stages a stripped copy of each under `target/mutants/gpu-bundle/`. `bundled` are the unpatched test binaries
+/// of the bundle, one of which each mutant's baseline must be. With no such mutant nothing is copied or built.
+fn build_scratch_mutants(root: &Path, bundled: &[(String, PathBuf)]) -> Result<Vec<ScratchMutant>> {
+    let mutants: Vec<&'static Mutant> =
+        attnproof_catalog::all().filter(|m| matches!(m.runner, Runner::ScratchGpu { .. })).collect();
+    if mutants.is_empty() {
+        return Ok(vec![]);
+    }
+    let tree = ScratchTree::create(root)?;
+    let staging = root.join("target").join("mutants").join("gpu-bundle");
+    recreate_dir(&staging)?;
+    let mut built = vec![];
+    for m in mutants {
+        let Runner::ScratchGpu { package, target, filter } = m.runner else { unreachable!("filtered above") };
+        let baseline = format!("{package}-{target}");
+        if !bundled.iter().any(|(name, _)| *name == baseline) {
+            bail!("mutant `{}`: its test binary {baseline} is not among the bundle's test binaries", m.name);
+        }
+        println!("gpu-bundle: mutant {} ({})", m.name, m.runner.location());
+        let executables = tree
+            .with_mutant(m, || build_test_binaries(&tree.dir, package, Some((target, &tree.target_dir))))?
+            .map_err(|stale| anyhow::anyhow!("mutant `{}` is stale in {}: {stale}", m.name, m.file))??;
+        let (_, executable) = executables
+            .into_iter()
+            .find(|(name, _)| *name == baseline)
+            .with_context(|| format!("cargo reported no executable {baseline} for mutant `{}`", m.name))?;
+        // The next mutant's build overwrites the same executable, so each is copied out at once.
+        let staged = staging.join(m.name);
+        fs::copy(&executable, &staged).with_context(|| format!("could not copy {}", executable.display()))?;
+        strip_debug_info(&staged)?;
+        built.push(ScratchMutant { name: m.name, filter: filter.unwrap_or(""), baseline, staged });
+    }
+    Ok(built)
+}
+
+/// Builds `package`'s test targets in release (only `target`, into its target directory, when given) in the tree at
+/// `root` and returns (bundle name, executable path) for each.
+fn build_test_binaries(root: &Path, package: &str, only: Option<(&str, &Path)>) -> Result<Vec<(String, PathBuf)>> {
     let mut cmd = cargo(root);
     cmd.args(["test", "--release", "-p", package, "--no-run", "--message-format=json"]);
+    if let Some((target, target_dir)) = only {
+        cmd.args(["--test", target]).env("CARGO_TARGET_DIR", target_dir);
+    }
     println!("$ {}", describe(&cmd));
     let out = cmd.stderr(Stdio::inherit()).output().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
     if !out.status.success() {
@@ -403,6 +283,27 @@ mod tests {
         assert_eq!(test_executable(&lib, "attnproof-gpu"), None);
     }
 
+    /// The script is a real file so that shellcheck can read it: any finding fails. Without shellcheck the test says
+    /// so and passes, except under `CI=true`, where a missing shellcheck is a failure (`.ci/run` installs it).
+    #[test]
+    fn run_script_passes_shellcheck() {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join(RUN_SH_PATH);
+        assert_eq!(fs::read_to_string(&script).unwrap(), RUN_SH, "{} is the embedded script", script.display());
+        let Some(shellcheck) = find_on_path("shellcheck") else {
+            assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "CI=true but shellcheck is not on PATH");
+            println!("skipped: no shellcheck");
+            return;
+        };
+        let out = std::process::Command::new(shellcheck).arg(&script).output().expect("run shellcheck");
+        assert!(
+            out.status.success(),
+            "shellcheck {} found:\n{}{}",
+            script.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     #[test]
     fn run_script_requires_a_gpu_and_runs_every_binary() {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
@@ -412,10 +313,18 @@ mod tests {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));
+        // The scratch-built mutants: the files `gpu_bundle` writes are the ones the script reads.
+        let each_mutant = format!("for dir in \"$here\"/{MUTANTS_DIR}/*/; do");
+        for file in ["\"$dir/test\"", "\"$dir/filter\"", "\"$dir/baseline\"", each_mutant.as_str()] {
+            assert!(RUN_SH.contains(file), "run.sh does not read {file}");
+        }
         // `all` runs the tests and the sanitizer, then the benchmark with the backward, and fails on a skip.
-        for step in
-            ["bash \"$here/run.sh\" sanitize", "bash \"$here/run.sh\" bench --backward", "skipped: no CUDA device"]
-        {
+        for step in [
+            "bash \"$here/run.sh\" sanitize",
+            "bash \"$here/run.sh\" bench --backward",
+            "skipped: no CUDA device",
+            "scratch_mutants >",
+        ] {
             assert!(RUN_SH.contains(step), "run.sh all lacks {step}");
         }
     }

@@ -1,12 +1,12 @@
 //! `cargo xtask mutants`: applies every mutant of the catalog to a scratch copy of the repository and checks that the
 //! tests kill it; also the captured, time-limited child runs and libtest parsing that `fuzz` shares.
 //!
-//! Mutant runs use `PROPTEST_CASES=64` (see [`DEFAULT_CASES`]) and a fixed `PROPTEST_RNG_SEED`, so the table is the
+//! Mutant runs use `PROPTEST_CASES=64` and a fixed `PROPTEST_RNG_SEED` (the defaults of `--cases` and `--seed` in
+//! [`crate::flags`]), so the table is the
 //! same from one run to the next and a mutant that survives can be rerun with a larger budget (`--cases`) to tell a
 //! weak test from an equivalent mutant.
 
-use std::collections::{BTreeSet, HashMap};
-use std::ffi::OsString;
+use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
@@ -15,95 +15,36 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::catalog::{CATALOG, Mutant};
+use crate::flags::Parsed;
 use crate::parse::{TestCounts, parse_test_result};
 use crate::process::{cargo, describe, ensure_m4, nvrtc_env};
+use attnproof_catalog::{Mutant, Runner, Stale};
 
-/// Proptest cases per property in mutant runs: above the suites' own 48, so a mutant that only some shapes expose
-/// still meets one, yet small enough that a mutant's test run takes seconds.
-pub const DEFAULT_CASES: u32 = 64;
-/// The fixed proptest seed of mutant runs, so that which cases run does not change between runs.
-pub const DEFAULT_SEED: u64 = 0x6d75_7461_6e74;
-/// Seconds a mutant's test run may take, build included, before it counts as killed by timeout (a hang).
-pub const DEFAULT_TIMEOUT_S: u64 = 300;
 /// Upper bound on proptest's shrinking after a failure, in milliseconds: a mutant only needs to fail, and an
 /// unbounded shrink of a large case could otherwise eat the whole timeout.
 const MAX_SHRINK_TIME_MS: u32 = 20_000;
 
-const USAGE: &str = "\
-usage: cargo xtask mutants [--list] [--only NAME]... [--cases N] [--seed S] [--timeout SECS]
-
-  --list          print the catalog (and whether each mutant still applies) and exit
-  --only NAME     run only this mutant (repeatable)
-  --cases N       PROPTEST_CASES for every test run (default 64)
-  --seed S        PROPTEST_RNG_SEED for every test run (default fixed)
-  --timeout SECS  per-mutant limit, build included; a run past it counts as killed by timeout (default 300)";
-
-/// Options of `cargo xtask mutants`.
+/// Options of `cargo xtask mutants`, from the flags declared in [`crate::flags::COMMANDS`] (defaults there too).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Options {
     list: bool,
     only: Vec<String>,
-    cases: u32,
+    cases: u64,
     seed: u64,
     timeout: Duration,
 }
 
-/// Parses the command line of `mutants`; values may follow their flag or be joined with `=`.
-fn parse_options(args: &[String]) -> Result<Options> {
-    let mut options = Options {
-        list: false,
-        only: Vec::new(),
-        cases: DEFAULT_CASES,
-        seed: DEFAULT_SEED,
-        timeout: Duration::from_secs(DEFAULT_TIMEOUT_S),
-    };
-    let mut iter = args.iter();
-    while let Some(arg) = iter.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((flag, value)) => (flag, Some(value.to_owned())),
-            None => (arg.as_str(), None),
-        };
-        if flag == "--list" {
-            options.list = true;
-            continue;
-        }
-        if flag == "-h" || flag == "--help" {
-            bail!("{USAGE}");
-        }
-        let mut value = || -> Result<String> {
-            match &inline {
-                Some(v) => Ok(v.clone()),
-                None => iter.next().cloned().with_context(|| format!("`{flag}` needs a value\n\n{USAGE}")),
-            }
-        };
-        match flag {
-            "--only" => options.only.push(value()?),
-            "--cases" => options.cases = parse_positive(flag, &value()?)?,
-            "--seed" => {
-                let v = value()?;
-                options.seed = v.parse().with_context(|| format!("`--seed` needs an unsigned integer, got `{v}`"))?;
-            }
-            "--timeout" => options.timeout = Duration::from_secs(parse_positive(flag, &value()?)?),
-            _ => bail!("unknown argument `{arg}`\n\n{USAGE}"),
+impl Options {
+    fn from_flags(flags: &Parsed) -> Options {
+        let int = |name| flags.int(name).unwrap_or_else(|| panic!("{name} has a default"));
+        Options {
+            list: flags.switch("--list"),
+            only: flags.texts("--only"),
+            cases: int("--cases"),
+            seed: int("--seed"),
+            timeout: Duration::from_secs(int("--timeout")),
         }
     }
-    Ok(options)
-}
-
-/// A positive integer option value.
-pub fn parse_positive<T: std::str::FromStr + PartialOrd + Default>(flag: &str, value: &str) -> Result<T> {
-    match value.parse::<T>() {
-        Ok(n) if n > T::default() => Ok(n),
-        _ => bail!("`{flag}` needs a positive integer, got `{value}`"),
-    }
-}
-
-/// The arguments as UTF-8 strings, which every option of these commands is.
-pub fn utf8_args(args: &[OsString]) -> Result<Vec<String>> {
-    args.iter()
-        .map(|a| a.to_str().map(str::to_owned).with_context(|| format!("argument {a:?} is not valid UTF-8")))
-        .collect()
 }
 
 /// What became of one mutant.
@@ -149,40 +90,40 @@ impl Outcome {
 }
 
 /// `cargo xtask mutants`.
-pub fn mutants(root: &Path, args: &[OsString]) -> Result<ExitCode> {
-    let options = parse_options(&utf8_args(args)?)?;
+pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
+    let options = Options::from_flags(flags);
     let selected = select(&options.only)?;
     if options.list {
         print_catalog(root, &selected);
         return Ok(ExitCode::SUCCESS);
     }
+    let (cpu, gpu) = split_by_machine(&selected);
+    if !options.only.is_empty()
+        && let Some(m) = gpu.first()
+    {
+        bail!("{}", gpu_elsewhere(m));
+    }
+    if !gpu.is_empty() {
+        println!(
+            "mutants: {} GPU mutants are not run here (`cargo xtask mutants --list` says where each runs)",
+            gpu.len()
+        );
+    }
     ensure_m4()?;
 
     let mutants_dir = root.join("target").join("mutants");
-    let scratch = mutants_dir.join("src");
-    let target_dir = mutants_dir.join("target");
     let logs = mutants_dir.join("logs");
-    println!("mutants: copying the repository to {}", scratch.display());
-    let pristine = copy_repository(root, &scratch)?;
+    let tree = ScratchTree::create(root)?;
     recreate_dir(&logs)?;
-    let env = TestEnv { target_dir, cases: options.cases, seed: options.seed };
-
-    // A stale mutant is reported without running anything, so one that cannot apply never hides behind the baseline.
-    let mut sources: HashMap<&str, String> = HashMap::new();
-    for m in &selected {
-        if !sources.contains_key(m.file) {
-            let text = std::fs::read_to_string(scratch.join(m.file)).unwrap_or_default();
-            sources.insert(m.file, text);
-        }
-    }
+    let env = TestEnv { target_dir: tree.target_dir.clone(), cases: options.cases, seed: options.seed };
 
     // The baseline: the unmutated copy must pass the very commands that are to fail later, else a failure would say
     // nothing about the mutant. Its output streams to the terminal, because the first run compiles everything.
-    let packages: BTreeSet<&str> = selected.iter().map(|m| m.test_package).collect();
+    let packages: BTreeSet<&str> = cpu.iter().map(|(_, package, _)| *package).collect();
     for package in &packages {
         let args = ["test", "-p", package, "--no-fail-fast"].map(str::to_owned);
         println!("mutants: baseline `cargo {}` (PROPTEST_CASES={})", args.join(" "), options.cases);
-        let mut cmd = env.command(&scratch, &args);
+        let mut cmd = env.command(&tree.dir, &args);
         let run = run_captured(&mut cmd, None, |line| eprintln!("{line}"), || {})?;
         let log = logs.join(format!("baseline-{package}.log"));
         write_log(&log, &cmd, &run)?;
@@ -192,7 +133,7 @@ pub fn mutants(root: &Path, args: &[OsString]) -> Result<ExitCode> {
                 "baseline failed: `{}` does not pass on the unmutated copy in {} ({} passed, {} failed); fix the tree \
                  before running mutants (log: {})",
                 describe(&cmd),
-                scratch.display(),
+                tree.dir.display(),
                 counts.passed,
                 counts.failed,
                 log.display()
@@ -202,22 +143,16 @@ pub fn mutants(root: &Path, args: &[OsString]) -> Result<ExitCode> {
     }
 
     let mut results: Vec<(&Mutant, Outcome, Duration)> = Vec::new();
-    for (index, m) in selected.iter().enumerate() {
-        print!("[{}/{}] {} ... ", index + 1, selected.len(), m.name);
+    for (index, (m, _, test_args)) in cpu.iter().enumerate() {
+        print!("[{}/{}] {} ... ", index + 1, cpu.len(), m.name);
         flush_stdout();
-        let original = &sources[m.file];
         let started = Instant::now();
-        let outcome = match m.apply(original) {
+        let mut cmd = env.command(&tree.dir, test_args);
+        // A stale mutant is reported without running anything, so one that cannot apply never hides behind the
+        // baseline.
+        let outcome = match tree.with_mutant(m, || run_captured(&mut cmd, Some(options.timeout), |_| {}, || {}))? {
             Err(stale) => Outcome::Stale(format!("{}: {stale}", m.file)),
-            Ok(mutated) => {
-                let path = scratch.join(m.file);
-                std::fs::write(&path, mutated).with_context(|| format!("writing {}", path.display()))?;
-                let mut cmd = env.command(&scratch, &m.test_args());
-                let run = run_captured(&mut cmd, Some(options.timeout), |_| {}, || {});
-                // Restore before looking at the result, so that an error below cannot leave the next mutant (or a
-                // rerun of this one) applied on top of a mutated file.
-                std::fs::write(&path, original).with_context(|| format!("restoring {}", path.display()))?;
-                restore_regressions(root, &scratch, &pristine)?;
+            Ok(run) => {
                 let run = run?;
                 write_log(&logs.join(format!("{}.log", m.name)), &cmd, &run)?;
                 classify(&run)
@@ -249,22 +184,48 @@ pub fn mutants(root: &Path, args: &[OsString]) -> Result<ExitCode> {
     Ok(if killed == results.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// A CPU mutant with its package and the arguments of the `cargo` command that must fail once it is applied.
+type CpuMutant = (&'static Mutant, &'static str, Vec<String>);
+
+/// Splits mutants into those `cargo xtask mutants` runs here ([`Runner::Scratch`]) and those that run on a GPU host.
+fn split_by_machine(selected: &[&'static Mutant]) -> (Vec<CpuMutant>, Vec<&'static Mutant>) {
+    let mut cpu = Vec::new();
+    let mut gpu = Vec::new();
+    for &m in selected {
+        match (m.runner, m.cargo_test_args()) {
+            (Runner::Scratch { package, .. }, Some(args)) => cpu.push((m, package, args)),
+            _ => gpu.push(m),
+        }
+    }
+    (cpu, gpu)
+}
+
+/// The message for `--only` naming a GPU mutant: where it runs instead.
+fn gpu_elsewhere(m: &Mutant) -> String {
+    format!(
+        "mutant `{}` runs on a GPU host, not here ({}): build the bundle with `cargo xtask gpu-bundle` and run `bash \
+         gpu-bundle/run.sh mutants` there",
+        m.name,
+        m.runner.location()
+    )
+}
+
 /// The mutants to run: all of them, or those named with `--only` (an unknown name is an error listing the names).
 fn select(only: &[String]) -> Result<Vec<&'static Mutant>> {
     if only.is_empty() {
-        return Ok(CATALOG.iter().collect());
+        return Ok(attnproof_catalog::all().collect());
     }
     only.iter()
         .map(|name| {
-            crate::catalog::find(name).with_context(|| {
-                let names: Vec<&str> = CATALOG.iter().map(|m| m.name).collect();
+            attnproof_catalog::find(name).with_context(|| {
+                let names: Vec<&str> = attnproof_catalog::all().map(|m| m.name).collect();
                 format!("no mutant named `{name}`; the catalog holds: {}", names.join(", "))
             })
         })
         .collect()
 }
 
-/// `--list`: every mutant with its file, its tests, whether it applies to the working tree, and what it models.
+/// `--list`: every mutant with its file, whether it applies to the working tree, where it runs, and what it models.
 fn print_catalog(root: &Path, mutants: &[&Mutant]) {
     let width = mutants.iter().map(|m| m.name.len()).max().unwrap_or(0);
     for m in mutants {
@@ -275,13 +236,14 @@ fn print_catalog(root: &Path, mutants: &[&Mutant]) {
             },
             Err(err) => format!("STALE: cannot read the file ({err})"),
         };
-        println!("{:<width$}  {}  [{}]  tests: {}", m.name, m.file, state, m.test_label());
+        println!("{:<width$}  {}  [{}]  {}", m.name, m.file, state, m.runner.location());
         println!("{:<width$}  {}", "", m.description);
     }
-    println!("{} mutants", mutants.len());
+    let on_cpu = mutants.iter().filter(|m| m.runner.runs_on_cpu()).count();
+    println!("{} mutants ({on_cpu} run here, {} on a GPU host)", mutants.len(), mutants.len() - on_cpu);
 }
 
-/// The prints the final table: mutant | status | killing test(s).
+/// Prints the final table: mutant | status | killing test(s).
 fn print_table(results: &[(&Mutant, Outcome, Duration)]) {
     let rows: Vec<[String; 4]> = results
         .iter()
@@ -308,7 +270,7 @@ fn print_table(results: &[(&Mutant, Outcome, Duration)]) {
 /// Environment and target directory shared by every cargo run on the scratch copy.
 struct TestEnv {
     target_dir: PathBuf,
-    cases: u32,
+    cases: u64,
     seed: u64,
 }
 
@@ -328,6 +290,50 @@ impl TestEnv {
             // Backtraces would be printed (and symbolized, slowly) for every panic proptest catches while shrinking.
             .env("RUST_BACKTRACE", "0");
         cmd
+    }
+}
+
+/// A scratch copy of the repository under `target/mutants/src`, with the target directory every build of a mutant
+/// shares (`target/mutants/target`), so that dependencies compile once and each mutant rebuilds only the crates it
+/// touches. `cargo xtask mutants` and `cargo xtask gpu-bundle` both patch mutants into it.
+pub struct ScratchTree {
+    /// The repository the copy was made from.
+    root: PathBuf,
+    /// The copy.
+    pub dir: PathBuf,
+    /// The shared `CARGO_TARGET_DIR` of builds in the copy.
+    pub target_dir: PathBuf,
+    /// The copied files, relative to both roots.
+    pristine: BTreeSet<PathBuf>,
+}
+
+impl ScratchTree {
+    /// Copies the repository at `root` into a freshly emptied `target/mutants/src`.
+    pub fn create(root: &Path) -> Result<ScratchTree> {
+        let mutants_dir = root.join("target").join("mutants");
+        let dir = mutants_dir.join("src");
+        println!("mutants: copying the repository to {}", dir.display());
+        let pristine = copy_repository(root, &dir)?;
+        Ok(ScratchTree { root: root.to_path_buf(), dir, target_dir: mutants_dir.join("target"), pristine })
+    }
+
+    /// Applies `m` to the copy, runs `body`, and restores the copy (the mutated file and any proptest regression file
+    /// the run wrote) before returning `body`'s result; `Err(Stale)` without running anything when `m` no longer
+    /// applies.
+    pub fn with_mutant<R>(&self, m: &Mutant, body: impl FnOnce() -> R) -> Result<Result<R, Stale>> {
+        let path = self.dir.join(m.file);
+        let original = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let mutated = match m.apply(&original) {
+            Ok(mutated) => mutated,
+            Err(stale) => return Ok(Err(stale)),
+        };
+        std::fs::write(&path, mutated).with_context(|| format!("writing {}", path.display()))?;
+        let result = body();
+        // Restore before the caller looks at the result, so that an error there cannot leave the next mutant (or a
+        // rerun of this one) applied on top of a mutated file.
+        std::fs::write(&path, original).with_context(|| format!("restoring {}", path.display()))?;
+        restore_regressions(&self.root, &self.dir, &self.pristine)?;
+        Ok(Ok(result))
     }
 }
 
@@ -374,7 +380,7 @@ fn copy_repository(root: &Path, scratch: &Path) -> Result<BTreeSet<PathBuf>> {
 }
 
 /// Deletes a directory if it exists and creates it empty.
-fn recreate_dir(dir: &Path) -> Result<()> {
+pub fn recreate_dir(dir: &Path) -> Result<()> {
     if dir.exists() {
         std::fs::remove_dir_all(dir).with_context(|| format!("removing {}", dir.display()))?;
     }
@@ -710,6 +716,7 @@ pub fn compile_failed(lines: &[String]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::flags::parse_for_test;
 
     fn lines(text: &str) -> Vec<String> {
         text.lines().map(str::to_owned).collect()
@@ -720,27 +727,37 @@ mod tests {
     }
 
     #[test]
-    fn options_defaults_and_values() {
-        let o = parse_options(&[]).unwrap();
-        assert_eq!((o.list, o.cases, o.seed, o.timeout.as_secs()), (false, 64, DEFAULT_SEED, 300));
-        let o = parse_options(&strings(&["--only", "a", "--only=b", "--cases", "8", "--seed=3", "--timeout", "9"]))
-            .unwrap();
+    fn options_come_from_the_declared_flags() {
+        let o = Options::from_flags(&parse_for_test(&["mutants"]).unwrap());
+        let expected =
+            Options { list: false, only: vec![], cases: 64, seed: 0x6d75_7461_6e74, timeout: Duration::from_secs(300) };
+        assert_eq!(o, expected);
+        let o = Options::from_flags(
+            &parse_for_test(&["mutants", "--only", "a", "--only=b", "--cases", "8", "--seed=3", "--timeout", "9"])
+                .unwrap(),
+        );
         assert_eq!(o.only, ["a", "b"]);
         assert_eq!((o.cases, o.seed, o.timeout.as_secs()), (8, 3, 9));
-        assert!(parse_options(&strings(&["--list"])).unwrap().list);
+        assert!(Options::from_flags(&parse_for_test(&["mutants", "--list"]).unwrap()).list);
+        for bad in [&["mutants", "--cases", "0"][..], &["mutants", "--timeout"], &["mutants", "--seed", "-1"]] {
+            assert!(parse_for_test(bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
-    fn options_reject_bad_input() {
-        assert!(parse_options(&strings(&["--cases", "0"])).is_err());
-        assert!(parse_options(&strings(&["--timeout"])).is_err());
-        assert!(parse_options(&strings(&["--seed", "-1"])).is_err());
-        assert!(parse_options(&strings(&["--bogus"])).is_err());
+    fn gpu_mutants_are_sent_to_the_gpu_host() {
+        let all: Vec<&'static Mutant> = attnproof_catalog::all().collect();
+        let (cpu, gpu) = split_by_machine(&all);
+        assert_eq!(cpu.len() + gpu.len(), all.len());
+        assert!(cpu.iter().all(|(m, package, args)| m.runner.runs_on_cpu() && args[2] == *package));
+        let kernel = gpu.iter().find(|m| matches!(m.runner, Runner::KernelText { .. })).expect("a kernel-text mutant");
+        let message = gpu_elsewhere(kernel);
+        assert!(message.contains(kernel.name) && message.contains("run.sh mutants"), "{message}");
     }
 
     #[test]
     fn select_rejects_unknown_names() {
-        assert_eq!(select(&[]).unwrap().len(), CATALOG.len());
+        assert_eq!(select(&[]).unwrap().len(), attnproof_catalog::all().count());
         assert_eq!(select(&strings(&["lse-base-2"])).unwrap()[0].name, "lse-base-2");
         let err = select(&strings(&["nope"])).unwrap_err().to_string();
         assert!(err.contains("no mutant named `nope`") && err.contains("lse-base-2"), "{err}");

@@ -7,14 +7,14 @@ use std::ops::Range;
 
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, OracleError};
+use attnproof_ring_driver::{RingWorker, Travel};
 use ndarray::{Array1, Array2, ArrayViewMutD, Ix2};
 
 use super::blocks::{
     DeviceQueries, KvBlock, PerSeq, block_meets, device_queries, gather_f32, overlaps, own_block, tiles_of,
 };
+use super::config::{RingConfig, RingStats};
 use super::cpu::run_on_threads;
-use super::driver::{RingWorker, Travel};
-use super::{RingConfig, RingStats};
 use crate::backward::{BackwardInputs, BackwardOutputs};
 use crate::element::Element;
 use crate::error::ReferenceError;

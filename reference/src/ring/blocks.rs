@@ -8,7 +8,7 @@ use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::spec::Sequence;
 use ndarray::{Array2, ArrayViewD, Axis};
 
-use super::RingConfig;
+use super::config::RingConfig;
 use crate::element::Element;
 
 /// A tile: its first local row (index into the device's or block's concatenated rows) and the

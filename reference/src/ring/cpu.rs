@@ -4,7 +4,7 @@
 
 use std::sync::mpsc;
 
-use super::driver::{DeviceRun, RingFault, RingPosition, RingTransport, RingWorker, run_device};
+use attnproof_ring_driver::{DeviceRun, RingFault, RingPosition, RingTransport, RingWorker, run_device};
 
 /// One device's two ends of a channel ring: the successor's inbox, and its own.
 ///

@@ -6,12 +6,12 @@ use std::sync::Arc;
 
 use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_ring_driver::{RingWorker, Travel};
 use ndarray::{Array1, Array2, ArrayView2, Ix2};
 
 use super::blocks::{DeviceQueries, KvBlock, PerSeq, Tile, block_meets, device_queries, overlaps, own_block, tiles_of};
+use super::config::{RingConfig, RingStats};
 use super::cpu::run_on_threads;
-use super::driver::{RingWorker, Travel};
-use super::{RingConfig, RingStats};
 use crate::element::Element;
 use crate::error::ReferenceError;
 use crate::flash::{ForwardOutputs, Inputs, check_input, check_output, scale_f32};

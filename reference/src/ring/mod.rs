@@ -4,16 +4,17 @@
 //!
 //! # Structure: one driver, several backends
 //!
-//! The step schedule is written once, in [`driver::run_device`], for one device: it is generic
-//! over a [`RingTransport`] (how a block goes to the successor and comes from the predecessor:
+//! The step schedule is written once, in [`run_device`] of the `attnproof-ring-driver` crate, for
+//! one device: it is generic over a [`RingTransport`] (how a block goes to the successor and comes from the predecessor:
 //! a non-blocking [`RingTransport::post`], then [`RingTransport::wait`]) and a [`RingWorker`]
 //! (what the device does with a block: `sees` for the causal skip, `attend`). This crate has one
 //! transport, [`cpu::ChannelLink`] over `std::sync::mpsc`, run one thread per device by
 //! [`cpu::run_on_threads`], and two workers, forward (`forward.rs`) and backward
-//! (`backward.rs`), behind [`ring_forward`] and [`ring_backward`]. The GPU backends (one GPU
-//! holding `G` simulated devices on separate streams, and NCCL) are planned on the same two
-//! traits, run by the same driver. `blocks.rs` holds what a device owns: its pieces, tiles, query
-//! rows and travelling KV block.
+//! (`backward.rs`), behind [`ring_forward`] and [`ring_backward`]. The GPU backends
+//! (`attnproof-gpu`'s `ring` module: one GPU holding `G` simulated devices on separate streams,
+//! and NCCL) implement the same two traits and are run by the same driver. `blocks.rs` holds what
+//! a device owns: its pieces, tiles, query rows and travelling KV block; `config.rs` the schedule's
+//! parameters ([`RingConfig`]) and its statistics ([`RingStats`]).
 //!
 //! # Layout
 //!
@@ -70,84 +71,15 @@
 //! accumulator per query head; the owner sums a KV head's group in f32 in ascending head order
 //! (after the `α̂` scaling of dK, as `backward` does) and rounds once to `T`.
 
-use std::ops::Range;
-
-use attnproof_oracle::OracleError;
-use attnproof_oracle::online::zigzag_chunks;
-
-use crate::error::ReferenceError;
-use crate::flash::TileConfig;
-
 mod backward;
 mod blocks;
+mod config;
 pub mod cpu;
-pub mod driver;
 mod forward;
 
+pub use attnproof_ring_driver::{
+    DeviceRun, RingFault, RingLayout, RingPosition, RingSplit, RingTransport, RingWorker, Travel, run_device,
+};
 pub use backward::ring_backward;
-pub use driver::{DeviceRun, RingFault, RingPosition, RingTransport, RingWorker, Travel, run_device};
+pub use config::{RingConfig, RingStats};
 pub use forward::ring_forward;
-
-/// How a sequence is distributed over the devices (E11, E11a).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RingLayout {
-    /// `G` pieces; device `g` holds piece `g`.
-    Contiguous,
-    /// `2G` pieces; device `g` holds pieces `g` and `2G − 1 − g` (E11a).
-    Zigzag,
-}
-
-/// A ring schedule: device count, layout and the tiles each device uses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RingConfig {
-    /// Number of simulated devices `G` (threads).
-    pub n_devices: usize,
-    /// How sequences are cut among them.
-    pub layout: RingLayout,
-    /// Query and KV tile sizes inside a device.
-    pub tiles: TileConfig,
-}
-
-impl RingConfig {
-    /// Rejects zero devices and zero tile sizes.
-    pub fn validate(&self) -> Result<(), ReferenceError> {
-        if self.n_devices == 0 {
-            return Err(OracleError::ZeroDimension { argument: "n_devices" }.into());
-        }
-        self.tiles.validate()
-    }
-
-    /// Pieces a sequence is cut into: `G` (contiguous) or `2G` (zigzag).
-    pub fn pieces(&self) -> usize {
-        match self.layout {
-            RingLayout::Contiguous => self.n_devices,
-            RingLayout::Zigzag => 2 * self.n_devices,
-        }
-    }
-
-    /// The `extra_merges` of the `FlashRecipe` that covers this schedule: `pieces − 1`, the most
-    /// KV tiles a row can visit beyond `⌈Lk/kv_tile⌉` (module docs, precision recipe).
-    pub fn extra_merges(&self) -> usize {
-        self.pieces().saturating_sub(1)
-    }
-
-    /// The positions (within a sequence of `len` queries or keys) that `device` holds, ascending.
-    pub fn positions(&self, device: usize, len: usize) -> Vec<Range<usize>> {
-        let p = self.pieces();
-        let piece = |c: usize| c * len / p..(c + 1) * len / p;
-        match self.layout {
-            RingLayout::Contiguous => vec![piece(device)],
-            RingLayout::Zigzag => zigzag_chunks(device, self.n_devices).iter().map(|&c| piece(c)).collect(),
-        }
-    }
-}
-
-/// What a ring run did, for tests of the schedule itself (not of its numbers).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct RingStats {
-    /// `(sequence, device, step)` triples whose KV block held no key visible to any of the
-    /// device's queries, and which the device therefore skipped (causal skip).
-    pub skipped_blocks: usize,
-    /// Per device: visible `(query head, query, key)` pairs it evaluated (its load).
-    pub visible_pairs: Vec<u64>,
-}

@@ -26,9 +26,10 @@ use crate::backward::{
 };
 use crate::element::Element;
 use crate::error::ReferenceError;
-use crate::flash::{ForwardOutputs, Inputs, TileConfig, check_input, check_output, head_f32, scale_f32};
+use crate::flash::{ForwardOutputs, Inputs, check_input, check_output, head_f32, scale_f32};
 use crate::mask::{kv_head, visible};
 use crate::sparse::{RowState, dot32};
+use crate::tile::TileConfig;
 
 /// Rows `[a·tile, min((a+1)·tile, len))`.
 fn tile_range(a: usize, tile: usize, len: usize) -> Range<usize> {

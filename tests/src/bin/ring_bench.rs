@@ -8,7 +8,7 @@
 //! (rows for `G` above the GPU count are skipped, and say so): the ideal is the dense time divided by `G`.
 //!
 //! Method: bf16 Gaussian inputs (seeded), `--warmup` untimed runs, then the median of `--reps` runs; each run's time
-//! is the longest of the devices' CUDA-event times on their compute streams (`attnproof_harness::ring_timing`; input
+//! is the longest of the devices' CUDA-event times on their compute streams (`attnproof_gpu::ring::timing`; input
 //! upload, `D`, and the final conversions are outside the clock). Per ring size three runs: the ring, its compute
 //! alone (blocks staged in advance), its communication alone (no attention); overlap = `(compute + comm − ring) /
 //! comm`. The dense baseline is the forward kernel, or the backward with the KV-owner atomic strategy (its `D`
@@ -29,15 +29,17 @@ use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD};
+use attnproof_gpu::ring::{
+    BackwardStart, GpuRingError, RingVariant, overlap, time_backward_on_streams, time_forward_on_streams,
+    time_nccl_backward, time_nccl_forward,
+};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device, nccl_present};
 use attnproof_harness::Case;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
-use attnproof_harness::ring_gpu::{BackwardStart, GpuRingError};
-use attnproof_harness::ring_nccl::{time_nccl_backward, time_nccl_forward};
-use attnproof_harness::ring_timing::{RingVariant, overlap, time_backward_on_streams, time_forward_on_streams};
+use attnproof_harness::ring_gpu::{backward_start, ring_inputs};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
-use attnproof_reference::{RingConfig, RingLayout, TileConfig};
+use attnproof_reference::ring::{RingLayout, RingSplit};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaStream};
 use half::bf16;
@@ -216,21 +218,22 @@ enum Backend {
 fn ring_once(
     backend: &Backend,
     case: &Case<bf16>,
-    start: Option<BackwardStart<'_, bf16>>,
-    config: RingConfig,
+    start: Option<&BackwardStart<'_, bf16>>,
+    split: RingSplit,
     variant: RingVariant,
 ) -> Result<f64, GpuRingError> {
+    let inputs = ring_inputs(case);
     match backend {
         Backend::Streams(ctx) => {
-            let streams: Vec<_> = (0..config.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
+            let streams: Vec<_> = (0..split.n_devices).map(|_| ctx.new_stream()).collect::<Result<_, _>>()?;
             match start {
-                None => time_forward_on_streams(case, config, &streams, variant),
-                Some(s) => time_backward_on_streams(case, s, config, &streams, variant),
+                None => time_forward_on_streams(&inputs, split, &streams, variant),
+                Some(s) => time_backward_on_streams(&inputs, s, split, &streams, variant),
             }
         }
         Backend::Nccl(contexts) => match start {
-            None => time_nccl_forward(&contexts[..config.n_devices], case, config, variant),
-            Some(s) => time_nccl_backward(&contexts[..config.n_devices], case, s, config, variant),
+            None => time_nccl_forward(&contexts[..split.n_devices], &inputs, split, variant),
+            Some(s) => time_nccl_backward(&contexts[..split.n_devices], &inputs, s, split, variant),
         },
     }
 }
@@ -311,7 +314,7 @@ fn run(opts: &Options) -> Result<(), String> {
         };
         for &backward in passes {
             let dense_time = dense_ms(opts, &stream, &spec, &mut dense, backward)?;
-            let start = backward.then_some(BackwardStart { o: &o, lse: &lse, d_out: &d_out });
+            let start = backward.then(|| backward_start(&o, &lse, &d_out));
             for &layout in &layouts {
                 for &g in &opts.devices {
                     let gpus = match &backend {
@@ -322,10 +325,9 @@ fn run(opts: &Options) -> Result<(), String> {
                             continue;
                         }
                     };
-                    let tiles = TileConfig { q_tile: 128, kv_tile: 128 };
-                    let config = RingConfig { n_devices: g, layout, tiles };
+                    let split = RingSplit { n_devices: g, layout };
                     let time = |variant| {
-                        median(opts, || ring_once(&backend, &case, start, config, variant).map_err(|e| err(&e)))
+                        median(opts, || ring_once(&backend, &case, start.as_ref(), split, variant).map_err(|e| err(&e)))
                     };
                     let row = Row {
                         pass: if backward { "bwd" } else { "fwd" },

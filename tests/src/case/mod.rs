@@ -4,6 +4,7 @@
 //! the likely cause of a failure. `cargo xtask check` runs the `check` binary over them.
 
 pub mod build;
+pub mod candidate;
 pub mod check;
 pub mod error;
 pub mod format;

@@ -1,0 +1,161 @@
+//! Helpers every kernel family of the crate shares: the storage types the kernels read and write ([`GpuElement`]),
+//! the mask as the kernels evaluate it ([`KernelMask`]) with its unbounded-reach sentinel ([`NO_BOUND`]), the softmax
+//! scale the kernels multiply by ([`kernel_scale`]), the kernels' limits and the buffer-length and 32-bit checks of
+//! every launch wrapper. They live in one module that imports no other module of the crate but the errors, so that
+//! the launch modules (`flash`, `backward`, `ring`) can share them without importing each other.
+
+use attnproof_oracle::{AttentionSpec, Mask, Scale};
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use half::{bf16, f16};
+
+use crate::error::GpuError;
+
+/// "No bound" for a window side, as the kernels receive it (`NO_BOUND` in `gpu/kernels/common.cuh`): key positions
+/// are below `2^30` (the launch plans check `Lq + Lk ≤ 2^30` per sequence), so a reach of `2^30` admits every key,
+/// and a position plus or minus it still fits the kernels' 32-bit `int`s.
+pub const NO_BOUND: i64 = 1 << 30;
+
+/// Largest head dim (`d` and `dv`) the kernels support.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// What the kernels' flush-to-zero `ex2` may lose to underflow: every result below `2^-126`, the smallest normal f32
+/// (the recipes' `exp_underflow`, the same for the forward and the backward; see the module docs of
+/// [`crate::flash`] and [`crate::backward`]).
+pub const EXP_UNDERFLOW: f64 = f32::MIN_POSITIVE as f64;
+
+/// A storage type the kernels read and write.
+pub trait GpuElement: DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + std::fmt::Debug + 'static {
+    /// Name for errors (`bf16`, `f16`).
+    const NAME: &'static str;
+    /// The kernels' `-D` define selecting this type.
+    const DEFINE: &'static str;
+    /// Whether the value is finite.
+    fn is_finite_value(self) -> bool;
+}
+
+impl GpuElement for bf16 {
+    const NAME: &'static str = "bf16";
+    const DEFINE: &'static str = "ELEM_BF16";
+    fn is_finite_value(self) -> bool {
+        self.is_finite()
+    }
+}
+
+impl GpuElement for f16 {
+    const NAME: &'static str = "f16";
+    const DEFINE: &'static str = "ELEM_F16";
+    fn is_finite_value(self) -> bool {
+        self.is_finite()
+    }
+}
+
+/// A mask as the kernels evaluate it: key `j` visible to row `i` iff `diag − left ≤ j ≤ diag + right`,
+/// `diag = i + Lk − Lq`, with `None` meaning unbounded on that side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelMask {
+    /// Keys visible before the aligned position (`None`: all).
+    pub left: Option<usize>,
+    /// Keys visible after the aligned position (`None`: all; causal is `Some(0)`).
+    pub right: Option<usize>,
+}
+
+impl KernelMask {
+    /// Translates a spec mask; `And` intersects (smallest reach on each side), a predicate is unsupported.
+    pub fn from_mask(mask: &Mask) -> Result<Self, GpuError> {
+        let min = |a: Option<usize>, b: Option<usize>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.min(y)),
+            (x, None) => x,
+            (None, y) => y,
+        };
+        Ok(match mask {
+            Mask::None => KernelMask { left: None, right: None },
+            Mask::Causal => KernelMask { left: None, right: Some(0) },
+            Mask::Window { left, right } => KernelMask { left: Some(*left), right: Some(*right) },
+            Mask::Predicate(p) => {
+                return Err(GpuError::Unsupported {
+                    argument: "mask",
+                    reason: format!("predicate mask `{}`: the kernel evaluates only causal and window bounds", p.name),
+                });
+            }
+            Mask::And(parts) => parts.iter().try_fold(KernelMask { left: None, right: None }, |acc, m| {
+                let k = KernelMask::from_mask(m)?;
+                Ok::<_, GpuError>(KernelMask { left: min(acc.left, k.left), right: min(acc.right, k.right) })
+            })?,
+        })
+    }
+
+    /// The side's reach as the kernels' `int`: values beyond any length are [`NO_BOUND`].
+    pub(crate) fn kernel_value(side: Option<usize>) -> i32 {
+        side.map_or(NO_BOUND, |x| i64::try_from(x).unwrap_or(NO_BOUND).min(NO_BOUND)) as i32
+    }
+}
+
+/// The scale the kernels multiply the dot products by: `fl32(1/√d)` computed as the reference does, or the given
+/// value rounded to f32.
+pub fn kernel_scale(spec: &AttentionSpec) -> f32 {
+    match spec.scale {
+        Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f32).sqrt(),
+        Scale::Value(x) => x as f32,
+    }
+}
+
+/// `value` as a kernel's 32-bit `int`, or [`GpuError::TooLarge`] naming `argument`.
+pub(crate) fn to_i32(argument: &'static str, value: usize) -> Result<i32, GpuError> {
+    i32::try_from(value).map_err(|_| GpuError::TooLarge { argument, value })
+}
+
+/// Checks that the device buffer `argument` holds at least `needed` elements.
+pub(crate) fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed: usize) -> Result<(), GpuError> {
+    if buffer.len() < needed {
+        return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    use attnproof_oracle::Predicate;
+
+    #[test]
+    fn masks_translate_to_bounds() {
+        let m = |mask: Mask| KernelMask::from_mask(&mask).unwrap();
+        assert_eq!(m(Mask::None), KernelMask { left: None, right: None });
+        assert_eq!(m(Mask::Causal), KernelMask { left: None, right: Some(0) });
+        assert_eq!(m(Mask::Window { left: 3, right: 5 }), KernelMask { left: Some(3), right: Some(5) });
+        assert_eq!(
+            m(Mask::And(vec![Mask::Causal, Mask::Window { left: 4, right: 9 }, Mask::And(vec![])])),
+            KernelMask { left: Some(4), right: Some(0) }
+        );
+        assert_eq!(m(Mask::And(vec![])), KernelMask { left: None, right: None });
+        assert_eq!(KernelMask::kernel_value(Some(usize::MAX)), NO_BOUND as i32);
+        assert_eq!(KernelMask::kernel_value(None), NO_BOUND as i32);
+        assert_eq!(KernelMask::kernel_value(Some(7)), 7);
+    }
+
+    #[test]
+    fn predicate_masks_are_a_typed_error() {
+        let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
+        let err = KernelMask::from_mask(&Mask::And(vec![Mask::Causal, p])).unwrap_err();
+        assert!(matches!(err, GpuError::Unsupported { argument: "mask", .. }), "{err}");
+    }
+
+    #[test]
+    fn the_kernels_no_bound_is_this_one() {
+        // The kernels' header defines the same sentinel for their comments and checks; the two must not drift apart.
+        let header = include_str!("../kernels/common.cuh");
+        let line = header.lines().find(|l| l.starts_with("#define NO_BOUND ")).expect("common.cuh defines NO_BOUND");
+        assert_eq!(line.trim_start_matches("#define NO_BOUND ").trim(), "(1 << 30)");
+        assert_eq!(NO_BOUND, 1 << 30);
+    }
+
+    #[test]
+    fn scale_is_the_rounded_inverse_square_root_or_the_given_value() {
+        let spec = AttentionSpec::dense(1, 1, 1, 4, 4, 64, 64);
+        assert_eq!(kernel_scale(&spec), 0.125);
+        let given = AttentionSpec { scale: Scale::Value(0.3), ..spec };
+        assert_eq!(kernel_scale(&given), 0.3_f32);
+    }
+}

@@ -1,0 +1,351 @@
+//! The kernels' parameter structs, one per kernel family, each passed by value as one kernel argument and mirrored
+//! field for field by a struct of `gpu/kernels/common.cuh` (the model is FlashAttention's `Flash_fwd_params`):
+//! [`FlashParams`] (the attention problem's scalars: layout, lengths, GQA group, head dims, strides, scale, window
+//! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
+//! for `ring_state.cu`'s merge and finalize.
+//!
+//! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
+//! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
+//! copies is initialised. `common.cuh` pins the C layout with `static_assert`s (`PARAM_SIZE`, `PARAM_AT`), which NVRTC
+//! checks at every compile; this module's tests read those lines and compare them with `size_of` and `offset_of!` of
+//! the Rust structs, so neither side can drift alone. `gpu/src/launch.rs` declares them `DeviceRepr`.
+
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Layout};
+
+use crate::common::{KernelMask, MAX_HEAD_DIM, NO_BOUND, kernel_scale, to_i32};
+use crate::error::GpuError;
+
+/// The attention problem's scalars (`struct FlashParams` of `common.cuh`), read by `flash_fwd` and every backward
+/// kernel. Strides are in elements; the dense layout is `[B, H, L, D]` (LSE `[B, Hq, Lq]`), the varlen layout
+/// `[T, H, D]` with a batch stride of 0 and the rows of all sequences packed (LSE `[Hq, Tq]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct FlashParams {
+    /// Batch stride of Q.
+    pub q_batch: i64,
+    /// Head stride of Q.
+    pub q_head: i64,
+    /// Row stride of Q.
+    pub q_row: i64,
+    /// Batch stride of K.
+    pub k_batch: i64,
+    /// Head stride of K.
+    pub k_head: i64,
+    /// Row stride of K.
+    pub k_row: i64,
+    /// Batch stride of V.
+    pub v_batch: i64,
+    /// Head stride of V.
+    pub v_head: i64,
+    /// Row stride of V.
+    pub v_row: i64,
+    /// Batch stride of O (and dO).
+    pub o_batch: i64,
+    /// Head stride of O.
+    pub o_head: i64,
+    /// Row stride of O.
+    pub o_row: i64,
+    /// Batch stride of LSE (and `D`).
+    pub lse_batch: i64,
+    /// Head stride of LSE: `Lq` dense, the packed total `Tq` varlen.
+    pub lse_head: i64,
+    /// 1 for the varlen layout (sequences from `cu_seqlens`), 0 for dense.
+    pub varlen: i32,
+    /// `Lq` of every sequence of a dense problem (0 varlen).
+    pub dense_len_q: i32,
+    /// `Lk` of every sequence of a dense problem (0 varlen).
+    pub dense_len_k: i32,
+    /// Query heads per KV head.
+    pub group: i32,
+    /// Head dim of Q and K.
+    pub d: i32,
+    /// Head dim of V and O.
+    pub dv: i32,
+    /// The softmax scale the kernels multiply by ([`kernel_scale`]).
+    pub scale: f32,
+    /// Reach left of the bottom-right diagonal ([`NO_BOUND`]: unbounded).
+    pub win_left: i32,
+    /// Reach right of the diagonal ([`NO_BOUND`]: unbounded; causal is 0).
+    pub win_right: i32,
+    /// Explicit tail padding, always 0.
+    pub reserved: i32,
+}
+
+/// The backward family's parameters (`struct BackwardParams` of `common.cuh`): the problem and the trailing scalars of
+/// `flash_bwd.cu`'s kernels, of which each kernel reads its own (`bwd_kv`: `dq_mode`, `n_chunks`, `part_stride`,
+/// `total_k`; `bwd_kv_group_sum`: `n_heads_q`, `total_k`; `bwd_dq`: `n_chunks`; `bwd_dq_finalize`: `finalize_mode`,
+/// `part_stride`). Fields a kernel does not read are 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct BackwardParams {
+    /// The problem.
+    pub flash: FlashParams,
+    /// Elements between two KV tiles' dQ partials (Q's element count).
+    pub part_stride: i64,
+    /// K rows over all sequences: the row count of the GQA and `KV_ACCUM` workspaces.
+    pub total_k: i64,
+    /// `bwd_kv`'s dQ: 0 none (strategy A), 1 atomic accumulator, 2 per-KV-tile partials.
+    pub dq_mode: i32,
+    /// Column chunks per query head (`bwd_kv`: of `max(d, dv)`; `bwd_dq`: of `d`).
+    pub n_chunks: i32,
+    /// Query heads (`bwd_kv_group_sum`).
+    pub n_heads_q: i32,
+    /// `bwd_dq_finalize`: 0 from the atomic accumulator, 1 from the partials in ascending KV tile order.
+    pub finalize_mode: i32,
+}
+
+/// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
+/// `struct RingStateParams` of `common.cuh`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RingStateParams {
+    /// State rows (the spec's LSE rows).
+    pub rows: i64,
+    /// Varlen: rows of one query head (`Tq`), which maps an LSE row to O's packed row.
+    pub rows_per_head: i64,
+    /// Columns of `A` and `O`.
+    pub dv: i32,
+    /// 1 when O is packed `[Tq, Hq, dv]`, 0 when dense `[B, Hq, Lq, dv]`.
+    pub varlen: i32,
+    /// Query heads (varlen).
+    pub n_heads: i32,
+    /// Explicit tail padding, always 0.
+    pub reserved: i32,
+}
+
+impl FlashParams {
+    /// The problem's scalars for a supported, validated spec, with the sequence offsets `cu_seqlens_q` and
+    /// `cu_seqlens_k` (`[0, 0]` for a dense spec, whose kernels never read them): the head-dim and mask checks, the
+    /// strides of each layout, and the 32-bit limits. The forward and backward launch plans both start from it.
+    pub(crate) fn for_spec(spec: &AttentionSpec) -> Result<(FlashParams, Vec<i32>, Vec<i32>), GpuError> {
+        spec.validate()?;
+        for (argument, dim) in [("head_dim", spec.head_dim), ("head_dim_v", spec.head_dim_v)] {
+            if !dim.is_multiple_of(8) || dim > MAX_HEAD_DIM {
+                return Err(GpuError::Unsupported {
+                    argument,
+                    reason: format!("{dim} is not a multiple of 8 in 8..={MAX_HEAD_DIM}"),
+                });
+            }
+        }
+        let mask = KernelMask::from_mask(&spec.mask)?;
+        let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
+        let (varlen, len_q, len_k, q, k, v, o, lse, cu_q, cu_k) = match &spec.layout {
+            Layout::Dense { len_q, len_k, .. } => {
+                let (lq, lk) = (*len_q as i64, *len_k as i64);
+                let (dq, dk, dvv) = (d as i64, d as i64, dv as i64);
+                (
+                    0,
+                    *len_q,
+                    *len_k,
+                    [hq as i64 * lq * dq, lq * dq, dq],
+                    [hkv as i64 * lk * dk, lk * dk, dk],
+                    [hkv as i64 * lk * dvv, lk * dvv, dvv],
+                    [hq as i64 * lq * dvv, lq * dvv, dvv],
+                    [hq as i64 * lq, lq],
+                    vec![0, 0],
+                    vec![0, 0],
+                )
+            }
+            Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
+                let total_q = *cu_seqlens_q.last().expect("validated: non-empty") as i64;
+                (
+                    1,
+                    0,
+                    0,
+                    [0, d as i64, (hq * d) as i64],
+                    [0, d as i64, (hkv * d) as i64],
+                    [0, dv as i64, (hkv * dv) as i64],
+                    [0, dv as i64, (hq * dv) as i64],
+                    [0, total_q],
+                    cu_seqlens_q.clone(),
+                    cu_seqlens_k.clone(),
+                )
+            }
+        };
+        // Every element offset the kernel forms must fit its 64-bit arithmetic, and lengths its 32-bit `int`s.
+        for op in [Operand::Q, Operand::K, Operand::V, Operand::O] {
+            let n: usize = spec.expected_shape(op).iter().product();
+            to_i32("tensor elements / 8", n / 8)?;
+        }
+        // The kernels form key positions relative to the diagonal (`i + Lk − Lq ± reach`, reach ≤ 2^30) in 32-bit
+        // ints.
+        for seq in spec.sequences() {
+            if seq.len_q + seq.len_k > NO_BOUND as usize {
+                return Err(GpuError::TooLarge {
+                    argument: "len_q + len_k of one sequence",
+                    value: seq.len_q + seq.len_k,
+                });
+            }
+        }
+        let params = FlashParams {
+            q_batch: q[0],
+            q_head: q[1],
+            q_row: q[2],
+            k_batch: k[0],
+            k_head: k[1],
+            k_row: k[2],
+            v_batch: v[0],
+            v_head: v[1],
+            v_row: v[2],
+            o_batch: o[0],
+            o_head: o[1],
+            o_row: o[2],
+            lse_batch: lse[0],
+            lse_head: lse[1],
+            varlen,
+            dense_len_q: to_i32("len_q", len_q)?,
+            dense_len_k: to_i32("len_k", len_k)?,
+            group: to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
+            d: to_i32("head_dim", d)?,
+            dv: to_i32("head_dim_v", dv)?,
+            scale: kernel_scale(spec),
+            win_left: KernelMask::kernel_value(mask.left),
+            win_right: KernelMask::kernel_value(mask.right),
+            reserved: 0,
+        };
+        Ok((params, cu_q, cu_k))
+    }
+
+    /// The (batch, head, row) strides of Q.
+    #[cfg(test)]
+    pub(crate) fn q_strides(&self) -> [i64; 3] {
+        [self.q_batch, self.q_head, self.q_row]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::mem::{offset_of, size_of, size_of_val};
+
+    use super::*;
+
+    /// The kernels' header, whose `static_assert`s NVRTC checks.
+    const HEADER: &str = include_str!("../kernels/common.cuh");
+
+    /// One struct's layout: its size, and (field, byte offset) in declaration order.
+    type Layouts = BTreeMap<String, (usize, Vec<(String, usize)>)>;
+
+    /// The arguments of `NAME(a, b, c);` lines of the header, for `NAME` = `PARAM_SIZE` or `PARAM_AT`.
+    fn macro_lines<'a>(name: &'a str) -> impl Iterator<Item = Vec<String>> + 'a {
+        HEADER.lines().filter_map(move |line| {
+            let args = line.trim().strip_prefix(name)?.strip_prefix('(')?.strip_suffix(");")?;
+            Some(args.split(',').map(|a| a.trim().to_owned()).collect())
+        })
+    }
+
+    /// The layouts `common.cuh` asserts.
+    fn header_layouts() -> Layouts {
+        let mut out = Layouts::new();
+        for args in macro_lines("PARAM_SIZE") {
+            out.insert(args[0].clone(), (args[1].parse().expect("a byte count"), vec![]));
+        }
+        for args in macro_lines("PARAM_AT") {
+            let entry = out.get_mut(&args[0]).expect("PARAM_SIZE precedes the struct's PARAM_AT lines");
+            entry.1.push((args[1].clone(), args[2].parse().expect("a byte offset")));
+        }
+        out
+    }
+
+    /// The member names of `struct name { ... };` in the header, in declaration order (one member per line).
+    fn header_members(name: &str) -> Vec<String> {
+        let start = format!("struct {name} {{");
+        let body = HEADER.split(start.as_str()).nth(1).expect("the struct is in common.cuh");
+        let body = body.split("};").next().expect("the struct ends");
+        body.lines()
+            .map(|l| l.split("//").next().unwrap_or("").trim())
+            .filter(|l| !l.is_empty())
+            .map(|l| l.trim_end_matches(';').rsplit(' ').next().expect("a member name").to_owned())
+            .collect()
+    }
+
+    /// A struct's Rust layout from `size_of` and `offset_of!`, and the sum of its listed fields' sizes.
+    macro_rules! rust_layout {
+        ($t:ident { $($f:ident),* $(,)? }) => {{
+            let value = $t::default();
+            let fields = vec![$((stringify!($f).to_owned(), offset_of!($t, $f))),*];
+            let bytes: usize = 0 $(+ size_of_val(&value.$f))*;
+            (stringify!($t).to_owned(), size_of::<$t>(), fields, bytes)
+        }};
+    }
+
+    #[test]
+    fn rust_and_cuda_structs_have_one_layout() {
+        let rust = [
+            rust_layout!(FlashParams {
+                q_batch,
+                q_head,
+                q_row,
+                k_batch,
+                k_head,
+                k_row,
+                v_batch,
+                v_head,
+                v_row,
+                o_batch,
+                o_head,
+                o_row,
+                lse_batch,
+                lse_head,
+                varlen,
+                dense_len_q,
+                dense_len_k,
+                group,
+                d,
+                dv,
+                scale,
+                win_left,
+                win_right,
+                reserved,
+            }),
+            rust_layout!(BackwardParams { flash, part_stride, total_k, dq_mode, n_chunks, n_heads_q, finalize_mode }),
+            rust_layout!(RingStateParams { rows, rows_per_head, dv, varlen, n_heads, reserved }),
+        ];
+        let header = header_layouts();
+        assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());
+        for (name, size, fields, bytes) in rust {
+            // The listed fields cover every byte: no padding, and no Rust field left out of the comparison.
+            assert_eq!(bytes, size, "{name}: fields of {bytes} bytes in a struct of {size}");
+            let (c_size, c_fields) = header.get(&name).unwrap_or_else(|| panic!("common.cuh does not assert {name}"));
+            assert_eq!(*c_size, size, "{name}: sizeof in common.cuh");
+            assert_eq!(c_fields, &fields, "{name}: offsets in common.cuh");
+            // Every C member is asserted, in declaration order.
+            let members: Vec<String> = header_members(&name);
+            let asserted: Vec<String> = c_fields.iter().map(|(f, _)| f.clone()).collect();
+            assert_eq!(members, asserted, "{name}: members of the C struct against its PARAM_AT lines");
+        }
+    }
+
+    #[test]
+    fn the_parser_sees_the_header() {
+        // A parser that found nothing would make the comparison above vacuous.
+        let layouts = header_layouts();
+        assert_eq!(layouts["FlashParams"].0, 152);
+        assert_eq!(layouts["FlashParams"].1.len(), 24);
+        assert_eq!(header_members("RingStateParams"), ["rows", "rows_per_head", "dv", "varlen", "n_heads", "reserved"]);
+    }
+
+    #[test]
+    fn dense_and_varlen_strides() {
+        let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 64, 32).with_mask(attnproof_oracle::Mask::Causal);
+        let (p, cu_q, _) = FlashParams::for_spec(&spec).unwrap();
+        assert_eq!(p.q_strides(), [4 * 130 * 64, 130 * 64, 64]);
+        assert_eq!([p.v_batch, p.v_head, p.v_row], [2 * 70 * 32, 70 * 32, 32]);
+        assert_eq!([p.lse_batch, p.lse_head], [4 * 130, 130]);
+        assert_eq!((p.win_left, p.win_right), (NO_BOUND as i32, 0));
+        assert_eq!((p.group, p.varlen, p.dense_len_q, p.dense_len_k, p.reserved), (2, 0, 130, 70, 0));
+        assert_eq!(cu_q, [0, 0]);
+        let varlen = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
+            ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8)
+        };
+        let (p, _, cu_k) = FlashParams::for_spec(&varlen).unwrap();
+        assert_eq!(p.q_strides(), [0, 16, 32]);
+        assert_eq!([p.k_batch, p.k_head, p.k_row], [0, 16, 16]);
+        assert_eq!([p.o_batch, p.o_head, p.o_row], [0, 8, 16]);
+        assert_eq!([p.lse_batch, p.lse_head], [0, 70]);
+        assert_eq!((p.varlen, p.dense_len_q, p.dense_len_k), (1, 0, 0));
+        assert_eq!(cu_k, vec![0, 0, 9, 20]);
+    }
+}

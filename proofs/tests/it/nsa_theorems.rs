@@ -1,0 +1,367 @@
+//! The NSA theorems (E18–E20) on proptest inputs against the oracle, and each against a broken
+//! implementation that it must reject.
+
+use crate::common::{PREC, REQUIRED, fail, mp_matrix, pseudo_random};
+use attnproof_oracle::nsa::{
+    BlockQueries, NsaConfig, complete_windows, complete_windows_at, remap_to_blocks, selected_attention,
+    selection_blocks, transpose_selection,
+};
+use attnproof_oracle::topk::{padded_ascending, top_k};
+use attnproof_oracle::{Mp, OracleError, Real};
+use attnproof_proofs::nsa::{
+    NsaCase, SelectionCase, complete_window_count, csr_round_trip, measured_remap_weights, oracle_nsa_forward,
+    oracle_remap, oracle_selector, paper_double_sum_reindexed, remap_matches_token_count, remap_weights_are_overlaps,
+    selection_alone_is_dense_when_all_selected, selection_invariants,
+};
+use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
+use proptest::prelude::*;
+
+/// A config with small lengths; `dividing` makes `s | l` and `s | l'` (the hypothesis of the
+/// paper's double sum).
+fn small_config(dividing: bool) -> impl Strategy<Value = NsaConfig> {
+    let lengths = if dividing {
+        (1usize..=3, 1usize..=3, 1usize..=4).prop_map(|(s, a, b)| (s * a, s, s * b)).boxed()
+    } else {
+        (1usize..=6, 1usize..=4, 1usize..=8).boxed()
+    };
+    lengths.prop_map(|(compress_len, compress_stride, select_block)| NsaConfig {
+        compress_len,
+        compress_stride,
+        select_block,
+        n_selected: 4,
+        window: 5,
+        ..NsaConfig::default()
+    })
+}
+
+/// Window probabilities `[rows, W]` for a sequence of up to 40 tokens under `config`, with the
+/// number of blocks.
+fn remap_problem(dividing: bool) -> impl Strategy<Value = (NsaConfig, Array2<Mp>, usize)> {
+    (small_config(dividing), 1usize..=40, 1usize..=2).prop_flat_map(|(config, len, rows)| {
+        let windows = complete_windows(len, config.compress_len, config.compress_stride).expect("valid");
+        let blocks = selection_blocks(len, config.select_block).expect("valid");
+        prop::collection::vec(0.0f64..=1.0, rows * windows)
+            .prop_map(move |p| (config.clone(), mp_matrix(rows, windows, &p), blocks))
+    })
+}
+
+/// The paper's Eq. 9 as printed, without the `+(l'/s − 1)` shift: block `j` reads windows
+/// `(l'/s)·j − m − n`, i.e. `4j−4 … 4j` for `l=32, s=16, l'=64`.
+fn unshifted_paper_sum(p: ArrayView2<'_, Mp>, n_blocks: usize, config: &NsaConfig) -> Result<Array2<Mp>, OracleError> {
+    let blocks_per = config.select_block / config.compress_stride;
+    let windows_per = config.compress_len / config.compress_stride;
+    let mut out = Array2::from_elem((p.nrows(), n_blocks), Mp::zero(PREC));
+    for j in 0..n_blocks {
+        for m in 0..blocks_per {
+            for n in 0..windows_per {
+                if let Some(c) = (blocks_per * j).checked_sub(m + n).filter(|&c| c < p.ncols()) {
+                    for r in 0..p.nrows() {
+                        out[[r, j]] += p[[r, c]].clone();
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn remap_overlap_form_equals_the_token_count((config, p, blocks) in remap_problem(false)) {
+        remap_matches_token_count(&oracle_remap, p.view(), blocks, &config, REQUIRED).map_err(fail)?;
+        remap_weights_are_overlaps(&oracle_remap, p.ncols(), blocks, &config, PREC, REQUIRED).map_err(fail)?;
+    }
+
+    #[test]
+    fn reindexed_paper_double_sum_equals_the_overlap_form((config, p, blocks) in remap_problem(true)) {
+        paper_double_sum_reindexed(&oracle_remap, p.view(), blocks, &config, REQUIRED).map_err(fail)?;
+    }
+}
+
+#[test]
+fn paper_weights_of_block_j_are_the_window_overlaps_4j_minus_1_to_4j_plus_3() {
+    let config = NsaConfig::default();
+    let (l, s, block) = (config.compress_len, config.compress_stride, config.select_block);
+    let len = 6 * block;
+    let windows = complete_windows(len, l, s).expect("valid");
+    let blocks = selection_blocks(len, block).expect("valid");
+    let weights = measured_remap_weights(&oracle_remap, windows, blocks, &config, PREC).expect("valid");
+    remap_weights_are_overlaps(&oracle_remap, windows, blocks, &config, PREC, REQUIRED).expect("overlap weights");
+    for j in 1..blocks - 1 {
+        // Brute force: count the tokens of window c that fall in block j.
+        let counts: Vec<usize> = (0..windows).map(|c| (c * s..c * s + l).filter(|&x| x / block == j).count()).collect();
+        let support: Vec<usize> = (0..windows).filter(|&c| counts[c] > 0).collect();
+        // The windows touching block j run from the one ending s tokens into it to the one
+        // starting s tokens before its end: (l'/s)·j − (l/s − 1) ..= (l'/s)·j + l'/s − 1.
+        let first = (block / s) * j + 1 - l / s;
+        let last = (block / s) * j + block / s - 1;
+        assert_eq!(support, (first..=last).collect::<Vec<_>>());
+        for c in 0..windows {
+            assert_eq!(weights[[c, j]], Mp::new(counts[c] as f64 / s as f64, PREC), "window {c}, block {j}");
+        }
+        // The end windows share s tokens with the block, the inner ones all l = 2s.
+        assert_eq!(counts[first], s);
+        assert!(support[1..support.len() - 1].iter().all(|&c| counts[c] == l));
+    }
+}
+
+#[test]
+fn remap_theorems_reject_the_unshifted_paper_sum() {
+    let config = NsaConfig::default();
+    let len = 5 * config.select_block;
+    let windows = complete_windows(len, config.compress_len, config.compress_stride).expect("valid");
+    let blocks = selection_blocks(len, config.select_block).expect("valid");
+    let p = mp_matrix(1, windows, &pseudo_random(11, windows));
+    assert!(paper_double_sum_reindexed(&oracle_remap, p.view(), blocks, &config, REQUIRED).is_ok());
+    assert!(paper_double_sum_reindexed(&unshifted_paper_sum, p.view(), blocks, &config, REQUIRED).is_err());
+    assert!(remap_matches_token_count(&unshifted_paper_sum, p.view(), blocks, &config, REQUIRED).is_err());
+    assert!(remap_weights_are_overlaps(&unshifted_paper_sum, windows, blocks, &config, PREC, REQUIRED).is_err());
+}
+
+#[test]
+fn double_sum_theorem_refuses_a_stride_that_does_not_divide() {
+    let config = NsaConfig { compress_len: 5, compress_stride: 2, select_block: 8, ..NsaConfig::default() };
+    let p = mp_matrix(1, 3, &[0.1, 0.2, 0.3]);
+    let err = paper_double_sum_reindexed(&oracle_remap, p.view(), 2, &config, REQUIRED).unwrap_err();
+    assert!(matches!(err, attnproof_proofs::Violation::Hypothesis { .. }), "{err}");
+}
+
+/// A selection case: `Hq = Hkv·G` heads over up to 40 tokens, `l = 4, s = 2, l' = 8` or
+/// `l = 2, s = 1, l' = 4`, `n` from 3 to 5.
+fn selection_case() -> impl Strategy<Value = SelectionCase> {
+    (1usize..=2, 1usize..=3, 1usize..=40, prop::bool::ANY, 3usize..=5).prop_flat_map(
+        |(n_heads_kv, group, len, coarse, n_selected)| {
+            let (compress_len, compress_stride, select_block) = if coarse { (4, 2, 8) } else { (2, 1, 4) };
+            let config = NsaConfig { compress_len, compress_stride, select_block, n_selected, ..NsaConfig::default() };
+            let windows = complete_windows(len, compress_len, compress_stride).expect("valid");
+            let n_heads_q = n_heads_kv * group;
+            prop::collection::vec(0.0f64..=1.0, n_heads_q * len * windows).prop_map(move |p| SelectionCase {
+                p_cmp: Array3::from_shape_vec((n_heads_q, len, windows), p.iter().map(|&x| Mp::new(x, PREC)).collect())
+                    .expect("sizes agree"),
+                n_heads_kv,
+                config: config.clone(),
+            })
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+
+    #[test]
+    fn selection_is_forced_causal_shared_and_top_n(case in selection_case()) {
+        selection_invariants(&oracle_selector, &case).map_err(fail)?;
+    }
+}
+
+/// Which mistake a broken selector makes.
+#[derive(Clone, Copy)]
+enum BrokenSelector {
+    /// Forces the initial blocks but forgets the local ones.
+    ForgetsLocalBlocks,
+    /// Ranks each query head's own remapped scores instead of the group sum.
+    PerHead,
+}
+
+impl BrokenSelector {
+    fn select(self, case: &SelectionCase) -> Result<Array3<i32>, OracleError> {
+        let config = &case.config;
+        let (n_heads_q, len, _) = case.p_cmp.dim();
+        let group = n_heads_q / case.n_heads_kv;
+        let n_blocks = selection_blocks(len, config.select_block)?;
+        let mut out = Array3::from_elem((len, n_heads_q, config.n_selected), -1);
+        for h in 0..n_heads_q {
+            let heads = match self {
+                BrokenSelector::ForgetsLocalBlocks => h / group * group..(h / group + 1) * group,
+                BrokenSelector::PerHead => h..h + 1,
+            };
+            let summed = Array2::from_shape_fn((len, case.p_cmp.dim().2), |(t, c)| {
+                heads.clone().fold(Mp::zero(PREC), |acc, g| acc + case.p_cmp[[g, t, c]].clone())
+            });
+            let scores = remap_to_blocks(summed.view(), n_blocks, config, PREC)?;
+            for t in 0..len {
+                let forced = match self {
+                    BrokenSelector::ForgetsLocalBlocks => (0..config.n_forced_initial).collect(),
+                    BrokenSelector::PerHead => config.forced_blocks(t),
+                };
+                let row = scores.row(t).to_vec();
+                let chosen = top_k(&row, config.n_selected, |j| config.block_eligible(j, t), &forced);
+                out.index_axis_mut(Axis(0), t)
+                    .row_mut(h)
+                    .assign(&ndarray::Array1::from(padded_ascending(&chosen, config.n_selected)));
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Two query heads of one KV head over 40 tokens (`l = 4, s = 2, l' = 8`, `n = 4`: one free
+/// slot beside the three forced blocks): head 0 puts three times more mass on early windows than
+/// head 1 puts on late ones, so early blocks win the group sum and the local blocks lose it,
+/// while each head alone would fill the free slot differently.
+fn contrasting_heads() -> SelectionCase {
+    let config =
+        NsaConfig { compress_len: 4, compress_stride: 2, select_block: 8, n_selected: 4, ..NsaConfig::default() };
+    let len = 40;
+    let windows = complete_windows(len, 4, 2).expect("valid");
+    let p_cmp = Array3::from_shape_fn((2, len, windows), |(h, _, c)| {
+        let rank = if h == 0 { windows - c } else { c + 1 };
+        Mp::new(rank as f64 * if h == 0 { 3.0 } else { 1.0 }, PREC)
+    });
+    SelectionCase { p_cmp, n_heads_kv: 1, config }
+}
+
+#[test]
+fn selection_theorem_rejects_forgotten_local_blocks_and_per_head_selection() {
+    let case = contrasting_heads();
+    assert!(selection_invariants(&oracle_selector, &case).is_ok());
+    let forgets = |c: &SelectionCase| BrokenSelector::ForgetsLocalBlocks.select(c);
+    let err = selection_invariants(&forgets, &case).unwrap_err();
+    assert!(err.to_string().contains("forced blocks kept"), "{err}");
+    let per_head = |c: &SelectionCase| BrokenSelector::PerHead.select(c);
+    let err = selection_invariants(&per_head, &case).unwrap_err();
+    assert!(err.to_string().contains("group"), "{err}");
+}
+
+/// An NSA case with every block selectable: `T ≤ 20`, `l = 2, s = 1, l' = 4` or
+/// `l = 4, s = 2, l' = 8`, `n = max(M, 3)`, GQA, `d, dv ≤ 3`.
+fn dense_case() -> impl Strategy<Value = NsaCase> {
+    (1usize..=20, 1usize..=2, 1usize..=2, 1usize..=3, 1usize..=3, prop::bool::ANY).prop_flat_map(
+        |(len, n_heads_kv, group, d, dv, coarse)| {
+            let (compress_len, compress_stride, select_block) = if coarse { (4, 2, 8) } else { (2, 1, 4) };
+            let n_heads_q = n_heads_kv * group;
+            let config = NsaConfig {
+                compress_len,
+                compress_stride,
+                select_block,
+                n_selected: len.div_ceil(select_block).max(3),
+                window: 3,
+                ..NsaConfig::default()
+            };
+            let sizes = [len * n_heads_q * d, len * n_heads_kv * d, len * n_heads_kv * dv];
+            (
+                prop::collection::vec(-2.0f64..=2.0, sizes[0]),
+                prop::collection::vec(-2.0f64..=2.0, sizes[1]),
+                prop::collection::vec(-1.0f64..=1.0, sizes[2]),
+            )
+                .prop_map(move |(q, k, v)| {
+                    let t = |shape: (usize, usize, usize), x: Vec<f64>| {
+                        Array3::from_shape_vec(shape, x.into_iter().map(|y| Mp::new(y, PREC)).collect())
+                            .expect("sizes agree")
+                    };
+                    NsaCase {
+                        q: t((len, n_heads_q, d), q),
+                        k: t((len, n_heads_kv, d), k),
+                        v: t((len, n_heads_kv, dv), v),
+                        config: config.clone(),
+                    }
+                })
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn selection_branch_with_every_block_is_dense_causal_attention(case in dense_case()) {
+        selection_alone_is_dense_when_all_selected(&oracle_nsa_forward, &case, REQUIRED).map_err(fail)?;
+    }
+}
+
+/// The oracle's forward, except that its selection branch drops block 0 wherever another block
+/// is selected.
+fn forward_dropping_block_zero(
+    case: &NsaCase,
+    gates: ArrayView3<'_, Mp>,
+) -> Result<attnproof_oracle::nsa::NsaForward<Mp>, OracleError> {
+    let mut out = oracle_nsa_forward(case, gates)?;
+    let width = case.config.n_selected;
+    let mut selection = out.selection.clone();
+    for mut row in selection.lanes_mut(Axis(2)) {
+        let kept: Vec<usize> = row.iter().filter(|&&b| b > 0).map(|&b| b as usize).collect();
+        if !kept.is_empty() {
+            row.assign(&ndarray::Array1::from(padded_ascending(&kept, width)));
+        }
+    }
+    out.selected = selected_attention(case.inputs(), selection.view(), &case.config, PREC)?;
+    out.o = out.selected.clone();
+    Ok(out)
+}
+
+#[test]
+fn dense_theorem_rejects_a_selection_that_drops_a_block() {
+    let (len, d) = (20, 2);
+    let config =
+        NsaConfig { compress_len: 4, compress_stride: 2, select_block: 8, n_selected: 3, ..NsaConfig::default() };
+    let t = |seed: u64, heads: usize| {
+        Array3::from_shape_vec(
+            (len, heads, d),
+            pseudo_random(seed, len * heads * d).iter().map(|&x| Mp::new(x, PREC)).collect(),
+        )
+        .expect("sizes agree")
+    };
+    let case = NsaCase { q: t(1, 2), k: t(2, 1), v: t(3, 1), config };
+    assert!(selection_alone_is_dense_when_all_selected(&oracle_nsa_forward, &case, REQUIRED).is_ok());
+    assert!(selection_alone_is_dense_when_all_selected(&forward_dropping_block_zero, &case, REQUIRED).is_err());
+}
+
+/// A valid selection `[T, n]` over `M` blocks: each row a random ascending subset.
+fn csr_case() -> impl Strategy<Value = (Array2<i32>, usize)> {
+    (1usize..=12, 1usize..=6, 1usize..=4).prop_flat_map(|(len, n_blocks, width)| {
+        prop::collection::vec(prop::collection::btree_set(0..n_blocks, 0..=width.min(n_blocks)), len).prop_map(
+            move |rows| {
+                let flat: Vec<i32> =
+                    rows.iter().flat_map(|r| padded_ascending(&r.iter().copied().collect::<Vec<_>>(), width)).collect();
+                (Array2::from_shape_vec((len, width), flat).expect("sizes agree"), n_blocks)
+            },
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn csr_transpose_round_trips((selection, n_blocks) in csr_case()) {
+        csr_round_trip(&transpose_selection, selection.view(), n_blocks).map_err(fail)?;
+    }
+}
+
+#[test]
+fn csr_theorem_rejects_off_by_one_offsets() {
+    let selection = ndarray::array![[0, -1, -1], [0, 1, -1], [0, 1, 2], [1, 2, 3]];
+    assert!(csr_round_trip(&transpose_selection, selection.view(), 4).is_ok());
+    // Every interior offset one too far: still monotone, still ending at nnz.
+    let shifted = |s: ArrayView2<'_, i32>, n: usize| -> Result<BlockQueries, OracleError> {
+        let mut csr = transpose_selection(s, n)?;
+        for o in &mut csr.offsets[1..n] {
+            *o += 1;
+        }
+        Ok(csr)
+    };
+    assert!(csr_round_trip(&shifted, selection.view(), 4).is_err());
+    // The offsets of the first n blocks only, without the closing nnz.
+    let truncated = |s: ArrayView2<'_, i32>, n: usize| -> Result<BlockQueries, OracleError> {
+        let mut csr = transpose_selection(s, n)?;
+        csr.offsets.pop();
+        Ok(csr)
+    };
+    assert!(csr_round_trip(&truncated, selection.view(), 4).is_err());
+}
+
+#[test]
+fn complete_window_formula_matches_counting() {
+    for (l, s) in [(32, 16), (4, 2), (5, 2), (3, 3), (1, 1), (7, 3), (16, 32)] {
+        complete_window_count(&complete_windows_at, 300, l, s).unwrap_or_else(|e| panic!("l={l}, s={s}: {e}"));
+    }
+}
+
+#[test]
+fn complete_window_theorem_rejects_counting_from_t_instead_of_t_plus_1() {
+    let off_by_one =
+        |t: usize, l: usize, s: usize| -> Result<usize, OracleError> { Ok(if t >= l { (t - l) / s + 1 } else { 0 }) };
+    assert!(complete_window_count(&off_by_one, 300, 32, 16).is_err());
+}

@@ -1,0 +1,187 @@
+//! Every precision recipe the harness judges a candidate under, in one place: the reference schedule's per storage
+//! type and tile, the GPU kernels' forward and backward per tiling, the ring's (reference and GPU, forward and
+//! backward, with their extra merges), and the conservative recipes of external kernels named in case files.
+//!
+//! A [`FlashRecipe`] states how a computation rounds (storage type, tiles, the `exp` and its argument, the
+//! accumulation, score reuse); `attnproof_proofs::flash_bound` turns it into a bound. Writing each recipe once here
+//! means that a kernel whose arithmetic changes has exactly one place where its model must change too, and that a
+//! test cannot quietly judge a candidate under a recipe of its own making. Tests that perturb a recipe to show that
+//! a bound term is needed start from one of these functions and change one field with struct update syntax.
+
+use attnproof_gpu::backward::{BACKWARD_SHIFT_ROUNDING, BackwardTiling};
+use attnproof_gpu::flash::{EXP_RELATIVE_ERROR, EXP_UNDERFLOW, KV_TILE, SHIFT_ROUNDING};
+use attnproof_gpu::ring::gpu_ring_recipe_extra_merges;
+use attnproof_proofs::flash_bound::{
+    Accumulation, F32_MIN_NORMAL, F32_SUBNORMAL, F32_UNIT_ROUNDOFF, FlashRecipe, ScoreReuse,
+};
+use attnproof_reference::Element;
+use attnproof_reference::ring::{RingConfig, RingSplit};
+
+use crate::case::recipe::RecipeKind;
+use crate::case::safetensors::Dtype;
+
+/// A backward recipe: the model's parameters and the query tile whose partial sums the dK/dV bound counts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BackwardRecipe {
+    /// The model's parameters.
+    pub recipe: FlashRecipe,
+    /// Query rows per tile (the partial-dQ count of `attnproof_proofs::flash_bound::backward_bounds`).
+    pub q_tile: usize,
+}
+
+/// The recipe of the reference schedule for storage type `T` and KV tile `kv_tile`: libm's `exp`, the storage type's
+/// unit roundoff and smallest subnormal.
+pub fn reference<T: Element>(kv_tile: usize) -> FlashRecipe {
+    FlashRecipe::libm(T::UNIT_ROUNDOFF, subnormal_of::<T>() as f64, kv_tile)
+}
+
+/// The smallest positive subnormal of `T`: the first power of two, from f32's smallest subnormal upward, that
+/// survives rounding to `T`.
+fn subnormal_of<T: Element>() -> f32 {
+    let mut x = f32::from_bits(1);
+    while T::round(x) == 0.0 {
+        x *= 2.0;
+    }
+    T::round(x)
+}
+
+/// The forward kernel's recipe for `T` (every tiling: each row's operations do not depend on the CTA shape): the
+/// reference's storage type and KV tile, with `ex2.approx`'s exp error, the shift rounding of `fl(m·log2 e)` and the
+/// flush-to-zero `ex2`'s underflow (all justified in `attnproof_gpu::flash`).
+pub fn gpu_forward<T: Element>() -> FlashRecipe {
+    FlashRecipe {
+        exp_error: EXP_RELATIVE_ERROR,
+        shift_rounding: SHIFT_ROUNDING,
+        exp_underflow: EXP_UNDERFLOW,
+        // m16n8k16 MMAs: 16 products per instruction, aligned and truncated before the add.
+        accumulation: Accumulation::TensorCore { k_step: 16 },
+        ..reference::<T>(KV_TILE)
+    }
+}
+
+/// The backward kernels' recipe for `T` in `tiling` (its KV tile is the size of the dQ partials; each parameter
+/// justified in `attnproof_gpu::backward`), with the kernels' query tile.
+pub fn gpu_backward<T: Element>(tiling: BackwardTiling) -> BackwardRecipe {
+    let recipe = FlashRecipe {
+        exp_error: attnproof_gpu::backward::EXP_RELATIVE_ERROR,
+        shift_rounding: BACKWARD_SHIFT_ROUNDING,
+        exp_underflow: attnproof_gpu::backward::EXP_UNDERFLOW,
+        accumulation: Accumulation::TensorCore { k_step: 16 },
+        // The backward forms Sᵀ = K Qᵀ with transposed MMAs: no bitwise reuse of the forward's scores.
+        score_reuse: ScoreReuse::Recomputed,
+        ..reference::<T>(tiling.kv_tile())
+    };
+    BackwardRecipe { recipe, q_tile: attnproof_gpu::backward::Q_TILE }
+}
+
+/// The reference ring schedule's recipe (forward and backward): the flash recipe of its tiles with the ring's extra
+/// rescale steps per row, [`RingConfig::extra_merges`].
+pub fn reference_ring<T: Element>(config: RingConfig) -> FlashRecipe {
+    FlashRecipe { extra_merges: config.extra_merges(), ..reference::<T>(config.tiles.kv_tile) }
+}
+
+/// The GPU ring forward's recipe over `split` (a `RingConfig`'s `split()`): the forward kernel's with
+/// `extra_merges = 2(P − 1)` for `P` key chunks per sequence (`attnproof_gpu::ring::gpu_ring_recipe_extra_merges`).
+pub fn gpu_ring_forward<T: Element>(split: RingSplit) -> FlashRecipe {
+    FlashRecipe { extra_merges: gpu_ring_recipe_extra_merges(split), ..gpu_forward::<T>() }
+}
+
+/// The GPU ring backward's recipe over `split`: the backward kernels' in the default tiling with the pair partials and their f32
+/// sums counted, `extra_merges = extra_query_partials = 2(P − 1)` (dQ over key chunks, dK and dV over query chunks).
+pub fn gpu_ring_backward<T: Element>(split: RingSplit) -> BackwardRecipe {
+    let extra = gpu_ring_recipe_extra_merges(split);
+    let base = gpu_backward::<T>(BackwardTiling::DEFAULT);
+    BackwardRecipe {
+        recipe: FlashRecipe { extra_merges: extra, extra_query_partials: extra, ..base.recipe },
+        q_tile: base.q_tile,
+    }
+}
+
+/// Unit roundoff and smallest positive subnormal of a case file's storage type.
+pub fn storage_constants(storage: Dtype) -> (f64, f64) {
+    match storage {
+        Dtype::Bf16 => (2f64.powi(-8), 2f64.powi(-133)),
+        Dtype::F16 => (2f64.powi(-11), 2f64.powi(-24)),
+        _ => (F32_UNIT_ROUNDOFF, F32_SUBNORMAL),
+    }
+}
+
+/// The conservative recipe of an external kernel (a case file's `recipe`) with storage type `storage` computing as
+/// `kind`, and the query tile to count its partial sums with (1: any tiling). An external kernel's tiles,
+/// exponential and MMA shape are unknown, so every parameter is set to the value that makes the bound largest over
+/// the kernels the recipe covers (the argument for each is in `docs/case-format.md`).
+pub fn external(storage: Dtype, kind: RecipeKind) -> BackwardRecipe {
+    let (unit_roundoff, subnormal) = storage_constants(storage);
+    let u = F32_UNIT_ROUNDOFF;
+    let recipe = FlashRecipe {
+        unit_roundoff,
+        subnormal,
+        // One key per tile and one extra merge: n_t = Lk + 1 rescales, at least the tiles plus split-KV merges of
+        // any tiling with tiles of two or more keys.
+        kv_tile: 1,
+        extra_merges: 1,
+        // The query side's partial sums come from the q_tile below (one query per tile).
+        extra_query_partials: 0,
+        // ex2.approx.f32 is within 2 ulp (5u, see attnproof_gpu::flash); libm expf within 1 ulp. 8u covers both
+        // with margin.
+        exp_error: 8.0 * u,
+        // Arguments formed as s·c − fl(m·c) (FlashAttention 2/3, cuDNN) shift by ≤ u|m|; a backward's
+        // fma(dot, c, −fl(LSE·log2 e)) by ≤ 1.23u|LSE| with an f32 log2 e (its rounding multiplies LSE). 4u covers
+        // both.
+        shift_rounding: 4.0 * u,
+        // FlashAttention 2 and 3 build with --use_fast_math, whose exp2f flushes subnormal results to zero: a lost
+        // probability of up to 2^-126 covers it and gradual underflow.
+        exp_underflow: F32_MIN_NORMAL,
+        // One product per "instruction": γ'_{2n} with u' = 2u dominates round-to-nearest γ_n and every tensor-core
+        // MMA shape (k ≥ 1), and absorbs the two extra f32 roundings of the math backend's q·√α, k·√α.
+        accumulation: Accumulation::TensorCore { k_step: 1 },
+        score_reuse: ScoreReuse::Recomputed,
+        score_storage_rounding: if kind == RecipeKind::MathReduced { unit_roundoff } else { 0.0 },
+    };
+    BackwardRecipe { recipe, q_tile: 1 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// The storage constants agree with the reference's element types, so that a case file in bf16 or f16 is judged
+    /// with the unit roundoff and subnormal of the type our own schedules use.
+    #[test]
+    fn storage_constants_match_the_element_types() {
+        let bf = reference::<bf16>(16);
+        assert_eq!(storage_constants(Dtype::Bf16), (bf.unit_roundoff, bf.subnormal));
+        let f = reference::<f16>(16);
+        assert_eq!(storage_constants(Dtype::F16), (f.unit_roundoff, f.subnormal));
+    }
+
+    /// Each GPU recipe differs from the reference's in exactly the parameters its kernel changes, and the ring
+    /// recipes only add merges: a recipe that silently fell back to another would make these fail.
+    #[test]
+    fn gpu_and_ring_recipes_change_only_their_parameters() {
+        let fwd = gpu_forward::<bf16>();
+        assert_eq!(fwd.kv_tile, KV_TILE);
+        assert_eq!(fwd.exp_error, EXP_RELATIVE_ERROR);
+        assert_eq!(fwd.accumulation, Accumulation::TensorCore { k_step: 16 });
+        assert_ne!(fwd, reference::<bf16>(KV_TILE));
+        for tiling in BackwardTiling::ALL {
+            let bwd = gpu_backward::<f16>(tiling);
+            assert_eq!(bwd.recipe.kv_tile, tiling.kv_tile());
+            assert_eq!(bwd.recipe.shift_rounding, BACKWARD_SHIFT_ROUNDING);
+            assert_eq!(bwd.q_tile, attnproof_gpu::backward::Q_TILE);
+        }
+        let config = RingConfig {
+            n_devices: 3,
+            layout: attnproof_reference::ring::RingLayout::Zigzag,
+            tiles: attnproof_reference::TileConfig { q_tile: 8, kv_tile: 8 },
+        };
+        let ring = reference_ring::<bf16>(config);
+        assert_eq!(ring, FlashRecipe { extra_merges: config.extra_merges(), ..reference::<bf16>(8) });
+        assert!(ring.extra_merges > 0);
+        let gpu_ring = gpu_ring_backward::<bf16>(config.split());
+        assert_eq!(gpu_ring.recipe.extra_merges, gpu_ring.recipe.extra_query_partials);
+        assert!(gpu_ring.recipe.extra_merges > 0);
+        assert_eq!(gpu_ring_forward::<bf16>(config.split()).extra_merges, gpu_ring.recipe.extra_merges);
+    }
+}

@@ -1,0 +1,230 @@
+#!/usr/bin/env bash
+# Entry script of the GPU bundle: `cargo xtask gpu-bundle` copies this file (xtask/bundle/run.sh) into gpu-bundle/.
+# Modes:
+#   run.sh all [ARGS]       the whole GPU verification in one go: every test binary (the kernel-text mutants among
+#                           them), the scratch-built mutants and the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
+#                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
+#                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
+#   run.sh fuzz [MINUTES] [PROCESSES]
+#                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
+#                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
+#                           cases per process from $PROPTEST_CASES (default 48 forward, 16 backward). A failing case's
+#                           regression file and log land in $ATTNPROOF_LOGS (default $OUT, else a fresh directory).
+#   run.sh [tests] [ARGS]   every test binary (ARGS go to each: filters, --test-threads, ...); the default
+#   run.sh mutants          the GPU mutants: patched kernel texts (the table mutant -> killed by), then each
+#                           scratch-built mutant of mutants/ (its unpatched test binary must pass, its patched one fail)
+#   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
+#   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
+#                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
+#   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
+#                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
+#   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
+#                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
+#                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
+# Every mode exits non-zero on any failure.
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+export ATTNPROOF_REQUIRE_GPU=1
+export CUDA_HOME=/usr/local/cuda
+# NVRTC (libnvrtc.so.13) is loaded at run time; the toolkit's lib64 is not always on the loader path.
+export LD_LIBRARY_PATH="$CUDA_HOME/lib64:${LD_LIBRARY_PATH:-}"
+export PATH="$CUDA_HOME/bin:$PATH"
+# NVLink multicast stays off (on a shared host it can put the GPUs out of service), and NCCL comes from pip's
+# nvidia-nccl wheel when the host has no system copy: cudarc looks for libnccl.so, the wheel ships libnccl.so.2.
+export NCCL_NVLS_ENABLE=0
+# The wheel's layout differs between CUDA majors (nvidia/nccl/lib, nvidia/cu13/lib): search the nvidia namespace.
+nccl_so="$(python3 -c 'import glob, os, nvidia; print(next(iter(sorted(glob.glob(os.path.join(list(nvidia.__path__)[0], "**", "libnccl.so*"), recursive=True))), ""))' 2>/dev/null)"
+if [ -n "$nccl_so" ]; then
+    mkdir -p /tmp/attnproof-nccl && ln -sf "$nccl_so" /tmp/attnproof-nccl/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
+fi
+cd "$here" || exit 1
+# Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
+# The backward line is one test (all three strategies, both dtypes, fully masked and partial rows): under the
+# sanitizer each backward test takes minutes, and a wider filter did not finish in a 7-minute device call.
+SANITIZE=(
+    "attnproof-gpu-flash_forward lengths_one_and_tile_edges fully_masked_rows lq_ne_lk_both_ways gqa_and_mqa varlen_with_empty_sequences"
+    "attnproof-gpu-flash_backward fully_masked"
+    "attnproof-gpu-ring_state one_chunk"
+)
+# The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
+# (`test`) from a patched copy of the tree and wrote its libtest filter (`filter`, maybe empty) and the name of the
+# unpatched binary under tests/ (`baseline`). The unpatched binary must pass the filter, so that a failure says
+# something about the patch (a missing GPU, say, fails both); the patched one must fail. Returns non-zero unless
+# every mutant is killed; with no such mutant it reports 0 of 0.
+scratch_mutants() {
+    local total=0 killed=0 dir name filter baseline log
+    for dir in "$here"/mutants/*/; do
+        [ -x "$dir/test" ] || continue
+        name="$(basename "$dir")"
+        filter="$(cat "$dir/filter")"
+        baseline="$(cat "$dir/baseline")"
+        total=$((total + 1))
+        log="$(mktemp)"
+        if ! "$here/tests/$baseline" ${filter:+"$filter"} >"$log" 2>&1; then
+            echo "$name: BASELINE FAILED: tests/$baseline ${filter} fails unpatched; last lines:"
+            tail -n 20 "$log"
+        elif "$dir/test" ${filter:+"$filter"} >"$log" 2>&1; then
+            echo "$name: SURVIVED (tests/$baseline ${filter} passes patched)"
+        else
+            killed=$((killed + 1))
+            echo "$name: killed ($(grep -h -m 3 -- '\.\.\. FAILED$' "$log" | paste -sd' ' -))"
+        fi
+        rm -f "$log"
+    done
+    echo "gpu mutants of scratch builds: $killed of $total killed"
+    [ "$killed" -eq "$total" ]
+}
+mode=tests
+case "${1:-}" in
+    all | fuzz | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
+esac
+case "$mode" in
+all)
+    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
+    work="$(mktemp -d)"
+    start=$(date +%s)
+    # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
+    # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest.
+    for bin in "$here"/tests/*; do
+        name="$(basename "$bin")"
+        ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
+    done
+    (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
+    (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") &
+    wait
+    phase1=$(($(date +%s) - start))
+    # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
+    # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
+    PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
+    echo $? >"$work/bench.rc"
+    failed=0
+    {
+        echo "gpu-bundle all: tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
+        for rc in "$work"/*.rc; do
+            name="$(basename "$rc" .rc)"
+            status="$(cat "$rc")"
+            [ "$status" = "0" ] || failed=$((failed + 1))
+            counts="$(grep -h "^test result" "$work/$name.log" 2>/dev/null | sed 's/^test result: //; s/; finished.*//' | paste -sd' ' -)"
+            echo "$name: exit $status${counts:+ ($counts)}"
+        done
+        grep -h "^gpu mutants of\|^gpu-bundle sanitize" "$work"/*.log
+        grep -h "skipped: no CUDA device" "$work"/test-*.log && failed=$((failed + 1))
+        echo
+        sed -n '/^shape /,$p' "$work/bench.log"
+        echo
+        echo "gpu-bundle all: $failed parts failed"
+    } >"$work/summary.txt"
+    cat "$work/summary.txt"
+    mkdir -p "$logs"
+    cp "$work/summary.txt" "$logs/summary.txt"
+    (cd "$work" && tar czf "$logs/all-logs.tgz" ./*.log ./*.rc summary.txt)
+    echo "gpu-bundle all: logs in $logs (all-logs.tgz)"
+    exit $((failed > 0))
+    ;;
+fuzz)
+    minutes="${1:-5}"
+    processes="${2:-3}"
+    logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
+    mkdir -p "$logs"
+    deadline=$(($(date +%s) + 60 * minutes))
+    batch=0
+    failed=0
+    total=0
+    while [ "$(date +%s)" -lt "$deadline" ] && [ "$failed" -eq 0 ]; do
+        batch=$((batch + 1))
+        work="$(mktemp -d)"
+        for i in $(seq "$processes"); do
+            for side in forward backward; do
+                cases="${PROPTEST_CASES:-$([ "$side" = forward ] && echo 48 || echo 16)}"
+                # Each process in its own directory: proptest writes a failure's regression file relative to it.
+                dir="$work/$side-$i"
+                mkdir -p "$dir"
+                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-flash_$side" \
+                    "kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
+            done
+        done
+        wait
+        for dir in "$work"/*; do
+            total=$((total + 1))
+            if [ "$(cat "$dir/rc")" != "0" ]; then
+                failed=$((failed + 1))
+                name="fuzz-batch$batch-$(basename "$dir")"
+                cp "$dir/log" "$logs/$name.log"
+                for f in "$dir"/proptest-regressions/*.txt; do [ -f "$f" ] && cp "$f" "$logs/$name-$(basename "$f")"; done
+                echo "gpu-bundle fuzz: $(basename "$dir") of batch $batch failed; log and regression file in $logs"
+            fi
+        done
+        grep -h "worst error/bound" "$work"/*/log | sed "s/^/batch $batch: /"
+        rm -rf "$work"
+    done
+    echo "gpu-bundle fuzz: $batch batches, $total processes, $failed failed"
+    echo "(commit a regression file under tests/proptest-regressions/ of this repository and add a named test for it)"
+    exit $((failed > 0))
+    ;;
+tests)
+    failed=0
+    for bin in "$here"/tests/*; do
+        echo "=== $(basename "$bin")"
+        "$bin" --show-output "$@" || failed=$((failed + 1))
+    done
+    echo "gpu-bundle: $failed test binaries failed"
+    exit $((failed > 0))
+    ;;
+mutants)
+    # Both kernels' mutants: all_forward_mutants_are_killed and all_backward_mutants_are_killed.
+    "$here"/tests/attnproof-gpu-mutants mutants_are_killed --nocapture
+    status=$?
+    scratch_mutants || status=1
+    echo "gpu-bundle mutants: exit $status"
+    exit $status
+    ;;
+sanitize)
+    failed=0
+    for entry in "${SANITIZE[@]}"; do
+        read -r -a words <<<"$entry"
+        bin="${words[0]}"
+        for tool in memcheck racecheck; do
+            echo "=== compute-sanitizer --tool $tool $bin ${words[*]:1}"
+            log="$(mktemp)"
+            compute-sanitizer --tool "$tool" --error-exitcode 99 "$here/tests/$bin" --test-threads=1 "${words[@]:1}" >"$log" 2>&1
+            status=$?
+            grep -E "^test result|SUMMARY|^=========.*(ERROR|rror|azard)" "$log" | tail -n 20
+            if [ "$status" -ne 0 ]; then
+                failed=$((failed + 1))
+                echo "--- $tool $bin failed (exit $status); last lines:"
+                tail -n 40 "$log"
+            fi
+            rm -f "$log"
+        done
+    done
+    echo "gpu-bundle sanitize: $failed runs failed"
+    exit $((failed > 0))
+    ;;
+bench)
+    csv="$(mktemp -d)/ours.csv"
+    "$here"/bin/bench --csv "$csv" "$@" || exit 1
+    # PEERS_ARGS holds several arguments separated by spaces.
+    read -r -a peers_args <<<"${PEERS_ARGS:-}"
+    python3 "$here"/peers.py --ours "$csv" "${peers_args[@]}" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
+    ;;
+ring)
+    csv="$(mktemp -d)/ring.csv"
+    "$here"/bin/ring_bench --csv "$csv" "$@" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ring.csv"; fi
+    ;;
+peers)
+    out="${OUT:-$(mktemp -d)}"
+    cases="$(mktemp -d)"
+    PYTHONUNBUFFERED=1 python3 "$here"/python/examples/dump_peers.py --out "$cases" "$@" || exit 1
+    "$here"/bin/check "$cases"/*.safetensors >"$out/check.txt"
+    status=$?
+    "$here"/bin/check "$cases"/*.safetensors --json >"$out/check.json"
+    python3 "$here"/python/examples/peers_table.py "$out/check.json" >"$out/peers.md"
+    (cd "$cases" && tar czf - ./*.safetensors) | split -b 15m - "$out/cases.tgz."
+    tail -n 30 "$out/check.txt"
+    echo "gpu-bundle peers: check exit $status, results in $out"
+    exit $((status > 1))
+    ;;
+esac

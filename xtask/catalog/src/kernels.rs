@@ -1,0 +1,240 @@
+//! Mutants of the CUDA kernel texts (`gpu/kernels/*.cu`).
+//!
+//! Most are launched on a device in-process ([`Runner::KernelText`]): `gpu/tests/mutants.rs` patches the text the
+//! GPU crate embeds, first requires the unpatched kernel to pass every killing case, then requires each patch to fail
+//! one, and compiles every patch with NVRTC for `sm_90a` (no device needed) so that a patch that does not build cannot
+//! pass for killed. A mutant that breaks only the compilation of one variant is a [`Runner::Scratch`] mutant killed by
+//! the compile-only test.
+
+use crate::{Mutant, Runner};
+
+/// Base entry for mutants of the FlashAttention forward kernel, launched in-process on a device.
+const FLASH_FWD: Mutant = Mutant {
+    name: "",
+    description: "",
+    file: "gpu/kernels/flash_fwd.cu",
+    find: "",
+    replace: "",
+    runner: Runner::KernelText { kernel: "flash_fwd" },
+};
+
+/// Base entry for mutants of the FlashAttention backward kernels, launched in-process on a device.
+const FLASH_BWD: Mutant =
+    Mutant { file: "gpu/kernels/flash_bwd.cu", runner: Runner::KernelText { kernel: "flash_bwd" }, ..FLASH_FWD };
+
+/// Base entry for mutants of a kernel text that break one of its compiled variants: the GPU crate's compile-only test
+/// (NVRTC, no device; `gpu/tests/compile_only.rs`) must reject them.
+const COMPILE_ONLY: Mutant = Mutant {
+    runner: Runner::Scratch { package: "attnproof-gpu", target: Some("compile_only"), filter: None },
+    ..FLASH_BWD
+};
+
+/// The kernel-text mutants: the compile-only one, then the forward kernel's, then the backward kernels'.
+pub const MUTANTS: &[Mutant] = &[
+    // --- Compiled by NVRTC without a device ---
+    Mutant {
+        name: "kernel-dq-row-groups-ignore-narrow-chunks",
+        description: "bwd_kv's dQ step always takes two row groups, so a 32-column chunk splits into parts of 8 columns",
+        find: "#define DQ_ROW_GROUPS ((CHUNK / (KV_WARPS / 2)) % 16 == 0 ? 2 : 4)",
+        replace: "#define DQ_ROW_GROUPS 2",
+        ..COMPILE_ONLY
+    },
+    // --- flash_fwd.cu, launched on a device ---
+    Mutant {
+        name: "gpu-fwd-causal-top-left",
+        description: "Causal aligned top-left instead of bottom-right: wrong whenever Lq ≠ Lk",
+        find: "const long long shift = (long long)len_k - len_q;",
+        replace: "const long long shift = 0;",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-tail-mask-off-by-one",
+        description: "The key past the end is visible in the tail tile (it reads the zero-filled padding row: a spurious s = 0)",
+        find: "const bool vis = j < len_k &&",
+        replace: "const bool vis = j <= len_k &&",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-missing-rescale",
+        description: "ℓ and A are never rescaled when the running max moves",
+        find: "ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]))",
+        replace: "1.f",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-accumulator-not-rescaled",
+        description: "A is not rescaled, ℓ is (a half-done rescale)",
+        find: "acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);",
+        replace: "",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-missing-max-subtraction",
+        description: "p = 2^(s·L) without subtracting the running max: overflows at large logits, and LSE loses m",
+        find: "ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]))",
+        replace: "ex2_approx_ftz(__fmul_rn(x, LOG2E_F))",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-lse-base-2",
+        description: "LSE in base 2",
+        find: "__fadd_rn(m_run[mi][r], logf(l))",
+        replace: "__fadd_rn(m_run[mi][r], log2f(l))",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-scale-one-over-d",
+        description: "Scale 1/d instead of 1/√d",
+        find: "float x = __fmul_rn(s[mi][n][e], scale);",
+        replace: "float x = __fmul_rn(s[mi][n][e], scale * scale);",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-gqa-head-map",
+        description: "GQA maps query head h to KV head h % group instead of h / group",
+        find: "const int kv_head = head / group;",
+        replace: "const int kv_head = head % group;",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-last-kv-tile-skipped",
+        description: "The last KV tile of every CTA is skipped",
+        find: "for (int t = tile_lo; t < tile_hi; ++t) {",
+        replace: "for (int t = tile_lo; t + 1 < tile_hi; ++t) {",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-only-first-warp-writes",
+        description: "Only warp 0 stores its rows (the others' stay NaN-poisoned)",
+        find: "if (row >= rows_here) continue;",
+        replace: "if (row >= rows_here || warp > 0) continue;",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-row-max-half-reduced",
+        description: "The row max is reduced over half the quad only",
+        find: "m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));",
+        replace: "",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-row-sum-half-reduced",
+        description: "ℓ is reduced over half the quad only",
+        find: "l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));",
+        replace: "",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-stale-k-tile",
+        description: "The last tile's K is never fetched: its scores use the previous tile's keys",
+        find: "if (t + 1 < tile_hi) {",
+        replace: "if (t + 2 < tile_hi) {",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-interior-ignores-tail",
+        description: "The tail tile is taken for an interior one (no mask past Lk)",
+        find: "const bool interior = key0 + BLOCK_N <= len_k && key0 >= diag_hi - win_left &&",
+        replace: "const bool interior = key0 >= diag_hi - win_left &&",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-interior-ignores-diagonal",
+        description: "Diagonal tiles are taken for interior ones when their first key is visible",
+        find: "(long long)key0 + BLOCK_N - 1 <= diag_lo + win_right;",
+        replace: "(long long)key0 <= diag_lo + win_right;",
+        ..FLASH_FWD
+    },
+    Mutant {
+        name: "gpu-fwd-window-left-ignored",
+        description: "The window's left bound is not applied inside a tile",
+        find: "&& j >= diag - win_left;",
+        replace: ";",
+        ..FLASH_FWD
+    },
+    // --- flash_bwd.cu, launched on a device ---
+    Mutant {
+        name: "gpu-bwd-ds-missing-delta",
+        description: "dS = P ∘ dP without subtracting D (E9): the softmax Jacobian's rank-one term is lost",
+        find: "__fmul_rn(p, __fsub_rn(dpt[n][e], delta_t[qc]))",
+        replace: "__fmul_rn(p, dpt[n][e])",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-kv-tile-rows-off-by-one",
+        description: "The last query tile that sees a KV tile is skipped: its rows add nothing to dK and dV",
+        find: "*a_hi = (int)(row_hi / Q_TILE);",
+        replace: "*a_hi = (int)(row_hi / Q_TILE) - 1;",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-gqa-dk-overwritten",
+        description: "GQA: each query head's dK overwrites the group's sum instead of adding to it",
+        find: "tot_k = hh == 0 ? x : __fadd_rn(tot_k, x);",
+        replace: "tot_k = x;",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-gqa-last-head-dropped",
+        description: "GQA: the group sum of dK and dV leaves out the last query head of each group",
+        find: "for (int hh = 0; hh < group; ++hh) {",
+        replace: "for (int hh = 0; hh + 1 < group; ++hh) {",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-dk-missing-scale",
+        description: "dK is written without the softmax scale α̂ (dS is the gradient of the scaled scores)",
+        find: "pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])))",
+        replace: "pack_elems(to_elem(xk[0]), to_elem(xk[1]))",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-delta-half-reduced",
+        description: "D = rowsum(dO ∘ O) reduced over 16 of the 32 lanes only",
+        find: "for (int off = 16; off > 0; off >>= 1)",
+        replace: "for (int off = 16; off > 1; off >>= 1)",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-atomic-dq-column-lost",
+        description: "The atomic dQ mode drops the odd column of each pair",
+        find: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], part[mt][n][2 * r + 1]);",
+        replace: "red_add_v2(live, dq_row + n * 8, part[mt][n][2 * r], 0.f);",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-q-prefetch-same-stage",
+        description: "The next query tile is prefetched into the stage being computed on (a race that mixes two tiles)",
+        find: "load_q_tile(a + 1, stage ^ 1);",
+        replace: "load_q_tile(a + 1, stage);",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-dq-column-half-repeated",
+        description: "Every column part of bwd_kv's warps computes the first part of the chunk's dQ columns",
+        find: "const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;",
+        replace: "const int dq_c = c0;",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-window-left-ignored",
+        description: "The window's left bound is not applied when P is recomputed in the KV-owner kernel",
+        find: "j <= i + win_right && j >= i - win_left;",
+        replace: "j <= i + win_right;",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-dq-interior-ignores-diagonal",
+        description: "Strategy A takes a KV tile that crosses the diagonal (or a window's right edge) for an interior one: future keys leak into dQ",
+        find: "key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&",
+        replace: "",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-interior-ignores-window-right",
+        description: "A warp's keys that cross the diagonal (or a window's right edge) are taken as fully visible: future keys leak",
+        find: "wkey0 + 15 <= row0 + shift + win_right && ",
+        replace: "",
+        ..FLASH_BWD
+    },
+];
