@@ -40,7 +40,7 @@
 //! reference's for the storage type (`unit_roundoff = u_T`, `subnormal = τ_T`) with `kv_tile =` [`KV_TILE`],
 //! `extra_merges = 0`, `exp_error =` [`EXP_RELATIVE_ERROR`], `shift_rounding =` [`BACKWARD_SHIFT_ROUNDING`],
 //! `exp_underflow =` [`EXP_UNDERFLOW`] and `accumulation = TensorCore { k_step: 16 }`, verified with `q_tile = 64`
-//! (`gpu/tests/flash_backward.rs`).
+//! (`gpu/tests/it/flash_backward.rs`).
 //!
 //! `P` is FlashAttention's fused form: `p = ex2.approx.ftz(fma(dot, c_L, −b_L))`, with `dot` the unscaled tensor-core
 //! dot product `q·k`, `c_L = fl32(α̂·log2 e)` per launch and `b_L = fl32(LSE·log2 e)` per row, each product formed in

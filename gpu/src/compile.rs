@@ -25,7 +25,7 @@
 //! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) would not
 //! exist in later architectures' plain targets. The kernels use none of them: every instruction they use is in the
 //! plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run every kernel.
-//! `gpu/tests/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
+//! `gpu/tests/it/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
 //! accepts exactly the pairs this table admits.
 
 use std::collections::HashMap;

@@ -33,7 +33,7 @@
 //! computes `ŝ = round_T(Σ_c round_T(q_c·√α) round_T(k_c·√α))`): each product carries a relative
 //! perturbation of at most `2ε` from the two input roundings and the final rounding adds
 //! `ε|ŝ_ij|`, with `|ŝ_ij| ≤ (1 + 2^-5)|α|Σ_c|q_ic||k_jc|` under the hypothesis below; the
-//! `3ε` term covers both to first order. Its test (`tests/tests/check_recipes.rs` in the
+//! `3ε` term covers both to first order. Its test (`tests/tests/it/check_recipes.rs` in the
 //! harness) simulates that recipe and fails without the term.
 //!
 //! All terms are first order. Hypothesis: every first-order relative perturbation (`η`, `u_T`,

@@ -1,4 +1,4 @@
-//! The discriminability gate (DESIGN.md › Verdicts): every case also scores canned wrong
+//! The discriminability gate (docs/design.md, verdicts): every case also scores canned wrong
 //! answers — zeros, `mean(V)`, the last KV tile dropped, scale `1/d`, LSE in base 2, a dropped
 //! selected block — and the case is invalid unless each applicable one fails the verdict.
 //!

@@ -39,13 +39,18 @@ if [ -n "$nccl_so" ]; then
     export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
 fi
 cd "$here" || exit 1
-# Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...". A new kernel adds its line.
-# The backward line is one test (all three strategies, both dtypes, fully masked and partial rows): under the
-# sanitizer each backward test takes minutes, and a wider filter did not finish in a 7-minute device call.
+# Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...", one test per line so that a
+# failure names it. A new kernel adds its line. Under the sanitizer every launch is about a hundred times slower and
+# the adversarial table's tests run far too many cases (a backward filter matching a few of them did not finish in a
+# 7-minute device call), so each kernel has a dedicated test of a handful of tiny shapes, gpu/tests/it/common.rs
+# `sanitizer_shapes`: tail tiles (tile +- 1), a fully masked row, a GQA group of 3, varlen with an empty sequence, a
+# sliding window, and the largest head dims (256, and d != dv), which take the forward's single-slice tiling and the
+# backward's single-stage pipeline (Q_STAGES = 1); the backward runs every strategy (strategy A's bwd_dq and the
+# deterministic dQ sum included). The ring's one-chunk test covers the state-out forward and the merge kernels.
 SANITIZE=(
-    "attnproof-gpu-flash_forward lengths_one_and_tile_edges fully_masked_rows lq_ne_lk_both_ways gqa_and_mqa varlen_with_empty_sequences"
-    "attnproof-gpu-flash_backward fully_masked"
-    "attnproof-gpu-ring_state one_chunk"
+    "attnproof-gpu-it flash_forward::sanitizer_shapes"
+    "attnproof-gpu-it flash_backward::sanitizer_shapes"
+    "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
 # (`test`) from a patched copy of the tree and wrote its libtest filter (`filter`, maybe empty) and the name of the
@@ -85,10 +90,23 @@ all)
     work="$(mktemp -d)"
     start=$(date +%s)
     # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
-    # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest.
+    # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest. The integration
+    # binary (attnproof-gpu-it) holds one module per former test file: each module runs as a process of its own
+    # (filter `MODULE::`), with its own log and summary line; other binaries run whole.
     for bin in "$here"/tests/*; do
         name="$(basename "$bin")"
-        ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
+        modules=""
+        case "$name" in
+        *-it) modules="$("$bin" --list 2>/dev/null | sed -n 's/^\([A-Za-z0-9_]*\)::.*: test$/\1/p' | sort -u)" ;;
+        esac
+        if [ -z "$modules" ]; then
+            ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
+            continue
+        fi
+        for module in $modules; do
+            ("$bin" "$module::" --show-output >"$work/test-$name-$module.log" 2>&1
+                echo $? >"$work/test-$name-$module.rc") &
+        done
     done
     (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
     (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") &
@@ -140,8 +158,8 @@ fuzz)
                 # Each process in its own directory: proptest writes a failure's regression file relative to it.
                 dir="$work/$side-$i"
                 mkdir -p "$dir"
-                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-flash_$side" \
-                    "kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
+                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-it" \
+                    "flash_$side::kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
             done
         done
         wait
@@ -172,8 +190,8 @@ tests)
     exit $((failed > 0))
     ;;
 mutants)
-    # Both kernels' mutants: all_forward_mutants_are_killed and all_backward_mutants_are_killed.
-    "$here"/tests/attnproof-gpu-mutants mutants_are_killed --nocapture
+    # Both kernels' mutants: mutants::all_forward_mutants_are_killed and mutants::all_backward_mutants_are_killed.
+    "$here"/tests/attnproof-gpu-it mutants_are_killed --nocapture
     status=$?
     scratch_mutants || status=1
     echo "gpu-bundle mutants: exit $status"

@@ -684,7 +684,7 @@ mod tests {
     fn equations_paths_classify() {
         let kinds: Vec<Option<Kind>> = [
             "oracle/src/online.rs",
-            "oracle/tests/semantics.rs",
+            "oracle/tests/it/semantics.rs",
             "proofs/src/nsa.rs",
             "fixtures/src/lib.rs",
             "fixtures/src/book/math.rs",

@@ -203,7 +203,12 @@ pub const COMMANDS: &[CommandSpec] = &[
                     "fuzz for N minutes (fractions allowed), not counting the initial build",
                 )
             },
-            valued("--target", "T", ValueType::Text, "fuzz only tests/tests/T.rs (default: every file there)"),
+            valued(
+                "--target",
+                "T",
+                ValueType::Text,
+                "fuzz only the module T of the harness test binary (tests/tests/it/T.rs; default: every module)",
+            ),
             Flag {
                 default: Some("256"),
                 ..valued("--cases-per-batch", "K", ValueType::PositiveInt, "PROPTEST_CASES of each batch")

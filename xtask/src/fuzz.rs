@@ -1,7 +1,8 @@
 //! `cargo xtask fuzz`: runs the harness's proptest suites in release mode, batch after batch with a fresh seed, for a
 //! given number of minutes, showing progress and saving every failing batch's output.
 //!
-//! A batch is one `cargo test --release -p attnproof-harness --test T` with `PROPTEST_CASES=K` and a fresh
+//! A target is a module of the harness's one integration-test binary `it` (a former test file, e.g. `flash_forward`).
+//! A batch is one `cargo test --release -p attnproof-harness --test it -- T::` with `PROPTEST_CASES=K` and a fresh
 //! `PROPTEST_RNG_SEED` (the variables proptest 1.12 reads in `test_runner::config::contextualize_config`); targets
 //! take turns, one per batch. The reported case count is tests × K per batch: libtest says how many tests ran, not
 //! how many cases each drew, and a failing property stops early.
@@ -19,8 +20,12 @@ use crate::process::{cargo, describe, ensure_m4, run_status};
 
 /// The package whose integration tests are fuzzed.
 const PACKAGE: &str = "attnproof-harness";
-/// Its integration tests, relative to the repository root: every `*.rs` file here is a target.
-const TESTS_DIR: &str = "tests/tests";
+/// Its one integration-test binary, whose modules are the fuzz targets.
+const TEST_BINARY: &str = "it";
+/// That binary's modules, relative to the repository root: every `*.rs` file here but the crate root is a target.
+const TESTS_DIR: &str = "tests/tests/it";
+/// The crate root of the test binary, which declares the modules and is no target itself.
+const CRATE_ROOT: &str = "main";
 /// How often the progress line is redrawn on a terminal.
 const REDRAW: Duration = Duration::from_millis(250);
 /// Width of the text progress bar, in characters.
@@ -44,7 +49,7 @@ impl Options {
     }
 }
 
-/// The integration test targets of the harness: the stems of `tests/tests/*.rs`, sorted.
+/// The fuzz targets: the stems of `tests/tests/it/*.rs` but `main.rs`, sorted.
 fn list_targets(root: &Path) -> Result<Vec<String>> {
     let dir = root.join(TESTS_DIR);
     let mut targets: Vec<String> = std::fs::read_dir(&dir)
@@ -53,6 +58,7 @@ fn list_targets(root: &Path) -> Result<Vec<String>> {
         .map(|e| e.path())
         .filter(|p| p.is_file() && p.extension().is_some_and(|e| e == "rs"))
         .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .filter(|stem| stem != CRATE_ROOT)
         .collect();
     targets.sort();
     Ok(targets)
@@ -66,6 +72,12 @@ fn choose_targets(all: Vec<String>, only: Option<&str>) -> Result<Vec<String>> {
         Some(t) if all.iter().any(|a| a == t) => Ok(vec![t.to_owned()]),
         Some(t) => bail!("no test target `{t}` in {TESTS_DIR}/; the targets are: {}", all.join(", ")),
     }
+}
+
+/// The arguments of `cargo test` after `test --release` that run one target's tests: the module's path prefix is a
+/// libtest name filter (`flash_forward::` selects exactly the tests of `tests/tests/it/flash_forward.rs`).
+fn batch_args(target: &str) -> [String; 6] {
+    ["-p", PACKAGE, "--test", TEST_BINARY, "--", &format!("{target}::")].map(str::to_owned)
 }
 
 /// A 64-bit mixer (splitmix64) so that consecutive batch seeds are unrelated without a random-number dependency.
@@ -144,10 +156,7 @@ pub fn fuzz(root: &Path, flags: &Parsed) -> Result<ExitCode> {
 
     // Build first, in the open, so that the clock measures fuzzing rather than compiling.
     let mut build = cargo(root);
-    build.args(["test", "--release", "-p", PACKAGE, "--no-run"]);
-    for t in &targets {
-        build.args(["--test", t]);
-    }
+    build.args(["test", "--release", "-p", PACKAGE, "--no-run", "--test", TEST_BINARY]);
     if !run_status(&mut build)?.success() {
         bail!("the release build of the fuzz targets failed (`{}`)", describe(&build));
     }
@@ -174,7 +183,8 @@ pub fn fuzz(root: &Path, flags: &Parsed) -> Result<ExitCode> {
         let target = &targets[(totals.batches % targets.len() as u64) as usize];
         let seed = splitmix64(&mut seed_state);
         let mut cmd = cargo(root);
-        cmd.args(["test", "--release", "-p", PACKAGE, "--test", target])
+        cmd.args(["test", "--release"])
+            .args(batch_args(target))
             .env("PROPTEST_CASES", k.to_string())
             .env("PROPTEST_RNG_SEED", seed.to_string())
             .env("CARGO_TERM_COLOR", "never")
@@ -285,7 +295,8 @@ fn report_failure(
     );
     println!("  log: {}", relative(log));
     println!(
-        "  reproduce: PROPTEST_RNG_SEED={seed} PROPTEST_CASES={cases} cargo test --release -p {PACKAGE} --test {target}"
+        "  reproduce: PROPTEST_RNG_SEED={seed} PROPTEST_CASES={cases} cargo test --release {}",
+        batch_args(target).join(" ")
     );
     if written.is_empty() {
         println!("  proptest records failing seeds in `tests/proptest-regressions/<suite>.txt`; commit that file.");
@@ -321,11 +332,17 @@ mod tests {
     fn targets_come_from_the_tests_directory() {
         let all = list_targets(&crate::repo_root()).unwrap();
         assert!(all.iter().any(|t| t == "flash_forward"), "{all:?}");
+        assert!(!all.iter().any(|t| t == CRATE_ROOT), "{all:?}");
         assert!(all.windows(2).all(|w| w[0] < w[1]));
         assert_eq!(choose_targets(all.clone(), Some("flash_forward")).unwrap(), ["flash_forward"]);
         assert!(choose_targets(all.clone(), Some("nope")).is_err());
         assert_eq!(choose_targets(all.clone(), None).unwrap(), all);
         assert!(choose_targets(vec![], None).is_err());
+    }
+
+    #[test]
+    fn a_batch_runs_one_module_of_the_test_binary() {
+        assert_eq!(batch_args("flash_forward").join(" "), "-p attnproof-harness --test it -- flash_forward::");
     }
 
     #[test]

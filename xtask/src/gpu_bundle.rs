@@ -270,13 +270,10 @@ mod tests {
 
     #[test]
     fn picks_test_executables_of_the_package() {
-        let line = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/main/gpu#attnproof-gpu@0.1.0","target":{"kind":["test"],"name":"flash_forward"},"profile":{"opt_level":"3","test":true},"executable":"/w/main/target/release/deps/flash_forward-0123abcd"}"#;
+        let line = r#"{"reason":"compiler-artifact","package_id":"path+file:///w/main/gpu#attnproof-gpu@0.1.0","target":{"kind":["test"],"name":"it"},"profile":{"opt_level":"3","test":true},"executable":"/w/main/target/release/deps/it-0123abcd"}"#;
         assert_eq!(
             test_executable(line, "attnproof-gpu"),
-            Some((
-                "attnproof-gpu-flash_forward".into(),
-                PathBuf::from("/w/main/target/release/deps/flash_forward-0123abcd")
-            ))
+            Some(("attnproof-gpu-it".into(), PathBuf::from("/w/main/target/release/deps/it-0123abcd")))
         );
         assert_eq!(test_executable(line, "attnproof-harness"), None);
         let lib = line.replace(r#""test":true"#, r#""test":false"#);

@@ -664,8 +664,9 @@ pub fn test_counts(lines: &[String]) -> TestCounts {
     counts
 }
 
-/// A short name for the test binary cargo announces in `Running tests/x.rs (...)`, `Running unittests src/lib.rs
-/// (...)` or `Doc-tests crate`: `x`, `unittests`, `doctests`.
+/// A short name for the test binary cargo announces in `Running tests/x.rs (...)`, `Running tests/it/main.rs (...)`
+/// (a binary of several modules, named by its directory), `Running unittests src/lib.rs (...)` or `Doc-tests crate`:
+/// `x`, `it`, `unittests`, `doctests`.
 fn binary_label(line: &str) -> Option<String> {
     let line = line.trim();
     if line.starts_with("Doc-tests ") {
@@ -675,7 +676,10 @@ fn binary_label(line: &str) -> Option<String> {
     if source.starts_with("unittests ") {
         return Some("unittests".to_owned());
     }
-    Path::new(source).file_stem().map(|s| s.to_string_lossy().into_owned())
+    let path = Path::new(source);
+    let named =
+        if path.file_stem().is_some_and(|s| s == "main") { path.parent()?.file_name() } else { path.file_stem() };
+    named.map(|s| s.to_string_lossy().into_owned())
 }
 
 /// The tests libtest reports as `test NAME ... FAILED` on stdout, each prefixed with its binary
@@ -770,6 +774,7 @@ mod tests {
              \x20    Running unittests src/lib.rs (target/debug/deps/attnproof_harness-1)\n\
              \x20    Running tests/flash_forward.rs (target/debug/deps/flash_forward-2)\n\
              \x20    Running tests/one.rs (target/debug/deps/one-3)\n\
+             \x20    Running tests/it/main.rs (target/debug/deps/it-4)\n\
              \x20  Doc-tests attnproof_harness\n",
         );
         let out = lines(
@@ -783,6 +788,8 @@ mod tests {
              \nrunning 1 test\n\
              test alone ... FAILED\n\
              \nrunning 1 test\n\
+             test ring::drawn ... FAILED\n\
+             \nrunning 1 test\n\
              test src/lib.rs - x (line 3) ... FAILED\n",
         );
         assert_eq!(
@@ -790,6 +797,7 @@ mod tests {
             [
                 "flash_forward::reference_forward_is_within_bound_bf16",
                 "one::alone",
+                "it::ring::drawn",
                 "doctests::src/lib.rs - x (line 3)"
             ]
         );
@@ -802,7 +810,7 @@ mod tests {
     fn compile_errors_are_recognized() {
         assert!(compile_failed(&lines("error[E0308]: mismatched types\n  --> reference/src/flash.rs:1:1")));
         assert!(compile_failed(&lines("error: could not compile `attnproof-reference` (lib) due to 1 previous error")));
-        assert!(!compile_failed(&lines("error: test failed, to rerun pass `--test flash_forward`")));
+        assert!(!compile_failed(&lines("error: test failed, to rerun pass `--test it`")));
     }
 
     #[cfg(unix)]
@@ -851,7 +859,7 @@ mod tests {
     fn regression_files_are_recognized() {
         assert!(is_regression_file(Path::new("tests/tests/flash_forward.proptest-regressions")));
         assert!(is_regression_file(Path::new("tests/proptest-regressions/flash.txt")));
-        assert!(!is_regression_file(Path::new("tests/tests/flash_forward.rs")));
+        assert!(!is_regression_file(Path::new("tests/tests/it/flash_forward.rs")));
     }
 
     #[cfg(unix)]

@@ -17,7 +17,7 @@
 //! only, so none of it ends up in the xtask binary.
 #![cfg(test)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
 use std::process::Command;
@@ -41,6 +41,8 @@ enum Rule {
     UnsafeLocation,
     /// Rule 7: no `#[ignore]`, `dbg!(` or `todo!(`.
     ForbiddenMacro,
+    /// Rule 8: no two modules of a layered crate import each other in a circle.
+    ModuleCycle,
 }
 
 impl Rule {
@@ -54,6 +56,7 @@ impl Rule {
             Rule::SafetyComment => "safety-comment",
             Rule::UnsafeLocation => "unsafe-location",
             Rule::ForbiddenMacro => "forbidden-macro",
+            Rule::ModuleCycle => "module-cycle",
         }
     }
 }
@@ -832,6 +835,141 @@ fn check_unsafe_location(path: &str, text: &str) -> Vec<Violation> {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Rule 8: no import circles between the modules of the layered crates.
+// ---------------------------------------------------------------------------------------------------------------
+
+/// The source folders whose modules must form a layering (no file imports, directly or through others, a file that
+/// imports it back): the GPU crate and the reference crate, where crate-wide helpers live in modules of their own.
+const LAYERED_SOURCES: &[&str] = &["gpu/src/", "reference/src/"];
+
+/// The module path of a file below its crate's source folder: `ring/state.rs` → `[ring, state]`, `ring/mod.rs` →
+/// `[ring]`, `lib.rs` → `[]`.
+fn module_path_of(relative: &str) -> Vec<String> {
+    let stem = relative.strip_suffix(".rs").unwrap_or(relative);
+    let mut parts: Vec<String> = stem.split('/').map(str::to_owned).collect();
+    if matches!(parts.last().map(String::as_str), Some("mod" | "lib")) {
+        parts.pop();
+    }
+    parts
+}
+
+/// The file that defines the module a path names: the longest prefix of `path` that is a file (`a/b.rs` or
+/// `a/b/mod.rs`), else the crate root `lib.rs` (an item of the root, or a re-export there).
+fn module_file(files: &BTreeMap<String, String>, path: &[String]) -> String {
+    for n in (1..=path.len()).rev() {
+        let stem = path[..n].join("/");
+        for candidate in [format!("{stem}.rs"), format!("{stem}/mod.rs")] {
+            if files.contains_key(&candidate) {
+                return candidate;
+            }
+        }
+    }
+    "lib.rs".to_owned()
+}
+
+/// The module paths that `code` names through `crate::…` and `super::…` (a `use` line or a qualified path), seen from
+/// the module `here`. Lower-case segments only: a type or function name ends the module part of a path.
+fn named_modules(code: &str, here: &[String]) -> Vec<Vec<String>> {
+    let is_path_char = |c: char| c.is_alphanumeric() || c == '_' || c == ':';
+    let mut named = Vec::new();
+    let bytes = code.as_bytes();
+    for (at, _) in code.match_indices("crate::").chain(code.match_indices("super::")) {
+        // Only where the keyword starts a path, not inside another identifier (`my_crate::`).
+        if at > 0 && (bytes[at - 1].is_ascii_alphanumeric() || bytes[at - 1] == b'_' || bytes[at - 1] == b':') {
+            continue;
+        }
+        let text: String = code[at..].chars().take_while(|&c| is_path_char(c)).collect();
+        let mut segments = text.split("::").filter(|s| !s.is_empty());
+        let mut path: Vec<String> = match segments.next() {
+            Some("crate") => Vec::new(),
+            _ => here[..here.len().saturating_sub(1)].to_vec(),
+        };
+        for segment in segments {
+            match segment {
+                "super" => {
+                    path.pop();
+                }
+                s if s.chars().next().is_some_and(|c| c.is_lowercase()) => path.push(s.to_owned()),
+                _ => break,
+            }
+        }
+        named.push(path);
+    }
+    named
+}
+
+/// Rule 8: the modules of one crate's source folder (`files`: paths relative to it, with their text) import each
+/// other without a circle. An edge goes from a file to the file of every module it names with `crate::…` or
+/// `super::…` outside its `#[cfg(test)]` part (tests may reach anywhere), comments and strings ignored. A parent's
+/// `pub use child::Item` re-export is not an edge (it names no `crate::`/`super::` path): a facade over its own
+/// children is not a layer above them. `src_root` prefixes the paths in the violations.
+fn check_module_cycles(src_root: &str, files: &BTreeMap<String, String>) -> Vec<Violation> {
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (file, text) in files {
+        let stripped = strip_comments_and_strings(text);
+        let code = stripped.split("#[cfg(test)]").next().unwrap_or("");
+        for path in named_modules(code, &module_path_of(file)) {
+            let target = module_file(files, &path);
+            if &target != file {
+                edges.entry(file.clone()).or_default().insert(target);
+            }
+        }
+    }
+    // Depth-first search; each circle is reported once, at the file where the search closed it.
+    fn visit(
+        node: &str,
+        edges: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+        circles: &mut Vec<Vec<String>>,
+    ) {
+        if let Some(at) = path.iter().position(|n| n == node) {
+            circles.push(path[at..].to_vec());
+            return;
+        }
+        if done.contains(node) {
+            return;
+        }
+        path.push(node.to_owned());
+        for next in edges.get(node).into_iter().flatten() {
+            visit(next, edges, path, done, circles);
+        }
+        path.pop();
+        done.insert(node.to_owned());
+    }
+    let (mut done, mut circles) = (BTreeSet::new(), Vec::new());
+    for file in files.keys() {
+        visit(file, &edges, &mut Vec::new(), &mut done, &mut circles);
+    }
+    circles
+        .into_iter()
+        .map(|circle| {
+            let shown: Vec<String> = circle.iter().chain(circle.first()).map(|f| format!("{src_root}{f}")).collect();
+            Violation::new(
+                &format!("{src_root}{}", circle[0]),
+                1,
+                Rule::ModuleCycle,
+                format!(
+                    "modules import each other in a circle: {}; move what both need into a module of its own",
+                    shown.join(" -> ")
+                ),
+            )
+        })
+        .collect()
+}
+
+/// The Rust files of a crate's source folder below `src_root` (the `bin/` targets excluded: they are crates of their
+/// own), keyed by their path relative to it.
+fn layered_sources(root: &Path, files: &[String], src_root: &str) -> BTreeMap<String, String> {
+    files
+        .iter()
+        .filter_map(|f| f.strip_prefix(src_root).map(|rel| (f, rel)))
+        .filter(|(_, rel)| rel.ends_with(".rs") && !rel.starts_with("bin/"))
+        .filter_map(|(f, rel)| std::fs::read_to_string(root.join(f)).ok().map(|text| (rel.to_owned(), text)))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Rule 7: no ignored tests, no leftover debugging macros.
 // ---------------------------------------------------------------------------------------------------------------
 
@@ -972,6 +1110,14 @@ fn check_repository(root: &Path, files: &[String]) -> Result<Vec<Violation>> {
     }
     violations.extend(check_dependency_rule("Cargo.toml", &manifests));
 
+    for src_root in LAYERED_SOURCES {
+        let sources = layered_sources(root, files, src_root);
+        if sources.is_empty() {
+            violations.push(Violation::new(src_root, 1, Rule::ModuleCycle, "no Rust source found in this folder"));
+        }
+        violations.extend(check_module_cycles(src_root, &sources));
+    }
+
     match std::fs::read_to_string(root.join(ARCHITECTURE)) {
         Ok(architecture) => {
             let sources: Vec<&str> = files.iter().map(String::as_str).collect();
@@ -999,6 +1145,61 @@ fn tidy() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn sources(files: &[(&str, &str)]) -> BTreeMap<String, String> {
+        files.iter().map(|(path, text)| ((*path).to_owned(), (*text).to_owned())).collect()
+    }
+
+    #[test]
+    fn module_cycle_is_reported_through_crate_and_super_paths() {
+        // flash.rs → ring/state.rs (crate::), ring/state.rs → flash.rs (super::super:: is the crate root, then
+        // `flash`): a circle of two files.
+        let files = sources(&[
+            ("lib.rs", "pub mod flash;\npub mod ring;\n"),
+            ("flash.rs", "use crate::ring::state::ChunkWindow;\n"),
+            ("ring/mod.rs", "pub mod state;\n"),
+            ("ring/state.rs", "use super::super::flash::GpuElement;\n"),
+        ]);
+        let found = check_module_cycles("gpu/src/", &files);
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].rule, Rule::ModuleCycle);
+        assert!(
+            found[0].message.contains("gpu/src/flash.rs -> gpu/src/ring/state.rs -> gpu/src/flash.rs"),
+            "{found:?}"
+        );
+    }
+
+    #[test]
+    fn module_cycle_ignores_layers_tests_comments_and_facades() {
+        // Both import a helper module (a layer, no circle); the test module and a comment name the other file; the
+        // parent re-exports its child (a facade); the child uses its parent's helper through `super::`.
+        let files = sources(&[
+            ("lib.rs", "pub mod common;\npub mod flash;\npub mod backward;\npub mod sparse;\n"),
+            ("common.rs", "pub trait GpuElement {}\n"),
+            ("flash.rs", "use crate::common::GpuElement;\n// crate::backward::x\n"),
+            (
+                "backward.rs",
+                "use crate::common::GpuElement;\nuse crate::flash::check;\n#[cfg(test)]\nmod t { use crate::backward::x; use crate::flash::y; }\n",
+            ),
+            ("sparse/mod.rs", "pub mod block;\npub use block::forward;\npub(crate) struct RowState;\n"),
+            ("sparse/block.rs", "use super::RowState;\nconst S: &str = \"crate::flash::\";\n"),
+        ]);
+        assert_eq!(check_module_cycles("gpu/src/", &files), Vec::<Violation>::new());
+        // The same files with one edge added back from flash.rs to backward.rs close a circle.
+        let mut broken = files.clone();
+        broken.insert("flash.rs".to_owned(), "use crate::common::GpuElement;\nuse crate::backward::Plan;\n".to_owned());
+        assert_eq!(check_module_cycles("gpu/src/", &broken).len(), 1);
+    }
+
+    #[test]
+    fn module_paths_of_files() {
+        assert_eq!(module_path_of("lib.rs"), Vec::<String>::new());
+        assert_eq!(module_path_of("ring/mod.rs"), ["ring"]);
+        assert_eq!(module_path_of("ring/state.rs"), ["ring", "state"]);
+        let here = module_path_of("ring/state.rs");
+        assert_eq!(named_modules("use super::link::StreamLink;", &here), [vec!["ring".to_owned(), "link".to_owned()]]);
+        assert_eq!(named_modules("x: my_crate::a::B", &here), Vec::<Vec<String>>::new());
+    }
 
     /// `n` steps up, built at run time so that this file's own text climbs nowhere.
     fn up(n: usize) -> String {

@@ -1,4 +1,4 @@
-//! The conventions of EQUATIONS.md as the oracle implements them: bottom-right causal (E1a),
+//! The conventions of docs/equations.md as the oracle implements them: bottom-right causal (E1a),
 //! windows, GQA mapping and sums (E1b, E9), varlen with empty sequences, fully masked rows
 //! (E1c), `dv ≠ d`, and the ring and zigzag orders (E11, E11a). Comparisons are exact: each
 //! pair of computations below performs the same arithmetic, so any difference is a bug.

@@ -9,24 +9,35 @@ use crate::{Mutant, Runner};
 /// The package holding the verifier's tests, which every reference mutant must fail.
 const HARNESS: &str = "attnproof-harness";
 
-/// The harness's tests of one integration target, or of every target when `target` is `None`.
-const fn harness(target: Option<&'static str>) -> Runner {
-    Runner::Scratch { package: HARNESS, target, filter: None }
+/// Every test of the harness: its unit tests and every module of its integration-test binary.
+const ALL_HARNESS_TESTS: Runner = Runner::Scratch { package: HARNESS, target: None, filter: None };
+
+/// The harness's integration tests whose path contains `filter`: the binary `it` holds one module per former test
+/// file, so a module prefix such as `"ring::"` selects that module's tests (libtest filters are substrings).
+const fn harness_tests(filter: &'static str) -> Runner {
+    Runner::Scratch { package: HARNESS, target: Some("it"), filter: Some(filter) }
 }
 
 /// Base entry for mutants of the FlashAttention forward schedule; entries override the name and the change.
-pub const FLASH: Mutant =
-    Mutant { name: "", description: "", file: "reference/src/flash.rs", find: "", replace: "", runner: harness(None) };
+pub const FLASH: Mutant = Mutant {
+    name: "",
+    description: "",
+    file: "reference/src/flash.rs",
+    find: "",
+    replace: "",
+    runner: ALL_HARNESS_TESTS,
+};
 
 /// Base entry for mutants of the reference's own mask (E1a) and GQA (E1b) arithmetic, which every schedule uses.
 pub const MASK: Mutant = Mutant { file: "reference/src/mask.rs", ..FLASH };
 
 /// Base entry for mutants of the FlashAttention backward schedule.
-const BACKWARD: Mutant = Mutant { file: "reference/src/backward.rs", runner: harness(Some("flash_backward")), ..FLASH };
+const BACKWARD: Mutant =
+    Mutant { file: "reference/src/backward.rs", runner: harness_tests("flash_backward::"), ..FLASH };
 
 /// Base entry for mutants of the ring's layout, how every ring backend cuts sequences among its devices (the driver
 /// crate's `layout.rs`); the CPU ring's tests in the harness kill them.
-const RING: Mutant = Mutant { file: "reference/ring-driver/src/layout.rs", runner: harness(Some("ring")), ..FLASH };
+const RING: Mutant = Mutant { file: "reference/ring-driver/src/layout.rs", runner: harness_tests("ring::"), ..FLASH };
 
 /// Base entry for mutants of the ring driver, the step schedule every ring backend runs (the driver crate, whose
 /// schedule the CPU ring's tests in the harness exercise end to end).
@@ -39,21 +50,19 @@ const RING_FORWARD: Mutant = Mutant { file: "reference/src/ring/forward.rs", ..R
 const RING_BACKWARD: Mutant = Mutant { file: "reference/src/ring/backward.rs", ..RING };
 
 /// Base entry for mutants of the block-sparse schedule.
-const BLOCK_SPARSE: Mutant = Mutant { file: "reference/src/sparse/block.rs", runner: harness(Some("sparse")), ..FLASH };
+const BLOCK_SPARSE: Mutant =
+    Mutant { file: "reference/src/sparse/block.rs", runner: harness_tests("sparse::"), ..FLASH };
 
 /// Base entry for mutants of the NSA selection schedule.
-const NSA: Mutant = Mutant { file: "reference/src/sparse/nsa.rs", runner: harness(Some("sparse")), ..FLASH };
+const NSA: Mutant = Mutant { file: "reference/src/sparse/nsa.rs", runner: harness_tests("sparse::"), ..FLASH };
 
 /// Base entry for mutants of the DSA token-gather schedule.
-const DSA: Mutant = Mutant { file: "reference/src/sparse/dsa.rs", runner: harness(Some("sparse")), ..FLASH };
+const DSA: Mutant = Mutant { file: "reference/src/sparse/dsa.rs", runner: harness_tests("sparse::"), ..FLASH };
 
 /// Base entry for mutants of the bound model's plumbing (`proofs/src/flash_bound.rs`): a recipe parameter that stops
 /// entering its term.
-const BOUND_MODEL: Mutant = Mutant {
-    file: "proofs/src/flash_bound.rs",
-    runner: Runner::Scratch { package: HARNESS, target: Some("flash_backward"), filter: Some("exp_underflow") },
-    ..FLASH
-};
+const BOUND_MODEL: Mutant =
+    Mutant { file: "proofs/src/flash_bound.rs", runner: harness_tests("flash_backward::exp_underflow"), ..FLASH };
 
 /// The CPU mutants, in the order `cargo xtask mutants` applies them.
 pub const MUTANTS: &[Mutant] = &[

@@ -1,6 +1,6 @@
 //! Mutants of the CUDA kernel texts (`gpu/kernels/*.cu`).
 //!
-//! Most are launched on a device in-process ([`Runner::KernelText`]): `gpu/tests/mutants.rs` patches the text the
+//! Most are launched on a device in-process ([`Runner::KernelText`]): `gpu/tests/it/mutants.rs` patches the text the
 //! GPU crate embeds, first requires the unpatched kernel to pass every killing case, then requires each patch to fail
 //! one, and compiles every patch with NVRTC for `sm_90a` (no device needed) so that a patch that does not build cannot
 //! pass for killed. A mutant that breaks only the compilation of one variant is a [`Runner::Scratch`] mutant killed by
@@ -23,9 +23,9 @@ const FLASH_BWD: Mutant =
     Mutant { file: "gpu/kernels/flash_bwd.cu", runner: Runner::KernelText { kernel: "flash_bwd" }, ..FLASH_FWD };
 
 /// Base entry for mutants of a kernel text that break one of its compiled variants: the GPU crate's compile-only test
-/// (NVRTC, no device; `gpu/tests/compile_only.rs`) must reject them.
+/// (NVRTC, no device; `gpu/tests/it/compile_only.rs`) must reject them.
 const COMPILE_ONLY: Mutant = Mutant {
-    runner: Runner::Scratch { package: "attnproof-gpu", target: Some("compile_only"), filter: None },
+    runner: Runner::Scratch { package: "attnproof-gpu", target: Some("it"), filter: Some("compile_only::") },
     ..FLASH_BWD
 };
 

@@ -53,7 +53,7 @@ pub enum Runner {
         /// A libtest name filter, or `None` for every test.
         filter: Option<&'static str>,
     },
-    /// GPU, in-process: `gpu/tests/mutants.rs` patches the text of the kernel `kernel` (the name of its
+    /// GPU, in-process: `gpu/tests/it/mutants.rs` patches the text of the kernel `kernel` (the name of its
     /// `attnproof_gpu::compile::KernelSource`, e.g. `flash_fwd`, whose file is the mutant's `file`) and launches it on
     /// a device; some killing case must fail its oracle verdict.
     KernelText {
@@ -248,25 +248,25 @@ mod tests {
         let one = Mutant {
             runner: Runner::Scratch {
                 package: "attnproof-harness",
-                target: Some("flash_forward"),
-                filter: Some("bf16"),
+                target: Some("it"),
+                filter: Some("flash_forward::"),
             },
             ..base
         };
         assert_eq!(
             one.cargo_test_args().unwrap(),
-            ["test", "-p", "attnproof-harness", "--no-fail-fast", "--test", "flash_forward", "--", "bf16"]
+            ["test", "-p", "attnproof-harness", "--no-fail-fast", "--test", "it", "--", "flash_forward::"]
         );
         assert_eq!(
             one.runner.location(),
-            "cpu: scratch, cargo test -p attnproof-harness --no-fail-fast --test flash_forward -- bf16"
+            "cpu: scratch, cargo test -p attnproof-harness --no-fail-fast --test it -- flash_forward::"
         );
         let gpu = Mutant { runner: Runner::KernelText { kernel: "flash_fwd" }, ..base };
         assert_eq!(gpu.cargo_test_args(), None);
         assert!(!gpu.runner.runs_on_cpu());
         assert!(gpu.runner.location().starts_with("gpu: kernel text"));
-        let built = Runner::ScratchGpu { package: "attnproof-gpu", target: "ring", filter: Some("stale") };
-        assert_eq!(built.location(), "gpu: scratch build (gpu-bundle), attnproof-gpu --test ring -- stale");
+        let built = Runner::ScratchGpu { package: "attnproof-gpu", target: "it", filter: Some("ring_state::stale") };
+        assert_eq!(built.location(), "gpu: scratch build (gpu-bundle), attnproof-gpu --test it -- ring_state::stale");
     }
 
     #[test]

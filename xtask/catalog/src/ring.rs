@@ -15,8 +15,8 @@ use crate::{Mutant, Runner};
 /// The GPU test that kills every ring mutant: the threaded ring against the one-stream ring, bit for bit.
 const THREADED_RING_TEST: Runner = Runner::ScratchGpu {
     package: "attnproof-gpu",
-    target: "ring_state",
-    filter: Some("threaded_ring_on_streams_matches_the_one_stream_ring_bitwise"),
+    target: "it",
+    filter: Some("ring_state::threaded_ring_on_streams_matches_the_one_stream_ring_bitwise"),
 };
 
 /// Base entry for mutants of the travelling block and the chunk pairs a device attends.

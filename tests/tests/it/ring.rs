@@ -10,13 +10,13 @@
 use std::marker::PhantomData;
 
 use attnproof_harness::backward::{BackwardCandidate, verify_backward};
-use attnproof_harness::flash::{ForwardTruth, problem_forward_bounds, recipe};
+use attnproof_harness::flash::{ForwardTruth, problem_forward_bounds};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_harness::recipes::reference_ring;
 use attnproof_harness::strategies::{profile, spec};
 use attnproof_harness::{Case, HarnessError, Verdict, verify_forward};
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Pair, Scale};
-use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::ring::cpu::run_on_threads;
 use attnproof_reference::ring::{DeviceRun, RingFault, RingWorker, Travel};
 use attnproof_reference::{
@@ -37,11 +37,6 @@ fn config(n_devices: usize, layout: RingLayout) -> RingConfig {
 fn ring_config() -> impl Strategy<Value = RingConfig> {
     (1usize..=4, prop_oneof![Just(RingLayout::Contiguous), Just(RingLayout::Zigzag)])
         .prop_map(|(g, layout)| config(g, layout))
-}
-
-/// The flash model with the ring's extra tiles per row.
-fn ring_recipe<T: Element>(config: RingConfig) -> FlashRecipe {
-    FlashRecipe { extra_merges: config.extra_merges(), ..recipe::<T>(config.tiles.kv_tile) }
 }
 
 fn fail<E: std::fmt::Display>(e: E) -> TestCaseError {
@@ -123,7 +118,7 @@ fn backward<T: Element>(
 
 fn check_forward<T: Element>(case: &Case<T>, config: RingConfig) -> Result<(), TestCaseError> {
     let (o, lse, _) = forward(case, config).map_err(fail)?;
-    let v = verdict(verify_forward(case, ring_recipe::<T>(config), o.view(), lse.view()))?;
+    let v = verdict(verify_forward(case, reference_ring::<T>(config), o.view(), lse.view()))?;
     prop_assert!(v.passed(), "{config:?}\n{v}");
     prop_assert!(v.valid(), "{config:?}\n{v}");
     Ok(())
@@ -131,7 +126,7 @@ fn check_forward<T: Element>(case: &Case<T>, config: RingConfig) -> Result<(), T
 
 fn check_backward<T: Element>(case: &Case<T>, d_out: &ArrayD<T>, config: RingConfig) -> Result<(), TestCaseError> {
     let (g, _) = backward(case, d_out, config).map_err(fail)?;
-    let v = verdict(verify_backward(case, d_out, TILE, ring_recipe::<T>(config), g.candidate()))?;
+    let v = verdict(verify_backward(case, d_out, TILE, reference_ring::<T>(config), g.candidate()))?;
     prop_assert!(v.passed(), "{config:?}\n{v}");
     prop_assert!(v.valid(), "{config:?}\n{v}");
     Ok(())
@@ -252,7 +247,7 @@ proptest! {
             for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
                 let cfg = config(g, layout);
                 let (o, lse, _) = forward(&case, cfg).map_err(fail)?;
-                let truth = match problem_forward_bounds(&spec, &q, &k, &v, ring_recipe::<f16>(cfg)) {
+                let truth = match problem_forward_bounds(&spec, &q, &k, &v, reference_ring::<f16>(cfg)) {
                     Ok(t) => t,
                     Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
                     Err(e) => return Err(fail(e)),
@@ -347,13 +342,13 @@ fn empty_pieces_and_fully_masked_rows_verify() {
         for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
             let cfg = config(4, layout);
             let (o, lse, _) = forward(&case, cfg).unwrap();
-            let v = verify_forward(&case, ring_recipe::<f16>(cfg), o.view(), lse.view()).unwrap();
+            let v = verify_forward(&case, reference_ring::<f16>(cfg), o.view(), lse.view()).unwrap();
             assert!(v.passed() && v.valid(), "{len_q}x{len_k} {layout:?}\n{v}");
             if len_q > len_k {
                 assert!(lse.iter().any(|x| *x == f32::NEG_INFINITY), "a fully masked row exists");
             }
             let (grads, _) = backward(&case, &d_out, cfg).unwrap();
-            let v = verify_backward(&case, &d_out, TILE, ring_recipe::<f16>(cfg), grads.candidate()).unwrap();
+            let v = verify_backward(&case, &d_out, TILE, reference_ring::<f16>(cfg), grads.candidate()).unwrap();
             assert!(v.passed() && v.valid(), "{len_q}x{len_k} {layout:?}\n{v}");
         }
     }

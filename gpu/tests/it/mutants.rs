@@ -10,10 +10,9 @@
 //! a kernel that moves an anchor fails this test instead of silently dropping the mutant. Without a device the tests
 //! print `skipped: no CUDA device` and pass.
 
-mod common;
-
 use std::sync::Arc;
 
+use crate::common::*;
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
@@ -23,7 +22,6 @@ use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::{AttentionSpec, Mask};
-use common::*;
 use cudarc::driver::CudaStream;
 use half::bf16;
 

@@ -8,15 +8,13 @@
 //! the harness's adversarial table (`candidate_tests!`), which the reference schedule runs too. Without a device each test prints
 //! `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::sync::Arc;
 
 use attnproof_gpu::compile::FLASH_FWD;
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
-use attnproof_harness::adversarial::{Repeat, Worst, forward_verdicts};
+use attnproof_harness::adversarial::{Direction, Repeat, Worst, forward_verdicts};
 use attnproof_harness::candidate::GpuCandidate;
 use attnproof_harness::candidate_tests;
 use attnproof_harness::generate::make_case;
@@ -37,7 +35,7 @@ fn bits_of<T: Storage>(o: &ArrayD<T>, lse: &ArrayD<f32>) -> Bits {
     (o.iter().map(|x| x.bits()).collect(), lse.iter().map(|x| x.to_bits()).collect())
 }
 
-/// One launch of the production kernel and tiling, guarded (see [`common::run_forward_guarded`]).
+/// One launch of the production kernel and tiling, guarded (see [`crate::common::run_forward_guarded`]).
 fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(ArrayD<T>, ArrayD<f32>), String> {
     let tiling = ForwardTiling::for_head_dims(case.spec.head_dim, case.spec.head_dim_v);
     run_forward_guarded(stream, case, FLASH_FWD, tiling)
@@ -74,8 +72,15 @@ fn kernel_forward_is_within_bound_f16() {
     fuzz::<f16>("gpu_flash_forward_f16", 64);
 }
 
-// The adversarial table (`attnproof_harness::adversarial`): one test per group, both dtypes, inputs A, B, A.
+// The adversarial table (`attnproof_harness::adversarial`): one test per group, the dtype alternating from case to
+// case, inputs A, B, A.
 candidate_tests!(GpuCandidate::if_available, [forward]);
+
+/// The few small shapes of [`crate::common::sanitizer_shapes`], which `run.sh sanitize` runs under compute-sanitizer.
+#[test]
+fn sanitizer_shapes() {
+    run_sanitizer_shapes("flash_forward::sanitizer_shapes", Direction::Forward);
+}
 
 /// The verdict already demands exact `O = 0` and `LSE = −∞` on rows that see no key; this pins it without the
 /// oracle too.
@@ -96,18 +101,20 @@ fn fully_masked_rows_give_zero_and_minus_infinity() {
 }
 
 /// Benchmark-sized problems against the f64 oracle (the table's cases are small): the verdict within bound with a
-/// valid gate, inputs A, B, A bitwise repeatable, causal and not.
+/// valid gate, the input run twice with bitwise equal outputs, causal and not.
 #[test]
 fn large_shapes_are_within_bound() {
     let Some(candidate) = GpuCandidate::if_available("large_shapes_are_within_bound") else {
         return;
     };
     let mut worst = Worst::default();
+    // Two query heads over one KV head keep the GQA path at benchmark length; the oracle's f64 verdict of a 4096²
+    // head is what this test costs on the host, so one input per mask (run twice, bitwise equal).
     for mask in [Mask::None, Mask::Causal] {
-        let spec = dense(1, 4, 2, 4096, 4096, 128, 128, mask.clone());
-        let (a, b) = (make_case::<bf16>(&spec, gaussian(1.0), 7), make_case::<bf16>(&spec, gaussian(1.0), 8));
+        let spec = dense(1, 2, 1, 4096, 4096, 128, 128, mask.clone());
+        let a = make_case::<bf16>(&spec, gaussian(1.0), 7);
         let verdicts =
-            forward_verdicts(&candidate, &[&a, &b], Repeat::FirstInput).unwrap_or_else(|e| panic!("{mask:?}: {e}"));
+            forward_verdicts(&candidate, &[&a], Repeat::FirstInput).unwrap_or_else(|e| panic!("{mask:?}: {e}"));
         verdicts.iter().for_each(|v| worst.record(v));
     }
     println!("large_shapes_are_within_bound: 2 shapes, worst error/bound {worst}");

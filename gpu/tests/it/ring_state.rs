@@ -9,25 +9,23 @@
 //! at the right time (a stale or early-read buffer would change them). That bitwise comparison is also what kills the
 //! GPU ring's mutants (`xtask/catalog/src/ring.rs`), which the GPU bundle builds as patched copies of this crate.
 
-mod common;
-
 use std::sync::Arc;
 
+use crate::common::*;
 use attnproof_gpu::ring::state::{ChunkWindow, DeviceState, finalize_state, merge_states};
 use attnproof_gpu::ring::{
     BackwardStart, BlockLayout, GpuKvBlock, KvChunk, NcclLink, RingInputs, dense_dims, gpu_ring_backward,
-    gpu_ring_forward, gpu_ring_recipe_extra_merges, nccl_ring_backward, nccl_ring_forward, pair_spec,
+    gpu_ring_forward, nccl_ring_backward, nccl_ring_forward, pair_spec,
 };
 use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
 use attnproof_harness::generate::make_case;
+use attnproof_harness::recipes;
 use attnproof_harness::ring_gpu::{backward_start, ring_inputs};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::online::ring_block_at;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
-use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_ring_driver::{RingLayout, RingSplit, RingTransport};
-use common::*;
 use cudarc::driver::CudaContext;
 use cudarc::driver::{CudaSlice, CudaStream};
 use cudarc::nccl::safe::{Comm, Id};
@@ -108,11 +106,6 @@ fn finalize<T: Storage>(
     ))
 }
 
-/// The forward recipe with the ring's extra rescale steps: `2(P − 1)` for `P` key chunks per sequence.
-fn ring_recipe<T: Storage>(config: RingSplit) -> FlashRecipe {
-    FlashRecipe { extra_merges: gpu_ring_recipe_extra_merges(config), ..forward_recipe::<T>() }
-}
-
 fn config(n_devices: usize, layout: RingLayout) -> RingSplit {
     RingSplit { n_devices, layout }
 }
@@ -136,7 +129,7 @@ fn check<T: Storage>(stream: &Arc<CudaStream>) {
             for devices in [2, 3, 4] {
                 let config = config(devices, layout);
                 let (o, lse, skipped) = ring_forward(stream, &case, config).unwrap_or_else(|e| panic!("{name}: {e}"));
-                let verdict = verify_forward(&case, ring_recipe::<T>(config), o.view(), lse.view())
+                let verdict = verify_forward(&case, recipes::gpu_ring_forward::<T>(config), o.view(), lse.view())
                     .unwrap_or_else(|e| panic!("{name} {spec:?} {config:?}: {e}"));
                 assert!(verdict.passed() && verdict.valid(), "{name} {spec:?} {layout:?} G={devices}:\n{verdict}");
                 if matches!(spec.mask, Mask::Causal) && dense_dims(spec).1 == dense_dims(spec).2 {
@@ -232,7 +225,9 @@ fn threaded_ring_on_streams_matches_the_one_stream_ring_bitwise() {
                 if causal_square && layout == RingLayout::Contiguous {
                     assert!(run.skipped > 0, "{spec:?} {config:?}: a causal ring skips blocks in the future");
                 }
-                let verdict = verify_forward(&case, ring_recipe::<bf16>(config), run.o.view(), run.lse.view()).unwrap();
+                let verdict =
+                    verify_forward(&case, recipes::gpu_ring_forward::<bf16>(config), run.o.view(), run.lse.view())
+                        .unwrap();
                 assert!(verdict.passed() && verdict.valid(), "{spec:?} {config:?}:\n{verdict}");
             }
         }
@@ -311,7 +306,9 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
                 nccl.lse.iter().zip(&simulated.lse).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "G={g} {layout:?}: LSE"
             );
-            let verdict = verify_forward(&case, ring_recipe::<bf16>(config), nccl.o.view(), nccl.lse.view()).unwrap();
+            let verdict =
+                verify_forward(&case, recipes::gpu_ring_forward::<bf16>(config), nccl.o.view(), nccl.lse.view())
+                    .unwrap();
             assert!(verdict.passed() && verdict.valid(), "G={g} {layout:?}:\n{verdict}");
             println!("NCCL ring G={g} {layout:?}: worst error/bound {:.3e}", verdict.max_ratio());
             // The backward, from the NCCL forward's outputs: dK and dV with the simulated ring's bits.
@@ -324,8 +321,7 @@ fn nccl_link_round_trip_and_multi_gpu_ring() {
             for (name, a, b) in [("dK", &nccl_g.dk, &sim_g.dk), ("dV", &nccl_g.dv, &sim_g.dv)] {
                 assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "G={g} {layout:?}: NCCL {name}");
             }
-            let extra = gpu_ring_recipe_extra_merges(config);
-            let recipe = FlashRecipe { extra_merges: extra, extra_query_partials: extra, ..backward_recipe::<bf16>() };
+            let recipe = recipes::gpu_ring_backward::<bf16>(config).recipe;
             let expect = attnproof_harness::backward::BackwardExpectation::new(
                 &case,
                 &d_out,
@@ -480,9 +476,7 @@ fn ring_backward_states_are_within_the_bound() {
         for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
             for devices in [2, 3, 4] {
                 let config = config(devices, layout);
-                let extra = gpu_ring_recipe_extra_merges(config);
-                let recipe =
-                    FlashRecipe { extra_merges: extra, extra_query_partials: extra, ..backward_recipe::<bf16>() };
+                let recipe = recipes::gpu_ring_backward::<bf16>(config).recipe;
                 let expect = BackwardExpectation::new(&p.case, &p.d_out, Q_TILE, recipe)
                     .unwrap_or_else(|e| panic!("{spec:?} {config:?}: {e}"));
                 let g = ring_backward(&stream, &p, config);

@@ -41,5 +41,5 @@ proptest! {
     }
 }
 
-// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, both dtypes.
+// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, the dtype alternating.
 candidate_tests!(ReferenceCandidate::for_tests, [forward]);

@@ -60,8 +60,8 @@ fn a_prepared_expectation_gives_the_verdicts_of_verify_backward() {
     assert!(matches!(expect.verify(candidate), Err(HarnessError::CandidateShape { argument: "dq", .. })));
 }
 
-// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, both dtypes, both
-// strategies.
+// The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, the dtype alternating,
+// both strategies.
 candidate_tests!(ReferenceCandidate::for_tests, [backward]);
 
 proptest! {

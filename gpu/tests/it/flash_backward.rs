@@ -10,9 +10,7 @@
 //! valid, and requires dK, dV and D bitwise equal across the strategies (they share one arithmetic). Without a device
 //! each test prints `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::sync::Arc;
 
 use attnproof_gpu::backward::BackwardTiling;
@@ -36,7 +34,7 @@ use ndarray::ArrayD;
 use proptest::prelude::*;
 use proptest::test_runner::TestRunner;
 
-/// One backward of the production kernels in `tiling`, guarded (see [`common::run_backward_guarded_tiled`]).
+/// One backward of the production kernels in `tiling`, guarded (see [`crate::common::run_backward_guarded_tiled`]).
 fn run_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     p: &Problem<T>,
@@ -81,9 +79,17 @@ fn kernel_backward_is_within_bound_f16() {
     fuzz::<f16>("gpu_flash_backward_f16", 32);
 }
 
-// The adversarial table (`attnproof_harness::adversarial`) in the default tiling: one test per group, both dtypes,
-// every strategy, inputs A, B, A.
+// The adversarial table (`attnproof_harness::adversarial`) in the default tiling: one test per group, the dtype
+// alternating from case to case, every strategy, inputs A, B, A.
 candidate_tests!(GpuCandidate::if_available, [backward]);
+
+/// The few small shapes of [`crate::common::sanitizer_shapes`], which `run.sh sanitize` runs under compute-sanitizer:
+/// among them the largest head dims, whose `bwd_kv` runs the single-stage pipeline (`Q_STAGES = 1`); every strategy
+/// runs, so strategy A's `bwd_dq` and the deterministic dQ sum run under the sanitizer too.
+#[test]
+fn sanitizer_shapes() {
+    run_sanitizer_shapes("flash_backward::sanitizer_shapes", Direction::Backward);
+}
 
 /// The verdict already demands exact zeros on rows that see no key; this pins it without the oracle too.
 #[test]

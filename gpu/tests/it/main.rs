@@ -1,0 +1,12 @@
+//! The GPU crate's integration tests, gathered in one test binary (one link, one executable in the GPU bundle,
+//! `attnproof-gpu-it`); each module was a test file of its own before and keeps its name, so a test reads
+//! `flash_forward::…` and a module is selected by a libtest filter such as `ring_state::`. `common` holds what the
+//! launching modules share.
+
+mod common;
+mod compile_only;
+mod device;
+mod flash_backward;
+mod flash_forward;
+mod mutants;
+mod ring_state;
