@@ -294,7 +294,7 @@ fn is_name_byte(byte: u8) -> bool {
 /// Two patterns are reported, each only where a path starts (the character before it cannot continue a path, so
 /// `a/../b` and `$HOME/x` are not starts):
 /// - a relative path opening with `../` steps that climbs above the repository root from the file's own folder
-///   (`../shared/x.md` in a top-level file; `../../kernels/x.cu` in `gpu/src/ring/` stays inside). Relative paths are
+///   (`../sibling/x.md` in a top-level file; `../../kernels/x.cu` in `gpu/src/ring/` stays inside). Relative paths are
 ///   resolved against the file's folder, as Markdown links, `include_str!` and insta's `snapshot_path` are; a shell
 ///   script's paths are relative to its working directory, which this approximates by the script's folder. Climbs
 ///   after a first named component (`a/../../x`) are not followed.
