@@ -79,3 +79,54 @@ impl fmt::Display for GateReport {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The gate's rules: when a canned answer counts, when it is rejected, and when a case is valid.
+
+    use super::*;
+    use ndarray::arr1;
+
+    /// Scores one canned answer with `u = 2^-8` (so the visibility threshold is `4 · 2^-8 = 1/64` at scale 1).
+    fn score(canned: &[f64], oracle: &[f64], bound: &[f64], scale: f64) -> CannedResult {
+        let mut gate = GateReport::default();
+        let view = |x: &[f64]| arr1(x).into_dyn();
+        gate.score("zeros", "O", view(canned).view(), view(oracle).view(), view(bound).view(), 1.0 / 256.0, scale);
+        gate.canned.pop().unwrap()
+    }
+
+    #[test]
+    fn applicable_only_above_the_visibility_threshold() {
+        assert!(!score(&[1.0 + 1.0 / 64.0], &[1.0], &[1.0], 1.0).applicable, "exactly VISIBLE_ULPS ulps is not enough");
+        assert!(score(&[1.0 + 1.0 / 32.0], &[1.0], &[1.0], 1.0).applicable);
+        assert!(!score(&[1.0 + 1.0 / 32.0], &[1.0], &[1.0], 4.0).applicable, "the threshold scales with the output");
+        assert!(score(&[1.0, 2.0], &[1.0, 1.0], &[1.0, 1.0], 1.0).applicable, "one visible element is enough");
+    }
+
+    #[test]
+    fn non_finite_values_are_applicable_unless_identical() {
+        assert!(score(&[f64::INFINITY], &[1.0], &[1.0], 1.0).applicable);
+        assert!(score(&[f64::NAN], &[1.0], &[1.0], 1.0).applicable);
+        assert!(!score(&[f64::NEG_INFINITY], &[f64::NEG_INFINITY], &[0.0], 1.0).applicable);
+    }
+
+    #[test]
+    fn rejected_means_the_verdict_fails_it() {
+        let far = score(&[3.0], &[1.0], &[1.0], 1.0);
+        assert!(far.rejected);
+        assert_eq!(far.max_ratio, 2.0);
+        let within = score(&[1.5], &[1.0], &[1.0], 1.0);
+        assert!(within.applicable && !within.rejected, "visible, yet inside a loose bound");
+    }
+
+    #[test]
+    fn a_case_is_valid_unless_an_applicable_canned_answer_passes() {
+        let result = |applicable, rejected| CannedResult { name: "x", applicable, rejected, max_ratio: 0.0 };
+        assert!(GateReport::default().valid(), "no canned answer, nothing passed");
+        assert!(GateReport { canned: vec![result(true, true), result(false, false)] }.valid());
+        assert!(!GateReport { canned: vec![result(true, true), result(true, false)] }.valid());
+        let text =
+            GateReport { canned: vec![result(true, true), result(false, false), result(true, false)] }.to_string();
+        assert_eq!(text, "gate INVALID: x=rejected x=n/a x=PASSED");
+    }
+}

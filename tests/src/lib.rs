@@ -8,6 +8,7 @@ pub mod adversarial;
 pub mod backward;
 pub mod candidate;
 pub mod case;
+pub mod coverage;
 pub mod flash;
 pub mod gate;
 pub mod generate;

@@ -47,7 +47,8 @@ impl fmt::Display for OutputVerdict {
 }
 
 /// Compares `candidate` with `oracle` under `bound`. Infinities must match exactly (a fully
-/// masked row's `LSE = −∞`); NaN anywhere, or an infinity on one side only, fails.
+/// masked row's `LSE = −∞`); NaN anywhere, or an infinity on one side only, fails. The worst
+/// element is the first, in row-major order, of those with the largest ratio.
 pub fn compare(
     output: &'static str,
     candidate: ArrayViewD<'_, f64>,
@@ -113,5 +114,119 @@ impl fmt::Display for Verdict {
             writeln!(f, "{o}")?;
         }
         write!(f, "{}", self.gate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The verdict's own rules, each stated by the test that would fail without it.
+
+    use super::*;
+    use crate::gate::{CannedResult, GateReport};
+    use ndarray::{ArrayD, IxDyn, arr1, arr2};
+
+    fn verdict(candidate: &[f64], oracle: &[f64], bound: &[f64]) -> OutputVerdict {
+        let view = |x: &[f64]| arr1(x).into_dyn();
+        compare("O", view(candidate).view(), view(oracle).view(), view(bound).view())
+    }
+
+    #[test]
+    fn the_ratio_is_error_over_bound() {
+        let v = verdict(&[1.5, 2.0], &[1.0, 2.25], &[0.25, 1.0]);
+        assert_eq!(v.max_ratio, 2.0, "|1.5 − 1| / 0.25");
+        assert_eq!(v.elements, 2);
+        assert!(!v.passed());
+    }
+
+    #[test]
+    fn a_ratio_of_exactly_one_passes_and_just_above_fails() {
+        assert!(verdict(&[1.5], &[1.0], &[0.5]).passed(), "error equal to its bound is within it");
+        let above = verdict(&[1.5], &[1.0], &[0.5f64.next_down()]);
+        assert!(above.max_ratio > 1.0 && !above.passed());
+    }
+
+    #[test]
+    fn nan_on_either_side_fails() {
+        for (c, o) in [(f64::NAN, 1.0), (1.0, f64::NAN), (f64::NAN, f64::NAN)] {
+            let v = verdict(&[c], &[o], &[1.0]);
+            assert_eq!(v.max_ratio, f64::INFINITY, "candidate {c}, oracle {o}");
+            assert!(!v.passed());
+        }
+    }
+
+    #[test]
+    fn infinities_must_match_exactly() {
+        assert_eq!(verdict(&[f64::NEG_INFINITY], &[f64::NEG_INFINITY], &[0.0]).max_ratio, 0.0, "a masked row's LSE");
+        for (c, o) in [
+            (f64::INFINITY, 1.0),
+            (1.0, f64::NEG_INFINITY),
+            (f64::INFINITY, f64::NEG_INFINITY),
+            (f64::NEG_INFINITY, f64::INFINITY),
+        ] {
+            assert_eq!(verdict(&[c], &[o], &[1e300]).max_ratio, f64::INFINITY, "candidate {c}, oracle {o}");
+        }
+    }
+
+    #[test]
+    fn a_zero_bound_allows_only_an_exact_match() {
+        assert_eq!(verdict(&[0.5], &[0.5], &[0.0]).max_ratio, 0.0);
+        assert_eq!(verdict(&[0.5], &[0.5f64.next_up()], &[0.0]).max_ratio, f64::INFINITY);
+    }
+
+    #[test]
+    fn the_worst_element_is_where_the_largest_ratio_is() {
+        let candidate = arr2(&[[1.0, 1.0, 1.0], [1.0, 1.0, 1.5]]).into_dyn();
+        let oracle = arr2(&[[1.0, 1.25, 1.0], [1.0, 1.0, 1.0]]).into_dyn();
+        // Errors 0.25 at [0, 1] and 0.5 at [1, 2]; bounds make the first ratio 2.5 and the second 2.
+        let bound = arr2(&[[1.0, 0.1, 1.0], [1.0, 1.0, 0.25]]).into_dyn();
+        let v = compare("dK", candidate.view(), oracle.view(), bound.view());
+        assert_eq!(v.worst_index, [0, 1]);
+        assert_eq!(v.worst_values, (1.0, 1.25));
+        assert_eq!(v.worst_bound, 0.1);
+        assert!((v.max_ratio - 2.5).abs() < 1e-12);
+        assert_eq!(v.output, "dK");
+    }
+
+    #[test]
+    fn ties_keep_the_first_element_and_a_clean_output_reports_its_first() {
+        let v = verdict(&[2.0, 1.0, 2.0], &[1.0, 1.0, 1.0], &[0.5, 0.5, 0.5]);
+        assert_eq!(v.worst_index, [0], "equal ratios: the first in row-major order");
+        let clean = verdict(&[3.0, 4.0], &[3.0, 4.0], &[0.5, 0.5]);
+        assert_eq!((clean.max_ratio, clean.worst_index.clone(), clean.worst_values), (0.0, vec![0], (3.0, 3.0)));
+        assert_eq!(clean.worst_bound, 0.5);
+    }
+
+    #[test]
+    #[should_panic(expected = "shapes differ")]
+    fn shapes_must_agree() {
+        let a = ArrayD::<f64>::zeros(IxDyn(&[2]));
+        let b = ArrayD::<f64>::zeros(IxDyn(&[3]));
+        compare("O", a.view(), b.view(), b.view());
+    }
+
+    #[test]
+    fn display_names_the_verdict_and_the_worst_element() {
+        let failed = verdict(&[1.5], &[1.0], &[0.25]).to_string();
+        assert!(failed.starts_with("O    FAILED max error/bound 2.000e0 at [0]"), "{failed}");
+        assert!(failed.contains("candidate 1.5e0, oracle 1e0, bound 2.5e-1"), "{failed}");
+        assert!(verdict(&[1.0], &[1.0], &[0.25]).to_string().contains(" ok "));
+    }
+
+    #[test]
+    fn a_verdict_passes_when_every_output_does_and_reports_the_largest_ratio() {
+        let gate = GateReport {
+            canned: vec![CannedResult { name: "zeros", applicable: true, rejected: true, max_ratio: 9.0 }],
+        };
+        let good = verdict(&[1.0], &[1.0], &[1.0]);
+        let bad = verdict(&[3.0], &[1.0], &[1.0]);
+        let both = Verdict { outputs: vec![good.clone(), bad], gate: gate.clone() };
+        assert!(!both.passed());
+        assert_eq!(both.max_ratio(), 2.0);
+        assert!(both.valid());
+        let one = Verdict { outputs: vec![good], gate };
+        assert!(one.passed());
+        assert_eq!(one.max_ratio(), 0.0);
+        let text = both.to_string();
+        assert!(text.contains("FAILED") && text.ends_with("gate valid: zeros=rejected"), "{text}");
     }
 }

@@ -162,7 +162,8 @@ pub const COMMANDS: &[CommandSpec] = &[
     CommandSpec {
         command: Command::Mutants,
         name: "mutants",
-        summary: "apply each CPU mutant of the catalog to a scratch copy; fail unless all are killed",
+        summary: "apply each CPU mutant of the catalog (or cargo-mutants' over a scope, or over a diff) to a scratch \
+                  copy; fail unless all are killed",
         flags: &[
             switch("--list", "print the whole catalog (CPU and GPU), whether each mutant applies and where it runs"),
             Flag { repeatable: true, ..valued("--only", "NAME", ValueType::Text, "run only this mutant") },
@@ -186,8 +187,28 @@ pub const COMMANDS: &[CommandSpec] = &[
                     "per-mutant limit, build included; a run past it counts as killed by timeout",
                 )
             },
+            switch(
+                "--diff",
+                "cargo-mutants on the code changed since REV (default: the merge base with main), then the catalog's \
+                 mutants anchored in changed files; one table",
+            ),
+            Flag {
+                repeatable: true,
+                ..valued(
+                    "--scope",
+                    "NAME",
+                    ValueType::Text,
+                    "cargo-mutants over scope NAME (proofs, verdict, harness, fixtures, oracle, reference, or all; \
+                     docs/mutation.md)",
+                )
+            },
         ],
-        operands: Operands::None,
+        operands: Operands::Positional {
+            usage: "[REV]",
+            help: "with --diff: the revision to compare the working tree with",
+            min: 0,
+            max: Some(1),
+        },
     },
     CommandSpec {
         command: Command::Fuzz,

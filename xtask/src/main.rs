@@ -1,6 +1,7 @@
 //! `cargo xtask <command>`: project automation for attnproof (test, verify, mutants, gpu-bundle, ...), with no heavy
 //! dependencies. The commands and their flags are declared once, in [`flags::COMMANDS`].
 
+mod cargo_mutants;
 mod check;
 mod equations;
 mod flags;

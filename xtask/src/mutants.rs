@@ -6,7 +6,7 @@
 //! same from one run to the next and a mutant that survives can be rerun with a larger budget (`--cases`) to tell a
 //! weak test from an equivalent mutant.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::cargo_mutants::{self, Fate, MutantOutcome, Scope, Tally};
 use crate::flags::Parsed;
 use crate::parse::{TestCounts, parse_test_result};
 use crate::process::{cargo, describe, ensure_m4, nvrtc_env};
@@ -24,10 +25,23 @@ use attnproof_catalog::{Mutant, Runner, Stale};
 /// unbounded shrink of a large case could otherwise eat the whole timeout.
 const MAX_SHRINK_TIME_MS: u32 = 20_000;
 
+/// What `cargo xtask mutants` is asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Mode {
+    /// Run the catalog's CPU mutants (all, or those named with `--only`).
+    Catalog,
+    /// `--list`: print the catalog.
+    List,
+    /// `--scope NAME...`: cargo-mutants over whole scopes (a crate, or part of one).
+    Scopes(Vec<String>),
+    /// `--diff [REV]`: cargo-mutants and the catalog over the code changed since `REV` (default: the merge base).
+    Diff(Option<String>),
+}
+
 /// Options of `cargo xtask mutants`, from the flags declared in [`crate::flags::COMMANDS`] (defaults there too).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Options {
-    list: bool,
+    mode: Mode,
     only: Vec<String>,
     cases: u64,
     seed: u64,
@@ -35,15 +49,38 @@ struct Options {
 }
 
 impl Options {
-    fn from_flags(flags: &Parsed) -> Options {
+    /// The options, or an error for flags that do not go together (`--diff` picks its own mutants, so it takes
+    /// neither `--only` nor `--scope`; a revision means nothing without `--diff`).
+    fn from_flags(flags: &Parsed) -> Result<Options> {
         let int = |name| flags.int(name).unwrap_or_else(|| panic!("{name} has a default"));
-        Options {
-            list: flags.switch("--list"),
-            only: flags.texts("--only"),
+        let only = flags.texts("--only");
+        let scopes = flags.texts("--scope");
+        let list = flags.switch("--list");
+        let diff = flags.switch("--diff");
+        let rev = flags.operands.first().map(|r| r.to_string_lossy().into_owned());
+        let picked = [list, diff, !scopes.is_empty()].into_iter().filter(|&b| b).count();
+        if picked > 1 {
+            bail!("--list, --diff and --scope each pick the mutants to run; give one of them");
+        }
+        if (diff || !scopes.is_empty()) && !only.is_empty() {
+            bail!("--only names catalog mutants; it does not combine with --diff or --scope");
+        }
+        if let (false, Some(rev)) = (diff, &rev) {
+            bail!("`{rev}`: a revision is only taken with --diff (`cargo xtask mutants --diff {rev}`)");
+        }
+        let mode = match (list, diff, scopes.is_empty()) {
+            (true, _, _) => Mode::List,
+            (_, true, _) => Mode::Diff(rev),
+            (_, _, false) => Mode::Scopes(scopes),
+            _ => Mode::Catalog,
+        };
+        Ok(Options {
+            mode,
+            only,
             cases: int("--cases"),
             seed: int("--seed"),
             timeout: Duration::from_secs(int("--timeout")),
-        }
+        })
     }
 }
 
@@ -91,12 +128,21 @@ impl Outcome {
 
 /// `cargo xtask mutants`.
 pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
-    let options = Options::from_flags(flags);
-    let selected = select(&options.only)?;
-    if options.list {
-        print_catalog(root, &selected);
-        return Ok(ExitCode::SUCCESS);
+    let options = Options::from_flags(flags)?;
+    match &options.mode {
+        Mode::List => {
+            print_catalog(root, &select(&options.only)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        Mode::Catalog => catalog(root, &options),
+        Mode::Scopes(names) => scopes(root, &options, names),
+        Mode::Diff(rev) => diff(root, &options, rev.as_deref()),
     }
+}
+
+/// The catalog's CPU mutants (all, or `--only`), one table, success only when every one is killed.
+fn catalog(root: &Path, options: &Options) -> Result<ExitCode> {
+    let selected = select(&options.only)?;
     let (cpu, gpu) = split_by_machine(&selected);
     if !options.only.is_empty()
         && let Some(m) = gpu.first()
@@ -110,15 +156,47 @@ pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
         );
     }
     ensure_m4()?;
-
-    let mutants_dir = root.join("target").join("mutants");
-    let logs = mutants_dir.join("logs");
     let tree = ScratchTree::create(root)?;
+    let results = run_catalog(root, &tree, &cpu, options)?;
+    print_table(&results);
+    let count = |f: fn(&Outcome) -> bool| results.iter().filter(|(_, o, _)| f(o)).count();
+    let killed = count(Outcome::is_killed);
+    let compile_errors = count(|o| matches!(o, Outcome::CompileError));
+    let timeouts = count(|o| matches!(o, Outcome::Timeout));
+    let survived = count(|o| matches!(o, Outcome::Survived));
+    let stale = count(|o| matches!(o, Outcome::Stale(_)));
+    println!("logs: {}", logs_dir(root).display());
+    if compile_errors > 0 {
+        println!(
+            "note: {compile_errors} mutant(s) did not compile; they count as killed but test nothing: make them compile"
+        );
+    }
+    println!(
+        "mutants: {killed} killed ({compile_errors} compile errors, {timeouts} timeouts), {survived} survived, {stale} \
+         stale, of {}",
+        results.len()
+    );
+    Ok(if killed == results.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Where the catalog runner writes its logs.
+fn logs_dir(root: &Path) -> PathBuf {
+    root.join("target").join("mutants").join("logs")
+}
+
+/// Runs catalog CPU mutants in `tree`: first the unmutated baseline of every package they test (which must pass, or
+/// a failure would say nothing about a mutant), then each mutant, logging every run.
+fn run_catalog(
+    root: &Path,
+    tree: &ScratchTree,
+    cpu: &[CpuMutant],
+    options: &Options,
+) -> Result<Vec<(&'static Mutant, Outcome, Duration)>> {
+    let logs = logs_dir(root);
     recreate_dir(&logs)?;
     let env = TestEnv { target_dir: tree.target_dir.clone(), cases: options.cases, seed: options.seed };
 
-    // The baseline: the unmutated copy must pass the very commands that are to fail later, else a failure would say
-    // nothing about the mutant. Its output streams to the terminal, because the first run compiles everything.
+    // The baseline's output streams to the terminal, because the first run compiles everything.
     let packages: BTreeSet<&str> = cpu.iter().map(|(_, package, _)| *package).collect();
     for package in &packages {
         let args = ["test", "-p", package, "--no-fail-fast"].map(str::to_owned);
@@ -142,8 +220,8 @@ pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
         println!("mutants: baseline ok ({} tests passed)", counts.passed);
     }
 
-    let mut results: Vec<(&Mutant, Outcome, Duration)> = Vec::new();
-    for (index, (m, _, test_args)) in cpu.iter().enumerate() {
+    let mut results: Vec<(&'static Mutant, Outcome, Duration)> = Vec::new();
+    for (index, &(m, _, ref test_args)) in cpu.iter().enumerate() {
         print!("[{}/{}] {} ... ", index + 1, cpu.len(), m.name);
         flush_stdout();
         let started = Instant::now();
@@ -162,26 +240,154 @@ pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
         println!("{} ({:.1}s)", outcome.status(), elapsed.as_secs_f64());
         results.push((m, outcome, elapsed));
     }
+    Ok(results)
+}
 
-    print_table(&results);
-    let count = |f: fn(&Outcome) -> bool| results.iter().filter(|(_, o, _)| f(o)).count();
-    let killed = count(Outcome::is_killed);
-    let compile_errors = count(|o| matches!(o, Outcome::CompileError));
-    let timeouts = count(|o| matches!(o, Outcome::Timeout));
-    let survived = count(|o| matches!(o, Outcome::Survived));
-    let stale = count(|o| matches!(o, Outcome::Stale(_)));
-    println!("logs: {}", logs.display());
-    if compile_errors > 0 {
-        println!(
-            "note: {compile_errors} mutant(s) did not compile; they count as killed but test nothing: make them compile"
-        );
+/// `--scope NAME...`: cargo-mutants over each whole scope, its survivors checked against
+/// [`cargo_mutants::EQUIVALENT_LIST`]; success only when no scope has an unexplained survivor or a stale entry.
+fn scopes(root: &Path, options: &Options, names: &[String]) -> Result<ExitCode> {
+    let scopes: Vec<&Scope> = if names.iter().any(|n| n == "all") {
+        cargo_mutants::SCOPES.iter().collect()
+    } else {
+        names.iter().map(|n| cargo_mutants::find_scope(n)).collect::<Result<_>>()?
+    };
+    cargo_mutants::ensure_installed(root)?;
+    ensure_m4()?;
+    let globs = cargo_mutants::examine_globs(&read(root, cargo_mutants::CONFIG)?)?;
+    let equivalent = equivalent_list(root)?;
+    let tracked = tracked_files(root)?;
+    let tree = ScratchTree::create(root)?;
+    let env = TestEnv { target_dir: tree.target_dir.clone(), cases: options.cases, seed: options.seed };
+    let mut summary = Vec::new();
+    let mut clean = true;
+    for scope in scopes {
+        let files: BTreeSet<String> = tracked.iter().filter(|f| scope.owns(&globs, f)).cloned().collect();
+        let started = Instant::now();
+        let mut outcomes = run_cargo_mutants(root, &tree, scope, None, &env)?;
+        let stale = cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &files);
+        let tally = Tally::of(&outcomes);
+        let minutes = started.elapsed().as_secs_f64() / 60.0;
+        for o in outcomes.iter().filter(|o| o.fate != Fate::Caught) {
+            println!("{:<10} {}", o.fate.word(), o.name);
+        }
+        for name in &stale {
+            println!("STALE      {name}: listed in {} but no longer generated", cargo_mutants::EQUIVALENT_LIST);
+        }
+        if tally.missed == 0 && stale.is_empty() {
+            cargo_mutants::record_tested(root, &files)?;
+        } else {
+            clean = false;
+        }
+        summary.push(format!("{:<10} {tally}, {} stale entries, {minutes:.1} min", scope.name, stale.len()));
     }
+    println!();
+    for line in &summary {
+        println!("{line}");
+    }
+    Ok(if clean { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `--diff [REV]`: cargo-mutants on the lines changed since `rev` in every crate they touch, then the catalog's
+/// mutants anchored in changed files; one table, success only when nothing survives unexplained.
+fn diff(root: &Path, options: &Options, rev: Option<&str>) -> Result<ExitCode> {
+    let base = cargo_mutants::base_revision(root, rev)?;
+    let (patch, changed) = cargo_mutants::diff_since(root, &base)?;
+    let globs = cargo_mutants::examine_globs(&read(root, cargo_mutants::CONFIG)?)?;
+    let scopes = cargo_mutants::scopes_touched(&globs, &changed);
+    let anchored: Vec<&'static Mutant> = attnproof_catalog::all().filter(|m| changed.contains(m.file)).collect();
+    let (cpu, gpu) = split_by_machine(&anchored);
+    let in_scope: BTreeSet<String> = changed.iter().filter(|f| cargo_mutants::in_scope(&globs, f)).cloned().collect();
     println!(
-        "mutants: {killed} killed ({compile_errors} compile errors, {timeouts} timeouts), {survived} survived, {stale} \
-         stale, of {}",
-        results.len()
+        "mutants --diff: {} changed file(s) since {}; {} in cargo-mutants' scope ({}); {} catalog mutant(s) anchored \
+         in them ({} run here)",
+        changed.len(),
+        &base[..base.len().min(12)],
+        in_scope.len(),
+        scopes.iter().map(|s| s.name).collect::<Vec<_>>().join(", "),
+        anchored.len(),
+        cpu.len()
     );
-    Ok(if killed == results.len() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    if scopes.is_empty() && anchored.is_empty() {
+        println!("mutants --diff: nothing to mutate");
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !scopes.is_empty() {
+        cargo_mutants::ensure_installed(root)?;
+    }
+    ensure_m4()?;
+    let equivalent = equivalent_list(root)?;
+    let tree = ScratchTree::create(root)?;
+    let patch_path = root.join("target").join("mutants").join("diff.patch");
+    std::fs::write(&patch_path, &patch).with_context(|| format!("writing {}", patch_path.display()))?;
+    let env = TestEnv { target_dir: tree.target_dir.clone(), cases: options.cases, seed: options.seed };
+
+    let mut rows: Vec<[String; 3]> = Vec::new();
+    let mut explained = true;
+    for scope in &scopes {
+        let mut outcomes = run_cargo_mutants(root, &tree, scope, Some(&patch_path), &env)?;
+        // Stale entries are only judged by full scope runs: a diff run generates the changed lines' mutants only.
+        cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
+        explained &= outcomes.iter().all(|o| o.fate.is_explained());
+        rows.extend(outcomes.into_iter().map(|o| ["cargo-mutants".to_owned(), o.name, o.fate.word().to_owned()]));
+    }
+    let results = if cpu.is_empty() { Vec::new() } else { run_catalog(root, &tree, &cpu, options)? };
+    explained &= results.iter().all(|(_, o, _)| o.is_killed());
+    rows.extend(results.iter().map(|(m, o, _)| ["catalog".to_owned(), m.name.to_owned(), o.status().to_owned()]));
+    rows.extend(gpu.iter().map(|m| ["catalog".to_owned(), m.name.to_owned(), "not run here (GPU host)".to_owned()]));
+
+    println!();
+    let width = rows.iter().map(|r| r[0].len()).max().unwrap_or(0);
+    let status_width = rows.iter().map(|r| r[2].len()).max().unwrap_or(0);
+    for [source, name, status] in &rows {
+        println!("{source:<width$} | {status:<status_width$} | {name}");
+    }
+    let missed = rows.iter().filter(|r| r[2] == Fate::Missed.word() || r[2] == "SURVIVED" || r[2] == "STALE").count();
+    println!("mutants --diff: {} mutants, {missed} survived unexplained", rows.len());
+    if explained {
+        cargo_mutants::record_tested(root, &in_scope)?;
+    }
+    Ok(if explained { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// Runs cargo-mutants over `scope` in the scratch copy (its progress streams to the terminal) and reads its outcomes.
+fn run_cargo_mutants(
+    root: &Path,
+    tree: &ScratchTree,
+    scope: &Scope,
+    diff: Option<&Path>,
+    env: &TestEnv,
+) -> Result<Vec<MutantOutcome>> {
+    let out = cargo_mutants::output_dir(root, scope);
+    // A run that finds no mutant writes no outcome files, so those of an earlier run must not be there to be read.
+    recreate_dir(&out)?;
+    let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, diff));
+    println!("$ {}", describe(&cmd));
+    let status = cmd.status().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
+    cargo_mutants::check_exit(status.code(), &cmd)?;
+    cargo_mutants::read_outcomes(&out.join("mutants.out"))
+}
+
+/// The entries of [`cargo_mutants::EQUIVALENT_LIST`] (none when the file does not exist yet).
+fn equivalent_list(root: &Path) -> Result<BTreeMap<String, String>> {
+    match std::fs::read_to_string(root.join(cargo_mutants::EQUIVALENT_LIST)) {
+        Ok(text) => cargo_mutants::parse_equivalent_list(&text),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+        Err(err) => Err(err).context(format!("reading {}", cargo_mutants::EQUIVALENT_LIST)),
+    }
+}
+
+/// A file of the repository, as text.
+fn read(root: &Path, relative: &str) -> Result<String> {
+    std::fs::read_to_string(root.join(relative)).with_context(|| format!("reading {relative}"))
+}
+
+/// The files git tracks, relative to `root`.
+fn tracked_files(root: &Path) -> Result<BTreeSet<String>> {
+    let out = Command::new("git").args(["ls-files"]).current_dir(root).output().context("could not run git")?;
+    if !out.status.success() {
+        bail!("`git ls-files` failed in {} (is it a git checkout?)", root.display());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect())
 }
 
 /// A CPU mutant with its package and the arguments of the `cargo` command that must fail once it is applied.
@@ -732,20 +938,39 @@ mod tests {
 
     #[test]
     fn options_come_from_the_declared_flags() {
-        let o = Options::from_flags(&parse_for_test(&["mutants"]).unwrap());
-        let expected =
-            Options { list: false, only: vec![], cases: 64, seed: 0x6d75_7461_6e74, timeout: Duration::from_secs(300) };
+        let options = |args: &[&str]| Options::from_flags(&parse_for_test(args).unwrap());
+        let o = options(&["mutants"]).unwrap();
+        let expected = Options {
+            mode: Mode::Catalog,
+            only: vec![],
+            cases: 64,
+            seed: 0x6d75_7461_6e74,
+            timeout: Duration::from_secs(300),
+        };
         assert_eq!(o, expected);
-        let o = Options::from_flags(
-            &parse_for_test(&["mutants", "--only", "a", "--only=b", "--cases", "8", "--seed=3", "--timeout", "9"])
-                .unwrap(),
-        );
+        let o = options(&["mutants", "--only", "a", "--only=b", "--cases", "8", "--seed=3", "--timeout", "9"]).unwrap();
         assert_eq!(o.only, ["a", "b"]);
         assert_eq!((o.cases, o.seed, o.timeout.as_secs()), (8, 3, 9));
-        assert!(Options::from_flags(&parse_for_test(&["mutants", "--list"]).unwrap()).list);
+        assert_eq!(options(&["mutants", "--list"]).unwrap().mode, Mode::List);
+        assert_eq!(options(&["mutants", "--diff"]).unwrap().mode, Mode::Diff(None));
+        assert_eq!(options(&["mutants", "--diff", "v1"]).unwrap().mode, Mode::Diff(Some("v1".to_owned())));
+        assert_eq!(
+            options(&["mutants", "--scope", "oracle", "--scope=proofs"]).unwrap().mode,
+            Mode::Scopes(strings(&["oracle", "proofs"]))
+        );
         for bad in [&["mutants", "--cases", "0"][..], &["mutants", "--timeout"], &["mutants", "--seed", "-1"]] {
             assert!(parse_for_test(bad).is_err(), "{bad:?}");
         }
+        for clash in [
+            &["mutants", "--diff", "--scope", "oracle"][..],
+            &["mutants", "--diff", "--list"],
+            &["mutants", "--diff", "--only", "x"],
+            &["mutants", "--scope", "oracle", "--only", "x"],
+            &["mutants", "HEAD~1"],
+        ] {
+            assert!(options(clash).is_err(), "{clash:?} must be refused");
+        }
+        assert!(parse_for_test(&["mutants", "--diff", "a", "b"]).is_err(), "one revision at most");
     }
 
     #[test]

@@ -74,6 +74,7 @@ pub fn verify(root: &Path) -> ExitCode {
     test_step(&mut tally, "test", &mut tests);
 
     snapshot_step(&mut tally, root);
+    mutation_reminder(&mut tally, root);
 
     if gpu_present() {
         let mut gpu = cargo(root);
@@ -146,6 +147,22 @@ fn snapshot_step(tally: &mut Tally, root: &Path) {
         }
     };
     tally.step("snapshots", ok);
+}
+
+/// Reminds the author, in one status line that is not a check, of changed files in cargo-mutants' scope whose current
+/// content no mutants run has covered: a full run does not fit CI's time, so it is the author's to start.
+fn mutation_reminder(tally: &mut Tally, root: &Path) {
+    if let Some(files) = crate::cargo_mutants::untested_changes(root).filter(|f| !f.is_empty()) {
+        let shown: Vec<&str> = files.iter().take(3).map(String::as_str).collect();
+        let more =
+            if files.len() > shown.len() { format!(" and {} more", files.len() - shown.len()) } else { String::new() };
+        tally.status(format!(
+            "mutants: reminder, not a check: {} changed file(s) not mutation-tested since their last change ({}{more}); \
+             run `cargo xtask mutants --diff`",
+            files.len(),
+            shown.join(", ")
+        ));
+    }
 }
 
 /// Whether a CUDA device is present, asked of `nvidia-smi -L` so that detection builds and links nothing.

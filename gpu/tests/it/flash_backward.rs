@@ -11,6 +11,7 @@
 //! each test prints `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
 use crate::common::*;
+use crate::property::{run_production, suite};
 use std::sync::Arc;
 
 use attnproof_gpu::backward::BackwardTiling;
@@ -25,14 +26,11 @@ use attnproof_harness::adversarial::{
 use attnproof_harness::candidate::GpuCandidate;
 use attnproof_harness::candidate_tests;
 use attnproof_harness::generate::{make_case, make_d_out};
-use attnproof_harness::strategies::{profile, suite_config};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{Mask, Predicate};
 use cudarc::driver::CudaStream;
-use half::{bf16, f16};
+use half::bf16;
 use ndarray::ArrayD;
-use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 
 /// One backward of the production kernels in `tiling`, guarded (see [`crate::common::run_backward_guarded_tiled`]).
 fn run_guarded<T: Storage>(
@@ -44,39 +42,16 @@ fn run_guarded<T: Storage>(
     run_backward_guarded_tiled(stream, p, FLASH_BWD, tiling, strategy)
 }
 
-fn fuzz<T: Storage>(test_name: &str, cases: u32) {
-    let Some(candidate) = GpuCandidate::if_available(test_name) else {
-        return;
-    };
-    let mut runner = TestRunner::new(suite_config(test_name, cases));
-    let worst = std::cell::RefCell::new(Worst::default());
-    // Every tiling the kernel compiles, drawn per case (a whole suite per tiling would double the device time).
-    let tilings = proptest::sample::select(BackwardTiling::ALL.to_vec());
-    let result = runner.run(&(kernel_spec(), profile(), any::<u64>(), tilings), |(spec, profile, seed, tiling)| {
-        let candidate = candidate.clone().with_backward_tiling(tiling);
-        let seeds = [seed, seed ^ 0x9e37_79b9_7f4a_7c15];
-        let cases = seeds.map(|s| make_case::<T>(&spec, profile, s));
-        let d_outs = seeds.map(|s| make_d_out::<T>(&spec, s));
-        let problems = [(&cases[0], &d_outs[0]), (&cases[1], &d_outs[1])];
-        let verdicts =
-            backward_verdicts(&candidate, &problems, Repeat::FirstInput).map_err(|e| e.into_test_case_error())?;
-        verdicts.iter().for_each(|v| worst.borrow_mut().record(v));
-        Ok(())
-    });
-    if let Err(e) = result {
-        panic!("{test_name}: {e}");
-    }
-    println!("{test_name}: {} cases x 3 strategies, worst error/bound {}", runner.config().cases, worst.borrow());
-}
-
+/// The backward property suites (`crate::property`): every draw, in its drawn tiling and with every strategy, within
+/// bound with a valid gate, inputs A, B, A.
 #[test]
 fn kernel_backward_is_within_bound_bf16() {
-    fuzz::<bf16>("gpu_flash_backward_bf16", 32);
+    run_production(suite("gpu_flash_backward_bf16"));
 }
 
 #[test]
 fn kernel_backward_is_within_bound_f16() {
-    fuzz::<f16>("gpu_flash_backward_f16", 32);
+    run_production(suite("gpu_flash_backward_f16"));
 }
 
 // The adversarial table (`attnproof_harness::adversarial`) in the default tiling: one test per group, the dtype

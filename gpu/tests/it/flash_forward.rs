@@ -9,6 +9,7 @@
 //! `skipped: no CUDA device` and passes (`ATTNPROOF_REQUIRE_GPU=1` turns that into a failure).
 
 use crate::common::*;
+use crate::property::{run_production, suite};
 use std::sync::Arc;
 
 use attnproof_gpu::compile::FLASH_FWD;
@@ -18,15 +19,12 @@ use attnproof_harness::adversarial::{Direction, Repeat, Worst, forward_verdicts}
 use attnproof_harness::candidate::GpuCandidate;
 use attnproof_harness::candidate_tests;
 use attnproof_harness::generate::make_case;
-use attnproof_harness::strategies::{profile, suite_config};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{Mask, Predicate};
 use cudarc::driver::CudaStream;
-use half::{bf16, f16};
+use half::bf16;
 use ndarray::ArrayD;
-use proptest::prelude::*;
-use proptest::test_runner::TestRunner;
 
 /// Output bits, for bitwise comparisons (NaN-safe).
 type Bits = (Vec<u16>, Vec<u32>);
@@ -41,35 +39,15 @@ fn run_guarded<T: Storage>(stream: &Arc<CudaStream>, case: &Case<T>) -> Result<(
     run_forward_guarded(stream, case, FLASH_FWD, tiling)
 }
 
-fn fuzz<T: Storage>(test_name: &str, cases: u32) {
-    let Some(candidate) = GpuCandidate::if_available(test_name) else {
-        return;
-    };
-    let mut runner = TestRunner::new(suite_config(test_name, cases));
-    let worst = std::cell::RefCell::new(Worst::default());
-    let result = runner.run(&(kernel_spec(), profile(), any::<u64>()), |(spec, profile, seed)| {
-        let a = make_case::<T>(&spec, profile, seed);
-        let b = make_case::<T>(&spec, profile, seed ^ 0x9e37_79b9_7f4a_7c15);
-        // A, B, A: both A results bitwise equal; both verdicts pass with a valid gate.
-        let verdicts =
-            forward_verdicts(&candidate, &[&a, &b], Repeat::FirstInput).map_err(|e| e.into_test_case_error())?;
-        verdicts.iter().for_each(|v| worst.borrow_mut().record(v));
-        Ok(())
-    });
-    if let Err(e) = result {
-        panic!("{test_name}: {e}");
-    }
-    println!("{test_name}: {} cases, worst error/bound {}", runner.config().cases, worst.borrow());
-}
-
+/// The forward property suites (`crate::property`): every draw within bound with a valid gate, inputs A, B, A.
 #[test]
 fn kernel_forward_is_within_bound_bf16() {
-    fuzz::<bf16>("gpu_flash_forward_bf16", 64);
+    run_production(suite("gpu_flash_forward_bf16"));
 }
 
 #[test]
 fn kernel_forward_is_within_bound_f16() {
-    fuzz::<f16>("gpu_flash_forward_f16", 64);
+    run_production(suite("gpu_flash_forward_f16"));
 }
 
 // The adversarial table (`attnproof_harness::adversarial`): one test per group, the dtype alternating from case to

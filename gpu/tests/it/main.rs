@@ -9,4 +9,5 @@ mod device;
 mod flash_backward;
 mod flash_forward;
 mod mutants;
+mod property;
 mod ring_state;

@@ -2,7 +2,8 @@
 //! of `gpu/kernels/flash_fwd.cu` and `gpu/kernels/flash_bwd.cu`, each compiled by NVRTC through the same
 //! `compile::module_from_source` path as the production kernels and launched through the production wrappers
 //! (`flash_forward_device_with`, `flash_backward_device_with`), with NaN-poisoned, guarded outputs, must all be
-//! killed by the oracle verdicts of a few small cases.
+//! killed by the oracle verdicts of a few small cases, and again by the general property suites (`crate::property`)
+//! alone, so that the suites that judge every kernel change are shown able to catch each modelled bug.
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
@@ -13,17 +14,21 @@
 use std::sync::Arc;
 
 use crate::common::*;
+use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
+use attnproof_harness::adversarial::{Direction, Worst};
 use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
+use attnproof_harness::candidate::GpuCandidate;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
 use half::bf16;
+use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
@@ -161,6 +166,71 @@ fn all_backward_mutants_are_killed() {
         })
         .collect();
     hunt(FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| check_backward(&stream, kernel, c));
+}
+
+/// Runs every catalog mutant of `base` through the general property suite `suite` (its default draws, bf16, no
+/// shrinking: the first failing draw kills) and requires each to fail, as the hand-picked cases above do. The
+/// production kernel passes the same draws in `flash_forward`/`flash_backward`, so a failure is the patch's. Prints
+/// the table: mutant, the draw that killed it, the first line of why.
+fn hunt_with_general_suite(base: KernelSource, suite: &PropertySuite, candidate: &GpuCandidate) {
+    let catalog = catalog_mutants(base);
+    assert!(!catalog.is_empty(), "the catalog holds no kernel-text mutant of {}", base.name);
+    let mut survivors = vec![];
+    println!("{:<40} {:<8} detail", "mutant", "draw");
+    for m in &catalog {
+        let patched_kernel = patched(base, m);
+        let mutant = match suite.direction {
+            Direction::Forward => GpuCandidate { forward_kernel: patched_kernel, ..candidate.clone() },
+            Direction::Backward => GpuCandidate { backward_kernel: patched_kernel, ..candidate.clone() },
+        };
+        let config = Config { max_shrink_iters: 0, ..suite.default_config() };
+        let draws = std::cell::Cell::new(0usize);
+        let worst = std::cell::RefCell::new(Worst::default());
+        let (_, result) = run_suite(suite, config, |draw| {
+            draws.set(draws.get() + 1);
+            check(suite, &mutant, &worst, draw)
+        });
+        match result {
+            Err(TestError::Fail(why, _)) => {
+                let first_line = why.message().lines().next().unwrap_or("").chars().take(70).collect::<String>();
+                println!("{:<40} {:<8} {first_line}", m.name, draws.get());
+            }
+            Err(TestError::Abort(why)) => panic!("{}: the suite gave up on mutant `{}`: {why}", suite.name, m.name),
+            Ok(()) => {
+                println!("{:<40} {:<8}", m.name, "SURVIVED");
+                survivors.push(m.name);
+            }
+        }
+    }
+    println!(
+        "gpu mutants of {} against {}: {} of {} killed",
+        base.name,
+        suite.name,
+        catalog.len() - survivors.len(),
+        catalog.len()
+    );
+    assert!(
+        survivors.is_empty(),
+        "GPU mutants of {} the general suite {} misses: {survivors:?}",
+        base.name,
+        suite.name
+    );
+}
+
+#[test]
+fn all_forward_mutants_are_killed_by_the_general_suite() {
+    let Some(candidate) = GpuCandidate::if_available("all_forward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    hunt_with_general_suite(FLASH_FWD, suite("gpu_flash_forward_bf16"), &candidate);
+}
+
+#[test]
+fn all_backward_mutants_are_killed_by_the_general_suite() {
+    let Some(candidate) = GpuCandidate::if_available("all_backward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    hunt_with_general_suite(FLASH_BWD, suite("gpu_flash_backward_bf16"), &candidate);
 }
 
 /// Every mutant compiles (for sm_90a, with the killing cases' defines): a patch that broke the build would fail every

@@ -5,6 +5,7 @@ mod backward_theorems;
 mod common;
 mod dsa_theorems;
 mod f64_bound;
+mod f64_bound_terms;
 mod hils_theorems;
 mod nsa_theorems;
 mod online_theorems;

@@ -1,0 +1,652 @@
+//! cargo-mutants over the verifier's CPU crates (`cargo xtask mutants --scope NAME` and `--diff [REV]`): which tests
+//! judge each scope's mutants, the run inside the catalog's scratch copy, the outcome files read back, the survivors
+//! `mutants-equivalent.md` explains, and the record that lets `cargo xtask verify` remind an author of changed code
+//! that no mutant has exercised since its last change.
+//!
+//! Which files are mutated is cargo-mutants' own configuration (`.cargo/mutants.toml`, `examine_globs`); this module
+//! reads the same globs for the reminder, so the two can never disagree about the scope.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::process::describe;
+
+/// The configuration file cargo-mutants reads, relative to the repository root.
+pub const CONFIG: &str = ".cargo/mutants.toml";
+
+/// The list of survivors no input can tell apart from the original, relative to the repository root.
+pub const EQUIVALENT_LIST: &str = "mutants-equivalent.md";
+
+/// The record of files whose mutants were last run to the end with no unexplained survivor, under `target/`.
+const TESTED_RECORD: &str = "target/mutants/tested.txt";
+
+/// One scope of cargo-mutants: a crate, or part of one, with the tests that judge its mutants. Every file of
+/// `examine_globs` belongs to exactly one scope (a test checks it), so `--diff` knows which tests to run for a change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scope {
+    /// The name typed after `--scope`.
+    pub name: &'static str,
+    /// The cargo package that owns its files.
+    pub package: &'static str,
+    /// The package's directory, relative to the repository root, with a trailing slash.
+    pub dir: &'static str,
+    /// Files of the package's scope left to other scopes (globs, as cargo-mutants' `--exclude`).
+    pub exclude: &'static [&'static str],
+    /// The packages whose tests run against each mutant: the crate's own, plus those whose tests are its real
+    /// judges (the reference schedules are checked against the oracle by the harness, not by themselves).
+    pub test_packages: &'static [&'static str],
+    /// Further `cargo test` arguments: which test targets, then after `--` libtest's name filters. Empty for all.
+    pub test_args: &'static [&'static str],
+}
+
+/// The verdict's rules and the case checker, judged by the harness's unit tests and its case-file tests only: the
+/// suites that run the flash and sparse families take most of a minute, which is too long per mutant, and none of
+/// them tests a rule of the verdict that the unit tests leave open.
+const VERDICT_FILES: &[&str] = &["tests/src/verdict.rs", "tests/src/gate.rs", "tests/src/case/*.rs"];
+
+/// The harness's family drivers (which build the bounds and canned answers of each family), judged by every suite.
+const FAMILY_FILES: &[&str] = &["tests/src/flash.rs", "tests/src/backward.rs", "tests/src/sparse.rs"];
+
+/// Every scope, in the order `--scope all` takes them. Within a package, the files are `examine_globs` of [`CONFIG`]
+/// minus the scope's `exclude`.
+pub const SCOPES: &[Scope] = &[
+    Scope {
+        name: "proofs",
+        package: "attnproof-proofs",
+        dir: "proofs/",
+        exclude: &[],
+        test_packages: &["attnproof-proofs"],
+        test_args: &[],
+    },
+    Scope {
+        name: "verdict",
+        package: "attnproof-harness",
+        dir: "tests/",
+        exclude: FAMILY_FILES,
+        test_packages: &["attnproof-harness"],
+        test_args: &["--lib", "--test", "it", "--", "verdict::", "gate::", "case::", "check_", "recipe::"],
+    },
+    Scope {
+        name: "harness",
+        package: "attnproof-harness",
+        dir: "tests/",
+        exclude: VERDICT_FILES,
+        test_packages: &["attnproof-harness"],
+        test_args: &[],
+    },
+    Scope {
+        name: "fixtures",
+        package: "attnproof-fixtures",
+        dir: "fixtures/",
+        exclude: &[],
+        test_packages: &["attnproof-fixtures"],
+        test_args: &[],
+    },
+    Scope {
+        name: "oracle",
+        package: "attnproof-oracle",
+        dir: "oracle/",
+        exclude: &[],
+        test_packages: &["attnproof-oracle"],
+        test_args: &[],
+    },
+    Scope {
+        name: "reference",
+        package: "attnproof-reference",
+        dir: "reference/src/",
+        exclude: &[],
+        test_packages: &["attnproof-reference", "attnproof-harness"],
+        test_args: &[],
+    },
+];
+
+impl Scope {
+    /// Whether `file` (relative to the repository root) is one of this scope's, given cargo-mutants' `globs`.
+    pub fn owns(&self, globs: &[String], file: &str) -> bool {
+        file.starts_with(self.dir)
+            && globs.iter().any(|g| glob_matches(g, file))
+            && !self.exclude.iter().any(|g| glob_matches(g, file))
+    }
+}
+
+/// The scope named `name`.
+pub fn find_scope(name: &str) -> Result<&'static Scope> {
+    SCOPES.iter().find(|c| c.name == name).with_context(|| {
+        let names: Vec<&str> = SCOPES.iter().map(|c| c.name).collect();
+        format!("no cargo-mutants scope `{name}`; the scopes are: {} (or `all`)", names.join(", "))
+    })
+}
+
+/// What cargo-mutants (and then [`EQUIVALENT_LIST`]) made of one mutant.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Fate {
+    /// A test failed.
+    Caught,
+    /// Every test passed, and [`EQUIVALENT_LIST`] explains why no test can fail.
+    Equivalent,
+    /// Every test passed and nothing explains it: a missing test.
+    Missed,
+    /// The tests ran past cargo-mutants' timeout (counted as caught, reported apart).
+    Timeout,
+    /// The mutated source did not build: nothing was tested.
+    Unviable,
+}
+
+impl Fate {
+    /// The outcome file cargo-mutants writes for this fate (`Equivalent` is ours: cargo-mutants calls it missed).
+    const FILES: [(&'static str, Fate); 4] = [
+        ("caught.txt", Fate::Caught),
+        ("missed.txt", Fate::Missed),
+        ("timeout.txt", Fate::Timeout),
+        ("unviable.txt", Fate::Unviable),
+    ];
+
+    /// The word for the table.
+    pub fn word(self) -> &'static str {
+        match self {
+            Fate::Caught => "caught",
+            Fate::Equivalent => "equivalent",
+            Fate::Missed => "MISSED",
+            Fate::Timeout => "timeout",
+            Fate::Unviable => "unviable",
+        }
+    }
+
+    /// Whether the fate leaves the mutant explained: caught, timed out, unviable or argued equivalent.
+    pub fn is_explained(self) -> bool {
+        self != Fate::Missed
+    }
+}
+
+/// One mutant's name as cargo-mutants prints it (`file:line:col: description`) and its fate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MutantOutcome {
+    /// `proofs/src/flash_bound.rs:48:45: replace / with *`.
+    pub name: String,
+    /// What became of it.
+    pub fate: Fate,
+}
+
+/// The tally of one run, per crate, for the summary and docs/mutation.md.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Mutants generated.
+    pub generated: usize,
+    /// Caught by a failing test.
+    pub caught: usize,
+    /// Missed and not explained.
+    pub missed: usize,
+    /// Missed but argued equivalent.
+    pub equivalent: usize,
+    /// Timed out.
+    pub timeouts: usize,
+    /// Did not build.
+    pub unviable: usize,
+}
+
+impl Tally {
+    /// Counts `outcomes`.
+    pub fn of(outcomes: &[MutantOutcome]) -> Tally {
+        let count = |fate| outcomes.iter().filter(|o| o.fate == fate).count();
+        Tally {
+            generated: outcomes.len(),
+            caught: count(Fate::Caught),
+            missed: count(Fate::Missed),
+            equivalent: count(Fate::Equivalent),
+            timeouts: count(Fate::Timeout),
+            unviable: count(Fate::Unviable),
+        }
+    }
+}
+
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} generated: {} caught, {} missed, {} equivalent, {} timeouts, {} unviable",
+            self.generated, self.caught, self.missed, self.equivalent, self.timeouts, self.unviable
+        )
+    }
+}
+
+/// Reads the outcome files of a finished cargo-mutants run (`<out>/mutants.out/*.txt`).
+///
+/// A run that found no mutant (a diff touching only comments) writes no outcome files; that reads as no outcome.
+pub fn read_outcomes(mutants_out: &Path) -> Result<Vec<MutantOutcome>> {
+    let mut outcomes = Vec::new();
+    for (file, fate) in Fate::FILES {
+        let path = mutants_out.join(file);
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(err) => return Err(err).with_context(|| format!("reading {}", path.display())),
+        };
+        outcomes.extend(
+            text.lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .map(|name| MutantOutcome { name: name.to_owned(), fate }),
+        );
+    }
+    outcomes.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(outcomes)
+}
+
+/// The mutant names [`EQUIVALENT_LIST`] explains: every list item of the form ``- `NAME`: why``.
+pub fn parse_equivalent_list(text: &str) -> Result<BTreeMap<String, String>> {
+    let mut entries = BTreeMap::new();
+    for (number, line) in text.lines().enumerate() {
+        let Some(rest) = line.strip_prefix("- `") else { continue };
+        let Some((name, why)) = rest.split_once("`: ") else {
+            bail!("{EQUIVALENT_LIST}:{}: an entry must read ``- `NAME`: why``, got: {line}", number + 1);
+        };
+        if why.trim().is_empty() {
+            bail!("{EQUIVALENT_LIST}:{}: `{name}` has no argument for its equivalence", number + 1);
+        }
+        if entries.insert(name.to_owned(), why.trim().to_owned()).is_some() {
+            bail!("{EQUIVALENT_LIST}:{}: `{name}` is listed twice", number + 1);
+        }
+    }
+    Ok(entries)
+}
+
+/// Marks the missed mutants that `equivalent` explains. Returns the entries of `equivalent` for files of `crates` that
+/// name no mutant of this run at all (stale: the code moved or changed, so the argument must be checked again).
+pub fn apply_equivalents(
+    outcomes: &mut [MutantOutcome],
+    equivalent: &BTreeMap<String, String>,
+    full_run_files: &BTreeSet<String>,
+) -> Vec<String> {
+    for outcome in outcomes.iter_mut() {
+        if outcome.fate == Fate::Missed && equivalent.contains_key(&outcome.name) {
+            outcome.fate = Fate::Equivalent;
+        }
+    }
+    let generated: BTreeSet<&str> = outcomes.iter().map(|o| o.name.as_str()).collect();
+    equivalent
+        .keys()
+        .filter(|name| full_run_files.contains(name.split(':').next().unwrap_or(name)))
+        .filter(|name| !generated.contains(name.as_str()))
+        .cloned()
+        .collect()
+}
+
+/// The `examine_globs` array of cargo-mutants' configuration: a TOML array of plain strings, over one or more lines.
+pub fn examine_globs(config: &str) -> Result<Vec<String>> {
+    // Comments go first, line by line, so that a bracket or quote inside one cannot confuse the scan; no glob holds a
+    // `#`.
+    let code: Vec<&str> = config.lines().map(|l| l.split('#').next().unwrap_or("")).collect();
+    let code = code.join("\n");
+    let start = code.find("examine_globs").with_context(|| format!("{CONFIG} has no `examine_globs` array"))?;
+    let rest = &code[start..];
+    let (open, close) = match (rest.find('['), rest.find(']')) {
+        (Some(open), Some(close)) if open < close => (open, close),
+        _ => bail!("{CONFIG}: `examine_globs` must be an array of strings closed with `]`"),
+    };
+    let globs = rest[open + 1..close]
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            item.strip_prefix('"')
+                .and_then(|s| s.strip_suffix('"'))
+                .map(str::to_owned)
+                .with_context(|| format!("{CONFIG}: `examine_globs` holds {item}, not a plain string"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if globs.is_empty() {
+        bail!("{CONFIG}: `examine_globs` is empty, which would mutate every file");
+    }
+    Ok(globs)
+}
+
+/// Whether `path` (relative, `/`-separated) matches `glob`: `*` stands for any characters within one path segment,
+/// `**` for any number of whole segments, as in cargo-mutants' globs that contain a slash.
+pub fn glob_matches(glob: &str, path: &str) -> bool {
+    fn segments(glob: &[&str], path: &[&str]) -> bool {
+        match (glob.first(), path.first()) {
+            (None, None) => true,
+            (Some(&"**"), _) => segments(&glob[1..], path) || (!path.is_empty() && segments(glob, &path[1..])),
+            (Some(g), Some(p)) => segment(g.as_bytes(), p.as_bytes()) && segments(&glob[1..], &path[1..]),
+            _ => false,
+        }
+    }
+    fn segment(glob: &[u8], text: &[u8]) -> bool {
+        match glob.first() {
+            None => text.is_empty(),
+            Some(b'*') => (0..=text.len()).any(|skip| segment(&glob[1..], &text[skip..])),
+            Some(&c) => text.first() == Some(&c) && segment(&glob[1..], &text[1..]),
+        }
+    }
+    let glob: Vec<&str> = glob.split('/').collect();
+    let path: Vec<&str> = path.split('/').collect();
+    segments(&glob, &path)
+}
+
+/// Whether `file` is in cargo-mutants' scope: some scope of [`SCOPES`] owns it.
+pub fn in_scope(globs: &[String], file: &str) -> bool {
+    SCOPES.iter().any(|s| s.owns(globs, file))
+}
+
+/// A stable 64-bit FNV-1a hash of a file's bytes, for the tested-files record (std's hasher may change between
+/// toolchains, and the record outlives one).
+pub fn content_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// The tested-files record: file → hash of the content its mutants were last run on with no unexplained survivor.
+pub fn read_tested(root: &Path) -> BTreeMap<String, u64> {
+    let Ok(text) = std::fs::read_to_string(root.join(TESTED_RECORD)) else { return BTreeMap::new() };
+    text.lines()
+        .filter_map(|l| l.split_once('\t'))
+        .filter_map(|(hash, file)| Some((file.to_owned(), u64::from_str_radix(hash, 16).ok()?)))
+        .collect()
+}
+
+/// Adds `files` (as they are now in `root`) to the tested-files record.
+pub fn record_tested(root: &Path, files: &BTreeSet<String>) -> Result<()> {
+    let mut tested = read_tested(root);
+    for file in files {
+        if let Ok(bytes) = std::fs::read(root.join(file)) {
+            tested.insert(file.clone(), content_hash(&bytes));
+        }
+    }
+    let text: String = tested.iter().map(|(file, hash)| format!("{hash:016x}\t{file}\n")).collect();
+    let path = root.join(TESTED_RECORD);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
+    std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+}
+
+/// Runs git in `root` and returns its stdout, or an error naming the command.
+fn git(root: &Path, args: &[&str]) -> Result<String> {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(root)
+        .output()
+        .with_context(|| format!("could not run `git {}` (is git installed?)", args.join(" ")))?;
+    if !out.status.success() {
+        bail!("`git {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The revision `--diff` compares with: `rev` when given, else the merge base of `HEAD` and `main`.
+pub fn base_revision(root: &Path, rev: Option<&str>) -> Result<String> {
+    let rev = match rev {
+        Some(rev) => rev.to_owned(),
+        None => git(root, &["merge-base", "HEAD", "main"])
+            .context("no merge base of HEAD and `main`; name the revision to compare with: --diff REV")?
+            .trim()
+            .to_owned(),
+    };
+    // Resolve it now, so that a typo is one clear error rather than an empty diff.
+    Ok(git(root, &["rev-parse", "--verify", "--quiet", &format!("{rev}^{{commit}}")])
+        .with_context(|| format!("`{rev}` is not a revision of this repository"))?
+        .trim()
+        .to_owned())
+}
+
+/// The working tree's changes since `base` as a unified diff, untracked files included (as additions), and the
+/// changed files' paths.
+pub fn diff_since(root: &Path, base: &str) -> Result<(String, BTreeSet<String>)> {
+    let mut patch = git(root, &["diff", "--no-color", "--no-ext-diff", base, "--"])?;
+    let mut files: BTreeSet<String> =
+        git(root, &["diff", "--name-only", "--no-renames", base, "--"])?.lines().map(str::to_owned).collect();
+    for untracked in git(root, &["ls-files", "--others", "--exclude-standard"])?.lines() {
+        // `git diff --no-index` exits 1 when the files differ, which they always do here, so it is run directly.
+        let out = Command::new("git")
+            .args(["diff", "--no-color", "--no-index", "--", "/dev/null", untracked])
+            .current_dir(root)
+            .output()
+            .context("could not run `git diff --no-index`")?;
+        patch.push_str(&String::from_utf8_lossy(&out.stdout));
+        files.insert(untracked.to_owned());
+    }
+    Ok((patch, files))
+}
+
+/// Changed files in cargo-mutants' scope whose current content no complete mutants run has covered: the reminder of
+/// `cargo xtask verify`. `None` when it cannot tell (no git, no `main`, no configuration), because a reminder must
+/// never fail verify.
+pub fn untested_changes(root: &Path) -> Option<Vec<String>> {
+    let globs = examine_globs(&std::fs::read_to_string(root.join(CONFIG)).ok()?).ok()?;
+    let base = base_revision(root, None).ok()?;
+    let (_, changed) = diff_since(root, &base).ok()?;
+    let tested = read_tested(root);
+    Some(
+        changed
+            .into_iter()
+            .filter(|f| in_scope(&globs, f))
+            .filter(|f| {
+                let Ok(bytes) = std::fs::read(root.join(f)) else { return false };
+                tested.get(f) != Some(&content_hash(&bytes))
+            })
+            .collect(),
+    )
+}
+
+/// The scopes owning files of `changed`.
+pub fn scopes_touched(globs: &[String], changed: &BTreeSet<String>) -> Vec<&'static Scope> {
+    SCOPES.iter().filter(|s| changed.iter().any(|f| s.owns(globs, f))).collect()
+}
+
+/// The arguments of one cargo-mutants run over `scope`, in place in the scratch copy, writing `<out>/mutants.out`;
+/// with `diff`, only mutants on lines the diff touches.
+pub fn cargo_mutants_args(scope: &Scope, out: &Path, diff: Option<&Path>) -> Vec<String> {
+    let mut args: Vec<String> =
+        ["mutants", "--in-place", "--no-shuffle", "--colors", "never", "--package", scope.package]
+            .map(str::to_owned)
+            .to_vec();
+    for test_package in scope.test_packages {
+        args.extend(["--test-package".to_owned(), (*test_package).to_owned()]);
+    }
+    args.extend(["--output".to_owned(), out.display().to_string()]);
+    for glob in scope.exclude {
+        args.extend(["--exclude".to_owned(), (*glob).to_owned()]);
+    }
+    if let Some(diff) = diff {
+        args.extend(["--in-diff".to_owned(), diff.display().to_string()]);
+    }
+    if !scope.test_args.is_empty() {
+        args.push("--".to_owned());
+        args.extend(scope.test_args.iter().map(|a| (*a).to_owned()));
+    }
+    args
+}
+
+/// What cargo-mutants' exit code says about a run: `Ok` when its outcome files are to be read (0 all caught, 2 some
+/// missed, 3 some timed out), an error otherwise (1 bad usage, 4 the unmutated baseline failed).
+pub fn check_exit(code: Option<i32>, cmd: &Command) -> Result<()> {
+    match code {
+        Some(0 | 2 | 3) => Ok(()),
+        Some(4) => bail!(
+            "`{}`: the tests fail on the unmutated copy (cargo-mutants' baseline); fix them before mutating",
+            describe(cmd)
+        ),
+        Some(code) => bail!("`{}` failed with exit code {code}", describe(cmd)),
+        None => bail!("`{}` was killed by a signal", describe(cmd)),
+    }
+}
+
+/// Fails with the install command when cargo-mutants is missing.
+pub fn ensure_installed(root: &Path) -> Result<()> {
+    let ok = crate::process::cargo(root)
+        .args(["mutants", "--version"])
+        .output()
+        .is_ok_and(|out| out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("cargo-mutants"));
+    if !ok {
+        bail!("cargo-mutants is not installed; install it with `cargo install cargo-mutants --locked` (27.1 or later)");
+    }
+    Ok(())
+}
+
+/// The output directory of `scope`'s runs: `target/mutants/runs/<name>`.
+pub fn output_dir(root: &Path, scope: &Scope) -> PathBuf {
+    root.join("target").join("mutants").join("runs").join(scope.name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CONFIG_TEXT: &str = "# comment\nexamine_globs = [\n    \"tests/src/verdict.rs\", # the verdict\n    \
+                               \"reference/src/**/*.rs\",\n    \"oracle/src/*.rs\",\n]\ntimeout_multiplier = 3.0\n";
+
+    #[test]
+    fn reads_examine_globs_across_lines_and_comments() {
+        assert_eq!(
+            examine_globs(CONFIG_TEXT).unwrap(),
+            ["tests/src/verdict.rs", "reference/src/**/*.rs", "oracle/src/*.rs"]
+        );
+        assert_eq!(examine_globs("examine_globs = [\"a/*.rs\", \"b.rs\"]\n").unwrap(), ["a/*.rs", "b.rs"]);
+        assert!(examine_globs("timeout_multiplier = 3.0\n").is_err());
+        assert!(examine_globs("examine_globs = [\n\"a.rs\",\n").is_err(), "an unclosed array is an error");
+        assert!(examine_globs("examine_globs = []\n").is_err(), "an empty scope is an error");
+    }
+
+    #[test]
+    fn globs_match_segments_and_double_stars() {
+        assert!(glob_matches("oracle/src/*.rs", "oracle/src/nsa.rs"));
+        assert!(!glob_matches("oracle/src/*.rs", "oracle/src/sub/nsa.rs"), "`*` stays within one segment");
+        assert!(!glob_matches("oracle/src/*.rs", "oracle/src/nsa.txt"));
+        assert!(glob_matches("reference/src/**/*.rs", "reference/src/ring/forward.rs"));
+        assert!(glob_matches("reference/src/**/*.rs", "reference/src/flash.rs"), "`**` may stand for no segment");
+        assert!(glob_matches("reference/src/**/*.rs", "reference/src/a/b/c.rs"));
+        assert!(!glob_matches("reference/src/**/*.rs", "reference/tests/it.rs"));
+        assert!(glob_matches("tests/src/verdict.rs", "tests/src/verdict.rs"));
+        assert!(!glob_matches("tests/src/verdict.rs", "tests/src/verdict.rs.orig"));
+    }
+
+    #[test]
+    fn scope_needs_a_glob_and_an_owning_scope() {
+        let globs = examine_globs(CONFIG_TEXT).unwrap();
+        assert!(in_scope(&globs, "oracle/src/dense.rs"));
+        assert!(in_scope(&globs, "reference/src/ring/backward.rs"));
+        assert!(!in_scope(&globs, "tests/src/candidate.rs"), "no glob names it");
+        assert!(!in_scope(&["xtask/src/*.rs".to_owned()], "xtask/src/main.rs"), "no scope owns xtask");
+        let all = ["tests/src/*.rs".to_owned(), "tests/src/case/*.rs".to_owned()];
+        let owners = |file: &str| SCOPES.iter().filter(|s| s.owns(&all, file)).map(|s| s.name).collect::<Vec<_>>();
+        assert_eq!(owners("tests/src/gate.rs"), ["verdict"]);
+        assert_eq!(owners("tests/src/case/check.rs"), ["verdict"]);
+        assert_eq!(owners("tests/src/flash.rs"), ["harness"]);
+    }
+
+    #[test]
+    fn every_scope_is_found_by_name_and_tested_by_its_own_package() {
+        for scope in SCOPES {
+            assert_eq!(find_scope(scope.name).unwrap(), scope);
+            assert!(scope.test_packages.contains(&scope.package), "{}'s own tests judge its mutants", scope.name);
+        }
+        let err = find_scope("gpu").unwrap_err().to_string();
+        assert!(err.contains("proofs, verdict, harness"), "{err}");
+    }
+
+    #[test]
+    fn every_file_in_scope_has_exactly_one_scope_and_every_glob_names_files() {
+        let root = crate::repo_root();
+        let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
+        for scope in SCOPES {
+            let member = scope.dir.trim_end_matches('/').trim_end_matches("/src");
+            assert!(manifest.contains(&format!("\"{member}\"")), "{member} is not a workspace member");
+        }
+        let globs = examine_globs(&std::fs::read_to_string(root.join(CONFIG)).unwrap()).unwrap();
+        let files = git(&root, &["ls-files"]).unwrap();
+        for glob in &globs {
+            let matched: Vec<&str> = files.lines().filter(|f| glob_matches(glob, f)).collect();
+            assert!(!matched.is_empty(), "{CONFIG}: `{glob}` matches no tracked file");
+            for file in matched {
+                let owners: Vec<&str> = SCOPES.iter().filter(|s| s.owns(&globs, file)).map(|s| s.name).collect();
+                assert_eq!(owners.len(), 1, "{file} belongs to {owners:?}");
+            }
+        }
+        for glob in VERDICT_FILES.iter().chain(FAMILY_FILES) {
+            assert!(globs.contains(&(*glob).to_owned()), "{glob} is split between scopes but not in {CONFIG}");
+        }
+    }
+
+    #[test]
+    fn outcome_files_are_read_and_equivalents_applied() {
+        let dir = std::env::temp_dir().join(format!("attnproof-outcomes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("caught.txt"), "a.rs:1:1: replace + with -\n").unwrap();
+        std::fs::write(dir.join("missed.txt"), "a.rs:2:1: replace * with /\na.rs:3:1: replace f with 0\n").unwrap();
+        std::fs::write(dir.join("unviable.txt"), "a.rs:4:1: replace g with ()\n").unwrap();
+        let mut outcomes = read_outcomes(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(outcomes.len(), 4);
+        assert_eq!(outcomes[0].name, "a.rs:1:1: replace + with -", "sorted by name");
+
+        let list = "# Equivalent\n\n- `a.rs:2:1: replace * with /`: x is 1 there\n- `a.rs:9:9: gone`: moved\n";
+        let equivalent = parse_equivalent_list(list).unwrap();
+        let stale = apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::from(["a.rs".to_owned()]));
+        assert_eq!(stale, ["a.rs:9:9: gone"]);
+        let tally = Tally::of(&outcomes);
+        assert_eq!(
+            tally,
+            Tally { generated: 4, caught: 1, missed: 1, equivalent: 1, timeouts: 0, unviable: 1 },
+            "{outcomes:?}"
+        );
+        let unlisted = apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
+        assert!(unlisted.is_empty(), "entries of files not fully run are not called stale");
+    }
+
+    #[test]
+    fn malformed_equivalent_entries_are_errors() {
+        assert!(parse_equivalent_list("- `a.rs:1:1: x`: \n").is_err(), "an entry needs its argument");
+        assert!(parse_equivalent_list("- `a.rs:1:1: x` because\n").is_err());
+        assert!(parse_equivalent_list("- `a: x`: one\n- `a: x`: two\n").is_err(), "a duplicate is an error");
+        assert!(parse_equivalent_list("prose with - `code`: inside\n").unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_repository_equivalent_list_parses() {
+        let text = std::fs::read_to_string(crate::repo_root().join(EQUIVALENT_LIST)).unwrap();
+        let entries = parse_equivalent_list(&text).unwrap();
+        let globs = examine_globs(&std::fs::read_to_string(crate::repo_root().join(CONFIG)).unwrap()).unwrap();
+        for name in entries.keys() {
+            let file = name.split(':').next().unwrap();
+            assert!(in_scope(&globs, file), "{EQUIVALENT_LIST}: `{name}` is outside cargo-mutants' scope");
+        }
+    }
+
+    #[test]
+    fn hashes_are_stable_and_tell_contents_apart() {
+        // FNV-1a's published test vector for "a", so the record survives toolchain updates.
+        assert_eq!(content_hash(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_ne!(content_hash(b"x = 1;"), content_hash(b"x = 2;"));
+    }
+
+    #[test]
+    fn exit_codes_separate_outcomes_from_failures() {
+        let cmd = Command::new("cargo");
+        for code in [0, 2, 3] {
+            assert!(check_exit(Some(code), &cmd).is_ok(), "{code}");
+        }
+        assert!(check_exit(Some(4), &cmd).unwrap_err().to_string().contains("baseline"));
+        assert!(check_exit(Some(1), &cmd).is_err());
+        assert!(check_exit(None, &cmd).is_err());
+    }
+
+    #[test]
+    fn arguments_name_the_package_its_judges_and_the_diff() {
+        let scope = find_scope("reference").unwrap();
+        let args = cargo_mutants_args(scope, Path::new("/o"), Some(Path::new("/d.patch")));
+        let joined = args.join(" ");
+        assert!(joined.starts_with("mutants --in-place"), "{joined}");
+        assert!(joined.contains("--package attnproof-reference"), "{joined}");
+        assert!(joined.contains("--test-package attnproof-reference --test-package attnproof-harness"), "{joined}");
+        assert!(joined.ends_with("--output /o --in-diff /d.patch"), "{joined}");
+        assert!(!cargo_mutants_args(scope, Path::new("/o"), None).contains(&"--in-diff".to_owned()));
+        let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), None).join(" ");
+        assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
+        assert!(
+            verdict.ends_with("sparse.rs -- --lib --test it -- verdict:: gate:: case:: check_ recipe::"),
+            "{verdict}"
+        );
+    }
+}
