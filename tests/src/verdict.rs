@@ -164,6 +164,8 @@ mod tests {
             (f64::NEG_INFINITY, f64::INFINITY),
         ] {
             assert_eq!(verdict(&[c], &[o], &[1e300]).max_ratio, f64::INFINITY, "candidate {c}, oracle {o}");
+            // Even under an infinite bound (an output the model cannot bound), which `∞ / ∞` would turn into NaN.
+            assert_eq!(verdict(&[c], &[o], &[f64::INFINITY]).max_ratio, f64::INFINITY, "candidate {c}, oracle {o}");
         }
     }
 
@@ -223,9 +225,12 @@ mod tests {
         assert!(!both.passed());
         assert_eq!(both.max_ratio(), 2.0);
         assert!(both.valid());
-        let one = Verdict { outputs: vec![good], gate };
+        let one = Verdict { outputs: vec![good.clone()], gate };
         assert!(one.passed());
         assert_eq!(one.max_ratio(), 0.0);
+        let passed_canned = CannedResult { name: "zeros", applicable: true, rejected: false, max_ratio: 0.5 };
+        let invalid = Verdict { outputs: vec![good], gate: GateReport { canned: vec![passed_canned] } };
+        assert!(invalid.passed() && !invalid.valid(), "a case whose canned wrong answer passes is invalid");
         let text = both.to_string();
         assert!(text.contains("FAILED") && text.ends_with("gate valid: zeros=rejected"), "{text}");
     }

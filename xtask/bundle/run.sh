@@ -158,8 +158,12 @@ fuzz)
                 # Each process in its own directory: proptest writes a failure's regression file relative to it.
                 dir="$work/$side-$i"
                 mkdir -p "$dir"
-                (cd "$dir" && PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-it" \
-                    "flash_$side::kernel_${side}_is_within_bound" --show-output >log 2>&1; echo $? >rc) &
+                # The suites draw from fixed seeds unless told otherwise (gpu/tests/it/property.rs); fuzzing wants
+                # fresh draws in every process, and the log keeps the seed to replay a failure.
+                seed="$(od -An -N8 -tu8 /dev/urandom | tr -d ' ')"
+                echo "PROPTEST_RNG_SEED=$seed" >"$dir/log"
+                (cd "$dir" && PROPTEST_RNG_SEED="$seed" PROPTEST_CASES="$cases" "$here/tests/attnproof-gpu-it" \
+                    "flash_$side::kernel_${side}_is_within_bound" --show-output >>log 2>&1; echo $? >rc) &
             done
         done
         wait

@@ -38,9 +38,16 @@ pub struct Scope {
     /// The packages whose tests run against each mutant: the crate's own, plus those whose tests are its real
     /// judges (the reference schedules are checked against the oracle by the harness, not by themselves).
     pub test_packages: &'static [&'static str],
-    /// Further `cargo test` arguments: which test targets, then after `--` libtest's name filters. Empty for all.
-    pub test_args: &'static [&'static str],
+    /// The test targets built and run for each mutant (cargo arguments, given to the build and the test run alike,
+    /// so that nothing else is built per mutant).
+    pub targets: &'static [&'static str],
+    /// libtest's name filters (a test runs when its name contains one); empty for every test of the targets.
+    pub filters: &'static [&'static str],
 }
+
+/// Unit and integration tests: what [`Scope::targets`] holds unless a scope says otherwise. Examples and doc tests
+/// are left out, because building them per mutant would cost more than they test.
+const UNIT_AND_INTEGRATION: &[&str] = &["--lib", "--tests"];
 
 /// The verdict's rules and the case checker, judged by the harness's unit tests and its case-file tests only: the
 /// suites that run the flash and sparse families take most of a minute, which is too long per mutant, and none of
@@ -59,7 +66,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "proofs/",
         exclude: &[],
         test_packages: &["attnproof-proofs"],
-        test_args: &[],
+        targets: UNIT_AND_INTEGRATION,
+        filters: &[],
     },
     Scope {
         name: "verdict",
@@ -67,7 +75,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "tests/",
         exclude: FAMILY_FILES,
         test_packages: &["attnproof-harness"],
-        test_args: &["--lib", "--test", "it", "--", "verdict::", "gate::", "case::", "check_", "recipe::"],
+        targets: &["--lib", "--test=it"],
+        filters: &["verdict::", "gate::", "case::", "check_", "recipe::"],
     },
     Scope {
         name: "harness",
@@ -75,7 +84,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "tests/",
         exclude: VERDICT_FILES,
         test_packages: &["attnproof-harness"],
-        test_args: &[],
+        targets: UNIT_AND_INTEGRATION,
+        filters: &[],
     },
     Scope {
         name: "fixtures",
@@ -83,7 +93,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "fixtures/",
         exclude: &[],
         test_packages: &["attnproof-fixtures"],
-        test_args: &[],
+        targets: UNIT_AND_INTEGRATION,
+        filters: &[],
     },
     Scope {
         name: "oracle",
@@ -91,7 +102,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "oracle/",
         exclude: &[],
         test_packages: &["attnproof-oracle"],
-        test_args: &[],
+        targets: UNIT_AND_INTEGRATION,
+        filters: &[],
     },
     Scope {
         name: "reference",
@@ -99,7 +111,8 @@ pub const SCOPES: &[Scope] = &[
         dir: "reference/src/",
         exclude: &[],
         test_packages: &["attnproof-reference", "attnproof-harness"],
-        test_args: &[],
+        targets: UNIT_AND_INTEGRATION,
+        filters: &[],
     },
 ];
 
@@ -452,9 +465,13 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, diff: Option<&Path>) -> Vec
     if let Some(diff) = diff {
         args.extend(["--in-diff".to_owned(), diff.display().to_string()]);
     }
-    if !scope.test_args.is_empty() {
-        args.push("--".to_owned());
-        args.extend(scope.test_args.iter().map(|a| (*a).to_owned()));
+    for target in scope.targets {
+        args.push(format!("--cargo-arg={target}"));
+    }
+    if !scope.filters.is_empty() {
+        // cargo-mutants passes what follows its own `--` to `cargo test`, whose `--` hands the filters to libtest.
+        args.extend(["--", "--"].map(str::to_owned));
+        args.extend(scope.filters.iter().map(|a| (*a).to_owned()));
     }
     args
 }
@@ -614,6 +631,60 @@ mod tests {
         }
     }
 
+    /// A throwaway repository with `main` at one commit, a branch with one changed and one untracked file.
+    fn planted_repo() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!(
+            "attnproof-diff-{}-{:?}",
+            std::process::id(),
+            std::thread::current().id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("tests/src")).unwrap();
+        let run = |args: &[&str]| git(&dir, args).unwrap();
+        run(&["init", "-q", "-b", "main"]);
+        run(&["config", "user.email", "t@t"]);
+        run(&["config", "user.name", "t"]);
+        std::fs::write(dir.join("tests/src/gate.rs"), "fn a() -> bool {\n    1 < 2\n}\n").unwrap();
+        std::fs::write(dir.join("README.md"), "x\n").unwrap();
+        run(&["add", "."]);
+        run(&["commit", "-q", "-m", "base"]);
+        run(&["checkout", "-q", "-b", "planted"]);
+        std::fs::write(dir.join("tests/src/gate.rs"), "fn a() -> bool {\n    1 <= 2\n}\n").unwrap();
+        run(&["commit", "-q", "-am", "a planted bug"]);
+        std::fs::write(dir.join("tests/src/verdict.rs"), "fn b() {}\n").unwrap();
+        dir
+    }
+
+    #[test]
+    fn the_diff_covers_commits_since_the_merge_base_and_untracked_files() {
+        let dir = planted_repo();
+        let base = base_revision(&dir, None).unwrap();
+        assert_eq!(base, git(&dir, &["rev-parse", "main"]).unwrap().trim(), "the default is the merge base with main");
+        let (patch, files) = diff_since(&dir, &base).unwrap();
+        assert_eq!(files, BTreeSet::from(["tests/src/gate.rs".to_owned(), "tests/src/verdict.rs".to_owned()]));
+        assert!(patch.contains("+    1 <= 2") && patch.contains("-    1 < 2"), "{patch}");
+        assert!(patch.contains("+fn b() {}"), "untracked files are additions: {patch}");
+        let globs = vec!["tests/src/*.rs".to_owned()];
+        let touched: Vec<&str> = scopes_touched(&globs, &files).iter().map(|s| s.name).collect();
+        assert_eq!(touched, ["verdict"]);
+        assert!(base_revision(&dir, Some("no-such-rev")).unwrap_err().to_string().contains("no-such-rev"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_reminder_names_changed_files_until_their_current_content_is_mutation_tested() {
+        let dir = planted_repo();
+        std::fs::create_dir_all(dir.join(".cargo")).unwrap();
+        std::fs::write(dir.join(CONFIG), "examine_globs = [\"tests/src/*.rs\"]\n").unwrap();
+        let both = vec!["tests/src/gate.rs".to_owned(), "tests/src/verdict.rs".to_owned()];
+        assert_eq!(untested_changes(&dir).unwrap(), both, "the configuration file itself is outside the scope");
+        record_tested(&dir, &BTreeSet::from(["tests/src/gate.rs".to_owned()])).unwrap();
+        assert_eq!(untested_changes(&dir).unwrap(), ["tests/src/verdict.rs"]);
+        std::fs::write(dir.join("tests/src/gate.rs"), "fn a() -> bool {\n    2 <= 2\n}\n").unwrap();
+        assert_eq!(untested_changes(&dir).unwrap(), both, "a file changed after its run is untested again");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn hashes_are_stable_and_tell_contents_apart() {
         // FNV-1a's published test vector for "a", so the record survives toolchain updates.
@@ -640,13 +711,14 @@ mod tests {
         assert!(joined.starts_with("mutants --in-place"), "{joined}");
         assert!(joined.contains("--package attnproof-reference"), "{joined}");
         assert!(joined.contains("--test-package attnproof-reference --test-package attnproof-harness"), "{joined}");
-        assert!(joined.ends_with("--output /o --in-diff /d.patch"), "{joined}");
+        assert!(joined.contains("--output /o --in-diff /d.patch"), "{joined}");
         assert!(!cargo_mutants_args(scope, Path::new("/o"), None).contains(&"--in-diff".to_owned()));
         let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), None).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
-            verdict.ends_with("sparse.rs -- --lib --test it -- verdict:: gate:: case:: check_ recipe::"),
+            verdict.ends_with("--cargo-arg=--lib --cargo-arg=--test=it -- -- verdict:: gate:: case:: check_ recipe::"),
             "{verdict}"
         );
+        assert!(joined.contains("--cargo-arg=--lib --cargo-arg=--tests"), "{joined}");
     }
 }

@@ -74,3 +74,29 @@ impl CaseBuilder {
         safetensors::write(&refs, &self.metadata)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metadata_and_tensors_are_added_replaced_and_removed() {
+        let b = CaseBuilder::new().meta("a", "1").meta("b", "2").meta("a", "3").without_meta("b");
+        assert_eq!(b.metadata, BTreeMap::from([("a".to_owned(), "3".to_owned())]));
+        let t = ndarray::arr1(&[1.0, -2.5]).into_dyn();
+        let b = b.tensor("x", Dtype::F32, &t).tensor("y", Dtype::F64, &t).tensor("x", Dtype::Bf16, &t).without("y");
+        assert_eq!(b.tensors.len(), 1);
+        assert_eq!(b.tensors[0].1.dtype, Dtype::Bf16);
+        assert_eq!(b.tensors[0].1.bytes, encode(Dtype::Bf16, [1.0, -2.5].into_iter()));
+    }
+
+    #[test]
+    fn encoding_rounds_to_the_stated_type() {
+        assert_eq!(encode(Dtype::F16, [1.0].into_iter()), 0x3c00u16.to_le_bytes());
+        assert_eq!(encode(Dtype::Bf16, [1.0].into_iter()), 0x3f80u16.to_le_bytes());
+        assert_eq!(encode(Dtype::I32, [-2.9].into_iter()), (-2i32).to_le_bytes(), "integers truncate toward zero");
+        assert_eq!(encode(Dtype::I64, [7.9].into_iter()), 7i64.to_le_bytes());
+        assert_eq!(encode(Dtype::U8, [3.0].into_iter()), [3]);
+        assert_eq!(encode(Dtype::F64, [0.1].into_iter()), 0.1f64.to_le_bytes());
+    }
+}

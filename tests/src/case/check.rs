@@ -129,15 +129,21 @@ fn display(name: &str) -> &'static str {
     DISPLAY.iter().find(|(n, _)| *n == name).map_or("?", |(_, d)| d)
 }
 
-/// Checks one case.
-pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
-    let (oracle, oracle_note) = match oracle {
-        OracleChoice::Mpfr if score_count(&case.spec) > MPFR_MAX_SCORES => (
+/// The oracle a check uses: the one asked for, except MPFR above [`MPFR_MAX_SCORES`] scores, where the f64 oracle
+/// stands in and the report says why.
+fn oracle_for(spec: &AttentionSpec, asked: OracleChoice) -> (OracleChoice, Option<String>) {
+    match asked {
+        OracleChoice::Mpfr if score_count(spec) > MPFR_MAX_SCORES => (
             OracleChoice::F64,
-            Some(format!("MPFR skipped: {} scores exceed the limit {MPFR_MAX_SCORES}", score_count(&case.spec))),
+            Some(format!("MPFR skipped: {} scores exceed the limit {MPFR_MAX_SCORES}", score_count(spec))),
         ),
         other => (other, None),
-    };
+    }
+}
+
+/// Checks one case.
+pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
+    let (oracle, oracle_note) = oracle_for(&case.spec, oracle);
     let stated =
         Hypothesis { name: "as stated".into(), spec: case.spec.clone(), lse_base: case.lse_base, normalize_o: false };
     let evals = evaluate(case, &stated, oracle, &case.outputs.keys().copied().collect::<Vec<_>>());
@@ -511,4 +517,32 @@ fn regions(spec: &AttentionSpec, name: &str, failing: &ArrayD<bool>) -> (Vec<Reg
     let more = all.len().saturating_sub(MAX_REGIONS);
     all.truncate(MAX_REGIONS);
     (all, more)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::Layout;
+
+    #[test]
+    fn scores_count_every_head_of_every_sequence() {
+        // 4 query heads over sequences of 3×5 and 0×7 and 2×2 scores.
+        let varlen = Layout::Varlen { cu_seqlens_q: vec![0, 3, 3, 5], cu_seqlens_k: vec![0, 5, 12, 14] };
+        let spec = AttentionSpec { layout: varlen, ..AttentionSpec::dense(1, 4, 2, 1, 1, 8, 8) };
+        assert_eq!(score_count(&spec), 4 * (15 + 2 * 2));
+        assert_eq!(score_count(&AttentionSpec::dense(2, 3, 1, 6, 10, 8, 8)), 2 * 3 * 60);
+    }
+
+    #[test]
+    fn mpfr_stands_down_only_above_its_limit() {
+        // One head, Lq · Lk scores: exactly the limit keeps MPFR, one query row more does not.
+        let at = AttentionSpec::dense(1, 1, 1, 512, MPFR_MAX_SCORES / 512, 8, 8);
+        assert_eq!(score_count(&at), MPFR_MAX_SCORES);
+        assert_eq!(oracle_for(&at, OracleChoice::Mpfr), (OracleChoice::Mpfr, None));
+        let above = AttentionSpec::dense(1, 1, 1, 513, MPFR_MAX_SCORES / 512, 8, 8);
+        let (oracle, note) = oracle_for(&above, OracleChoice::Mpfr);
+        assert_eq!(oracle, OracleChoice::F64);
+        assert!(note.is_some_and(|n| n.contains(&score_count(&above).to_string())));
+        assert_eq!(oracle_for(&above, OracleChoice::F64), (OracleChoice::F64, None), "f64 is never replaced");
+    }
 }

@@ -105,7 +105,8 @@ fn assert_all_pass(r: &CaseReport) {
     for o in &r.outputs {
         assert_eq!(o.status, Status::Pass, "{o:?}");
     }
-    assert_eq!(r.outputs.len(), 5, "O, LSE, dQ, dK, dV all checked: {r:?}");
+    let order: Vec<&str> = r.outputs.iter().map(|o| o.output).collect();
+    assert_eq!(order, ["O", "LSE", "dQ", "dK", "dV"], "every output checked, in report order");
 }
 
 fn assert_cause(r: &CaseReport, name: &str, words: &str) {
@@ -113,6 +114,8 @@ fn assert_cause(r: &CaseReport, name: &str, words: &str) {
     assert_eq!(o.status, Status::Fail, "{o:?}");
     let cause = o.cause.as_deref().unwrap_or_else(|| panic!("no cause named for {name}: {o:?}"));
     assert!(cause.contains(words), "cause {cause:?} should mention {words:?}");
+    // A named cause explains the whole output, so no rectangle of failing elements is listed beside it.
+    assert!(o.regions.is_empty() && o.more_regions == 0, "{o:?}");
 }
 
 #[test]
@@ -155,6 +158,50 @@ fn case_file_is_a_candidate_of_the_common_runner() {
     let d_out = make_d_out::<bf16>(&spec, 1);
     assert!(unsupported(candidate.backward((), &case, &forward, &d_out).map(|_| ())));
     assert!(unsupported(candidate.case::<half::f16>().map(|_| ())));
+
+    // What the runner asks of every candidate: a name naming the kernel and recipe, one strategy, deterministic,
+    // stateless, and the backward recipe exactly when the recipe has a backward model.
+    let name = candidate.name();
+    assert!(name.contains("attnproof reference schedule") && name.contains("bf16-in/f32-acc/p-bf16"), "{name}");
+    assert_eq!(candidate.strategies().len(), 1);
+    assert!(candidate.is_deterministic(()) && !candidate.keeps_state());
+    let recipe = candidate.backward_recipe::<bf16>(&spec).expect("this recipe has a backward model");
+    assert_eq!(recipe.recipe, file.recipe.flash);
+    let math = format::from_bytes(&w.builder.clone().meta("recipe", "bf16-in/bf16-math").bytes()).unwrap();
+    assert!(!math.recipe.has_backward_model());
+    assert!(unsupported(CaseFileCandidate { file: &math }.backward_recipe::<bf16>(&spec).map(|_| ())));
+
+    // The file's outputs answer only for the file's own inputs: other values of the same shape are refused, one
+    // tensor at a time.
+    for (n, name) in ["q", "k", "v"].into_iter().enumerate() {
+        let mut other = case.clone();
+        let tensor = match n {
+            0 => &mut other.q,
+            1 => &mut other.k,
+            _ => &mut other.v,
+        };
+        let first = tensor.iter_mut().next().unwrap();
+        *first = bf16::from_f32(first.to_f32() + 1.0);
+        assert!(unsupported(candidate.forward(&other).map(|_| ())), "{name} changed");
+    }
+    let base2 = format::from_bytes(&w.builder.clone().meta("lse_base", "2").bytes()).unwrap();
+    assert!(unsupported(CaseFileCandidate { file: &base2 }.forward(&case).map(|_| ())), "an LSE in base 2");
+}
+
+/// The gate scores canned forward answers whenever the case has a forward output to judge (`O`, `LSE` or both), and
+/// only then.
+#[test]
+fn the_gate_runs_when_a_forward_output_is_present() {
+    let spec = gqa_spec();
+    let w = reference_case(&spec, &spec, 18, "false", "bottom_right");
+    for (without, gate) in [(&["lse"][..], true), (&["o"], true), (&["o", "lse"], false)] {
+        let builder = without.iter().fold(w.builder.clone(), |b, name| b.without(name));
+        let r = checked(&builder);
+        assert_eq!(r.gate.is_some(), gate, "without {without:?}: {:?}", r.gate);
+        if gate {
+            assert!(r.gate.as_ref().is_some_and(|g| g.valid() && !g.canned.is_empty()), "{:?}", r.gate);
+        }
+    }
 }
 
 #[test]
