@@ -66,14 +66,7 @@ pub fn compare(
     };
     for ((idx, &c), (&o, &b)) in candidate.indexed_iter().zip(oracle.iter().zip(bound.iter())) {
         v.elements += 1;
-        let ratio = if c.is_nan() || o.is_nan() {
-            f64::INFINITY
-        } else if c.is_infinite() || o.is_infinite() {
-            if c == o { 0.0 } else { f64::INFINITY }
-        } else {
-            let err = (c - o).abs();
-            if err == 0.0 { 0.0 } else { err / b }
-        };
+        let ratio = element_ratio(c, o, b);
         if v.elements == 1 || ratio > v.max_ratio {
             v.max_ratio = ratio;
             v.worst_index = idx.slice().to_vec();
@@ -82,6 +75,20 @@ pub fn compare(
         }
     }
     v
+}
+
+/// One element's `error / bound`: 0 for an exact match (under any bound, 0 included), `∞` for a NaN on either side
+/// or an infinity the other side does not match exactly, `|candidate − oracle| / bound` otherwise. The element
+/// fails when the ratio is above 1.
+pub fn element_ratio(candidate: f64, oracle: f64, bound: f64) -> f64 {
+    if candidate.is_nan() || oracle.is_nan() {
+        f64::INFINITY
+    } else if candidate.is_infinite() || oracle.is_infinite() {
+        if candidate == oracle { 0.0 } else { f64::INFINITY }
+    } else {
+        let err = (candidate - oracle).abs();
+        if err == 0.0 { 0.0 } else { err / bound }
+    }
 }
 
 /// A verdict over all outputs of one case, with its discriminability gate.

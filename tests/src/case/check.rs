@@ -17,7 +17,7 @@ use super::format::{CaseFile, CausalAlign, LseBase, MaskSpec};
 use crate::backward::problem_backward_bounds_with_visibility;
 use crate::flash::{HarnessError, forward_gate, problem_forward_bounds_with_visibility};
 use crate::gate::GateReport;
-use crate::verdict::{OutputVerdict, compare};
+use crate::verdict::{OutputVerdict, compare, element_ratio};
 
 /// Which oracle computes the truth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -444,14 +444,7 @@ fn compared(output: &'static str, c: ArrayViewD<'_, f64>, o: ArrayViewD<'_, f64>
     let verdict = compare(output, c.view(), o.view(), b.view());
     let mut failing = ArrayD::from_elem(c.raw_dim(), false);
     ndarray::Zip::from(&mut failing).and(&c).and(&o).and(&b).for_each(|f, &c, &o, &b| {
-        *f = if c.is_nan() || o.is_nan() {
-            true
-        } else if c.is_infinite() || o.is_infinite() {
-            c != o
-        } else {
-            let err = (c - o).abs();
-            err != 0.0 && err / b > 1.0
-        };
+        *f = element_ratio(c, o, b) > 1.0;
     });
     Eval::Compared { verdict, failing }
 }
