@@ -195,3 +195,27 @@ fn gqa_sum_term() {
         }
     }
 }
+
+/// The model holds only while every first-order perturbation is at most `2^-20`: scores `2·10^10` apart make
+/// `u|s − m| ≈ 2.2·10^-6` and the bound is refused, not returned.
+#[test]
+fn the_hypothesis_refuses_perturbations_above_its_limit() {
+    let case = |gap: f64| {
+        let mp = |a: &Array2<f64>| mp_matrix(a.nrows(), a.ncols(), &a.iter().copied().collect::<Vec<_>>());
+        HeadCase {
+            q: mp(&array![[1.0]]),
+            k: mp(&array![[gap / 2.0], [-gap / 2.0]]),
+            v: mp(&array![[1.0], [2.0]]),
+            d_out: mp(&array![[1.0]]),
+            visible: array![[true, true]],
+            scale: Mp::new(1.0, PREC),
+        }
+    };
+    let bounds = |c: &HeadCase| {
+        let fwd = dense::head_forward(c.inputs(), &c.scale, DenseConfig::default(), PREC);
+        let grads = dense::head_backward(c.inputs(), c.d_out.view(), &fwd, &c.scale, DenseConfig::default(), PREC);
+        head_bounds(c, &fwd, &grads)
+    };
+    assert!(bounds(&case(2.0e10)).is_err_and(|v| matches!(v, attnproof_proofs::Violation::Hypothesis { .. })));
+    assert!(bounds(&case(2.0e8)).is_ok(), "u · 2·10^8 ≈ 2.2·10^-8 is within the hypothesis");
+}

@@ -249,6 +249,28 @@ fn a_causal_mask_left_out_or_applied_against_the_statement_is_named() {
     assert_cause(&r, "O", "applied a causal mask (bottom_right)");
 }
 
+/// A sliding window placed from the wrong corner (top-left instead of the stated bottom-right, Lq ≠ Lk) is named,
+/// as a causal mask's alignment is.
+#[test]
+fn a_window_aligned_from_the_wrong_corner_is_named() {
+    let window = |align: &'static str| {
+        let (left, right) = (3i64, 1i64);
+        Mask::Predicate(Predicate {
+            name: format!("{align} window"),
+            visible: std::sync::Arc::new(move |p: Pair| {
+                let i = if align == "top_left" { p.query as i64 } else { p.aligned_query() };
+                let j = p.key as i64;
+                i - left <= j && j <= i + right
+            }),
+        })
+    };
+    let stated = gqa_spec().with_mask(window("bottom_right"));
+    let computed = gqa_spec().with_mask(window("top_left"));
+    let builder = reference_case(&stated, &computed, 25, "false", "bottom_right").builder;
+    let r = checked(&builder.meta("window_left", "3").meta("window_right", "1"));
+    assert_cause(&r, "O", "aligned the window top_left");
+}
+
 #[test]
 fn lse_in_base_two_fails_and_is_named_while_o_passes() {
     let spec = gqa_spec();
