@@ -9,6 +9,7 @@ use std::process::Command;
 use attnproof_harness::Case;
 use attnproof_harness::case::build::CaseBuilder;
 use attnproof_harness::case::safetensors::Dtype;
+use attnproof_harness::case::check::MAX_REGIONS;
 use attnproof_harness::case::{CaseReport, OracleChoice, Status, check, format};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
 use attnproof_oracle::attention::forward_with_visibility;
@@ -338,6 +339,39 @@ fn corrupted_tile_is_reported_as_its_rectangle() {
     assert_eq!((region.prefix.as_slice(), region.rows.clone(), region.cols.clone()), (&[0, 1][..], 8..16, 4..12));
     assert_eq!(region.failing, 64);
     assert_eq!(output(&r, "LSE").status, Status::Pass);
+}
+
+/// Failing elements are reported as rectangles per head: rows run together only when adjacent, and a rectangle spans
+/// the widest of its rows whether that row comes first or last; a lone element is a rectangle of one.
+#[test]
+fn failing_elements_are_grouped_into_rectangles_of_adjacent_rows() {
+    let spec = gqa_spec();
+    let w = reference_case(&spec, &spec, 26, "false", "bottom_right");
+    let mut o = w.o.clone();
+    for (head, row, cols) in [(1, 8, 0..4), (1, 9, 0..10), (1, 12, 2..3), (2, 0, 0..8), (2, 1, 0..2)] {
+        o.slice_mut(s![0, head, row, cols]).mapv_inplace(|x| x + 0.5);
+    }
+    let r = checked(&w.builder.clone().tensor("o", Dtype::Bf16, &o));
+    let out = output(&r, "O");
+    assert_eq!(out.status, Status::Fail);
+    let got: Vec<(Vec<usize>, std::ops::Range<usize>, std::ops::Range<usize>, usize)> =
+        out.regions.iter().map(|r| (r.prefix.clone(), r.rows.clone(), r.cols.clone(), r.failing)).collect();
+    assert_eq!(
+        got,
+        [(vec![0, 1], 8..10, 0..10, 14), (vec![0, 1], 12..13, 2..3, 1), (vec![0, 2], 0..2, 0..8, 10)],
+        "{out:?}"
+    );
+    assert_eq!(out.more_regions, 0);
+
+    // Ten separate rows: the report lists MAX_REGIONS of them and counts the rest.
+    let mut o = w.o.clone();
+    for row in (0..20).step_by(2) {
+        o[[0, 0, row, 5]] += 0.5;
+    }
+    let r = checked(&w.builder.clone().tensor("o", Dtype::Bf16, &o));
+    let out = output(&r, "O");
+    assert_eq!((out.regions.len(), out.more_regions), (MAX_REGIONS, 10 - MAX_REGIONS));
+    assert_eq!(out.regions[0].rows, 0..1);
 }
 
 /// The oracle's forward rounded to storage: a correct candidate for any mask or layout.
