@@ -125,7 +125,7 @@ fn two_key_terms() {
     close("D", b.delta[0], nu * F);
 }
 
-/// The underflow terms, isolated: the only visible key has `v = 0` while a masked key has `v = 1`, so `O = 0`, every
+/// The underflow terms, isolated: the only visible key has `v = 0` while a masked key has `v = 4`, so `O = 0`, every
 /// relative term vanishes and each bound below is a whole number of subnormal units (exact, so compared exactly; the
 /// second-order factor rounds away on that grid).
 #[test]
@@ -133,20 +133,20 @@ fn underflow_terms() {
     let b = bounds(
         &array![[1.0]],
         &array![[1.0], [1.0]],
-        &array![[0.0], [1.0]],
+        &array![[0.0], [4.0]],
         &array![[1.0]],
         array![[true, false]],
         2.0,
     );
     // Lk · 2^-1074 · (max_j |v_j| + |o|), the maximum taken over masked keys too.
-    assert_eq!(b.o[[0, 0]], 2.0 * tiny(), "O's underflow term");
+    assert_eq!(b.o[[0, 0]], 8.0 * tiny(), "O's underflow term");
     // dV of the masked key: Lq · 2^-1074 · max_i |dO_i|.
     assert_eq!(b.dv[[1, 0]], tiny(), "dV's underflow term");
-    // dK of the masked key: |α| ζ |q| with ζ = 2^-1074 |dP − D| = 2^-1074 (dP = 1, D = 0).
-    assert_eq!(b.dk[[1, 0]], 2.0 * tiny(), "dS's underflow term, through dK");
-    // dQ: |α| Σ_j ζ_j |k_j|, ζ_0 = p ν = |dO| b^O = 2 · 2^-1074 and ζ_1 = 2^-1074.
-    assert_eq!(b.dq[[0, 0]], 6.0 * tiny(), "ν's share of b^O, through dQ");
-    assert_eq!(b.delta[0], 2.0 * tiny(), "D: |dO| b^O");
+    // dK of the masked key: |α| ζ |q| with ζ = 2^-1074 |dP − D| = 4 · 2^-1074 (dP = 4, D = 0).
+    assert_eq!(b.dk[[1, 0]], 8.0 * tiny(), "dS's underflow term, through dK");
+    // dQ: |α| Σ_j ζ_j |k_j|, ζ_0 = p ν = |dO| b^O = 8 · 2^-1074 and ζ_1 = 4 · 2^-1074.
+    assert_eq!(b.dq[[0, 0]], 24.0 * tiny(), "ν's share of b^O, through dQ");
+    assert_eq!(b.delta[0], 8.0 * tiny(), "D: |dO| b^O");
 }
 
 /// GQA: the model sums the per-head dK and dV bounds of a KV head's query heads and adds `γ_g Σ_h |dK_h|` (and the

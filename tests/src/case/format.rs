@@ -449,3 +449,49 @@ impl CaseFile {
         self.outputs.contains_key(name)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::spec::Pair;
+
+    /// Every pair of a `len_q × len_k` sequence, both ways round.
+    fn pairs() -> Vec<Pair> {
+        let mut out = Vec::new();
+        for (len_q, len_k) in [(5, 9), (9, 5), (6, 6)] {
+            for query in 0..len_q {
+                for key in 0..len_k {
+                    out.push(Pair { query, key, len_q, len_k });
+                }
+            }
+        }
+        out
+    }
+
+    /// A stated mask means what the oracle's named masks mean: bottom-right windows and causal masks agree with
+    /// `Mask::Window` and `Mask::Causal` pair by pair, and top-left ones with the same masks shifted to `i` itself.
+    #[test]
+    fn stated_masks_mean_what_the_oracle_masks_mean() {
+        let spec = |causal, align, l, r| MaskSpec { causal, align, window_left: l, window_right: r };
+        let window = Mask::Window { left: 2, right: 1 };
+        for p in pairs() {
+            let i = p.aligned_query();
+            let j = p.key as i64;
+            let bottom_right = [
+                (spec(false, CausalAlign::BottomRight, None, None), true),
+                (spec(true, CausalAlign::BottomRight, None, None), Mask::Causal.visible(p)),
+                (spec(false, CausalAlign::BottomRight, Some(2), Some(1)), window.visible(p)),
+                (spec(true, CausalAlign::BottomRight, Some(2), None), j <= i && j >= i - 2),
+                (spec(false, CausalAlign::BottomRight, None, Some(0)), j <= i),
+            ];
+            let t = p.query as i64;
+            let top_left = [
+                (spec(true, CausalAlign::TopLeft, None, None), j <= t),
+                (spec(false, CausalAlign::TopLeft, Some(2), Some(1)), t - 2 <= j && j <= t + 1),
+            ];
+            for (stated, want) in bottom_right.into_iter().chain(top_left) {
+                assert_eq!(stated.mask().visible(p), want, "{stated:?} at {p:?}");
+            }
+        }
+    }
+}

@@ -107,6 +107,53 @@ fn inconsistent_metadata_is_named() {
     assert_names(&valid().tensor("block_indices", Dtype::I32, &blocks).bytes(), "block_q");
 }
 
+/// Every metadata value is honoured in both directions: each accepted spelling of each key loads as what it says,
+/// and the opposite value as the opposite (a loader that ignored a key, or read it one way only, fails here).
+#[test]
+fn every_metadata_value_is_read_as_written() {
+    use attnproof_harness::case::format::{CausalAlign, LseBase};
+    use attnproof_oracle::Scale;
+    let load = |b: CaseBuilder| format::from_bytes(&b.bytes()).expect("loads");
+    for (value, causal) in [("true", true), ("1", true), ("YES", true), ("false", false), ("0", false), ("no", false)] {
+        assert_eq!(load(valid().meta("causal", value)).mask.causal, causal, "causal = {value}");
+    }
+    assert!(!load(valid().without_meta("causal")).mask.causal, "no causal key: not causal");
+    for (value, align) in [
+        ("top_left", CausalAlign::TopLeft),
+        ("Top-Left", CausalAlign::TopLeft),
+        ("bottom_right", CausalAlign::BottomRight),
+    ] {
+        assert_eq!(load(valid().meta("causal_align", value)).mask.align, align, "causal_align = {value}");
+    }
+    assert_eq!(load(valid()).mask.align, CausalAlign::BottomRight, "the default alignment");
+    for (value, base) in [
+        ("e", LseBase::E),
+        ("ln", LseBase::E),
+        ("natural", LseBase::E),
+        ("2", LseBase::Two),
+        ("2.0", LseBase::Two),
+        ("log2", LseBase::Two),
+        ("base2", LseBase::Two),
+    ] {
+        assert_eq!(load(valid().meta("lse_base", value)).lse_base, base, "lse_base = {value}");
+    }
+    assert_eq!(load(valid()).lse_base, LseBase::E, "the default base");
+    for (value, scale) in [
+        ("0.5", Scale::Value(0.5)),
+        ("-2", Scale::Value(-2.0)),
+        ("default", Scale::InverseSqrtHeadDim),
+        ("none", Scale::InverseSqrtHeadDim),
+        ("", Scale::InverseSqrtHeadDim),
+    ] {
+        assert_eq!(load(valid().meta("scale", value)).spec.scale, scale, "scale = {value:?}");
+    }
+    assert_eq!(load(valid()).spec.scale, Scale::InverseSqrtHeadDim);
+    for (value, window) in [("3", Some(3)), ("0", Some(0)), ("-1", None), ("none", None), ("", None)] {
+        let case = load(valid().meta("window_left", value).meta("window_right", value));
+        assert_eq!((case.mask.window_left, case.mask.window_right), (window, window), "window = {value:?}");
+    }
+}
+
 fn packed() -> CaseBuilder {
     let cu = |v: &[f64]| ArrayD::from_shape_vec(vec![v.len()], v.to_vec()).expect("1-D");
     CaseBuilder::new()

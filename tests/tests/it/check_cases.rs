@@ -8,8 +8,8 @@ use std::process::Command;
 
 use attnproof_harness::Case;
 use attnproof_harness::case::build::CaseBuilder;
-use attnproof_harness::case::safetensors::Dtype;
 use attnproof_harness::case::check::MAX_REGIONS;
+use attnproof_harness::case::safetensors::Dtype;
 use attnproof_harness::case::{CaseReport, OracleChoice, Status, check, format};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
 use attnproof_oracle::attention::forward_with_visibility;
