@@ -139,13 +139,18 @@ pub const OUTPUT_NAMES: [&str; 5] = ["o", "lse", "dq", "dk", "dv"];
 /// Reads and validates a case file.
 pub fn load(path: &Path) -> Result<CaseFile, CaseError> {
     let io = |e: std::io::Error| CaseError::Io { reason: e.to_string() };
-    let size = std::fs::metadata(path).map_err(io)?.len();
+    size_within_limit(std::fs::metadata(path).map_err(io)?.len())?;
+    from_bytes(&std::fs::read(path).map_err(io)?)
+}
+
+/// Refuses a file above [`MAX_FILE_BYTES`] by its size, before anything is read.
+fn size_within_limit(size: u64) -> Result<(), CaseError> {
     if size > MAX_FILE_BYTES {
         return Err(CaseError::Header {
             reason: format!("file is {size} bytes, above the {MAX_FILE_BYTES}-byte limit"),
         });
     }
-    from_bytes(&std::fs::read(path).map_err(io)?)
+    Ok(())
 }
 
 /// Validates a case from the bytes of a file.
@@ -468,6 +473,14 @@ mod tests {
         out
     }
 
+    #[test]
+    fn the_size_limit_is_inclusive() {
+        assert!(size_within_limit(MAX_FILE_BYTES).is_ok());
+        assert!(size_within_limit(0).is_ok());
+        let e = size_within_limit(MAX_FILE_BYTES + 1).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} bytes, above the", MAX_FILE_BYTES + 1)), "{e}");
+    }
+
     /// A stated mask means what the oracle's named masks mean: bottom-right windows and causal masks agree with
     /// `Mask::Window` and `Mask::Causal` pair by pair, and top-left ones with the same masks shifted to `i` itself.
     #[test]
@@ -493,5 +506,13 @@ mod tests {
                 assert_eq!(stated.mask().visible(p), want, "{stated:?} at {p:?}");
             }
         }
+        // Reports name the stated mask; an unbounded side reads -1, as the metadata writes it.
+        let name = |m: MaskSpec| match m.mask() {
+            Mask::Predicate(p) => p.name,
+            other => panic!("{m:?} is the named mask {other:?}, not a predicate"),
+        };
+        assert_eq!(name(spec(false, CausalAlign::BottomRight, Some(2), None)), "bottom_right window(2,-1)");
+        assert_eq!(name(spec(true, CausalAlign::TopLeft, None, Some(3))), "causal top_left window(-1,3)");
+        assert_eq!(name(spec(true, CausalAlign::TopLeft, None, None)), "causal top_left");
     }
 }

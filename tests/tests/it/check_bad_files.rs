@@ -154,6 +154,22 @@ fn every_metadata_value_is_read_as_written() {
     }
 }
 
+/// A file above the size limit is refused by its size, before anything is read (the limit itself is a unit test of
+/// the loader).
+#[test]
+fn files_above_the_size_limit_are_refused_by_their_size() {
+    let dir = std::env::temp_dir().join(format!("attnproof-size-limit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("big.safetensors");
+    let file = std::fs::File::create(&path).unwrap();
+    // Sparse: no disk space is used for the zeros.
+    file.set_len(format::MAX_FILE_BYTES + 1).unwrap();
+    let above = format::load(&path).unwrap_err().to_string();
+    assert!(above.contains("above the"), "{above}");
+    drop(file);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 fn packed() -> CaseBuilder {
     let cu = |v: &[f64]| ArrayD::from_shape_vec(vec![v.len()], v.to_vec()).expect("1-D");
     CaseBuilder::new()
