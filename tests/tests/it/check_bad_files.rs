@@ -80,6 +80,24 @@ fn wrong_dtype_shape_and_missing_tensors_are_named() {
     assert_names(&valid().raw("o", lying).bytes(), "o");
 }
 
+/// Head counts that do not divide, and zero head counts or head dims, are named before any arithmetic uses them.
+#[test]
+fn zero_and_indivisible_head_counts_are_named() {
+    let kv = |heads: usize, d: usize| {
+        valid().tensor("k", Dtype::Bf16, &tensor(&[1, heads, 7, d], 2)).tensor(
+            "v",
+            Dtype::Bf16,
+            &tensor(&[1, heads, 7, d], 3),
+        )
+    };
+    assert_names(&kv(3, 4).bytes(), "k");
+    assert_names(&kv(0, 4).bytes(), "k");
+    let zero_d = kv(2, 0).tensor("q", Dtype::Bf16, &tensor(&[1, 2, 5, 0], 1)).without("o");
+    assert_names(&zero_d.bytes(), "q");
+    let zero_dv = valid().tensor("v", Dtype::Bf16, &tensor(&[1, 2, 7, 0], 3)).without("o");
+    assert_names(&zero_dv.bytes(), "q");
+}
+
 #[test]
 fn non_finite_inputs_are_named() {
     let mut q = tensor(&[1, 2, 5, 4], 1);
