@@ -188,6 +188,40 @@ fn files_above_the_size_limit_are_refused_by_their_size() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Scales must be finite and non-zero; outputs take their own operand's shape (`dK` a key's, also when `d ≠ dv`);
+/// only the LSE may carry cuDNN's trailing unit axis; block lists must be 4-D I32 tensors with positive tiles.
+#[test]
+fn scales_output_shapes_and_block_lists_are_checked() {
+    for bad in ["0", "-0.0", "inf", "-inf"] {
+        assert_names(&valid().meta("scale", bad).bytes(), "scale");
+    }
+    // d = 4, dv = 3: dK has K's shape, dV has V's.
+    let dv3 = valid()
+        .tensor("v", Dtype::Bf16, &tensor(&[1, 2, 7, 3], 3))
+        .tensor("o", Dtype::Bf16, &tensor(&[1, 2, 5, 3], 4))
+        .tensor("do", Dtype::Bf16, &tensor(&[1, 2, 5, 3], 6))
+        .tensor("dq", Dtype::Bf16, &tensor(&[1, 2, 5, 4], 7))
+        .tensor("dv", Dtype::Bf16, &tensor(&[1, 2, 7, 3], 8));
+    let loaded = format::from_bytes(&dv3.clone().tensor("dk", Dtype::Bf16, &tensor(&[1, 2, 7, 4], 9)).bytes());
+    assert!(loaded.is_ok_and(|c| c.outputs["dk"].shape() == [1, 2, 7, 4]));
+    assert_names(&dv3.tensor("dk", Dtype::Bf16, &tensor(&[1, 2, 7, 3], 9)).bytes(), "dk");
+    // A trailing unit axis: accepted on the LSE, refused anywhere else.
+    let lse = format::from_bytes(&valid().tensor("lse", Dtype::F32, &tensor(&[1, 2, 5, 1], 5)).bytes());
+    assert!(lse.is_ok_and(|c| c.outputs["lse"].shape() == [1, 2, 5]));
+    assert_names(&valid().tensor("o", Dtype::Bf16, &tensor(&[1, 2, 5, 4, 1], 4)).bytes(), "o");
+    // Block lists.
+    let lists = |dtype, shape: &[usize]| {
+        valid()
+            .tensor("block_indices", dtype, &ArrayD::from_elem(shape.to_vec(), 0.0))
+            .meta("block_q", "4")
+            .meta("block_k", "4")
+    };
+    assert_names(&lists(Dtype::I32, &[1, 2, 2]).bytes(), "block_indices");
+    assert_names(&lists(Dtype::F32, &[1, 2, 2, 1]).bytes(), "block_indices");
+    assert_names(&lists(Dtype::I32, &[1, 2, 2, 1]).meta("block_q", "0").bytes(), "block_q");
+    assert_names(&lists(Dtype::I32, &[1, 2, 2, 1]).meta("block_k", "-4").bytes(), "block_k");
+}
+
 fn packed() -> CaseBuilder {
     let cu = |v: &[f64]| ArrayD::from_shape_vec(vec![v.len()], v.to_vec()).expect("1-D");
     CaseBuilder::new()
