@@ -167,3 +167,82 @@ pub fn json(path: &str, outcome: &CaseOutcome) -> String {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verdict::OutputVerdict;
+
+    fn output(
+        name: &'static str,
+        status: Status,
+        cause: Option<&str>,
+        regions: Vec<Region>,
+        more: usize,
+    ) -> OutputReport {
+        let verdict = OutputVerdict {
+            output: name,
+            max_ratio: 2.5,
+            worst_index: vec![0, 1, 2],
+            worst_values: (1.5, 1.0),
+            worst_bound: 0.2,
+            elements: 40,
+        };
+        OutputReport {
+            output: name,
+            verdict: (!matches!(status, Status::NotVerified(_))).then_some(verdict),
+            status,
+            cause: cause.map(str::to_owned),
+            regions,
+            more_regions: more,
+        }
+    }
+
+    fn report() -> CaseReport {
+        let region = |prefix: Vec<usize>, rows, cols, failing| Region { prefix, rows, cols, failing };
+        CaseReport {
+            recipe: "bf16-in/f32-acc/p-bf16".into(),
+            kernel: "k".into(),
+            oracle: OracleChoice::Mpfr,
+            oracle_note: Some("MPFR skipped".into()),
+            outputs: vec![
+                output(
+                    "O",
+                    Status::Fail,
+                    None,
+                    vec![region(vec![0, 1], 8..10, 0..10, 14), region(vec![2], 0..1, 3..4, 1)],
+                    3,
+                ),
+                output("LSE", Status::Fail, Some("LSE base: base 2"), vec![], 0),
+                output("dQ", Status::Pass, None, vec![], 0),
+                output("dK", Status::Fail, None, vec![], 0),
+                output("dV", Status::NotVerified("no model".into()), None, vec![], 0),
+            ],
+            gate: None,
+        }
+    }
+
+    /// Each output's line says its status and worst element; a failure names its cause, or else lists its regions
+    /// (batch and head, or the head alone for packed layouts) and counts those left out.
+    #[test]
+    fn the_text_report_says_what_failed_and_where() {
+        let text = text("case.safetensors", &Ok(report()));
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines[0], "case.safetensors: FAIL (recipe bf16-in/f32-acc/p-bf16, oracle MPFR-256, kernel \"k\")");
+        assert_eq!(lines[1], "  note: MPFR skipped");
+        assert!(lines[2].starts_with("  O    FAIL         max error/bound 2.500e0 at [0, 1, 2]"), "{}", lines[2]);
+        assert!(lines[2].ends_with("(candidate 1.5e0, oracle 1e0, bound 2.000e-1)"), "{}", lines[2]);
+        assert_eq!(lines[3], "       no single cause named; failing regions:");
+        assert_eq!(lines[4], "         b0 h1 rows 8..10 × cols 0..10 (14 of 20 failing)");
+        assert_eq!(lines[5], "         h2 rows 0..1 × cols 3..4 (1 of 1 failing)");
+        assert_eq!(lines[6], "         (+3 more)");
+        assert!(lines[7].starts_with("  LSE  FAIL"), "{}", lines[7]);
+        assert_eq!(lines[8], "       likely cause: LSE base: base 2", "a named cause lists no regions");
+        assert!(lines[9].starts_with("  dQ   pass"), "{}", lines[9]);
+        assert!(lines[10].starts_with("  dK   FAIL"), "{}", lines[10]);
+        assert_eq!(lines[11], "       no single cause named; failing regions:", "even without regions to list");
+        assert_eq!(lines[12], "  dV   not verified reason: no model");
+        assert_eq!(lines.len(), 13, "{text}");
+        assert_eq!(text.matches("(+").count(), 1, "only a capped list says how many more");
+    }
+}

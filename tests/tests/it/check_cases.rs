@@ -354,7 +354,8 @@ fn failing_elements_are_grouped_into_rectangles_of_adjacent_rows() {
     let r = checked(&w.builder.clone().tensor("o", Dtype::Bf16, &o));
     let out = output(&r, "O");
     assert_eq!(out.status, Status::Fail);
-    let got: Vec<(Vec<usize>, std::ops::Range<usize>, std::ops::Range<usize>, usize)> =
+    type Rectangle = (Vec<usize>, std::ops::Range<usize>, std::ops::Range<usize>, usize);
+    let got: Vec<Rectangle> =
         out.regions.iter().map(|r| (r.prefix.clone(), r.rows.clone(), r.cols.clone(), r.failing)).collect();
     assert_eq!(
         got,
