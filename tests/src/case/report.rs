@@ -245,4 +245,30 @@ mod tests {
         assert_eq!(lines.len(), 13, "{text}");
         assert_eq!(text.matches("(+").count(), 1, "only a capped list says how many more");
     }
+
+    /// The JSON report holds the same facts: numbers in exponent form, a non-finite one as a string (JSON has no
+    /// infinity), regions as index ranges, and the gate's canned answers.
+    #[test]
+    fn the_json_report_holds_the_same_facts() {
+        let mut r = report();
+        r.outputs[3].verdict.as_mut().unwrap().max_ratio = f64::INFINITY;
+        r.gate = Some(crate::gate::GateReport {
+            canned: vec![crate::gate::CannedResult { name: "zeros", applicable: true, rejected: true, max_ratio: 9.0 }],
+        });
+        let json = json("c", &Ok(r));
+        for part in [
+            "{\"path\":\"c\",\"status\":\"fail\",\"recipe\":\"bf16-in/f32-acc/p-bf16\",\"kernel\":\"k\",\"oracle\":\"mpfr\"",
+            "\"oracle_note\":\"MPFR skipped\"",
+            "{\"output\":\"O\",\"status\":\"fail\",\"max_error_over_bound\":2.5e0,\"worst_index\":[0,1,2]",
+            "\"worst_candidate\":1.5e0,\"worst_oracle\":1e0,\"worst_bound\":2e-1,\"cause\":null",
+            "\"regions\":[{\"prefix\":[0,1],\"rows\":[8,10],\"cols\":[0,10],\"failing\":14}",
+            "\"more_regions\":3}",
+            "\"cause\":\"LSE base: base 2\"",
+            "\"max_error_over_bound\":\"inf\"",
+            "{\"output\":\"dV\",\"status\":\"not verified\",\"reason\":\"no model\",\"cause\":null",
+            "\"gate\":{\"valid\":true,\"canned\":[{\"name\":\"zeros\",\"applicable\":true,\"rejected\":true}]}}",
+        ] {
+            assert!(json.contains(part), "{part}\nmissing from\n{json}");
+        }
+    }
 }
