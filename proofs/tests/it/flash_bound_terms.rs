@@ -367,3 +367,48 @@ fn the_hypothesis_counts_keys_whose_weight_underflows() {
     let r = FlashRecipe::libm(1.0 / 256.0, 2f64.powi(-133), 64);
     assert!(matches!(forward_bounds(h.exact(), r), Err(Violation::Hypothesis { .. })));
 }
+
+/// The sum factors count additions: `Lq + n_q` and `Lk + n_k` terms, not their products. With 1024 queries in query
+/// tiles of one row (`n_q = 1024`) and 1024 keys in KV tiles of one key (`n_k = 1024`), `γ(2048)` is far inside the
+/// hypothesis, while `γ(1024²)` would be above `2^-5` and refuse the bound.
+#[test]
+fn long_rows_in_single_row_tiles_stay_within_the_hypothesis() {
+    for (len_q, len_k) in [(1024, 1), (1, 1024)] {
+        let zeros = |rows| Array2::<f64>::zeros((rows, 1));
+        let (q, k) = (zeros(len_q), zeros(len_k));
+        let ones = |rows| Array2::<f64>::ones((rows, 1));
+        let (v, d_out) = (ones(len_k), ones(len_q));
+        let s = Array2::<f64>::zeros((len_q, len_k));
+        let p = Array2::from_elem((len_q, len_k), 1.0 / len_k as f64);
+        let o = ones(len_q);
+        let lse = Array1::from_elem(len_q, (len_k as f64).ln());
+        let dp = Array2::<f64>::ones((len_q, len_k));
+        let delta = Array1::<f64>::ones(len_q);
+        let ds = Array2::<f64>::zeros((len_q, len_k));
+        let (dq, dk) = (zeros(len_q), zeros(len_k));
+        let dv = Array2::from_elem((len_k, 1), len_q as f64 / len_k as f64);
+        let forward = HeadExact {
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            s: s.view(),
+            p: p.view(),
+            o: o.view(),
+            lse: lse.view(),
+            scale: 1.0,
+        };
+        let x = HeadBackwardExact {
+            forward,
+            d_out: d_out.view(),
+            dp: dp.view(),
+            ds: ds.view(),
+            delta: delta.view(),
+            dq: dq.view(),
+            dk: dk.view(),
+            dv: dv.view(),
+        };
+        let r = FlashRecipe::libm(1.0 / 256.0, 2f64.powi(-133), 1);
+        let fwd = forward_bounds(forward, r).expect("within the hypothesis");
+        assert!(backward_bounds(x, &fwd, r, 1).is_ok(), "Lq = {len_q}, Lk = {len_k} in tiles of 1");
+    }
+}
