@@ -502,9 +502,11 @@ pub fn ensure_installed(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The output directory of `scope`'s runs: `target/mutants/runs/<name>`.
-pub fn output_dir(root: &Path, scope: &Scope) -> PathBuf {
-    root.join("target").join("mutants").join("runs").join(scope.name)
+/// The output directory of `scope`'s runs: `target/mutants/runs/<name>` for a whole scope, `runs/diff-<name>` for
+/// `--diff`, so that a quick run on a change never wipes a long one's record.
+pub fn output_dir(root: &Path, scope: &Scope, diff: bool) -> PathBuf {
+    let name = if diff { format!("diff-{}", scope.name) } else { scope.name.to_owned() };
+    root.join("target").join("mutants").join("runs").join(name)
 }
 
 #[cfg(test)]
@@ -683,6 +685,14 @@ mod tests {
         std::fs::write(dir.join("tests/src/gate.rs"), "fn a() -> bool {\n    2 <= 2\n}\n").unwrap();
         assert_eq!(untested_changes(&dir).unwrap(), both, "a file changed after its run is untested again");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn diff_runs_and_scope_runs_write_to_different_places() {
+        let scope = find_scope("verdict").unwrap();
+        let root = Path::new("/r");
+        assert_eq!(output_dir(root, scope, false), Path::new("/r/target/mutants/runs/verdict"));
+        assert_eq!(output_dir(root, scope, true), Path::new("/r/target/mutants/runs/diff-verdict"));
     }
 
     #[test]

@@ -357,7 +357,7 @@ fn run_cargo_mutants(
     diff: Option<&Path>,
     env: &TestEnv,
 ) -> Result<Vec<MutantOutcome>> {
-    let out = cargo_mutants::output_dir(root, scope);
+    let out = cargo_mutants::output_dir(root, scope, diff.is_some());
     // A run that finds no mutant writes no outcome files, so those of an earlier run must not be there to be read.
     recreate_dir(&out)?;
     let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, diff));

@@ -219,3 +219,19 @@ fn the_hypothesis_refuses_perturbations_above_its_limit() {
     assert!(bounds(&case(2.0e10)).is_err_and(|v| matches!(v, attnproof_proofs::Violation::Hypothesis { .. })));
     assert!(bounds(&case(2.0e8)).is_ok(), "u · 2·10^8 ≈ 2.2·10^-8 is within the hypothesis");
 }
+
+/// `dS`'s underflow term is `2^-1074 |dP − D|`, the gap and not the sum: for a masked key every other term of its
+/// `ζ` vanishes (`p = 0`, `dS = 0`), so its `dK` bound is `|α| 2^-1074 |dP − D| |q|` exactly; here `D = O = 1` (the
+/// visible key's value) and `dP = 4` (the masked key's), a gap of 3 where a sum would give 5.
+#[test]
+fn the_underflow_term_of_ds_is_the_gap_between_dp_and_d() {
+    let b = bounds(
+        &array![[1.0]],
+        &array![[1.0], [1.0]],
+        &array![[1.0], [4.0]],
+        &array![[1.0]],
+        array![[true, false]],
+        2.0,
+    );
+    assert_eq!(b.dk[[1, 0]], 6.0 * tiny());
+}
