@@ -127,26 +127,36 @@ fn two_key_terms() {
 
 /// The underflow terms, isolated: the only visible key has `v = 0` while a masked key has `v = 4`, so `O = 0`, every
 /// relative term vanishes and each bound below is a whole number of subnormal units (exact, so compared exactly; the
-/// second-order factor rounds away on that grid).
+/// second-order factor rounds away on that grid). `dO = 2`, so that no factor of these terms is 1.
 #[test]
 fn underflow_terms() {
     let b = bounds(
         &array![[1.0]],
         &array![[1.0], [1.0]],
         &array![[0.0], [4.0]],
-        &array![[1.0]],
+        &array![[2.0]],
         array![[true, false]],
         2.0,
     );
     // Lk · 2^-1074 · (max_j |v_j| + |o|), the maximum taken over masked keys too.
     assert_eq!(b.o[[0, 0]], 8.0 * tiny(), "O's underflow term");
     // dV of the masked key: Lq · 2^-1074 · max_i |dO_i|.
-    assert_eq!(b.dv[[1, 0]], tiny(), "dV's underflow term");
-    // dK of the masked key: |α| ζ |q| with ζ = 2^-1074 |dP − D| = 4 · 2^-1074 (dP = 4, D = 0).
-    assert_eq!(b.dk[[1, 0]], 8.0 * tiny(), "dS's underflow term, through dK");
-    // dQ: |α| Σ_j ζ_j |k_j|, ζ_0 = p ν = |dO| b^O = 8 · 2^-1074 and ζ_1 = 4 · 2^-1074.
-    assert_eq!(b.dq[[0, 0]], 24.0 * tiny(), "ν's share of b^O, through dQ");
-    assert_eq!(b.delta[0], 8.0 * tiny(), "D: |dO| b^O");
+    assert_eq!(b.dv[[1, 0]], 2.0 * tiny(), "dV's underflow term");
+    // dK of the masked key: |α| ζ |q| with ζ = 2^-1074 |dP − D| = 8 · 2^-1074 (dP = 2 · 4, D = 0).
+    assert_eq!(b.dk[[1, 0]], 16.0 * tiny(), "dS's underflow term, through dK");
+    // dQ: |α| Σ_j ζ_j |k_j|, ζ_0 = p ν = |dO| b^O = 16 · 2^-1074 and ζ_1 = 8 · 2^-1074.
+    assert_eq!(b.dq[[0, 0]], 48.0 * tiny(), "ν's share of b^O, through dQ");
+    assert_eq!(b.delta[0], 16.0 * tiny(), "D: |dO| b^O");
+}
+
+/// The theorem's report gives the largest ratio over its outputs.
+#[test]
+fn the_report_gives_the_largest_ratio() {
+    use attnproof_proofs::f64_oracle_bound::{BoundReport, OutputRatio};
+    let ratio = |output, max_ratio| OutputRatio { output, max_ratio, index: vec![] };
+    let report = BoundReport { outputs: vec![ratio("O", 0.25), ratio("dK", 0.75), ratio("dV", 0.5)] };
+    assert_eq!(report.max_ratio(), 0.75);
+    assert_eq!(BoundReport { outputs: vec![] }.max_ratio(), 0.0);
 }
 
 /// GQA: the model sums the per-head dK and dV bounds of a KV head's query heads and adds `γ_g Σ_h |dK_h|` (and the
