@@ -376,7 +376,7 @@ pub fn record_tested(root: &Path, files: &BTreeSet<String>) -> Result<()> {
 }
 
 /// Runs git in `root` and returns its stdout, or an error naming the command.
-fn git(root: &Path, args: &[&str]) -> Result<String> {
+pub fn git(root: &Path, args: &[&str]) -> Result<String> {
     let out = Command::new("git")
         .args(args)
         .current_dir(root)

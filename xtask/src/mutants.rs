@@ -383,11 +383,7 @@ fn read(root: &Path, relative: &str) -> Result<String> {
 
 /// The files git tracks, relative to `root`.
 fn tracked_files(root: &Path) -> Result<BTreeSet<String>> {
-    let out = Command::new("git").args(["ls-files"]).current_dir(root).output().context("could not run git")?;
-    if !out.status.success() {
-        bail!("`git ls-files` failed in {} (is it a git checkout?)", root.display());
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).lines().map(str::to_owned).collect())
+    Ok(cargo_mutants::git(root, &["ls-files"])?.lines().map(str::to_owned).collect())
 }
 
 /// A CPU mutant with its package and the arguments of the `cargo` command that must fail once it is applied.
