@@ -101,20 +101,49 @@ pub const SCOPES: &[Scope] = &[
         package: "attnproof-oracle",
         dir: "oracle/",
         exclude: &[],
-        test_packages: &["attnproof-oracle"],
+        // The oracle's own tests check its inputs and semantics; its values are judged by the fixtures' independent
+        // recomputations (closed forms, integer arithmetic from the seeds) and by the theorems.
+        test_packages: &["attnproof-oracle", "attnproof-proofs", "attnproof-fixtures"],
         targets: UNIT_AND_INTEGRATION,
         filters: &[],
     },
+    // The reference schedules have no tests of their own: the harness checks them against the oracle, each family in
+    // its own test module, so each part of the crate is judged by its family's module only (the dense backward's
+    // module alone takes most of a minute, which a ring mutant need not pay).
     Scope {
         name: "reference",
         package: "attnproof-reference",
         dir: "reference/src/",
+        exclude: &[REFERENCE_RING, REFERENCE_SPARSE],
+        test_packages: &["attnproof-reference", "attnproof-harness"],
+        targets: &["--lib", "--test=it"],
+        filters: &["flash_forward::", "flash_backward::"],
+    },
+    Scope {
+        name: "reference-ring",
+        package: "attnproof-reference",
+        dir: "reference/src/ring/",
         exclude: &[],
         test_packages: &["attnproof-reference", "attnproof-harness"],
-        targets: UNIT_AND_INTEGRATION,
-        filters: &[],
+        targets: &["--lib", "--test=it"],
+        filters: &["ring::"],
+    },
+    Scope {
+        name: "reference-sparse",
+        package: "attnproof-reference",
+        dir: "reference/src/sparse/",
+        exclude: &[],
+        test_packages: &["attnproof-reference", "attnproof-harness"],
+        targets: &["--lib", "--test=it"],
+        filters: &["sparse::"],
     },
 ];
+
+/// The ring schedules, a scope of their own.
+const REFERENCE_RING: &str = "reference/src/ring/**";
+
+/// The sparse schedules, a scope of their own.
+const REFERENCE_SPARSE: &str = "reference/src/sparse/**";
 
 impl Scope {
     /// Whether `file` (relative to the repository root) is one of this scope's, given cargo-mutants' `globs`.
@@ -146,15 +175,19 @@ pub enum Fate {
     Timeout,
     /// The mutated source did not build: nothing was tested.
     Unviable,
+    /// Caught or unviable in an earlier run of the same record, so not run again (`--resume`; cargo-mutants'
+    /// `--iterate` keeps the two in one list).
+    Earlier,
 }
 
 impl Fate {
     /// The outcome file cargo-mutants writes for this fate (`Equivalent` is ours: cargo-mutants calls it missed).
-    const FILES: [(&'static str, Fate); 4] = [
+    const FILES: [(&'static str, Fate); 5] = [
         ("caught.txt", Fate::Caught),
         ("missed.txt", Fate::Missed),
         ("timeout.txt", Fate::Timeout),
         ("unviable.txt", Fate::Unviable),
+        ("previously_caught.txt", Fate::Earlier),
     ];
 
     /// The word for the table.
@@ -165,6 +198,7 @@ impl Fate {
             Fate::Missed => "MISSED",
             Fate::Timeout => "timeout",
             Fate::Unviable => "unviable",
+            Fate::Earlier => "earlier",
         }
     }
 
@@ -198,6 +232,8 @@ pub struct Tally {
     pub timeouts: usize,
     /// Did not build.
     pub unviable: usize,
+    /// Caught or unviable in an earlier run of a resumed record.
+    pub earlier: usize,
 }
 
 impl Tally {
@@ -211,6 +247,7 @@ impl Tally {
             equivalent: count(Fate::Equivalent),
             timeouts: count(Fate::Timeout),
             unviable: count(Fate::Unviable),
+            earlier: count(Fate::Earlier),
         }
     }
 }
@@ -221,7 +258,11 @@ impl std::fmt::Display for Tally {
             f,
             "{} generated: {} caught, {} missed, {} equivalent, {} timeouts, {} unviable",
             self.generated, self.caught, self.missed, self.equivalent, self.timeouts, self.unviable
-        )
+        )?;
+        if self.earlier > 0 {
+            write!(f, ", {} caught or unviable in earlier runs", self.earlier)?;
+        }
+        Ok(())
     }
 }
 
@@ -448,9 +489,21 @@ pub fn scopes_touched(globs: &[String], changed: &BTreeSet<String>) -> Vec<&'sta
     SCOPES.iter().filter(|s| changed.iter().any(|f| s.owns(globs, f))).collect()
 }
 
-/// The arguments of one cargo-mutants run over `scope`, in place in the scratch copy, writing `<out>/mutants.out`;
-/// with `diff`, only mutants on lines the diff touches.
-pub fn cargo_mutants_args(scope: &Scope, out: &Path, diff: Option<&Path>) -> Vec<String> {
+/// Which of a scope's mutants one run takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Selection<'a> {
+    /// Every mutant of the scope, into a fresh record.
+    Whole,
+    /// The scope's mutants that its record does not show caught or unviable (cargo-mutants' `--iterate`): a long
+    /// scope run stopped part way goes on where it stopped, and its survivors meet the tests written since.
+    Resume,
+    /// The mutants on the changed lines of this patch, into a record of their own.
+    Diff(&'a Path),
+}
+
+/// The arguments of one cargo-mutants run over `scope`, in place in the scratch copy, writing `<out>/mutants.out`,
+/// over the mutants `selection` takes.
+pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>) -> Vec<String> {
     let mut args: Vec<String> =
         ["mutants", "--in-place", "--no-shuffle", "--colors", "never", "--package", scope.package]
             .map(str::to_owned)
@@ -462,8 +515,10 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, diff: Option<&Path>) -> Vec
     for glob in scope.exclude {
         args.extend(["--exclude".to_owned(), (*glob).to_owned()]);
     }
-    if let Some(diff) = diff {
-        args.extend(["--in-diff".to_owned(), diff.display().to_string()]);
+    match selection {
+        Selection::Whole => {}
+        Selection::Resume => args.push("--iterate".to_owned()),
+        Selection::Diff(patch) => args.extend(["--in-diff".to_owned(), patch.display().to_string()]),
     }
     for target in scope.targets {
         args.push(format!("--cargo-arg={target}"));
@@ -504,8 +559,11 @@ pub fn ensure_installed(root: &Path) -> Result<()> {
 
 /// The output directory of `scope`'s runs: `target/mutants/runs/<name>` for a whole scope, `runs/diff-<name>` for
 /// `--diff`, so that a quick run on a change never wipes a long one's record.
-pub fn output_dir(root: &Path, scope: &Scope, diff: bool) -> PathBuf {
-    let name = if diff { format!("diff-{}", scope.name) } else { scope.name.to_owned() };
+pub fn output_dir(root: &Path, scope: &Scope, selection: Selection<'_>) -> PathBuf {
+    let name = match selection {
+        Selection::Diff(_) => format!("diff-{}", scope.name),
+        Selection::Whole | Selection::Resume => scope.name.to_owned(),
+    };
     root.join("target").join("mutants").join("runs").join(name)
 }
 
@@ -553,6 +611,11 @@ mod tests {
         assert_eq!(owners("tests/src/gate.rs"), ["verdict"]);
         assert_eq!(owners("tests/src/case/check.rs"), ["verdict"]);
         assert_eq!(owners("tests/src/flash.rs"), ["harness"]);
+        let all = ["reference/src/**/*.rs".to_owned()];
+        let owners = |file: &str| SCOPES.iter().filter(|s| s.owns(&all, file)).map(|s| s.name).collect::<Vec<_>>();
+        assert_eq!(owners("reference/src/flash.rs"), ["reference"]);
+        assert_eq!(owners("reference/src/ring/forward.rs"), ["reference-ring"]);
+        assert_eq!(owners("reference/src/sparse/nsa.rs"), ["reference-sparse"]);
     }
 
     #[test]
@@ -570,7 +633,7 @@ mod tests {
         let root = crate::repo_root();
         let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
         for scope in SCOPES {
-            let member = scope.dir.trim_end_matches('/').trim_end_matches("/src");
+            let member = scope.dir.trim_end_matches('/').split("/src").next().unwrap();
             assert!(manifest.contains(&format!("\"{member}\"")), "{member} is not a workspace member");
         }
         let globs = examine_globs(&std::fs::read_to_string(root.join(CONFIG)).unwrap()).unwrap();
@@ -595,9 +658,10 @@ mod tests {
         std::fs::write(dir.join("caught.txt"), "a.rs:1:1: replace + with -\n").unwrap();
         std::fs::write(dir.join("missed.txt"), "a.rs:2:1: replace * with /\na.rs:3:1: replace f with 0\n").unwrap();
         std::fs::write(dir.join("unviable.txt"), "a.rs:4:1: replace g with ()\n").unwrap();
+        std::fs::write(dir.join("previously_caught.txt"), "a.rs:5:1: replace h with 1\n").unwrap();
         let mut outcomes = read_outcomes(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(outcomes.len(), 4);
+        assert_eq!(outcomes.len(), 5);
         assert_eq!(outcomes[0].name, "a.rs:1:1: replace + with -", "sorted by name");
 
         let list = "# Equivalent\n\n- `a.rs:2:1: replace * with /`: x is 1 there\n- `a.rs:9:9: gone`: moved\n";
@@ -607,7 +671,7 @@ mod tests {
         let tally = Tally::of(&outcomes);
         assert_eq!(
             tally,
-            Tally { generated: 4, caught: 1, missed: 1, equivalent: 1, timeouts: 0, unviable: 1 },
+            Tally { generated: 5, caught: 1, missed: 1, equivalent: 1, timeouts: 0, unviable: 1, earlier: 1 },
             "{outcomes:?}"
         );
         let unlisted = apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
@@ -691,8 +755,12 @@ mod tests {
     fn diff_runs_and_scope_runs_write_to_different_places() {
         let scope = find_scope("verdict").unwrap();
         let root = Path::new("/r");
-        assert_eq!(output_dir(root, scope, false), Path::new("/r/target/mutants/runs/verdict"));
-        assert_eq!(output_dir(root, scope, true), Path::new("/r/target/mutants/runs/diff-verdict"));
+        assert_eq!(output_dir(root, scope, Selection::Whole), Path::new("/r/target/mutants/runs/verdict"));
+        assert_eq!(output_dir(root, scope, Selection::Resume), Path::new("/r/target/mutants/runs/verdict"));
+        assert_eq!(
+            output_dir(root, scope, Selection::Diff(Path::new("/p"))),
+            Path::new("/r/target/mutants/runs/diff-verdict")
+        );
     }
 
     #[test]
@@ -716,19 +784,26 @@ mod tests {
     #[test]
     fn arguments_name_the_package_its_judges_and_the_diff() {
         let scope = find_scope("reference").unwrap();
-        let args = cargo_mutants_args(scope, Path::new("/o"), Some(Path::new("/d.patch")));
+        let args = cargo_mutants_args(scope, Path::new("/o"), Selection::Diff(Path::new("/d.patch")));
         let joined = args.join(" ");
         assert!(joined.starts_with("mutants --in-place"), "{joined}");
         assert!(joined.contains("--package attnproof-reference"), "{joined}");
         assert!(joined.contains("--test-package attnproof-reference --test-package attnproof-harness"), "{joined}");
-        assert!(joined.contains("--output /o --in-diff /d.patch"), "{joined}");
-        assert!(!cargo_mutants_args(scope, Path::new("/o"), None).contains(&"--in-diff".to_owned()));
-        let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), None).join(" ");
+        assert!(joined.contains("--output /o --exclude"), "{joined}");
+        assert!(joined.contains("--in-diff /d.patch --cargo-arg"), "{joined}");
+        let whole = cargo_mutants_args(scope, Path::new("/o"), Selection::Whole);
+        assert!(!whole.iter().any(|a| a == "--in-diff" || a == "--iterate"), "{whole:?}");
+        let resumed = cargo_mutants_args(scope, Path::new("/o"), Selection::Resume).join(" ");
+        assert!(resumed.contains("sparse/** --iterate --cargo-arg"), "{resumed}");
+        let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with("--cargo-arg=--lib --cargo-arg=--test=it -- -- verdict:: gate:: case:: check_ recipe::"),
             "{verdict}"
         );
-        assert!(joined.contains("--cargo-arg=--lib --cargo-arg=--tests"), "{joined}");
+        assert!(joined.contains("--exclude reference/src/ring/** --exclude reference/src/sparse/**"), "{joined}");
+        assert!(joined.ends_with("-- -- flash_forward:: flash_backward::"), "{joined}");
+        let proofs = cargo_mutants_args(find_scope("proofs").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
+        assert!(proofs.ends_with("--cargo-arg=--lib --cargo-arg=--tests"), "{proofs}");
     }
 }

@@ -192,14 +192,19 @@ pub const COMMANDS: &[CommandSpec] = &[
                 "cargo-mutants on the code changed since REV (default: the merge base with main), then the catalog's \
                  mutants anchored in changed files; one table",
             ),
+            switch(
+                "--resume",
+                "with --scope: go on from each scope's last record (cargo-mutants --iterate): mutants it shows caught \
+                 or unviable are skipped, survivors and mutants never reached are run",
+            ),
             Flag {
                 repeatable: true,
                 ..valued(
                     "--scope",
                     "NAME",
                     ValueType::Text,
-                    "cargo-mutants over scope NAME (proofs, verdict, harness, fixtures, oracle, reference, or all; \
-                     docs/mutation.md)",
+                    "cargo-mutants over scope NAME (proofs, verdict, harness, fixtures, oracle, reference, reference-ring, \
+                     reference-sparse, or all; docs/mutation.md)",
                 )
             },
         ],

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cargo_mutants::{self, Fate, MutantOutcome, Scope, Tally};
+use crate::cargo_mutants::{self, Fate, MutantOutcome, Scope, Selection, Tally};
 use crate::flags::Parsed;
 use crate::parse::{TestCounts, parse_test_result};
 use crate::process::{cargo, describe, ensure_m4, nvrtc_env};
@@ -32,8 +32,9 @@ enum Mode {
     Catalog,
     /// `--list`: print the catalog.
     List,
-    /// `--scope NAME...`: cargo-mutants over whole scopes (a crate, or part of one).
-    Scopes(Vec<String>),
+    /// `--scope NAME...`: cargo-mutants over whole scopes (a crate, or part of one); with `--resume`, on from each
+    /// scope's last record.
+    Scopes(Vec<String>, bool),
     /// `--diff [REV]`: cargo-mutants and the catalog over the code changed since `REV` (default: the merge base).
     Diff(Option<String>),
 }
@@ -57,6 +58,7 @@ impl Options {
         let scopes = flags.texts("--scope");
         let list = flags.switch("--list");
         let diff = flags.switch("--diff");
+        let resume = flags.switch("--resume");
         let rev = flags.operands.first().map(|r| r.to_string_lossy().into_owned());
         let picked = [list, diff, !scopes.is_empty()].into_iter().filter(|&b| b).count();
         if picked > 1 {
@@ -65,13 +67,16 @@ impl Options {
         if (diff || !scopes.is_empty()) && !only.is_empty() {
             bail!("--only names catalog mutants; it does not combine with --diff or --scope");
         }
+        if resume && scopes.is_empty() {
+            bail!("--resume goes on from a scope's last record; give the scope (`--scope NAME --resume`)");
+        }
         if let (false, Some(rev)) = (diff, &rev) {
             bail!("`{rev}`: a revision is only taken with --diff (`cargo xtask mutants --diff {rev}`)");
         }
         let mode = match (list, diff, scopes.is_empty()) {
             (true, _, _) => Mode::List,
             (_, true, _) => Mode::Diff(rev),
-            (_, _, false) => Mode::Scopes(scopes),
+            (_, _, false) => Mode::Scopes(scopes, resume),
             _ => Mode::Catalog,
         };
         Ok(Options {
@@ -135,7 +140,7 @@ pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Mode::Catalog => catalog(root, &options),
-        Mode::Scopes(names) => scopes(root, &options, names),
+        Mode::Scopes(names, resume) => scopes(root, &options, names, *resume),
         Mode::Diff(rev) => diff(root, &options, rev.as_deref()),
     }
 }
@@ -245,7 +250,7 @@ fn run_catalog(
 
 /// `--scope NAME...`: cargo-mutants over each whole scope, its survivors checked against
 /// [`cargo_mutants::EQUIVALENT_LIST`]; success only when no scope has an unexplained survivor or a stale entry.
-fn scopes(root: &Path, options: &Options, names: &[String]) -> Result<ExitCode> {
+fn scopes(root: &Path, options: &Options, names: &[String], resume: bool) -> Result<ExitCode> {
     let scopes: Vec<&Scope> = if names.iter().any(|n| n == "all") {
         cargo_mutants::SCOPES.iter().collect()
     } else {
@@ -263,7 +268,8 @@ fn scopes(root: &Path, options: &Options, names: &[String]) -> Result<ExitCode> 
     for scope in scopes {
         let files: BTreeSet<String> = tracked.iter().filter(|f| scope.owns(&globs, f)).cloned().collect();
         let started = Instant::now();
-        let mut outcomes = run_cargo_mutants(root, &tree, scope, None, &env)?;
+        let selection = if resume { Selection::Resume } else { Selection::Whole };
+        let mut outcomes = run_cargo_mutants(root, &tree, scope, selection, &env)?;
         let stale = cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &files);
         let tally = Tally::of(&outcomes);
         let minutes = started.elapsed().as_secs_f64() / 60.0;
@@ -324,7 +330,7 @@ fn diff(root: &Path, options: &Options, rev: Option<&str>) -> Result<ExitCode> {
     let mut rows: Vec<[String; 3]> = Vec::new();
     let mut explained = true;
     for scope in &scopes {
-        let mut outcomes = run_cargo_mutants(root, &tree, scope, Some(&patch_path), &env)?;
+        let mut outcomes = run_cargo_mutants(root, &tree, scope, Selection::Diff(&patch_path), &env)?;
         // Stale entries are only judged by full scope runs: a diff run generates the changed lines' mutants only.
         cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
         explained &= outcomes.iter().all(|o| o.fate.is_explained());
@@ -354,13 +360,16 @@ fn run_cargo_mutants(
     root: &Path,
     tree: &ScratchTree,
     scope: &Scope,
-    diff: Option<&Path>,
+    selection: Selection<'_>,
     env: &TestEnv,
 ) -> Result<Vec<MutantOutcome>> {
-    let out = cargo_mutants::output_dir(root, scope, diff.is_some());
-    // A run that finds no mutant writes no outcome files, so those of an earlier run must not be there to be read.
-    recreate_dir(&out)?;
-    let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, diff));
+    let out = cargo_mutants::output_dir(root, scope, selection);
+    // A run that finds no mutant writes no outcome files, so those of an earlier run must not be there to be read. A
+    // resumed run reads them (cargo-mutants carries the caught and unviable ones into `previously_caught.txt`).
+    if selection != Selection::Resume {
+        recreate_dir(&out)?;
+    }
+    let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, selection));
     println!("$ {}", describe(&cmd));
     let status = cmd.status().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
     cargo_mutants::check_exit(status.code(), &cmd)?;
@@ -952,7 +961,11 @@ mod tests {
         assert_eq!(options(&["mutants", "--diff", "v1"]).unwrap().mode, Mode::Diff(Some("v1".to_owned())));
         assert_eq!(
             options(&["mutants", "--scope", "oracle", "--scope=proofs"]).unwrap().mode,
-            Mode::Scopes(strings(&["oracle", "proofs"]))
+            Mode::Scopes(strings(&["oracle", "proofs"]), false)
+        );
+        assert_eq!(
+            options(&["mutants", "--scope", "oracle", "--resume"]).unwrap().mode,
+            Mode::Scopes(strings(&["oracle"]), true)
         );
         for bad in [&["mutants", "--cases", "0"][..], &["mutants", "--timeout"], &["mutants", "--seed", "-1"]] {
             assert!(parse_for_test(bad).is_err(), "{bad:?}");
@@ -963,6 +976,8 @@ mod tests {
             &["mutants", "--diff", "--only", "x"],
             &["mutants", "--scope", "oracle", "--only", "x"],
             &["mutants", "HEAD~1"],
+            &["mutants", "--resume"],
+            &["mutants", "--diff", "--resume"],
         ] {
             assert!(options(clash).is_err(), "{clash:?} must be refused");
         }

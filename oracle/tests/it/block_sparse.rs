@@ -115,3 +115,68 @@ fn the_exact_set_is_selected_blocks_plus_the_local_window_within_the_visible_key
     let no_window = exact_set(visible.view(), 6, &[1], ExactSetConfig { local_window: 0, ..config });
     assert_eq!(no_window.iter().filter(|x| **x).count(), 3, "keys 4, 5, 6 of block 1");
 }
+
+#[test]
+fn visibility_is_the_mask_and_the_listed_tiles() {
+    // Head 0 lists KV tile 0 for query tile 0, nothing for tile 1, tiles 1 and 2 for tile 2. Causal bottom-right with
+    // Lq = 5, Lk = 7: query i sees keys j ≤ i + 2.
+    let lists = vec![0, -1, -1, -1, -1, -1, 1, 2, -1, 0, 1, 2, 0, 1, 2, 0, 1, 2];
+    let l = layout(lists, 3);
+    let spec = spec();
+    let seq = spec.sequences()[0];
+    let visible = l.visibility(&spec, &seq, 0);
+    for i in 0..5 {
+        for j in 0..7 {
+            let listed = match i / 2 {
+                0 => j / 3 == 0,
+                1 => false,
+                _ => (1..=2).contains(&(j / 3)),
+            };
+            assert_eq!(visible[[i, j]], listed && j <= i + 2, "query {i}, key {j}");
+        }
+    }
+}
+
+/// Two sequences, B = 2 by `cu_seqlens`: Lq = 5, 3 and Lk = 7, 3, so with tiles of 2 queries and 3 keys the first has
+/// 3 query tiles over 3 KV tiles and the second 2 query tiles over 1 KV tile (its third list row is padding).
+fn varlen_spec() -> AttentionSpec {
+    AttentionSpec {
+        layout: attnproof_oracle::Layout::Varlen { cu_seqlens_q: vec![0, 5, 8], cu_seqlens_k: vec![0, 7, 10] },
+        ..AttentionSpec::dense(1, 2, 1, 0, 0, 2, 3)
+    }
+}
+
+/// A valid one-wide layout of [`varlen_spec`] (every row lists its sequence's KV tile 0), then `edit` applied.
+fn varlen_layout(edit: impl FnOnce(&mut Array4<i32>)) -> BlockSparseLayout {
+    let mut lists = Array4::from_shape_fn((2, 2, 3, 1), |(s, _, a, _)| if s == 1 && a == 2 { -1 } else { 0 });
+    edit(&mut lists);
+    BlockSparseLayout { q_tile: 2, kv_tile: 3, lists }
+}
+
+#[test]
+fn list_rows_past_a_sequence_s_own_tiles_must_be_padding() {
+    assert_eq!(varlen_layout(|_| ()).validate(&varlen_spec()), Ok(()));
+    // Row 2 of the second sequence is past its 2 query tiles: even KV tile 0 is out of range there.
+    let err = varlen_layout(|l| l[[1, 0, 2, 0]] = 0).validate(&varlen_spec()).unwrap_err();
+    match err {
+        OracleError::IndexList { argument: "lists", position, reason } => {
+            // (sequence 1 · Hq + head 0) · 3 tiles + tile 2.
+            assert_eq!(position, vec![2 * 3 + 2, 0]);
+            assert!(reason.contains("out of range 0..0"), "{reason}");
+        }
+        other => panic!("expected an index-list error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_bad_list_entry_is_reported_at_its_row_and_slot() {
+    // The second sequence has one KV tile, so index 1 is out of range at (sequence 1, head 1, tile 1): flattened row
+    // (1 · Hq + 1) · n_tiles + 1 = 10.
+    let err = varlen_layout(|l| l[[1, 1, 1, 0]] = 1).validate(&varlen_spec()).unwrap_err();
+    assert_eq!(
+        err,
+        OracleError::IndexList { argument: "lists", position: vec![10, 0], reason: "index 1 out of range 0..1".into() }
+    );
+    // The same index is fine in the first sequence, whose keys span 3 tiles.
+    assert_eq!(varlen_layout(|l| l[[0, 1, 1, 0]] = 2).validate(&varlen_spec()), Ok(()));
+}
