@@ -313,6 +313,9 @@ mod tests {
         assert_eq!(c.visited_tile_pairs, 16);
         assert_eq!(c.dense_flops, 4 * c.sparse_flops);
         assert_eq!(c.sparse_kv_bytes, 16 * 64 * 256 * 2);
+        // Every one of the 64 dense pairs would load its key tile's K and V rows.
+        assert_eq!(c.dense_kv_bytes, 64 * 64 * 256 * 2);
+        assert_eq!(c.kv_bytes_per_pair, 64 * 256 * 2);
         // The dense schedule (r = n_K) has the dense FLOPs of E1d over the same rows and keys.
         let dense = block_sparse_cost(BlockSparseShape { tiles_per_query_tile: 8, ..shape }).expect("r = n_K");
         let e1d = dense_cost(CostShape { len_q: 512, len_k: 512, head_dim: 128, head_dim_v: 128, element_bytes: 2 });

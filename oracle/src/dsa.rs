@@ -14,7 +14,7 @@ use crate::error::{OracleError, check_finite, check_shape};
 use crate::online::SoftmaxState;
 use crate::real::Real;
 use crate::spec::Scale;
-use crate::topk::{padded_ascending, top_k, validate_index_row};
+use crate::topk::{padded_rows, top_k, validate_index_row};
 use crate::vector::{dot, log_sum_exp, softmax};
 
 /// The lightning indexer's inputs for one sequence (E16).
@@ -126,17 +126,6 @@ fn check_causal_distribution<S: Real>(
     Ok(())
 }
 
-/// `α` for head dimension `head_dim` in `ctx`'s precision.
-fn scale_value<S: Real>(scale: Scale, head_dim: usize, ctx: S::Ctx) -> Result<S, OracleError> {
-    match scale {
-        Scale::InverseSqrtHeadDim => Ok(S::one(ctx) / S::from_f64(head_dim as f64, ctx).sqrt()),
-        Scale::Value(x) if x.is_finite() => Ok(S::from_f64(x, ctx)),
-        Scale::Value(x) => {
-            Err(OracleError::InvalidParameter { argument: "scale", reason: format!("{x} is not finite") })
-        }
-    }
-}
-
 /// The causal visibility of one sequence: key `s` is visible to query `t` iff `s ≤ t`.
 fn causal_mask(seq_len: usize) -> Array2<bool> {
     Array2::from_shape_fn((seq_len, seq_len), |(t, s)| s <= t)
@@ -188,13 +177,7 @@ pub fn causal_top_k<S: Real>(scores: ArrayView2<'_, S>, config: TopKConfig) -> R
             reason: format!("{seq_len} positions do not fit an i32 index"),
         });
     }
-    let mut out = Array2::from_elem((seq_len, config.top_k), -1i32);
-    for t in 0..seq_len {
-        let row: Vec<S> = scores.row(t).to_vec();
-        let chosen = top_k(&row, config.top_k, |s| s <= t, &[]);
-        out.row_mut(t).assign(&Array1::from(padded_ascending(&chosen, config.top_k)));
-    }
-    Ok(out)
+    Ok(padded_rows(seq_len, config.top_k, |t| top_k(&scores.row(t).to_vec(), config.top_k, |s| s <= t, &[])))
 }
 
 /// Causal main-attention probabilities `P^{(h)}_{ts}`, `[H, T, T]`, from main queries
@@ -217,7 +200,8 @@ pub fn main_attention_probabilities<S: Real>(
     check_shape("key", key.shape(), &[seq_len, head_dim])?;
     check_finite("query", &query)?;
     check_finite("key", &key)?;
-    let alpha = scale_value::<S>(scale, head_dim, ctx)?;
+    scale.check()?;
+    let alpha = scale.value::<S>(head_dim, ctx);
     let visible = causal_mask(seq_len);
     let mut probs = Array3::from_elem((n_heads, seq_len, seq_len), S::zero(ctx));
     for h in 0..n_heads {
@@ -327,7 +311,8 @@ pub fn token_sparse_attention<S: Real>(
     check_finite("query", &inputs.query)?;
     check_finite("key", &inputs.key)?;
     check_finite("value", &inputs.value)?;
-    let alpha = scale_value::<S>(config.scale, head_dim, ctx)?;
+    config.scale.check()?;
+    let alpha = config.scale.value::<S>(head_dim, ctx);
     let mut o = Array3::from_elem((seq_len, n_heads, head_dim_v), S::zero(ctx));
     let mut lse = Array2::from_elem((n_heads, seq_len), S::zero(ctx));
     for t in 0..seq_len {
@@ -550,7 +535,7 @@ mod tests {
         ));
         assert!(matches!(
             run(ok, &v, Scale::Value(f64::INFINITY)),
-            Err(OracleError::InvalidParameter { argument: "scale", .. })
+            Err(OracleError::NonFinite { argument: "scale", .. })
         ));
     }
 

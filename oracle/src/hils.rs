@@ -23,7 +23,7 @@ use crate::dense;
 use crate::error::{OracleError, check_finite, check_shape};
 use crate::online::SoftmaxState;
 use crate::real::Real;
-use crate::topk::{padded_ascending, top_k, validate_index_row};
+use crate::topk::{padded_rows, top_k, validate_index_row};
 use crate::vector::{dot, log_sum_exp, softmax};
 
 /// Chunking, local window and routing width of HiLS.
@@ -268,13 +268,10 @@ pub fn router_scores<S: Real>(
 /// `query` and the chunking, non-finite input.
 pub fn route<S: Real>(inputs: HilsInputs<'_, S>, config: HilsConfig, ctx: S::Ctx) -> Result<Array2<i32>, OracleError> {
     let scores = router_scores(inputs, config, ctx)?;
-    let mut out = Array2::from_elem((scores.nrows(), config.retrieved_chunks), -1i32);
-    for (i, mut row) in out.rows_mut().into_iter().enumerate() {
+    Ok(padded_rows(scores.nrows(), config.retrieved_chunks, |i| {
         let eligible = eligible_chunks(i, config);
-        let chosen = top_k(&scores.row(i).to_vec(), config.retrieved_chunks, |b| eligible.contains(&b), &[]);
-        row.assign(&Array1::from(padded_ascending(&chosen, config.retrieved_chunks)));
-    }
-    Ok(out)
+        top_k(&scores.row(i).to_vec(), config.retrieved_chunks, |b| eligible.contains(&b), &[])
+    }))
 }
 
 /// E21 factorized output

@@ -12,14 +12,14 @@
 //! may be partial); `W` is the number of complete windows of the sequence and `M = ⌈T/l'⌉` the
 //! number of selection blocks.
 
-use ndarray::{Array1, Array2, Array3, ArrayView1, ArrayView2, ArrayView3, Axis, Dimension};
+use ndarray::{Array1, Array2, Array3, ArrayView2, ArrayView3, Axis, Dimension};
 
 use crate::dense::{probabilities_from_lse, scores};
 use crate::error::{OracleError, check_finite};
 use crate::online::SoftmaxState;
 use crate::real::Real;
 use crate::spec::Scale;
-use crate::topk::{padded_ascending, top_k, validate_index_row};
+use crate::topk::{padded_rows, top_k, validate_index_row};
 use crate::vector::{dot, mean_row};
 
 /// The map φ that turns the `l` keys (or values) of one compression window into one compressed
@@ -116,20 +116,12 @@ impl NsaConfig {
                 }
             }
         }
-        if let Scale::Value(x) = self.scale
-            && !x.is_finite()
-        {
-            return Err(OracleError::InvalidParameter { argument: "scale", reason: format!("{x} is not finite") });
-        }
-        Ok(())
+        self.scale.check()
     }
 
     /// The softmax scale for head dimension `head_dim` in `ctx`'s precision.
     pub fn scale_value<S: Real>(&self, head_dim: usize, ctx: S::Ctx) -> S {
-        match self.scale {
-            Scale::InverseSqrtHeadDim => S::one(ctx) / S::from_f64(head_dim as f64, ctx).sqrt(),
-            Scale::Value(x) => S::from_f64(x, ctx),
-        }
+        self.scale.value(head_dim, ctx)
     }
 
     /// Whether selection block `block` is eligible for query `query`: its first token is not in
@@ -292,17 +284,13 @@ pub fn select_blocks<S: Real>(block_scores: ArrayView3<'_, S>, config: &NsaConfi
         });
     }
     check_finite("block_scores", &block_scores)?;
-    let mut out = Array3::from_elem((len, n_heads_kv, config.n_selected), -1);
-    for t in 0..len {
-        let forced = config.forced_blocks(t);
-        for kv in 0..n_heads_kv {
-            let row: Vec<S> = block_scores.index_axis(Axis(0), t).row(kv).to_vec();
-            let chosen = top_k(&row, config.n_selected, |j| config.block_eligible(j, t), &forced);
-            let padded = padded_ascending(&chosen, config.n_selected);
-            out.index_axis_mut(Axis(0), t).row_mut(kv).assign(&ArrayView1::from(&padded[..]));
-        }
-    }
-    Ok(out)
+    // One list per (query, KV head), in that order.
+    let lists = padded_rows(len * n_heads_kv, config.n_selected, |r| {
+        let (t, kv) = (r / n_heads_kv, r % n_heads_kv);
+        let row: Vec<S> = block_scores.index_axis(Axis(0), t).row(kv).to_vec();
+        top_k(&row, config.n_selected, |j| config.block_eligible(j, t), &config.forced_blocks(t))
+    });
+    Ok(lists.into_shape_with_order((len, n_heads_kv, config.n_selected)).expect("the same number of entries"))
 }
 
 /// The inputs of one NSA sequence, borrowed: queries `[T, Hq, d]`, keys `[T, Hkv, d]`,
@@ -794,7 +782,32 @@ mod tests {
             Err(OracleError::NonFinite { argument: "compress_values", ref index, .. }) if index == &[1]
         ));
         let scale = NsaConfig { scale: Scale::Value(f64::INFINITY), ..small() };
-        assert!(matches!(scale.validate(), Err(OracleError::InvalidParameter { argument: "scale", .. })));
+        assert!(matches!(scale.validate(), Err(OracleError::NonFinite { argument: "scale", .. })));
+    }
+
+    #[test]
+    fn the_default_scale_is_one_over_root_d() {
+        assert_eq!(small().scale_value::<f64>(16, ()), 0.25);
+        assert_eq!(NsaConfig { scale: Scale::Value(0.3), ..small() }.scale_value::<f64>(16, ()), 0.3);
+    }
+
+    #[test]
+    fn a_block_is_eligible_once_its_first_token_is_visible() {
+        let config = small();
+        for (block, query, eligible) in [(0, 0, true), (1, 7, false), (1, 8, true), (3, 23, false), (3, 24, true)] {
+            assert_eq!(config.block_eligible(block, query), eligible, "block {block}, query {query}");
+        }
+    }
+
+    #[test]
+    fn selection_never_reaches_a_block_that_starts_after_the_query() {
+        // T = 32: four blocks of 8 and room for all four; every score is equal, so only eligibility keeps a later
+        // block out of the list.
+        let lists = select_blocks(Array3::<f64>::zeros((32, 1, 4)).view(), &small()).unwrap();
+        for t in 0..32 {
+            let expected: Vec<i32> = (0..4).map(|j| if j * 8 <= t { j as i32 } else { -1 }).collect();
+            assert_eq!(lists.index_axis(Axis(0), t).row(0).to_vec(), expected, "query {t}");
+        }
     }
 
     #[test]

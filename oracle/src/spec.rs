@@ -139,6 +139,27 @@ pub enum Scale {
     Value(f64),
 }
 
+impl Scale {
+    /// `α` for head dimension `head_dim` in `ctx`'s precision: `1/√d` computed there, or the given value. Every
+    /// family takes its scale from here; call [`Scale::check`] first.
+    pub fn value<S: Real>(self, head_dim: usize, ctx: S::Ctx) -> S {
+        match self {
+            Scale::InverseSqrtHeadDim => S::one(ctx) / S::from_f64(head_dim as f64, ctx).sqrt(),
+            Scale::Value(x) => S::from_f64(x, ctx),
+        }
+    }
+
+    /// A typed error for a given value that is not finite.
+    pub fn check(self) -> Result<(), OracleError> {
+        match self {
+            Scale::Value(x) if !x.is_finite() => {
+                Err(OracleError::NonFinite { argument: "scale", index: vec![], value: x })
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Everything about an attention problem except the tensors.
 #[derive(Clone, Debug)]
 pub struct AttentionSpec {
@@ -234,10 +255,7 @@ impl AttentionSpec {
 
     /// `α` in the precision of `ctx`.
     pub fn scale_value<S: Real>(&self, ctx: S::Ctx) -> S {
-        match self.scale {
-            Scale::InverseSqrtHeadDim => S::one(ctx) / S::from_f64(self.head_dim as f64, ctx).sqrt(),
-            Scale::Value(x) => S::from_f64(x, ctx),
-        }
+        self.scale.value(self.head_dim, ctx)
     }
 
     /// Checks everything that does not involve tensors: dims, head ratio, cu_seqlens, scale.
@@ -254,11 +272,7 @@ impl AttentionSpec {
         if self.n_heads_kv == 0 || !self.n_heads_q.is_multiple_of(self.n_heads_kv) {
             return Err(OracleError::HeadRatio { n_heads_q: self.n_heads_q, n_heads_kv: self.n_heads_kv });
         }
-        if let Scale::Value(x) = self.scale
-            && !x.is_finite()
-        {
-            return Err(OracleError::NonFinite { argument: "scale", index: vec![], value: x });
-        }
+        self.scale.check()?;
         if let Layout::Varlen { cu_seqlens_q, cu_seqlens_k } = &self.layout {
             check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)?;
             check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)?;

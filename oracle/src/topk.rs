@@ -2,6 +2,8 @@
 //! entries first, results as `i32` lists sorted ascending and padded with `−1`; and the
 //! validation of such lists (E14 convention).
 
+use ndarray::Array2;
+
 use crate::error::OracleError;
 use crate::real::Real;
 
@@ -32,6 +34,13 @@ pub fn padded_ascending(indices: &[usize], width: usize) -> Vec<i32> {
     v.sort_unstable();
     v.resize(width, -1);
     v
+}
+
+/// `[n_rows, width]` index lists, row `r` holding `row(r)` as [`padded_ascending`] writes it: the shape every
+/// selector (DSA's top-k, NSA's blocks, HiLS's chunks) returns.
+pub fn padded_rows(n_rows: usize, width: usize, row: impl FnMut(usize) -> Vec<usize>) -> Array2<i32> {
+    let flat: Vec<i32> = (0..n_rows).map(row).flat_map(|indices| padded_ascending(&indices, width)).collect();
+    Array2::from_shape_vec((n_rows, width), flat).expect("padded_ascending writes `width` entries per row")
 }
 
 /// Checks one row of an index list against the convention: valid entries in `0..bound`,

@@ -86,11 +86,11 @@ pub(crate) fn dot32<'a>(a: impl IntoIterator<Item = &'a f32>, b: impl IntoIterat
 
 /// `fl32(α)` for head dimension `head_dim`, rejecting a non-finite explicit scale.
 pub(crate) fn scale32(scale: Scale, head_dim: usize) -> Result<f32, ReferenceError> {
-    match scale {
-        Scale::InverseSqrtHeadDim => Ok(1.0 / (head_dim as f32).sqrt()),
-        Scale::Value(x) if x.is_finite() => Ok(x as f32),
-        Scale::Value(x) => Err(OracleError::NonFinite { argument: "scale", index: vec![], value: x }.into()),
-    }
+    scale.check()?;
+    Ok(match scale {
+        Scale::InverseSqrtHeadDim => 1.0 / (head_dim as f32).sqrt(),
+        Scale::Value(x) => x as f32,
+    })
 }
 
 /// A typed error unless `t` has shape `expected`.
