@@ -223,11 +223,13 @@ pub fn remap_to_blocks<S: Real>(
     let stride = S::from_f64(config.compress_stride as f64, ctx);
     let mut out = Array2::from_elem((p_cmp.nrows(), n_blocks), S::zero(ctx));
     for c in 0..p_cmp.ncols() {
-        // Only the blocks that window c touches have a non-zero overlap.
-        let first_block = c * config.compress_stride / config.select_block;
-        let last_block = (c * config.compress_stride + config.compress_len - 1) / config.select_block;
-        for j in first_block..=last_block.min(n_blocks.saturating_sub(1)) {
-            let weight = S::from_f64(config.window_block_overlap(c, j) as f64, ctx) / stride.clone();
+        for j in 0..n_blocks {
+            // Only the few blocks that window c touches contribute; the row loop is skipped for the others.
+            let overlap = config.window_block_overlap(c, j);
+            if overlap == 0 {
+                continue;
+            }
+            let weight = S::from_f64(overlap as f64, ctx) / stride.clone();
             for r in 0..p_cmp.nrows() {
                 out[[r, j]] += p_cmp[[r, c]].clone() * weight.clone();
             }
@@ -315,12 +317,8 @@ impl<S> Copy for NsaInputs<'_, S> {}
 
 impl<S: Real> NsaInputs<'_, S> {
     /// Sequence length `T`.
-    pub fn len(&self) -> usize {
+    pub fn seq_len(&self) -> usize {
         self.q.dim().0
-    }
-    /// Whether the sequence is empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
     /// Query heads `Hq`.
     pub fn n_heads_q(&self) -> usize {
@@ -466,7 +464,7 @@ pub fn selected_attention<S: Real>(
 ) -> Result<Array3<S>, OracleError> {
     inputs.validate()?;
     config.validate()?;
-    let len = inputs.len();
+    let len = inputs.seq_len();
     let n_blocks = selection_blocks(len, config.select_block)?;
     let (sel_len, sel_heads, width) = selection.dim();
     if (sel_len, sel_heads) != (len, inputs.n_heads_kv()) {
@@ -898,11 +896,35 @@ mod tests {
     }
 
     #[test]
+    fn mean_compression_averages_each_window_at_its_stride() {
+        // x_t = (t, −2t): window c covers tokens 2c..2c+4 (l = 4, s = 2), whose mean is (2c + 1.5, −4c − 3).
+        let x = Array2::from_shape_fn((11, 2), |(t, j)| if j == 0 { t as f64 } else { -2.0 * t as f64 });
+        let compressed = compress(x.view(), &Compression::Mean, &small(), ()).unwrap();
+        assert_eq!(compressed.nrows(), 4, "windows 0..4 end by token 10");
+        for c in 0..4 {
+            assert_eq!(compressed.row(c).to_vec(), vec![2.0 * c as f64 + 1.5, -4.0 * c as f64 - 3.0], "window {c}");
+        }
+        // A caller's map weighs the window's tokens in order.
+        let weighted = NsaConfig { compress_keys: Compression::Weighted(vec![1.0, 0.0, 0.0, 2.0]), ..small() };
+        let compressed = compress(x.view(), &weighted.compress_keys, &weighted, ()).unwrap();
+        assert_eq!(compressed.row(1).to_vec(), vec![2.0 + 2.0 * 5.0, -4.0 - 4.0 * 5.0]);
+    }
+
+    #[test]
     fn forced_blocks_and_overlaps() {
         let config = NsaConfig::default();
         assert_eq!(config.forced_blocks(0), vec![0]);
         assert_eq!(config.forced_blocks(64), vec![0, 1]);
         assert_eq!(config.forced_blocks(64 * 5 + 3), vec![0, 4, 5]);
+        // More forced blocks than the query can see: only the blocks up to its own (the current one included).
+        let initial_only = NsaConfig { n_forced_initial: 3, n_forced_local: 0, ..NsaConfig::default() };
+        assert_eq!(initial_only.forced_blocks(0), vec![0]);
+        assert_eq!(initial_only.forced_blocks(64), vec![0, 1]);
+        assert_eq!(initial_only.forced_blocks(64 * 7), vec![0, 1, 2]);
+        let local_only = NsaConfig { n_forced_initial: 0, n_forced_local: 3, ..NsaConfig::default() };
+        assert_eq!(local_only.forced_blocks(0), vec![0]);
+        assert_eq!(local_only.forced_blocks(64), vec![0, 1]);
+        assert_eq!(local_only.forced_blocks(64 * 7 + 63), vec![5, 6, 7]);
         // Window 4j−1 overlaps block j in its second half only: s tokens.
         assert_eq!(config.window_block_overlap(4 * 3 - 1, 3), config.compress_stride);
         assert_eq!(config.window_block_overlap(4 * 3, 3), config.compress_len);
