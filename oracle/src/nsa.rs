@@ -808,6 +808,117 @@ mod tests {
         }
     }
 
+    /// `T = 19`, `Hq = 4`, `Hkv = 2`, zero queries (so every branch averages the values it attends to) and values
+    /// `v[s, kv, 0] = s + 100·kv`, `v[s, kv, 1] = s²`: an average names the tokens and the KV head it came from.
+    fn averaging_problem() -> (Array3<f64>, Array3<f64>, Array3<f64>) {
+        let v =
+            Array3::from_shape_fn((19, 2, 2), |(s, kv, c)| if c == 0 { (s + 100 * kv) as f64 } else { (s * s) as f64 });
+        (Array3::zeros((19, 4, 3)), tensor(2, (19, 2, 3)), v)
+    }
+
+    /// The mean of `v[s, kv, ·]` over `tokens`.
+    fn mean_value(v: &Array3<f64>, kv: usize, tokens: impl Iterator<Item = usize>) -> [f64; 2] {
+        let tokens: Vec<usize> = tokens.collect();
+        let n = tokens.len() as f64;
+        [0, 1].map(|c| tokens.iter().map(|&s| v[[s, kv, c]]).sum::<f64>() / n)
+    }
+
+    fn assert_close(actual: [f64; 2], expected: [f64; 2], what: &str) {
+        for c in 0..2 {
+            assert!(
+                (actual[c] - expected[c]).abs() <= 1e-12 * expected[c].abs().max(1.0),
+                "{what}: {actual:?} vs {expected:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_window_branch_averages_exactly_the_last_window_tokens_of_its_kv_head() {
+        let (q, k, v) = averaging_problem();
+        let config = small();
+        let o = window_attention(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, &config, ()).unwrap();
+        for t in 0..19usize {
+            for h in 0..4 {
+                let expected = mean_value(&v, h / 2, (t + 1).saturating_sub(config.window)..=t);
+                assert_close([o[[t, h, 0]], o[[t, h, 1]]], expected, &format!("query {t}, head {h}"));
+            }
+        }
+    }
+
+    #[test]
+    fn the_selected_branch_averages_the_visible_tokens_of_the_listed_blocks() {
+        let (q, k, v) = averaging_problem();
+        let config = small();
+        // KV head 0 lists blocks 0 and 2 wherever they exist, KV head 1 block 1 only (nothing before token 8).
+        let selection = Array3::from_shape_fn((19, 2, 4), |(t, kv, w)| match (kv, w) {
+            (0, 0) => 0,
+            (0, 1) if t >= 16 => 2,
+            (1, 0) if t >= 8 => 1,
+            _ => -1,
+        });
+        let o = selected_attention(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, selection.view(), &config, ())
+            .unwrap();
+        for t in 0..19 {
+            for h in 0..4 {
+                let tokens: Vec<usize> = match h / 2 {
+                    0 => (0..8.min(t + 1)).chain(16..(t + 1).max(16)).collect(),
+                    _ => (8..16.min(t + 1)).collect(),
+                };
+                let actual = [o[[t, h, 0]], o[[t, h, 1]]];
+                if tokens.is_empty() {
+                    assert_eq!(actual, [0.0, 0.0], "query {t}, head {h}: nothing listed is visible");
+                } else {
+                    assert_close(actual, mean_value(&v, h / 2, tokens.into_iter()), &format!("query {t}, head {h}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_bad_selection_entry_is_reported_at_its_query_and_kv_head() {
+        let (q, k, v) = problem();
+        // T = 19 makes 3 blocks of 8, so index 3 is out of range; at query 10, KV head 1 the row is 10 · 2 + 1 = 21.
+        let mut selection = Array3::from_elem((19, 2, 4), -1);
+        selection[[10, 1, 0]] = 3;
+        let err =
+            selected_attention(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, selection.view(), &small(), ())
+                .unwrap_err();
+        assert!(
+            matches!(err, OracleError::IndexList { argument: "selection", ref position, .. } if position == &[21, 0]),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn compressed_windows_are_visible_once_complete_and_each_head_reads_its_group_s_kv_head() {
+        let (q, k, v) = problem();
+        let config = small();
+        let full = compressed_attention(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, &config, ()).unwrap();
+        // Window c covers tokens 2c..2c+4: query t sees it when 2c + 3 ≤ t.
+        for h in 0..4 {
+            for t in 0..19 {
+                for c in 0..full.p.dim().2 {
+                    assert_eq!(full.p[[h, t, c]] > 0.0, 2 * c + 3 <= t, "head {h}, query {t}, window {c}");
+                }
+            }
+        }
+        // Head h alone over KV head h / 2 alone gives the same output.
+        for h in 0..4 {
+            let kv = h / 2;
+            let one = compressed_attention(
+                NsaInputs {
+                    q: q.slice_axis(Axis(1), ndarray::Slice::from(h..h + 1)),
+                    k: k.slice_axis(Axis(1), ndarray::Slice::from(kv..kv + 1)),
+                    v: v.slice_axis(Axis(1), ndarray::Slice::from(kv..kv + 1)),
+                },
+                &config,
+                (),
+            )
+            .unwrap();
+            assert_eq!(one.o.index_axis(Axis(1), 0), full.o.index_axis(Axis(1), h), "head {h}");
+        }
+    }
+
     #[test]
     fn bad_inputs_are_refused() {
         let (q, k, v) = problem();
