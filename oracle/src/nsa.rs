@@ -920,6 +920,22 @@ mod tests {
     }
 
     #[test]
+    fn the_output_mixes_the_three_branches_by_their_sigmoid_gates() {
+        let (q, k, v) = problem();
+        // Distinct gate logits per (query, head, branch), negative and positive.
+        let gates = Array3::from_shape_fn((19, 4, 3), |(t, h, b)| (t as f64 - 9.0) / 4.0 + h as f64 - b as f64 * 1.5);
+        let f = nsa_forward(NsaInputs { q: q.view(), k: k.view(), v: v.view() }, gates.view(), &small(), ()).unwrap();
+        let sigma = |x: f64| 1.0 / (1.0 + (-x).exp());
+        for ((t, h, e), &o) in f.o.indexed_iter() {
+            let expected = sigma(gates[[t, h, 0]]) * f.compressed.o[[t, h, e]]
+                + sigma(gates[[t, h, 1]]) * f.selected[[t, h, e]]
+                + sigma(gates[[t, h, 2]]) * f.window[[t, h, e]];
+            assert!((o - expected).abs() <= 1e-14, "query {t}, head {h}, column {e}: {o} vs {expected}");
+        }
+        assert!(f.window.iter().any(|&x| x.abs() > 0.1), "the window branch contributes");
+    }
+
+    #[test]
     fn bad_inputs_are_refused() {
         let (q, k, v) = problem();
         let config = small();
