@@ -715,7 +715,8 @@ pub fn selection_from_csr(csr: &BlockQueries, len: usize, width: usize) -> Resul
 }
 
 fn check_head_ratio(n_heads_q: usize, n_heads_kv: usize) -> Result<(), OracleError> {
-    if n_heads_kv == 0 || n_heads_q == 0 || !n_heads_q.is_multiple_of(n_heads_kv) {
+    // `is_multiple_of(0)` is false for any count but 0, so no KV head fails here as well.
+    if n_heads_q == 0 || !n_heads_q.is_multiple_of(n_heads_kv) {
         return Err(OracleError::HeadRatio { n_heads_q, n_heads_kv });
     }
     Ok(())
@@ -933,6 +934,37 @@ mod tests {
             assert!((o - expected).abs() <= 1e-14, "query {t}, head {h}, column {e}: {o} vs {expected}");
         }
         assert!(f.window.iter().any(|&x| x.abs() > 0.1), "the window branch contributes");
+    }
+
+    #[test]
+    fn every_kv_head_is_transposed_on_its_own() {
+        let heads =
+            [ndarray::array![[0, -1], [0, 1], [1, -1], [0, 1]], ndarray::array![[1, -1], [0, -1], [0, 1], [-1, -1]]];
+        let selection = Array3::from_shape_fn((4, 2, 2), |(t, kv, w)| heads[kv][[t, w]]);
+        let per_head = transpose_selection_heads(selection.view(), 2).unwrap();
+        let expected: Vec<BlockQueries> = heads.iter().map(|h| transpose_selection(h.view(), 2).unwrap()).collect();
+        assert_eq!(per_head, expected);
+        assert_ne!(expected[0], expected[1]);
+    }
+
+    #[test]
+    fn a_bad_csr_is_reported_where_it_goes_wrong() {
+        let position =
+            |offsets: Vec<i32>, indices: Vec<i32>| match selection_from_csr(&BlockQueries { offsets, indices }, 4, 2) {
+                Err(OracleError::IndexList { argument: "offsets", position, .. }) => position,
+                other => panic!("expected an offsets error, got {other:?}"),
+            };
+        assert_eq!(position(vec![1, 2], vec![0, 1]), [0], "offsets start at 0");
+        assert_eq!(position(vec![0, 2, 1, 3], vec![0, 1, 2]), [2], "the offset that decreases");
+        assert_eq!(position(vec![0, 1, 2], vec![0, 1, 2]), [2], "the last offset, which must be the number of indices");
+    }
+
+    #[test]
+    fn head_counts_must_be_positive_and_divide() {
+        assert_eq!(check_head_ratio(4, 2), Ok(()));
+        for (q, kv) in [(0, 1), (0, 0), (4, 0), (4, 3)] {
+            assert_eq!(check_head_ratio(q, kv), Err(OracleError::HeadRatio { n_heads_q: q, n_heads_kv: kv }));
+        }
     }
 
     #[test]
