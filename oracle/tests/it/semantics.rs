@@ -3,7 +3,7 @@
 //! (E1c), `dv ≠ d`, and the ring and zigzag orders (E11, E11a). Comparisons are exact: each
 //! pair of computations below performs the same arithmetic, so any difference is a bug.
 
-use attnproof_oracle::online::{ring_arrival_order, zigzag_chunks};
+use attnproof_oracle::online::{ring_arrival_order, ring_block_at, zigzag_chunks};
 use attnproof_oracle::{
     AttentionSpec, DenseConfig, Layout, Mask, Mp, Precision, Qkv, backward_f64, forward, forward_f64,
 };
@@ -173,6 +173,19 @@ fn value_dim_may_differ_from_head_dim() {
     let r = backward_f64(&spec, q.view(), k.view(), v.view(), g.view()).unwrap();
     assert_eq!(r.forward.o.shape(), &[1, 1, 3, 2]);
     assert_eq!((r.dq.shape(), r.dk.shape(), r.dv.shape()), (&[1, 1, 3, 5][..], &[1, 1, 4, 5][..], &[1, 1, 4, 2][..]));
+}
+
+#[test]
+fn the_ring_block_at_any_step_is_the_home_block_minus_the_step_modulo_the_ring() {
+    // Steps past one full turn occur (a worker asks for the owner after its last hop): (g − t) mod G for any t.
+    for devices in 1..=6usize {
+        for g in 0..devices {
+            for step in 0..4 * devices {
+                let expected = (g as i64 - step as i64).rem_euclid(devices as i64) as usize;
+                assert_eq!(ring_block_at(g, step, devices), expected, "device {g} of {devices}, step {step}");
+            }
+        }
+    }
 }
 
 #[test]
