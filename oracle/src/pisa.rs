@@ -237,3 +237,28 @@ pub fn covariance_aware_selection<S: Real>(
 ) -> Vec<usize> {
     top_k(scores, n_keep, eligible, &[])
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array1;
+
+    fn classes(visible_keys: usize, selected: &[usize]) -> BlockClasses {
+        // 10 keys in blocks of 4: 0..4, 4..8 and the short last block 8..10.
+        let visible = Array1::from_shape_fn(10, |j| j < visible_keys);
+        classify_blocks(visible.view(), 4, selected)
+    }
+
+    #[test]
+    fn whole_visible_unselected_blocks_form_the_tail_and_a_cut_block_is_exact() {
+        // Everything visible: every unselected block is in the tail, the short last block too (it is whole).
+        assert_eq!(classes(10, &[]), BlockClasses { exact: vec![], tail: vec![0, 1, 2] });
+        assert_eq!(classes(10, &[1]), BlockClasses { exact: vec![1], tail: vec![0, 2] });
+        // Keys 0..=5 visible (a causal row): block 1 is cut by the mask, so it is computed exactly; block 2 is
+        // invisible, so it is in neither list, selected or not.
+        assert_eq!(classes(6, &[]), BlockClasses { exact: vec![1], tail: vec![0] });
+        assert_eq!(classes(6, &[2]), BlockClasses { exact: vec![1], tail: vec![0] });
+        assert_eq!(classes(6, &[0]), BlockClasses { exact: vec![0, 1], tail: vec![] });
+        assert_eq!(classes(0, &[0]), BlockClasses { exact: vec![], tail: vec![] });
+    }
+}
