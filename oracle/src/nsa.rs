@@ -960,6 +960,22 @@ mod tests {
     }
 
     #[test]
+    fn the_group_sum_adds_the_query_heads_of_each_kv_head_and_no_others() {
+        // Six query heads over three KV heads (groups of two); head h carries 10^h so that every sum names its heads.
+        let p_cmp = Array3::from_shape_fn((6, 2, 1), |(h, t, _)| 10f64.powi(h as i32) * (t + 1) as f64);
+        let summed = group_sum(p_cmp.view(), 3, ()).unwrap();
+        assert_eq!(summed.dim(), (2, 3, 1));
+        for t in 0..2 {
+            let scale = (t + 1) as f64;
+            assert_eq!(summed[[t, 0, 0]], 11.0 * scale);
+            assert_eq!(summed[[t, 1, 0]], 1_100.0 * scale);
+            assert_eq!(summed[[t, 2, 0]], 110_000.0 * scale);
+        }
+        // One KV head per query head: the sum is a transpose.
+        assert_eq!(group_sum(p_cmp.view(), 6, ()).unwrap().index_axis(Axis(0), 1), p_cmp.index_axis(Axis(1), 1));
+    }
+
+    #[test]
     fn head_counts_must_be_positive_and_divide() {
         assert_eq!(check_head_ratio(4, 2), Ok(()));
         for (q, kv) in [(0, 1), (0, 0), (4, 0), (4, 3)] {

@@ -41,7 +41,7 @@ pub struct Scope {
     /// The test targets built and run for each mutant (cargo arguments, given to the build and the test run alike,
     /// so that nothing else is built per mutant).
     pub targets: &'static [&'static str],
-    /// libtest's name filters (a test runs when its name contains one); empty for every test of the targets.
+    /// Name filters (a test runs when its name contains one); empty for every test of the targets.
     pub filters: &'static [&'static str],
 }
 
@@ -524,8 +524,9 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>) -
         args.push(format!("--cargo-arg={target}"));
     }
     if !scope.filters.is_empty() {
-        // cargo-mutants passes what follows its own `--` to `cargo test`, whose `--` hands the filters to libtest.
-        args.extend(["--", "--"].map(str::to_owned));
+        // cargo-mutants passes what follows its own `--` to `cargo nextest run` (`test_tool` in .cargo/mutants.toml),
+        // which reads them as name filters.
+        args.push("--".to_owned());
         args.extend(scope.filters.iter().map(|a| (*a).to_owned()));
     }
     args
@@ -545,14 +546,23 @@ pub fn check_exit(code: Option<i32>, cmd: &Command) -> Result<()> {
     }
 }
 
-/// Fails with the install command when cargo-mutants is missing.
+/// The cargo subcommands a run needs: cargo-mutants, and cargo-nextest, its test runner (`test_tool` in
+/// .cargo/mutants.toml), which stops a mutant's tests at the first failure where `cargo test` would run them all.
+const TOOLS: &[(&str, &str, &str)] = &[
+    ("mutants", "cargo-mutants", "cargo install cargo-mutants --locked` (27.1 or later)"),
+    ("nextest", "cargo-nextest", "cargo install cargo-nextest --locked` (0.9.100 or later)"),
+];
+
+/// Fails with the install command when cargo-mutants or cargo-nextest is missing.
 pub fn ensure_installed(root: &Path) -> Result<()> {
-    let ok = crate::process::cargo(root)
-        .args(["mutants", "--version"])
-        .output()
-        .is_ok_and(|out| out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with("cargo-mutants"));
-    if !ok {
-        bail!("cargo-mutants is not installed; install it with `cargo install cargo-mutants --locked` (27.1 or later)");
+    for (subcommand, name, install) in TOOLS {
+        let ok = crate::process::cargo(root)
+            .args([subcommand, "--version"])
+            .output()
+            .is_ok_and(|out| out.status.success() && String::from_utf8_lossy(&out.stdout).starts_with(name));
+        if !ok {
+            bail!("{name} is not installed; install it with `{install}");
+        }
     }
     Ok(())
 }
@@ -798,11 +808,11 @@ mod tests {
         let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
-            verdict.ends_with("--cargo-arg=--lib --cargo-arg=--test=it -- -- verdict:: gate:: case:: check_ recipe::"),
+            verdict.ends_with("--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: case:: check_ recipe::"),
             "{verdict}"
         );
         assert!(joined.contains("--exclude reference/src/ring/** --exclude reference/src/sparse/**"), "{joined}");
-        assert!(joined.ends_with("-- -- flash_forward:: flash_backward::"), "{joined}");
+        assert!(joined.ends_with("--test=it -- flash_forward:: flash_backward::"), "{joined}");
         let proofs = cargo_mutants_args(find_scope("proofs").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
         assert!(proofs.ends_with("--cargo-arg=--lib --cargo-arg=--tests"), "{proofs}");
     }
