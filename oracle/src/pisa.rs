@@ -4,8 +4,9 @@
 //! denominator (the first-order term vanishes) and `α_ib V^Σ_b + α_ib α q_iᵀ H_b` to the
 //! numerator, `H_b = Σ_j δ_j v_jᵀ`; PISA replaces every `H_b` by `H̄ = mean_b H_b`.
 //!
-//! Every mass is carried relative to a common shift (the largest log-mass involved), so f64
-//! never forms `e^{s}` of a large logit.
+//! Every mass is carried relative to one shift, the row's largest visible logit: it bounds every
+//! exact logit and every tail block's log-mass `α q_i·μ_b` (the mean of the block's visible
+//! logits, up to rounding), so f64 never forms `e^{s}` of a large logit.
 
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
 
@@ -148,15 +149,14 @@ pub fn tail_output<S: Real>(
         Array2::from_shape_fn((1, k.nrows()), |(_, j)| visible[j] && classes.exact.contains(&(j / stats.block_size)));
     let exact = SoftmaxState::of_block(logits.view(), in_exact.view(), v, ctx);
     let dense = SoftmaxState::of_block(logits.view(), visible.insert_axis(Axis(0)), v, ctx);
-    let log_alpha: Vec<S> = classes.tail.iter().map(|&b| scale.clone() * dot(q, stats.means.row(b), ctx)).collect();
-    let shift = log_alpha.iter().fold(exact.m[0].clone().max(dense.m[0].clone()), |m, x| m.max(x.clone()));
+    let shift = dense.m[0].clone();
     let weight = |log_mass: &S| rescale_factor(log_mass, &shift, ctx);
     let mut numerator = exact.a.row(0).mapv(|x| x * weight(&exact.m[0]));
     let mut denominator = exact.l[0].clone() * weight(&exact.m[0]);
     let mut tail_mass = S::zero(ctx);
     let mut tail_alpha = S::zero(ctx);
-    for (&b, la) in classes.tail.iter().zip(&log_alpha) {
-        let alpha = weight(la);
+    for &b in &classes.tail {
+        let alpha = weight(&(scale.clone() * dot(q, stats.means.row(b), ctx)));
         let mass = alpha.clone() * S::from_f64(stats.counts[b] as f64, ctx);
         tail_mass += mass.clone();
         tail_alpha += alpha.clone();
@@ -177,7 +177,7 @@ pub fn tail_output<S: Real>(
     } else {
         numerator.mapv(|n| n / denominator.clone())
     };
-    TailOutput { o, tail_mass, total_mass: dense.l[0].clone() * weight(&dense.m[0]), denominator }
+    TailOutput { o, tail_mass, total_mass: dense.l[0].clone(), denominator }
 }
 
 /// `numerator += factor · qᵀ H`.
@@ -247,6 +247,92 @@ mod tests {
         // 10 keys in blocks of 4: 0..4, 4..8 and the short last block 8..10.
         let visible = Array1::from_shape_fn(10, |j| j < visible_keys);
         classify_blocks(visible.view(), 4, selected)
+    }
+
+    /// Statistics of three blocks over `d = 2` with the given means, sizes and `‖H_b − H̄‖₂`; the value sums and `H`
+    /// matrices are zero (the scores and the bound do not read them).
+    fn stats(means: [[f64; 2]; 3], counts: [usize; 3], heterogeneity: [f64; 3]) -> TailStatistics<f64> {
+        TailStatistics {
+            block_size: 4,
+            means: Array2::from_shape_fn((3, 2), |(b, c)| means[b][c]),
+            value_sums: Array2::zeros((3, 1)),
+            counts: counts.to_vec(),
+            h: vec![Array2::zeros((2, 1)); 3],
+            h_bar: Array2::zeros((2, 1)),
+            heterogeneity: heterogeneity.to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_covariance_aware_score_is_relevance_plus_the_log_of_size_and_spread() {
+        // q = (3, 4), ‖q‖ = 5, α = 0.5 (its sign is dropped in the spread), γ = 2: the spread term is 5 · ‖H_b − H̄‖₂.
+        let q = ndarray::array![3.0, 4.0];
+        let stats = stats([[1.0, 0.0], [0.0, 1.0], [-2.0, 1.0]], [4, 4, 2], [0.2, 0.0, 1.0]);
+        let scores = covariance_aware_scores(q.view(), &stats, &0.5, &2.0, ());
+        let expected = [1.5 + 5f64.ln(), 2.0 + 4f64.ln(), -1.0 + 7f64.ln()];
+        assert_eq!(scores.len(), 3);
+        for (score, want) in scores.iter().zip(expected) {
+            assert!((score - want).abs() <= 1e-15 * want.abs().max(1.0), "{score} vs {want}");
+        }
+        // A negative scale flips the relevance, not the spread.
+        let flipped = covariance_aware_scores(q.view(), &stats, &-0.5, &2.0, ());
+        assert!((flipped[0] - (-1.5 + 5f64.ln())).abs() <= 1e-15);
+        // γ = 0 is pure relevance and size.
+        let relevance = covariance_aware_scores(q.view(), &stats, &0.5, &0.0, ());
+        assert!((relevance[2] - (-1.0 + 2f64.ln())).abs() <= 1e-15);
+    }
+
+    #[test]
+    fn covariance_aware_selection_keeps_the_best_eligible_blocks_ties_to_the_lower_index() {
+        let scores = [1.0, 3.0, 3.0, 2.0, 0.5];
+        assert_eq!(covariance_aware_selection(&scores, 2, |_| true), [1, 2]);
+        assert_eq!(covariance_aware_selection(&scores, 3, |b| b != 1), [2, 3, 0]);
+        assert_eq!(covariance_aware_selection(&scores, 9, |b| b >= 3), [3, 4]);
+        assert!(covariance_aware_selection(&scores, 0, |_| true).is_empty());
+        // Equal relevance and size: the spread decides once γ > 0, the lower index when γ = 0.
+        let q = ndarray::array![1.0, 0.0];
+        let stats = stats([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], [4, 4, 4], [0.0, 3.0, 0.0]);
+        let spread = covariance_aware_scores(q.view(), &stats, &1.0, &1.0, ());
+        assert_eq!(covariance_aware_selection(&spread, 1, |_| true), [1]);
+        let flat = covariance_aware_scores(q.view(), &stats, &1.0, &0.0, ());
+        assert_eq!(covariance_aware_selection(&flat, 1, |_| true), [0]);
+    }
+
+    fn output(tail_mass: f64, total_mass: f64) -> TailOutput<f64> {
+        TailOutput { o: Array1::zeros(1), tail_mass, total_mass, denominator: total_mass }
+    }
+
+    #[test]
+    fn the_e23_bound_is_the_tail_share_times_the_worst_spread_over_the_smallest_block() {
+        // Tail blocks 0 and 2: share 1/4, worst spread 1.0 (block 2), ‖q‖ = 5, |α| = 0.5, smallest tail block 2.
+        let q = ndarray::array![3.0, 4.0];
+        let stats = stats([[0.0; 2]; 3], [4, 4, 2], [0.2, 9.0, 1.0]);
+        let tail = BlockClasses { exact: vec![1], tail: vec![0, 2] };
+        assert_eq!(
+            pisa_error_bound(q.view(), &output(1.0, 4.0), &tail, &stats, &-0.5, ()),
+            0.25 * 1.0 * 0.5 * 5.0 / 2.0
+        );
+        // No tail, or no mass in the row: nothing is approximated, the bound is zero.
+        let no_tail = BlockClasses { exact: vec![0, 1, 2], tail: vec![] };
+        assert_eq!(pisa_error_bound(q.view(), &output(0.0, 4.0), &no_tail, &stats, &0.5, ()), 0.0);
+        assert_eq!(pisa_error_bound(q.view(), &output(1.0, 0.0), &tail, &stats, &0.5, ()), 0.0);
+    }
+
+    #[test]
+    fn the_tail_output_carries_the_dense_mass_of_the_row() {
+        // Six keys in blocks of 2, all visible, block 1 selected: the total mass is the row's dense softmax sum
+        // relative to its largest logit, and the tail mass is each tail block's size times e^{mean logit − max}.
+        let k = Array2::from_shape_fn((6, 1), |(j, _)| [0.5, 1.5, 3.0, -1.0, 2.0, 0.0][j]);
+        let v = Array2::from_shape_fn((6, 1), |(j, _)| j as f64);
+        let q = ndarray::array![1.0];
+        let visible = Array1::from_elem(6, true);
+        let stats = tail_statistics(k.view(), v.view(), 2, ());
+        let classes = classify_blocks(visible.view(), 2, &[1]);
+        let out = tail_output(q.view(), k.view(), v.view(), visible.view(), &classes, &stats, &1.0, TailRule::Pisa, ());
+        let dense: f64 = k.iter().map(|x| (x - 3.0).exp()).sum();
+        assert!((out.total_mass - dense).abs() <= 1e-15 * dense, "{} vs {dense}", out.total_mass);
+        let tail = 2.0 * (1.0f64 - 3.0).exp() + 2.0 * (1.0f64 - 3.0).exp();
+        assert!((out.tail_mass - tail).abs() <= 1e-15 * tail, "{} vs {tail}", out.tail_mass);
     }
 
     #[test]

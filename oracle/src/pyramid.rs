@@ -661,6 +661,26 @@ mod tests {
             assert!(leaves.iter().all(|&b| b * 4 <= position), "{leaves:?} at {position}");
             assert!(d.forced_leaves.iter().all(|f| leaves.contains(f)));
             assert_eq!(leaves.len(), (position / 4 + 1).min(4));
+            // Every query's list has the same width, padded with −1 after its leaves.
+            assert_eq!(d.selected.len(), 4, "{:?} at {position}", d.selected);
+            assert!(d.selected[leaves.len()..].iter().all(|&b| b == -1), "{:?}", d.selected);
+        }
+    }
+
+    #[test]
+    fn the_selection_width_has_room_for_the_kept_and_the_forced_leaves() {
+        assert_eq!(config(4, 2, 1).selection_width(), MAX_FORCED_LEAVES);
+        assert_eq!(config(4, 2, 3).selection_width(), 3);
+        assert_eq!(config(4, 2, 7).selection_width(), 7);
+        // K = 1 still keeps the three forced leaves of a late query; an early query's list is padded to the same width.
+        let k = keys(32, 2, 5);
+        let cfg = config(4, 2, 1);
+        let p = Pyramid::build(k.view(), &cfg, ()).unwrap();
+        let heads = keys(1, 2, 6);
+        for (position, width) in [(0, 1), (20, 3)] {
+            let d = descend(&p, &PyramidQuery { heads: heads.view(), position }, &cfg).unwrap();
+            assert_eq!(d.selected_leaves().len(), width, "{:?} at {position}", d.selected);
+            assert_eq!(d.selected.len(), MAX_FORCED_LEAVES, "{:?} at {position}", d.selected);
         }
     }
 
