@@ -613,6 +613,7 @@ mod tests {
         let p = Pyramid::build(k.view(), &config(4, 2, 2), ()).unwrap();
         let widths: Vec<usize> = (0..p.levels().len()).map(|l| p.width(l)).collect();
         assert_eq!(widths, vec![6, 3, 2, 1]);
+        assert_eq!((p.leaf_size(), p.branching(), p.n_keys(), p.head_dim()), (4, 2, 23, 3));
         assert_eq!(p.levels()[0].counts, vec![4, 4, 4, 4, 4, 3]);
         assert_eq!(p.levels()[1].counts, vec![8, 8, 7]);
         assert_eq!(p.levels()[2].counts, vec![16, 7]);
@@ -646,6 +647,20 @@ mod tests {
         assert!((pisa1 - (a + b) / 2.0).abs() < 1e-15);
         assert!((pisa2 - ((a + b) / 2.0 + ((a - b) / 2.0f64).powi(2) / 2.0)).abs() < 1e-15);
         assert!((lse - ((a.exp() + b.exp()) / 2.0).ln()).abs() < 1e-15);
+    }
+
+    #[test]
+    fn bsa_scores_leaves_and_refuses_coarser_levels() {
+        // BSA is one level of mean-pooled leaves: a leaf's score is the query's dot with the leaf's mean key.
+        let k = Array2::from_shape_vec((4, 1), vec![0.5, -1.5, 2.0, 1.0]).unwrap();
+        let p = Pyramid::build(k.view(), &config(2, 2, 1), ()).unwrap();
+        let q = ndarray::array![2.0];
+        assert_eq!(p.node_score(0, 0, q.view(), Scoring::Bsa), Ok(-1.0));
+        assert_eq!(p.node_score(0, 1, q.view(), Scoring::Bsa), Ok(3.0));
+        assert!(matches!(
+            p.node_score(1, 0, q.view(), Scoring::Bsa),
+            Err(OracleError::InvalidParameter { argument: "scoring", .. })
+        ));
     }
 
     #[test]
