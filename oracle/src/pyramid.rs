@@ -651,16 +651,34 @@ mod tests {
 
     #[test]
     fn bsa_scores_leaves_and_refuses_coarser_levels() {
-        // BSA is one level of mean-pooled leaves: a leaf's score is the query's dot with the leaf's mean key.
-        let k = Array2::from_shape_vec((4, 1), vec![0.5, -1.5, 2.0, 1.0]).unwrap();
+        // BSA is one level of mean-pooled leaves: a leaf's score is the query's dot with the leaf's mean key, over
+        // √d (d = 4 here, so the scale is 1/2 and is not its own inverse).
+        let k = Array2::from_shape_fn((4, 4), |(j, c)| if c == 0 { [0.5, -1.5, 2.0, 1.0][j] } else { 0.25 });
         let p = Pyramid::build(k.view(), &config(2, 2, 1), ()).unwrap();
-        let q = ndarray::array![2.0];
-        assert_eq!(p.node_score(0, 0, q.view(), Scoring::Bsa), Ok(-1.0));
-        assert_eq!(p.node_score(0, 1, q.view(), Scoring::Bsa), Ok(3.0));
-        assert!(matches!(
-            p.node_score(1, 0, q.view(), Scoring::Bsa),
-            Err(OracleError::InvalidParameter { argument: "scoring", .. })
-        ));
+        let q = ndarray::array![2.0, 0.0, 0.0, 0.0];
+        assert_eq!(p.node_score(0, 0, q.view(), Scoring::Bsa), Ok(-0.5));
+        assert_eq!(p.node_score(0, 1, q.view(), Scoring::Bsa), Ok(1.5));
+        let refused = |result: Result<(), OracleError>| {
+            matches!(result, Err(OracleError::InvalidParameter { argument: "scoring", .. }))
+        };
+        assert!(refused(p.node_score(1, 0, q.view(), Scoring::Bsa).map(drop)));
+        let heads = q.clone().insert_axis(Axis(0));
+        let query = PyramidQuery { heads: heads.view(), position: 3 };
+        assert!(descent_step(&p, 0, &[0, 1], &query, 1, Scoring::Bsa).is_ok());
+        assert!(refused(descent_step(&p, 1, &[0], &query, 1, Scoring::Bsa).map(drop)));
+    }
+
+    #[test]
+    fn the_reference_set_holds_only_leaves_the_query_can_see() {
+        // 8 leaves of 4 keys; a query at key 9 sees leaves 0, 1 and 2. Asking for more than that keeps those three.
+        let k = keys(32, 2, 7);
+        let p = Pyramid::build(k.view(), &config(4, 2, 8), ()).unwrap();
+        let heads = keys(2, 2, 8);
+        let query = PyramidQuery { heads: heads.view(), position: 9 };
+        let found = diagnostics(&p, &query, &[0, 2, -1], 8).unwrap();
+        assert_eq!(found.reference, [0, 1, 2]);
+        assert_eq!(found.recall, 2.0 / 3.0);
+        assert!(found.block_mass[3..].iter().all(|&m| m == 0.0));
     }
 
     #[test]
