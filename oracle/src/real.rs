@@ -337,5 +337,50 @@ mod tests {
         assert_eq!(Mp::new(2048.0, Precision(64)).to_significant(2), "2000");
         assert_eq!(Mp::new(2f64.powi(-23), Precision(64)).to_significant(3), "1.19e-7");
         assert_eq!(Mp::new(f64::NEG_INFINITY, Precision(64)).to_significant(3), "-inf");
+        // An integer part longer than the digits asked for is padded with zeros to its full length.
+        assert_eq!(Mp::new(123456.0, Precision(64)).to_significant(3), "123000");
+        // `Display` prints 30 digits unless a precision is given.
+        let third = Mp::new(1.0, Precision(256)) / Mp::new(3.0, Precision(256));
+        assert_eq!(format!("{third:.4}"), "0.3333");
+        assert_eq!(format!("{third}"), format!("0.{}", "3".repeat(30)));
+    }
+
+    #[test]
+    fn a_value_keeps_its_precision() {
+        assert_eq!(Mp::new(1.0, Precision(100)).precision(), Precision(100));
+        assert_eq!(Mp::new(1.0, Precision(53)).exp().precision(), Precision(53));
+    }
+
+    #[test]
+    fn f64_converts_to_itself() {
+        for x in [2.5, -0.0, f64::NEG_INFINITY, f64::MIN_POSITIVE] {
+            assert_eq!(Real::to_f64(&x).to_bits(), x.to_bits());
+            assert_eq!(<f64 as Real>::from_f64(x, ()).to_bits(), x.to_bits());
+        }
+    }
+
+    #[test]
+    fn a_tie_keeps_the_running_maximum() {
+        // On equal values `max` returns its receiver, the maximum so far, so a row's running maximum is the first of
+        // equal logits: visible only in the sign of a zero.
+        assert!(Real::max(0.0f64, -0.0).is_sign_positive());
+        assert!(Real::max(-0.0f64, 0.0).is_sign_negative());
+        assert_eq!(Real::max(1.0f64, 2.0), 2.0);
+        assert_eq!(Real::max(2.0f64, 1.0), 2.0);
+        let zero = |x: f64| Mp::new(x, Precision(64));
+        assert!(Real::max(zero(-0.0), zero(0.0)).0.is_sign_negative());
+    }
+
+    #[test]
+    fn contiguous_views_reach_faer_in_place_and_strided_ones_are_copied() {
+        let a = array![[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]];
+        let row_major = a.view();
+        let column_major = a.t();
+        let strided = a.slice_axis(Axis(1), ndarray::Slice::new(0, None, 2));
+        let in_place = |view: &ArrayView2<'_, f64>| as_faer(view).map(|m| m.as_ptr() == view.as_ptr());
+        assert_eq!(in_place(&row_major), Some(true));
+        assert_eq!(in_place(&column_major), Some(true));
+        assert_eq!(in_place(&strided), None);
+        assert_eq!(f64::matmul(strided, strided.t(), ()), naive_matmul(strided, strided.t(), ()));
     }
 }
