@@ -349,6 +349,16 @@ mod tests {
     fn a_value_keeps_its_precision() {
         assert_eq!(Mp::new(1.0, Precision(100)).precision(), Precision(100));
         assert_eq!(Mp::new(1.0, Precision(53)).exp().precision(), Precision(53));
+        assert_eq!(Real::ctx(&Mp::new(1.0, Precision(100))), Precision(100));
+    }
+
+    #[test]
+    fn nan_and_infinities_are_classified() {
+        let mp = |x: f64| Mp::new(x, Precision(64));
+        assert!(Real::is_nan(&mp(f64::NAN)) && Real::is_nan(&f64::NAN));
+        assert!(!Real::is_nan(&mp(f64::INFINITY)) && !Real::is_nan(&f64::INFINITY));
+        assert!(!Real::is_finite(&mp(f64::NEG_INFINITY)) && !Real::is_finite(&f64::NEG_INFINITY));
+        assert!(Real::is_finite(&mp(-2.5)) && Real::is_finite(&-2.5f64));
     }
 
     #[test]

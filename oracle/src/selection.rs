@@ -58,7 +58,8 @@ pub fn exact_set(
     Array1::from_shape_fn(visible.len(), |j| {
         let in_block = selected_blocks.contains(&(j / config.block_size.max(1)));
         let offset = aligned_query - j as i64;
-        let in_window = config.local_window > 0 && (0..config.local_window as i64).contains(&offset);
+        // A window of 0 keys is the empty range: no key is in it.
+        let in_window = (0..config.local_window as i64).contains(&offset);
         visible[j] && (in_block || in_window)
     })
 }
