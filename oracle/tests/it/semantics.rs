@@ -41,6 +41,26 @@ fn gqa_equals_attention_with_repeated_kv_heads_and_sums_dk_dv() {
 }
 
 #[test]
+fn each_query_head_is_one_head_attention_over_its_own_kv_head() {
+    // Six query heads over three KV heads, and six over six: head h of the batched call equals a one-head call on
+    // query head h and KV head h / G alone, so no head can read another group's keys.
+    for hkv in [3, 6] {
+        let hq = 6;
+        let spec = AttentionSpec::dense(1, hq, hkv, 4, 5, 3, 2).with_mask(Mask::Causal);
+        let (q, k, v) = (tensor(5, &[1, hq, 4, 3]), tensor(6, &[1, hkv, 5, 3]), tensor(7, &[1, hkv, 5, 2]));
+        let all = forward_f64(&spec, q.view(), k.view(), v.view()).unwrap();
+        let one = AttentionSpec { n_heads_q: 1, n_heads_kv: 1, ..spec.clone() };
+        let head = |t: &ArrayD<f64>, h: usize| t.slice_axis(Axis(1), Slice::from(h..h + 1)).to_owned();
+        for h in 0..hq {
+            let kv = h / (hq / hkv);
+            let alone = forward_f64(&one, head(&q, h).view(), head(&k, kv).view(), head(&v, kv).view()).unwrap();
+            assert_eq!(head(&all.o, h), alone.o, "head {h} of {hq} over {hkv}");
+            assert_eq!(head(&all.lse, h), alone.lse, "head {h} of {hq} over {hkv}");
+        }
+    }
+}
+
+#[test]
 fn varlen_equals_each_sequence_alone_including_empty_ones() {
     // Sequences (Lq, Lk): (3, 5), (0, 0), (2, 0), (0, 4), (4, 4).
     let lens = [(3usize, 5usize), (0, 0), (2, 0), (0, 4), (4, 4)];
