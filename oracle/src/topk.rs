@@ -2,6 +2,8 @@
 //! entries first, results as `i32` lists sorted ascending and padded with `−1`; and the
 //! validation of such lists (E14 convention).
 
+use std::cmp::Ordering;
+
 use ndarray::Array2;
 
 use crate::error::OracleError;
@@ -66,11 +68,10 @@ pub fn validate_index_row(
         }
         if slot > 0 {
             let prev = row[slot - 1];
-            if x == prev {
-                return Err(err(slot, format!("index {x} duplicated")));
-            }
-            if x < prev {
-                return Err(err(slot, format!("index {x} after {prev}: not ascending")));
+            match x.cmp(&prev) {
+                Ordering::Equal => return Err(err(slot, format!("index {x} duplicated"))),
+                Ordering::Less => return Err(err(slot, format!("index {x} after {prev}: not ascending"))),
+                Ordering::Greater => {}
             }
         }
     }

@@ -21,12 +21,14 @@ pub fn log_sum_exp<S: Real>(xs: &[S], ctx: S::Ctx) -> S {
     m + sum.ln()
 }
 
-/// `softmax(x)_j = e^{x_j − LSE(x)}`; `−∞` entries get weight 0; an all-`−∞` input gives all 0.
+/// `softmax(x)_j = e^{x_j − LSE(x)}`; `−∞` entries get weight `e^{−∞} = 0` (IEEE and MPFR alike); an all-`−∞`
+/// input, whose LSE is `−∞`, gives all 0.
 pub fn softmax<S: Real>(xs: &[S], ctx: S::Ctx) -> Vec<S> {
     let lse = log_sum_exp(xs, ctx);
-    xs.iter()
-        .map(|x| if x.is_finite() && lse.is_finite() { (x.clone() - lse.clone()).exp() } else { S::zero(ctx) })
-        .collect()
+    if !lse.is_finite() {
+        return vec![S::zero(ctx); xs.len()];
+    }
+    xs.iter().map(|x| (x.clone() - lse.clone()).exp()).collect()
 }
 
 /// Mean of the rows of `x` (`[n, d]` → `[d]`); `None` for `n = 0`.
