@@ -61,13 +61,10 @@ pub fn norm2<S: Real>(x: ArrayView1<'_, S>, ctx: S::Ctx) -> S {
 
 /// Spectral norm `‖A‖₂` (largest singular value) by power iteration on `AᵀA`, from the all-ones
 /// start, until the estimate stops growing or after `max_iterations`. Power iteration approaches
-/// `‖A‖₂` from below; callers that need a guaranteed upper bound should use the Frobenius norm.
+/// `‖A‖₂` from below (the Frobenius norm would bound it from above). An empty matrix has norm 0:
+/// with no columns the start vector has norm 0, with no rows the first product does.
 pub fn spectral_norm<S: Real>(a: ArrayView2<'_, S>, max_iterations: usize, ctx: S::Ctx) -> S {
-    let cols = a.ncols();
-    if a.nrows() == 0 || cols == 0 {
-        return S::zero(ctx);
-    }
-    let mut x = Array1::from_elem(cols, S::one(ctx));
+    let mut x = Array1::from_elem(a.ncols(), S::one(ctx));
     let mut estimate = S::zero(ctx);
     for _ in 0..max_iterations {
         let norm = norm2(x.view(), ctx);
@@ -87,7 +84,20 @@ pub fn spectral_norm<S: Real>(a: ArrayView2<'_, S>, max_iterations: usize, ctx: 
     estimate
 }
 
-/// Frobenius norm `‖A‖_F ≥ ‖A‖₂`.
-pub fn frobenius_norm<S: Real>(a: ArrayView2<'_, S>, ctx: S::Ctx) -> S {
-    a.iter().fold(S::zero(ctx), |acc, x| acc + x.clone() * x.clone()).sqrt()
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{Array2, array};
+
+    #[test]
+    fn the_spectral_norm_is_the_largest_singular_value_and_zero_when_empty() {
+        let diagonal = array![[3.0, 0.0], [0.0, -1.0], [0.0, 0.0]];
+        assert!((spectral_norm(diagonal.view(), 500, ()) - 3.0).abs() <= 1e-12);
+        // A rank-one matrix u vᵀ has the single singular value ‖u‖ ‖v‖ = 5 · 2.
+        let rank_one = Array2::from_shape_fn((2, 4), |(i, _)| [3.0, 4.0][i]);
+        assert!((spectral_norm(rank_one.view(), 500, ()) - 10.0).abs() <= 1e-12);
+        for shape in [(0, 3), (3, 0), (0, 0)] {
+            assert_eq!(spectral_norm(Array2::<f64>::zeros(shape).view(), 500, ()), 0.0, "{shape:?}");
+        }
+    }
 }
