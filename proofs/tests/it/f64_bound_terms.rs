@@ -9,7 +9,8 @@ use crate::common::{PREC, mp_matrix};
 use attnproof_oracle::dense;
 use attnproof_oracle::{AttentionSpec, DenseConfig, Mp, Real};
 use attnproof_proofs::backward::HeadCase;
-use attnproof_proofs::f64_oracle_bound::{HeadBounds, gamma, head_bounds, problem_bounds};
+use attnproof_proofs::f64_oracle_bound::{HeadBounds, compare, gamma, head_bounds, problem_bounds};
+use attnproof_proofs::residual::Violation;
 use ndarray::{Array2, ArrayD, IxDyn, array};
 
 /// Unit roundoff of f64, `2^-53`.
@@ -244,4 +245,37 @@ fn the_underflow_term_of_ds_is_the_gap_between_dp_and_d() {
         2.0,
     );
     assert_eq!(b.dk[[1, 0]], 6.0 * tiny());
+}
+
+/// `compare`'s verdict on one row of candidates against exact values under a bound of `2^-10` everywhere.
+fn compare_row(candidate: &[f64], exact: &[f64]) -> Result<attnproof_proofs::f64_oracle_bound::OutputRatio, Violation> {
+    let n = candidate.len();
+    let candidate = ArrayD::from_shape_vec(IxDyn(&[n]), candidate.to_vec()).unwrap();
+    let exact = ArrayD::from_shape_vec(IxDyn(&[n]), exact.iter().map(|&x| Mp::new(x, PREC)).collect()).unwrap();
+    compare("O", &candidate, &exact, &ArrayD::from_elem(IxDyn(&[n]), 1.0 / 1024.0))
+}
+
+#[test]
+fn the_comparison_fails_a_nan_and_an_unmatched_infinity_and_passes_matched_ones() {
+    let non_finite = |candidate: &[f64], exact: &[f64]| matches!(compare_row(candidate, exact), Err(Violation::NonFinite { index, .. }) if index == [1]);
+    assert!(non_finite(&[1.0, f64::NAN], &[1.0, 1.0]), "a NaN candidate");
+    assert!(non_finite(&[1.0, f64::NAN], &[1.0, f64::NAN]), "NaN on both sides");
+    assert!(non_finite(&[1.0, 1.0], &[1.0, f64::INFINITY]), "a finite candidate for an infinity");
+    assert!(non_finite(&[1.0, f64::INFINITY], &[1.0, f64::NEG_INFINITY]), "an infinity of the wrong sign");
+    assert!(non_finite(&[1.0, f64::INFINITY], &[1.0, 1.0]), "an infinity for a finite value");
+    let matched = compare_row(&[f64::NEG_INFINITY, 1.0], &[f64::NEG_INFINITY, 1.0]).unwrap();
+    assert_eq!((matched.max_ratio, matched.index.as_slice()), (0.0, [].as_slice()));
+}
+
+#[test]
+fn an_error_equal_to_its_bound_passes_and_the_worst_element_is_the_first_largest_ratio() {
+    let step = 1.0 / 1024.0;
+    let exactly_at_bound = compare_row(&[1.0], &[1.0 + step]).unwrap();
+    assert_eq!(exactly_at_bound.max_ratio, 1.0);
+    assert!(matches!(compare_row(&[1.0], &[1.0 + 2.0 * step]), Err(Violation::Bound { ratio, .. }) if ratio == 2.0));
+    // Ratios 1/4, 1/2, 1/2, 1/8: the worst is the first of the two halves.
+    let exact = [1.0, 2.0, 3.0, 4.0];
+    let candidate = [1.0 + step / 4.0, 2.0 - step / 2.0, 3.0 + step / 2.0, 4.0 - step / 8.0];
+    let worst = compare_row(&candidate, &exact).unwrap();
+    assert_eq!((worst.output, worst.max_ratio, worst.index.as_slice()), ("O", 0.5, [1].as_slice()));
 }
