@@ -91,6 +91,17 @@ struct RingStateParams {
     int reserved;             // explicit tail padding, always 0
 };
 
+// The block lists of block-sparse attention (E14), read by flash_fwd compiled with BLOCK_SPARSE beside its
+// FlashParams. Lists are [B, list heads, query blocks, width] i32, ascending, -1-padded, validated by the host.
+struct BlockListParams {
+    long long seq_stride;     // elements between two sequences' lists
+    long long head_stride;    // elements between two list heads' lists
+    int width;                // entries per list (and elements between two query blocks' lists)
+    int q_block;              // query rows per query block: a multiple of the CTA's rows
+    int tiles_per_block;      // 64-key KV tiles per key block (1 or 2)
+    int heads_per_list;       // query heads that share one list head: 1 (lists per query head) or the GQA group
+};
+
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
 // builtin, is a constant expression, which is all a static_assert needs.
 #define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
@@ -134,6 +145,14 @@ PARAM_AT(BackwardParams, dq_mode, 168);
 PARAM_AT(BackwardParams, n_chunks, 172);
 PARAM_AT(BackwardParams, n_heads_q, 176);
 PARAM_AT(BackwardParams, finalize_mode, 180);
+
+PARAM_SIZE(BlockListParams, 32);
+PARAM_AT(BlockListParams, seq_stride, 0);
+PARAM_AT(BlockListParams, head_stride, 8);
+PARAM_AT(BlockListParams, width, 16);
+PARAM_AT(BlockListParams, q_block, 20);
+PARAM_AT(BlockListParams, tiles_per_block, 24);
+PARAM_AT(BlockListParams, heads_per_list, 28);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);

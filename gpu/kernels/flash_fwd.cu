@@ -21,6 +21,10 @@
 //                          gpu/kernels/ring_state.cu
 //   NUM_WARPS, WARP_M      warps per CTA and 16-row slices per warp (the tuning; the arithmetic does not depend on
 //                          them: every row sees the same sequence of operations whatever the tiling)
+//   BLOCK_SPARSE           (optional) block-sparse attention (E14): the CTA visits only the KV tiles of the key
+//                          blocks its query block lists (two trailing arguments: the lists and BlockListParams); the
+//                          mask still applies inside them. The host validated every list (ascending, no duplicate,
+//                          in range, -1-padded), so the kernel trusts them.
 //
 // Arguments: the pointers of Q, K, V, the outputs (O and LSE, or the state's A, m, ℓ) and the sequence offsets, then
 // the problem's scalars as one FlashParams (common.cuh), unpacked into locals of the same names at the kernel's top.
@@ -35,6 +39,8 @@
 //   A   = r·A + round_T(p) · V           f32 accumulators of the tensor cores
 //   O   = round_T(A / ℓ)                 IEEE division (__fdiv_rn), round to nearest even
 //   LSE = m + logf(ℓ)                    natural log; a row that sees no key gets O = 0, LSE = −∞
+// Tile order: a CTA visits its KV tiles in ascending order, block-sparse or not. With every key block listed, the
+// block-sparse mode visits exactly the dense mode's tiles and computes the same bits.
 // Masks: a key j is visible to row i iff j < Lk, j ≤ i + Lk − Lq + right and j ≥ i + Lk − Lq − left (bottom-right
 // aligned); causal is right = 0, and "no bound" is passed as 1 << 30. KV tiles outside the CTA's visible key range
 // are skipped, not merely masked. Positions are 32-bit ints: the host guarantees Lq + Lk ≤ 2^30 per sequence, so
@@ -146,6 +152,37 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
     }
 }
 
+// The KV tiles a CTA visits, in ascending order, one per call of next() (-1 when there are no more): every tile of
+// the CTA's visible range [tile_lo, tile_hi), or, block-sparse, the tiles of the listed key blocks inside that range.
+struct TileCursor {
+    int tile_lo, tile_hi;
+#if defined(BLOCK_SPARSE)
+    const int* list;   // the CTA's query block's list: `width` entries, a valid ascending prefix then -1
+    int width;
+    int tiles_per_block;
+    int slot;          // the list entry of the next tile
+    int sub;           // the next tile's index inside its key block
+    __device__ __forceinline__ int next() {
+        while (slot < width) {
+            const int block = __ldg(list + slot);
+            if (block < 0) break;
+            const int t = block * tiles_per_block + sub;
+            if (++sub == tiles_per_block) {
+                sub = 0;
+                ++slot;
+            }
+            if (t >= tile_hi) break;  // ascending: every later tile is past the visible range too
+            if (t >= tile_lo) return t;
+        }
+        slot = width;
+        return -1;
+    }
+#else
+    int t_next;
+    __device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }
+#endif
+};
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
 #if defined(STATE_OUT)
@@ -153,7 +190,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #else
           elem_t* __restrict__ o, float* __restrict__ lse,
 #endif
-          const int* __restrict__ cu_q, const int* __restrict__ cu_k, const FlashParams params) {
+          const int* __restrict__ cu_q, const int* __restrict__ cu_k, const FlashParams params
+#if defined(BLOCK_SPARSE)
+          , const int* __restrict__ block_lists, const BlockListParams lists
+#endif
+) {
     UNPACK_FLASH_PARAMS(params);
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);
@@ -205,6 +246,15 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     if (key_hi > len_k) key_hi = len_k;
     const int tile_lo = key_lo < key_hi ? (int)(key_lo / BLOCK_N) : 0;
     const int tile_hi = key_lo < key_hi ? (int)((key_hi + BLOCK_N - 1) / BLOCK_N) : 0;
+#if defined(BLOCK_SPARSE)
+    // The host chose q_block as a multiple of BLOCK_M, so the CTA's rows lie in one query block.
+    const int* list_g = block_lists + seq * lists.seq_stride + (long long)(head / lists.heads_per_list) * lists.head_stride +
+                        (long long)(row0 / lists.q_block) * lists.width;
+    TileCursor cursor{tile_lo, tile_hi, list_g, lists.width, lists.tiles_per_block, 0, 0};
+#else
+    TileCursor cursor{tile_lo, tile_hi, tile_lo};
+#endif
+    int t = cursor.next();
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -212,9 +262,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int tig = lane % 4;  // thread in group: fragment column pair
     const int wrow = warp * 16 * WARP_M;
 
-    if (tile_lo < tile_hi) {
+    if (t >= 0) {
         load_tile_async<BLOCK_M, HEAD_DIM_PAD, QK_STRIDE, THREADS>(q_s, q_g, q_row, rows_here, d);
-        const int key0 = tile_lo * BLOCK_N;
+        const int key0 = t * BLOCK_N;
         load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE, THREADS>(k_s, k_g + (long long)key0 * k_row, k_row,
                                                           min(BLOCK_N, len_k - key0), d);
         cp_async_commit();
@@ -242,7 +292,8 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const unsigned k_lane = smem_u32(k_s + lane_b(lane, QK_STRIDE));
     const unsigned v_lane = smem_u32(v_s + lane_b_trans(lane, V_STRIDE));
 
-    for (int t = tile_lo; t < tile_hi; ++t) {
+    while (t >= 0) {
+        const int t_next = cursor.next();
         const int key0 = t * BLOCK_N;
         const int keys_here = min(BLOCK_N, len_k - key0);
         cp_async_wait_all();
@@ -284,8 +335,8 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 
         cp_async_wait_all();
         __syncthreads();  // V_t landed for everyone; every warp is done reading K_t
-        if (t + 1 < tile_hi) {
-            const int key1 = key0 + BLOCK_N;
+        if (t_next >= 0) {
+            const int key1 = t_next * BLOCK_N;
             load_tile_async<BLOCK_N, HEAD_DIM_PAD, QK_STRIDE, THREADS>(k_s, k_g + (long long)key1 * k_row, k_row,
                                                               min(BLOCK_N, len_k - key1), d);
             cp_async_commit();
@@ -308,6 +359,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
                 }
             }
         }
+        t = t_next;
     }
 
     // No asynchronous copy is outstanding here: every iteration waits for all of them, and the last one starts no K

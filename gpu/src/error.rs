@@ -103,6 +103,14 @@ pub enum GpuError {
         /// Elements available.
         actual: usize,
     },
+    /// A block list of the block-sparse kernels breaks the list convention (E14).
+    #[error("block list entry {position:?} (sequence, list head, query block, slot): {fault}")]
+    BlockList {
+        /// Where: sequence, list head, query block, slot (the slot is the list's width for [`BlockListFault::TooWide`]).
+        position: [usize; 4],
+        /// What is wrong.
+        fault: BlockListFault,
+    },
     /// A size does not fit the kernel's 32-bit index arguments.
     #[error("`{argument}` = {value} does not fit the kernel's 32-bit arguments")]
     TooLarge {
@@ -110,6 +118,49 @@ pub enum GpuError {
         argument: &'static str,
         /// Its value.
         value: usize,
+    },
+}
+
+/// How a block list breaks the convention: per query block, an ascending prefix of distinct key-block indices in
+/// `0..key_blocks`, then `−1` to the end of the list, and no list wider than the key blocks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BlockListFault {
+    /// An index outside `0..key_blocks` (a negative other than the `−1` pad included), or any index in a query block
+    /// past its sequence's own query blocks (`key_blocks` is 0 there).
+    #[error("index {index} is outside 0..{key_blocks}")]
+    OutOfRange {
+        /// The entry.
+        index: i32,
+        /// The sequence's key blocks.
+        key_blocks: usize,
+    },
+    /// The same index twice in a row.
+    #[error("index {index} is listed twice")]
+    Duplicate {
+        /// The entry.
+        index: i32,
+    },
+    /// An index below the one before it.
+    #[error("index {index} follows {previous}: the list is not ascending")]
+    NotAscending {
+        /// The entry.
+        index: i32,
+        /// The entry before it.
+        previous: i32,
+    },
+    /// A valid index after a `−1` pad.
+    #[error("index {index} follows a -1 pad")]
+    AfterPad {
+        /// The entry.
+        index: i32,
+    },
+    /// More slots per list than the longest sequence has key blocks.
+    #[error("lists are {width} wide, more than the {key_blocks} key blocks of the longest sequence")]
+    TooWide {
+        /// The lists' width.
+        width: usize,
+        /// The most key blocks of any sequence.
+        key_blocks: usize,
     },
 }
 

@@ -70,7 +70,7 @@ use crate::common::{GpuElement, check_len};
 use crate::compile::{self, FLASH_FWD};
 use crate::error::GpuError;
 use crate::launch::{self, FlashBuffers, ForwardOut};
-use crate::params::FlashParams;
+use crate::params::{BlockListParams, FlashParams};
 use crate::ring::state::{ChunkWindow, DeviceState};
 
 /// Query rows per CTA of the smallest tiling (4 warps of one 16-row slice), the one used for head dims above 128.
@@ -129,6 +129,8 @@ pub const SHIFT_ROUNDING: f64 = U32;
 pub use crate::common::EXP_UNDERFLOW;
 /// The define of `flash_fwd.cu`'s ring mode, which writes a chunk pair's online-softmax state instead of `O` and LSE.
 pub(crate) const STATE_OUT: &str = "STATE_OUT";
+/// The define of `flash_fwd.cu`'s block-sparse mode (`crate::block_sparse`), which visits only the listed key blocks.
+pub(crate) const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
 
 /// `n` rounded up to a multiple of `m`.
 fn round_up(n: usize, m: usize) -> usize {
@@ -274,7 +276,7 @@ pub fn flash_forward_state_device<T: GpuElement>(
         stream,
         &func,
         cfg,
-        FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k },
+        FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k, lists: None },
         &plan.params,
     )
 }
@@ -325,6 +327,8 @@ pub struct PreparedForward<T> {
     cu_k: CudaSlice<i32>,
     /// Elements of Q, K, V, O, LSE.
     sizes: [usize; 5],
+    /// The block lists on the device and their scalars (block-sparse mode, `crate::block_sparse`), or `None`.
+    lists: Option<(CudaSlice<i32>, BlockListParams)>,
     _element: PhantomData<T>,
 }
 
@@ -337,13 +341,35 @@ impl<T: GpuElement> PreparedForward<T> {
         kernel: compile::KernelSource,
         tiling: ForwardTiling,
     ) -> Result<Self, GpuError> {
-        let plan = plan::<T>(spec, tiling)?;
+        Self::prepare(stream, spec, kernel, tiling, None)
+    }
+
+    /// [`PreparedForward::new`], in the block-sparse mode when `lists` holds the validated entries (row-major) and
+    /// their scalars: the module is compiled with [`BLOCK_SPARSE`] and the entries are uploaded once.
+    pub(crate) fn prepare(
+        stream: &Arc<CudaStream>,
+        spec: &AttentionSpec,
+        kernel: compile::KernelSource,
+        tiling: ForwardTiling,
+        lists: Option<(&[i32], BlockListParams)>,
+    ) -> Result<Self, GpuError> {
+        let mut plan = plan::<T>(spec, tiling)?;
         let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
         let sizes = [Operand::Q, Operand::K, Operand::V, Operand::O, Operand::RowStat].map(size);
         let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
         let cu_k = stream.clone_htod(&plan.cu_k).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_k)", e))?;
+        let lists = match lists {
+            None => None,
+            Some((entries, params)) => {
+                plan.defines.push(BLOCK_SPARSE.to_owned());
+                // cudarc cannot allocate 0 elements; lists of width 0 are never read.
+                let device = if entries.is_empty() { stream.alloc_zeros::<i32>(1) } else { stream.clone_htod(entries) }
+                    .map_err(|e| GpuError::driver("cuMemcpyHtoD(block lists)", e))?;
+                Some((device, params))
+            }
+        };
         let launch = load_forward(stream, kernel, &plan)?;
-        Ok(PreparedForward { launch, params: plan.params, cu_q, cu_k, sizes, _element: PhantomData })
+        Ok(PreparedForward { launch, params: plan.params, cu_q, cu_k, sizes, lists, _element: PhantomData })
     }
 
     /// Checks the buffers' lengths and launches asynchronously on `stream` (see [`flash_forward_device`] for the
@@ -370,7 +396,15 @@ impl<T: GpuElement> PreparedForward<T> {
             stream,
             func,
             *cfg,
-            FlashBuffers { q, k, v, out: ForwardOut::Final { o, lse }, cu_q: &self.cu_q, cu_k: &self.cu_k },
+            FlashBuffers {
+                q,
+                k,
+                v,
+                out: ForwardOut::Final { o, lse },
+                cu_q: &self.cu_q,
+                cu_k: &self.cu_k,
+                lists: self.lists.as_ref().map(|(entries, params)| (entries, params)),
+            },
             &self.params,
         )
     }
@@ -413,6 +447,22 @@ pub fn flash_forward<T: GpuElement>(
     k: ArrayViewD<'_, T>,
     v: ArrayViewD<'_, T>,
 ) -> Result<ForwardOutput<T>, GpuError> {
+    forward_from_host(stream, spec, [q, k, v], |[dq, dk, dv], o, lse| {
+        flash_forward_device(stream, spec, dq, dk, dv, o, lse)
+    })
+}
+
+/// The device buffers of Q, K, V.
+pub(crate) type DeviceQkv<'a, T> = [&'a CudaSlice<T>; 3];
+
+/// A forward from host tensors: checks and uploads `qkv` (Q, K, V), lets `run` launch on the device buffers into
+/// zeroed `O` and LSE buffers, and downloads the outputs (synchronizing `stream`).
+pub(crate) fn forward_from_host<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    [q, k, v]: [ArrayViewD<'_, T>; 3],
+    run: impl FnOnce(DeviceQkv<'_, T>, &mut CudaSlice<T>, &mut CudaSlice<f32>) -> Result<(), GpuError>,
+) -> Result<ForwardOutput<T>, GpuError> {
     spec.validate()?;
     let (hq, hk, hv) = (
         host_input(spec, "q", Operand::Q, &q)?,
@@ -426,7 +476,7 @@ pub fn flash_forward<T: GpuElement>(
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let mut o = stream.alloc_zeros::<T>(o_shape.iter().product::<usize>().max(1)).map_err(alloc_err)?;
     let mut lse = stream.alloc_zeros::<f32>(lse_shape.iter().product::<usize>().max(1)).map_err(alloc_err)?;
-    flash_forward_device(stream, spec, &dq, &dk, &dv, &mut o, &mut lse)?;
+    run([&dq, &dk, &dv], &mut o, &mut lse)?;
     let down_err = |e| GpuError::driver("cuMemcpyDtoH", e);
     let mut o_host = stream.clone_dtoh(&o).map_err(down_err)?;
     let mut lse_host = stream.clone_dtoh(&lse).map_err(down_err)?;

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConf
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
-use crate::params::{BackwardParams, FlashParams, RingStateParams};
+use crate::params::{BackwardParams, BlockListParams, FlashParams, RingStateParams};
 
 /// Whether the CUDA driver library can be loaded.
 pub(crate) fn driver_library_present() -> bool {
@@ -101,6 +101,9 @@ unsafe impl DeviceRepr for BackwardParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (`i64`/`i32` fields and an explicit `reserved` tail), its
 // layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for RingStateParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (two `i64` and four `i32` fields, no padding), its layout
+// pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for BlockListParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -117,6 +120,8 @@ pub(crate) struct FlashBuffers<'a, T> {
     pub out: ForwardOut<'a, T>,
     pub cu_q: &'a CudaSlice<i32>,
     pub cu_k: &'a CudaSlice<i32>,
+    /// The block lists and their scalars, for a module compiled with `BLOCK_SPARSE` (and only then).
+    pub lists: Option<(&'a CudaSlice<i32>, &'a BlockListParams)>,
 }
 
 /// Launches `flash_fwd` on `stream`.
@@ -128,7 +133,9 @@ pub(crate) struct FlashBuffers<'a, T> {
 /// the buffer it indexes (the buffer sizes were checked against the spec's shapes; a state holds `rows · dv` values
 /// of `a` and `rows` of `m`, `l`, `rows` the spec's LSE element count); `cfg` has the `NUM_WARPS · 32` threads per
 /// block the module was compiled for and the dynamic shared memory the kernel's layout needs, which the function
-/// attribute allows.
+/// attribute allows. With `lists`, the module was compiled with `BLOCK_SPARSE`, the lists buffer holds the
+/// `[B, list heads, query blocks, width]` entries the `BlockListParams` strides describe, and every entry was validated
+/// on the host (ascending, in range, `−1`-padded), so every tile the kernel forms from one lies inside K and V.
 pub(crate) fn launch_flash_forward<T>(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -136,7 +143,7 @@ pub(crate) fn launch_flash_forward<T>(
     buffers: FlashBuffers<'_, T>,
     params: &FlashParams,
 ) -> Result<(), GpuError> {
-    let FlashBuffers { q, k, v, out, cu_q, cu_k } = buffers;
+    let FlashBuffers { q, k, v, out, cu_q, cu_k, lists } = buffers;
     let mut builder = stream.launch_builder(func);
     builder.arg(q).arg(k).arg(v);
     let call = match out {
@@ -150,10 +157,14 @@ pub(crate) fn launch_flash_forward<T>(
         }
     };
     builder.arg(cu_q).arg(cu_k).arg(params);
+    if let Some((entries, list_params)) = lists {
+        builder.arg(entries).arg(list_params);
+    }
     // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type: three input
     // pointers of `elem_t` = T, then `o` (T) and `lse` (f32), or under STATE_OUT `a`, `m`, `l` (f32), then the two
     // i32 `cu_seqlens` pointers, all as CUdeviceptr; then `const FlashParams params` by value, whose layout the two
-    // sides share (see the `DeviceRepr` impl above). The kernel writes only the outputs of `out`, within the bounds the
+    // sides share (see the `DeviceRepr` impl above); under BLOCK_SPARSE the i32 lists pointer and
+    // `const BlockListParams lists` by value. The kernel writes only the outputs of `out`, within the bounds the
     // caller checked (see the preconditions above), and reads the inputs read-only; the buffers are borrowed for this
     // call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;

@@ -3,14 +3,15 @@
 //!
 //! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query, which device runs which
 //! kernel), [`flash`] (the FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error
-//! recipe), [`backward`] (the backward kernels, likewise), [`ring`] (the ring's GPU pieces), [`common`] (what every
+//! recipe), [`backward`] (the backward kernels, likewise), [`block_sparse`] (block lists and the block-sparse
+//! forward, the forward kernel's `BLOCK_SPARSE` mode), [`ring`] (the ring's GPU pieces), [`common`] (what every
 //! kernel family shares: storage types, the kernel mask, limits and checks), [`error`] (typed errors). The private
 //! `params` module holds the kernels' parameter structs, one per kernel family, mirrored by `gpu/kernels/common.cuh`.
 //! Every `unsafe` block of the crate is in the private `launch` module, each with a `// SAFETY:` note.
 //!
 //! The modules import each other without a cycle (a test below checks it): `error` imports no module, `common`
-//! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `backward` and
-//! `ring`, and the crate root only re-exports and imports.
+//! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `block_sparse`
+//! (above `flash`), `backward` and `ring`, and the crate root only re-exports and imports.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
@@ -19,6 +20,7 @@
 //! test's output instead of pretending to have run.
 
 pub mod backward;
+pub mod block_sparse;
 pub mod common;
 pub mod compile;
 pub mod error;
@@ -31,8 +33,9 @@ pub use backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, flash_backward,
     flash_backward_device, flash_backward_device_with,
 };
+pub use block_sparse::{BlockLists, ListHeads, block_sparse_forward, block_sparse_forward_device};
 pub use common::{GpuElement, KernelMask, kernel_scale};
-pub use error::{GpuError, GpuUnavailable};
+pub use error::{BlockListFault, GpuError, GpuUnavailable};
 pub use flash::{
     ForwardOutput, ForwardTiling, PreparedForward, flash_forward, flash_forward_device, flash_forward_device_with,
 };
@@ -54,8 +57,8 @@ pub struct ModuleVariant {
     pub defines: Vec<String>,
 }
 
-/// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain and
-/// the ring's `STATE_OUT` mode), the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
+/// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
+/// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
 /// finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
 pub fn module_variants<T: GpuElement>(
     spec: &AttentionSpec,
@@ -68,6 +71,7 @@ pub fn module_variants<T: GpuElement>(
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
     Ok(vec![
         variant(compile::FLASH_FWD, with(&fwd, flash::STATE_OUT)),
+        variant(compile::FLASH_FWD, with(&fwd, flash::BLOCK_SPARSE)),
         variant(compile::FLASH_FWD, fwd),
         variant(compile::FLASH_BWD, with(&bwd, backward::KV_ACCUM)),
         variant(compile::FLASH_BWD, bwd),

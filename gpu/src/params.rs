@@ -2,7 +2,8 @@
 //! field for field by a struct of `gpu/kernels/common.cuh` (the model is FlashAttention's `Flash_fwd_params`):
 //! [`FlashParams`] (the attention problem's scalars: layout, lengths, GQA group, head dims, strides, scale, window
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
-//! for `ring_state.cu`'s merge and finalize.
+//! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of `flash_fwd`'s block-sparse
+//! mode.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -93,6 +94,26 @@ pub(crate) struct BackwardParams {
     pub n_heads_q: i32,
     /// `bwd_dq_finalize`: 0 from the atomic accumulator, 1 from the partials in ascending KV tile order.
     pub finalize_mode: i32,
+}
+
+/// The block lists of the block-sparse forward (`struct BlockListParams` of `common.cuh`), passed beside
+/// [`FlashParams`] to `flash_fwd` compiled with `BLOCK_SPARSE`. The lists are `[B, list heads, query blocks, width]`
+/// `i32` in row-major order.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct BlockListParams {
+    /// Elements between two sequences' lists.
+    pub seq_stride: i64,
+    /// Elements between two list heads' lists.
+    pub head_stride: i64,
+    /// Entries per list.
+    pub width: i32,
+    /// Query rows per query block (a multiple of the CTA's rows).
+    pub q_block: i32,
+    /// 64-key KV tiles per key block.
+    pub tiles_per_block: i32,
+    /// Query heads sharing one list head: 1, or the GQA group when the lists are per KV head.
+    pub heads_per_list: i32,
 }
 
 /// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
@@ -301,6 +322,7 @@ mod tests {
             }),
             rust_layout!(BackwardParams { flash, part_stride, total_k, dq_mode, n_chunks, n_heads_q, finalize_mode }),
             rust_layout!(RingStateParams { rows, rows_per_head, dv, varlen, n_heads, reserved }),
+            rust_layout!(BlockListParams { seq_stride, head_stride, width, q_block, tiles_per_block, heads_per_list }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

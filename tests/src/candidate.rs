@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::backward::flash_backward_device_with;
+use attnproof_gpu::block_sparse::{BlockLists, block_sparse_forward_device_with};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::flash::flash_forward_device_with;
@@ -375,6 +376,36 @@ pub fn forward_guarded<T: Storage>(
     kernel: KernelSource,
     tiling: ForwardTiling,
 ) -> Result<ForwardRun<T>, LaunchError> {
+    forward_guarded_with(stream, case, |q, k, v, o, lse| {
+        flash_forward_device_with(stream, &case.spec, kernel, tiling, q, k, v, o, lse)
+    })
+}
+
+/// One block-sparse forward launch of `kernel` over `lists`, NaN-poisoned and guarded like [`forward_guarded`].
+pub fn block_sparse_forward_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    lists: &BlockLists,
+    kernel: KernelSource,
+) -> Result<ForwardRun<T>, LaunchError> {
+    forward_guarded_with(stream, case, |q, k, v, o, lse| {
+        block_sparse_forward_device_with(stream, &case.spec, lists, kernel, q, k, v, o, lse)
+    })
+}
+
+/// Uploads the case, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that the device inputs
+/// are unchanged, and returns `O` and `LSE`.
+fn forward_guarded_with<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    launch: impl FnOnce(
+        &CudaSlice<T>,
+        &CudaSlice<T>,
+        &CudaSlice<T>,
+        &mut CudaSlice<T>,
+        &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError>,
+) -> Result<ForwardRun<T>, LaunchError> {
     let spec = &case.spec;
     let (q, k, v) = (upload(stream, &case.q)?, upload(stream, &case.k)?, upload(stream, &case.v)?);
     let shape = |op: Operand| spec.expected_shape(op);
@@ -382,7 +413,7 @@ pub fn forward_guarded<T: Storage>(
     let nan = <T as Element>::from_f32(f32::NAN);
     let mut o = poisoned(stream, n(Operand::O), nan, T::from_bits16(GUARD_BITS_16))?;
     let mut lse = poisoned(stream, n(Operand::RowStat), f32::NAN, f32::from_bits(GUARD_BITS_32))?;
-    flash_forward_device_with(stream, spec, kernel, tiling, &q, &k, &v, &mut o, &mut lse)?;
+    launch(&q, &k, &v, &mut o, &mut lse)?;
     let down = |b: &CudaSlice<T>| stream.clone_dtoh(b).map_err(driver);
     let o_back = down(&o)?;
     let lse_back = stream.clone_dtoh(&lse).map_err(driver)?;

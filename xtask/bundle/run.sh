@@ -50,6 +50,7 @@ cd "$here" || exit 1
 SANITIZE=(
     "attnproof-gpu-it flash_forward::sanitizer_shapes"
     "attnproof-gpu-it flash_backward::sanitizer_shapes"
+    "attnproof-gpu-it block_sparse::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
@@ -194,7 +195,8 @@ tests)
     exit $((failed > 0))
     ;;
 mutants)
-    # Both kernels' mutants: mutants::all_forward_mutants_are_killed and mutants::all_backward_mutants_are_killed.
+    # Every kernel-text mutant: mutants::all_{forward,backward,block_sparse_forward}_mutants_are_killed and the same
+    # mutants through the general suites (..._by_the_general_suite).
     "$here"/tests/attnproof-gpu-it mutants_are_killed --nocapture
     status=$?
     scratch_mutants || status=1

@@ -3,7 +3,9 @@
 //! `compile::module_from_source` path as the production kernels and launched through the production wrappers
 //! (`flash_forward_device_with`, `flash_backward_device_with`), with NaN-poisoned, guarded outputs, must all be
 //! killed by the oracle verdicts of a few small cases, and again by the general property suites (`crate::property`)
-//! alone, so that the suites that judge every kernel change are shown able to catch each modelled bug.
+//! alone, so that the suites that judge every kernel change are shown able to catch each modelled bug. The mutants of
+//! `flash_fwd`'s block-sparse mode (`BLOCK_SPARSE`) run through `block_sparse_forward_device_with` against the
+//! block-sparse killing cases and suite (`crate::block_sparse`).
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
@@ -13,17 +15,21 @@
 
 use std::sync::Arc;
 
+use crate::block_sparse;
 use crate::common::*;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
 use attnproof_harness::adversarial::{Direction, Worst};
 use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::candidate::GpuCandidate;
+use attnproof_harness::candidate::block_sparse_forward_guarded;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
+use attnproof_harness::sparse::verify_block_sparse_forward;
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
@@ -34,9 +40,17 @@ use proptest::test_runner::{Config, TestError};
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
 const KERNELS: [KernelSource; 2] = [FLASH_FWD, FLASH_BWD];
 
-/// The catalog's kernel-text mutants of `kernel`, in catalog order.
+/// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
+const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
+
+/// The catalog's kernel-text mutants of `kernel`'s plain mode, in catalog order.
 fn catalog_mutants(kernel: KernelSource) -> Vec<&'static Mutant> {
-    attnproof_catalog::kernel_text_mutants(kernel.name).collect()
+    attnproof_catalog::kernel_text_mutants(kernel.name, None).collect()
+}
+
+/// The catalog's mutants of `flash_fwd`'s block-sparse mode.
+fn block_sparse_mutants() -> Vec<&'static Mutant> {
+    attnproof_catalog::kernel_text_mutants(FLASH_FWD.name, Some(BLOCK_SPARSE)).collect()
 }
 
 /// The backward's killing cases: Lq ≠ Lk both ways with tails, GQA, a window, causal, and a logit scale of 4.
@@ -151,6 +165,60 @@ fn all_forward_mutants_are_killed() {
     hunt(FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| check_forward(&stream, kernel, case));
 }
 
+/// Runs the block-sparse forward `kernel` on a killing case (guarded); `Ok(())` when every verdict passes with a
+/// valid gate.
+fn check_block_sparse(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    case: &(Case<bf16>, BlockLists),
+) -> Result<(), String> {
+    let (case, lists) = case;
+    let run = block_sparse_forward_guarded(stream, case, lists, kernel).map_err(|e| e.to_string())?;
+    let layout = lists.oracle_layout(&case.spec);
+    let verdicts = verify_block_sparse_forward(case, &layout, forward_recipe::<bf16>(), run.o.view(), run.lse.view())
+        .map_err(|e| e.to_string())?;
+    match verdicts.iter().find(|v| !(v.passed() && v.valid())) {
+        None => Ok(()),
+        Some(v) => Err(format!("verdict failed, worst error/bound {:.3e}", v.max_ratio())),
+    }
+}
+
+#[test]
+fn all_block_sparse_forward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_block_sparse_forward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
+        block_sparse::killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
+    hunt(FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
+}
+
+/// Every block-sparse mutant also fails the general block-sparse property suite (bf16, its default draws).
+#[test]
+fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_block_sparse_forward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &block_sparse::BLOCK_SUITES[0];
+    let mut survivors = vec![];
+    for m in block_sparse_mutants() {
+        let kernel = patched(FLASH_FWD, m);
+        let worst = std::cell::RefCell::new(Worst::default());
+        let (_, result) = suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw));
+        match result {
+            Err(TestError::Fail(why, _)) => println!("{:<40} {}", m.name, why.message().lines().next().unwrap_or("")),
+            Err(TestError::Abort(why)) => panic!("{}: the suite gave up on mutant `{}`: {why}", suite.name, m.name),
+            Ok(()) => {
+                println!("{:<40} SURVIVED", m.name);
+                survivors.push(m.name);
+            }
+        }
+    }
+    assert!(survivors.is_empty(), "block-sparse mutants the general suite {} misses: {survivors:?}", suite.name);
+}
+
 #[test]
 fn all_backward_mutants_are_killed() {
     let Some(ctx) = skip_unless_gpu("all_backward_mutants_are_killed") else {
@@ -250,7 +318,12 @@ fn every_mutant_compiles_for_sm_90a() {
     let mut broken = vec![];
     for base in KERNELS {
         let defines = plain(base).defines;
-        for m in catalog_mutants(base) {
+        for m in attnproof_catalog::all() {
+            let Runner::KernelText { kernel, mode } = m.runner else { continue };
+            if kernel != base.name {
+                continue;
+            }
+            let defines: Vec<String> = defines.iter().cloned().chain(mode.map(str::to_owned)).collect();
             if let Err(e) = compile_for_arch(patched(base, m), "sm_90a", &defines) {
                 broken.push(format!("{}: {e}", m.name));
             }
@@ -266,7 +339,7 @@ fn every_mutant_compiles_for_sm_90a() {
 fn every_catalog_kernel_text_mutant_has_cases_and_applies() {
     let names: Vec<&str> = KERNELS.iter().map(|k| k.name).collect();
     for m in attnproof_catalog::all() {
-        if let Runner::KernelText { kernel } = m.runner {
+        if let Runner::KernelText { kernel, .. } = m.runner {
             let base = KERNELS.iter().find(|k| k.name == kernel).unwrap_or_else(|| {
                 panic!(
                     "catalog mutant `{}` patches kernel `{kernel}`, which has no killing cases here ({names:?})",

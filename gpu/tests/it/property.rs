@@ -98,26 +98,31 @@ pub fn suite(name: &str) -> &'static PropertySuite {
 }
 
 impl PropertySuite {
-    /// The configuration of a run: the harness's (`PROPTEST_CASES` honoured, failures persisted), with the suite's
-    /// seed unless `PROPTEST_RNG_SEED` is set.
+    /// The configuration of a run ([`run_config`]).
     pub fn config(&self) -> Config {
-        let mut config = suite_config(self.name, self.cases);
-        if std::env::var_os("PROPTEST_RNG_SEED").is_none() {
-            config.rng_seed = RngSeed::Fixed(self.seed);
-        }
-        config
+        run_config(self.name, self.cases, self.seed)
     }
 
-    /// The draws of a run without any `PROPTEST_*` override (as CI and `run.sh` run it): the suite's own case count
-    /// from its own seed, nothing replayed from a regression file.
+    /// The draws of a run without any `PROPTEST_*` override ([`default_run_config`]).
     pub fn default_config(&self) -> Config {
-        Config {
-            cases: self.cases,
-            rng_seed: RngSeed::Fixed(self.seed),
-            failure_persistence: None,
-            ..suite_config(self.name, self.cases)
-        }
+        default_run_config(self.name, self.cases, self.seed)
     }
+}
+
+/// The configuration of a GPU suite's run: the harness's (`PROPTEST_CASES` honoured, failures persisted under the
+/// suite's `name`), from the suite's `seed` unless `PROPTEST_RNG_SEED` is set.
+pub fn run_config(name: &str, cases: u32, seed: u64) -> Config {
+    let mut config = suite_config(name, cases);
+    if std::env::var_os("PROPTEST_RNG_SEED").is_none() {
+        config.rng_seed = RngSeed::Fixed(seed);
+    }
+    config
+}
+
+/// The draws of a GPU suite's run without any `PROPTEST_*` override (as CI and `run.sh` run it): the suite's own case
+/// count from its own seed, nothing replayed from a regression file.
+pub fn default_run_config(name: &str, cases: u32, seed: u64) -> Config {
+    Config { cases, rng_seed: RngSeed::Fixed(seed), failure_persistence: None, ..suite_config(name, cases) }
 }
 
 /// One draw: the problem, its value profile, its seed, and the backward's tiling (drawn in both directions, so that

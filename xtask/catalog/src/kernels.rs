@@ -15,12 +15,20 @@ const FLASH_FWD: Mutant = Mutant {
     file: "gpu/kernels/flash_fwd.cu",
     find: "",
     replace: "",
-    runner: Runner::KernelText { kernel: "flash_fwd" },
+    runner: Runner::KernelText { kernel: "flash_fwd", mode: None },
 };
 
+/// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
+/// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
+const BLOCK_SPARSE_FWD: Mutant =
+    Mutant { runner: Runner::KernelText { kernel: "flash_fwd", mode: Some("BLOCK_SPARSE") }, ..FLASH_FWD };
+
 /// Base entry for mutants of the FlashAttention backward kernels, launched in-process on a device.
-const FLASH_BWD: Mutant =
-    Mutant { file: "gpu/kernels/flash_bwd.cu", runner: Runner::KernelText { kernel: "flash_bwd" }, ..FLASH_FWD };
+const FLASH_BWD: Mutant = Mutant {
+    file: "gpu/kernels/flash_bwd.cu",
+    runner: Runner::KernelText { kernel: "flash_bwd", mode: None },
+    ..FLASH_FWD
+};
 
 /// Base entry for mutants of a kernel text that break one of its compiled variants: the GPU crate's compile-only test
 /// (NVRTC, no device; `gpu/tests/it/compile_only.rs`) must reject them.
@@ -99,8 +107,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-last-kv-tile-skipped",
         description: "The last KV tile of every CTA is skipped",
-        find: "for (int t = tile_lo; t < tile_hi; ++t) {",
-        replace: "for (int t = tile_lo; t + 1 < tile_hi; ++t) {",
+        find: "__device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }",
+        replace: "__device__ __forceinline__ int next() { return t_next + 1 < tile_hi ? t_next++ : -1; }",
         ..FLASH_FWD
     },
     Mutant {
@@ -127,8 +135,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-stale-k-tile",
         description: "The last tile's K is never fetched: its scores use the previous tile's keys",
-        find: "if (t + 1 < tile_hi) {",
-        replace: "if (t + 2 < tile_hi) {",
+        find: "if (t_next >= 0) {",
+        replace: "if (t_next >= 0 && t_next + 1 < tile_hi) {",
         ..FLASH_FWD
     },
     Mutant {
@@ -151,6 +159,49 @@ pub const MUTANTS: &[Mutant] = &[
         find: "&& j >= diag - win_left;",
         replace: ";",
         ..FLASH_FWD
+    },
+    // --- flash_fwd.cu in its block-sparse mode, launched on a device ---
+    Mutant {
+        name: "gpu-bsa-fwd-list-off-by-one",
+        description: "Every listed key block is read as the next one (the list's indices off by one)",
+        find: "const int t = block * tiles_per_block + sub;",
+        replace: "const int t = (block + 1) * tiles_per_block + sub;",
+        ..BLOCK_SPARSE_FWD
+    },
+    Mutant {
+        name: "gpu-bsa-fwd-pad-read-as-block-0",
+        description: "A −1 pad is read as key block 0, so block 0 is visited once per pad slot",
+        find: "const int block = __ldg(list + slot);",
+        replace: "const int block = max(__ldg(list + slot), 0);",
+        ..BLOCK_SPARSE_FWD
+    },
+    Mutant {
+        name: "gpu-bsa-fwd-half-of-each-128-block",
+        description: "Only the first 64-key tile of every 128-key block is visited",
+        find: "if (++sub == tiles_per_block) {",
+        replace: "if (++sub >= 1) {",
+        ..BLOCK_SPARSE_FWD
+    },
+    Mutant {
+        name: "gpu-bsa-fwd-query-lists-read-per-kv-head",
+        description: "Lists given per query head are read per KV head (query head h uses the list of head h / group)",
+        find: "(long long)(head / lists.heads_per_list) * lists.head_stride",
+        replace: "(long long)(head / group) * lists.head_stride",
+        ..BLOCK_SPARSE_FWD
+    },
+    Mutant {
+        name: "gpu-bsa-fwd-first-sequence-lists",
+        description: "Every sequence reads the first sequence's lists",
+        find: "block_lists + seq * lists.seq_stride",
+        replace: "block_lists + 0 * lists.seq_stride",
+        ..BLOCK_SPARSE_FWD
+    },
+    Mutant {
+        name: "gpu-bsa-fwd-listed-tiles-unmasked",
+        description: "A listed tile is never masked: the diagonal block sees future keys, windows and the key tail vanish",
+        find: "const bool interior = key0 + BLOCK_N <= len_k &&",
+        replace: "const bool interior = true || key0 + BLOCK_N <= len_k &&",
+        ..BLOCK_SPARSE_FWD
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {

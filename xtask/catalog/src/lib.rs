@@ -55,10 +55,13 @@ pub enum Runner {
     },
     /// GPU, in-process: `gpu/tests/it/mutants.rs` patches the text of the kernel `kernel` (the name of its
     /// `attnproof_gpu::compile::KernelSource`, e.g. `flash_fwd`, whose file is the mutant's `file`) and launches it on
-    /// a device; some killing case must fail its oracle verdict.
+    /// a device in the mode `mode`; some killing case of that mode must fail its oracle verdict.
     KernelText {
         /// The kernel source's name, as `KernelSource::name` spells it.
         kernel: &'static str,
+        /// The define of the kernel's mode whose killing cases must kill the mutant (`BLOCK_SPARSE` for `flash_fwd`'s
+        /// block-sparse tile cursor), or `None` for the kernel's plain mode. Each mode has its own killing cases.
+        mode: Option<&'static str>,
     },
     /// GPU, scratch build: `cargo xtask gpu-bundle` builds `cargo test --release -p <package> --test <target>` from a
     /// patched scratch copy into `gpu-bundle/mutants/<name>/`, and the bundle's `run.sh` runs that binary (with the
@@ -80,7 +83,12 @@ impl Runner {
             Runner::Scratch { package, target, filter } => {
                 format!("cpu: scratch, cargo {}", cargo_test_args(package, target, filter).join(" "))
             }
-            Runner::KernelText { kernel } => format!("gpu: kernel text of {kernel} (run.sh all / gpu tests)"),
+            Runner::KernelText { kernel, mode: None } => {
+                format!("gpu: kernel text of {kernel} (run.sh all / gpu tests)")
+            }
+            Runner::KernelText { kernel, mode: Some(mode) } => {
+                format!("gpu: kernel text of {kernel}, {mode} mode (run.sh all / gpu tests)")
+            }
             Runner::ScratchGpu { package, target, filter } => {
                 let filter = filter.map(|f| format!(" -- {f}")).unwrap_or_default();
                 format!("gpu: scratch build (gpu-bundle), {package} --test {target}{filter}")
@@ -162,9 +170,9 @@ pub fn find(name: &str) -> Option<&'static Mutant> {
     all().find(|m| m.name == name)
 }
 
-/// The kernel-text mutants of the kernel named `kernel` (see [`Runner::KernelText`]).
-pub fn kernel_text_mutants(kernel: &str) -> impl Iterator<Item = &'static Mutant> + '_ {
-    all().filter(move |m| matches!(m.runner, Runner::KernelText { kernel: k } if k == kernel))
+/// The kernel-text mutants of the kernel named `kernel` in the mode `mode` (see [`Runner::KernelText`]).
+pub fn kernel_text_mutants<'a>(kernel: &'a str, mode: Option<&'a str>) -> impl Iterator<Item = &'static Mutant> + 'a {
+    all().filter(move |m| matches!(m.runner, Runner::KernelText { kernel: k, mode: md } if k == kernel && md == mode))
 }
 
 #[cfg(test)]
@@ -207,7 +215,7 @@ mod tests {
                 Runner::ScratchGpu { package, target, .. } => {
                     assert!(!package.is_empty() && !target.is_empty(), "mutant `{}`: no test binary", m.name);
                 }
-                Runner::KernelText { kernel } => assert!(
+                Runner::KernelText { kernel, .. } => assert!(
                     Path::new(m.file).file_stem().is_some_and(|stem| stem == kernel),
                     "kernel-text mutant `{}` names kernel `{kernel}` but mutates {}",
                     m.name,
@@ -261,7 +269,7 @@ mod tests {
             one.runner.location(),
             "cpu: scratch, cargo test -p attnproof-harness --no-fail-fast --test it -- flash_forward::"
         );
-        let gpu = Mutant { runner: Runner::KernelText { kernel: "flash_fwd" }, ..base };
+        let gpu = Mutant { runner: Runner::KernelText { kernel: "flash_fwd", mode: None }, ..base };
         assert_eq!(gpu.cargo_test_args(), None);
         assert!(!gpu.runner.runs_on_cpu());
         assert!(gpu.runner.location().starts_with("gpu: kernel text"));
@@ -273,8 +281,12 @@ mod tests {
     fn find_by_name_and_kernel() {
         assert_eq!(find("gqa-head-modulo").map(|m| m.file), Some("reference/src/mask.rs"));
         assert!(find("no-such-mutant").is_none());
-        assert!(kernel_text_mutants("flash_fwd").all(|m| m.file == "gpu/kernels/flash_fwd.cu"));
-        assert!(kernel_text_mutants("flash_bwd").count() > 0);
-        assert_eq!(kernel_text_mutants("no_such_kernel").count(), 0);
+        assert!(kernel_text_mutants("flash_fwd", None).all(|m| m.file == "gpu/kernels/flash_fwd.cu"));
+        assert!(kernel_text_mutants("flash_bwd", None).count() > 0);
+        assert_eq!(kernel_text_mutants("no_such_kernel", None).count(), 0);
+        // A mode's mutants are its own: none of them is among the plain mode's, and the block-sparse mode has some.
+        let block_sparse: Vec<_> = kernel_text_mutants("flash_fwd", Some("BLOCK_SPARSE")).collect();
+        assert!(block_sparse.len() >= 6 && block_sparse.iter().all(|m| m.name.starts_with("gpu-bsa-")));
+        assert!(kernel_text_mutants("flash_fwd", None).all(|m| !block_sparse.contains(&m)));
     }
 }

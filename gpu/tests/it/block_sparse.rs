@@ -1,0 +1,454 @@
+//! The block-sparse forward (`attnproof_gpu::block_sparse`, E14) verified on the device against the f64 oracle under
+//! the forward kernel's rounding-error bound with the lists' visibility (`attnproof_harness::sparse`), in bf16 and f16.
+//!
+//! The property suites draw the harness's shapes (every mask kind, windows narrow and wide, Lq ≠ Lk, tile ± 1
+//! lengths, varlen with empty sequences, GQA groups of 1 to 16), both block sizes on each side, lists per query head
+//! and per KV head, and a density class per draw: no block listed, sparse, dense, or every block. Each draw runs
+//! inputs A, B, A with NaN-poisoned, guarded outputs and checks the inputs unchanged (both A runs bitwise equal); each
+//! verdict must pass with a valid gate (including the dropped-listed-block wrong answer); a draw with every block
+//! listed must equal the dense kernel bit for bit in the same tiling. Without a device each test prints
+//! `skipped: no CUDA device` and passes.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::property::{default_run_config, run_config};
+use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads, block_sparse_forward};
+use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
+use attnproof_gpu::{BlockListFault, GpuError, skip_unless_gpu};
+use attnproof_harness::adversarial::Worst;
+use attnproof_harness::candidate::{block_sparse_forward_guarded, forward_guarded};
+use attnproof_harness::generate::{ValueProfile, make_case};
+use attnproof_harness::sparse::{SparseHarnessError, verify_block_sparse_forward};
+use attnproof_harness::strategies::profile;
+use attnproof_harness::{Case, HarnessError};
+use attnproof_oracle::{AttentionSpec, Layout, Mask};
+use cudarc::driver::CudaStream;
+use half::{bf16, f16};
+use ndarray::Array4;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+
+/// How many key blocks a draw lists: the probability that a query block lists a given key block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Density {
+    /// Nothing listed: every row gets `O = 0`, `LSE = −∞`.
+    Empty,
+    /// About a quarter of the blocks.
+    Sparse,
+    /// About three quarters.
+    Dense,
+    /// Every block: the dense kernel's bits.
+    Full,
+}
+
+impl Density {
+    /// Every class, for the coverage check.
+    pub const ALL: [Density; 4] = [Density::Empty, Density::Sparse, Density::Dense, Density::Full];
+
+    fn probability(self) -> f64 {
+        match self {
+            Density::Empty => 0.0,
+            Density::Sparse => 0.25,
+            Density::Dense => 0.75,
+            Density::Full => 1.0,
+        }
+    }
+}
+
+/// One block-sparse draw: the problem, its lists and density class, the value profile and the seed of input A.
+#[derive(Clone, Debug)]
+pub struct BlockDraw {
+    /// The problem.
+    pub spec: AttentionSpec,
+    /// The lists (validated by construction).
+    pub lists: BlockLists,
+    /// How densely they were drawn.
+    pub density: Density,
+    /// Values.
+    pub profile: ValueProfile,
+    /// Input A's seed.
+    pub seed: u64,
+}
+
+/// The key blocks of each list row `(sequence, list head, query block)`, from `picks` (one row of "list key block
+/// b" flags per row, as wide as the most key blocks); rows past a sequence's own query blocks list nothing. The width
+/// is the most key blocks, so full lists have no pad and every other list is `−1`-padded.
+pub fn lists_from(
+    spec: &AttentionSpec,
+    q_block: usize,
+    kv_block: usize,
+    heads: ListHeads,
+    picks: &[Vec<bool>],
+) -> BlockLists {
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+    let n_heads = if heads == ListHeads::PerQueryHead { spec.n_heads_q } else { spec.n_heads_kv };
+    let mut lists = Array4::from_elem((seqs.len(), n_heads, n_q, n_k), -1i32);
+    for seq in &seqs {
+        for h in 0..n_heads {
+            for a in 0..seq.len_q.div_ceil(q_block) {
+                let row = &picks[(seq.index * n_heads + h) * n_q + a];
+                let chosen = (0..seq.len_k.div_ceil(kv_block)).filter(|&b| row[b]);
+                for (w, b) in chosen.enumerate() {
+                    lists[[seq.index, h, a, w]] = b as i32;
+                }
+            }
+        }
+    }
+    BlockLists { q_block, kv_block, heads, lists }
+}
+
+/// What the block-sparse suites draw (dependent shapes through `prop_flat_map`: the picks follow the spec and the
+/// block sizes).
+pub fn block_draws() -> impl Strategy<Value = BlockDraw> {
+    let sizes = prop::sample::select(BLOCK_SIZES.to_vec());
+    let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
+    let density = prop::sample::select(Density::ALL.to_vec());
+    (kernel_spec(), sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
+        |(spec, q_block, kv_block, heads, density, profile, seed)| {
+            let seqs = spec.sequences();
+            let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
+            let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+            let n_heads = if heads == ListHeads::PerQueryHead { spec.n_heads_q } else { spec.n_heads_kv };
+            let rows = seqs.len() * n_heads * n_q;
+            let picks =
+                prop::collection::vec(prop::collection::vec(prop::bool::weighted(density.probability()), n_k), rows);
+            picks.prop_map(move |picks| BlockDraw {
+                lists: lists_from(&spec, q_block, kv_block, heads, &picks),
+                spec: spec.clone(),
+                density,
+                profile,
+                seed,
+            })
+        },
+    )
+}
+
+/// One block-sparse suite: its name (and regression file), dtype, case count and fixed seed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockSuite {
+    /// The name.
+    pub name: &'static str,
+    /// bf16 (`true`) or f16.
+    pub bf16: bool,
+    /// Cases per run unless `PROPTEST_CASES` says otherwise.
+    pub cases: u32,
+    /// The seed unless `PROPTEST_RNG_SEED` says otherwise.
+    pub seed: u64,
+}
+
+/// The two suites ("gpublock" in ASCII, plus the dtype).
+pub const BLOCK_SUITES: [BlockSuite; 2] = [
+    BlockSuite { name: "gpu_block_sparse_forward_bf16", bf16: true, cases: 64, seed: 0x6770_7562_6c6f_636b },
+    BlockSuite { name: "gpu_block_sparse_forward_f16", bf16: false, cases: 64, seed: 0x6770_7562_6c6f_636c },
+];
+
+impl BlockSuite {
+    /// The run's configuration (`crate::property::run_config`).
+    pub fn config(&self) -> Config {
+        run_config(self.name, self.cases, self.seed)
+    }
+
+    /// The draws as CI runs them (`crate::property::default_run_config`), without shrinking: a mutant's run stops at
+    /// its first failing draw.
+    pub fn default_config(&self) -> Config {
+        Config { max_shrink_iters: 0, ..default_run_config(self.name, self.cases, self.seed) }
+    }
+
+    /// Runs the suite under `config`, calling `check` on each draw; returns the draws' features and the result.
+    pub fn run(
+        &self,
+        config: Config,
+        check: impl Fn(&BlockDraw) -> Result<(), TestCaseError>,
+    ) -> (BlockCoverage, Result<(), TestError<BlockDraw>>) {
+        let coverage = RefCell::new(BlockCoverage::default());
+        let mut runner = TestRunner::new(config);
+        let result = runner.run(&block_draws(), |draw| {
+            coverage.borrow_mut().record(&draw);
+            check(&draw)
+        });
+        (coverage.into_inner(), result)
+    }
+
+    /// The check of one draw by `kernel` in the suite's dtype.
+    pub fn check(
+        &self,
+        stream: &Arc<CudaStream>,
+        kernel: KernelSource,
+        worst: &RefCell<Worst>,
+        draw: &BlockDraw,
+    ) -> Result<(), TestCaseError> {
+        if self.bf16 {
+            check_draw::<bf16>(stream, kernel, worst, draw)
+        } else {
+            check_draw::<f16>(stream, kernel, worst, draw)
+        }
+    }
+}
+
+/// The block-sparse features of a suite's draws: each (query block, key block, list heads, density) combination.
+#[derive(Clone, Debug, Default)]
+pub struct BlockCoverage {
+    /// Draws per combination.
+    pub seen: std::collections::BTreeMap<(usize, usize, bool, Density), usize>,
+    /// Draws with a GQA group above 1 and lists per KV head (the group shares a list).
+    pub shared_group_lists: usize,
+    /// Draws with a varlen layout.
+    pub varlen: usize,
+}
+
+impl BlockCoverage {
+    fn record(&mut self, d: &BlockDraw) {
+        let per_kv = d.lists.heads == ListHeads::PerKvHead;
+        *self.seen.entry((d.lists.q_block, d.lists.kv_block, per_kv, d.density)).or_default() += 1;
+        self.shared_group_lists += usize::from(per_kv && d.spec.group_size() > 1);
+        self.varlen += usize::from(matches!(d.spec.layout, Layout::Varlen { .. }));
+    }
+
+    /// The combinations no draw reached.
+    pub fn unreached(&self) -> Vec<(usize, usize, bool, Density)> {
+        let mut missing = vec![];
+        for q in BLOCK_SIZES {
+            for k in BLOCK_SIZES {
+                for per_kv in [false, true] {
+                    for density in Density::ALL {
+                        if !self.seen.contains_key(&(q, k, per_kv, density)) {
+                            missing.push((q, k, per_kv, density));
+                        }
+                    }
+                }
+            }
+        }
+        missing
+    }
+}
+
+/// The second input's seed, from the first's.
+const SECOND_INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// Whether every own query block of every sequence lists every key block of its sequence.
+fn lists_everything(draw: &BlockDraw) -> bool {
+    let l = &draw.lists;
+    draw.spec.sequences().iter().all(|seq| {
+        let key_blocks = seq.len_k.div_ceil(l.kv_block) as i32;
+        (0..l.lists.dim().1).all(|h| {
+            (0..seq.len_q.div_ceil(l.q_block))
+                .all(|a| (0..key_blocks).all(|b| l.lists[[seq.index, h, a, b as usize]] == b))
+        })
+    })
+}
+
+fn check_draw<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    worst: &RefCell<Worst>,
+    draw: &BlockDraw,
+) -> Result<(), TestCaseError> {
+    let layout = draw.lists.oracle_layout(&draw.spec);
+    let a = make_case::<T>(&draw.spec, draw.profile, draw.seed);
+    let b = make_case::<T>(&draw.spec, draw.profile, draw.seed ^ SECOND_INPUT);
+    let mut first_bits = None;
+    for (n, case) in [&a, &b, &a].into_iter().enumerate() {
+        let run = block_sparse_forward_guarded(stream, case, &draw.lists, kernel)
+            .map_err(|e| TestCaseError::fail(format!("launch {n}: {e}")))?;
+        let verdicts =
+            match verify_block_sparse_forward(case, &layout, forward_recipe::<T>(), run.o.view(), run.lse.view()) {
+                Ok(v) => v,
+                Err(SparseHarnessError::Harness(HarnessError::Model(m))) => {
+                    return Err(TestCaseError::reject(m.to_string()));
+                }
+                Err(e) => return Err(TestCaseError::fail(format!("input {n}: {e}"))),
+            };
+        for (i, v) in verdicts.iter().enumerate() {
+            prop_assert!(v.passed() && v.valid(), "input {n}, verdict {i} (sequence, head in order):\n{v}");
+            worst.borrow_mut().record(v);
+        }
+        let bits = (
+            run.o.iter().map(|x| x.bits()).collect::<Vec<_>>(),
+            run.lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        );
+        match n {
+            0 => first_bits = Some(bits),
+            2 => prop_assert!(first_bits.as_ref() == Some(&bits), "input A gave different bits the second time"),
+            _ => {}
+        }
+        if n == 0 && lists_everything(draw) {
+            let dense = forward_guarded(stream, case, FLASH_FWD, draw.lists.tiling(&case.spec))
+                .map_err(|e| TestCaseError::fail(format!("dense launch: {e}")))?;
+            prop_assert!(dense.same(&run), "every block listed, but the bits differ from the dense kernel's");
+        }
+    }
+    Ok(())
+}
+
+/// Runs `suite` on the production kernel; prints the worst ratio and the draws' coverage.
+fn run_production(suite: &BlockSuite) {
+    let Some(ctx) = skip_unless_gpu(suite.name) else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let worst = RefCell::new(Worst::default());
+    let (coverage, result) = suite.run(suite.config(), |draw| suite.check(&stream, FLASH_FWD, &worst, draw));
+    if let Err(e) = result {
+        panic!("{}: {e}", suite.name);
+    }
+    println!("{}: worst error/bound {}; coverage {coverage:?}", suite.name, worst.borrow());
+}
+
+#[test]
+fn block_sparse_forward_is_within_bound_bf16() {
+    run_production(&BLOCK_SUITES[0]);
+}
+
+#[test]
+fn block_sparse_forward_is_within_bound_f16() {
+    run_production(&BLOCK_SUITES[1]);
+}
+
+/// The suites' draws, replayed without a device, reach every combination of block sizes, list heads and density,
+/// lists shared by a GQA group, and varlen problems.
+#[test]
+fn the_block_sparse_suites_draw_every_list_feature() {
+    let mut union = BlockCoverage::default();
+    for suite in &BLOCK_SUITES {
+        let (coverage, result) = suite.run(suite.default_config(), |draw| {
+            // Every drawn list is valid: the strategy builds them by the convention.
+            draw.lists.validate(&draw.spec).map_err(|e| TestCaseError::fail(e.to_string()))
+        });
+        assert!(result.is_ok(), "{}: {result:?}", suite.name);
+        for (k, n) in coverage.seen {
+            *union.seen.entry(k).or_default() += n;
+        }
+        union.shared_group_lists += coverage.shared_group_lists;
+        union.varlen += coverage.varlen;
+    }
+    println!("block-sparse suites: {union:?}");
+    assert!(union.unreached().is_empty(), "never drawn: {:?}", union.unreached());
+    assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
+}
+
+/// A list row of `spec` (dense, one sequence) with `entries` then `−1`, in every query block of every head.
+fn uniform_lists(
+    spec: &AttentionSpec,
+    q_block: usize,
+    kv_block: usize,
+    heads: ListHeads,
+    entries: &[i32],
+) -> BlockLists {
+    let n_k = spec.sequences()[0].len_k.div_ceil(kv_block);
+    let rows: Vec<Vec<bool>> = vec![(0..n_k).map(|b| entries.contains(&(b as i32))).collect(); 4096];
+    lists_from(spec, q_block, kv_block, heads, &rows)
+}
+
+/// A query block that lists nothing gets exactly `O = 0` and `LSE = −∞`, next to one that lists blocks.
+#[test]
+fn unlisted_query_blocks_give_zero_and_minus_infinity() {
+    let Some(ctx) = skip_unless_gpu("unlisted_query_blocks_give_zero_and_minus_infinity") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 200, 200, 64, 64, Mask::None);
+    let mut lists = uniform_lists(&spec, 64, 64, ListHeads::PerKvHead, &[1, 3]);
+    lists.lists.slice_axis_mut(ndarray::Axis(2), (1..2).into()).fill(-1);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 3);
+    let run = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("launch");
+    for h in 0..2 {
+        for i in 64..128 {
+            assert_eq!(run.lse[[0, h, i]], f32::NEG_INFINITY, "head {h} row {i}");
+            assert!((0..64).all(|c| run.o[[0, h, i, c]].to_f32() == 0.0), "head {h} row {i}");
+        }
+        assert!(run.lse[[0, h, 0]].is_finite() && run.lse[[0, h, 128]].is_finite());
+    }
+}
+
+/// Every way a list can break the convention is a typed error before any launch, and the device stays usable.
+#[test]
+fn bad_lists_are_typed_errors_before_any_launch() {
+    let Some(ctx) = skip_unless_gpu("bad_lists_are_typed_errors_before_any_launch") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 150, 150, 64, 64, Mask::Causal);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 4);
+    let good = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[0, 1]);
+    let run =
+        |lists: &BlockLists| block_sparse_forward(&stream, &spec, lists, case.q.view(), case.k.view(), case.v.view());
+    let with = |at: [usize; 4], x: i32| {
+        let mut l = good.clone();
+        l.lists[at] = x;
+        l
+    };
+    let fault = |lists: &BlockLists| match run(lists) {
+        Err(GpuError::BlockList { fault, .. }) => fault,
+        other => panic!("expected a block list error, got {:?}", other.map(|_| ())),
+    };
+    assert!(matches!(fault(&with([0, 1, 2, 2], 3)), BlockListFault::OutOfRange { index: 3, .. }));
+    assert!(matches!(fault(&with([0, 0, 0, 1], 0)), BlockListFault::Duplicate { index: 0 }));
+    let mut unsorted = good.clone();
+    unsorted.lists[[0, 0, 1, 0]] = 2;
+    assert!(matches!(fault(&unsorted), BlockListFault::NotAscending { index: 1, previous: 2 }));
+    let mut after_pad = good.clone();
+    after_pad.lists[[0, 0, 1, 0]] = -1;
+    assert!(matches!(fault(&after_pad), BlockListFault::AfterPad { index: 1 }));
+    let mut wide = good.clone();
+    wide.lists = Array4::from_elem((1, 2, 3, 4), -1);
+    assert!(matches!(fault(&wide), BlockListFault::TooWide { width: 4, key_blocks: 3 }));
+    let mismatched = BlockLists { q_block: 128, ..good.clone() };
+    assert!(matches!(run(&mismatched), Err(GpuError::Shape { argument: "lists", .. })));
+    let odd_size = BlockLists { kv_block: 96, ..good.clone() };
+    assert!(matches!(run(&odd_size), Err(GpuError::Unsupported { argument: "kv_block", .. })));
+    // Nothing was launched with a bad list, so the context is intact and a good launch runs.
+    let out = run(&good).expect("a valid launch after the refusals");
+    assert!(out.lse.iter().all(|x| x.is_finite()));
+}
+
+/// Small shapes for `run.sh sanitize` (compute-sanitizer memcheck and racecheck): both block sizes, lists per KV
+/// head over a group of 3, a partial last key block, varlen with an empty sequence, pads and an empty list.
+#[test]
+fn sanitizer_shapes() {
+    let Some(ctx) = skip_unless_gpu("block_sparse::sanitizer_shapes") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let shapes = [
+        (dense(1, 3, 1, 130, 129, 32, 32, Mask::Causal), 64, 128, vec![0, 1]),
+        (dense(1, 2, 2, 65, 200, 64, 64, Mask::Window { left: 70, right: 3 }), 128, 64, vec![1, 3]),
+        (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, vec![0, 2]),
+        (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, vec![]),
+    ];
+    let worst = RefCell::new(Worst::default());
+    for (spec, q_block, kv_block, entries) in shapes {
+        let seqs = spec.sequences();
+        let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
+        let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+        let rows = vec![(0..n_k).map(|b| entries.contains(&(b as i32))).collect::<Vec<_>>(); seqs.len() * 3 * n_q];
+        let lists = lists_from(&spec, q_block, kv_block, ListHeads::PerKvHead, &rows);
+        let draw = BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 };
+        if let Err(e) = check_draw::<bf16>(&stream, FLASH_FWD, &worst, &draw) {
+            panic!("{draw:?}: {e}");
+        }
+    }
+    println!("block_sparse::sanitizer_shapes: worst error/bound {}", worst.borrow());
+}
+
+/// The block-sparse killing cases of the catalog's `BLOCK_SPARSE` mutants: 128-key blocks with pads (so that a pad
+/// read as block 0 and half-visited blocks show), causal with the diagonal block listed, lists per query head in a
+/// GQA group with different lists per head, two sequences with different lists, and a row max at logit scale 20.
+pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
+    let mut out = vec![];
+    let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
+    let lists = uniform_lists(&spec, 64, 128, ListHeads::PerKvHead, &[1]);
+    out.push(("causal_kv128_padded", make_case(&spec, gaussian(1.0), 21), lists));
+    let spec = dense(1, 4, 2, 256, 256, 64, 64, Mask::None);
+    let picks: Vec<Vec<bool>> = (0..16).map(|r| (0..4).map(|b| (r + b) % 3 == 0).collect()).collect();
+    let lists = lists_from(&spec, 64, 64, ListHeads::PerQueryHead, &picks);
+    out.push(("per_query_head_lists", make_case(&spec, gaussian(1.0), 22), lists));
+    let spec = dense(2, 1, 1, 128, 256, 64, 64, Mask::None);
+    let picks: Vec<Vec<bool>> = vec![vec![true, false, false, true], vec![false, true, true, false]];
+    let lists = lists_from(&spec, 128, 64, ListHeads::PerQueryHead, &picks);
+    out.push(("two_sequences", make_case(&spec, gaussian(4.0), 23), lists));
+    out
+}
