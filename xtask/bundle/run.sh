@@ -16,6 +16,8 @@
 #   run.sh sanitize         compute-sanitizer memcheck and racecheck over the small-shape tests in SANITIZE below
 #   run.sh bench [ARGS]     bin/bench (ARGS: --all-tilings, --reps N, ...), then peers.py (PyTorch SDPA flash and
 #                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
+#   run.sh bsa-bench [ARGS] bin/bench --block-sparse (the block-sparse forward on causal 128x128-block lists at 16K,
+#                           64K, 128K), then block_sparse_peers.py (FlexAttention on the same lists) in the same call
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
@@ -83,7 +85,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | ring | peers) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | ring | peers) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -232,6 +234,12 @@ bench)
     read -r -a peers_args <<<"${PEERS_ARGS:-}"
     python3 "$here"/peers.py --ours "$csv" "${peers_args[@]}" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ours.csv"; fi
+    ;;
+bsa-bench)
+    dir="$(mktemp -d)"
+    "$here"/bin/bench --block-sparse --lists-dir "$dir" --csv "$dir/ours.csv" "$@" || exit 1
+    python3 "$here"/block_sparse_peers.py --ours "$dir/ours.csv" --lists "$dir" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$dir/ours.csv" "$OUT/bsa-ours.csv"; fi
     ;;
 ring)
     csv="$(mktemp -d)/ring.csv"

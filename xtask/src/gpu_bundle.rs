@@ -1,6 +1,6 @@
 //! `cargo xtask gpu-bundle`: builds the GPU test binaries and the benchmark binaries in release and copies them, with
 //! `bench/peers.py` and a `run.sh` entry script, into `gpu-bundle/` (ignored by git), so that one call on a GPU machine
-//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|peers]`. The
+//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|bsa-bench|peers]`. The
 //! case checker (`check`) and the PyTorch case dumper (`python/`) ride along for the verdict on PyTorch's kernels.
 //!
 //! The catalog's scratch-built GPU mutants (`Runner::ScratchGpu`) are built here too: each is patched into the scratch
@@ -27,7 +27,7 @@ const PACKAGES: &[&str] = &["attnproof-gpu"];
 const BENCHES: &[(&str, &str)] =
     &[("attnproof-gpu", "bench"), ("attnproof-harness", "ring_bench"), ("attnproof-harness", "check")];
 /// Scripts copied into the bundle's root, relative to the repository root.
-const SCRIPTS: &[&str] = &["bench/peers.py"];
+const SCRIPTS: &[&str] = &["bench/peers.py", "bench/block_sparse_peers.py"];
 /// Scripts copied into the bundle at their own relative paths (they import each other by relative path).
 const TREE_SCRIPTS: &[&str] =
     &["python/attnproof_dump.py", "python/examples/dump_peers.py", "python/examples/peers_table.py"];
@@ -306,7 +306,7 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "ring)", "peers)"] {
+        for mode in ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "bsa-bench)", "ring)", "peers)"] {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));

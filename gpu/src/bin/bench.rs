@@ -8,7 +8,7 @@
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
-//! [--fwd-source PATH]... [--bwd-source PATH]...`. `--all-tilings` also times every
+//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR]]`. `--all-tilings` also times every
 //! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
@@ -16,6 +16,14 @@
 //! backward compiled from another text of the kernel (a whole NVRTC source: `common.cuh` followed by a
 //! `flash_fwd.cu` or `flash_bwd.cu`), in rows whose tiling ends in `@` and the file's name: one device call can then
 //! compare candidate kernels with the embedded ones on the same inputs.
+//!
+//! `--block-sparse` adds the block-sparse forward (`attnproof_gpu::block_sparse`, E14) at B = 1, H = 16, D = 128,
+//! L = 16K, 64K and 128K, causal, 128×128 blocks, with two kinds of lists per query head: the diagonal block plus 8
+//! earlier blocks drawn at random (`top8+diag`), and the diagonal plus each earlier block with probability 1/4
+//! (`quarter+diag`). Its rows (direction `bsa-fwd`) count effective FLOPs, those of the visited blocks only, each as a
+//! full 128×128 block (`4·D·128·128` per visited block and head, the diagonal included), so that the same lists give
+//! the same FLOPs to every peer. `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
+//! `lists-L<L>-<kind>-1x16x<blocks>x<width>.i32`) for `bench/block_sparse_peers.py` to give FlexAttention.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -24,6 +32,7 @@ use std::sync::Arc;
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
+use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -49,6 +58,10 @@ struct Options {
     fwd_sources: Vec<KernelSource>,
     /// `--bwd-source PATH`: other texts of the backward kernel, each timed beside the embedded one.
     bwd_sources: Vec<KernelSource>,
+    /// `--block-sparse`: the block-sparse rows (instead of the dense ones).
+    block_sparse: bool,
+    /// `--lists-dir DIR`: where the block-sparse rows' lists are written for the peers.
+    lists_dir: Option<String>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -74,6 +87,8 @@ fn parse() -> Result<Options, String> {
         shape: None,
         fwd_sources: vec![],
         bwd_sources: vec![],
+        block_sparse: false,
+        lists_dir: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -84,6 +99,8 @@ fn parse() -> Result<Options, String> {
             "--csv" => o.csv = Some(value("--csv")?),
             "--all-tilings" => o.all_tilings = true,
             "--backward" => o.backward = true,
+            "--block-sparse" => o.block_sparse = true,
+            "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
             "--fwd-source" => {
                 let path = value("--fwd-source")?;
                 o.fwd_sources.push(kernel_from_file("--fwd-source", &path, "flash_fwd")?);
@@ -111,6 +128,12 @@ fn parse() -> Result<Options, String> {
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
     }
+    if o.lists_dir.is_some() && !o.block_sparse {
+        return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
+    }
+    if o.block_sparse && (o.backward || o.shape.is_some() || o.all_tilings) {
+        return Err("--block-sparse times its own shapes, forward only".into());
+    }
     if o.reps < 20 {
         return Err("--reps must be at least 20 (the median of fewer launches is too noisy to report)".into());
     }
@@ -120,13 +143,7 @@ fn parse() -> Result<Options, String> {
 /// Deterministic standard-normal-ish bf16 values (Irwin–Hall sum of four uniforms, scaled to unit variance): random
 /// enough that no cache or zero-skipping helps, and cheap enough for a billion elements.
 fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
-    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(seed);
     (0..n)
         .map(|_| {
             let r = next();
@@ -134,6 +151,17 @@ fn random_bf16(n: usize, seed: u64) -> Vec<bf16> {
             bf16::from_f32((sum - 2.0) * 1.732_050_8)
         })
         .collect()
+}
+
+/// A xorshift64 stream from `seed` (never the all-zero state).
+fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    }
 }
 
 struct Inputs {
@@ -220,12 +248,119 @@ fn emit(out: &mut String, line: String) {
 const TIMED_STRATEGIES: [(GpuBackwardStrategy, &str); 2] =
     [(GpuBackwardStrategy::TwoTraversals, "two-traversals"), (GpuBackwardStrategy::KvOwnerAtomic, "kv-owner-atomic")];
 
+/// The block-sparse rows' sequence lengths, heads and head dim (B = 1), and their block size.
+const BLOCK_SPARSE_LENGTHS: [usize; 3] = [16384, 65536, 131072];
+const BLOCK_SPARSE_HEADS: usize = 16;
+const BLOCK_SPARSE_DIM: usize = 128;
+const BLOCK: usize = 128;
+
+/// The two kinds of lists of the block-sparse rows.
+#[derive(Clone, Copy, Debug)]
+enum ListKind {
+    /// The diagonal block and 8 earlier blocks at random (all earlier ones when there are fewer).
+    TopEightAndDiagonal,
+    /// The diagonal block and each earlier block with probability 1/4.
+    QuarterAndDiagonal,
+}
+
+impl ListKind {
+    fn name(self) -> &'static str {
+        match self {
+            ListKind::TopEightAndDiagonal => "top8+diag",
+            ListKind::QuarterAndDiagonal => "quarter+diag",
+        }
+    }
+}
+
+/// Causal lists per query head (`[1, heads, blocks, width]`, width the longest list) and the visited block count.
+fn causal_lists(blocks: usize, heads: usize, kind: ListKind, seed: u64) -> (ndarray::Array4<i32>, usize) {
+    let mut next = xorshift(seed);
+    let rows: Vec<Vec<i32>> = (0..heads * blocks)
+        .map(|row| {
+            let a = row % blocks;
+            let mut chosen: Vec<usize> = match kind {
+                ListKind::TopEightAndDiagonal => {
+                    // A partial Fisher–Yates shuffle of the earlier blocks: the first min(8, a) are a uniform draw.
+                    let mut earlier: Vec<usize> = (0..a).collect();
+                    let take = a.min(8);
+                    for i in 0..take {
+                        let j = i + (next() % (a - i) as u64) as usize;
+                        earlier.swap(i, j);
+                    }
+                    earlier.truncate(take);
+                    earlier
+                }
+                ListKind::QuarterAndDiagonal => (0..a).filter(|_| next() % 4 == 0).collect(),
+            };
+            chosen.push(a);
+            chosen.sort_unstable();
+            chosen.into_iter().map(|b| b as i32).collect()
+        })
+        .collect();
+    let width = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let visited = rows.iter().map(Vec::len).sum();
+    let mut lists = ndarray::Array4::from_elem((1, heads, blocks, width), -1i32);
+    for (row, entries) in rows.iter().enumerate() {
+        for (w, &b) in entries.iter().enumerate() {
+            lists[[0, row / blocks, row % blocks, w]] = b;
+        }
+    }
+    (lists, visited)
+}
+
+/// The block-sparse rows (see the module docs).
+fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    let (h, d) = (BLOCK_SPARSE_HEADS, BLOCK_SPARSE_DIM);
+    for l in BLOCK_SPARSE_LENGTHS {
+        let n = h * l * d;
+        let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
+        for s in 0..SETS as u64 {
+            inputs.q.push(upload(stream, n, 3 * s + 1)?);
+            inputs.k.push(upload(stream, n, 3 * s + 2)?);
+            inputs.v.push(upload(stream, n, 3 * s + 3)?);
+        }
+        let mut o = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
+        let mut lse = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;
+        let spec = AttentionSpec::dense(1, h, h, l, l, d, d).with_mask(Mask::Causal);
+        let blocks = l / BLOCK;
+        for kind in [ListKind::TopEightAndDiagonal, ListKind::QuarterAndDiagonal] {
+            let (lists, visited) = causal_lists(blocks, h, kind, l as u64);
+            if let Some(dir) = &opts.lists_dir {
+                let (_, _, _, width) = lists.dim();
+                let path = format!("{dir}/lists-L{l}-{}-1x{h}x{blocks}x{width}.i32", kind.name());
+                let bytes: Vec<u8> = lists.iter().flat_map(|x| x.to_le_bytes()).collect();
+                std::fs::write(&path, bytes).map_err(|e| format!("write {path}: {e}"))?;
+            }
+            let density = visited as f64 / (h * blocks * (blocks + 1) / 2) as f64;
+            eprintln!(
+                "L = {l}, {}: {visited} visited blocks, {:.2}% of the causal blocks",
+                kind.name(),
+                100.0 * density
+            );
+            let lists = BlockLists { q_block: BLOCK, kv_block: BLOCK, heads: ListHeads::PerQueryHead, lists };
+            let fwd =
+                PreparedForward::<bf16>::block_sparse(stream, &spec, &lists, FLASH_FWD).map_err(|e| e.to_string())?;
+            let ms = median_ms(stream, opts, |s| {
+                fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
+                    .map_err(|e| e.to_string())
+            })?;
+            let flops = 4.0 * (d * BLOCK * BLOCK) as f64 * visited as f64;
+            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-fwd,{},1,{ms:.4},{:.1}\n", kind.name(), flops / ms / 1e9));
+        }
+    }
+    Ok(())
+}
+
 fn run(opts: &Options) -> Result<(), String> {
     let ctx = cuda_device().map_err(|e| e.to_string())?;
     let stream = ctx.new_stream().map_err(|e| e.to_string())?;
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
-    for (b, h, l, d) in SHAPES.into_iter().filter(|s| opts.shape.is_none_or(|only| only == *s)) {
+    if opts.block_sparse {
+        run_block_sparse(opts, &stream, &mut out)?;
+    }
+    let dense_shapes = if opts.block_sparse { &[][..] } else { &SHAPES[..] };
+    for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
         for s in 0..SETS as u64 {

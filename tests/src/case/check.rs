@@ -523,6 +523,21 @@ mod tests {
     use super::*;
     use attnproof_oracle::Layout;
 
+    /// An element exactly at its bound (error/bound = 1) passes the verdict, so it is not in the failing map that
+    /// the failing rectangles are grouped from; one just above is.
+    #[test]
+    fn the_failing_map_uses_the_verdicts_strict_rule() {
+        let arr = |x: &[f64]| ArrayD::from_shape_vec(vec![x.len()], x.to_vec()).unwrap();
+        let (c, o, b) = (arr(&[1.5, 1.5, 1.0]), arr(&[1.0, 1.0, 1.0]), arr(&[0.5, 0.4999, 0.0]));
+        match compared("O", c.view(), o.view(), b.view()) {
+            Eval::Compared { verdict, failing } => {
+                assert_eq!(failing.iter().copied().collect::<Vec<_>>(), [false, true, false]);
+                assert!(!verdict.passed());
+            }
+            _ => panic!("a comparison"),
+        }
+    }
+
     #[test]
     fn scores_count_every_head_of_every_sequence() {
         // 4 query heads over sequences of 3×5 and 0×7 and 2×2 scores.
@@ -530,6 +545,46 @@ mod tests {
         let spec = AttentionSpec { layout: varlen, ..AttentionSpec::dense(1, 4, 2, 1, 1, 8, 8) };
         assert_eq!(score_count(&spec), 4 * (15 + 2 * 2));
         assert_eq!(score_count(&AttentionSpec::dense(2, 3, 1, 6, 10, 8, 8)), 2 * 3 * 60);
+    }
+
+    /// The names of the alignment hypotheses tried for a `[1, 2, L, 4]` case with the given masks metadata.
+    fn alignment_hypotheses(len_q: usize, len_k: usize, meta: &[(&str, &str)]) -> Vec<String> {
+        use crate::case::build::CaseBuilder;
+        use crate::case::safetensors::Dtype;
+        let zeros = |shape: &[usize]| ArrayD::<f64>::zeros(shape.to_vec());
+        let mut builder = CaseBuilder::new()
+            .tensor("q", Dtype::Bf16, &zeros(&[1, 2, len_q, 4]))
+            .tensor("k", Dtype::Bf16, &zeros(&[1, 2, len_k, 4]))
+            .tensor("v", Dtype::Bf16, &zeros(&[1, 2, len_k, 4]))
+            .tensor("o", Dtype::Bf16, &zeros(&[1, 2, len_q, 4]))
+            .meta("format_version", "1")
+            .meta("layout", "bhld")
+            .meta("recipe", "bf16-in/f32-acc/p-bf16");
+        for (key, value) in meta {
+            builder = builder.meta(key, value);
+        }
+        let case = super::super::format::from_bytes(&builder.bytes()).expect("a valid case");
+        hypotheses(&case).into_iter().map(|(h, _)| h.name).filter(|n| n.contains("alignment")).collect()
+    }
+
+    /// The other alignment is tried exactly where it changes the mask: a causal mask or a window (one-sided ones
+    /// included) with Lq ≠ Lk. A square problem, or one without a mask to place, has one mask for both alignments,
+    /// and a hypothesis equal to the statement could never explain a failure.
+    #[test]
+    fn the_other_alignment_is_tried_only_where_it_moves_the_mask() {
+        let causal = [("causal", "true")];
+        assert_eq!(alignment_hypotheses(5, 7, &causal).len(), 1);
+        assert!(alignment_hypotheses(5, 7, &causal)[0].starts_with("causal alignment"));
+        assert!(alignment_hypotheses(6, 6, &causal).is_empty(), "square causal");
+        assert!(alignment_hypotheses(5, 7, &[("causal", "false")]).is_empty(), "no mask");
+        for window in
+            [vec![("window_left", "3")], vec![("window_right", "1")], vec![("window_left", "3"), ("window_right", "1")]]
+        {
+            let named = alignment_hypotheses(5, 7, &window);
+            assert_eq!(named.len(), 1, "{window:?}: {named:?}");
+            assert!(named[0].starts_with("window alignment"), "{named:?}");
+            assert!(alignment_hypotheses(7, 7, &window).is_empty(), "square {window:?}");
+        }
     }
 
     #[test]

@@ -96,6 +96,20 @@ fn zero_and_indivisible_head_counts_are_named() {
     assert_names(&zero_d.bytes(), "q");
     let zero_dv = valid().tensor("v", Dtype::Bf16, &tensor(&[1, 2, 7, 0], 3)).without("o");
     assert_names(&zero_dv.bytes(), "q");
+    // Each zero alone is refused by the zero check itself (a zero among nonzero sizes must not slip through to a
+    // later, less precise error): d = 0 with dv = 4, dv = 0 with d = 4, and no query head over two KV heads.
+    let zero_only_d = valid()
+        .tensor("q", Dtype::Bf16, &tensor(&[1, 2, 5, 0], 1))
+        .tensor("k", Dtype::Bf16, &tensor(&[1, 2, 7, 0], 2))
+        .without("o");
+    let no_query_head = valid()
+        .tensor("q", Dtype::Bf16, &tensor(&[1, 0, 5, 4], 1))
+        .tensor("o", Dtype::Bf16, &tensor(&[1, 0, 5, 4], 4))
+        .tensor("lse", Dtype::F32, &tensor(&[1, 0, 5], 5));
+    for (what, builder) in [("d = 0", zero_only_d), ("dv = 0", zero_dv), ("Hq = 0", no_query_head)] {
+        let e = error_of(&builder.bytes());
+        assert!(e.contains("tensor `q`: has a zero head count or head dimension"), "{what}: {e}");
+    }
 }
 
 #[test]

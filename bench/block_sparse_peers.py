@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Times FlexAttention's block-sparse forward on the lists of `bench --block-sparse` and prints one table beside ours.
+
+The bench binary writes each list tensor it timed (`--lists-dir DIR`: raw little-endian int32,
+`lists-L<L>-<kind>-1x<H>x<blocks>x<width>.i32`, ascending per query block, -1-padded) and its rows (direction
+`bsa-fwd`, tiling column = the list kind). This script gives FlexAttention the same lists through
+`BlockMask.from_kv_blocks`: the diagonal block of each query block as a partial block (the causal mask_mod runs
+there) and every earlier listed block as a full block (no mask_mod), which is what the lists mean under a causal mask
+with 128x128 blocks. Method as bench/peers.py: bf16 inputs at random, three input sets cycled launch by launch,
+untimed warm-up, the median of --reps launches bracketed by CUDA events. Effective FLOPs are the bench binary's:
+4*D*128*128 per visited block and head (each block counted whole), so ours and Flex's TFLOP/s divide the same count.
+
+Usage: python3 bench/block_sparse_peers.py --ours ours.csv --lists DIR [--reps 30] [--warmup 5] [--csv peers.csv]
+Run it in the same device call as the bench binary.
+"""
+
+import argparse
+import csv
+import glob
+import math
+import os
+import re
+import statistics
+import sys
+
+import numpy as np
+import torch
+
+BLOCK = 128
+SETS = 3
+NAME = re.compile(r"lists-L(\d+)-(.+)-1x(\d+)x(\d+)x(\d+)\.i32$")
+
+
+def median_ms(fn, sets, reps, warmup):
+    for i in range(warmup):
+        fn(*sets[i % SETS])
+    pairs = []
+    for i in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*sets[i % SETS])
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def block_mask_from_lists(lists, seq_len):
+    """A Flex BlockMask with the same visited blocks: the diagonal partial (causal mask_mod), the rest full."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    _, heads, blocks, _ = lists.shape
+    listed = lists >= 0
+    diagonal = np.arange(blocks, dtype=np.int32).reshape(1, 1, blocks)
+    has_diagonal = (lists == diagonal[..., None]).any(axis=-1)
+    if not has_diagonal.all():
+        sys.exit("block_sparse_peers: every list must hold its diagonal block (bench --block-sparse lists do)")
+    full = np.where(listed & (lists != diagonal[..., None]), lists, -1)
+    full_num = (full >= 0).sum(axis=-1).astype(np.int32)
+    # Flex wants [B, H, Q blocks, KV blocks] index tensors whose valid prefix holds the blocks; the rest is ignored.
+    full_idx = np.zeros((1, heads, blocks, blocks), dtype=np.int32)
+    for h in range(heads):
+        for a in range(blocks):
+            row = full[0, h, a]
+            row = row[row >= 0]
+            full_idx[0, h, a, : len(row)] = row
+    partial_num = np.ones((1, heads, blocks), dtype=np.int32)
+    partial_idx = np.zeros((1, heads, blocks, blocks), dtype=np.int32)
+    partial_idx[..., 0] = np.broadcast_to(diagonal, (1, heads, blocks))
+    t = lambda x: torch.from_numpy(x).cuda()
+    return BlockMask.from_kv_blocks(
+        t(partial_num),
+        t(partial_idx),
+        t(full_num),
+        t(full_idx),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=lambda b, h, q, k: q >= k,
+        seq_lengths=(seq_len, seq_len),
+    )
+
+
+def read_ours(path):
+    ours = {}
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row["direction"] == "bsa-fwd":
+                ours[(row["shape"], row["tiling"])] = float(row["ms"])
+    return ours
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--lists", required=True)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--csv")
+    args = ap.parse_args()
+    if args.reps < 20:
+        sys.exit("--reps must be at least 20")
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    ours = read_ours(args.ours)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for path in sorted(glob.glob(os.path.join(args.lists, "lists-*.i32")), key=lambda p: int(NAME.search(p).group(1))):
+        m = NAME.search(path)
+        seq_len, kind, heads, blocks, width = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5])
+        lists = np.fromfile(path, dtype="<i4").reshape(1, heads, blocks, width)
+        visited = int((lists >= 0).sum())
+        d = 128
+        fl = 4.0 * d * BLOCK * BLOCK * visited
+        shape = f"(1,{heads},{seq_len},{d})"
+        mask = block_mask_from_lists(lists, seq_len)
+        sets = [
+            tuple(torch.randn(1, heads, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            for _ in range(SETS)
+        ]
+        try:
+            flex_ms = median_ms(lambda q, k, v: compiled(q, k, v, block_mask=mask), sets, args.reps, args.warmup)
+        except Exception as e:  # a refusal is a row entry, not a crash
+            print(f"block_sparse_peers: flex {shape} {kind}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+            flex_ms = math.nan
+        ours_ms = ours.get((shape, kind), math.nan)
+        density = visited / (heads * blocks * (blocks + 1) / 2)
+        rows.append((shape, kind, density, ours_ms, flex_ms, fl))
+        print(f"block_sparse_peers: {shape} {kind}: ours {ours_ms:.4f} ms, flex {flex_ms:.4f} ms", file=sys.stderr, flush=True)
+        del sets, mask
+        torch.cuda.empty_cache()
+    tf = lambda fl, ms: fl / ms / 1e9 if ms == ms and ms > 0 else math.nan
+    print(f"{'shape':<20} {'lists':<13} {'density':>8} {'ours ms':>8} {'ours TF':>8} {'flex ms':>8} {'flex TF':>8} {'/flex':>6}")
+    for shape, kind, density, ours_ms, flex_ms, fl in rows:
+        print(
+            f"{shape:<20} {kind:<13} {100 * density:>7.2f}% {ours_ms:>8.3f} {tf(fl, ours_ms):>8.1f} "
+            f"{flex_ms:>8.3f} {tf(fl, flex_ms):>8.1f} {flex_ms / ours_ms:>6.2f}"
+        )
+    print("density: visited blocks / causal blocks; ratio = flex ms / ours ms (above 1: ours is faster)")
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["shape", "lists", "density", "ours_ms", "flex_ms", "effective_flops"])
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
