@@ -290,7 +290,7 @@ fn causal_lists(blocks: usize, heads: usize, kind: ListKind, seed: u64) -> (ndar
                     earlier.truncate(take);
                     earlier
                 }
-                ListKind::QuarterAndDiagonal => (0..a).filter(|_| next() % 4 == 0).collect(),
+                ListKind::QuarterAndDiagonal => (0..a).filter(|_| next().is_multiple_of(4)).collect(),
             };
             chosen.push(a);
             chosen.sort_unstable();
