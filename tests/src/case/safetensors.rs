@@ -431,3 +431,77 @@ impl Parser<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file of `header` (the JSON text as given) followed by `data`.
+    fn file(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut out = (header.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(data);
+        out
+    }
+
+    /// Two F32 tensors of two elements at the given byte ranges, over 16 bytes of data.
+    fn two_tensors(a: [usize; 2], b: [usize; 2]) -> Vec<u8> {
+        let entry = |name: &str, [begin, end]: [usize; 2]| {
+            format!("\"{name}\":{{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[{begin},{end}]}}")
+        };
+        file(&format!("{{{},{}}}", entry("a", a), entry("b", b)), &[0u8; 16])
+    }
+
+    fn error_of(bytes: &[u8]) -> String {
+        match parse(bytes) {
+            Ok(_) => panic!("a bad file parsed"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_header_at_the_size_limit_is_read_and_one_byte_more_is_refused() {
+        let limit = MAX_HEADER_BYTES as usize;
+        // JSON allows the padding spaces, as the writer's own alignment relies on.
+        let at_limit = format!("{{}}{}", " ".repeat(limit - 2));
+        assert!(parse(&file(&at_limit, &[])).is_ok());
+        let above = format!("{at_limit} ");
+        assert!(error_of(&file(&above, &[])).contains("exceeds the limit"));
+    }
+
+    #[test]
+    fn tensors_may_touch_but_not_overlap() {
+        assert!(parse(&two_tensors([0, 8], [8, 16])).is_ok());
+        assert!(parse(&two_tensors([8, 16], [0, 8])).is_ok(), "order in the header does not matter");
+        assert!(error_of(&two_tensors([0, 8], [4, 12])).contains("overlaps tensor `a`"));
+        assert!(error_of(&two_tensors([4, 12], [0, 8])).contains("overlaps tensor `b`"));
+    }
+
+    #[test]
+    fn data_offsets_are_exactly_two_non_decreasing_integers() {
+        let one = |offsets: &str| {
+            file(&format!("{{\"a\":{{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":{offsets}}}}}"), &[0u8; 16])
+        };
+        assert!(parse(&one("[0,8]")).is_ok());
+        assert!(error_of(&one("[0,8,16]")).contains("malformed `data_offsets`"));
+        assert!(error_of(&one("[8]")).contains("malformed `data_offsets`"));
+        assert!(error_of(&one("[8,0]")).contains("two non-decreasing integers"));
+    }
+
+    /// The writer pads the header with spaces to a multiple of 8 bytes, whatever the names' lengths, and what it writes
+    /// parses back to the same tensors and metadata.
+    #[test]
+    fn written_headers_are_8_byte_aligned_and_read_back() {
+        let tensor = RawTensor { dtype: Dtype::F32, shape: vec![1], bytes: 1.5f32.to_le_bytes().to_vec() };
+        for name_len in 1..=9 {
+            let name = "x".repeat(name_len);
+            let metadata = BTreeMap::from([("k".to_owned(), "v".to_owned())]);
+            let bytes = write(&[(name.as_str(), &tensor)], &metadata);
+            let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+            assert_eq!(header_len % 8, 0, "name of {name_len} bytes");
+            let back = parse(&bytes).expect("the writer's output parses");
+            assert_eq!(back.tensors.get(&name), Some(&tensor));
+            assert_eq!(back.metadata, metadata);
+        }
+    }
+}
