@@ -9,7 +9,8 @@
 //! - [`attention`]: whole problems with batch, heads, GQA and varlen, validated;
 //! - [`spec`]: shapes, masks, scale; [`error`]: typed errors; [`cost`]: the cost model (E1d, E31, E32);
 //! - sparse attention: [`selection`] (E12, E13, E17), [`block_sparse`] (E14), [`block_scores`] (E15), [`dsa`] (E16),
-//!   [`nsa`] (E18–E20), [`hils`] (E21), [`pisa`] (E22–E24), [`pyramid`] (E25–E30);
+//!   [`bsa`] (E15 block selection for E14 lists), [`nsa`] (E18–E20), [`hils`] (E21), [`pisa`] (E22–E24),
+//!   [`pyramid`] (E25–E30);
 //! - shared helpers: [`vector`] (dot, log-sum-exp, softmax, block means), [`topk`] (top-k with
 //!   the tie and padding conventions, index-list validation), [`inputs`] (deterministic inputs).
 //!
@@ -19,6 +20,7 @@
 pub mod attention;
 pub mod block_scores;
 pub mod block_sparse;
+pub mod bsa;
 pub mod cost;
 pub mod dense;
 pub mod dsa;
