@@ -9,6 +9,7 @@
 
 pub mod backward;
 pub mod block_scores;
+pub mod bsa_bound;
 pub mod definition;
 pub mod dsa;
 pub mod f64_oracle_bound;

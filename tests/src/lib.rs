@@ -6,6 +6,7 @@
 
 pub mod adversarial;
 pub mod backward;
+pub mod block_selection;
 pub mod candidate;
 pub mod case;
 pub mod coverage;
