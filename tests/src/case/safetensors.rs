@@ -459,6 +459,56 @@ mod tests {
         }
     }
 
+    fn json(text: &str) -> Result<Json, CaseError> {
+        Parser { text: text.as_bytes(), at: 0 }.document()
+    }
+
+    /// Literals, numbers, nested arrays and every escape of a string parse to what they say, and the parser resumes
+    /// after each at the right byte (a following field still parses).
+    #[test]
+    fn the_parser_reads_every_value_kind_and_escape() {
+        let text =
+            r#"{"t":true,"f":false,"n":null,"x":[1,-2.5e3,[]],"s":"a\"b\\c\/d\ne\tf\rg\bh\fi\u0041\u00e9j","z":0}"#;
+        let Json::Object(fields) = json(text).unwrap() else { panic!("an object") };
+        let get = |k: &str| fields.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap();
+        assert_eq!(get("t"), Json::Bool(true));
+        assert_eq!(get("f"), Json::Bool(false));
+        assert_eq!(get("n"), Json::Null);
+        assert_eq!(
+            get("x"),
+            Json::Array(vec![Json::Number("1".into()), Json::Number("-2.5e3".into()), Json::Array(vec![])])
+        );
+        assert_eq!(get("s"), Json::String("a\"b\\c/d\ne\tf\rg\u{8}h\u{c}iA\u{e9}j".into()));
+        assert_eq!(get("z"), Json::Number("0".into()));
+        for bad in
+            [r#"{"a":tru}"#, r#"{"a":"\q"}"#, r#"{"a":"\u00"}"#, r#"{"a":"\u00zz"}"#, r#"{"a":"x"#, r#"{"a":1} x"#]
+        {
+            assert!(json(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// Nesting is refused one level past the limit, objects and arrays alike, and accepted at it.
+    #[test]
+    fn nesting_is_limited_at_exactly_max_depth() {
+        let nested =
+            |open: &str, close: &str, levels: usize| format!("{}1{}", open.repeat(levels), close.repeat(levels));
+        // The document's outer object is depth 0, its field's value depth 1: inside `levels` arrays (or objects) the
+        // innermost value `1` is at depth `levels + 1`, refused above `MAX_DEPTH`.
+        let arrays = |levels| format!("{{\"a\":{}}}", nested("[", "]", levels));
+        let objects = |levels| format!("{{\"a\":{}}}", nested("{\"b\":", "}", levels));
+        assert!(json(&arrays(MAX_DEPTH - 1)).is_ok());
+        assert!(json(&arrays(MAX_DEPTH)).unwrap_err().to_string().contains("nesting too deep"));
+        assert!(json(&objects(MAX_DEPTH - 1)).is_ok());
+        assert!(json(&objects(MAX_DEPTH)).unwrap_err().to_string().contains("nesting too deep"));
+    }
+
+    /// The writer escapes every control character, not only the three with short escapes.
+    #[test]
+    fn json_strings_escape_every_control_character() {
+        assert_eq!(json_string("a\u{1}b\u{1f}\n\"\\"), r#""a\u0001b\u001f\n\"\\""#);
+        assert_eq!(json_string(" ~"), r#"" ~""#);
+    }
+
     #[test]
     fn a_header_at_the_size_limit_is_read_and_one_byte_more_is_refused() {
         let limit = MAX_HEADER_BYTES as usize;
