@@ -10,6 +10,9 @@ with 128x128 blocks. Method as bench/peers.py: bf16 inputs at random, three inpu
 untimed warm-up, the median of --reps launches bracketed by CUDA events. Effective FLOPs are the bench binary's:
 4*D*128*128 per visited block and head (each block counted whole), so ours and Flex's TFLOP/s divide the same count.
 
+The second table times block selection: ours (`bsa-select` rows) beside the PyTorch baseline `torch_selection`
+below (mean-pool, score every block pair, group sum, causal mask, top-8), on inputs of the same shapes.
+
 Usage: python3 bench/block_sparse_peers.py --ours ours.csv --lists DIR [--reps 30] [--warmup 5] [--csv peers.csv]
 Run it in the same device call as the bench binary.
 """
@@ -79,13 +82,54 @@ def block_mask_from_lists(lists, seq_len):
     )
 
 
-def read_ours(path):
+def read_ours(path, direction):
     ours = {}
     with open(path) as f:
         for row in csv.DictReader(f):
-            if row["direction"] == "bsa-fwd":
+            if row["direction"] == direction:
                 ours[(row["shape"], row["tiling"])] = float(row["ms"])
     return ours
+
+
+def torch_selection(q, k, top_k):
+    """The PyTorch baseline of block selection, as a model implementation would write it: mean-pool queries and keys
+    per 128-block, score every (query block, key block) pair per query head, sum the scores over each GQA group, mask
+    the causal future, take the top-k (ties: torch.topk's order) and sort the indices."""
+    b, hq, l, d = q.shape
+    hkv, n = k.shape[1], l // BLOCK
+    qp = q.view(b, hq, n, BLOCK, d).float().mean(3)
+    kp = k.view(b, hkv, n, BLOCK, d).float().mean(3)
+    kp = kp.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.matmul(qp, kp.transpose(-1, -2)) / math.sqrt(d)
+    scores = scores.view(b, hkv, hq // hkv, n, n).sum(2)
+    future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), diagonal=1)
+    scores = scores.masked_fill(future, float("-inf"))
+    return torch.topk(scores, top_k, dim=-1).indices.sort(dim=-1).values
+
+
+def selection_table(ours_path, reps, warmup):
+    """Times the baseline on the shapes of our `bsa-select` rows (16 query heads over 2 KV heads, D = 128)."""
+    ours = read_ours(ours_path, "bsa-select")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print(f"{'shape':<20} {'ours ms':>8} {'torch ms':>9} {'speed-up':>9}")
+    for (shape, tiling), ours_ms in sorted(ours.items(), key=lambda kv: int(kv[0][0].split(",")[2])):
+        l = int(shape.split(",")[2])
+        sets = [
+            (
+                torch.randn(1, 16, l, 128, device="cuda", dtype=torch.bfloat16, generator=gen),
+                torch.randn(1, 2, l, 128, device="cuda", dtype=torch.bfloat16, generator=gen),
+            )
+            for _ in range(SETS)
+        ]
+        try:
+            torch_ms = median_ms(lambda q, k: torch_selection(q, k, 8), sets, reps, warmup)
+        except Exception as e:  # out of memory at the longest lengths is a row entry
+            print(f"block_sparse_peers: torch selection {shape}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+            torch_ms = math.nan
+        print(f"{shape:<20} {ours_ms:>8.3f} {torch_ms:>9.3f} {torch_ms / ours_ms:>9.1f}")
+        del sets
+        torch.cuda.empty_cache()
+    print("speed-up = torch ms / ours ms (the target is at least 10 at 256K)")
 
 
 def main():
@@ -101,7 +145,7 @@ def main():
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
-    ours = read_ours(args.ours)
+    ours = read_ours(args.ours, "bsa-fwd")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for path in sorted(glob.glob(os.path.join(args.lists, "lists-*.i32")), key=lambda p: int(NAME.search(p).group(1))):
@@ -136,6 +180,8 @@ def main():
             f"{flex_ms:>8.3f} {tf(fl, flex_ms):>8.1f} {flex_ms / ours_ms:>6.2f}"
         )
     print("density: visited blocks / causal blocks; ratio = flex ms / ours ms (above 1: ours is faster)")
+    print()
+    selection_table(args.ours, args.reps, args.warmup)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)

@@ -102,6 +102,22 @@ struct BlockListParams {
     int heads_per_list;       // query heads that share one list head: 1 (lists per query head) or the GQA group
 };
 
+// The scalars of bsa_select.cu's block selection (BSA): the problem (Q and K layout, lengths, group, d) and the
+// selector's parameters.
+struct BsaParams {
+    FlashParams flash;      // the problem; the value and output fields are unused
+    double scale;           // α in f64: fl64(1/√d) or the spec's scale
+    int q_block;            // query rows per query block
+    int kv_block;           // keys per key block
+    int top_k;              // entries per list, forced blocks included
+    int force_first;        // 1: key block 0 is always kept (when eligible)
+    int force_local;        // how many of the last eligible blocks are always kept
+    int causal;             // 1: bottom-right causal eligibility; 0: every key block of the sequence
+    int n_heads_kv;         // KV heads (lists and pooled keys are per KV head)
+    int n_key_blocks;       // key blocks of the longest sequence (the pooled keys' and the scores' extent)
+    long long pooled_queries_at;  // element of the f64 workspace where the pooled queries start (after the keys)
+};
+
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
 // builtin, is a constant expression, which is all a static_assert needs.
 #define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
@@ -153,6 +169,19 @@ PARAM_AT(BlockListParams, width, 16);
 PARAM_AT(BlockListParams, q_block, 20);
 PARAM_AT(BlockListParams, tiles_per_block, 24);
 PARAM_AT(BlockListParams, heads_per_list, 28);
+
+PARAM_SIZE(BsaParams, 200);
+PARAM_AT(BsaParams, flash, 0);
+PARAM_AT(BsaParams, scale, 152);
+PARAM_AT(BsaParams, q_block, 160);
+PARAM_AT(BsaParams, kv_block, 164);
+PARAM_AT(BsaParams, top_k, 168);
+PARAM_AT(BsaParams, force_first, 172);
+PARAM_AT(BsaParams, force_local, 176);
+PARAM_AT(BsaParams, causal, 180);
+PARAM_AT(BsaParams, n_heads_kv, 184);
+PARAM_AT(BsaParams, n_key_blocks, 188);
+PARAM_AT(BsaParams, pooled_queries_at, 192);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);

@@ -330,17 +330,7 @@ fn function(
     let name = kernel.name();
     let func = module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_bwd)", e))?;
     if shared > 48 * 1024 {
-        let limit = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
-        if shared as i64 > limit as i64 {
-            return Err(GpuError::Unsupported {
-                argument: "head_dim",
-                reason: format!("`{name}` needs {shared} bytes of shared memory, the device allows {limit}"),
-            });
-        }
-        func.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared as i32)
-            .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
+        compile::allow_shared_memory(ctx, &func, shared as usize, "head_dim")?;
         // All of the SM's unified L1/shared storage as shared memory, so that two CTAs of the four-warp tiling fit.
         func.set_attribute(CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
             .map_err(|e| GpuError::driver("cuFuncSetAttribute(shared memory carveout)", e))?;

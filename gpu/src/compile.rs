@@ -19,6 +19,7 @@
 //!   from `sm_75`). It runs on the A100 (8.0), the consumer Ampere and Ada parts (8.6, 8.9) and everything later.
 //! - `flash_bwd` needs 9.0: `bwd_kv` stores dS with `stmatrix` and adds dQ with the vector reduction
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
+//! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -71,12 +72,17 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 3] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 4] = [
     DeviceRequirement { kernel: "flash_fwd", needs: (8, 0), instructions: "cp.async and bf16/f16 mma.sync.m16n8k16" },
     DeviceRequirement {
         kernel: "flash_bwd",
         needs: (9, 0),
         instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
+    },
+    DeviceRequirement {
+        kernel: "bsa_select",
+        needs: (7, 5),
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
     },
     DeviceRequirement {
         kernel: "ring_state",
@@ -179,6 +185,34 @@ pub fn module_from_source(
     let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| GpuError::driver("cuModuleLoadData", e))?;
     map.insert(key, module.clone());
     Ok(module)
+}
+
+/// Lets `func` use `bytes` of dynamic shared memory: above the default 48 KiB it asks the device's opt-in limit and
+/// sets the function attribute, or answers [`GpuError::Unsupported`] naming `argument` (what made the need grow) when
+/// the device allows less.
+pub(crate) fn allow_shared_memory(
+    ctx: &Arc<CudaContext>,
+    func: &cudarc::driver::CudaFunction,
+    bytes: usize,
+    argument: &'static str,
+) -> Result<(), GpuError> {
+    if bytes <= 48 * 1024 {
+        return Ok(());
+    }
+    let limit = ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
+    if bytes as i64 > limit as i64 {
+        return Err(GpuError::Unsupported {
+            argument,
+            reason: format!("needs {bytes} bytes of shared memory, the device allows {limit}"),
+        });
+    }
+    func.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        bytes as i32,
+    )
+    .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))
 }
 
 /// Whether NVRTC can be loaded here. It needs no device: kernels compile on any machine that has it.

@@ -62,7 +62,6 @@ use std::sync::Arc;
 
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
@@ -214,22 +213,7 @@ fn load_forward(
     let ctx = stream.context();
     let module = compile::module(ctx, kernel, &plan.defines)?;
     let func = module.load_function("flash_fwd").map_err(|e| GpuError::driver("cuModuleGetFunction(flash_fwd)", e))?;
-    if plan.shared_bytes > 48 * 1024 {
-        let limit = ctx
-            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
-        if plan.shared_bytes as i64 > limit as i64 {
-            return Err(GpuError::Unsupported {
-                argument: "head_dim",
-                reason: format!("needs {} bytes of shared memory, the device allows {limit}", plan.shared_bytes),
-            });
-        }
-        func.set_attribute(
-            CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            plan.shared_bytes as i32,
-        )
-        .map_err(|e| GpuError::driver("cuFuncSetAttribute(max dynamic shared memory)", e))?;
-    }
+    compile::allow_shared_memory(ctx, &func, plan.shared_bytes as usize, "head_dim")?;
     let cfg =
         LaunchConfig { grid_dim: plan.grid, block_dim: (plan.threads, 1, 1), shared_mem_bytes: plan.shared_bytes };
     Ok(Some((func, cfg)))
@@ -420,7 +404,7 @@ pub struct ForwardOutput<T> {
 }
 
 /// Checks a host tensor's shape, layout and values and returns it as a row-major slice.
-fn host_input<'a, T: GpuElement>(
+pub(crate) fn host_input<'a, T: GpuElement>(
     spec: &AttentionSpec,
     argument: &'static str,
     operand: Operand,

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConf
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
-use crate::params::{BackwardParams, BlockListParams, FlashParams, RingStateParams};
+use crate::params::{BackwardParams, BlockListParams, BsaParams, FlashParams, RingStateParams};
 
 /// Whether the CUDA driver library can be loaded.
 pub(crate) fn driver_library_present() -> bool {
@@ -104,6 +104,9 @@ unsafe impl DeviceRepr for RingStateParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (two `i64` and four `i32` fields, no padding), its layout
 // pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for BlockListParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64` and eight `i32` fields, no
+// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for BsaParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -326,5 +329,55 @@ pub(crate) fn launch_flash_backward<T>(
     // buffers are borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel
     // runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(which.launch_call(), e))?;
+    Ok(())
+}
+
+/// Launches `bsa_pool_keys` or `bsa_pool_queries` (gpu/kernels/bsa_select.cu, `func`) on `stream`: the mean of every
+/// key block (query block) of `x` into the f64 workspace `pooled`.
+///
+/// Preconditions, established by `block_sparse::select`: `func` is one of the two, compiled for the element type `T`;
+/// `x` holds the spec's K (for `bsa_pool_keys`) or Q (for `bsa_pool_queries`), which the strides and lengths of
+/// `params.flash`, or the validated `cu_seqlens` `cu`, describe; `pooled` holds the workspace of
+/// `block_sparse::select::workspace_len` f64 (the keys' `B · n_heads_kv · n_key_blocks · d`, then from
+/// `params.pooled_queries_at` the queries' `B · n_heads_q · n_query_blocks · d`); `cfg`'s grid is `(blocks, heads, B)`
+/// of the pooled side with the kernels' 128 threads per block.
+pub(crate) fn launch_bsa_pool<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (x, pooled): (&CudaSlice<T>, &mut CudaSlice<f64>),
+    cu: &CudaSlice<i32>,
+    params: &BsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(x).arg(pooled).arg(cu).arg(params);
+    // SAFETY: the arguments match `bsa_pool_keys` and `bsa_pool_queries` (`const elem_t*, double* pooled, const int*
+    // cu_seqlens, const BsaParams`) in order and type; every index the kernel forms lies in the buffers the caller
+    // sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_pool_*)", e))?;
+    Ok(())
+}
+
+/// Launches `bsa_select` (gpu/kernels/bsa_select.cu) on `stream`: one list per (query block, KV head, sequence).
+///
+/// Preconditions, established by `block_sparse::select`: `func` is `bsa_select`; `pooled` holds the pooled keys and
+/// queries `bsa_pool_keys` and `bsa_pool_queries` wrote for the same spec and parameters; `lists` holds
+/// `B · n_heads_kv · n_query_blocks · top_k` i32 with `n_query_blocks` the grid's x extent; `cfg` has the kernel's
+/// 256 threads and dynamic shared memory for `d + n_key_blocks` f64 and `n_key_blocks` bytes, which the
+/// function attribute allows.
+pub(crate) fn launch_bsa_select(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (pooled, lists): (&CudaSlice<f64>, &mut CudaSlice<i32>),
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &BsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(pooled).arg(lists).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `bsa_select(const double* pooled, int* lists, const int* cu_q, const int* cu_k,
+    // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
+    // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
     Ok(())
 }

@@ -58,7 +58,7 @@ pub struct ModuleVariant {
 }
 
 /// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
-/// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
+/// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
 /// finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
 pub fn module_variants<T: GpuElement>(
     spec: &AttentionSpec,
@@ -76,6 +76,7 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_BWD, with(&bwd, backward::KV_ACCUM)),
         variant(compile::FLASH_BWD, bwd),
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
+        variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
     ])
 }
 
@@ -186,7 +187,7 @@ mod tests {
                 .unwrap();
         let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
         kernels.dedup();
-        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state"]);
+        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select"]);
         for kernel in kernels {
             assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");
         }

@@ -3,7 +3,7 @@
 //! [`FlashParams`] (the attention problem's scalars: layout, lengths, GQA group, head dims, strides, scale, window
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of `flash_fwd`'s block-sparse
-//! mode.
+//! mode; [`BsaParams`] for `bsa_select.cu`'s block selection.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -114,6 +114,35 @@ pub(crate) struct BlockListParams {
     pub tiles_per_block: i32,
     /// Query heads sharing one list head: 1, or the GQA group when the lists are per KV head.
     pub heads_per_list: i32,
+}
+
+/// The block selector's scalars (`struct BsaParams` of `common.cuh`), read by `bsa_select.cu`'s `bsa_pool_keys` and
+/// `bsa_select`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct BsaParams {
+    /// The problem (Q and K layout, lengths, group, head dim).
+    pub flash: FlashParams,
+    /// The softmax scale in f64.
+    pub scale: f64,
+    /// Query rows per query block.
+    pub q_block: i32,
+    /// Keys per key block.
+    pub kv_block: i32,
+    /// Entries per list.
+    pub top_k: i32,
+    /// 1 when key block 0 is always kept.
+    pub force_first: i32,
+    /// How many of the last eligible blocks are always kept.
+    pub force_local: i32,
+    /// 1 for bottom-right causal eligibility.
+    pub causal: i32,
+    /// KV heads.
+    pub n_heads_kv: i32,
+    /// Key blocks of the longest sequence.
+    pub n_key_blocks: i32,
+    /// Element of the f64 workspace where the pooled queries start.
+    pub pooled_queries_at: i64,
 }
 
 /// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
@@ -323,6 +352,19 @@ mod tests {
             rust_layout!(BackwardParams { flash, part_stride, total_k, dq_mode, n_chunks, n_heads_q, finalize_mode }),
             rust_layout!(RingStateParams { rows, rows_per_head, dv, varlen, n_heads, reserved }),
             rust_layout!(BlockListParams { seq_stride, head_stride, width, q_block, tiles_per_block, heads_per_list }),
+            rust_layout!(BsaParams {
+                flash,
+                scale,
+                q_block,
+                kv_block,
+                top_k,
+                force_first,
+                force_local,
+                causal,
+                n_heads_kv,
+                n_key_blocks,
+                pooled_queries_at
+            }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

@@ -16,7 +16,9 @@
 //! - the dot product over `d` columns, with or without fused multiply-adds, in any order: a further `γ(d)` of
 //!   `Σ_c |q̂_c k̂_c| ≤ (1 + γ(m + n)) Σ_c Q_c K_c`, so `γ(m + n + d)` of `Σ_c Q_c K_c` in all;
 //! - the scale: `α̂ = α(1 + δ)` and one product, two more factors `(1 + u)`;
-//! - the group sum of `G` terms: `γ(G − 1)` of `Σ_h |ŝ_h|`.
+//! - the group sum of `G` terms: `γ(G − 1)` of `Σ_h |ŝ_h|`. Summing the group's pooled queries first and taking one
+//!   dot product (`α̂ · (Σ_h q̂_h)·k̂`, the GPU kernel's order) costs the same: `γ(G − 1)` of `Σ_h Q_hc` per column,
+//!   then the products, the dot product and the scale as above.
 //!
 //! Together `γ(m + n + d + G + 1)`; the bound takes `+ 3` and a relative margin of `2^-10` so that the f64
 //! evaluation of `M` and of `γ` themselves (a few roundings each) cannot make it smaller than the truth. Two

@@ -53,6 +53,7 @@ SANITIZE=(
     "attnproof-gpu-it flash_forward::sanitizer_shapes"
     "attnproof-gpu-it flash_backward::sanitizer_shapes"
     "attnproof-gpu-it block_sparse::sanitizer_shapes"
+    "attnproof-gpu-it block_selection::all_tied_blocks_select_the_lowest_indices"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
@@ -197,8 +198,8 @@ tests)
     exit $((failed > 0))
     ;;
 mutants)
-    # Every kernel-text mutant: mutants::all_{forward,backward,block_sparse_forward}_mutants_are_killed and the same
-    # mutants through the general suites (..._by_the_general_suite).
+    # Every kernel-text mutant: mutants::all_{forward,backward,block_sparse_forward,block_selection}_mutants_are_killed
+    # and the same mutants through the general suites (..._by_the_general_suite).
     "$here"/tests/attnproof-gpu-it mutants_are_killed --nocapture
     status=$?
     scratch_mutants || status=1

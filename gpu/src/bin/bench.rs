@@ -24,6 +24,9 @@
 //! full 128×128 block (`4·D·128·128` per visited block and head, the diagonal included), so that the same lists give
 //! the same FLOPs to every peer. `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
 //! `lists-L<L>-<kind>-1x16x<blocks>x<width>.i32`) for `bench/block_sparse_peers.py` to give FlexAttention.
+//! It also times the block selector (`attnproof_gpu::block_sparse::select`, direction `bsa-select`) at L = 16K, 64K,
+//! 128K and 256K with 16 query heads over 2 KV heads, D = 128, causal, 128×128 blocks, top-8 without forced blocks
+//! (the work of the PyTorch baseline in `block_sparse_peers.py`); its `tflops` column is 0 (not a FLOP count).
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -32,9 +35,11 @@ use std::sync::Arc;
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
+use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
+use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -308,6 +313,34 @@ fn causal_lists(blocks: usize, heads: usize, kind: ListKind, seed: u64) -> (ndar
     (lists, visited)
 }
 
+/// The selector rows' lengths and KV heads (16 query heads, D = 128).
+const SELECTION_LENGTHS: [usize; 4] = [16384, 65536, 131072, 262144];
+const SELECTION_KV_HEADS: usize = 2;
+
+/// The block selector's rows (see the module docs).
+fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    let (h, hkv, d) = (BLOCK_SPARSE_HEADS, SELECTION_KV_HEADS, BLOCK_SPARSE_DIM);
+    let config = BsaConfig { q_block: BLOCK, kv_block: BLOCK, top_k: 8, force_first: false, force_local: 0 };
+    for l in SELECTION_LENGTHS {
+        let spec = AttentionSpec::dense(1, h, hkv, l, l, d, d).with_mask(Mask::Causal);
+        let mut q = vec![];
+        let mut k = vec![];
+        for s in 0..SETS as u64 {
+            q.push(upload(stream, h * l * d, 3 * s + 1)?);
+            k.push(upload(stream, hkv * l * d, 3 * s + 2)?);
+        }
+        let mut pooled = stream.alloc_zeros::<f64>(workspace_len(&spec, &config)).map_err(|e| e.to_string())?;
+        let mut lists =
+            stream.alloc_zeros::<i32>(lists_shape(&spec, &config).iter().product()).map_err(|e| e.to_string())?;
+        let ms = median_ms(stream, opts, |s| {
+            select_blocks_device(stream, &spec, &config, BSA_SELECT, &q[s], &k[s], &mut pooled, &mut lists)
+                .map_err(|e| e.to_string())
+        })?;
+        emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv},1,{ms:.4},0.0\n"));
+    }
+    Ok(())
+}
+
 /// The block-sparse rows (see the module docs).
 fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
     let (h, d) = (BLOCK_SPARSE_HEADS, BLOCK_SPARSE_DIM);
@@ -358,6 +391,7 @@ fn run(opts: &Options) -> Result<(), String> {
     print!("{out}");
     if opts.block_sparse {
         run_block_sparse(opts, &stream, &mut out)?;
+        run_selection(opts, &stream, &mut out)?;
     }
     let dense_shapes = if opts.block_sparse { &[][..] } else { &SHAPES[..] };
     for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {

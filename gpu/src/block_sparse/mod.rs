@@ -27,6 +27,13 @@
 //!
 //! The query block must hold whole CTAs: the launch takes the production tiling when its rows divide `q_block` and
 //! the 64-row tiling otherwise ([`BlockLists::tiling`]); every tiling computes the same bits.
+//!
+//! # Choosing the blocks
+//!
+//! [`select`] is the block selector (BSA): mean-pooled queries and keys, their scores summed over each GQA group,
+//! causal eligibility, forced blocks and top-k, on the GPU, giving lists per KV head for the forward.
+
+pub mod select;
 
 use std::sync::Arc;
 

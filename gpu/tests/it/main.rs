@@ -3,6 +3,7 @@
 //! `flash_forward::…` and a module is selected by a libtest filter such as `ring_state::`. `common` holds what the
 //! launching modules share.
 
+mod block_selection;
 mod block_sparse;
 mod common;
 mod compile_only;

@@ -15,12 +15,14 @@
 
 use std::sync::Arc;
 
+use crate::block_selection;
 use crate::block_sparse;
 use crate::common::*;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::BlockLists;
+use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
@@ -31,6 +33,7 @@ use attnproof_harness::candidate::block_sparse_forward_guarded;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::sparse::verify_block_sparse_forward;
 use attnproof_harness::{Case, verify_forward};
+use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
 use half::bf16;
@@ -38,7 +41,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 2] = [FLASH_FWD, FLASH_BWD];
+const KERNELS: [KernelSource; 3] = [FLASH_FWD, FLASH_BWD, BSA_SELECT];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
@@ -194,6 +197,29 @@ fn all_block_sparse_forward_mutants_are_killed() {
     hunt(FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
 }
 
+/// Runs each of `mutants` (patches of `base`) through `run_suite`, which runs a general property suite on the patched
+/// kernel and returns its result; every mutant must make the suite fail. Prints mutant and first line of why.
+fn hunt_in_suite<D: std::fmt::Debug>(
+    base: KernelSource,
+    mutants: &[&Mutant],
+    suite_name: &str,
+    run_suite: impl Fn(KernelSource) -> Result<(), Box<TestError<D>>>,
+) {
+    assert!(!mutants.is_empty(), "no mutants of {} to hunt", base.name);
+    let mut survivors = vec![];
+    for m in mutants {
+        match run_suite(patched(base, m)).map_err(|e| *e) {
+            Err(TestError::Fail(why, _)) => println!("{:<40} {}", m.name, why.message().lines().next().unwrap_or("")),
+            Err(TestError::Abort(why)) => panic!("{suite_name}: the suite gave up on mutant `{}`: {why}", m.name),
+            Ok(()) => {
+                println!("{:<40} SURVIVED", m.name);
+                survivors.push(m.name);
+            }
+        }
+    }
+    assert!(survivors.is_empty(), "mutants of {} the general suite {suite_name} misses: {survivors:?}", base.name);
+}
+
 /// Every block-sparse mutant also fails the general block-sparse property suite (bf16, its default draws).
 #[test]
 fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
@@ -202,21 +228,39 @@ fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
     };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse::BLOCK_SUITES[0];
-    let mut survivors = vec![];
-    for m in block_sparse_mutants() {
-        let kernel = patched(FLASH_FWD, m);
+    hunt_in_suite(FLASH_FWD, &block_sparse_mutants(), suite.name, |kernel| {
         let worst = std::cell::RefCell::new(Worst::default());
-        let (_, result) = suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw));
-        match result {
-            Err(TestError::Fail(why, _)) => println!("{:<40} {}", m.name, why.message().lines().next().unwrap_or("")),
-            Err(TestError::Abort(why)) => panic!("{}: the suite gave up on mutant `{}`: {why}", suite.name, m.name),
-            Ok(()) => {
-                println!("{:<40} SURVIVED", m.name);
-                survivors.push(m.name);
-            }
-        }
-    }
-    assert!(survivors.is_empty(), "block-sparse mutants the general suite {} misses: {survivors:?}", suite.name);
+        suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
+    });
+}
+
+#[test]
+fn all_block_selection_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_block_selection_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, BsaConfig))> =
+        block_selection::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
+    hunt(BSA_SELECT, &catalog_mutants(BSA_SELECT), &cases, |kernel, c| {
+        block_selection::check_selection(&stream, kernel, c)
+    });
+}
+
+/// Every selector mutant also fails the general selection suite (bf16, its default draws).
+#[test]
+fn all_block_selection_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_block_selection_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &block_selection::SELECTION_SUITES[0];
+    hunt_in_suite(BSA_SELECT, &catalog_mutants(BSA_SELECT), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new(block_selection::SelectionTally::default());
+        let config =
+            Config { max_shrink_iters: 0, ..crate::property::default_run_config(suite.name, suite.cases, suite.seed) };
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+    });
 }
 
 #[test]

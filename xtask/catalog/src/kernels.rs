@@ -18,6 +18,14 @@ const FLASH_FWD: Mutant = Mutant {
     runner: Runner::KernelText { kernel: "flash_fwd", mode: None },
 };
 
+/// Base entry for mutants of the block selector (`bsa_select.cu`: key pooling and selection), launched in-process on a
+/// device with selection killing cases.
+const BSA_SELECT: Mutant = Mutant {
+    file: "gpu/kernels/bsa_select.cu",
+    runner: Runner::KernelText { kernel: "bsa_select", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -202,6 +210,56 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const bool interior = key0 + BLOCK_N <= len_k &&",
         replace: "const bool interior = true || key0 + BLOCK_N <= len_k &&",
         ..BLOCK_SPARSE_FWD
+    },
+    // --- bsa_select.cu (block selection), launched on a device ---
+    Mutant {
+        name: "gpu-bsa-select-tie-to-higher-index",
+        description: "Equal pooled scores break to the higher block index",
+        find: "return s > t || (s == t && i < j);",
+        replace: "return s > t || (s == t && i > j);",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-first-block-not-forced",
+        description: "Key block 0 is counted as forced but never marked, so the lists lose it and one entry",
+        find: "if (threadIdx.x == 0) chosen[0] = 1;",
+        replace: "if (threadIdx.x == 0) chosen[0] = 0;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-group-sum-misses-a-head",
+        description: "The GQA group sum of the pooled scores leaves out the group's first query head",
+        find: "for (int h = 0; h < group; ++h) {",
+        replace: "for (int h = 1; h < group; ++h) {",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-causal-one-block-late",
+        description: "Causal eligibility admits one key block past the one holding the query block's last visible key",
+        find: "(int)(last_key / params.kv_block) + 1);",
+        replace: "(int)(last_key / params.kv_block) + 2);",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-pool-partial-block-full-count",
+        description: "The last, partial block's mean (keys and queries) divides by the block size instead of its count",
+        find: "out[c] = sum / count;",
+        replace: "out[c] = sum / block_rows;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-last-pad-unwritten",
+        description: "The last slot of a list that is not full is never padded with -1",
+        find: "for (int w = written + threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;",
+        replace: "for (int w = written + threadIdx.x; w < params.top_k - 1; w += SEL_THREADS) list[w] = -1;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-local-block-missing",
+        description: "One local block fewer is forced than configured",
+        find: "const int local_from = eligible - min(params.force_local, eligible);",
+        replace: "const int local_from = eligible - min(params.force_local, eligible) + 1;",
+        ..BSA_SELECT
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {

@@ -1,0 +1,204 @@
+// Block selection for block-sparse attention (BSA: E15 pooling feeding E14 lists), compiled by NVRTC (see
+// gpu/src/compile.rs) after common.cuh. The selection rule is the oracle's (oracle/src/bsa.rs); the host wrapper is
+// gpu/src/block_sparse/select.rs, which documents the rounding-error bound of the scores.
+//
+// Three kernels:
+//   bsa_pool_keys   one CTA per (key block, KV head, sequence): k̄_b = mean of the block's keys (the last block of a
+//                   sequence over the keys it has), f64, written to the workspace's pooled keys [B, Hkv, n_k, d].
+//   bsa_pool_queries  likewise per (query block, query head, sequence): q̄_{a,h}, written to the workspace's pooled
+//                   queries [B, Hq, n_q, d] (from element pooled_queries_at on).
+//   bsa_select      one CTA per (query block, KV head, sequence): the group's mean-pooled queries summed over the
+//                   group, q̃_a = Σ_h q̄_{a,h} (f64, heads in ascending order, in shared memory), and the pooled score
+//                   of every eligible key block
+//                       S_ab = fl(α · dot(q̃_a, k̄_b)) = Σ_h α q̄_{a,h}·k̄_b in exact arithmetic
+//                   (the group sum taken before the dot product: one pass over k̄_b per key block instead of one per
+//                   head, which bounds the kernel's memory traffic; the rounding bound is the same), kept in shared
+//                   memory (one query block's scores per CTA, never more), the forced blocks, then top-k
+//                   rounds of a block-wide arg-max (larger score first, equal scores to the lower index, NaN never),
+//                   and the list written ascending and -1-padded: lists [B, Hkv, n_q, top_k] i32. Query blocks past
+//                   a sequence's own get an all -1 list.
+//
+// Determinism: every sum is taken in a fixed order that does not depend on the block's position or on which warp
+// computes it (rows in ascending order for the means; heads in ascending order for the group sum; a lane's columns
+// in ascending order, then the xor-shuffle tree, for the dot product). Two key blocks with bitwise equal keys
+// therefore get bitwise equal scores, and their tie breaks to the lower index exactly as the oracle's does.
+//
+// Eligibility (the oracle's BsaConfig::eligible_end): every key block of the sequence without a mask; under the
+// bottom-right causal mask the blocks whose first key the query block's last query sees. Forced: block 0
+// (force_first) and the force_local last eligible blocks, eligible ones only; they count towards top_k.
+
+#define SEL_THREADS 256
+#define SEL_WARPS (SEL_THREADS / 32)
+#define POOL_THREADS 128
+
+// The mean of block `block` of one head's rows (`block_rows` rows per block; the sequence's rows from `cu` when
+// varlen, else `dense_len` rows of batch entry `seq`), written as d f64 values to `out`; nothing past the sequence's
+// own blocks. Rows are summed in ascending order, then divided once by their count.
+__device__ __forceinline__ void pool_block(const elem_t* __restrict__ x, const int* __restrict__ cu, int dense_len,
+                                           long long batch_stride, long long head_offset, long long row_stride,
+                                           int block_rows, int block, int seq, int varlen, int d,
+                                           double* __restrict__ out) {
+    const int len = varlen ? cu[seq + 1] - cu[seq] : dense_len;
+    const long long base = varlen ? (long long)cu[seq] * row_stride : seq * batch_stride;
+    const int row0 = block * block_rows;
+    if (row0 >= len) return;
+    const int count = min(block_rows, len - row0);
+    const elem_t* x_g = x + base + head_offset + (long long)row0 * row_stride;
+    for (int c = threadIdx.x; c < d; c += POOL_THREADS) {
+        double sum = 0.0;
+        for (int j = 0; j < count; ++j) sum += (double)to_f32(x_g[(long long)j * row_stride + c]);
+        out[c] = sum / count;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(POOL_THREADS)
+bsa_pool_keys(const elem_t* __restrict__ k, double* __restrict__ pooled, const int* __restrict__ cu_k,
+              const BsaParams params) {
+    const FlashParams& fp = params.flash;
+    const int b = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
+    double* out = pooled + (((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks + b) * fp.d;
+    pool_block(k, cu_k, fp.dense_len_k, fp.k_batch, kv * fp.k_head, fp.k_row, params.kv_block, b, seq, fp.varlen,
+               fp.d, out);
+}
+
+extern "C" __global__ void __launch_bounds__(POOL_THREADS)
+bsa_pool_queries(const elem_t* __restrict__ q, double* __restrict__ pooled, const int* __restrict__ cu_q,
+                 const BsaParams params) {
+    const FlashParams& fp = params.flash;
+    const int a = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
+    double* out = pooled + params.pooled_queries_at + (((long long)seq * gridDim.y + h) * gridDim.x + a) * fp.d;
+    pool_block(q, cu_q, fp.dense_len_q, fp.q_batch, h * fp.q_head, fp.q_row, params.q_block, a, seq, fp.varlen, fp.d,
+               out);
+}
+
+// The better of two candidates: larger score, then lower index; a NaN score or index -1 never wins.
+__device__ __forceinline__ bool better(double s, int i, double t, int j) {
+    if (j < 0 || t != t) return i >= 0 && s == s;
+    if (i < 0 || s != s) return false;
+    return s > t || (s == t && i < j);
+}
+
+extern "C" __global__ void __launch_bounds__(SEL_THREADS)
+bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
+           const int* __restrict__ cu_k, const BsaParams params) {
+    const FlashParams& fp = params.flash;
+    const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
+    const int group = fp.group, d = fp.d;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    double* q_sum = reinterpret_cast<double*>(smem_raw);              // [d]
+    double* scores = q_sum + d;                                       // [n_key_blocks]
+    unsigned char* chosen = reinterpret_cast<unsigned char*>(scores + params.n_key_blocks);  // [n_key_blocks]
+    __shared__ double best_s[SEL_WARPS];
+    __shared__ int best_i[SEL_WARPS];
+    __shared__ int written;
+
+    int* list = lists + (((long long)seq * params.n_heads_kv + kv) * gridDim.x + a) * params.top_k;
+    int len_q, len_k;
+    if (fp.varlen) {
+        len_q = cu_q[seq + 1] - cu_q[seq];
+        len_k = cu_k[seq + 1] - cu_k[seq];
+    } else {
+        len_q = fp.dense_len_q;
+        len_k = fp.dense_len_k;
+    }
+    const int row0 = a * params.q_block;
+    if (row0 >= len_q) {  // past the sequence's own query blocks: an empty list
+        for (int w = threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;
+        return;
+    }
+    const int rows = min(params.q_block, len_q - row0);
+    const int key_blocks = (len_k + params.kv_block - 1) / params.kv_block;
+    int eligible = key_blocks;
+    if (params.causal) {
+        const long long last_key = (long long)row0 + rows - 1 + len_k - len_q;
+        eligible = last_key < 0 ? 0 : min(key_blocks, (int)(last_key / params.kv_block) + 1);
+    }
+
+    // The group's pooled queries (bsa_pool_queries), summed over the group's heads in ascending order.
+    const double* q_pool = pooled + params.pooled_queries_at;
+    const long long n_heads_q = (long long)params.n_heads_kv * group;
+    for (int c = threadIdx.x; c < d; c += SEL_THREADS) {
+        double group_sum = 0.0;
+        for (int h = 0; h < group; ++h) {
+            group_sum += q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];
+        }
+        q_sum[c] = group_sum;
+    }
+    for (int b = threadIdx.x; b < eligible; b += SEL_THREADS) chosen[b] = 0;
+    __syncthreads();
+
+    // One warp per key block: the dot product (a lane's columns ascending, then the shuffle tree), then the scale.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const double* k_pool = pooled + ((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks * d;
+    for (int b = warp; b < eligible; b += SEL_WARPS) {
+        double part = 0.0;
+        for (int c = lane; c < d; c += 32) part = fma(q_sum[c], k_pool[(long long)b * d + c], part);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+        if (lane == 0) scores[b] = params.scale * part;
+    }
+
+    // Forced blocks, then top-k rounds over the rest.
+    int n_chosen = 0;
+    if (params.force_first && eligible > 0) {
+        if (threadIdx.x == 0) chosen[0] = 1;
+        n_chosen = 1;
+    }
+    const int local_from = eligible - min(params.force_local, eligible);
+    for (int b = local_from + threadIdx.x; b < eligible; b += SEL_THREADS) chosen[b] = 1;
+    n_chosen += eligible - local_from - ((params.force_first && local_from == 0 && eligible > 0) ? 1 : 0);
+    __syncthreads();
+    for (int round = n_chosen; round < min(params.top_k, eligible); ++round) {
+        double s = 0.0;
+        int i = -1;
+        for (int b = threadIdx.x; b < eligible; b += SEL_THREADS) {
+            if (!chosen[b] && better(scores[b], b, s, i)) {
+                s = scores[b];
+                i = b;
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const double t = __shfl_xor_sync(0xffffffffu, s, o);
+            const int j = __shfl_xor_sync(0xffffffffu, i, o);
+            if (better(t, j, s, i)) {
+                s = t;
+                i = j;
+            }
+        }
+        if (lane == 0) {
+            best_s[warp] = s;
+            best_i[warp] = i;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            double bs = best_s[0];
+            int bi = best_i[0];
+            for (int w = 1; w < SEL_WARPS; ++w) {
+                if (better(best_s[w], best_i[w], bs, bi)) {
+                    bs = best_s[w];
+                    bi = best_i[w];
+                }
+            }
+            if (bi >= 0) chosen[bi] = 1;
+        }
+        __syncthreads();
+    }
+
+    // The list, ascending: warp 0 compacts the chosen flags 32 blocks at a time, then everyone pads.
+    if (warp == 0) {
+        int count = 0;
+        for (int base = 0; base < eligible; base += 32) {
+            const int b = base + lane;
+            const bool take = b < eligible && chosen[b];
+            const unsigned mask = __ballot_sync(0xffffffffu, take);
+            const int slot = count + __popc(mask & ((1u << lane) - 1u));
+            // The rounds choose at most top_k blocks; the guard keeps a wrong count from writing past the list.
+            if (take && slot < params.top_k) list[slot] = b;
+            count += __popc(mask);
+        }
+        if (lane == 0) written = min(count, params.top_k);
+    }
+    __syncthreads();
+    for (int w = written + threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;
+}

@@ -1,0 +1,264 @@
+//! Block selection on the GPU (BSA: E15 pooling feeding E14 lists): `gpu/kernels/bsa_select.cu` behind typed
+//! wrappers, from device buffers ([`select_blocks_device`]) or host tensors ([`select_blocks`]).
+//!
+//! The rule is the oracle's (`attnproof_oracle::bsa`, whose [`BsaConfig`] this takes): mean-pooled keys per key
+//! block, mean-pooled queries per query block, their scaled dot product summed over each KV head's GQA group, causal
+//! (bottom-right) or no-mask eligibility, forced first and local blocks, top-k with ties to the lower index; the
+//! lists are per KV head, `[B, Hkv, ⌈max Lq / q_block⌉, top_k]`, ascending and `−1`-padded, ready for
+//! [`crate::block_sparse::block_sparse_forward`] as [`ListHeads::PerKvHead`] lists.
+//!
+//! # Precision and exactness
+//!
+//! Every score is an f64 evaluation in a fixed order (the kernel's header spells it out), so key blocks with bitwise
+//! equal keys score bitwise equal and tie exactly, as in the oracle; scores of different blocks are within the bound
+//! of `attnproof_proofs::bsa_bound` of their exact values (twice that of the oracle's f64 scores). The lists are
+//! integers: `attnproof_harness::block_selection` compares them with the oracle's entry for entry wherever that
+//! bound cannot move the top-k boundary.
+//!
+//! # Memory
+//!
+//! One CTA per (query block, KV head, sequence) holds that query block's scores in shared memory (8 bytes and a flag
+//! per key block, beside the group's summed pooled query) and never more: at 256K keys and 128-key blocks that is 2048
+//! scores. The pooled keys go to a caller-owned f64 workspace of [`workspace_len`] elements.
+
+use std::sync::Arc;
+
+use attnproof_oracle::bsa::BsaConfig;
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Mask, Scale};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{Array4, ArrayViewD};
+
+use super::{BLOCK_SIZES, BlockLists, ListHeads};
+use crate::common::{GpuElement, check_len, to_i32};
+use crate::compile::{self, KernelSource};
+use crate::error::GpuError;
+use crate::flash::host_input;
+use crate::launch;
+use crate::params::{BsaParams, FlashParams};
+
+/// `gpu/kernels/bsa_select.cu` after the shared helpers.
+pub const BSA_SELECT: KernelSource = KernelSource {
+    name: "bsa_select",
+    source: concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/bsa_select.cu")),
+};
+
+/// Threads per CTA of the pooling kernels and of `bsa_select` (the kernel's `POOL_THREADS`, `SEL_THREADS`).
+const POOL_THREADS: u32 = 128;
+const SELECT_THREADS: u32 = 256;
+
+/// Everything a launch needs, derived from a validated spec and configuration.
+struct Plan {
+    params: BsaParams,
+    cu_q: Vec<i32>,
+    cu_k: Vec<i32>,
+    batch: usize,
+    query_blocks: usize,
+    key_blocks: usize,
+    shared_bytes: usize,
+}
+
+fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
+    config.validate()?;
+    let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
+    let causal = match spec.mask {
+        Mask::None => false,
+        Mask::Causal => true,
+        _ => {
+            return Err(GpuError::Unsupported {
+                argument: "mask",
+                reason: "block selection takes no mask or the causal mask".into(),
+            });
+        }
+    };
+    for (argument, size) in [("q_block", config.q_block), ("kv_block", config.kv_block)] {
+        if !BLOCK_SIZES.contains(&size) {
+            return Err(GpuError::Unsupported { argument, reason: format!("{size} is not one of {BLOCK_SIZES:?}") });
+        }
+    }
+    let seqs = spec.sequences();
+    let query_blocks = seqs.iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
+    let key_blocks = seqs.iter().map(|s| config.key_blocks(s)).max().unwrap_or(0);
+    if config.top_k > key_blocks {
+        return Err(GpuError::Unsupported {
+            argument: "top_k",
+            reason: format!("{} is more than the {key_blocks} key blocks of the longest sequence", config.top_k),
+        });
+    }
+    let scale = match spec.scale {
+        Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f64).sqrt(),
+        Scale::Value(x) => x,
+    };
+    let params = BsaParams {
+        flash,
+        scale,
+        q_block: to_i32("q_block", config.q_block)?,
+        kv_block: to_i32("kv_block", config.kv_block)?,
+        top_k: to_i32("top_k", config.top_k)?,
+        force_first: i32::from(config.force_first),
+        force_local: to_i32("force_local", config.force_local)?,
+        causal: i32::from(causal),
+        n_heads_kv: to_i32("n_heads_kv", spec.n_heads_kv)?,
+        n_key_blocks: to_i32("key blocks", key_blocks)?,
+        pooled_queries_at: i64::try_from(seqs.len() * spec.n_heads_kv * key_blocks * spec.head_dim)
+            .map_err(|_| GpuError::TooLarge { argument: "pooled keys", value: key_blocks })?,
+    };
+    let shared_bytes = (spec.head_dim + key_blocks) * 8 + key_blocks;
+    Ok(Plan {
+        params,
+        cu_q,
+        cu_k,
+        batch: seqs.len(),
+        query_blocks,
+        key_blocks,
+        shared_bytes: shared_bytes.div_ceil(16) * 16,
+    })
+}
+
+/// f64 elements of the workspace for `spec` and `config`: the pooled keys, `B · Hkv · (key blocks of the longest
+/// sequence) · d`, then the pooled queries, `B · Hq · (query blocks of the longest sequence) · d`.
+pub fn workspace_len(spec: &AttentionSpec, config: &BsaConfig) -> usize {
+    let seqs = spec.sequences();
+    let key_blocks = seqs.iter().map(|s| config.key_blocks(s)).max().unwrap_or(0);
+    let query_blocks = seqs.iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
+    seqs.len() * spec.head_dim * (spec.n_heads_kv * key_blocks + spec.n_heads_q * query_blocks)
+}
+
+/// The lists' shape: `[B, Hkv, ⌈max Lq / q_block⌉, top_k]`.
+pub fn lists_shape(spec: &AttentionSpec, config: &BsaConfig) -> [usize; 4] {
+    let query_blocks = spec.sequences().iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
+    [spec.sequences().len(), spec.n_heads_kv, query_blocks, config.top_k]
+}
+
+fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
+    let dim = |argument, v: usize, max: usize| {
+        u32::try_from(v).ok().filter(|&u| u as usize <= max).ok_or(GpuError::TooLarge { argument, value: v })
+    };
+    Ok((dim("blocks", x, i32::MAX as usize)?, dim("heads", y, 65535)?, dim("sequences", z, 65535)?))
+}
+
+/// Selects the blocks of `spec` under `config` on device buffers: `q`, `k` hold Q and K in the spec's layout,
+/// `pooled` at least [`workspace_len`] f64 (overwritten), and the lists go to the first [`lists_shape`] elements of
+/// `lists`. Every check runs before the first launch; the launches are asynchronous on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn select_blocks_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &BsaConfig,
+    kernel: KernelSource,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    pooled: &mut CudaSlice<f64>,
+    lists: &mut CudaSlice<i32>,
+) -> Result<(), GpuError> {
+    let plan = plan(spec, config)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", q, size(Operand::Q))?;
+    check_len("k", k, size(Operand::K))?;
+    check_len("pooled", pooled, workspace_len(spec, config))?;
+    check_len("lists", lists, lists_shape(spec, config).iter().product())?;
+    if plan.query_blocks == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
+        return Ok(());
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &[T::DEFINE.to_owned()])?;
+    let load = |name: &'static str| {
+        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(bsa_select.cu)", e))
+    };
+    let (pool_keys, pool_queries, select) = (load("bsa_pool_keys")?, load("bsa_pool_queries")?, load("bsa_select")?);
+    let shared = plan.shared_bytes as u32;
+    // The scores of one query block (8 bytes and a flag per key block) set the need.
+    compile::allow_shared_memory(ctx, &select, plan.shared_bytes, "key blocks")?;
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
+    let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
+    if plan.key_blocks > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: grid(plan.key_blocks, spec.n_heads_kv, plan.batch)?,
+            block_dim: (POOL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::launch_bsa_pool(stream, &pool_keys, cfg, (k, &mut *pooled), &cu_k, &plan.params)?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: grid(plan.query_blocks, spec.n_heads_q, plan.batch)?,
+        block_dim: (POOL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch::launch_bsa_pool(stream, &pool_queries, cfg, (q, &mut *pooled), &cu_q, &plan.params)?;
+    let cfg = LaunchConfig {
+        grid_dim: grid(plan.query_blocks, spec.n_heads_kv, plan.batch)?,
+        block_dim: (SELECT_THREADS, 1, 1),
+        shared_mem_bytes: shared,
+    };
+    launch::launch_bsa_select(stream, &select, cfg, (pooled, lists), (&cu_q, &cu_k), &plan.params)
+}
+
+/// Selects the blocks from host tensors (copies in, launches, copies out, synchronizes) and returns them as lists per
+/// KV head, ready for the block-sparse forward.
+pub fn select_blocks<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &BsaConfig,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+) -> Result<BlockLists, GpuError> {
+    spec.validate()?;
+    plan(spec, config)?;
+    let (hq, hk) = (host_input(spec, "q", Operand::Q, &q)?, host_input(spec, "k", Operand::K, &k)?);
+    let up = |data: &[T]| stream.clone_htod(data).map_err(|e| GpuError::driver("cuMemcpyHtoD", e));
+    let (dq, dk) = (up(hq)?, up(hk)?);
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(alloc_err)?;
+    let shape = lists_shape(spec, config);
+    let mut lists = stream.alloc_zeros::<i32>(shape.iter().product::<usize>().max(1)).map_err(alloc_err)?;
+    select_blocks_device(stream, spec, config, BSA_SELECT, &dq, &dk, &mut pooled, &mut lists)?;
+    let mut host = stream.clone_dtoh(&lists).map_err(|e| GpuError::driver("cuMemcpyDtoH", e))?;
+    stream.synchronize().map_err(|e| GpuError::driver("cuStreamSynchronize", e))?;
+    host.truncate(shape.iter().product());
+    let lists = Array4::from_shape_vec(shape, host).expect("length matches the shape");
+    Ok(BlockLists { q_block: config.q_block, kv_block: config.kv_block, heads: ListHeads::PerKvHead, lists })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::Layout;
+
+    fn config(top_k: usize) -> BsaConfig {
+        BsaConfig { q_block: 64, kv_block: 128, top_k, force_first: true, force_local: 1 }
+    }
+
+    #[test]
+    fn plans_check_the_mask_block_sizes_and_width() {
+        let spec = AttentionSpec::dense(2, 4, 2, 200, 300, 64, 64).with_mask(Mask::Causal);
+        let p = plan(&spec, &config(3)).unwrap();
+        assert_eq!((p.query_blocks, p.key_blocks, p.batch), (4, 3, 2));
+        assert_eq!(p.params.causal, 1);
+        assert_eq!(p.params.scale, 0.125);
+        assert_eq!((p.params.n_heads_kv, p.params.n_key_blocks, p.params.top_k), (2, 3, 3));
+        assert_eq!(p.shared_bytes, ((64 + 3) * 8 + 3usize).div_ceil(16) * 16);
+        assert_eq!(lists_shape(&spec, &config(3)), [2, 2, 4, 3]);
+        assert_eq!(workspace_len(&spec, &config(3)), 2 * 64 * (2 * 3 + 4 * 4));
+        assert_eq!(p.params.pooled_queries_at, 2 * 2 * 3 * 64);
+        assert!(matches!(plan(&spec, &config(4)), Err(GpuError::Unsupported { argument: "top_k", .. })));
+        let window = spec.clone().with_mask(Mask::Window { left: 3, right: 0 });
+        assert!(matches!(plan(&window, &config(2)), Err(GpuError::Unsupported { argument: "mask", .. })));
+        let odd = BsaConfig { kv_block: 32, ..config(2) };
+        assert!(matches!(plan(&spec, &odd), Err(GpuError::Unsupported { argument: "kv_block", .. })));
+        let crowded = BsaConfig { force_local: 3, ..config(3) };
+        assert!(matches!(plan(&spec, &crowded), Err(GpuError::Spec(_))), "forced blocks beyond top_k");
+        let none = spec.clone().with_mask(Mask::None);
+        assert_eq!(plan(&none, &config(2)).unwrap().params.causal, 0);
+    }
+
+    #[test]
+    fn varlen_plans_take_the_longest_sequence() {
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 0, 300], cu_seqlens_k: vec![0, 130, 140] },
+            ..AttentionSpec::dense(1, 3, 1, 1, 1, 32, 32)
+        };
+        let p = plan(&spec, &config(2)).unwrap();
+        assert_eq!((p.query_blocks, p.key_blocks, p.batch), (5, 2, 2));
+        assert_eq!(p.cu_k, vec![0, 130, 140]);
+    }
+}

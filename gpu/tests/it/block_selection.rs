@@ -1,0 +1,447 @@
+//! The GPU block selector (`attnproof_gpu::block_sparse::select`, BSA) against the oracle's selection
+//! (`attnproof_oracle::bsa`), through `attnproof_harness::block_selection`: the lists are integers, equal to the
+//! oracle's entry for entry wherever the pooled scores' rounding bound cannot move the top-k boundary, ties between
+//! identical key blocks broken to the lower index.
+//!
+//! The property suites draw the harness's shapes (no mask or causal, Lq ≠ Lk, varlen with empty sequences, GQA
+//! groups of 1 to 16), both block sizes on each side, every `top_k` up to the key blocks, forced first and local
+//! blocks, and in half the draws copy key blocks onto others so that exact ties sit at the top-k boundary on purpose.
+//! Each draw runs twice on the same input (the same bits both times) and ends with the block-sparse forward over the
+//! selected lists, verified against the oracle. Without a device each test prints `skipped: no CUDA device` and
+//! passes.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::property::{default_run_config, run_config};
+use attnproof_gpu::block_sparse::select::{
+    BSA_SELECT, lists_shape, select_blocks, select_blocks_device, workspace_len,
+};
+use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
+use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
+use attnproof_gpu::{GpuError, skip_unless_gpu};
+use attnproof_harness::Case;
+use attnproof_harness::HarnessError;
+use attnproof_harness::block_selection::{SelectionVerdict, verify_block_selection};
+use attnproof_harness::candidate::{block_sparse_forward_guarded, poisoned, unguard};
+use attnproof_harness::generate::{ValueProfile, make_case};
+use attnproof_harness::sparse::{SparseHarnessError, verify_block_sparse_forward};
+use attnproof_harness::strategies::profile;
+use attnproof_oracle::bsa::BsaConfig;
+use attnproof_oracle::{AttentionSpec, Mask};
+use cudarc::driver::CudaStream;
+use half::{bf16, f16};
+use ndarray::{Array4, Axis};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+
+/// One selection draw: the problem (no mask or causal), the selector's parameters, values, seed, and whether key
+/// blocks are copied onto others to make exact ties.
+#[derive(Clone, Debug)]
+pub struct SelectionDraw {
+    /// The problem.
+    pub spec: AttentionSpec,
+    /// The selector.
+    pub config: BsaConfig,
+    /// Values.
+    pub profile: ValueProfile,
+    /// Input seed.
+    pub seed: u64,
+    /// Exact ties made on purpose.
+    pub ties: Ties,
+}
+
+/// How a draw makes exact ties between key blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ties {
+    /// None on purpose.
+    None,
+    /// Key block `b` copied onto block `b + 2`, for every third `b`.
+    Pairs,
+    /// Every whole key block the same: every choice is a tie, decided by the index.
+    All,
+}
+
+impl Ties {
+    /// Every kind.
+    pub const ALL: [Ties; 3] = [Ties::None, Ties::Pairs, Ties::All];
+}
+
+/// Problems for the selector: dense or varlen (an empty sequence included), lengths around one block and long ones
+/// (up to 33 key blocks of 64, so that `top_k` chooses among many), GQA groups of 1 to 16, head dims multiple of 8 up
+/// to 256, no mask or causal.
+pub fn selection_spec() -> impl Strategy<Value = AttentionSpec> {
+    let length = prop_oneof![prop::sample::select(vec![1usize, 63, 64, 65, 127, 128, 129]), 300usize..2100,];
+    let heads =
+        prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (6, 2), (8, 8), (5, 5), (16, 1), (12, 4)]);
+    let dim = prop::sample::select(vec![8usize, 64, 128, 136, 256]);
+    let layout = prop_oneof![
+        (1usize..=2, length.clone(), length.clone())
+            .prop_map(|(batch, len_q, len_k)| attnproof_oracle::Layout::Dense { batch, len_q, len_k }),
+        prop::collection::vec((0usize..700, 1usize..1400), 1..=3).prop_map(|lens| {
+            let mut cu_q = vec![0i32];
+            let mut cu_k = vec![0i32];
+            for (lq, lk) in lens {
+                cu_q.push(cu_q.last().unwrap() + lq as i32);
+                cu_k.push(cu_k.last().unwrap() + lk as i32);
+            }
+            attnproof_oracle::Layout::Varlen { cu_seqlens_q: cu_q, cu_seqlens_k: cu_k }
+        }),
+    ];
+    (layout, heads, dim, any::<bool>()).prop_map(|(layout, (n_heads_q, n_heads_kv), head_dim, causal)| AttentionSpec {
+        layout,
+        n_heads_q,
+        n_heads_kv,
+        head_dim,
+        head_dim_v: 8,
+        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        mask: if causal { Mask::Causal } else { Mask::None },
+    })
+}
+
+/// The draws: [`selection_spec`], then parameters that fit it.
+pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
+    let sizes = prop::sample::select(BLOCK_SIZES.to_vec());
+    let key_blocks = |spec: &AttentionSpec, kv_block: usize| {
+        spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0)
+    };
+    (selection_spec(), sizes.clone(), sizes, profile(), any::<u64>(), prop::sample::select(Ties::ALL.to_vec()))
+        // A selector needs a key block to choose from (`top_k` is at least 1 and at most the key blocks).
+        .prop_filter("no key at all", move |(spec, _, kv_block, ..)| key_blocks(spec, *kv_block) > 0)
+        .prop_flat_map(move |(spec, q_block, kv_block, profile, seed, ties)| {
+            let key_blocks = key_blocks(&spec, kv_block);
+            (1..=key_blocks, any::<bool>(), 0..=2usize).prop_filter_map(
+                "forced blocks must fit in top_k",
+                move |(top_k, force_first, force_local)| {
+                    let config = BsaConfig { q_block, kv_block, top_k, force_first, force_local };
+                    config.validate().ok().map(|()| SelectionDraw { spec: spec.clone(), config, profile, seed, ties })
+                },
+            )
+        })
+}
+
+/// `case` with exact ties between whole key blocks of every (sequence, KV head): key block `b` copied onto block
+/// `b + 2` for every third `b` ([`Ties::Pairs`]), or every whole block a copy of block 0 ([`Ties::All`]).
+fn with_tied_blocks<T: Storage>(mut case: Case<T>, kv_block: usize, ties: Ties) -> Case<T> {
+    let spec = case.spec.clone();
+    for seq in spec.sequences() {
+        let whole = seq.len_k / kv_block;
+        let copies: Vec<(usize, usize)> = match ties {
+            Ties::None => vec![],
+            Ties::Pairs => (0..whole.saturating_sub(2)).step_by(3).map(|b| (b, b + 2)).collect(),
+            Ties::All => (1..whole).map(|b| (0, b)).collect(),
+        };
+        for kv in 0..spec.n_heads_kv {
+            for &(b, to_block) in &copies {
+                for j in 0..kv_block {
+                    for c in 0..spec.head_dim {
+                        let (from, to) = (b * kv_block + j, to_block * kv_block + j);
+                        let x = spec.head_rows(case.k.view(), &seq, kv, true)[[from, c]];
+                        set_key(&spec, &mut case.k, &seq, kv, to, c, x);
+                    }
+                }
+            }
+        }
+    }
+    case
+}
+
+/// Writes key `row` (within sequence `seq`), column `c` of KV head `kv`.
+fn set_key<T: Clone>(
+    spec: &AttentionSpec,
+    k: &mut ndarray::ArrayD<T>,
+    seq: &attnproof_oracle::Sequence,
+    kv: usize,
+    row: usize,
+    c: usize,
+    x: T,
+) {
+    match &spec.layout {
+        attnproof_oracle::Layout::Dense { .. } => k[[seq.index, kv, row, c]] = x,
+        attnproof_oracle::Layout::Varlen { .. } => k[[seq.k_start + row, kv, c]] = x,
+    }
+}
+
+/// One guarded selection on the device: the lists buffer NaN-free but poisoned with a sentinel and followed by a
+/// guard band; the lists come back checked.
+fn select_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    config: &BsaConfig,
+    kernel: KernelSource,
+) -> Result<Array4<i32>, String> {
+    let spec = &case.spec;
+    let err = |e: &dyn std::fmt::Display| e.to_string();
+    let (q, k) = (upload(stream, &case.q)?, upload(stream, &case.k)?);
+    let shape = lists_shape(spec, config);
+    let n: usize = shape.iter().product();
+    // A sentinel no valid list holds (below −1), then the guard band.
+    let mut lists = poisoned(stream, n, i32::MIN, 0x5a5a_5a5a).map_err(|e| err(&e))?;
+    let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(|e| err(&e))?;
+    select_blocks_device(stream, spec, config, kernel, &q, &k, &mut pooled, &mut lists).map_err(|e| err(&e))?;
+    let back = stream.clone_dtoh(&lists).map_err(|e| err(&e))?;
+    stream.synchronize().map_err(|e| err(&e))?;
+    let lists = unguard("lists", back, n, &shape, |x: i32| x == 0x5a5a_5a5a).map_err(|e| err(&e))?;
+    Ok(lists.into_dimensionality().expect("rank 4"))
+}
+
+/// A selection suite: name, dtype, cases, seed.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectionSuite {
+    /// The name (and regression file).
+    pub name: &'static str,
+    /// bf16 (`true`) or f16.
+    pub bf16: bool,
+    /// Cases per run.
+    pub cases: u32,
+    /// Fixed seed.
+    pub seed: u64,
+}
+
+/// The two suites ("gpusel" in ASCII, plus the dtype).
+pub const SELECTION_SUITES: [SelectionSuite; 2] = [
+    SelectionSuite { name: "gpu_block_selection_bf16", bf16: true, cases: 64, seed: 0x6770_7573_656c_0001 },
+    SelectionSuite { name: "gpu_block_selection_f16", bf16: false, cases: 64, seed: 0x6770_7573_656c_0002 },
+];
+
+/// Tally of a suite's draws: rows, decided rows, draws with ties, causal draws.
+#[derive(Clone, Debug, Default)]
+pub struct SelectionTally {
+    /// List rows verified.
+    pub rows: usize,
+    /// Rows compared exactly.
+    pub decided: usize,
+    /// Draws with copied blocks.
+    pub tied_draws: usize,
+    /// Causal draws.
+    pub causal_draws: usize,
+}
+
+impl SelectionSuite {
+    /// Runs the suite under `config`.
+    pub fn run(
+        &self,
+        config: Config,
+        check: impl Fn(&SelectionDraw) -> Result<(), TestCaseError>,
+    ) -> (SelectionTally, Result<(), TestError<SelectionDraw>>) {
+        let tally = RefCell::new(SelectionTally::default());
+        let mut runner = TestRunner::new(config);
+        let result = runner.run(&selection_draws(), |draw| {
+            let mut t = tally.borrow_mut();
+            t.tied_draws += usize::from(draw.ties != Ties::None);
+            t.causal_draws += usize::from(matches!(draw.spec.mask, Mask::Causal));
+            drop(t);
+            check(&draw)
+        });
+        (tally.into_inner(), result)
+    }
+
+    /// The check of one draw by the selector `kernel` (and the production forward over its lists).
+    pub fn check(
+        &self,
+        stream: &Arc<CudaStream>,
+        kernel: KernelSource,
+        tally: &RefCell<SelectionTally>,
+        draw: &SelectionDraw,
+    ) -> Result<(), TestCaseError> {
+        if self.bf16 {
+            check_draw::<bf16>(stream, kernel, tally, draw)
+        } else {
+            check_draw::<f16>(stream, kernel, tally, draw)
+        }
+    }
+}
+
+fn check_draw<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    tally: &RefCell<SelectionTally>,
+    draw: &SelectionDraw,
+) -> Result<(), TestCaseError> {
+    let mut case = make_case::<T>(&draw.spec, draw.profile, draw.seed);
+    case = with_tied_blocks(case, draw.config.kv_block, draw.ties);
+    let first = select_guarded(stream, &case, &draw.config, kernel).map_err(TestCaseError::fail)?;
+    let again = select_guarded(stream, &case, &draw.config, kernel).map_err(TestCaseError::fail)?;
+    prop_assert!(first == again, "the same input gave different lists");
+    let verdict: SelectionVerdict = verify_block_selection(&case, &draw.config, first.view())
+        .map_err(|e| TestCaseError::fail(format!("verification: {e}")))?;
+    prop_assert!(verdict.passed(), "{}", verdict.failures.join("\n"));
+    {
+        let mut t = tally.borrow_mut();
+        t.rows += verdict.rows;
+        t.decided += verdict.decided;
+    }
+    // The lists feed the block-sparse forward as lists per KV head; verified against the f64 oracle where that costs
+    // no more than about 2^27 multiply-adds (the forward's own suites cover long problems).
+    let work: usize = draw.spec.sequences().iter().map(|s| s.len_q * s.len_k).sum::<usize>()
+        * draw.spec.n_heads_q
+        * (draw.spec.head_dim + draw.spec.head_dim_v);
+    if work > 1 << 27 {
+        return Ok(());
+    }
+    let lists = BlockLists {
+        q_block: draw.config.q_block,
+        kv_block: draw.config.kv_block,
+        heads: ListHeads::PerKvHead,
+        lists: first,
+    };
+    let run = block_sparse_forward_guarded(stream, &case, &lists, FLASH_FWD)
+        .map_err(|e| TestCaseError::fail(format!("forward over the selected lists: {e}")))?;
+    let layout = lists.oracle_layout(&case.spec);
+    let verdicts =
+        match verify_block_sparse_forward(&case, &layout, forward_recipe::<T>(), run.o.view(), run.lse.view()) {
+            Ok(v) => v,
+            // The forward's model does not cover this draw (logit scales too large for its first-order hypothesis): the
+            // selection above was still verified; the forward's own suites judge the forward.
+            Err(SparseHarnessError::Harness(HarnessError::Model(_))) => return Ok(()),
+            Err(e) => return Err(TestCaseError::fail(format!("forward verification: {e}"))),
+        };
+    for v in &verdicts {
+        prop_assert!(v.passed() && v.valid(), "forward over the selected lists:\n{v}");
+    }
+    Ok(())
+}
+
+fn run_production(suite: &SelectionSuite) {
+    let Some(ctx) = skip_unless_gpu(suite.name) else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let tally = RefCell::new(SelectionTally::default());
+    let (draws, result) =
+        suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, BSA_SELECT, &tally, d));
+    if let Err(e) = result {
+        panic!("{}: {e}", suite.name);
+    }
+    let t = tally.borrow();
+    println!("{}: {} rows, {} decided; {draws:?}", suite.name, t.rows, t.decided);
+    assert!(t.decided > 0, "{}: no row was compared exactly", suite.name);
+}
+
+#[test]
+fn selection_equals_the_oracles_bf16() {
+    run_production(&SELECTION_SUITES[0]);
+}
+
+#[test]
+fn selection_equals_the_oracles_f16() {
+    run_production(&SELECTION_SUITES[1]);
+}
+
+/// Replayed without a device: the suites draw ties, causal and unmasked problems, GQA groups above 1, every
+/// `top_k` from 1 to above 2, forced first and local blocks.
+#[test]
+fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
+    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize));
+    for suite in &SELECTION_SUITES {
+        let config = default_run_config(suite.name, suite.cases, suite.seed);
+        let (tally, result) = suite.run(config, |d| {
+            let mut s = seen.borrow_mut();
+            s.0 += usize::from(d.spec.group_size() > 1);
+            s.1 += usize::from(d.config.top_k >= 3);
+            s.2 += usize::from(d.config.force_first);
+            s.3 += usize::from(d.config.force_local > 0);
+            s.4 += usize::from(d.config.q_block != d.config.kv_block);
+            Ok(())
+        });
+        assert!(result.is_ok(), "{result:?}");
+        assert!(
+            tally.tied_draws > 0 && tally.causal_draws > 0 && tally.causal_draws < suite.cases as usize,
+            "{tally:?}"
+        );
+    }
+    let s = seen.into_inner();
+    assert!(s.0 > 0 && s.1 > 0 && s.2 > 0 && s.3 > 0 && s.4 > 0, "{s:?}");
+}
+
+/// Every key block identical: every score ties, so the lists are the forced blocks and then the lowest indices.
+#[test]
+fn all_tied_blocks_select_the_lowest_indices() {
+    let Some(ctx) = skip_unless_gpu("all_tied_blocks_select_the_lowest_indices") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 4, 2, 256, 640, 64, 64, Mask::Causal);
+    let mut case = make_case::<bf16>(&spec, gaussian(1.0), 8);
+    for kv in 0..2 {
+        for j in 0..640 {
+            for c in 0..64 {
+                case.k[[0, kv, j, c]] = case.k[[0, kv, j % 128, c]];
+            }
+        }
+    }
+    let config = BsaConfig { q_block: 128, kv_block: 128, top_k: 3, force_first: false, force_local: 1 };
+    let lists = select_guarded(&stream, &case, &config, BSA_SELECT).expect("selection");
+    // Query blocks 0 and 1 see key blocks 0..=3 and 0..=4 (Lk − Lq = 384): forced last eligible, then 0, 1.
+    assert_eq!(
+        lists.index_axis(Axis(0), 0).index_axis(Axis(0), 1).iter().copied().collect::<Vec<_>>(),
+        [0, 1, 3, 0, 1, 4]
+    );
+    let verdict = verify_block_selection(&case, &config, lists.view()).expect("verification");
+    assert!(verdict.passed() && verdict.decided == verdict.rows, "{verdict:?}");
+}
+
+/// Bad parameters and buffers are typed errors before any launch; the device stays usable.
+#[test]
+fn bad_selection_input_is_a_typed_error() {
+    let Some(ctx) = skip_unless_gpu("bad_selection_input_is_a_typed_error") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 9);
+    let good = BsaConfig { q_block: 64, kv_block: 128, top_k: 2, force_first: true, force_local: 1 };
+    let run = |spec: &AttentionSpec, c: &BsaConfig| select_blocks(&stream, spec, c, case.q.view(), case.k.view());
+    assert!(matches!(
+        run(&spec, &BsaConfig { top_k: 4, ..good }),
+        Err(GpuError::Unsupported { argument: "top_k", .. })
+    ));
+    assert!(matches!(
+        run(&spec, &BsaConfig { kv_block: 96, ..good }),
+        Err(GpuError::Unsupported { argument: "kv_block", .. })
+    ));
+    assert!(matches!(run(&spec, &BsaConfig { top_k: 1, ..good }), Err(GpuError::Spec(_))));
+    let window = spec.clone().with_mask(Mask::Window { left: 8, right: 0 });
+    assert!(matches!(run(&window, &good), Err(GpuError::Unsupported { argument: "mask", .. })));
+    let other = dense(1, 2, 1, 200, 301, 64, 64, Mask::Causal);
+    assert!(matches!(run(&other, &good), Err(GpuError::Shape { argument: "k", .. })));
+    let (q, k) = (upload(&stream, &case.q).unwrap(), upload(&stream, &case.k).unwrap());
+    let mut small = stream.alloc_zeros::<f64>(1).unwrap();
+    let mut lists = stream.alloc_zeros::<i32>(64).unwrap();
+    let e = select_blocks_device(&stream, &spec, &good, BSA_SELECT, &q, &k, &mut small, &mut lists);
+    assert!(matches!(e, Err(GpuError::BufferTooSmall { argument: "pooled", .. })), "{e:?}");
+    let lists = run(&spec, &good).expect("a valid selection after the refusals");
+    assert_eq!(lists.lists.dim(), (1, 1, 4, 2));
+    lists.validate(&spec).expect("the selector's lists follow the convention");
+}
+
+/// The killing cases of the catalog's `bsa_select` mutants: causal with a partial last key block, a GQA group of 3,
+/// forced first and local blocks, every whole key block the same (so exact ties decide the lists) and early query
+/// blocks with fewer eligible blocks than `top_k` (padded lists); a second case without a mask over two sequences.
+pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
+    let spec = dense(1, 3, 1, 300, 300, 64, 64, Mask::Causal);
+    let mut tied = make_case::<bf16>(&spec, gaussian(1.0), 31);
+    for j in 64..300 {
+        for c in 0..64 {
+            tied.k[[0, 0, j, c]] = tied.k[[0, 0, j % 64, c]];
+        }
+    }
+    let forced = BsaConfig { q_block: 64, kv_block: 64, top_k: 4, force_first: true, force_local: 1 };
+    let spec = dense(2, 2, 2, 130, 520, 64, 64, Mask::None);
+    let plain = make_case::<bf16>(&spec, gaussian(4.0), 32);
+    let unforced = BsaConfig { q_block: 128, kv_block: 128, top_k: 2, force_first: false, force_local: 0 };
+    vec![("causal_gqa3_forced_ties", tied, forced), ("no_mask_two_sequences", plain, unforced)]
+}
+
+/// Runs the selector `kernel` on a killing case; `Ok(())` when its lists pass the verification.
+pub fn check_selection(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    case: &(Case<bf16>, BsaConfig),
+) -> Result<(), String> {
+    let (case, config) = case;
+    let lists = select_guarded(stream, case, config, kernel)?;
+    let verdict = verify_block_selection(case, config, lists.view()).map_err(|e| e.to_string())?;
+    if verdict.passed() { Ok(()) } else { Err(verdict.failures[0].clone()) }
+}
