@@ -281,3 +281,29 @@ impl BackwardExpectation {
         Ok(Verdict { outputs, gate: self.gate.clone() })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::{ArrayD, IxDyn};
+
+    /// The gate's magnitudes on a case worked by hand: one query over two keys (`d = dv = 1`, `α = 1`), two query heads
+    /// sharing the KV head (group 2), `q = 1`, `k = (0, ln 3)` so that `P = (1/4, 3/4)`, `v = (2, −2)` so that
+    /// `o = −1`, `dO = 1/2`. Then `t_j = P_j (|dO||v_j| + |dO||o|) = 1.5 P_j = (0.375, 1.125)`, and the magnitudes are
+    /// dQ: `|α| Σ_j t_j |k_j| = 1.125 ln 3`; dK: `G · max_j |α| t_j |q| = 2.25`; dV: `G · max_j P_j |dO| = 0.75`.
+    #[test]
+    fn magnitudes_follow_their_formulas() {
+        let spec = AttentionSpec::dense(1, 2, 1, 1, 2, 1, 1);
+        let t = |shape: &[usize], x: &[f64]| ArrayD::from_shape_vec(IxDyn(shape), x.to_vec()).unwrap();
+        let q = t(&[1, 2, 1, 1], &[1.0, 1.0]);
+        let k = t(&[1, 1, 2, 1], &[0.0, 3f64.ln()]);
+        let v = t(&[1, 1, 2, 1], &[2.0, -2.0]);
+        let g = t(&[1, 2, 1, 1], &[0.5, 0.5]);
+        let recipe = crate::recipes::reference::<half::bf16>(64);
+        let truth = backward_truth(&spec, [&q, &k, &v, &g], recipe, 64).unwrap();
+        let expected = [1.125 * 3f64.ln(), 2.25, 0.75];
+        for (n, (got, want)) in truth.magnitude.iter().zip(expected).enumerate() {
+            assert!((got - want).abs() <= 1e-14 * want, "magnitude {n}: {got} against {want}");
+        }
+    }
+}
