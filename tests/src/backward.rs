@@ -305,5 +305,20 @@ mod tests {
         for (n, (got, want)) in truth.magnitude.iter().zip(expected).enumerate() {
             assert!((got - want).abs() <= 1e-14 * want, "magnitude {n}: {got} against {want}");
         }
+        // dK and dV of a GQA group: the two heads' own bounds (the same head twice here), plus the model's group-sum
+        // term over the sum of the heads' |dK| (|dV|) in place of each lone head's.
+        let one = AttentionSpec::dense(1, 1, 1, 1, 2, 1, 1);
+        let (q1, g1) = (t(&[1, 1, 1, 1], &[1.0]), t(&[1, 1, 1, 1], &[0.5]));
+        let single = backward_truth(&one, [&q1, &k, &v, &g1], recipe, 64).unwrap();
+        for (both, alone, grad) in [
+            (&truth.bound_dk, &single.bound_dk, &single.grads.dk),
+            (&truth.bound_dv, &single.bound_dv, &single.grads.dv),
+        ] {
+            for ((b, a), x) in both.iter().zip(alone.iter()).zip(grad.iter()) {
+                // The lone head's bound carries its own (group of 1) sum term; the group's carries one over both.
+                let want = 2.0 * (a - gqa_sum_term(1, x.abs())) + gqa_sum_term(2, 2.0 * x.abs());
+                assert!((b - want).abs() <= 1e-15 * want, "{b} against {want}");
+            }
+        }
     }
 }
