@@ -52,7 +52,8 @@ const UNIT_AND_INTEGRATION: &[&str] = &["--lib", "--tests"];
 /// The verdict's rules and the case checker, judged by the harness's unit tests and its case-file tests only: the
 /// suites that run the flash and sparse families take most of a minute, which is too long per mutant, and none of
 /// them tests a rule of the verdict that the unit tests leave open.
-const VERDICT_FILES: &[&str] = &["tests/src/verdict.rs", "tests/src/gate.rs", "tests/src/case/*.rs"];
+const VERDICT_FILES: &[&str] =
+    &["tests/src/verdict.rs", "tests/src/gate.rs", "tests/src/block_selection.rs", "tests/src/case/*.rs"];
 
 /// The harness's family drivers (which build the bounds and canned answers of each family), judged by every suite.
 const FAMILY_FILES: &[&str] = &["tests/src/flash.rs", "tests/src/backward.rs", "tests/src/sparse.rs"];
@@ -76,7 +77,7 @@ pub const SCOPES: &[Scope] = &[
         exclude: FAMILY_FILES,
         test_packages: &["attnproof-harness"],
         targets: &["--lib", "--test=it"],
-        filters: &["verdict::", "gate::", "case::", "check_", "recipe::"],
+        filters: &["verdict::", "gate::", "block_selection::", "case::", "check_", "recipe::"],
     },
     Scope {
         name: "harness",
@@ -808,7 +809,9 @@ mod tests {
         let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
-            verdict.ends_with("--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: case:: check_ recipe::"),
+            verdict.ends_with(
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: case:: check_ recipe::"
+            ),
             "{verdict}"
         );
         assert!(joined.contains("--exclude reference/src/ring/** --exclude reference/src/sparse/**"), "{joined}");
