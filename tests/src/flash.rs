@@ -225,3 +225,44 @@ fn uniform_average(spec: &AttentionSpec, v: &ArrayD<f64>) -> ArrayD<f64> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::{Distribution, ValueProfile, make_case};
+    use ndarray::{Axis, Slice};
+
+    /// The gate's "last KV tile dropped" answer removes exactly the keys of the last KV tile: with one key past a whole
+    /// tile (Lk = 65, tiles of 64) it is the attention over the first 64 keys alone, computed here as its own problem,
+    /// and it is visibly wrong (applicable) and rejected.
+    #[test]
+    fn the_dropped_tile_answer_drops_exactly_the_last_tile() {
+        let spec = AttentionSpec::dense(1, 1, 1, 3, 65, 8, 8);
+        // The last key carries the rows' largest logit, so that removing it is visible.
+        let profile = ValueProfile { distribution: Distribution::MaxInLastTile, logit_scale: 4.0, value_mean: 0.0 };
+        let case = make_case::<half::bf16>(&spec, profile, 5);
+        let recipe = crate::recipes::reference::<half::bf16>(64);
+        let [q, k, v] = case.widened();
+        let truth = problem_forward_bounds(&spec, &q, &k, &v, recipe).unwrap();
+        let gate = forward_gate(
+            &spec,
+            &q,
+            &k,
+            &v,
+            64,
+            recipe.unit_roundoff,
+            (&truth.o, &truth.lse),
+            (&truth.bound_o, &truth.bound_lse),
+        )
+        .unwrap();
+        let dropped = gate.canned.iter().find(|c| c.name == "last KV tile dropped").expect("the answer is scored");
+        assert!(dropped.applicable && dropped.rejected, "{dropped:?}");
+        let first_tile = AttentionSpec::dense(1, 1, 1, 3, 64, 8, 8);
+        let cut = |t: &ArrayD<f64>| t.slice_axis(Axis(2), Slice::from(0..64)).to_owned();
+        let (k64, v64) = (cut(&k), cut(&v));
+        let qkv = Qkv { q: q.view(), k: k64.view(), v: v64.view() };
+        let expected = forward(&first_tile, qkv, DenseConfig::default(), ()).unwrap();
+        let ratio = compare("O", expected.o.view(), truth.o.view(), truth.bound_o.view()).max_ratio;
+        assert_eq!(dropped.max_ratio, ratio);
+    }
+}
