@@ -232,11 +232,12 @@ mod tests {
     use crate::generate::{Distribution, ValueProfile, make_case};
     use ndarray::{Axis, Slice};
 
-    /// The gate's "last KV tile dropped" answer removes exactly the keys of the last KV tile: with one key past a whole
-    /// tile (Lk = 65, tiles of 64) it is the attention over the first 64 keys alone, computed here as its own problem,
-    /// and it is visibly wrong (applicable) and rejected.
+    /// Each canned wrong answer of the forward gate is the wrong answer it names, recomputed here on its own: "last KV
+    /// tile dropped" removes exactly the keys of the last KV tile (Lk = 65 with tiles of 64: the attention over the
+    /// first 64 keys alone), "scale 1/d" is the attention with scale `1/d`, "mean(V)" each row's plain mean of the
+    /// values, "LSE base 2" the LSE divided by `ln 2`. Each is visibly wrong here and rejected.
     #[test]
-    fn the_dropped_tile_answer_drops_exactly_the_last_tile() {
+    fn the_canned_answers_are_the_wrong_answers_they_name() {
         let spec = AttentionSpec::dense(1, 1, 1, 3, 65, 8, 8);
         // The last key carries the rows' largest logit, so that removing it is visible.
         let profile = ValueProfile { distribution: Distribution::MaxInLastTile, logit_scale: 4.0, value_mean: 0.0 };
@@ -255,14 +256,28 @@ mod tests {
             (&truth.bound_o, &truth.bound_lse),
         )
         .unwrap();
-        let dropped = gate.canned.iter().find(|c| c.name == "last KV tile dropped").expect("the answer is scored");
-        assert!(dropped.applicable && dropped.rejected, "{dropped:?}");
+        let canned = |name: &str| gate.canned.iter().find(|c| c.name == name).cloned().expect("the answer is scored");
+        let ratio_o = |o: &ArrayD<f64>| compare("O", o.view(), truth.o.view(), truth.bound_o.view()).max_ratio;
         let first_tile = AttentionSpec::dense(1, 1, 1, 3, 64, 8, 8);
         let cut = |t: &ArrayD<f64>| t.slice_axis(Axis(2), Slice::from(0..64)).to_owned();
         let (k64, v64) = (cut(&k), cut(&v));
         let qkv = Qkv { q: q.view(), k: k64.view(), v: v64.view() };
-        let expected = forward(&first_tile, qkv, DenseConfig::default(), ()).unwrap();
-        let ratio = compare("O", expected.o.view(), truth.o.view(), truth.bound_o.view()).max_ratio;
-        assert_eq!(dropped.max_ratio, ratio);
+        let dropped = forward(&first_tile, qkv, DenseConfig::default(), ()).unwrap();
+        let scaled = spec.clone().with_scale(Scale::Value(1.0 / 8.0));
+        let wrong_scale = forward(&scaled, Qkv { q: q.view(), k: k.view(), v: v.view() }, DenseConfig::default(), ());
+        let mean_v = v.mean_axis(Axis(2)).unwrap().insert_axis(Axis(2));
+        let mean_v = ndarray::concatenate(Axis(2), &[mean_v.view(), mean_v.view(), mean_v.view()]).unwrap();
+        let lse2 = truth.lse.mapv(|x| x / std::f64::consts::LN_2);
+        let expected = [
+            ("last KV tile dropped", ratio_o(&dropped.o)),
+            ("scale 1/d", ratio_o(&wrong_scale.unwrap().o)),
+            ("mean(V)", ratio_o(&mean_v)),
+            ("LSE base 2", compare("LSE", lse2.view(), truth.lse.view(), truth.bound_lse.view()).max_ratio),
+        ];
+        for (name, ratio) in expected {
+            let c = canned(name);
+            assert!(c.applicable && c.rejected, "{c:?}");
+            assert_eq!(c.max_ratio, ratio, "{name}");
+        }
     }
 }
