@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Times FlexAttention's block-sparse forward on the lists of `bench --block-sparse` and prints one table beside ours.
+"""Times FlexAttention's block-sparse forward and backward on the lists of `bench --block-sparse` and prints them
+beside ours.
 
 The bench binary writes each list tensor it timed (`--lists-dir DIR`: raw little-endian int32,
 `lists-L<L>-<kind>-1x<H>x<blocks>x<width>.i32`, ascending per query block, -1-padded) and its rows (direction
@@ -9,6 +10,8 @@ there) and every earlier listed block as a full block (no mask_mod), which is wh
 with 128x128 blocks. Method as bench/peers.py: bf16 inputs at random, three input sets cycled launch by launch,
 untimed warm-up, the median of --reps launches bracketed by CUDA events. Effective FLOPs are the bench binary's:
 4*D*128*128 per visited block and head (each block counted whole), so ours and Flex's TFLOP/s divide the same count.
+The backward (our `bsa-bwd` rows, KV owner with atomic dQ and two traversals) counts 2.5 times those FLOPs; Flex's is
+torch.autograd.grad of its forward with a random dO (peers.backward_of).
 
 The second table times block selection: ours (`bsa-select` rows) beside the PyTorch baseline `torch_selection`
 below (mean-pool, score every block pair, group sum, causal mask, top-8), on inputs of the same shapes.
@@ -29,23 +32,10 @@ import sys
 import numpy as np
 import torch
 
+from peers import SETS, backward_of, median_ms
+
 BLOCK = 128
-SETS = 3
 NAME = re.compile(r"lists-L(\d+)-(.+)-1x(\d+)x(\d+)x(\d+)\.i32$")
-
-
-def median_ms(fn, sets, reps, warmup):
-    for i in range(warmup):
-        fn(*sets[i % SETS])
-    pairs = []
-    for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*sets[i % SETS])
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
 def block_mask_from_lists(lists, seq_len):
@@ -146,6 +136,7 @@ def main():
 
     compiled = torch.compile(flex_attention, dynamic=False)
     ours = read_ours(args.ours, "bsa-fwd")
+    ours_bwd = read_ours(args.ours, "bsa-bwd")
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for path in sorted(glob.glob(os.path.join(args.lists, "lists-*.i32")), key=lambda p: int(NAME.search(p).group(1))):
@@ -158,34 +149,49 @@ def main():
         shape = f"(1,{heads},{seq_len},{d})"
         mask = block_mask_from_lists(lists, seq_len)
         sets = [
-            tuple(torch.randn(1, heads, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+            tuple(torch.randn(1, heads, seq_len, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
             for _ in range(SETS)
         ]
-        try:
-            flex_ms = median_ms(lambda q, k, v: compiled(q, k, v, block_mask=mask), sets, args.reps, args.warmup)
-        except Exception as e:  # a refusal is a row entry, not a crash
-            print(f"block_sparse_peers: flex {shape} {kind}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-            flex_ms = math.nan
-        ours_ms = ours.get((shape, kind), math.nan)
+        forward = lambda q, k, v: compiled(q, k, v, block_mask=mask)
+        timed = {}
+        for direction, fn, inputs in [
+            ("fwd", lambda q, k, v, _: forward(q, k, v), sets),
+            ("bwd", backward_of(forward), sets),
+        ]:
+            try:
+                timed[direction] = median_ms(fn, inputs, args.reps, args.warmup)
+            except Exception as e:  # a refusal is a row entry, not a crash
+                msg = f"block_sparse_peers: flex {direction} {shape} {kind}: {type(e).__name__}: {e}"
+                print(msg.splitlines()[0], file=sys.stderr)
+                timed[direction] = math.nan
         density = visited / (heads * blocks * (blocks + 1) / 2)
-        rows.append((shape, kind, density, ours_ms, flex_ms, fl))
-        print(f"block_sparse_peers: {shape} {kind}: ours {ours_ms:.4f} ms, flex {flex_ms:.4f} ms", file=sys.stderr, flush=True)
+        for direction, ours_ms, flops in [
+            ("fwd", ours.get((shape, kind), math.nan), fl),
+            ("bwd", ours_bwd.get((shape, f"{kind}/kv-owner-atomic"), math.nan), 2.5 * fl),
+            ("bwd-2t", ours_bwd.get((shape, f"{kind}/two-traversals"), math.nan), 2.5 * fl),
+        ]:
+            flex_ms = timed[direction.split("-")[0]]
+            rows.append((shape, kind, direction, density, ours_ms, flex_ms, flops))
+            print(f"block_sparse_peers: {shape} {kind} {direction}: ours {ours_ms:.4f} ms, flex {flex_ms:.4f} ms",
+                  file=sys.stderr, flush=True)
         del sets, mask
         torch.cuda.empty_cache()
     tf = lambda fl, ms: fl / ms / 1e9 if ms == ms and ms > 0 else math.nan
-    print(f"{'shape':<20} {'lists':<13} {'density':>8} {'ours ms':>8} {'ours TF':>8} {'flex ms':>8} {'flex TF':>8} {'/flex':>6}")
-    for shape, kind, density, ours_ms, flex_ms, fl in rows:
+    header = f"{'shape':<20} {'lists':<13} {'dir':<7} {'density':>8} {'ours ms':>8} {'ours TF':>8} {'flex ms':>8}"
+    print(f"{header} {'flex TF':>8} {'/flex':>6}")
+    for shape, kind, direction, density, ours_ms, flex_ms, fl in rows:
         print(
-            f"{shape:<20} {kind:<13} {100 * density:>7.2f}% {ours_ms:>8.3f} {tf(fl, ours_ms):>8.1f} "
+            f"{shape:<20} {kind:<13} {direction:<7} {100 * density:>7.2f}% {ours_ms:>8.3f} {tf(fl, ours_ms):>8.1f} "
             f"{flex_ms:>8.3f} {tf(fl, flex_ms):>8.1f} {flex_ms / ours_ms:>6.2f}"
         )
-    print("density: visited blocks / causal blocks; ratio = flex ms / ours ms (above 1: ours is faster)")
+    print("density: visited blocks / causal blocks; ratio = flex ms / ours ms (above 1: ours is faster);")
+    print("bwd: ours KV owner with atomic dQ, bwd-2t: ours two traversals, both against Flex's backward")
     print()
     selection_table(args.ours, args.reps, args.warmup)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             w = csv.writer(f)
-            w.writerow(["shape", "lists", "density", "ours_ms", "flex_ms", "effective_flops"])
+            w.writerow(["shape", "lists", "direction", "density", "ours_ms", "flex_ms", "effective_flops"])
             w.writerows(rows)
 
 

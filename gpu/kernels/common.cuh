@@ -91,8 +91,10 @@ struct RingStateParams {
     int reserved;             // explicit tail padding, always 0
 };
 
-// The block lists of block-sparse attention (E14), read by flash_fwd compiled with BLOCK_SPARSE beside its
-// FlashParams. Lists are [B, list heads, query blocks, width] i32, ascending, -1-padded, validated by the host.
+// The block lists of block-sparse attention (E14), read by flash_fwd and flash_bwd.cu compiled with BLOCK_SPARSE
+// beside their own parameters. Lists are [B, list heads, query blocks, width] i32, ascending, -1-padded, validated by
+// the host. The backward's transpose (key block -> the query blocks that list it) has one CSR row per (sequence, list
+// head, key block), in that order.
 struct BlockListParams {
     long long seq_stride;     // elements between two sequences' lists
     long long head_stride;    // elements between two list heads' lists
@@ -100,6 +102,10 @@ struct BlockListParams {
     int q_block;              // query rows per query block: a multiple of the CTA's rows
     int tiles_per_block;      // 64-key KV tiles per key block (1 or 2)
     int heads_per_list;       // query heads that share one list head: 1 (lists per query head) or the GQA group
+    int list_heads;           // list heads per sequence
+    int q_blocks;             // query blocks per list head (of the longest sequence)
+    int kv_blocks;            // key blocks of the longest sequence: CSR rows per (sequence, list head)
+    int reserved;             // explicit tail padding, always 0
 };
 
 // The scalars of bsa_select.cu's block selection (BSA): the problem (Q and K layout, lengths, group, d) and the
@@ -162,13 +168,17 @@ PARAM_AT(BackwardParams, n_chunks, 172);
 PARAM_AT(BackwardParams, n_heads_q, 176);
 PARAM_AT(BackwardParams, finalize_mode, 180);
 
-PARAM_SIZE(BlockListParams, 32);
+PARAM_SIZE(BlockListParams, 48);
 PARAM_AT(BlockListParams, seq_stride, 0);
 PARAM_AT(BlockListParams, head_stride, 8);
 PARAM_AT(BlockListParams, width, 16);
 PARAM_AT(BlockListParams, q_block, 20);
 PARAM_AT(BlockListParams, tiles_per_block, 24);
 PARAM_AT(BlockListParams, heads_per_list, 28);
+PARAM_AT(BlockListParams, list_heads, 32);
+PARAM_AT(BlockListParams, q_blocks, 36);
+PARAM_AT(BlockListParams, kv_blocks, 40);
+PARAM_AT(BlockListParams, reserved, 44);
 
 PARAM_SIZE(BsaParams, 200);
 PARAM_AT(BsaParams, flash, 0);
@@ -350,3 +360,61 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __re
         cp_async_16(smem + r * STRIDE + c, g + offset, valid);
     }
 }
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Tile cursors: the tiles a CTA visits, in ascending order, one per call of next() (-1 when there are no more). Without
+// BLOCK_SPARSE, every tile of a range [tile_lo, tile_hi) (range_cursor); with it, the tiles of the blocks of an
+// ascending block list inside that range (list_cursor), `tiles_per_block` tiles per block. The forward walks a query
+// block's key-block list in 64-key tiles; the backward's KV owner walks a CSR row (the query blocks that list its key
+// block) in query tiles, its dQ owner and its deterministic dQ sum walk the query block's list again.
+struct TileCursor {
+    int tile_lo, tile_hi;
+#if defined(BLOCK_SPARSE)
+    const int* list;   // `width` entries: a valid ascending prefix, then -1 (a CSR row has no pad)
+    int width;
+    int tiles_per_block;
+    int slot;          // the list entry of the next tile
+    int sub;           // the next tile's index inside its block
+    __device__ __forceinline__ int next() {
+        while (slot < width) {
+            const int block = __ldg(list + slot);
+            if (block < 0) break;
+            const int t = block * tiles_per_block + sub;
+            if (++sub == tiles_per_block) {
+                sub = 0;
+                ++slot;
+            }
+            if (t >= tile_hi) break;  // ascending: every later tile is past the visible range too
+            if (t >= tile_lo) return t;
+        }
+        slot = width;
+        return -1;
+    }
+#else
+    int t_next;
+    __device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }
+#endif
+};
+
+#if defined(BLOCK_SPARSE)
+__device__ __forceinline__ TileCursor list_cursor(int tile_lo, int tile_hi, const int* list, int width,
+                                                  int tiles_per_block) {
+    TileCursor c;
+    c.tile_lo = tile_lo;
+    c.tile_hi = tile_hi;
+    c.list = list;
+    c.width = width;
+    c.tiles_per_block = tiles_per_block;
+    c.slot = 0;
+    c.sub = 0;
+    return c;
+}
+#else
+__device__ __forceinline__ TileCursor range_cursor(int tile_lo, int tile_hi) {
+    TileCursor c;
+    c.tile_lo = tile_lo;
+    c.tile_hi = tile_hi;
+    c.t_next = tile_lo;
+    return c;
+}
+#endif

@@ -20,6 +20,11 @@
 //                     sequence) owns dQ, recomputing P and dS over KV tiles of DQ_KV_TILE = 64 keys, no atomics.
 //   bwd_dq_finalize   dQ = round_T(α̂ · acc) from the atomic accumulator (mode 0) or from the partials summed in
 //                     ascending KV-tile order (mode 1: bitwise deterministic).
+//   BLOCK_SPARSE      (optional) block-sparse backward (E14): bwd_csr_count, bwd_csr_scan and bwd_csr_fill transpose
+//                     the forward's lists on the device (per key block, the query blocks that list it); bwd_kv walks
+//                     its key block's CSR row instead of every query tile, bwd_dq and the deterministic
+//                     bwd_dq_finalize walk the query block's list instead of every KV tile. Masks, tails and windows
+//                     still apply inside the visited tiles, so each element's arithmetic is the dense kernels'.
 // Every product uses mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16} with operands from ldmatrix (.trans where the
 // reduction runs along the tile's rows); k-steps whose 16 rows are all past the valid length are skipped (they would
 // add zeros), so a sum of n terms over t tiles takes at most ⌈n/16⌉ + t instructions. Output columns are split in
@@ -184,6 +189,20 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, in
 // parameter struct (common.cuh), whose problem scalars UNPACK_FLASH_PARAMS(params.flash) turns into locals.
 #define COMMON_PARAMS const int *__restrict__ cu_q, const int *__restrict__ cu_k, const BackwardParams params
 
+// BLOCK_SPARSE: bwd_kv, bwd_dq and bwd_dq_finalize also take the forward's block lists, their CSR transpose (built by
+// bwd_csr_count, bwd_csr_scan and bwd_csr_fill below) and the lists' scalars.
+#if defined(BLOCK_SPARSE)
+#define SPARSE_PARAMS                                                                                               \
+    , const int *__restrict__ block_lists, const int *__restrict__ csr_offsets, const int *__restrict__ csr_q_blocks, \
+        const BlockListParams lists
+// The list of the query block holding row `row0` of query head `head` in sequence `seq`.
+#define QUERY_BLOCK_LIST(seq, head, row0)                                                                            \
+    (block_lists + (seq) * lists.seq_stride + (long long)((head) / lists.heads_per_list) * lists.head_stride +       \
+     (long long)((row0) / lists.q_block) * lists.width)
+#else
+#define SPARSE_PARAMS
+#endif
+
 #define SEQ_VIEW(seq)                                                                                                \
     seq_view(seq, cu_q, cu_k, varlen, dense_len_q, dense_len_k, q_batch, q_row, k_batch, k_row, v_batch, v_row,     \
              o_batch, o_row, lse_batch)
@@ -315,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(KV_THREADS, 8 / KV_WARPS)
 bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
        elem_t* __restrict__ dk_out, elem_t* __restrict__ dv_out, float* __restrict__ dq_acc,
-       float* __restrict__ dq_part, float* __restrict__ dkv_part, COMMON_PARAMS) {
+       float* __restrict__ dq_part, float* __restrict__ dkv_part, COMMON_PARAMS SPARSE_PARAMS) {
     UNPACK_FLASH_PARAMS(params.flash);
     const int dq_mode = params.dq_mode;
     const int n_chunks = params.n_chunks;
@@ -375,7 +394,19 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             delta_s[stage * Q_TILE + r] = r < rows ? delta_g[row0 + r] : 0.f;
         }
     };
-    if (a_lo <= a_hi) load_q_tile(a_lo, 0);
+#if defined(BLOCK_SPARSE)
+    // The query blocks that list this tile's key block (a KV tile never straddles two key blocks: the host takes
+    // KV_TILE ≤ kv_block), as query tiles, inside the rows that can see the tile.
+    const long long csr_row = ((long long)blockIdx.z * lists.list_heads + head / lists.heads_per_list) * lists.kv_blocks +
+                              key0 / (lists.tiles_per_block * 64);
+    const int csr_lo = csr_offsets[csr_row];
+    TileCursor cursor =
+        list_cursor(a_lo, a_hi + 1, csr_q_blocks + csr_lo, csr_offsets[csr_row + 1] - csr_lo, lists.q_block / Q_TILE);
+#else
+    TileCursor cursor = range_cursor(a_lo, a_hi + 1);
+#endif
+    int a = cursor.next();
+    if (a >= 0) load_q_tile(a, 0);
     cp_async_commit();
 
     // ldmatrix lane addresses: K and V are the A operands of Sᵀ and dPᵀ (the warp's 16 keys); Q and dO their B
@@ -405,17 +436,18 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
     }
 
-    for (int a = a_lo; a <= a_hi; ++a) {
-        const int stage = Q_STAGES == 2 ? (a - a_lo) & 1 : 0;
-        if (Q_STAGES == 1 && a > a_lo) {
+    for (int visit = 0; a >= 0; ++visit) {
+        const int stage = Q_STAGES == 2 ? visit & 1 : 0;
+        if (Q_STAGES == 1 && visit > 0) {
             __syncthreads();  // every warp is done with the previous tile's Q, dO and dS
             load_q_tile(a, 0);
             cp_async_commit();
         }
         cp_async_wait_all();
-        __syncthreads();  // tile a (and K, V) landed for everyone; every warp is done with tile a − 1
-        if (Q_STAGES == 2 && a < a_hi) {
-            load_q_tile(a + 1, stage ^ 1);
+        __syncthreads();  // tile a (and K, V) landed for everyone; every warp is done with the previous tile
+        const int a_next = cursor.next();
+        if (Q_STAGES == 2 && a_next >= 0) {
+            load_q_tile(a_next, stage ^ 1);
             cp_async_commit();
         }
         const int row0 = a * Q_TILE;
@@ -503,6 +535,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                 }
             }
         }
+        a = a_next;
     }
     // Drain: a KV tile that no query tile sees (a_lo > a_hi: a window, or keys past every row's diagonal) skips the
     // loop, and its K, V copies, committed above, were never waited for. A CTA must not exit with copies into its
@@ -615,7 +648,7 @@ __device__ __forceinline__ void add_dq(float (&acc)[CHUNK / 8][4], const float (
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
-       elem_t* __restrict__ dq, COMMON_PARAMS) {
+       elem_t* __restrict__ dq, COMMON_PARAMS SPARSE_PARAMS) {
     UNPACK_FLASH_PARAMS(params.flash);
     const int n_chunks = params.n_chunks;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -676,7 +709,13 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #pragma unroll
     for (int n = 0; n < CHUNK / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 
-    for (int t = 0; t < n_kt; ++t) {
+#if defined(BLOCK_SPARSE)
+    TileCursor cursor =
+        list_cursor(0, n_kt, QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width, lists.tiles_per_block);
+#else
+    TileCursor cursor = range_cursor(0, n_kt);
+#endif
+    for (int t = cursor.next(); t >= 0; t = cursor.next()) {
         int a_lo, a_hi;
         if (!kv_tile_rows(t, DQ_KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) || tile < a_lo ||
             tile > a_hi)
@@ -760,7 +799,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 // order (mode 1).
 extern "C" __global__ void __launch_bounds__(THREADS)
 bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_part, elem_t* __restrict__ dq,
-                COMMON_PARAMS) {
+                COMMON_PARAMS SPARSE_PARAMS) {
     UNPACK_FLASH_PARAMS(params.flash);
     const int mode = params.finalize_mode;
     const long long part_stride = params.part_stride;
@@ -778,7 +817,14 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
         if (mode == 0) {
             x = dq_acc[at];
         } else {
-            for (int t = 0; t < n_kt; ++t) {
+#if defined(BLOCK_SPARSE)
+            // The KV tiles of the query block's listed key blocks: the only partials bwd_kv wrote for this tile.
+            TileCursor cursor = list_cursor(0, n_kt, QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width,
+                                            lists.tiles_per_block * 64 / KV_TILE);
+#else
+            TileCursor cursor = range_cursor(0, n_kt);
+#endif
+            for (int t = cursor.next(); t >= 0; t = cursor.next()) {
                 int a_lo, a_hi;
                 if (kv_tile_rows(t, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) && tile >= a_lo &&
                     tile <= a_hi) {
@@ -789,3 +835,97 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
         dq[at] = to_elem(__fmul_rn(scale, x));
     }
 }
+
+#if defined(BLOCK_SPARSE)
+// ---------------------------------------------------------------------------------------------------------------------
+// The CSR transpose of the block lists (E20's layout, seed 001's CSR backward): one row per (sequence, list head, key
+// block), holding the query blocks whose list names the key block, ascending. bwd_csr_count writes each row's count
+// into csr_offsets[row], bwd_csr_scan turns the counts into offsets in place (csr_offsets[rows] = the total), and
+// bwd_csr_fill writes the indices. Every step is deterministic: a row's indices come out in ascending order from a
+// warp ballot, with no atomics.
+
+// Whether the list (`width` entries, an ascending valid prefix then -1) holds `block`: a binary search, reading a pad
+// as larger than every block.
+__device__ __forceinline__ bool list_holds(const int* __restrict__ list, int width, int block) {
+    int lo = 0, hi = width;  // the first entry ≥ block (a pad counts as +∞) is at index lo once lo == hi
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        const int x = __ldg(list + mid);
+        if (x >= 0 && x < block) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo < width && __ldg(list + lo) == block;
+}
+
+// One warp per CSR row: grid (⌈kv_blocks / NUM_WARPS⌉, list heads, sequences). The lanes test 32 query blocks at a
+// time; FILL writes the listing query blocks from the row's offset in ascending order, otherwise the count.
+template <bool FILL>
+__device__ __forceinline__ void csr_row(const int* __restrict__ block_lists, const int* __restrict__ csr_offsets,
+                                        int* __restrict__ counts, int* __restrict__ csr_q_blocks,
+                                        const BlockListParams& lists) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int key_block = blockIdx.x * NUM_WARPS + warp;
+    if (key_block >= lists.kv_blocks) return;
+    const long long row = ((long long)blockIdx.z * lists.list_heads + blockIdx.y) * lists.kv_blocks + key_block;
+    const int* head_lists = block_lists + blockIdx.z * lists.seq_stride + (long long)blockIdx.y * lists.head_stride;
+    int written = FILL ? csr_offsets[row] : 0;
+    for (int base = 0; base < lists.q_blocks; base += 32) {
+        const int qb = base + lane;
+        const bool listed = qb < lists.q_blocks && list_holds(head_lists + (long long)qb * lists.width, lists.width,
+                                                             key_block);
+        const unsigned ballot = __ballot_sync(0xffffffffu, listed);
+        if (FILL && listed) csr_q_blocks[written + __popc(ballot & ((1u << lane) - 1u))] = qb;
+        written += __popc(ballot);
+    }
+    if (!FILL && lane == 0) counts[row] = written;
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+bwd_csr_count(const int* __restrict__ block_lists, int* __restrict__ csr_offsets, const BlockListParams lists) {
+    csr_row<false>(block_lists, nullptr, csr_offsets, nullptr, lists);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+bwd_csr_fill(const int* __restrict__ block_lists, const int* __restrict__ csr_offsets, int* __restrict__ csr_q_blocks,
+             const BlockListParams lists) {
+    csr_row<true>(block_lists, csr_offsets, nullptr, csr_q_blocks, lists);
+}
+
+// Exclusive prefix sum of the `rows` counts in csr_offsets, in place, by one CTA of SCAN_THREADS threads (a warp scan,
+// then a scan of the warp totals, chunk after chunk with a running carry); csr_offsets[rows] gets the total.
+#define SCAN_THREADS 1024
+extern "C" __global__ void __launch_bounds__(SCAN_THREADS) bwd_csr_scan(int* __restrict__ csr_offsets, int rows) {
+    __shared__ int warp_totals[SCAN_THREADS / 32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int carry = 0;
+    for (int base = 0; base < rows; base += SCAN_THREADS) {
+        const int i = base + threadIdx.x;
+        const int x = i < rows ? csr_offsets[i] : 0;
+        int incl = x;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int y = __shfl_up_sync(0xffffffffu, incl, off);
+            if (lane >= off) incl += y;
+        }
+        if (lane == 31) warp_totals[warp] = incl;
+        __syncthreads();
+        if (warp == 0) {
+            int w = warp_totals[lane];
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int y = __shfl_up_sync(0xffffffffu, w, off);
+                if (lane >= off) w += y;
+            }
+            warp_totals[lane] = w;  // inclusive over the warps
+        }
+        __syncthreads();
+        if (i < rows) csr_offsets[i] = carry + (warp > 0 ? warp_totals[warp - 1] : 0) + incl - x;
+        carry += warp_totals[SCAN_THREADS / 32 - 1];
+        __syncthreads();  // every thread read the totals before the next chunk overwrites them
+    }
+    if (threadIdx.x == 0) csr_offsets[rows] = carry;
+}
+#endif

@@ -152,37 +152,6 @@ __device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], f
     }
 }
 
-// The KV tiles a CTA visits, in ascending order, one per call of next() (-1 when there are no more): every tile of
-// the CTA's visible range [tile_lo, tile_hi), or, block-sparse, the tiles of the listed key blocks inside that range.
-struct TileCursor {
-    int tile_lo, tile_hi;
-#if defined(BLOCK_SPARSE)
-    const int* list;   // the CTA's query block's list: `width` entries, a valid ascending prefix then -1
-    int width;
-    int tiles_per_block;
-    int slot;          // the list entry of the next tile
-    int sub;           // the next tile's index inside its key block
-    __device__ __forceinline__ int next() {
-        while (slot < width) {
-            const int block = __ldg(list + slot);
-            if (block < 0) break;
-            const int t = block * tiles_per_block + sub;
-            if (++sub == tiles_per_block) {
-                sub = 0;
-                ++slot;
-            }
-            if (t >= tile_hi) break;  // ascending: every later tile is past the visible range too
-            if (t >= tile_lo) return t;
-        }
-        slot = width;
-        return -1;
-    }
-#else
-    int t_next;
-    __device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }
-#endif
-};
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
 #if defined(STATE_OUT)
@@ -250,9 +219,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     // The host chose q_block as a multiple of BLOCK_M, so the CTA's rows lie in one query block.
     const int* list_g = block_lists + seq * lists.seq_stride + (long long)(head / lists.heads_per_list) * lists.head_stride +
                         (long long)(row0 / lists.q_block) * lists.width;
-    TileCursor cursor{tile_lo, tile_hi, list_g, lists.width, lists.tiles_per_block, 0, 0};
+    TileCursor cursor = list_cursor(tile_lo, tile_hi, list_g, lists.width, lists.tiles_per_block);
 #else
-    TileCursor cursor{tile_lo, tile_hi, tile_lo};
+    TileCursor cursor = range_cursor(tile_lo, tile_hi);
 #endif
     int t = cursor.next();
 

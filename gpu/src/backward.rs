@@ -19,6 +19,10 @@
 //!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
 //!    three, so they agree bitwise across strategies.
 //!
+//! The block-sparse backward (`crate::block_sparse::backward`) compiles the same kernels with `BLOCK_SPARSE`: the KV
+//! owner walks the CSR transpose of the lists, the dQ owner and the deterministic dQ sum the query block's list, and
+//! masks still apply inside the visited tiles (`launch_backward` with the lists).
+//!
 //! The ring backward (E11 with dK/dV travelling home) uses the same kernels step by step, from
 //! [`crate::ring::backward_steps`]: `ring_backward_preprocess` per query chunk, `ring_backward_pair` per visible chunk
 //! pair (the `KV_ACCUM` module: dK/dV sums added in f32 to the KV chunk's travelling accumulator, dQ added to the
@@ -96,11 +100,11 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
-use crate::common::{GpuElement, check_len};
+use crate::common::{GpuElement, check_len, to_i32};
 use crate::compile::{self, FLASH_BWD};
 use crate::error::GpuError;
-use crate::launch::{self, BackwardBuffers, BackwardKernel};
-use crate::params::{BackwardParams, FlashParams};
+use crate::launch::{self, BackwardBuffers, BackwardKernel, SparseBuffers};
+use crate::params::{BackwardParams, BlockListParams, FlashParams};
 use crate::ring::state::ChunkWindow;
 
 /// Query rows per tile (the `q_tile` the verifier's model counts partial sums with).
@@ -362,7 +366,112 @@ pub fn flash_backward_device_with<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    let plan = plan::<T>(spec, tiling)?;
+    launch_backward(stream, spec, kernel, tiling, inputs, outputs, strategy, None)
+}
+
+/// The block-sparse mode's host inputs: the validated lists, row-major, and their scalars.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SparseLists<'a> {
+    /// `[B, list heads, query blocks, width]` entries.
+    pub entries: &'a [i32],
+    /// Their scalars.
+    pub params: BlockListParams,
+}
+
+impl SparseLists<'_> {
+    /// Keys per key block.
+    fn kv_block(&self) -> usize {
+        self.params.tiles_per_block as usize * 64
+    }
+
+    /// CSR rows: one per (sequence, list head, key block).
+    fn csr_rows(&self, seqs: usize) -> usize {
+        seqs * self.params.list_heads as usize * self.params.kv_blocks as usize
+    }
+}
+
+/// The define of `flash_bwd.cu`'s block-sparse mode.
+pub(crate) const BLOCK_SPARSE: &str = crate::flash::BLOCK_SPARSE;
+
+/// The CSR transpose of block lists on the device (`bwd_csr_count`, `bwd_csr_scan`, `bwd_csr_fill` of `module`,
+/// compiled with [`BLOCK_SPARSE`]): the uploaded lists, the row offsets and the rows' query blocks.
+pub(crate) struct DeviceCsr {
+    /// The lists, as uploaded.
+    pub lists: CudaSlice<i32>,
+    /// `rows + 1` offsets.
+    pub offsets: CudaSlice<i32>,
+    /// The rows' query blocks (one element when there are none: cudarc holds no empty buffer).
+    pub q_blocks: CudaSlice<i32>,
+}
+
+/// Uploads `sparse`'s lists for `seqs` sequences and builds their CSR transpose on `stream` with `module`'s kernels.
+pub(crate) fn sparse_csr(
+    stream: &Arc<CudaStream>,
+    module: &Arc<CudaModule>,
+    sparse: &SparseLists<'_>,
+    seqs: usize,
+) -> Result<DeviceCsr, GpuError> {
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let lists = if sparse.entries.is_empty() {
+        stream.alloc_zeros::<i32>(1).map_err(alloc_err)?
+    } else {
+        stream.clone_htod(sparse.entries).map_err(|e| GpuError::driver("cuMemcpyHtoD(block lists)", e))?
+    };
+    let rows = sparse.csr_rows(seqs);
+    // The transpose holds exactly the lists' valid entries.
+    let nnz = sparse.entries.iter().filter(|&&x| x >= 0).count();
+    let mut offsets = stream.alloc_zeros::<i32>(rows + 1).map_err(alloc_err)?;
+    let mut q_blocks = stream.alloc_zeros::<i32>(nnz.max(1)).map_err(alloc_err)?;
+    if rows > 0 {
+        let load = |name: &str| {
+            module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_bwd csr)", e))
+        };
+        let p = &sparse.params;
+        let grid = (
+            grid_dim("key blocks", (p.kv_blocks as usize).div_ceil(4), u32::MAX as usize >> 1)?,
+            grid_dim("list heads", p.list_heads as usize, 65535)?,
+            grid_dim("sequences", seqs, 65535)?,
+        );
+        let rows_cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        launch::launch_csr_rows(stream, &load("bwd_csr_count")?, rows_cfg, &lists, &mut offsets, None, p)?;
+        let scan_cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        launch::launch_csr_scan(stream, &load("bwd_csr_scan")?, scan_cfg, &mut offsets, to_i32("CSR rows", rows)?)?;
+        launch::launch_csr_rows(
+            stream,
+            &load("bwd_csr_fill")?,
+            rows_cfg,
+            &lists,
+            &mut offsets,
+            Some(&mut q_blocks),
+            p,
+        )?;
+    }
+    Ok(DeviceCsr { lists, offsets, q_blocks })
+}
+
+/// The backward on device buffers, dense or (with `sparse`) block-sparse: the checks, the workspaces and the launches.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_backward<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    kernel: compile::KernelSource,
+    tiling: BackwardTiling,
+    inputs: BackwardDeviceInputs<'_, T>,
+    outputs: BackwardDeviceOutputs<'_, T>,
+    strategy: GpuBackwardStrategy,
+    sparse: Option<SparseLists<'_>>,
+) -> Result<(), GpuError> {
+    let mut plan = plan::<T>(spec, tiling)?;
+    if let Some(sparse) = &sparse {
+        // A KV tile of bwd_kv must lie in one key block, whose CSR row it walks.
+        if !sparse.kv_block().is_multiple_of(tiling.kv_tile()) {
+            return Err(GpuError::Unsupported {
+                argument: "tiling",
+                reason: format!("KV tiles of {} keys straddle key blocks of {}", tiling.kv_tile(), sparse.kv_block()),
+            });
+        }
+        plan.defines.push(BLOCK_SPARSE.to_owned());
+    }
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", inputs.q, size(Operand::Q))?;
     check_len("k", inputs.k, size(Operand::K))?;
@@ -383,6 +492,10 @@ pub fn flash_backward_device_with<T: GpuElement>(
     let upload_err = |e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e);
     let cu_q = stream.clone_htod(&plan.cu_q).map_err(upload_err)?;
     let cu_k = stream.clone_htod(&plan.cu_k).map_err(upload_err)?;
+    let csr = match &sparse {
+        Some(sparse) => Some(sparse_csr(stream, &module, sparse, plan.seqs as usize)?),
+        None => None,
+    };
     let partials = match strategy {
         GpuBackwardStrategy::KvOwnerDeterministic => plan
             .q_elements
@@ -414,6 +527,15 @@ pub fn flash_backward_device_with<T: GpuElement>(
         dkv_part: &mut dkv_part,
         cu_q: &cu_q,
         cu_k: &cu_k,
+        sparse: match (&csr, &sparse) {
+            (Some(csr), Some(sparse)) => Some(SparseBuffers {
+                lists: &csr.lists,
+                csr_offsets: &csr.offsets,
+                csr_q_blocks: &csr.q_blocks,
+                params: &sparse.params,
+            }),
+            _ => None,
+        },
     };
     let cfg_with = |threads: u32, grid: (u32, u32, u32), shared: u32| LaunchConfig {
         grid_dim: grid,
@@ -547,6 +669,7 @@ pub(crate) fn ring_launch<T: GpuElement>(
         dkv_part: real.dkv_acc.unwrap_or(&mut ph_dkv),
         cu_q: &cu_q,
         cu_k: &cu_k,
+        sparse: None,
     };
     let module = compile::module(ctx, FLASH_BWD, &plan.defines)?;
     let (grid, threads, shared) = match which {
@@ -659,6 +782,20 @@ pub fn flash_backward<T: GpuElement>(
     strategy: GpuBackwardStrategy,
 ) -> Result<BackwardOutput<T>, GpuError> {
     spec.validate()?;
+    backward_from_host(stream, spec, [q, k, v, o, d_out], lse, |inputs, outputs| {
+        flash_backward_device(stream, spec, inputs, outputs, strategy)
+    })
+}
+
+/// Checks host inputs (`[q, k, v, o, d_out]` and `lse`) for a validated `spec`, uploads them, runs `launch` on
+/// device outputs, and returns the host outputs (synchronizes).
+pub(crate) fn backward_from_host<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    [q, k, v, o, d_out]: [ArrayViewD<'_, T>; 5],
+    lse: ArrayViewD<'_, f32>,
+    launch: impl FnOnce(BackwardDeviceInputs<'_, T>, BackwardDeviceOutputs<'_, T>) -> Result<(), GpuError>,
+) -> Result<BackwardOutput<T>, GpuError> {
     let fin = |x: T| x.is_finite_value();
     let hq = host_tensor(spec, "q", Operand::Q, &q, fin)?;
     let hk = host_tensor(spec, "k", Operand::K, &k, fin)?;
@@ -685,12 +822,9 @@ pub fn flash_backward<T: GpuElement>(
     let mut dk = stream.alloc_zeros::<T>(n(Operand::K).max(1)).map_err(alloc_err)?;
     let mut dv = stream.alloc_zeros::<T>(n(Operand::V).max(1)).map_err(alloc_err)?;
     let mut delta = stream.alloc_zeros::<f32>(n(Operand::RowStat).max(1)).map_err(alloc_err)?;
-    flash_backward_device(
-        stream,
-        spec,
+    launch(
         BackwardDeviceInputs { q: &dq_in, k: &dk_in, v: &dv_in, o: &o_in, lse: &lse_in, d_out: &g_in },
         BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta },
-        strategy,
     )?;
     let down_err = |e| GpuError::driver("cuMemcpyDtoH", e);
     let mut dq_h = stream.clone_dtoh(&dq).map_err(down_err)?;

@@ -239,6 +239,21 @@ pub(crate) struct BackwardBuffers<'a, T> {
     pub dkv_part: &'a mut CudaSlice<f32>,
     pub cu_q: &'a CudaSlice<i32>,
     pub cu_k: &'a CudaSlice<i32>,
+    /// The block-sparse module's lists, their CSR transpose and scalars (`None` for the dense module).
+    pub sparse: Option<SparseBuffers<'a>>,
+}
+
+/// The trailing arguments (`SPARSE_PARAMS`) of `bwd_kv`, `bwd_dq` and `bwd_dq_finalize` compiled with `BLOCK_SPARSE`.
+#[derive(Clone, Copy)]
+pub(crate) struct SparseBuffers<'a> {
+    /// The forward's lists, `[B, list heads, query blocks, width]`.
+    pub lists: &'a CudaSlice<i32>,
+    /// CSR row offsets, one row per (sequence, list head, key block), then the total.
+    pub csr_offsets: &'a CudaSlice<i32>,
+    /// The query blocks of every CSR row, ascending within a row.
+    pub csr_q_blocks: &'a CudaSlice<i32>,
+    /// The lists' scalars.
+    pub params: &'a BlockListParams,
 }
 
 /// Which kernel of `flash_bwd.cu` to launch; its trailing scalars are the fields of [`BackwardParams`] it reads.
@@ -321,14 +336,74 @@ pub(crate) fn launch_flash_backward<T>(
         }
     }
     builder.arg(b.cu_q).arg(b.cu_k).arg(params);
+    let takes_lists = matches!(which, BackwardKernel::KvOwner | BackwardKernel::DqOwner | BackwardKernel::Finalize);
+    if let (true, Some(sparse)) = (takes_lists, b.sparse) {
+        builder.arg(sparse.lists).arg(sparse.csr_offsets).arg(sparse.csr_q_blocks).arg(sparse.params);
+    }
     // SAFETY: each arm pushes exactly the pointer parameters of its kernel in `flash_bwd.cu`, in order and type, as
     // CUdeviceptr of the element types the kernel declares (`T` for `elem_t`, f32 for `float`); then every kernel
     // takes `COMMON_PARAMS`: the two i32 `cu_seqlens` pointers and `const BackwardParams params` by value, whose layout
-    // the two sides share (see the `DeviceRepr` impl above). The kernel writes only the outputs its arm pushes
-    // mutably, within the bounds the caller checked (see the preconditions), and reads the others read-only; the
-    // buffers are borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel
-    // runs.
+    // the two sides share (see the `DeviceRepr` impl above), and, in the `BLOCK_SPARSE` module (the caller compiles
+    // it exactly when `sparse` is set), `bwd_kv`, `bwd_dq` and `bwd_dq_finalize` take `SPARSE_PARAMS`: three i32
+    // pointers and `const BlockListParams` by value. The kernel writes only the outputs its arm pushes mutably,
+    // within the bounds the caller checked (see the preconditions), and reads the others read-only; the buffers are
+    // borrowed for this call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(which.launch_call(), e))?;
+    Ok(())
+}
+
+/// Launches `bwd_csr_count` (`q_blocks` is `None`: writes each CSR row's count into `offsets`) or `bwd_csr_fill`
+/// (reads the offsets, writes every row's query blocks) of `flash_bwd.cu`'s `BLOCK_SPARSE` module.
+///
+/// Preconditions, established by `backward::sparse_csr`: `func` is the kernel the arm names; `lists` holds the
+/// validated lists `params` describes (`B · list_heads · q_blocks · width` i32); `offsets` holds
+/// `B · list_heads · kv_blocks + 1` i32 (for the fill: the scanned offsets); `q_blocks` holds at least the offsets'
+/// total; `cfg`'s grid is `(⌈kv_blocks / 4⌉, list_heads, B)` of 128 threads.
+pub(crate) fn launch_csr_rows(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lists: &CudaSlice<i32>,
+    offsets: &mut CudaSlice<i32>,
+    q_blocks: Option<&mut CudaSlice<i32>>,
+    params: &BlockListParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(lists);
+    let call = match q_blocks {
+        None => {
+            builder.arg(offsets);
+            "cuLaunchKernel(bwd_csr_count)"
+        }
+        Some(q_blocks) => {
+            builder.arg(&*offsets).arg(q_blocks);
+            "cuLaunchKernel(bwd_csr_fill)"
+        }
+    };
+    builder.arg(params);
+    // SAFETY: the arguments match `bwd_csr_count(const int*, int*, const BlockListParams)` and
+    // `bwd_csr_fill(const int*, const int*, int*, const BlockListParams)` in order and type; every index the kernels
+    // form lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
+    Ok(())
+}
+
+/// Launches `bwd_csr_scan` over the first `rows` counts of `offsets` (one CTA of 1024 threads).
+///
+/// Preconditions, established by `backward::sparse_csr`: `func` is `bwd_csr_scan`; `offsets` holds `rows + 1` i32.
+pub(crate) fn launch_csr_scan(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    offsets: &mut CudaSlice<i32>,
+    rows: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(offsets).arg(&rows);
+    // SAFETY: the arguments match `bwd_csr_scan(int*, int rows)`; the kernel touches `offsets[0..=rows]`, which the
+    // caller allocated; the buffer is borrowed for this call and its use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bwd_csr_scan)", e))?;
     Ok(())
 }
 

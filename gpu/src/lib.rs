@@ -58,8 +58,8 @@ pub struct ModuleVariant {
 }
 
 /// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
-/// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain and the ring's `KV_ACCUM` mode) and the ring's merge and
-/// finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
+/// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain, the ring's
+/// `KV_ACCUM` mode and the `BLOCK_SPARSE` mode) and the ring's merge and finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
 pub fn module_variants<T: GpuElement>(
     spec: &AttentionSpec,
     forward: ForwardTiling,
@@ -74,6 +74,7 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_FWD, with(&fwd, flash::BLOCK_SPARSE)),
         variant(compile::FLASH_FWD, fwd),
         variant(compile::FLASH_BWD, with(&bwd, backward::KV_ACCUM)),
+        variant(compile::FLASH_BWD, with(&bwd, backward::BLOCK_SPARSE)),
         variant(compile::FLASH_BWD, bwd),
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),

@@ -2,8 +2,8 @@
 //! field for field by a struct of `gpu/kernels/common.cuh` (the model is FlashAttention's `Flash_fwd_params`):
 //! [`FlashParams`] (the attention problem's scalars: layout, lengths, GQA group, head dims, strides, scale, window
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
-//! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of `flash_fwd`'s block-sparse
-//! mode; [`BsaParams`] for `bsa_select.cu`'s block selection.
+//! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
+//! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -96,8 +96,8 @@ pub(crate) struct BackwardParams {
     pub finalize_mode: i32,
 }
 
-/// The block lists of the block-sparse forward (`struct BlockListParams` of `common.cuh`), passed beside
-/// [`FlashParams`] to `flash_fwd` compiled with `BLOCK_SPARSE`. The lists are `[B, list heads, query blocks, width]`
+/// The block lists of block-sparse attention (`struct BlockListParams` of `common.cuh`), passed beside the family's
+/// own parameters to `flash_fwd` and `flash_bwd` compiled with `BLOCK_SPARSE`. The lists are `[B, list heads, query blocks, width]`
 /// `i32` in row-major order.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -114,6 +114,14 @@ pub(crate) struct BlockListParams {
     pub tiles_per_block: i32,
     /// Query heads sharing one list head: 1, or the GQA group when the lists are per KV head.
     pub heads_per_list: i32,
+    /// List heads per sequence.
+    pub list_heads: i32,
+    /// Query blocks per list head (of the longest query sequence).
+    pub q_blocks: i32,
+    /// Key blocks of the longest key sequence: the backward's CSR rows per (sequence, list head).
+    pub kv_blocks: i32,
+    /// Explicit tail padding, always 0.
+    pub reserved: i32,
 }
 
 /// The block selector's scalars (`struct BsaParams` of `common.cuh`), read by `bsa_select.cu`'s `bsa_pool_keys` and
@@ -351,7 +359,18 @@ mod tests {
             }),
             rust_layout!(BackwardParams { flash, part_stride, total_k, dq_mode, n_chunks, n_heads_q, finalize_mode }),
             rust_layout!(RingStateParams { rows, rows_per_head, dv, varlen, n_heads, reserved }),
-            rust_layout!(BlockListParams { seq_stride, head_stride, width, q_block, tiles_per_block, heads_per_list }),
+            rust_layout!(BlockListParams {
+                seq_stride,
+                head_stride,
+                width,
+                q_block,
+                tiles_per_block,
+                heads_per_list,
+                list_heads,
+                q_blocks,
+                kv_blocks,
+                reserved
+            }),
             rust_layout!(BsaParams {
                 flash,
                 scale,

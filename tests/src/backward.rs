@@ -5,7 +5,7 @@
 use attnproof_oracle::attention::{Visibility, backward_with_visibility};
 use attnproof_oracle::dense::{self, HeadInputs};
 use attnproof_oracle::spec::{Operand, Sequence};
-use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale, backward};
+use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale};
 use attnproof_proofs::flash_bound::{
     FlashRecipe, HeadBackwardExact, HeadExact, backward_bounds, forward_bounds, gqa_sum_term,
 };
@@ -41,6 +41,8 @@ struct BackwardTruth {
     bound_delta: ArrayD<f64>,
 }
 
+/// [`backward_truth_with_visibility`] under the spec's own mask (the unit tests' hand-worked cases).
+#[cfg(test)]
 fn backward_truth(
     spec: &AttentionSpec,
     t: [&ArrayD<f64>; 4],
@@ -216,22 +218,39 @@ impl BackwardExpectation {
         recipe: FlashRecipe,
     ) -> Result<Self, HarnessError> {
         let spec = &case.spec;
+        spec.validate()?;
+        let masks: Vec<_> = spec.sequences().iter().map(|s| spec.mask.matrix(s.len_q, s.len_k)).collect();
+        Self::with_visibility(case, d_out, q_tile, recipe, &|seq: &Sequence, _| masks[seq.index].clone())
+    }
+
+    /// [`BackwardExpectation::new`] with the visibility of each (sequence, query head) given in place of the spec's
+    /// mask (block-sparse lists, which differ from head to head): the oracle, the bounds and the gate's wrong answers
+    /// all use it.
+    pub fn with_visibility<T: Element>(
+        case: &Case<T>,
+        d_out: &ArrayD<T>,
+        q_tile: usize,
+        recipe: FlashRecipe,
+        visibility: Visibility<'_>,
+    ) -> Result<Self, HarnessError> {
+        let spec = &case.spec;
         let [q, k, v] = case.widened();
         let g = d_out.mapv(|x| x.to_f32() as f64);
         let kv_tile = recipe.kv_tile;
-        let truth = backward_truth(spec, [&q, &k, &v, &g], recipe, q_tile)?;
+        let truth = backward_truth_with_visibility(spec, [&q, &k, &v, &g], visibility, recipe, q_tile)?;
         let mut gate = GateReport::default();
         let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
-        let wrong_scale = backward(
+        let wrong_scale = backward_with_visibility(
             &spec.clone().with_scale(Scale::Value(1.0 / spec.head_dim as f64)),
             qkv.clone(),
             g.view(),
+            visibility,
             DenseConfig::default(),
             (),
         )?;
-        let without_last_tile = |seq: &Sequence, _h: usize| {
+        let without_last_tile = |seq: &Sequence, h: usize| {
             let cut = seq.len_k.div_ceil(kv_tile).saturating_sub(1) * kv_tile;
-            let mut m = spec.mask.matrix(seq.len_q, seq.len_k);
+            let mut m = visibility(seq, h);
             m.indexed_iter_mut().for_each(|((_, j), x)| *x = *x && j < cut);
             m
         };

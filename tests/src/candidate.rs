@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::backward::flash_backward_device_with;
+use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::{BlockLists, block_sparse_forward_device_with};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::flash::ForwardTiling;
@@ -448,6 +449,32 @@ pub fn backward_guarded<T: Storage>(
     tiling: BackwardTiling,
     strategy: GpuBackwardStrategy,
 ) -> Result<Gradients<T>, LaunchError> {
+    backward_guarded_with(stream, problem, |inputs, outputs| {
+        flash_backward_device_with(stream, &problem.case.spec, kernel, tiling, inputs, outputs, strategy)
+    })
+}
+
+/// One block-sparse backward of `kernel` over `lists` with `strategy` in `tiling`, guarded like [`backward_guarded`].
+pub fn block_sparse_backward_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    problem: BackwardProblem<'_, T>,
+    lists: &BlockLists,
+    kernel: KernelSource,
+    tiling: BackwardTiling,
+    strategy: GpuBackwardStrategy,
+) -> Result<Gradients<T>, LaunchError> {
+    backward_guarded_with(stream, problem, |inputs, outputs| {
+        block_sparse_backward_device_with(stream, &problem.case.spec, lists, kernel, tiling, inputs, outputs, strategy)
+    })
+}
+
+/// Uploads the problem, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that no device input
+/// changed, and returns the gradients.
+fn backward_guarded_with<T: Storage>(
+    stream: &Arc<CudaStream>,
+    problem: BackwardProblem<'_, T>,
+    launch: impl FnOnce(BackwardDeviceInputs<'_, T>, BackwardDeviceOutputs<'_, T>) -> Result<(), GpuError>,
+) -> Result<Gradients<T>, LaunchError> {
     let BackwardProblem { case, forward, d_out } = problem;
     let spec = &case.spec;
     let (q, k, v) = (upload(stream, &case.q)?, upload(stream, &case.k)?, upload(stream, &case.v)?);
@@ -460,14 +487,9 @@ pub fn backward_guarded<T: Storage>(
     let mut dk = poisoned(stream, n(Operand::K), nan, guard)?;
     let mut dv = poisoned(stream, n(Operand::V), nan, guard)?;
     let mut delta = poisoned(stream, n(Operand::RowStat), f32::NAN, f32::from_bits(GUARD_BITS_32))?;
-    flash_backward_device_with(
-        stream,
-        spec,
-        kernel,
-        tiling,
+    launch(
         BackwardDeviceInputs { q: &q, k: &k, v: &v, o: &o, lse: &lse, d_out: &g },
         BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta },
-        strategy,
     )?;
     let down = |b: &CudaSlice<T>| stream.clone_dtoh(b).map_err(driver);
     let (dq_b, dk_b, dv_b) = (down(&dq)?, down(&dk)?, down(&dv)?);

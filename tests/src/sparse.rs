@@ -8,9 +8,10 @@
 //!
 //! - block-sparse forward: one sub-problem per (sequence, query head), `Hq = Hkv = 1`, mask
 //!   `spec.mask ∧ listed(tile(j) ∈ C_{tile(i)})`;
-//! - block-sparse backward: one sub-problem per (sequence, KV head) with `Hq = G`, `Hkv = 1`
-//!   (dK/dV are summed over the group, so its heads must be verified together), which requires
-//!   the group's heads to share their lists ([`SparseHarnessError::GroupListsDiffer`] otherwise);
+//! - block-sparse backward: the whole problem at once, under the layout's visibility of each
+//!   (sequence, query head), which the backward verifier takes per head
+//!   ([`BackwardExpectation::with_visibility`]): dK/dV sum over a GQA group whose heads may have
+//!   different lists;
 //! - NSA: one sub-problem per KV head, `Hq = G`, `Hkv = 1`, mask `causal ∧ selected(block(j))`;
 //! - DSA: the whole problem at once (`Hkv = 1`, MQA), mask `selected(j)`.
 //!
@@ -31,7 +32,7 @@ use attnproof_reference::Element;
 use ndarray::{ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
 use thiserror::Error;
 
-use crate::backward::{BackwardCandidate, verify_backward};
+use crate::backward::{BackwardCandidate, BackwardExpectation};
 use crate::flash::{Case, HarnessError, verify_forward};
 use crate::verdict::Verdict;
 
@@ -41,15 +42,6 @@ pub enum SparseHarnessError {
     /// The dense verifier refused a sub-problem.
     #[error(transparent)]
     Harness(#[from] HarnessError),
-    /// The backward of a GQA group can only be verified when its heads share their lists (a
-    /// predicate mask cannot tell heads apart, and dK/dV sum over the group).
-    #[error("sequence {sequence}, KV head {kv_head}: query heads of the group have different lists")]
-    GroupListsDiffer {
-        /// Sequence index.
-        sequence: usize,
-        /// KV head.
-        kv_head: usize,
-    },
 }
 
 /// A single-sequence varlen spec with `n_heads_q` query heads over one KV head.
@@ -170,43 +162,23 @@ pub fn verify_block_sparse_forward<T: Element>(
     Ok(verdicts)
 }
 
-/// Verifies a block-sparse backward candidate: one verdict per (sequence, KV head), whose query
-/// heads must share their lists. `q_tile` is the layout's.
+/// Verifies a block-sparse backward candidate: one verdict over the whole problem, under the
+/// layout's visibility of every (sequence, query head) — so the heads of a GQA group may have
+/// different lists, whose dK/dV contributions the group sums. `q_tile` is the candidate's query
+/// tile (the partial-sum count of the model's dK and dV), not necessarily the layout's query block.
 pub fn verify_block_sparse_backward<T: Element>(
     case: &Case<T>,
     layout: &BlockSparseLayout,
     d_out: &ArrayD<T>,
+    q_tile: usize,
     recipe: FlashRecipe,
     candidate: BackwardCandidate<'_, T>,
 ) -> Result<Vec<Verdict>, SparseHarnessError> {
     let spec = &case.spec;
-    check_candidate_shape(spec, "dq", Operand::Q, candidate.dq.shape())?;
-    check_candidate_shape(spec, "dk", Operand::K, candidate.dk.shape())?;
-    check_candidate_shape(spec, "dv", Operand::V, candidate.dv.shape())?;
-    check_candidate_shape(spec, "delta", Operand::RowStat, candidate.delta.shape())?;
-    let group = spec.group_size();
-    let mut verdicts = Vec::new();
-    for seq in spec.sequences() {
-        for kv in 0..spec.n_heads_kv {
-            let heads = kv * group..(kv + 1) * group;
-            let lists = layout.lists.index_axis(Axis(0), seq.index);
-            let first = lists.index_axis(Axis(0), heads.start);
-            if heads.clone().any(|h| lists.index_axis(Axis(0), h) != first) {
-                return Err(SparseHarnessError::GroupListsDiffer { sequence: seq.index, kv_head: kv });
-            }
-            let sub = sub_case(case, &seq, heads.clone(), listed_tiles_mask(spec, layout, &seq, heads.start));
-            let d_out_sub = stack_heads(spec, d_out.view(), &seq, heads.clone(), false);
-            let (dq, dk, dv, delta) = (
-                stack_heads(spec, candidate.dq.clone(), &seq, heads.clone(), false),
-                stack_heads(spec, candidate.dk.clone(), &seq, kv..kv + 1, true),
-                stack_heads(spec, candidate.dv.clone(), &seq, kv..kv + 1, true),
-                stack_row_stats(spec, candidate.delta.clone(), &seq, heads.clone()),
-            );
-            let sub_candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
-            verdicts.push(verify_backward(&sub, &d_out_sub, layout.q_tile, recipe, sub_candidate)?);
-        }
-    }
-    Ok(verdicts)
+    layout.validate(spec).map_err(HarnessError::from)?;
+    let visibility = |seq: &Sequence, h: usize| layout.visibility(spec, seq, h);
+    let expectation = BackwardExpectation::with_visibility(case, d_out, q_tile, recipe, &visibility)?;
+    Ok(vec![expectation.verify(candidate)?])
 }
 
 /// Adds the gate's "dropped selected block" wrong answer to a sub-problem's forward verdict: the

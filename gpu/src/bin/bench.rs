@@ -22,7 +22,9 @@
 //! earlier blocks drawn at random (`top8+diag`), and the diagonal plus each earlier block with probability 1/4
 //! (`quarter+diag`). Its rows (direction `bsa-fwd`) count effective FLOPs, those of the visited blocks only, each as a
 //! full 128×128 block (`4·D·128·128` per visited block and head, the diagonal included), so that the same lists give
-//! the same FLOPs to every peer. `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
+//! the same FLOPs to every peer. It also times the block-sparse backward over the same lists (direction `bsa-bwd`,
+//! tiling `<kind>/<strategy>`, FLOPs 2.5 times the forward's, each launch validating the lists and building their
+//! CSR transpose as a caller's would). `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
 //! `lists-L<L>-<kind>-1x16x<blocks>x<width>.i32`) for `bench/block_sparse_peers.py` to give FlexAttention.
 //! It also times the block selector (`attnproof_gpu::block_sparse::select`, direction `bsa-select`) at L = 16K, 64K,
 //! 128K and 256K with 16 query heads over 2 KV heads, D = 128, causal, 128×128 blocks, top-8 without forced blocks
@@ -35,6 +37,7 @@ use std::sync::Arc;
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
 };
+use attnproof_gpu::block_sparse::backward::block_sparse_backward_device;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
@@ -215,6 +218,20 @@ struct BackwardInputs {
     d_out: Vec<CudaSlice<bf16>>,
 }
 
+impl BackwardInputs {
+    /// The backward's device inputs of input set `s`.
+    fn device_inputs<'a>(&'a self, inputs: &'a Inputs, s: usize) -> BackwardDeviceInputs<'a, bf16> {
+        BackwardDeviceInputs {
+            q: &inputs.q[s],
+            k: &inputs.k[s],
+            v: &inputs.v[s],
+            o: &self.o[s],
+            lse: &self.lse[s],
+            d_out: &self.d_out[s],
+        }
+    }
+}
+
 /// Runs the forward on every input set (untimed) and draws the upstream gradients.
 fn backward_inputs(
     stream: &Arc<CudaStream>,
@@ -379,9 +396,35 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
             })?;
             let flops = 4.0 * (d * BLOCK * BLOCK) as f64 * visited as f64;
             emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-fwd,{},1,{ms:.4},{:.1}\n", kind.name(), flops / ms / 1e9));
+            let extra = backward_inputs(stream, &fwd, &inputs, n, h * l)?;
+            let (mut dq, mut dk, mut dv) = (alloc(stream, n)?, alloc(stream, n)?, alloc(stream, n)?);
+            let mut delta = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;
+            for (strategy, name) in TIMED_STRATEGIES {
+                // Each launch validates the lists and builds their CSR transpose on the device, as a caller's would.
+                let ms = median_ms(stream, opts, |s| {
+                    let inputs = extra.device_inputs(&inputs, s);
+                    let outputs = BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
+                    block_sparse_backward_device(stream, &spec, &lists, inputs, outputs, strategy)
+                        .map_err(|e| e.to_string())
+                })?;
+                let default = u8::from(strategy == GpuBackwardStrategy::KvOwnerAtomic);
+                emit(
+                    out,
+                    format!(
+                        "\"(1,{h},{l},{d})\",true,bsa-bwd,{}/{name},{default},{ms:.4},{:.1}\n",
+                        kind.name(),
+                        2.5 * flops / ms / 1e9
+                    ),
+                );
+            }
         }
     }
     Ok(())
+}
+
+/// A zeroed bf16 device buffer of `n` elements.
+fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
+    stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
 }
 
 fn run(opts: &Options) -> Result<(), String> {
@@ -450,14 +493,7 @@ fn run(opts: &Options) -> Result<(), String> {
                 for (kernel, tiling, strategy, name) in runs {
                     let embedded = kernel.source == FLASH_BWD.source;
                     let ms = median_ms(&stream, opts, |s| {
-                        let inputs = BackwardDeviceInputs {
-                            q: &inputs.q[s],
-                            k: &inputs.k[s],
-                            v: &inputs.v[s],
-                            o: &extra.o[s],
-                            lse: &extra.lse[s],
-                            d_out: &extra.d_out[s],
-                        };
+                        let inputs = extra.device_inputs(&inputs, s);
                         let outputs =
                             BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
                         flash_backward_device_with(&stream, &spec, kernel, tiling, inputs, outputs, strategy)

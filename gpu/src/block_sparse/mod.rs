@@ -1,6 +1,7 @@
 //! Block-sparse attention on the GPU (E14): key-block lists checked against the list convention ([`BlockLists`])
 //! and the forward over them (`gpu/kernels/flash_fwd.cu` compiled with `BLOCK_SPARSE`), from device buffers
-//! ([`block_sparse_forward_device`]) or host tensors ([`block_sparse_forward`]).
+//! ([`block_sparse_forward_device`]) or host tensors ([`block_sparse_forward`]); the backward ([`backward`]) and the
+//! block selector ([`select`]).
 //!
 //! # Lists
 //!
@@ -32,7 +33,13 @@
 //!
 //! [`select`] is the block selector (BSA): mean-pooled queries and keys, their scores summed over each GQA group,
 //! causal eligibility, forced blocks and top-k, on the GPU, giving lists per KV head for the forward.
+//!
+//! # Gradients
+//!
+//! [`backward`] runs the dense backward kernels over the same lists and their CSR transpose (key block → the query
+//! blocks that list it), built on the device, with the three dQ strategies of the dense backward.
 
+pub mod backward;
 pub mod select;
 
 use std::sync::Arc;
@@ -87,6 +94,11 @@ impl BlockLists {
         spec.sequences().iter().map(|s| s.len_q.div_ceil(self.q_block)).max().unwrap_or(0)
     }
 
+    /// Key blocks of the longest key sequence of `spec`.
+    pub fn key_blocks(&self, spec: &AttentionSpec) -> usize {
+        spec.sequences().iter().map(|s| s.len_k.div_ceil(self.kv_block)).max().unwrap_or(0)
+    }
+
     /// Checks the block sizes, the lists' shape and width, and every list against the convention, for a valid
     /// `spec`. The first offending entry is named in [`GpuError::BlockList`].
     pub fn validate(&self, spec: &AttentionSpec) -> Result<(), GpuError> {
@@ -105,7 +117,7 @@ impl BlockLists {
         if self.lists.shape() != expected.as_slice() {
             return Err(GpuError::Shape { argument: "lists", expected, actual: self.lists.shape().to_vec() });
         }
-        let most_key_blocks = seqs.iter().map(|s| s.len_k.div_ceil(self.kv_block)).max().unwrap_or(0);
+        let most_key_blocks = self.key_blocks(spec);
         if width > most_key_blocks {
             return Err(GpuError::BlockList {
                 position: [0, 0, 0, width],
@@ -169,7 +181,7 @@ impl BlockLists {
     }
 
     /// The kernel's list scalars, for validated lists.
-    fn params(&self, spec: &AttentionSpec) -> Result<BlockListParams, GpuError> {
+    pub(crate) fn params(&self, spec: &AttentionSpec) -> Result<BlockListParams, GpuError> {
         let (_, heads, blocks, width) = self.lists.dim();
         let head_stride = blocks * width;
         to_i32("block list entries", self.lists.len())?;
@@ -183,6 +195,10 @@ impl BlockLists {
                 ListHeads::PerQueryHead => 1,
                 ListHeads::PerKvHead => to_i32("n_heads_q / n_heads_kv", spec.group_size())?,
             },
+            list_heads: to_i32("list heads", heads)?,
+            q_blocks: to_i32("query blocks", blocks)?,
+            kv_blocks: to_i32("key blocks", self.key_blocks(spec))?,
+            reserved: 0,
         })
     }
 }
@@ -376,7 +392,11 @@ mod tests {
                 width: 2,
                 q_block: 128,
                 tiles_per_block: 2,
-                heads_per_list: 3
+                heads_per_list: 3,
+                list_heads: 2,
+                q_blocks: 2,
+                kv_blocks: 2,
+                reserved: 0,
             }
         );
         let per_query = BlockLists { heads: ListHeads::PerQueryHead, lists: layout.lists, ..lists };

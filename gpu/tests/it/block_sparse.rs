@@ -26,7 +26,7 @@ use attnproof_harness::{Case, HarnessError};
 use attnproof_oracle::{AttentionSpec, Layout, Mask};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
-use ndarray::Array4;
+use ndarray::{Array4, Axis};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
@@ -101,13 +101,35 @@ pub fn lists_from(
     BlockLists { q_block, kv_block, heads, lists }
 }
 
+/// Which problems a block-sparse suite draws.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrawShapes {
+    /// The kernels' shapes (`crate::common::kernel_spec`).
+    Kernel,
+    /// Those, and one draw in four with 1500 to 2600 keys over a few heads: 12 to 41 key blocks per list head, so
+    /// that the backward's CSR transpose has more rows than its scan's first warp covers.
+    KernelAndLongKeys,
+}
+
+/// Few heads and queries over many keys, dense, no mask or causal.
+fn long_key_spec() -> impl Strategy<Value = AttentionSpec> {
+    let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 3), (4, 2)]);
+    let mask = prop::sample::select(vec![Mask::None, Mask::Causal]);
+    (1usize..=2, heads, 1usize..=200, 1500usize..=2600, prop::sample::select(vec![32usize, 64]), mask)
+        .prop_map(|(b, (hq, hkv), lq, lk, d, mask)| AttentionSpec::dense(b, hq, hkv, lq, lk, d, d).with_mask(mask))
+}
+
 /// What the block-sparse suites draw (dependent shapes through `prop_flat_map`: the picks follow the spec and the
 /// block sizes).
-pub fn block_draws() -> impl Strategy<Value = BlockDraw> {
+pub fn block_draws(shapes: DrawShapes) -> impl Strategy<Value = BlockDraw> {
     let sizes = prop::sample::select(BLOCK_SIZES.to_vec());
     let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
     let density = prop::sample::select(Density::ALL.to_vec());
-    (kernel_spec(), sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
+    let specs = match shapes {
+        DrawShapes::Kernel => kernel_spec().boxed(),
+        DrawShapes::KernelAndLongKeys => prop_oneof![3 => kernel_spec(), 1 => long_key_spec()].boxed(),
+    };
+    (specs, sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
         |(spec, q_block, kv_block, heads, density, profile, seed)| {
             let seqs = spec.sequences();
             let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
@@ -138,12 +160,26 @@ pub struct BlockSuite {
     pub cases: u32,
     /// The seed unless `PROPTEST_RNG_SEED` says otherwise.
     pub seed: u64,
+    /// The problems it draws.
+    pub shapes: DrawShapes,
 }
 
 /// The two suites ("gpublock" in ASCII, plus the dtype).
 pub const BLOCK_SUITES: [BlockSuite; 2] = [
-    BlockSuite { name: "gpu_block_sparse_forward_bf16", bf16: true, cases: 64, seed: 0x6770_7562_6c6f_636b },
-    BlockSuite { name: "gpu_block_sparse_forward_f16", bf16: false, cases: 64, seed: 0x6770_7562_6c6f_636c },
+    BlockSuite {
+        name: "gpu_block_sparse_forward_bf16",
+        bf16: true,
+        cases: 64,
+        seed: 0x6770_7562_6c6f_636b,
+        shapes: DrawShapes::Kernel,
+    },
+    BlockSuite {
+        name: "gpu_block_sparse_forward_f16",
+        bf16: false,
+        cases: 64,
+        seed: 0x6770_7562_6c6f_636c,
+        shapes: DrawShapes::Kernel,
+    },
 ];
 
 impl BlockSuite {
@@ -166,7 +202,7 @@ impl BlockSuite {
     ) -> (BlockCoverage, Result<(), TestError<BlockDraw>>) {
         let coverage = RefCell::new(BlockCoverage::default());
         let mut runner = TestRunner::new(config);
-        let result = runner.run(&block_draws(), |draw| {
+        let result = runner.run(&block_draws(self.shapes), |draw| {
             coverage.borrow_mut().record(&draw);
             check(&draw)
         });
@@ -198,6 +234,9 @@ pub struct BlockCoverage {
     pub shared_group_lists: usize,
     /// Draws with a varlen layout.
     pub varlen: usize,
+    /// Draws whose CSR transpose (one row per sequence, list head and key block) has a non-empty row past the 32nd,
+    /// so that its offsets need the scan's second warp.
+    pub csr_rows_past_a_warp: usize,
 }
 
 impl BlockCoverage {
@@ -206,6 +245,14 @@ impl BlockCoverage {
         *self.seen.entry((d.lists.q_block, d.lists.kv_block, per_kv, d.density)).or_default() += 1;
         self.shared_group_lists += usize::from(per_kv && d.spec.group_size() > 1);
         self.varlen += usize::from(matches!(d.spec.layout, Layout::Varlen { .. }));
+        let l = &d.lists;
+        let (key_blocks, list_heads) = (l.key_blocks(&d.spec), l.lists.dim().1);
+        let row_listed = |row: usize| {
+            let (seq, head, block) = (row / (list_heads * key_blocks), row / key_blocks % list_heads, row % key_blocks);
+            l.lists.index_axis(Axis(0), seq).index_axis(Axis(0), head).iter().any(|&b| b == block as i32)
+        };
+        let rows = d.spec.sequences().len() * list_heads * key_blocks;
+        self.csr_rows_past_a_warp += usize::from((32..rows).any(row_listed));
     }
 
     /// The combinations no draw reached.
@@ -230,7 +277,7 @@ impl BlockCoverage {
 const SECOND_INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// Whether every own query block of every sequence lists every key block of its sequence.
-fn lists_everything(draw: &BlockDraw) -> bool {
+pub fn lists_everything(draw: &BlockDraw) -> bool {
     let l = &draw.lists;
     draw.spec.sequences().iter().all(|seq| {
         let key_blocks = seq.len_k.div_ceil(l.kv_block) as i32;
@@ -284,18 +331,27 @@ fn check_draw<T: Storage>(
     Ok(())
 }
 
-/// Runs `suite` on the production kernel; prints the worst ratio and the draws' coverage.
-fn run_production(suite: &BlockSuite) {
+/// Runs `suite` on a device with `check` (the production kernels' check of one draw); prints the worst ratio and the
+/// draws' coverage.
+pub fn run_on_device(
+    suite: &BlockSuite,
+    check: impl Fn(&Arc<CudaStream>, &RefCell<Worst>, &BlockDraw) -> Result<(), TestCaseError>,
+) {
     let Some(ctx) = skip_unless_gpu(suite.name) else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
     let worst = RefCell::new(Worst::default());
-    let (coverage, result) = suite.run(suite.config(), |draw| suite.check(&stream, FLASH_FWD, &worst, draw));
+    let (coverage, result) = suite.run(suite.config(), |draw| check(&stream, &worst, draw));
     if let Err(e) = result {
         panic!("{}: {e}", suite.name);
     }
     println!("{}: worst error/bound {}; coverage {coverage:?}", suite.name, worst.borrow());
+}
+
+/// Runs `suite` on the production forward.
+fn run_production(suite: &BlockSuite) {
+    run_on_device(suite, |stream, worst, draw| suite.check(stream, FLASH_FWD, worst, draw));
 }
 
 #[test]
@@ -308,14 +364,12 @@ fn block_sparse_forward_is_within_bound_f16() {
     run_production(&BLOCK_SUITES[1]);
 }
 
-/// The suites' draws, replayed without a device, reach every combination of block sizes, list heads and density,
-/// lists shared by a GQA group, and varlen problems.
-#[test]
-fn the_block_sparse_suites_draw_every_list_feature() {
+/// The features of `suites`' draws together, replayed without a device as CI runs them; every drawn list must be
+/// valid (the strategy builds them by the convention).
+pub fn suites_coverage(suites: &[BlockSuite]) -> BlockCoverage {
     let mut union = BlockCoverage::default();
-    for suite in &BLOCK_SUITES {
+    for suite in suites {
         let (coverage, result) = suite.run(suite.default_config(), |draw| {
-            // Every drawn list is valid: the strategy builds them by the convention.
             draw.lists.validate(&draw.spec).map_err(|e| TestCaseError::fail(e.to_string()))
         });
         assert!(result.is_ok(), "{}: {result:?}", suite.name);
@@ -324,23 +378,36 @@ fn the_block_sparse_suites_draw_every_list_feature() {
         }
         union.shared_group_lists += coverage.shared_group_lists;
         union.varlen += coverage.varlen;
+        union.csr_rows_past_a_warp += coverage.csr_rows_past_a_warp;
     }
+    union
+}
+
+/// The suites' draws, replayed without a device, reach every combination of block sizes, list heads and density,
+/// lists shared by a GQA group, and varlen problems.
+#[test]
+fn the_block_sparse_suites_draw_every_list_feature() {
+    let union = suites_coverage(&BLOCK_SUITES);
     println!("block-sparse suites: {union:?}");
     assert!(union.unreached().is_empty(), "never drawn: {:?}", union.unreached());
     assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
 }
 
-/// A list row of `spec` (dense, one sequence) with `entries` then `−1`, in every query block of every head.
-fn uniform_lists(
+/// Lists of `spec` that name the key blocks among `entries` (those inside the sequence) then `−1`, in every own query
+/// block of every sequence and list head.
+pub fn uniform_lists(
     spec: &AttentionSpec,
     q_block: usize,
     kv_block: usize,
     heads: ListHeads,
     entries: &[i32],
 ) -> BlockLists {
-    let n_k = spec.sequences()[0].len_k.div_ceil(kv_block);
-    let rows: Vec<Vec<bool>> = vec![(0..n_k).map(|b| entries.contains(&(b as i32))).collect(); 4096];
-    lists_from(spec, q_block, kv_block, heads, &rows)
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+    let rows = seqs.len() * spec.n_heads_q * n_q;
+    let picks: Vec<Vec<bool>> = vec![(0..n_k).map(|b| entries.contains(&(b as i32))).collect(); rows];
+    lists_from(spec, q_block, kv_block, heads, &picks)
 }
 
 /// A query block that lists nothing gets exactly `O = 0` and `LSE = −∞`, next to one that lists blocks.
@@ -421,11 +488,7 @@ fn sanitizer_shapes() {
     ];
     let worst = RefCell::new(Worst::default());
     for (spec, q_block, kv_block, entries) in shapes {
-        let seqs = spec.sequences();
-        let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
-        let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
-        let rows = vec![(0..n_k).map(|b| entries.contains(&(b as i32))).collect::<Vec<_>>(); seqs.len() * 3 * n_q];
-        let lists = lists_from(&spec, q_block, kv_block, ListHeads::PerKvHead, &rows);
+        let lists = uniform_lists(&spec, q_block, kv_block, ListHeads::PerKvHead, &entries);
         let draw = BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 };
         if let Err(e) = check_draw::<bf16>(&stream, FLASH_FWD, &worst, &draw) {
             panic!("{draw:?}: {e}");

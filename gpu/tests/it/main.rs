@@ -5,6 +5,7 @@
 
 mod block_selection;
 mod block_sparse;
+mod block_sparse_backward;
 mod common;
 mod compile_only;
 mod device;

@@ -5,7 +5,9 @@
 //! killed by the oracle verdicts of a few small cases, and again by the general property suites (`crate::property`)
 //! alone, so that the suites that judge every kernel change are shown able to catch each modelled bug. The mutants of
 //! `flash_fwd`'s block-sparse mode (`BLOCK_SPARSE`) run through `block_sparse_forward_device_with` against the
-//! block-sparse killing cases and suite (`crate::block_sparse`).
+//! block-sparse killing cases and suite (`crate::block_sparse`), those of `flash_bwd`'s through
+//! `block_sparse_backward_device_with` against the block-sparse backward's (`crate::block_sparse_backward`). Mutants
+//! of `gpu/kernels/common.cuh`, which is prepended to both attention kernels, name the kernel that must kill them.
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
@@ -17,6 +19,7 @@ use std::sync::Arc;
 
 use crate::block_selection;
 use crate::block_sparse;
+use crate::block_sparse_backward;
 use crate::common::*;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
@@ -234,6 +237,41 @@ fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
     });
 }
 
+/// The catalog's mutants of `flash_bwd`'s block-sparse mode.
+fn block_sparse_backward_mutants() -> Vec<&'static Mutant> {
+    attnproof_catalog::kernel_text_mutants(FLASH_BWD.name, Some(BLOCK_SPARSE)).collect()
+}
+
+#[test]
+fn all_block_sparse_backward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_block_sparse_backward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &block_sparse_backward::BACKWARD_SUITES[0];
+    hunt(FLASH_BWD, &block_sparse_backward_mutants(), &block_sparse_backward::killing_cases(), |kernel, draw| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw).map_err(|e| e.to_string())
+    });
+}
+
+/// Every block-sparse backward mutant also fails the general block-sparse backward suite (bf16, its default draws).
+#[test]
+fn all_block_sparse_backward_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_block_sparse_backward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &block_sparse_backward::BACKWARD_SUITES[0];
+    hunt_in_suite(FLASH_BWD, &block_sparse_backward_mutants(), suite.name, |kernel| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        suite
+            .run(suite.default_config(), |draw| block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw))
+            .1
+            .map_err(Box::new)
+    });
+}
+
 #[test]
 fn all_block_selection_mutants_are_killed() {
     let Some(ctx) = skip_unless_gpu("all_block_selection_mutants_are_killed") else {
@@ -390,9 +428,10 @@ fn every_catalog_kernel_text_mutant_has_cases_and_applies() {
                     m.name
                 )
             });
+            // The shared header is part of every attention kernel's text.
             assert!(
-                m.file.ends_with(&format!("{kernel}.cu")),
-                "mutant `{}`: file {} is not {kernel}.cu",
+                m.file.ends_with(&format!("{kernel}.cu")) || m.file == attnproof_catalog::COMMON_HEADER,
+                "mutant `{}`: file {} is not {kernel}.cu or the shared header",
                 m.name,
                 m.file
             );

@@ -6,7 +6,7 @@
 //! pass for killed. A mutant that breaks only the compilation of one variant is a [`Runner::Scratch`] mutant killed by
 //! the compile-only test.
 
-use crate::{Mutant, Runner};
+use crate::{COMMON_HEADER, Mutant, Runner};
 
 /// Base entry for mutants of the FlashAttention forward kernel, launched in-process on a device.
 const FLASH_FWD: Mutant = Mutant {
@@ -31,12 +31,25 @@ const BSA_SELECT: Mutant = Mutant {
 const BLOCK_SPARSE_FWD: Mutant =
     Mutant { runner: Runner::KernelText { kernel: "flash_fwd", mode: Some("BLOCK_SPARSE") }, ..FLASH_FWD };
 
+/// Base entry for mutants of the tile cursor (`gpu/kernels/common.cuh`, prepended to both attention kernels) as the
+/// forward's block-sparse mode walks a query block's key-block list.
+const CURSOR_FWD: Mutant = Mutant { file: COMMON_HEADER, ..BLOCK_SPARSE_FWD };
+
 /// Base entry for mutants of the FlashAttention backward kernels, launched in-process on a device.
 const FLASH_BWD: Mutant = Mutant {
     file: "gpu/kernels/flash_bwd.cu",
     runner: Runner::KernelText { kernel: "flash_bwd", mode: None },
     ..FLASH_FWD
 };
+
+/// Base entry for mutants of the backward kernels' block-sparse mode (`BLOCK_SPARSE`: the CSR transpose, the KV
+/// owner's walk over its CSR row, the dQ owner's and the deterministic dQ sum's walk over the query block's list),
+/// launched in-process on a device with block-sparse backward killing cases.
+const BLOCK_SPARSE_BWD: Mutant =
+    Mutant { runner: Runner::KernelText { kernel: "flash_bwd", mode: Some("BLOCK_SPARSE") }, ..FLASH_BWD };
+
+/// Base entry for mutants of the tile cursor as the backward's block-sparse mode uses it.
+const CURSOR_BWD: Mutant = Mutant { file: COMMON_HEADER, ..BLOCK_SPARSE_BWD };
 
 /// Base entry for mutants of a kernel text that break one of its compiled variants: the GPU crate's compile-only test
 /// (NVRTC, no device; `gpu/tests/it/compile_only.rs`) must reject them.
@@ -117,6 +130,7 @@ pub const MUTANTS: &[Mutant] = &[
         description: "The last KV tile of every CTA is skipped",
         find: "__device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }",
         replace: "__device__ __forceinline__ int next() { return t_next + 1 < tile_hi ? t_next++ : -1; }",
+        file: COMMON_HEADER,
         ..FLASH_FWD
     },
     Mutant {
@@ -174,21 +188,21 @@ pub const MUTANTS: &[Mutant] = &[
         description: "Every listed key block is read as the next one (the list's indices off by one)",
         find: "const int t = block * tiles_per_block + sub;",
         replace: "const int t = (block + 1) * tiles_per_block + sub;",
-        ..BLOCK_SPARSE_FWD
+        ..CURSOR_FWD
     },
     Mutant {
         name: "gpu-bsa-fwd-pad-read-as-block-0",
         description: "A −1 pad is read as key block 0, so block 0 is visited once per pad slot",
         find: "const int block = __ldg(list + slot);",
         replace: "const int block = max(__ldg(list + slot), 0);",
-        ..BLOCK_SPARSE_FWD
+        ..CURSOR_FWD
     },
     Mutant {
         name: "gpu-bsa-fwd-half-of-each-128-block",
         description: "Only the first 64-key tile of every 128-key block is visited",
         find: "if (++sub == tiles_per_block) {",
         replace: "if (++sub >= 1) {",
-        ..BLOCK_SPARSE_FWD
+        ..CURSOR_FWD
     },
     Mutant {
         name: "gpu-bsa-fwd-query-lists-read-per-kv-head",
@@ -210,6 +224,84 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const bool interior = key0 + BLOCK_N <= len_k &&",
         replace: "const bool interior = true || key0 + BLOCK_N <= len_k &&",
         ..BLOCK_SPARSE_FWD
+    },
+    // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
+    Mutant {
+        name: "gpu-bsa-bwd-list-off-by-one",
+        description: "The dQ owner and the deterministic dQ sum read every listed key block as the next one",
+        find: "const int t = block * tiles_per_block + sub;",
+        replace: "const int t = (block + 1) * tiles_per_block + sub;",
+        ..CURSOR_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-pad-read-as-block-0",
+        description: "A −1 pad of a query block's list is read as key block 0 by the dQ owner and the dQ sum",
+        find: "const int block = __ldg(list + slot);",
+        replace: "const int block = max(__ldg(list + slot), 0);",
+        ..CURSOR_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-csr-drops-last-row",
+        description: "The CSR transpose leaves out the last key block's row: nobody computes its dK, dV",
+        find: "if (key_block >= lists.kv_blocks) return;",
+        replace: "if (key_block >= lists.kv_blocks - 1) return;",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-csr-drops-last-query-block",
+        description: "The CSR transpose never lists the last query block",
+        find: "const bool listed = qb < lists.q_blocks &&",
+        replace: "const bool listed = qb + 1 < lists.q_blocks &&",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-csr-scan-drops-earlier-warps",
+        description: "The CSR offsets leave out the counts of earlier warps: rows past the 32nd overlap earlier ones",
+        find: "(warp > 0 ? warp_totals[warp - 1] : 0) + incl - x;",
+        replace: "0 + incl - x;",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-csr-order-reversed",
+        description: "A CSR row's query blocks are written in descending order inside each group of 32",
+        find: "csr_q_blocks[written + __popc(ballot & ((1u << lane) - 1u))] = qb;",
+        replace: "csr_q_blocks[written + __popc(ballot) - 1 - __popc(ballot & ((1u << lane) - 1u))] = qb;",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-query-lists-read-per-kv-head",
+        description: "The KV owner reads the CSR row of the query head's KV head where the lists are per query head",
+        find: "head / lists.heads_per_list) * lists.kv_blocks",
+        replace: "head / group) * lists.kv_blocks",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-first-query-tile-of-each-block",
+        description: "The KV owner visits only the first 64-row query tile of every listed 128-row query block",
+        find: "csr_offsets[csr_row + 1] - csr_lo, lists.q_block / Q_TILE);",
+        replace: "csr_offsets[csr_row + 1] - csr_lo, 1);",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-dq-owner-half-of-each-128-block",
+        description: "The dQ owner visits only the first 64-key tile of every listed 128-key block",
+        find: "lists.width, lists.tiles_per_block);",
+        replace: "lists.width, 1);",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-first-sequence-csr",
+        description: "Every sequence's KV owner walks the first sequence's CSR rows",
+        find: "const long long csr_row = ((long long)blockIdx.z * lists.list_heads",
+        replace: "const long long csr_row = ((long long)0 * lists.list_heads",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-listed-tiles-unmasked",
+        description: "The KV owner never masks a visited tile: the diagonal block sees future keys in dK, dV",
+        find: "const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&",
+        replace: "const bool interior = true || rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&",
+        ..BLOCK_SPARSE_BWD
     },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {
@@ -314,8 +406,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bwd-q-prefetch-same-stage",
         description: "The next query tile is prefetched into the stage being computed on (a race that mixes two tiles)",
-        find: "load_q_tile(a + 1, stage ^ 1);",
-        replace: "load_q_tile(a + 1, stage);",
+        find: "load_q_tile(a_next, stage ^ 1);",
+        replace: "load_q_tile(a_next, stage);",
         ..FLASH_BWD
     },
     Mutant {

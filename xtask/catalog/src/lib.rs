@@ -23,6 +23,10 @@ pub mod ring;
 
 use std::fmt;
 
+/// The helpers prepended to every attention kernel's text (`gpu/src/compile.rs`): a kernel-text mutant of this file
+/// names the kernel whose launch must kill it.
+pub const COMMON_HEADER: &str = "gpu/kernels/common.cuh";
+
 /// One mutant: a single textual change to one file, and the runner that applies it and must see it killed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mutant {
@@ -59,8 +63,9 @@ pub enum Runner {
     KernelText {
         /// The kernel source's name, as `KernelSource::name` spells it.
         kernel: &'static str,
-        /// The define of the kernel's mode whose killing cases must kill the mutant (`BLOCK_SPARSE` for `flash_fwd`'s
-        /// block-sparse tile cursor), or `None` for the kernel's plain mode. Each mode has its own killing cases.
+        /// The define of the kernel's mode whose killing cases must kill the mutant (`BLOCK_SPARSE` for the
+        /// block-sparse modes of `flash_fwd` and `flash_bwd`), or `None` for the kernel's plain mode. Each mode has its
+        /// own killing cases.
         mode: Option<&'static str>,
     },
     /// GPU, scratch build: `cargo xtask gpu-bundle` builds `cargo test --release -p <package> --test <target>` from a
@@ -215,8 +220,10 @@ mod tests {
                 Runner::ScratchGpu { package, target, .. } => {
                     assert!(!package.is_empty() && !target.is_empty(), "mutant `{}`: no test binary", m.name);
                 }
+                // `common.cuh` is prepended to every attention kernel's text, so its mutants name the kernel whose
+                // launch must kill them.
                 Runner::KernelText { kernel, .. } => assert!(
-                    Path::new(m.file).file_stem().is_some_and(|stem| stem == kernel),
+                    Path::new(m.file).file_stem().is_some_and(|stem| stem == kernel) || m.file == COMMON_HEADER,
                     "kernel-text mutant `{}` names kernel `{kernel}` but mutates {}",
                     m.name,
                     m.file
@@ -281,12 +288,17 @@ mod tests {
     fn find_by_name_and_kernel() {
         assert_eq!(find("gqa-head-modulo").map(|m| m.file), Some("reference/src/mask.rs"));
         assert!(find("no-such-mutant").is_none());
-        assert!(kernel_text_mutants("flash_fwd", None).all(|m| m.file == "gpu/kernels/flash_fwd.cu"));
+        assert!(
+            kernel_text_mutants("flash_fwd", None)
+                .all(|m| [COMMON_HEADER, "gpu/kernels/flash_fwd.cu"].contains(&m.file))
+        );
         assert!(kernel_text_mutants("flash_bwd", None).count() > 0);
         assert_eq!(kernel_text_mutants("no_such_kernel", None).count(), 0);
         // A mode's mutants are its own: none of them is among the plain mode's, and the block-sparse mode has some.
         let block_sparse: Vec<_> = kernel_text_mutants("flash_fwd", Some("BLOCK_SPARSE")).collect();
         assert!(block_sparse.len() >= 6 && block_sparse.iter().all(|m| m.name.starts_with("gpu-bsa-")));
         assert!(kernel_text_mutants("flash_fwd", None).all(|m| !block_sparse.contains(&m)));
+        let backward: Vec<_> = kernel_text_mutants("flash_bwd", Some("BLOCK_SPARSE")).collect();
+        assert!(backward.len() >= 10 && backward.iter().all(|m| m.name.starts_with("gpu-bsa-bwd-")));
     }
 }

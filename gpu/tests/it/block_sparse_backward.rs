@@ -1,0 +1,421 @@
+//! The block-sparse backward (`attnproof_gpu::block_sparse::backward`, the gradients of E14) verified on the device
+//! against the f64 oracle under the backward kernels' rounding-error bound with the lists' visibility of every
+//! (sequence, query head), in bf16 and f16, with every dQ strategy; and its CSR transpose compared with the oracle's
+//! (E20) exactly.
+//!
+//! The property suites draw what the forward's block-sparse suites draw (`crate::block_sparse::block_draws`: every
+//! mask kind, windows, Lq ≠ Lk, tile ± 1 lengths, varlen with empty sequences, GQA groups of 1 to 16, both block sizes
+//! on each side, lists per query head and per KV head, densities from nothing listed to everything), and one draw in
+//! four over 1500 to 2600 keys, so that the CSR transpose has more rows than one warp of its scan covers. Each draw runs
+//! the production block-sparse forward, then every strategy on inputs A, B, A with NaN-poisoned, guarded outputs and
+//! unchanged inputs; every verdict must pass with a valid gate; the deterministic strategies repeat A bit for bit,
+//! and all three agree on dK, dV and D bit for bit; the device's CSR transpose equals the oracle's; and a draw with
+//! every block listed gives the dense backward's bits in the same tiling. Without a device each test prints
+//! `skipped: no CUDA device` and passes.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use crate::block_sparse::{
+    BlockDraw, BlockSuite, Density, DrawShapes, lists_everything, lists_from, run_on_device, uniform_lists,
+};
+use crate::common::*;
+use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
+use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
+use attnproof_gpu::{BackwardTiling, BlockListFault, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_harness::HarnessError;
+use attnproof_harness::adversarial::Worst;
+use attnproof_harness::backward::BackwardExpectation;
+use attnproof_harness::candidate::{
+    BackwardProblem, ForwardRun, backward_guarded, block_sparse_backward_guarded, block_sparse_forward_guarded,
+};
+use attnproof_harness::generate::{make_case, make_d_out};
+use attnproof_oracle::nsa::transpose_selection;
+use attnproof_oracle::spec::Sequence;
+use attnproof_oracle::{AttentionSpec, Mask};
+use cudarc::driver::CudaStream;
+use half::{bf16, f16};
+use ndarray::{Axis, s};
+use proptest::test_runner::TestCaseError;
+
+/// The two backward suites ("gpublkbw" in ASCII, plus the dtype).
+pub const BACKWARD_SUITES: [BlockSuite; 2] = [
+    BlockSuite {
+        name: "gpu_block_sparse_backward_bf16",
+        bf16: true,
+        cases: 48,
+        seed: 0x6770_7562_6c6b_6277,
+        shapes: DrawShapes::KernelAndLongKeys,
+    },
+    BlockSuite {
+        name: "gpu_block_sparse_backward_f16",
+        bf16: false,
+        cases: 48,
+        seed: 0x6770_7562_6c6b_6278,
+        shapes: DrawShapes::KernelAndLongKeys,
+    },
+];
+
+/// The second input's seed, from the first's.
+const SECOND_INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The backward check of one draw by `kernel` (the forward is the production kernel) in the suite's dtype.
+pub fn check_draw(
+    suite: &BlockSuite,
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    worst: &RefCell<Worst>,
+    draw: &BlockDraw,
+) -> Result<(), TestCaseError> {
+    if suite.bf16 { check::<bf16>(stream, kernel, worst, draw) } else { check::<f16>(stream, kernel, worst, draw) }
+}
+
+/// The CSR transpose built on the device by `kernel`'s transpose kernels against the oracle's (E20) of every
+/// (sequence, list head), row for row.
+pub fn check_csr(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    lists: &BlockLists,
+    kernel: KernelSource,
+) -> Result<(), String> {
+    let csr = block_csr_with(stream, spec, lists, kernel).map_err(|e| format!("CSR launch: {e}"))?;
+    let key_blocks = lists.key_blocks(spec);
+    let list_heads = lists.lists.dim().1;
+    let rows = spec.sequences().len() * list_heads * key_blocks;
+    if csr.offsets.len() != rows + 1 || csr.offsets[0] != 0 {
+        return Err(format!("{} offsets for {rows} rows, starting at {:?}", csr.offsets.len(), csr.offsets.first()));
+    }
+    for seq in spec.sequences() {
+        for head in 0..list_heads {
+            let selection = lists.lists.index_axis(Axis(0), seq.index);
+            let selection = selection.index_axis(Axis(0), head);
+            let want = transpose_selection(selection, key_blocks).map_err(|e| format!("oracle transpose: {e}"))?;
+            for block in 0..key_blocks {
+                let row = (seq.index * list_heads + head) * key_blocks + block;
+                let (lo, hi) = (csr.offsets[row] as usize, csr.offsets[row + 1] as usize);
+                let got =
+                    csr.q_blocks.get(lo..hi).ok_or_else(|| format!("row {row}: offsets {lo}..{hi} out of range"))?;
+                if got != want.queries_of(block) {
+                    return Err(format!(
+                        "sequence {}, list head {head}, key block {block}: {got:?}, the oracle {:?}",
+                        seq.index,
+                        want.queries_of(block)
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    worst: &RefCell<Worst>,
+    draw: &BlockDraw,
+) -> Result<(), TestCaseError> {
+    let spec = &draw.spec;
+    let lists = &draw.lists;
+    let tiling = lists.backward_tiling();
+    let layout = lists.oracle_layout(spec);
+    let visibility = |seq: &Sequence, h: usize| layout.visibility(spec, seq, h);
+    check_csr(stream, spec, lists, kernel).map_err(TestCaseError::fail)?;
+    let inputs = [draw.seed, draw.seed ^ SECOND_INPUT].map(|seed| {
+        let case = make_case::<T>(spec, draw.profile, seed);
+        let d_out = make_d_out::<T>(spec, seed);
+        (case, d_out)
+    });
+    let mut expectations = vec![];
+    let mut forwards = vec![];
+    for (case, d_out) in &inputs {
+        let forward = block_sparse_forward_guarded(stream, case, lists, FLASH_FWD)
+            .map_err(|e| TestCaseError::fail(format!("forward: {e}")))?;
+        let expect =
+            BackwardExpectation::with_visibility(case, d_out, Q_TILE, backward_recipe_for::<T>(tiling), &visibility);
+        match expect {
+            Ok(e) => expectations.push(e),
+            Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
+            Err(e) => return Err(TestCaseError::fail(format!("expectation: {e}"))),
+        }
+        forwards.push(forward);
+    }
+    let mut first: Option<Vec<Grads<T>>> = None;
+    for (n, which) in [0, 1, 0].into_iter().enumerate() {
+        let (case, d_out) = &inputs[which];
+        let problem = BackwardProblem { case, forward: &forwards[which], d_out };
+        let mut runs = vec![];
+        for strategy in GpuBackwardStrategy::ALL {
+            let g = block_sparse_backward_guarded(stream, problem, lists, kernel, tiling, strategy)
+                .map_err(|e| TestCaseError::fail(format!("run {n}, {strategy:?}: {e}")))?;
+            let verdict = expectations[which]
+                .verify(g.candidate())
+                .map_err(|e| TestCaseError::fail(format!("run {n}, {strategy:?}: {e}")))?;
+            if !(verdict.passed() && verdict.valid()) {
+                return Err(TestCaseError::fail(format!("run {n}, {strategy:?}:\n{verdict}")));
+            }
+            worst.borrow_mut().record(&verdict);
+            runs.push(g);
+        }
+        for (strategy, g) in GpuBackwardStrategy::ALL.into_iter().zip(&runs).skip(1) {
+            if !g.same_dk_dv_delta(&runs[0]) {
+                return Err(TestCaseError::fail(format!(
+                    "run {n}: {strategy:?} differs from {:?} in dK, dV or D",
+                    GpuBackwardStrategy::ALL[0]
+                )));
+            }
+        }
+        if n == 0 && lists_everything(draw) {
+            for (strategy, g) in GpuBackwardStrategy::ALL.into_iter().zip(&runs) {
+                let dense = backward_guarded(stream, problem, FLASH_BWD, tiling, strategy)
+                    .map_err(|e| TestCaseError::fail(format!("dense {strategy:?}: {e}")))?;
+                let same = if strategy.is_deterministic() { dense.same(g) } else { dense.same_dk_dv_delta(g) };
+                if !same {
+                    return Err(TestCaseError::fail(format!(
+                        "{strategy:?}: every block listed, but not the dense bits"
+                    )));
+                }
+            }
+        }
+        match n {
+            0 => first = Some(runs),
+            2 => {
+                let first = first.as_ref().expect("run 0 came first");
+                for ((strategy, a), b) in GpuBackwardStrategy::ALL.into_iter().zip(first).zip(&runs) {
+                    let same = if strategy.is_deterministic() { a.same(b) } else { a.same_dk_dv_delta(b) };
+                    if !same {
+                        return Err(TestCaseError::fail(format!("{strategy:?}: input A gave different bits")));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// Runs `suite` with the production kernels.
+fn run_production(suite: &BlockSuite) {
+    run_on_device(suite, |stream, worst, draw| check_draw(suite, stream, FLASH_BWD, worst, draw));
+}
+
+#[test]
+fn block_sparse_backward_is_within_bound_bf16() {
+    run_production(&BACKWARD_SUITES[0]);
+}
+
+#[test]
+fn block_sparse_backward_is_within_bound_f16() {
+    run_production(&BACKWARD_SUITES[1]);
+}
+
+/// The backward suites' draws, replayed without a device, reach every combination of block sizes, list heads and
+/// density, lists shared by a GQA group, and varlen problems.
+#[test]
+fn the_block_sparse_backward_suites_draw_every_list_feature() {
+    let union = crate::block_sparse::suites_coverage(&BACKWARD_SUITES);
+    println!("block-sparse backward suites: {union:?}");
+    assert!(union.unreached().is_empty(), "never drawn: {:?}", union.unreached());
+    assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
+    // The transpose's scan runs a warp per 32 CSR rows: some draws must need the second warp's offsets.
+    assert!(union.csr_rows_past_a_warp >= 4, "{union:?}");
+}
+
+/// The transpose on adversarial lists: everything listed, nothing listed, one key block listed by every query block
+/// (a long row), lists per query head in a group of 3, varlen with an empty sequence, and more query blocks than a
+/// warp's 32 lanes (the ballot's second round).
+#[test]
+fn the_csr_transpose_equals_the_oracles() {
+    let Some(ctx) = skip_unless_gpu("the_csr_transpose_equals_the_oracles") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(AttentionSpec, BlockLists)> = vec![
+        {
+            let spec = dense(1, 2, 1, 300, 300, 64, 64, Mask::None);
+            let l = uniform_lists(&spec, 64, 64, ListHeads::PerKvHead, &[0, 1, 2, 3, 4]);
+            (spec, l)
+        },
+        {
+            let spec = dense(1, 1, 1, 200, 200, 64, 64, Mask::Causal);
+            let l = uniform_lists(&spec, 64, 128, ListHeads::PerKvHead, &[]);
+            (spec, l)
+        },
+        {
+            let spec = dense(2, 3, 1, 64 * 70 + 1, 129, 64, 64, Mask::None);
+            let l = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[2]);
+            (spec, l)
+        },
+        {
+            let spec = varlen(&[0, 0, 190, 300], &[0, 64, 64, 400], 3, 1, 32, 32, Mask::None);
+            let seqs = spec.sequences();
+            let (n_q, n_k) = (3, 7);
+            let picks: Vec<Vec<bool>> =
+                (0..seqs.len() * 3 * n_q).map(|r| (0..n_k).map(|b| (r * 5 + b * 3) % 4 == 0).collect()).collect();
+            let l = lists_from(&spec, 64, 64, ListHeads::PerQueryHead, &picks);
+            (spec, l)
+        },
+    ];
+    for (spec, lists) in &cases {
+        lists.validate(spec).expect("valid lists");
+        check_csr(&stream, spec, lists, FLASH_BWD).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
+    }
+}
+
+/// A query block that lists nothing gets dQ = 0 on its rows, and a key block no query block lists gets dK = dV = 0,
+/// for every strategy.
+#[test]
+fn unlisted_blocks_get_zero_gradients() {
+    let Some(ctx) = skip_unless_gpu("unlisted_blocks_get_zero_gradients") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::None);
+    let mut lists = uniform_lists(&spec, 64, 64, ListHeads::PerKvHead, &[1, 3]);
+    lists.lists.slice_axis_mut(Axis(2), (1..2).into()).fill(-1);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 31);
+    let d_out = make_d_out::<bf16>(&spec, 31);
+    let fwd = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("forward");
+    for strategy in GpuBackwardStrategy::ALL {
+        let g = block_sparse_backward(
+            &stream,
+            &spec,
+            &lists,
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            fwd.o.view(),
+            fwd.lse.view(),
+            d_out.view(),
+            strategy,
+        )
+        .expect("launch");
+        assert!(g.dq.slice(s![0, .., 64..128, ..]).iter().all(|x| x.to_f32() == 0.0), "{strategy:?}: dQ");
+        for unlisted in [0usize, 2, 4] {
+            let keys = unlisted * 64..(unlisted * 64 + 64).min(300);
+            assert!(g.dk.slice(s![0, .., keys.clone(), ..]).iter().all(|x| x.to_f32() == 0.0), "{strategy:?}: dK");
+            assert!(g.dv.slice(s![0, .., keys, ..]).iter().all(|x| x.to_f32() == 0.0), "{strategy:?}: dV");
+        }
+        assert!(g.dk.slice(s![0, .., 64..128, ..]).iter().any(|x| x.to_f32() != 0.0), "{strategy:?}: listed dK");
+        assert!(g.dq.slice(s![0, .., 0..64, ..]).iter().any(|x| x.to_f32() != 0.0), "{strategy:?}: listed dQ");
+    }
+}
+
+/// Bad lists and a tiling whose KV tiles straddle key blocks are typed errors before any launch; the device stays
+/// usable.
+#[test]
+fn bad_lists_and_tilings_are_typed_errors_before_any_launch() {
+    let Some(ctx) = skip_unless_gpu("bad_lists_and_tilings_are_typed_errors_before_any_launch") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 150, 150, 64, 64, Mask::Causal);
+    let p = problem::<bf16>(&stream, &spec, gaussian(1.0), 4);
+    let good = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[0, 1]);
+    let run = |lists: &BlockLists| {
+        block_sparse_backward(
+            &stream,
+            &spec,
+            lists,
+            p.case.q.view(),
+            p.case.k.view(),
+            p.case.v.view(),
+            p.o.view(),
+            p.lse.view(),
+            p.d_out.view(),
+            GpuBackwardStrategy::KvOwnerDeterministic,
+        )
+    };
+    let with = |at: [usize; 4], x: i32| {
+        let mut l = good.clone();
+        l.lists[at] = x;
+        l
+    };
+    let fault = |lists: &BlockLists| match run(lists) {
+        Err(GpuError::BlockList { fault, .. }) => fault,
+        other => panic!("expected a block list error, got {:?}", other.map(|_| ())),
+    };
+    assert!(matches!(fault(&with([0, 1, 2, 2], 3)), BlockListFault::OutOfRange { index: 3, .. }));
+    assert!(matches!(fault(&with([0, 0, 0, 1], 0)), BlockListFault::Duplicate { index: 0 }));
+    assert!(matches!(fault(&with([0, 0, 1, 0], -1)), BlockListFault::AfterPad { index: 1 }));
+    let mut unsorted = good.clone();
+    unsorted.lists[[0, 0, 1, 0]] = 2;
+    assert!(matches!(fault(&unsorted), BlockListFault::NotAscending { index: 1, previous: 2 }));
+    let mismatched = BlockLists { q_block: 128, ..good.clone() };
+    assert!(matches!(run(&mismatched), Err(GpuError::Shape { argument: "lists", .. })));
+    // 128-key KV tiles over 64-key blocks.
+    let forward = ForwardRun { o: p.o.clone(), lse: p.lse.clone() };
+    let problem = BackwardProblem { case: &p.case, forward: &forward, d_out: &p.d_out };
+    let straddling = block_sparse_backward_guarded(
+        &stream,
+        problem,
+        &good,
+        FLASH_BWD,
+        BackwardTiling::DEFAULT,
+        GpuBackwardStrategy::TwoTraversals,
+    );
+    assert!(straddling.as_ref().is_err_and(|e| e.to_string().contains("straddle")), "{:?}", straddling.map(|_| ()));
+    let out = run(&good).expect("a valid launch after the refusals");
+    assert!(out.dq.iter().all(|x| x.is_finite()));
+}
+
+/// Small shapes for `run.sh sanitize` (compute-sanitizer memcheck and racecheck): both block sizes, lists per KV
+/// head over a group of 3 and per query head, a partial last key block, varlen with an empty sequence, an empty list;
+/// every strategy, the CSR kernels included.
+#[test]
+fn sanitizer_shapes() {
+    let Some(ctx) = skip_unless_gpu("block_sparse_backward::sanitizer_shapes") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let shapes = [
+        (dense(1, 3, 1, 130, 129, 32, 32, Mask::Causal), 64, 128, ListHeads::PerKvHead, vec![0, 1]),
+        (
+            dense(1, 2, 2, 65, 200, 64, 64, Mask::Window { left: 70, right: 3 }),
+            128,
+            64,
+            ListHeads::PerQueryHead,
+            vec![1, 3],
+        ),
+        (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, ListHeads::PerKvHead, vec![0, 2]),
+        (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, ListHeads::PerKvHead, vec![]),
+    ];
+    let worst = RefCell::new(Worst::default());
+    for (spec, q_block, kv_block, heads, entries) in shapes {
+        let lists = uniform_lists(&spec, q_block, kv_block, heads, &entries);
+        let draw = BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 };
+        if let Err(e) = check::<bf16>(&stream, FLASH_BWD, &worst, &draw) {
+            panic!("{draw:?}: {e}");
+        }
+    }
+    println!("block_sparse_backward::sanitizer_shapes: worst error/bound {}", worst.borrow());
+}
+
+/// The killing cases of the catalog's `BLOCK_SPARSE` backward mutants: 128-row query blocks (two query tiles each)
+/// over 128-key blocks with pads, causal with the diagonal block listed, the last key block listed (the CSR's last
+/// row); lists per query head in a GQA group with different lists per head and more CSR rows than a warp; and two
+/// sequences with different lists.
+pub fn killing_cases() -> Vec<(&'static str, BlockDraw)> {
+    let draw = |spec: AttentionSpec, lists: BlockLists, seed| BlockDraw {
+        spec,
+        lists,
+        density: Density::Sparse,
+        profile: gaussian(1.0),
+        seed,
+    };
+    let mut out = vec![];
+    let spec = dense(1, 2, 1, 256, 384, 64, 64, Mask::Causal);
+    let lists = uniform_lists(&spec, 128, 128, ListHeads::PerKvHead, &[0, 2]);
+    out.push(("causal_q128_kv128_last_block", draw(spec, lists, 41)));
+    // 4 list heads × 10 key blocks: 40 CSR rows, more than one warp of the scan.
+    let spec = dense(1, 4, 2, 256, 640, 64, 64, Mask::None);
+    let picks: Vec<Vec<bool>> = (0..16).map(|r| (0..10).map(|b| (r + b) % 3 == 0).collect()).collect();
+    let lists = lists_from(&spec, 64, 64, ListHeads::PerQueryHead, &picks);
+    out.push(("per_query_head_lists_40_csr_rows", draw(spec, lists, 42)));
+    let spec = dense(2, 1, 1, 128, 256, 64, 64, Mask::None);
+    let picks: Vec<Vec<bool>> = vec![vec![true, false, false, true], vec![false, true, true, false]];
+    let lists = lists_from(&spec, 128, 64, ListHeads::PerQueryHead, &picks);
+    out.push(("two_sequences", draw(spec, lists, 43)));
+    out
+}
