@@ -809,3 +809,47 @@ fn peaked_rows_at_logit_scale_100_keep_the_backward_gate_valid() {
     check_block_backward(&make_case::<f16>(&spec, profile, seed), &layout, &make_d_out(&spec, seed))
         .expect("verdict passes and the gate is valid");
 }
+
+/// The block-sparse forward verifier scores the gate's "dropped selected block" wrong answer on
+/// every (sequence, head): where the last listed tile of a query tile holds visible mass, the
+/// oracle's output without it must be applicable and rejected. Here every query tile lists both
+/// KV tiles, so dropping the second moves `O` by far more than its bound.
+#[test]
+fn the_forward_gate_scores_the_dropped_selected_block() {
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 8, 8);
+    let case = make_case::<bf16>(&spec, GAUSS, 70);
+    let layout = layout_from(&spec, TileConfig { q_tile: 8, kv_tile: 8 }, &[vec![true, true], vec![true, true]], true);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    let verdicts = verify_block_sparse_forward(&case, &layout, recipe::<bf16>(8), o.view(), lse.view()).expect("ok");
+    assert_eq!(verdicts.len(), 2, "one verdict per (sequence, query head)");
+    for v in &verdicts {
+        let dropped: Vec<_> = v.gate.canned.iter().filter(|c| c.name == "dropped selected block").collect();
+        assert!(!dropped.is_empty(), "no dropped-block wrong answer scored:\n{v}");
+        assert!(dropped.iter().all(|c| c.applicable && c.rejected), "{dropped:?}");
+        assert!(v.passed() && v.valid(), "{v}");
+    }
+}
+
+/// A candidate of the wrong shape is a typed error of the verifier, named by its argument, for
+/// `O` and for LSE alike.
+#[test]
+fn a_misshapen_block_sparse_candidate_is_a_typed_error() {
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 8, 8);
+    let case = make_case::<bf16>(&spec, GAUSS, 71);
+    let layout = layout_from(&spec, TileConfig { q_tile: 8, kv_tile: 8 }, &[vec![true, false], vec![true, true]], true);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    let r = recipe::<bf16>(8);
+    let short_o = o.slice(ndarray::s![.., .., ..15, ..]).into_dyn();
+    let short_lse = lse.slice(ndarray::s![.., .., ..15]).into_dyn();
+    for (argument, result) in [
+        ("o", verify_block_sparse_forward(&case, &layout, r, short_o, lse.view())),
+        ("lse", verify_block_sparse_forward(&case, &layout, r, o.view(), short_lse)),
+    ] {
+        match result {
+            Err(SparseHarnessError::Harness(HarnessError::CandidateShape { argument: a, .. })) => {
+                assert_eq!(a, argument)
+            }
+            other => panic!("{argument}: expected a shape error, got {other:?}"),
+        }
+    }
+}
