@@ -1,8 +1,9 @@
 """Dump attnproof case files from PyTorch's attention peers: SDPA (flash, cuDNN, efficient, math)
-and FlexAttention, forward and backward, over a small grid with adversarial inputs, plus
+and FlexAttention (dense, and block-sparse through a `BlockMask` whose lists become the case's
+`block_indices`), forward and backward, over a small grid with adversarial inputs, plus
 deliberately wrong uses whose metadata lies (they must fail `cargo xtask check`).
 
-    python3 python/examples/dump_peers.py --out DIR
+    python3 python/examples/dump_peers.py --out DIR [--only LABEL_PREFIX]
 
 Each backend section is guarded: a backend that is unavailable or refuses a shape prints one
 `skip ...` line and the others continue. Writes DIR/*.safetensors and DIR/manifest.txt.
@@ -76,10 +77,13 @@ def lse_bhl(lse, b, h, lq):
 
 
 class Dumper:
-    def __init__(self, out):
+    def __init__(self, out, only=None):
         self.out, self.written, self.skipped, self.start = out, [], [], time.time()
+        self.only = only
 
     def section(self, label, fn):
+        if self.only is not None and not label.startswith(self.only):
+            return
         try:
             fn()
         except Exception as e:  # one failing backend must not lose the others
@@ -246,13 +250,93 @@ def flex_case(dumper, s: Shape, dtype, seed, *, block_table=None, block=64):
     )
 
 
+def block_indices_from_block_mask(bm, b, hq):
+    """The case format's `block_indices` of a FlexAttention `BlockMask`: per (batch, query head,
+    query block) the union of its partial blocks (`kv_indices`, where the mask_mod runs) and its
+    full blocks (`full_kv_indices`), ascending, -1 padded; a batch or head dimension the mask
+    broadcasts (size 1) is expanded. The case's visibility is then its mask AND the listed blocks:
+    the same as Flex's when every full block is one the case's mask leaves whole (as earlier blocks
+    are under a causal mask with equal query and key blocks)."""
+    parts = []
+    for num, idx in ((bm.kv_num_blocks, bm.kv_indices), (bm.full_kv_num_blocks, bm.full_kv_indices)):
+        if num is not None:
+            parts.append((num.expand(b, hq, num.shape[-1]).cpu(), idx.expand(b, hq, *idx.shape[-2:]).cpu()))
+    n_q = parts[0][0].shape[-1]
+    rows = {}
+    for bi in range(b):
+        for h in range(hq):
+            for a in range(n_q):
+                listed = set()
+                for num, idx in parts:
+                    listed.update(idx[bi, h, a, : int(num[bi, h, a])].tolist())
+                rows[bi, h, a] = sorted(listed)
+    width = max([1] + [len(r) for r in rows.values()])
+    out = torch.full((b, hq, n_q, width), -1, dtype=torch.int32)
+    for (bi, h, a), r in rows.items():
+        out[bi, h, a, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    return out
+
+
+def flex_block_mask_case(dumper, s: Shape, dtype, seed, *, wrong=None):
+    """Flex forward + backward over a `BlockMask` built the way block-sparse users build one
+    (`BlockMask.from_kv_blocks`, 128x128 blocks, causal, Lq = Lk): per (batch, query head, query
+    block) the diagonal block partial (the causal mask_mod runs there) and a random subset of at
+    most 3 earlier blocks full; query block 1 of head 0 lists nothing (fully masked rows). The
+    case records the mask's lists through `block_indices_from_block_mask`. `wrong="block_dropped"`
+    records every list without its last block: the metadata lies, and the check must fail."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    block = 128
+    n = -(-s.lq // block)
+    g = torch.Generator().manual_seed(seed)
+    partial_num = torch.ones(s.b, s.hq, n, dtype=torch.int32)
+    partial_idx = torch.zeros(s.b, s.hq, n, n, dtype=torch.int32)
+    partial_idx[..., 0] = torch.arange(n, dtype=torch.int32)
+    full_num = torch.zeros(s.b, s.hq, n, dtype=torch.int32)
+    full_idx = torch.zeros(s.b, s.hq, n, n, dtype=torch.int32)
+    for bi in range(s.b):
+        for h in range(s.hq):
+            for a in range(n):
+                earlier = torch.randperm(a, generator=g)[: min(a, 3)].sort().values
+                full_num[bi, h, a] = len(earlier)
+                full_idx[bi, h, a, : len(earlier)] = earlier.to(torch.int32)
+    partial_num[0, 0, 1] = 0
+    full_num[0, 0, 1] = 0
+    cuda = lambda t: t.cuda()
+    bm = BlockMask.from_kv_blocks(
+        cuda(partial_num), cuda(partial_idx), cuda(full_num), cuda(full_idx),
+        BLOCK_SIZE=block, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, seq_lengths=(s.lq, s.lk),
+    )
+    q0, k0, v0, do = make_inputs(s, dtype, seed)
+    q, k, v = with_grad(q0, k0, v0)
+    scale = 1.0 / math.sqrt(s.d)
+    o, lse = flex_call(q, k, v, bm, scale, s.hq != s.hkv)
+    dq, dk, dv = backward(o, (q, k, v), do)
+    block_indices = block_indices_from_block_mask(bm, s.b, s.hq)
+    extra = {"peer": "flex", "expect": "pass", "wrong_use": ""}
+    name = f"flex__{DTYPE_NAME[dtype]}__{s.name}__from_kv_blocks"
+    if wrong == "block_dropped":
+        count = (block_indices >= 0).sum(-1, keepdim=True)
+        last = torch.arange(block_indices.shape[-1]) == (count - 1)
+        block_indices = torch.where(last & (count > 1), -1, block_indices)
+        extra = {"peer": "flex", "expect": "fail", "wrong_use": wrong}
+        name += f"__WRONG_{wrong}"
+    dumper.dump(
+        name, q0, k0, v0, o=o, lse=lse_bhl(lse, s.b, s.hq, s.lq), do=do, dq=dq, dk=dk, dv=dv,
+        causal=True, causal_align="bottom_right", scale=scale, recipe=RECIPE[dtype],
+        kernel=f"torch {torch.__version__} flex_attention (compiled, BlockMask.from_kv_blocks)",
+        block_indices=block_indices, block_q=block, block_k=block, extra_metadata=extra,
+    )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--only", help="dump only the sections whose label starts with this (e.g. 'flex block-sparse')")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    d = Dumper(args.out)
+    d = Dumper(args.out, args.only)
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, device {torch.cuda.get_device_name(0)}")
     try:
         torch.backends.cuda.matmul.allow_tf32 = False  # the math backend's f32 matmuls stay f32
@@ -338,6 +422,22 @@ def main():
         flex_case(d, s, bf16, seed + 801, block_table=table, block=64)
 
     d.section("flex block_mask", flex_blocks)
+
+    # FlexAttention's block-sparse use: a BlockMask from per-query-block lists (partial diagonal,
+    # full earlier blocks), 128-blocks, lengths of a block +- 1, GQA with lists per query head,
+    # large logits; and one wrong use whose recorded lists drop a block.
+    flex_sparse = [
+        Shape("bsa_causal_384", 1, 2, 2, 384, 384, 64, causal=True),
+        Shape("bsa_causal_tile_plus1", 1, 2, 2, 385, 385, 128, causal=True),
+        Shape("bsa_gqa_tile_minus1", 1, 4, 2, 511, 511, 64, causal=True),
+        Shape("bsa_large_logits", 2, 2, 2, 300, 300, 64, causal=True, logit=6.0),
+    ]
+    for i, s in enumerate(flex_sparse):
+        d.section(f"flex block-sparse {s.name}", lambda: flex_block_mask_case(d, s, bf16, seed + 850 + i))
+    d.section(
+        "flex block-sparse wrong",
+        lambda: flex_block_mask_case(d, flex_sparse[0], bf16, seed + 850, wrong="block_dropped"),
+    )
 
     # Deliberately wrong uses: the metadata lies; `cargo xtask check` must fail them and name why.
     wrong = [

@@ -20,7 +20,8 @@
 #                           64K, 128K), then block_sparse_peers.py (FlexAttention on the same lists) in the same call
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
-#   run.sh peers            dumps PyTorch's kernels' case files (python/examples/dump_peers.py), checks them with
+#   run.sh peers [ARGS]     dumps PyTorch's kernels' case files (python/examples/dump_peers.py ARGS, e.g.
+#                           --only "flex block-sparse" for FlexAttention's BlockMask cases alone), checks them with
 #                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
 #                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
 # Every mode exits non-zero on any failure.
