@@ -831,7 +831,8 @@ fn the_forward_gate_scores_the_dropped_selected_block() {
 }
 
 /// A candidate of the wrong shape is a typed error of the verifier, named by its argument, for
-/// `O` and for LSE alike.
+/// `O` and for LSE alike, whichever dimension is wrong: a missing head is refused before the
+/// verifier slices heads out of the candidate, never a panic.
 #[test]
 fn a_misshapen_block_sparse_candidate_is_a_typed_error() {
     let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 8, 8);
@@ -841,9 +842,13 @@ fn a_misshapen_block_sparse_candidate_is_a_typed_error() {
     let r = recipe::<bf16>(8);
     let short_o = o.slice(ndarray::s![.., .., ..15, ..]).into_dyn();
     let short_lse = lse.slice(ndarray::s![.., .., ..15]).into_dyn();
+    let one_head_o = o.slice(ndarray::s![.., ..1, .., ..]).into_dyn();
+    let one_head_lse = lse.slice(ndarray::s![.., ..1, ..]).into_dyn();
     for (argument, result) in [
         ("o", verify_block_sparse_forward(&case, &layout, r, short_o, lse.view())),
         ("lse", verify_block_sparse_forward(&case, &layout, r, o.view(), short_lse)),
+        ("o", verify_block_sparse_forward(&case, &layout, r, one_head_o, lse.view())),
+        ("lse", verify_block_sparse_forward(&case, &layout, r, o.view(), one_head_lse)),
     ] {
         match result {
             Err(SparseHarnessError::Harness(HarnessError::CandidateShape { argument: a, .. })) => {
