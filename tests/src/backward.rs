@@ -304,7 +304,66 @@ impl BackwardExpectation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ndarray::{ArrayD, IxDyn};
+    use crate::generate::{Distribution, ValueProfile, make_case, make_d_out};
+    use ndarray::{ArrayD, Axis, IxDyn, Slice};
+
+    /// Each canned wrong answer of the backward gate is the wrong answer it names, recomputed here on its own, for dQ,
+    /// dK and dV: "zeros", "scale 1/d" (the oracle's gradients with scale `1/d`) and "last KV tile dropped" (Lk = 65
+    /// with tiles of 64: the gradients over the first 64 keys alone, and zero dK, dV for the 65th). The gate scores
+    /// them in that order per output; each is visibly wrong here and rejected.
+    #[test]
+    fn the_canned_answers_are_the_wrong_answers_they_name() {
+        let spec = AttentionSpec::dense(1, 1, 1, 3, 65, 8, 8);
+        let profile = ValueProfile { distribution: Distribution::MaxInLastTile, logit_scale: 4.0, value_mean: 0.0 };
+        let case = make_case::<half::bf16>(&spec, profile, 5);
+        let d_out = make_d_out::<half::bf16>(&spec, 5);
+        let recipe = crate::recipes::reference::<half::bf16>(64);
+        let expectation = BackwardExpectation::new(&case, &d_out, 64, recipe).unwrap();
+        let [q, k, v] = case.widened();
+        let g = d_out.mapv(|x| x.to_f32() as f64);
+        let truth = backward_truth(&spec, [&q, &k, &v, &g], recipe, 64).unwrap();
+        let scaled = spec.clone().with_scale(Scale::Value(1.0 / 8.0));
+        let wrong_scale = attnproof_oracle::backward(
+            &scaled,
+            Qkv { q: q.view(), k: k.view(), v: v.view() },
+            g.view(),
+            DenseConfig::default(),
+            (),
+        )
+        .unwrap();
+        let cut = |t: &ArrayD<f64>| t.slice_axis(Axis(2), Slice::from(0..64)).to_owned();
+        let (k64, v64) = (cut(&k), cut(&v));
+        let first_tile = AttentionSpec::dense(1, 1, 1, 3, 64, 8, 8);
+        let qkv = Qkv { q: q.view(), k: k64.view(), v: v64.view() };
+        let dropped = attnproof_oracle::backward(&first_tile, qkv, g.view(), DenseConfig::default(), ()).unwrap();
+        let padded = |t: &ArrayD<f64>| {
+            let zero = ArrayD::<f64>::zeros(IxDyn(&[1, 1, 1, 8]));
+            ndarray::concatenate(Axis(2), &[t.view(), zero.view()]).unwrap()
+        };
+        let grads = &truth.grads;
+        let outputs = [
+            ("dQ", &grads.dq, &truth.bound_dq, wrong_scale.dq.clone(), dropped.dq.clone()),
+            ("dK", &grads.dk, &truth.bound_dk, wrong_scale.dk.clone(), padded(&dropped.dk)),
+            ("dV", &grads.dv, &truth.bound_dv, wrong_scale.dv.clone(), padded(&dropped.dv)),
+        ];
+        let canned = &expectation.gate.canned;
+        assert_eq!(canned.len(), 9, "three answers for each of dQ, dK, dV: {canned:?}");
+        for (n, (name, exact, bound, scale_answer, dropped_answer)) in outputs.into_iter().enumerate() {
+            let ratio = |t: &ArrayD<f64>| compare(name, t.view(), exact.view(), bound.view()).max_ratio;
+            let zeros = ArrayD::<f64>::zeros(exact.raw_dim());
+            let expected = [
+                ("zeros", ratio(&zeros)),
+                ("scale 1/d", ratio(&scale_answer)),
+                ("last KV tile dropped", ratio(&dropped_answer)),
+            ];
+            for (m, (answer, want)) in expected.into_iter().enumerate() {
+                let c = &canned[3 * n + m];
+                assert_eq!(c.name, answer, "{name}");
+                assert!(c.applicable && c.rejected, "{name}: {c:?}");
+                assert_eq!(c.max_ratio, want, "{name}: {answer}");
+            }
+        }
+    }
 
     /// The gate's magnitudes on a case worked by hand: one query over two keys (`d = dv = 1`, `α = 1`), two query heads
     /// sharing the KV head (group 2), `q = 1`, `k = (0, ln 3)` so that `P = (1/4, 3/4)`, `v = (2, −2)` so that
