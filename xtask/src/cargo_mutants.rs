@@ -9,6 +9,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
@@ -503,8 +504,14 @@ pub enum Selection<'a> {
 }
 
 /// The arguments of one cargo-mutants run over `scope`, in place in the scratch copy, writing `<out>/mutants.out`,
-/// over the mutants `selection` takes.
-pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>) -> Vec<String> {
+/// over the mutants `selection` takes, each mutant's tests stopped after `timeout`.
+///
+/// cargo-mutants' own baseline is skipped (`--baseline=skip`): cargo-mutants 27.1 runs it over the mutated package's
+/// tests only, whatever `--test-package` says, so it would time the wrong tests and cannot even start for the
+/// reference crate, which has no tests of its own. xtask runs the real baseline itself ([`baseline_args`]) and passes
+/// the timeout it implies ([`test_timeout`]); the mutants themselves are judged by every package of
+/// [`Scope::test_packages`].
+pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>, timeout: Duration) -> Vec<String> {
     let mut args: Vec<String> =
         ["mutants", "--in-place", "--no-shuffle", "--colors", "never", "--package", scope.package]
             .map(str::to_owned)
@@ -512,6 +519,7 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>) -
     for test_package in scope.test_packages {
         args.extend(["--test-package".to_owned(), (*test_package).to_owned()]);
     }
+    args.extend(["--baseline=skip".to_owned(), format!("--timeout={}", timeout.as_secs().max(1))]);
     args.extend(["--output".to_owned(), out.display().to_string()]);
     for glob in scope.exclude {
         args.extend(["--exclude".to_owned(), (*glob).to_owned()]);
@@ -531,6 +539,48 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>) -
         args.extend(scope.filters.iter().map(|a| (*a).to_owned()));
     }
     args
+}
+
+/// The cargo arguments of the unmutated run of `scope`'s judging tests, the baseline: the command cargo-mutants runs
+/// for each mutant (`cargo nextest run` in the `profile` of the configuration, every test package, the scope's targets
+/// and filters), only building when `build_only`, so that the timed run holds no compilation.
+pub fn baseline_args(scope: &Scope, profile: &str, build_only: bool) -> Vec<String> {
+    let mut args: Vec<String> = vec!["nextest".to_owned(), "run".to_owned()];
+    if build_only {
+        args.push("--no-run".to_owned());
+    }
+    args.push(format!("--cargo-profile={profile}"));
+    args.extend(scope.test_packages.iter().map(|p| format!("--package={p}")));
+    args.extend(scope.targets.iter().map(|t| (*t).to_owned()));
+    if !build_only {
+        args.extend(scope.filters.iter().map(|f| (*f).to_owned()));
+    }
+    args
+}
+
+/// How long one mutant's tests may run: the configuration's `timeout_multiplier` times the baseline's test time, but
+/// never less than its `minimum_test_timeout` (seconds), the rule cargo-mutants applies after its own baseline.
+pub fn test_timeout(config: &str, baseline: Duration) -> Result<Duration> {
+    let multiplier = config_number(config, "timeout_multiplier")?;
+    let minimum = config_number(config, "minimum_test_timeout")?;
+    Ok(Duration::from_secs_f64((baseline.as_secs_f64() * multiplier).max(minimum).ceil()))
+}
+
+/// A top-level scalar of the configuration (`key = value`, comments stripped), unquoted.
+pub fn config_value<'a>(config: &'a str, key: &str) -> Result<&'a str> {
+    config
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .filter_map(|l| l.split_once('='))
+        .find(|(k, _)| k.trim() == key)
+        .map(|(_, v)| v.trim().trim_matches('"'))
+        .with_context(|| format!("{CONFIG} has no `{key} = ...` line"))
+}
+
+/// A top-level number of the configuration.
+fn config_number(config: &str, key: &str) -> Result<f64> {
+    let value = config_value(config, key)?;
+    value.parse().with_context(|| format!("{CONFIG}: `{key}` is {value}, not a number"))
 }
 
 /// What cargo-mutants' exit code says about a run: `Ok` when its outcome files are to be read (0 all caught, 2 some
@@ -795,18 +845,19 @@ mod tests {
     #[test]
     fn arguments_name_the_package_its_judges_and_the_diff() {
         let scope = find_scope("reference").unwrap();
-        let args = cargo_mutants_args(scope, Path::new("/o"), Selection::Diff(Path::new("/d.patch")));
+        let args = cargo_mutants_args(scope, Path::new("/o"), Selection::Diff(Path::new("/d.patch")), MINUTE);
         let joined = args.join(" ");
         assert!(joined.starts_with("mutants --in-place"), "{joined}");
         assert!(joined.contains("--package attnproof-reference"), "{joined}");
         assert!(joined.contains("--test-package attnproof-reference --test-package attnproof-harness"), "{joined}");
         assert!(joined.contains("--output /o --exclude"), "{joined}");
         assert!(joined.contains("--in-diff /d.patch --cargo-arg"), "{joined}");
-        let whole = cargo_mutants_args(scope, Path::new("/o"), Selection::Whole);
+        let whole = cargo_mutants_args(scope, Path::new("/o"), Selection::Whole, MINUTE);
         assert!(!whole.iter().any(|a| a == "--in-diff" || a == "--iterate"), "{whole:?}");
-        let resumed = cargo_mutants_args(scope, Path::new("/o"), Selection::Resume).join(" ");
+        let resumed = cargo_mutants_args(scope, Path::new("/o"), Selection::Resume, MINUTE).join(" ");
         assert!(resumed.contains("sparse/** --iterate --cargo-arg"), "{resumed}");
-        let verdict = cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
+        let verdict =
+            cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole, MINUTE).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
@@ -816,7 +867,40 @@ mod tests {
         );
         assert!(joined.contains("--exclude reference/src/ring/** --exclude reference/src/sparse/**"), "{joined}");
         assert!(joined.ends_with("--test=it -- flash_forward:: flash_backward::"), "{joined}");
-        let proofs = cargo_mutants_args(find_scope("proofs").unwrap(), Path::new("/o"), Selection::Whole).join(" ");
+        let proofs =
+            cargo_mutants_args(find_scope("proofs").unwrap(), Path::new("/o"), Selection::Whole, MINUTE).join(" ");
         assert!(proofs.ends_with("--cargo-arg=--lib --cargo-arg=--tests"), "{proofs}");
+        // cargo-mutants' own baseline would run the mutated package's tests only; xtask's replaces it.
+        assert!(joined.contains("--baseline=skip --timeout=60 --output"), "{joined}");
+    }
+
+    const MINUTE: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn the_baseline_runs_what_judges_a_mutant() {
+        let scope = find_scope("reference-sparse").unwrap();
+        let build = baseline_args(scope, "mutants", true).join(" ");
+        assert_eq!(
+            build,
+            "nextest run --no-run --cargo-profile=mutants --package=attnproof-reference --package=attnproof-harness \
+             --lib --test=it"
+        );
+        let run = baseline_args(scope, "mutants", false).join(" ");
+        assert_eq!(
+            run,
+            "nextest run --cargo-profile=mutants --package=attnproof-reference --package=attnproof-harness --lib \
+             --test=it sparse::"
+        );
+    }
+
+    #[test]
+    fn a_mutant_may_run_three_baselines_but_never_less_than_a_minute() {
+        let config = std::fs::read_to_string(crate::repo_root().join(CONFIG)).unwrap();
+        assert_eq!(config_value(&config, "profile").unwrap(), "mutants");
+        assert_eq!(test_timeout(&config, Duration::from_secs(5)).unwrap(), MINUTE);
+        assert_eq!(test_timeout(&config, Duration::from_millis(30_100)).unwrap(), Duration::from_secs(91));
+        let broken = "timeout_multiplier = three\nminimum_test_timeout = 60";
+        assert!(test_timeout(broken, MINUTE).unwrap_err().to_string().contains("not a number"));
+        assert!(config_value("# timeout_multiplier = 3", "timeout_multiplier").is_err());
     }
 }

@@ -369,11 +369,41 @@ fn run_cargo_mutants(
     if selection != Selection::Resume {
         recreate_dir(&out)?;
     }
-    let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, selection));
+    let timeout = baseline(root, tree, scope, env)?;
+    let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, selection, timeout));
     println!("$ {}", describe(&cmd));
     let status = cmd.status().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
     cargo_mutants::check_exit(status.code(), &cmd)?;
     cargo_mutants::read_outcomes(&out.join("mutants.out"))
+}
+
+/// Runs `scope`'s judging tests on the unmutated scratch copy (built first, then timed) and returns how long one
+/// mutant's tests may take; fails, as cargo-mutants' own baseline would, when the unmutated tests fail.
+fn baseline(root: &Path, tree: &ScratchTree, scope: &Scope, env: &TestEnv) -> Result<Duration> {
+    let config = read(root, cargo_mutants::CONFIG)?;
+    let profile = cargo_mutants::config_value(&config, "profile")?;
+    let mut build = env.command(&tree.dir, &cargo_mutants::baseline_args(scope, profile, true));
+    println!("$ {}", describe(&build));
+    let status = build.status().with_context(|| format!("could not start `{}`", describe(&build)))?;
+    if !status.success() {
+        bail!("`{}`: the unmutated copy does not build; fix it before mutating", describe(&build));
+    }
+    let mut run = env.command(&tree.dir, &cargo_mutants::baseline_args(scope, profile, false));
+    println!("$ {}", describe(&run));
+    let started = Instant::now();
+    let status = run.status().with_context(|| format!("could not start `{}`", describe(&run)))?;
+    let elapsed = started.elapsed();
+    if !status.success() {
+        bail!("`{}`: the tests fail on the unmutated copy (the baseline); fix them before mutating", describe(&run));
+    }
+    let timeout = cargo_mutants::test_timeout(&config, elapsed)?;
+    println!(
+        "baseline: {} tests ran in {:.1}s; each mutant's tests stop after {}s",
+        scope.name,
+        elapsed.as_secs_f64(),
+        timeout.as_secs()
+    );
+    Ok(timeout)
 }
 
 /// The entries of [`cargo_mutants::EQUIVALENT_LIST`] (none when the file does not exist yet).
