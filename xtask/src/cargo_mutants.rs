@@ -125,7 +125,7 @@ pub const SCOPES: &[Scope] = &[
         name: "reference-ring",
         package: "attnproof-reference",
         dir: "reference/src/ring/",
-        exclude: &[],
+        exclude: &[REFERENCE_TOP, REFERENCE_SPARSE],
         test_packages: &["attnproof-reference", "attnproof-harness"],
         targets: &["--lib", "--test=it"],
         filters: &["ring::"],
@@ -134,12 +134,17 @@ pub const SCOPES: &[Scope] = &[
         name: "reference-sparse",
         package: "attnproof-reference",
         dir: "reference/src/sparse/",
-        exclude: &[],
+        exclude: &[REFERENCE_TOP, REFERENCE_RING],
         test_packages: &["attnproof-reference", "attnproof-harness"],
         targets: &["--lib", "--test=it"],
         filters: &["sparse::"],
     },
 ];
+
+/// The reference crate's files outside its folders (the dense schedules), left out of the ring and sparse scopes.
+/// cargo-mutants picks a scope's files by package and `--exclude` alone (a `--file` would add to the configuration's
+/// globs, not narrow them), so every scope that shares a package excludes the other scopes' files.
+const REFERENCE_TOP: &str = "reference/src/*.rs";
 
 /// The ring schedules, a scope of their own.
 const REFERENCE_RING: &str = "reference/src/ring/**";
@@ -677,6 +682,23 @@ mod tests {
         assert_eq!(owners("reference/src/flash.rs"), ["reference"]);
         assert_eq!(owners("reference/src/ring/forward.rs"), ["reference-ring"]);
         assert_eq!(owners("reference/src/sparse/nsa.rs"), ["reference-sparse"]);
+    }
+
+    #[test]
+    fn cargo_mutants_mutates_exactly_the_files_each_scope_owns() {
+        // cargo-mutants sees a scope as its package's files in `examine_globs` minus `--exclude`; `owns` (which the
+        // reminder and `--diff` use) also asks for the scope's folder. The two must agree on every tracked file.
+        let root = crate::repo_root();
+        let globs = examine_globs(&std::fs::read_to_string(root.join(CONFIG)).unwrap()).unwrap();
+        let tracked = git(&root, &["ls-files"]).unwrap();
+        for scope in SCOPES {
+            let package_dir = format!("{}/", scope.dir.split('/').next().unwrap());
+            for file in tracked.lines().filter(|f| f.starts_with(&package_dir)) {
+                let mutated =
+                    globs.iter().any(|g| glob_matches(g, file)) && !scope.exclude.iter().any(|g| glob_matches(g, file));
+                assert_eq!(mutated, scope.owns(&globs, file), "{}: {file}", scope.name);
+            }
+        }
     }
 
     #[test]

@@ -53,13 +53,6 @@ impl BlockLists {
             BackwardTiling { kv_warps: 4 }
         }
     }
-
-    /// Validates the lists for `spec` and returns their entries (row-major) with the kernels' scalars.
-    fn sparse_input(&self, spec: &AttentionSpec) -> Result<(Vec<i32>, crate::params::BlockListParams), GpuError> {
-        self.validate(spec)?;
-        let params = self.params(spec)?;
-        Ok((self.lists.as_standard_layout().iter().copied().collect(), params))
-    }
 }
 
 /// The block-sparse backward on device buffers (layouts as for [`crate::flash_backward_device`]), in the lists'
@@ -98,7 +91,7 @@ pub fn block_sparse_backward_device_with<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    let (entries, params) = lists.sparse_input(spec)?;
+    let (entries, params) = lists.checked_entries(spec)?;
     let sparse = SparseLists { entries: &entries, params };
     launch_backward(stream, spec, kernel, tiling, inputs, outputs, strategy, Some(sparse))
 }
@@ -148,7 +141,7 @@ pub fn block_csr_with(
     lists: &BlockLists,
     kernel: compile::KernelSource,
 ) -> Result<BlockCsr, GpuError> {
-    let (entries, params) = lists.sparse_input(spec)?;
+    let (entries, params) = lists.checked_entries(spec)?;
     let sparse = SparseLists { entries: &entries, params };
     let mut defines = backward_defines::<bf16>(spec, lists.backward_tiling())?;
     defines.push(crate::backward::BLOCK_SPARSE.to_owned());

@@ -180,8 +180,16 @@ impl BlockLists {
         if self.q_block.is_multiple_of(production.rows()) { production } else { ForwardTiling { warps: 4, slices: 1 } }
     }
 
+    /// Validates the lists for `spec` and returns their entries (row-major, as the kernels read them) with the
+    /// kernels' list scalars: what the forward and the backward upload.
+    pub(crate) fn checked_entries(&self, spec: &AttentionSpec) -> Result<(Vec<i32>, BlockListParams), GpuError> {
+        self.validate(spec)?;
+        let params = self.params(spec)?;
+        Ok((self.lists.as_standard_layout().iter().copied().collect(), params))
+    }
+
     /// The kernel's list scalars, for validated lists.
-    pub(crate) fn params(&self, spec: &AttentionSpec) -> Result<BlockListParams, GpuError> {
+    fn params(&self, spec: &AttentionSpec) -> Result<BlockListParams, GpuError> {
         let (_, heads, blocks, width) = self.lists.dim();
         let head_stride = blocks * width;
         to_i32("block list entries", self.lists.len())?;
@@ -213,11 +221,8 @@ impl<T: GpuElement> PreparedForward<T> {
         lists: &BlockLists,
         kernel: compile::KernelSource,
     ) -> Result<Self, GpuError> {
-        lists.validate(spec)?;
-        let params = lists.params(spec)?;
-        let entries = lists.lists.as_standard_layout();
-        let entries = entries.as_slice().expect("a standard-layout array is contiguous");
-        PreparedForward::prepare(stream, spec, kernel, lists.tiling(spec), Some((entries, params)))
+        let (entries, params) = lists.checked_entries(spec)?;
+        PreparedForward::prepare(stream, spec, kernel, lists.tiling(spec), Some((&entries, params)))
     }
 }
 

@@ -443,6 +443,16 @@ fn bad_lists_are_typed_errors_before_any_launch() {
     let good = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[0, 1]);
     let run =
         |lists: &BlockLists| block_sparse_forward(&stream, &spec, lists, case.q.view(), case.k.view(), case.v.view());
+    every_list_fault_is_refused(&good, run);
+    // Nothing was launched with a bad list, so the context is intact and a good launch runs.
+    let out = run(&good).expect("a valid launch after the refusals");
+    assert!(out.lse.iter().all(|x| x.is_finite()));
+}
+
+/// Every way a list can break the convention (`good`'s lists with one entry wrong, too wide, a block size that does
+/// not match the lists' shape or is not supported) makes `run` a typed error naming the fault: shared by the forward
+/// and backward wrappers, which must refuse the same lists before any launch.
+pub fn every_list_fault_is_refused<R>(good: &BlockLists, run: impl Fn(&BlockLists) -> Result<R, GpuError>) {
     let with = |at: [usize; 4], x: i32| {
         let mut l = good.clone();
         l.lists[at] = x;
@@ -450,46 +460,56 @@ fn bad_lists_are_typed_errors_before_any_launch() {
     };
     let fault = |lists: &BlockLists| match run(lists) {
         Err(GpuError::BlockList { fault, .. }) => fault,
-        other => panic!("expected a block list error, got {:?}", other.map(|_| ())),
+        Err(other) => panic!("expected a block list error, got {other:?}"),
+        Ok(_) => panic!("expected a block list error, got a launch"),
     };
     assert!(matches!(fault(&with([0, 1, 2, 2], 3)), BlockListFault::OutOfRange { index: 3, .. }));
     assert!(matches!(fault(&with([0, 0, 0, 1], 0)), BlockListFault::Duplicate { index: 0 }));
-    let mut unsorted = good.clone();
-    unsorted.lists[[0, 0, 1, 0]] = 2;
-    assert!(matches!(fault(&unsorted), BlockListFault::NotAscending { index: 1, previous: 2 }));
-    let mut after_pad = good.clone();
-    after_pad.lists[[0, 0, 1, 0]] = -1;
-    assert!(matches!(fault(&after_pad), BlockListFault::AfterPad { index: 1 }));
-    let mut wide = good.clone();
-    wide.lists = Array4::from_elem((1, 2, 3, 4), -1);
+    assert!(matches!(fault(&with([0, 0, 1, 0], -1)), BlockListFault::AfterPad { index: 1 }));
+    assert!(matches!(fault(&with([0, 0, 1, 0], 2)), BlockListFault::NotAscending { index: 1, previous: 2 }));
+    let (batch, heads, blocks, _) = good.lists.dim();
+    let wide = BlockLists { lists: Array4::from_elem((batch, heads, blocks, 4), -1), ..good.clone() };
     assert!(matches!(fault(&wide), BlockListFault::TooWide { width: 4, key_blocks: 3 }));
     let mismatched = BlockLists { q_block: 128, ..good.clone() };
     assert!(matches!(run(&mismatched), Err(GpuError::Shape { argument: "lists", .. })));
     let odd_size = BlockLists { kv_block: 96, ..good.clone() };
     assert!(matches!(run(&odd_size), Err(GpuError::Unsupported { argument: "kv_block", .. })));
-    // Nothing was launched with a bad list, so the context is intact and a good launch runs.
-    let out = run(&good).expect("a valid launch after the refusals");
-    assert!(out.lse.iter().all(|x| x.is_finite()));
 }
 
-/// Small shapes for `run.sh sanitize` (compute-sanitizer memcheck and racecheck): both block sizes, lists per KV
-/// head over a group of 3, a partial last key block, varlen with an empty sequence, pads and an empty list.
+/// Small shapes for `run.sh sanitize` (compute-sanitizer memcheck and racecheck), forward and backward: both block
+/// sizes, lists per KV head over a group of 3 and per query head, a partial last key block, varlen with an empty
+/// sequence, pads and an empty list.
+pub fn sanitizer_draws() -> Vec<BlockDraw> {
+    let shapes = [
+        (dense(1, 3, 1, 130, 129, 32, 32, Mask::Causal), 64, 128, ListHeads::PerKvHead, vec![0, 1]),
+        (
+            dense(1, 2, 2, 65, 200, 64, 64, Mask::Window { left: 70, right: 3 }),
+            128,
+            64,
+            ListHeads::PerQueryHead,
+            vec![1, 3],
+        ),
+        (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, ListHeads::PerKvHead, vec![0, 2]),
+        (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, ListHeads::PerKvHead, vec![]),
+    ];
+    shapes
+        .into_iter()
+        .map(|(spec, q_block, kv_block, heads, entries)| {
+            let lists = uniform_lists(&spec, q_block, kv_block, heads, &entries);
+            BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 }
+        })
+        .collect()
+}
+
+/// The forward over [`sanitizer_draws`], for `run.sh sanitize`.
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("block_sparse::sanitizer_shapes") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let shapes = [
-        (dense(1, 3, 1, 130, 129, 32, 32, Mask::Causal), 64, 128, vec![0, 1]),
-        (dense(1, 2, 2, 65, 200, 64, 64, Mask::Window { left: 70, right: 3 }), 128, 64, vec![1, 3]),
-        (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, vec![0, 2]),
-        (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, vec![]),
-    ];
     let worst = RefCell::new(Worst::default());
-    for (spec, q_block, kv_block, entries) in shapes {
-        let lists = uniform_lists(&spec, q_block, kv_block, ListHeads::PerKvHead, &entries);
-        let draw = BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 };
+    for draw in sanitizer_draws() {
         if let Err(e) = check_draw::<bf16>(&stream, FLASH_FWD, &worst, &draw) {
             panic!("{draw:?}: {e}");
         }

@@ -17,14 +17,15 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::block_sparse::{
-    BlockDraw, BlockSuite, Density, DrawShapes, lists_everything, lists_from, run_on_device, uniform_lists,
+    BlockDraw, BlockSuite, Density, DrawShapes, every_list_fault_is_refused, lists_everything, lists_from,
+    run_on_device, sanitizer_draws, uniform_lists,
 };
 use crate::common::*;
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
-use attnproof_gpu::{BackwardTiling, BlockListFault, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, skip_unless_gpu};
 use attnproof_harness::HarnessError;
 use attnproof_harness::adversarial::Worst;
 use attnproof_harness::backward::BackwardExpectation;
@@ -327,23 +328,7 @@ fn bad_lists_and_tilings_are_typed_errors_before_any_launch() {
             GpuBackwardStrategy::KvOwnerDeterministic,
         )
     };
-    let with = |at: [usize; 4], x: i32| {
-        let mut l = good.clone();
-        l.lists[at] = x;
-        l
-    };
-    let fault = |lists: &BlockLists| match run(lists) {
-        Err(GpuError::BlockList { fault, .. }) => fault,
-        other => panic!("expected a block list error, got {:?}", other.map(|_| ())),
-    };
-    assert!(matches!(fault(&with([0, 1, 2, 2], 3)), BlockListFault::OutOfRange { index: 3, .. }));
-    assert!(matches!(fault(&with([0, 0, 0, 1], 0)), BlockListFault::Duplicate { index: 0 }));
-    assert!(matches!(fault(&with([0, 0, 1, 0], -1)), BlockListFault::AfterPad { index: 1 }));
-    let mut unsorted = good.clone();
-    unsorted.lists[[0, 0, 1, 0]] = 2;
-    assert!(matches!(fault(&unsorted), BlockListFault::NotAscending { index: 1, previous: 2 }));
-    let mismatched = BlockLists { q_block: 128, ..good.clone() };
-    assert!(matches!(run(&mismatched), Err(GpuError::Shape { argument: "lists", .. })));
+    every_list_fault_is_refused(&good, run);
     // 128-key KV tiles over 64-key blocks.
     let forward = ForwardRun { o: p.o.clone(), lse: p.lse.clone() };
     let problem = BackwardProblem { case: &p.case, forward: &forward, d_out: &p.d_out };
@@ -360,31 +345,16 @@ fn bad_lists_and_tilings_are_typed_errors_before_any_launch() {
     assert!(out.dq.iter().all(|x| x.is_finite()));
 }
 
-/// Small shapes for `run.sh sanitize` (compute-sanitizer memcheck and racecheck): both block sizes, lists per KV
-/// head over a group of 3 and per query head, a partial last key block, varlen with an empty sequence, an empty list;
-/// every strategy, the CSR kernels included.
+/// The backward over [`sanitizer_draws`] (the forward's shapes), for `run.sh sanitize`: every strategy, the CSR
+/// kernels included.
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("block_sparse_backward::sanitizer_shapes") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let shapes = [
-        (dense(1, 3, 1, 130, 129, 32, 32, Mask::Causal), 64, 128, ListHeads::PerKvHead, vec![0, 1]),
-        (
-            dense(1, 2, 2, 65, 200, 64, 64, Mask::Window { left: 70, right: 3 }),
-            128,
-            64,
-            ListHeads::PerQueryHead,
-            vec![1, 3],
-        ),
-        (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, ListHeads::PerKvHead, vec![0, 2]),
-        (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, ListHeads::PerKvHead, vec![]),
-    ];
     let worst = RefCell::new(Worst::default());
-    for (spec, q_block, kv_block, heads, entries) in shapes {
-        let lists = uniform_lists(&spec, q_block, kv_block, heads, &entries);
-        let draw = BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 };
+    for draw in sanitizer_draws() {
         if let Err(e) = check::<bf16>(&stream, FLASH_BWD, &worst, &draw) {
             panic!("{draw:?}: {e}");
         }
