@@ -499,6 +499,59 @@ fn a_list_entry_beyond_the_tile_count_is_a_typed_error() {
     assert!(is_index_error(run_nsa(&x, &sel, 4).map(|_| ()), "selection"), "NSA accepted block 3 of 3");
 }
 
+/// Whether `r` is the shape error of `argument`.
+fn is_shape_error(r: Result<(), ReferenceError>, argument: &str) -> bool {
+    matches!(r, Err(ReferenceError::Problem(OracleError::ShapeMismatch { argument: a, .. })) if a == argument)
+}
+
+/// Whether `r` is the non-finite error of `argument`.
+fn is_non_finite_error(r: Result<(), ReferenceError>, argument: &str) -> bool {
+    matches!(r, Err(ReferenceError::Problem(OracleError::NonFinite { argument: a, .. })) if a == argument)
+}
+
+#[test]
+fn sparse_schedules_refuse_misshapen_and_non_finite_inputs_with_typed_errors() {
+    // DSA: keys of the wrong length, a NaN query.
+    let (q, k, v) = dsa_values::<bf16>(6, 2, 8, 8, GAUSS, 2);
+    let sel = dsa_selection(6, 3, &vec![vec![true; 6]; 6]);
+    assert!(run_dsa(&q, &k, &v, &sel, 4).is_ok(), "the unchanged DSA problem runs");
+    let short = k.slice(ndarray::s![..5, ..]).to_owned();
+    assert!(is_shape_error(run_dsa(&q, &short, &v, &sel, 4).map(|_| ()), "key"), "DSA accepted 5 keys for 6 queries");
+    let mut bad = q.clone();
+    bad[[3, 1, 2]] = bf16::NAN;
+    assert!(is_non_finite_error(run_dsa(&bad, &k, &v, &sel, 4).map(|_| ()), "query"), "DSA accepted a NaN query");
+    // NSA: values of the wrong head count, an infinite key.
+    let x = nsa_values::<bf16>(10, 1, 2, 8, 8, GAUSS, 3);
+    let sel = nsa_selection(10, 1, 4, &vec![vec![true; 3]; 10]);
+    assert!(run_nsa(&x, &sel, 4).is_ok(), "the unchanged NSA problem runs");
+    let mut wide = x.clone();
+    wide[2] = Array3::from_elem((10, 2, 8), bf16::ONE);
+    assert!(is_shape_error(run_nsa(&wide, &sel, 4).map(|_| ()), "v"), "NSA accepted values for two KV heads");
+    let mut bad = x.clone();
+    bad[1][[9, 0, 7]] = bf16::INFINITY;
+    assert!(is_non_finite_error(run_nsa(&bad, &sel, 4).map(|_| ()), "k"), "NSA accepted an infinite key");
+    // NSA: three query heads cannot share two KV heads.
+    let x = nsa_values::<bf16>(10, 2, 2, 8, 8, GAUSS, 4);
+    let sel = nsa_selection(10, 2, 4, &vec![vec![true; 3]; 20]);
+    let mut three = x.clone();
+    three[0] = x[0].slice(ndarray::s![.., ..3, ..]).to_owned();
+    three[3] = x[3].slice(ndarray::s![.., ..3, ..]).to_owned();
+    let r = run_nsa(&three, &sel, 4).map(|_| ());
+    assert!(
+        matches!(r, Err(ReferenceError::Problem(OracleError::HeadRatio { n_heads_q: 3, n_heads_kv: 2 }))),
+        "NSA accepted 3 query heads over 2 KV heads: {r:?}"
+    );
+    // A bad selection entry is reported at its flattened row `t · Hkv + kv` (token 3, KV head 1: row 7).
+    let mut sel_bad = sel.clone();
+    sel_bad[[3, 1, 0]] = 3;
+    match run_nsa(&x, &sel_bad, 4).map(|_| ()) {
+        Err(ReferenceError::Problem(OracleError::IndexList { argument: "selection", position, .. })) => {
+            assert_eq!(position[0], 7, "{position:?}")
+        }
+        other => panic!("NSA accepted block 3 of 3 at token 3, KV head 1: {other:?}"),
+    }
+}
+
 #[test]
 fn an_empty_list_row_gives_a_fully_masked_query_tile() {
     let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 8, 8);
