@@ -29,6 +29,10 @@
 //! It also times the block selector (`attnproof_gpu::block_sparse::select`, direction `bsa-select`) at L = 16K, 64K,
 //! 128K and 256K with 16 query heads over 2 KV heads, D = 128, causal, 128×128 blocks, top-8 without forced blocks
 //! (the work of the PyTorch baseline in `block_sparse_peers.py`); its `tflops` column is 0 (not a FLOP count).
+//! `--select-source PATH` (repeatable) also times the selector compiled from another text of `bsa_select.cu` (after
+//! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
+//! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
+//! out the block-sparse forward and backward rows.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -70,6 +74,10 @@ struct Options {
     block_sparse: bool,
     /// `--lists-dir DIR`: where the block-sparse rows' lists are written for the peers.
     lists_dir: Option<String>,
+    /// `--select-source PATH`: other texts of the block selector, each timed beside the embedded one.
+    select_sources: Vec<KernelSource>,
+    /// `--selection-only`: of the block-sparse rows, only the selector's.
+    selection_only: bool,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -97,6 +105,8 @@ fn parse() -> Result<Options, String> {
         bwd_sources: vec![],
         block_sparse: false,
         lists_dir: None,
+        select_sources: vec![],
+        selection_only: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -109,6 +119,11 @@ fn parse() -> Result<Options, String> {
             "--backward" => o.backward = true,
             "--block-sparse" => o.block_sparse = true,
             "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
+            "--selection-only" => o.selection_only = true,
+            "--select-source" => {
+                let path = value("--select-source")?;
+                o.select_sources.push(kernel_from_file("--select-source", &path, "bsa_select")?);
+            }
             "--fwd-source" => {
                 let path = value("--fwd-source")?;
                 o.fwd_sources.push(kernel_from_file("--fwd-source", &path, "flash_fwd")?);
@@ -135,6 +150,9 @@ fn parse() -> Result<Options, String> {
     }
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
+    }
+    if (o.selection_only || !o.select_sources.is_empty()) && !o.block_sparse {
+        return Err("--selection-only and --select-source concern the block-sparse rows: add --block-sparse".into());
     }
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
@@ -349,11 +367,24 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
         let mut pooled = stream.alloc_zeros::<f64>(workspace_len(&spec, &config)).map_err(|e| e.to_string())?;
         let mut lists =
             stream.alloc_zeros::<i32>(lists_shape(&spec, &config).iter().product()).map_err(|e| e.to_string())?;
-        let ms = median_ms(stream, opts, |s| {
-            select_blocks_device(stream, &spec, &config, BSA_SELECT, &q[s], &k[s], &mut pooled, &mut lists)
-                .map_err(|e| e.to_string())
-        })?;
-        emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv},1,{ms:.4},0.0\n"));
+        let mut embedded_lists = None;
+        for kernel in std::iter::once(BSA_SELECT).chain(opts.select_sources.iter().copied()) {
+            let ms = median_ms(stream, opts, |s| {
+                select_blocks_device(stream, &spec, &config, kernel, &q[s], &k[s], &mut pooled, &mut lists)
+                    .map_err(|e| e.to_string())
+            })?;
+            // The last timed launch used input set (reps - 1) % SETS; every kernel's lists come from the same one.
+            let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+            let suffix = source_suffix(kernel, embedded_lists.is_none());
+            match &embedded_lists {
+                None => embedded_lists = Some(got),
+                Some(want) => {
+                    eprintln!("L = {l}, selector{suffix}: lists equal the embedded selector's: {}", *want == got)
+                }
+            }
+            let default = u8::from(suffix.is_empty());
+            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n"));
+        }
     }
     Ok(())
 }
@@ -433,7 +464,9 @@ fn run(opts: &Options) -> Result<(), String> {
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
     if opts.block_sparse {
-        run_block_sparse(opts, &stream, &mut out)?;
+        if !opts.selection_only {
+            run_block_sparse(opts, &stream, &mut out)?;
+        }
         run_selection(opts, &stream, &mut out)?;
     }
     let dense_shapes = if opts.block_sparse { &[][..] } else { &SHAPES[..] };

@@ -43,3 +43,21 @@ proptest! {
 
 // The adversarial table in tiles of 64 (its lengths sit around 64 and 128): one test per group, the dtype alternating.
 candidate_tests!(ReferenceCandidate::for_tests, [forward]);
+
+/// The unit roundoff of each storage type is half its machine epsilon, `2^-p` for `p` significand bits (the implicit
+/// one included): `1 + 2u` is the next value after 1, and `1 + u` is a tie that rounds back to 1. Every bound of the
+/// reference schedules and the kernels scales with it, so a wrong constant loosens or breaks them all.
+#[test]
+fn the_unit_roundoff_of_each_storage_type_is_half_its_epsilon() {
+    use attnproof_reference::Element;
+    fn check<T: Element>(bits: i32) {
+        let u = T::UNIT_ROUNDOFF;
+        assert_eq!(u, 2f64.powi(-bits), "{}", T::NAME);
+        let round = |x: f64| T::from_f32(x as f32).to_f32();
+        assert_eq!(f64::from(round(1.0 + 2.0 * u)), 1.0 + 2.0 * u, "{}: 1 + 2u is representable", T::NAME);
+        assert_eq!(round(1.0 + u), 1.0, "{}: 1 + u ties to 1", T::NAME);
+    }
+    check::<bf16>(8);
+    check::<f16>(11);
+    check::<f32>(24);
+}

@@ -347,6 +347,20 @@ pub const MUTANTS: &[Mutant] = &[
         ..BSA_SELECT
     },
     Mutant {
+        name: "gpu-bsa-pool-last-row-group-dropped",
+        description: "The pooled mean leaves out the last row group's sum (an eighth of a 128-row block's rows)",
+        find: "for (int group = 0; group < groups; ++group) sum += group_sums[group * d + c];",
+        replace: "for (int group = 0; group < groups - 1; ++group) sum += group_sums[group * d + c];",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-score-reads-next-block",
+        description: "Each interleaved key block is scored with the next block's pooled keys",
+        find: "row[i] = min(base + i, eligible - 1);",
+        replace: "row[i] = min(base + i + 1, eligible - 1);",
+        ..BSA_SELECT
+    },
+    Mutant {
         name: "gpu-bsa-select-local-block-missing",
         description: "One local block fewer is forced than configured",
         find: "const int local_from = eligible - min(params.force_local, eligible);",
