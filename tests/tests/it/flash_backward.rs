@@ -182,3 +182,64 @@ fn exp_underflow_enters_o_dv_dq_and_dk_as_derived() {
     assert!(grew(&bwd_plain.bound_dq, &bwd_wide.bound_dq), "dQ bounds did not grow everywhere");
     assert!(grew(&bwd_plain.bound_dk, &bwd_wide.bound_dk), "dK bounds did not grow everywhere");
 }
+
+/// The dense reference backward refuses, with a typed error naming the argument, a non-finite upstream gradient, a
+/// forward output of the wrong shape and a gradient buffer of the wrong shape; the unchanged problem runs.
+#[test]
+fn the_dense_reference_backward_refuses_bad_shapes_and_non_finite_inputs() {
+    use attnproof_oracle::spec::Operand;
+    use attnproof_oracle::{AttentionSpec, OracleError};
+    use attnproof_reference::{BackwardInputs, BackwardOutputs, ReferenceError, flash_backward, flash_forward_owned};
+    use ndarray::IxDyn;
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 20, 8, 8);
+    let case = make_case::<bf16>(
+        &spec,
+        attnproof_harness::generate::ValueProfile {
+            distribution: attnproof_harness::generate::Distribution::Gaussian,
+            logit_scale: 1.0,
+            value_mean: 0.0,
+        },
+        6,
+    );
+    let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
+    let (o, lse) = flash_forward_owned(&spec, &case.inputs(), tiles).expect("forward");
+    let d_out = make_d_out::<bf16>(&spec, 6);
+    let inputs = BackwardInputs {
+        q: case.q.view(),
+        k: case.k.view(),
+        v: case.v.view(),
+        o: o.view(),
+        lse: lse.view(),
+        d_out: d_out.view(),
+    };
+    let run = |inputs: &BackwardInputs<'_, bf16>, dq_shape: &[usize]| {
+        let mut dq = ArrayD::from_elem(IxDyn(dq_shape), bf16::ZERO);
+        let mut dk = ArrayD::from_elem(spec.expected_shape(Operand::K), bf16::ZERO);
+        let mut dv = ArrayD::from_elem(spec.expected_shape(Operand::V), bf16::ZERO);
+        let mut delta = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), 0f32);
+        let out = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
+        flash_backward(&spec, inputs, tiles, BackwardStrategy::TwoTraversals, out)
+    };
+    let q_shape = spec.expected_shape(Operand::Q);
+    assert!(run(&inputs, &q_shape).is_ok(), "the unchanged problem runs");
+    let mut nan_d_out = d_out.clone();
+    nan_d_out[[0, 1, 3, 2]] = bf16::INFINITY;
+    let r = run(&BackwardInputs { d_out: nan_d_out.view(), ..inputs.clone() }, &q_shape);
+    assert!(
+        matches!(&r, Err(ReferenceError::Problem(OracleError::NonFinite { argument: "d_out", .. }))),
+        "an infinite upstream gradient accepted: {r:?}"
+    );
+    let short_o = o.slice_axis(ndarray::Axis(2), (0..15).into()).to_owned();
+    let r = run(&BackwardInputs { o: short_o.view(), ..inputs.clone() }, &q_shape);
+    assert!(
+        matches!(&r, Err(ReferenceError::Problem(OracleError::ShapeMismatch { argument: "o", .. }))),
+        "a forward output of 15 rows accepted for Lq = 16: {r:?}"
+    );
+    let mut narrow = q_shape.clone();
+    narrow[3] -= 1;
+    let r = run(&inputs, &narrow);
+    assert!(
+        matches!(&r, Err(ReferenceError::Problem(OracleError::ShapeMismatch { argument: "dq", .. }))),
+        "a dQ buffer one column too narrow accepted: {r:?}"
+    );
+}

@@ -61,3 +61,46 @@ fn the_unit_roundoff_of_each_storage_type_is_half_its_epsilon() {
     check::<f16>(11);
     check::<f32>(24);
 }
+
+/// The dense reference forward refuses, with a typed error naming the argument, an input of the wrong shape, a
+/// non-finite input and an output of the wrong shape; the unchanged problem runs.
+#[test]
+fn the_dense_reference_forward_refuses_bad_shapes_and_non_finite_inputs() {
+    use attnproof_oracle::OracleError;
+    use attnproof_oracle::spec::Operand;
+    use attnproof_reference::{ForwardOutputs, Inputs, ReferenceError, flash_forward};
+    use ndarray::{ArrayD, IxDyn};
+    let spec = AttentionSpec::dense(1, 2, 1, 16, 20, 8, 8);
+    let case = make_case::<bf16>(
+        &spec,
+        attnproof_harness::generate::ValueProfile {
+            distribution: attnproof_harness::generate::Distribution::Gaussian,
+            logit_scale: 1.0,
+            value_mean: 0.0,
+        },
+        5,
+    );
+    let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
+    let run = |inputs: &Inputs<'_, bf16>, o_shape: &[usize]| {
+        let mut o = ArrayD::from_elem(IxDyn(o_shape), bf16::ZERO);
+        let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), 0f32);
+        flash_forward(&spec, inputs, tiles, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() })
+    };
+    let o_shape = spec.expected_shape(Operand::O);
+    let shape_error = |r: Result<(), ReferenceError>, name: &str| matches!(r, Err(ReferenceError::Problem(OracleError::ShapeMismatch { argument, .. })) if argument == name);
+    assert!(run(&case.inputs(), &o_shape).is_ok(), "the unchanged problem runs");
+    let short_k = case.k.slice_axis(ndarray::Axis(2), (0..19).into()).to_owned();
+    let inputs = Inputs { k: short_k.view(), ..case.inputs() };
+    assert!(shape_error(run(&inputs, &o_shape), "k"), "19 keys accepted for Lk = 20");
+    let mut nan_v = case.v.clone();
+    nan_v[[0, 0, 7, 3]] = bf16::NAN;
+    let inputs = Inputs { v: nan_v.view(), ..case.inputs() };
+    let r = run(&inputs, &o_shape);
+    assert!(
+        matches!(&r, Err(ReferenceError::Problem(OracleError::NonFinite { argument: "v", index, .. })) if index == &[0, 0, 7, 3]),
+        "a NaN value accepted: {r:?}"
+    );
+    let mut wide = o_shape.clone();
+    wide[3] += 1;
+    assert!(shape_error(run(&case.inputs(), &wide), "o"), "an output one column too wide accepted");
+}
