@@ -63,9 +63,9 @@ fn the_unit_roundoff_of_each_storage_type_is_half_its_epsilon() {
 }
 
 /// The dense reference forward refuses, with a typed error naming the argument, an input of the wrong shape, a
-/// non-finite input and an output of the wrong shape; the unchanged problem runs.
+/// non-finite input, an output of the wrong shape and a zero tile size; the unchanged problem runs.
 #[test]
-fn the_dense_reference_forward_refuses_bad_shapes_and_non_finite_inputs() {
+fn the_dense_reference_forward_refuses_bad_shapes_non_finite_inputs_and_zero_tiles() {
     use attnproof_oracle::OracleError;
     use attnproof_oracle::spec::Operand;
     use attnproof_reference::{ForwardOutputs, Inputs, ReferenceError, flash_forward};
@@ -103,4 +103,13 @@ fn the_dense_reference_forward_refuses_bad_shapes_and_non_finite_inputs() {
     let mut wide = o_shape.clone();
     wide[3] += 1;
     assert!(shape_error(run(&case.inputs(), &wide), "o"), "an output one column too wide accepted");
+    for (bad, name) in
+        [(TileConfig { q_tile: 0, kv_tile: 8 }, "q_tile"), (TileConfig { q_tile: 8, kv_tile: 0 }, "kv_tile")]
+    {
+        let r = attnproof_reference::flash_forward_owned(&spec, &case.inputs(), bad).map(|_| ());
+        assert!(
+            matches!(r, Err(ReferenceError::ZeroTile { argument }) if argument == name),
+            "a zero {name} accepted: {r:?}"
+        );
+    }
 }
