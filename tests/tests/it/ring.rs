@@ -498,3 +498,34 @@ fn driver_brings_accumulators_home_after_every_device_added() {
         }
     }
 }
+
+/// The ring recipe's `extra_merges` is the most KV tiles a row can visit beyond `⌈Lk/kv_tile⌉`: each device tiles its
+/// own pieces of the keys (`P = G` contiguous, `2G` zigzag), a piece can end in a partial tile, so a row visits at most
+/// `⌈Lk/kv_tile⌉ + P − 1` tiles, and exactly that many when every piece is one key longer than a tile.
+#[test]
+fn the_ring_recipe_merges_at_most_one_extra_tile_per_piece_boundary() {
+    for layout in [RingLayout::Contiguous, RingLayout::Zigzag] {
+        for n_devices in 1..=4 {
+            for kv_tile in [1usize, 4, 8] {
+                let config = RingConfig { n_devices, layout, tiles: TileConfig { q_tile: 4, kv_tile } };
+                let pieces = if layout == RingLayout::Zigzag { 2 * n_devices } else { n_devices };
+                assert_eq!(config.pieces(), pieces, "{config:?}");
+                let tiles_visited = |len_k: usize| -> usize {
+                    (0..n_devices)
+                        .flat_map(|device| config.positions(device, len_k))
+                        .map(|piece| piece.len().div_ceil(kv_tile))
+                        .sum()
+                };
+                for len_k in 0..=3 * pieces * kv_tile {
+                    let most = len_k.div_ceil(kv_tile) + config.extra_merges();
+                    assert!(tiles_visited(len_k) <= most, "{config:?}, Lk = {len_k}");
+                }
+                if kv_tile >= pieces {
+                    let len_k = pieces * (kv_tile + 1);
+                    let most = len_k.div_ceil(kv_tile) + config.extra_merges();
+                    assert_eq!(tiles_visited(len_k), most, "{config:?}: the bound is reached");
+                }
+            }
+        }
+    }
+}
