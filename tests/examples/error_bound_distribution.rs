@@ -12,7 +12,7 @@ use attnproof_harness::strategies::{profile, spec};
 use attnproof_harness::{Case, Verdict, verify_forward};
 use attnproof_oracle::spec::Operand;
 use attnproof_reference::{
-    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
+    BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
 };
 use half::{bf16, f16};
 use ndarray::ArrayD;
@@ -30,14 +30,7 @@ fn verdicts<T: Element>(case: &Case<T>, seed: u64) -> Option<(Verdict, Verdict)>
     let zeros = |op| ArrayD::from_elem(case.spec.expected_shape(op), T::from_f32(0.0));
     let (mut dq, mut dk, mut dv) = (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V));
     let mut delta = ArrayD::from_elem(case.spec.expected_shape(Operand::RowStat), 0f32);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(&o, &lse, &d_out);
     let outputs = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
     flash_backward(&case.spec, &inputs, tiles, BackwardStrategy::KvOwnerPartialDq, outputs).expect("valid case");
     let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };

@@ -56,6 +56,22 @@ impl<T: Element> Case<T> {
     pub fn inputs(&self) -> attnproof_reference::Inputs<'_, T> {
         attnproof_reference::Inputs { q: self.q.view(), k: self.k.view(), v: self.v.view() }
     }
+    /// The reference backward's view of the inputs, with the forward's `o` and `lse` and the upstream gradient.
+    pub fn backward_inputs<'a>(
+        &'a self,
+        o: &'a ArrayD<T>,
+        lse: &'a ArrayD<f32>,
+        d_out: &'a ArrayD<T>,
+    ) -> attnproof_reference::BackwardInputs<'a, T> {
+        attnproof_reference::BackwardInputs {
+            q: self.q.view(),
+            k: self.k.view(),
+            v: self.v.view(),
+            o: o.view(),
+            lse: lse.view(),
+            d_out: d_out.view(),
+        }
+    }
 }
 
 /// The oracle's forward outputs and the model's bounds on them.

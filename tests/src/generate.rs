@@ -37,6 +37,13 @@ pub struct ValueProfile {
     pub value_mean: f64,
 }
 
+impl ValueProfile {
+    /// Standard normal Q, K, V with logits of unit scale and zero-mean values: the plain draw of a test that is about
+    /// something other than the values.
+    pub const GAUSSIAN: ValueProfile =
+        ValueProfile { distribution: Distribution::Gaussian, logit_scale: 1.0, value_mean: 0.0 };
+}
+
 /// `n` standard normal values from `seed`.
 pub fn gaussian(seed: u64, n: usize) -> Vec<f64> {
     let u = uniform(seed, 2 * n);

@@ -16,7 +16,7 @@ use attnproof_oracle::attention::forward_with_visibility;
 use attnproof_oracle::spec::{Mask, Operand, Pair, Predicate, Sequence};
 use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Qkv, Scale, forward};
 use attnproof_reference::{
-    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
+    BackwardOutputs, BackwardStrategy, Element, TileConfig, flash_backward, flash_forward_owned,
 };
 use half::bf16;
 use ndarray::{ArrayD, Axis, s};
@@ -46,14 +46,7 @@ fn reference_case(stated: &AttentionSpec, computed: &AttentionSpec, seed: u64, c
     let zeros = |op| ArrayD::from_elem(computed.expected_shape(op), bf16::ZERO);
     let (mut dq, mut dk, mut dv) = (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V));
     let mut delta = ArrayD::from_elem(computed.expected_shape(Operand::RowStat), 0f32);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(&o, &lse, &d_out);
     let outputs = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
     flash_backward(computed, &inputs, TILES, BackwardStrategy::KvOwnerPartialDq, outputs).expect("reference backward");
     let scale = match stated.scale {

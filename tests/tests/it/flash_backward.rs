@@ -192,26 +192,11 @@ fn the_dense_reference_backward_refuses_bad_shapes_and_non_finite_inputs() {
     use attnproof_reference::{BackwardInputs, BackwardOutputs, ReferenceError, flash_backward, flash_forward_owned};
     use ndarray::IxDyn;
     let spec = AttentionSpec::dense(1, 2, 1, 16, 20, 8, 8);
-    let case = make_case::<bf16>(
-        &spec,
-        attnproof_harness::generate::ValueProfile {
-            distribution: attnproof_harness::generate::Distribution::Gaussian,
-            logit_scale: 1.0,
-            value_mean: 0.0,
-        },
-        6,
-    );
+    let case = make_case::<bf16>(&spec, attnproof_harness::generate::ValueProfile::GAUSSIAN, 6);
     let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
     let (o, lse) = flash_forward_owned(&spec, &case.inputs(), tiles).expect("forward");
     let d_out = make_d_out::<bf16>(&spec, 6);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(&o, &lse, &d_out);
     let run = |inputs: &BackwardInputs<'_, bf16>, dq_shape: &[usize]| {
         let mut dq = ArrayD::from_elem(IxDyn(dq_shape), bf16::ZERO);
         let mut dk = ArrayD::from_elem(spec.expected_shape(Operand::K), bf16::ZERO);

@@ -71,15 +71,7 @@ fn the_dense_reference_forward_refuses_bad_shapes_non_finite_inputs_and_zero_til
     use attnproof_reference::{ForwardOutputs, Inputs, ReferenceError, flash_forward};
     use ndarray::{ArrayD, IxDyn};
     let spec = AttentionSpec::dense(1, 2, 1, 16, 20, 8, 8);
-    let case = make_case::<bf16>(
-        &spec,
-        attnproof_harness::generate::ValueProfile {
-            distribution: attnproof_harness::generate::Distribution::Gaussian,
-            logit_scale: 1.0,
-            value_mean: 0.0,
-        },
-        5,
-    );
+    let case = make_case::<bf16>(&spec, attnproof_harness::generate::ValueProfile::GAUSSIAN, 5);
     let tiles = TileConfig { q_tile: 8, kv_tile: 8 };
     let run = |inputs: &Inputs<'_, bf16>, o_shape: &[usize]| {
         let mut o = ArrayD::from_elem(IxDyn(o_shape), bf16::ZERO);

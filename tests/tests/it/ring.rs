@@ -20,8 +20,8 @@ use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Pair, Scale};
 use attnproof_reference::ring::cpu::run_on_threads;
 use attnproof_reference::ring::{DeviceRun, RingFault, RingWorker, Travel};
 use attnproof_reference::{
-    BackwardInputs, BackwardOutputs, BackwardStrategy, Element, ForwardOutputs, ReferenceError, RingConfig, RingLayout,
-    RingStats, TileConfig, flash_backward, flash_forward, ring_backward, ring_forward,
+    BackwardOutputs, BackwardStrategy, Element, ForwardOutputs, ReferenceError, RingConfig, RingLayout, RingStats,
+    TileConfig, flash_backward, flash_forward, ring_backward, ring_forward,
 };
 use half::{bf16, f16};
 use ndarray::ArrayD;
@@ -104,14 +104,7 @@ fn backward<T: Element>(
 ) -> Result<(Grads<T>, RingStats), ReferenceError> {
     let (o, lse, _) = forward(case, config)?;
     let mut g = Grads::poisoned(&case.spec);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(&o, &lse, d_out);
     let stats = ring_backward(&case.spec, &inputs, config, g.outputs())?;
     Ok((g, stats))
 }
@@ -226,9 +219,7 @@ proptest! {
         let d_out = make_d_out::<bf16>(&spec, seed);
         let (ring, _) = backward(&case, &d_out, cfg).map_err(fail)?;
         let mut flash = Grads::poisoned(&spec);
-        let inputs = BackwardInputs {
-            q: case.q.view(), k: case.k.view(), v: case.v.view(), o: o.view(), lse: lse.view(), d_out: d_out.view(),
-        };
+        let inputs = case.backward_inputs(&o, &lse, &d_out);
         flash_backward(&spec, &inputs, TILES, BackwardStrategy::TwoTraversals, flash.outputs()).map_err(fail)?;
         prop_assert_eq!(bits(&ring.dq), bits(&flash.dq));
         prop_assert_eq!(bits(&ring.dk), bits(&flash.dk));

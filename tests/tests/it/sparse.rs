@@ -153,14 +153,7 @@ fn bs_backward<T: Element>(
         nan::<T>(spec.expected_shape(Operand::V)),
     );
     let mut delta = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(o, lse, d_out);
     let out = BackwardOutputs { dq: dq.view_mut(), dk: dk.view_mut(), dv: dv.view_mut(), delta: delta.view_mut() };
     block_sparse_backward(spec, &inputs, layout, out)?;
     Ok((dq, dk, dv, delta))
@@ -635,14 +628,7 @@ fn every_tile_listed_matches_dense<T: Element>(spec: &AttentionSpec, tiles: Tile
     let (mut dq2, mut dk2, mut dv2) =
         (nan::<T>(shape(Operand::Q)), nan::<T>(shape(Operand::K)), nan::<T>(shape(Operand::V)));
     let mut delta2 = ArrayD::from_elem(shape(Operand::RowStat), f32::NAN);
-    let inputs = BackwardInputs {
-        q: case.q.view(),
-        k: case.k.view(),
-        v: case.v.view(),
-        o: o.view(),
-        lse: lse.view(),
-        d_out: d_out.view(),
-    };
+    let inputs = case.backward_inputs(&o, &lse, &d_out);
     let out = BackwardOutputs { dq: dq2.view_mut(), dk: dk2.view_mut(), dv: dv2.view_mut(), delta: delta2.view_mut() };
     flash_backward(spec, &inputs, tiles, BackwardStrategy::TwoTraversals, out).expect("valid");
     assert!(same_bits(&dq, &dq2) && same_bits(&dk, &dk2) && same_bits(&dv, &dv2), "gradients differ from dense");
