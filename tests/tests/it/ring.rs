@@ -520,3 +520,53 @@ fn the_ring_recipe_merges_at_most_one_extra_tile_per_piece_boundary() {
         }
     }
 }
+
+/// A worker whose device `failing` refuses its first block; every other device records, as `Recorder` does.
+struct FailsOn {
+    device: usize,
+    failing: usize,
+}
+
+/// The fault `FailsOn` reports (a distinctive one, so that the test can tell it from a neighbour's leaving).
+fn planted_fault(device: usize) -> RingFault {
+    RingFault::Misrouted { device, step: 99, expected: 0, received: 0 }
+}
+
+impl RingWorker for FailsOn {
+    type Block = Stamp;
+    type Error = RingFault;
+    const TRAVEL: Travel = Travel::ReadOnly;
+
+    fn owner(&self, block: &Stamp) -> usize {
+        block.owner
+    }
+
+    fn parts(&self) -> usize {
+        1
+    }
+
+    fn sees(&self, _part: usize, _block: &Stamp) -> bool {
+        true
+    }
+
+    fn attend(&mut self, _part: usize, _block: &mut Stamp) -> Result<(), RingFault> {
+        if self.device == self.failing { Err(planted_fault(self.device)) } else { Ok(()) }
+    }
+}
+
+/// When one device fails, its neighbours see it leave the ring and fail too; the CPU-threads backend reports the
+/// cause, the failing device's own error, not a neighbour's disconnection, whichever device fails.
+#[test]
+fn a_failing_device_is_reported_as_the_cause_not_its_neighbours() {
+    for n_devices in 1..=4 {
+        for failing in 0..n_devices {
+            let runs = run_on_threads(n_devices, |device| {
+                (FailsOn { device, failing }, Stamp { owner: device, attended_by: Vec::new() })
+            });
+            match runs {
+                Err(fault) => assert_eq!(fault, planted_fault(failing), "G={n_devices}, device {failing} failing"),
+                Ok(_) => panic!("G={n_devices}: device {failing} failed, but the ring reported success"),
+            }
+        }
+    }
+}
