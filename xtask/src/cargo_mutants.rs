@@ -506,6 +506,28 @@ pub enum Selection<'a> {
     Resume,
     /// The mutants on the changed lines of this patch, into a record of their own.
     Diff(&'a Path),
+    /// One slice of the scope's mutants (cargo-mutants' `--shard`), into a record of its own: a scope too long for
+    /// one sitting is run slice by slice, each slice to its end. `resume` goes on from the slice's last record.
+    Shard { shard: Shard, resume: bool },
+}
+
+/// The `index`-th of `count` slices of a scope's mutants (0-based, as cargo-mutants counts them); each mutant falls
+/// in exactly one slice (round-robin over cargo-mutants' list, so that every file is spread over the slices).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl Shard {
+    /// Parses `K/N` with 0 <= K < N.
+    pub fn parse(text: &str) -> Result<Shard> {
+        let parsed = text.split_once('/').and_then(|(k, n)| Some((k.trim().parse().ok()?, n.trim().parse().ok()?)));
+        match parsed {
+            Some((index, count)) if index < count => Ok(Shard { index, count }),
+            _ => bail!("--shard `{text}`: expected K/N with 0 <= K < N (the K-th of N slices, counted from 0)"),
+        }
+    }
 }
 
 /// The arguments of one cargo-mutants run over `scope`, in place in the scratch copy, writing `<out>/mutants.out`,
@@ -533,6 +555,12 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>, t
         Selection::Whole => {}
         Selection::Resume => args.push("--iterate".to_owned()),
         Selection::Diff(patch) => args.extend(["--in-diff".to_owned(), patch.display().to_string()]),
+        Selection::Shard { shard, resume } => {
+            args.extend([format!("--shard={}/{}", shard.index, shard.count), "--sharding=round-robin".to_owned()]);
+            if resume {
+                args.push("--iterate".to_owned());
+            }
+        }
     }
     for target in scope.targets {
         args.push(format!("--cargo-arg={target}"));
@@ -624,11 +652,13 @@ pub fn ensure_installed(root: &Path) -> Result<()> {
 }
 
 /// The output directory of `scope`'s runs: `target/mutants/runs/<name>` for a whole scope, `runs/diff-<name>` for
-/// `--diff`, so that a quick run on a change never wipes a long one's record.
+/// `--diff` and `runs/<name>-shard-K-of-N` for a slice, so that a quick run on a change never wipes a long one's
+/// record.
 pub fn output_dir(root: &Path, scope: &Scope, selection: Selection<'_>) -> PathBuf {
     let name = match selection {
         Selection::Diff(_) => format!("diff-{}", scope.name),
         Selection::Whole | Selection::Resume => scope.name.to_owned(),
+        Selection::Shard { shard, .. } => format!("{}-shard-{}-of-{}", scope.name, shard.index, shard.count),
     };
     root.join("target").join("mutants").join("runs").join(name)
 }
@@ -835,11 +865,24 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_is_k_of_n_counted_from_zero() {
+        assert_eq!(Shard::parse("0/3").unwrap(), Shard { index: 0, count: 3 });
+        assert_eq!(Shard::parse("2/3").unwrap(), Shard { index: 2, count: 3 });
+        for bad in ["3/3", "1", "a/2", "1/0", "-1/2", "1/2/3"] {
+            assert!(Shard::parse(bad).unwrap_err().to_string().contains("K/N"), "{bad}");
+        }
+    }
+
+    #[test]
     fn diff_runs_and_scope_runs_write_to_different_places() {
         let scope = find_scope("verdict").unwrap();
         let root = Path::new("/r");
         assert_eq!(output_dir(root, scope, Selection::Whole), Path::new("/r/target/mutants/runs/verdict"));
         assert_eq!(output_dir(root, scope, Selection::Resume), Path::new("/r/target/mutants/runs/verdict"));
+        assert_eq!(
+            output_dir(root, scope, Selection::Shard { shard: Shard { index: 1, count: 3 }, resume: true }),
+            Path::new("/r/target/mutants/runs/verdict-shard-1-of-3")
+        );
         assert_eq!(
             output_dir(root, scope, Selection::Diff(Path::new("/p"))),
             Path::new("/r/target/mutants/runs/diff-verdict")
@@ -878,6 +921,11 @@ mod tests {
         assert!(!whole.iter().any(|a| a == "--in-diff" || a == "--iterate"), "{whole:?}");
         let resumed = cargo_mutants_args(scope, Path::new("/o"), Selection::Resume, MINUTE).join(" ");
         assert!(resumed.contains("sparse/** --iterate --cargo-arg"), "{resumed}");
+        let slice = |resume| Selection::Shard { shard: Shard { index: 2, count: 5 }, resume };
+        let sliced = cargo_mutants_args(scope, Path::new("/o"), slice(false), MINUTE).join(" ");
+        assert!(sliced.contains("sparse/** --shard=2/5 --sharding=round-robin --cargo-arg"), "{sliced}");
+        let sliced = cargo_mutants_args(scope, Path::new("/o"), slice(true), MINUTE).join(" ");
+        assert!(sliced.contains("--sharding=round-robin --iterate --cargo-arg"), "{sliced}");
         let verdict =
             cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole, MINUTE).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");

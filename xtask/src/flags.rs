@@ -197,6 +197,13 @@ pub const COMMANDS: &[CommandSpec] = &[
                 "with --scope: go on from each scope's last record (cargo-mutants --iterate): mutants it shows caught \
                  or unviable are skipped, survivors and mutants never reached are run",
             ),
+            valued(
+                "--shard",
+                "K/N",
+                ValueType::Text,
+                "with --scope: only the K-th of N slices of each scope's mutants (from 0), into a record of its own, \
+                 so that a scope too long for one sitting runs slice by slice",
+            ),
             Flag {
                 repeatable: true,
                 ..valued(

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::cargo_mutants::{self, Fate, MutantOutcome, Scope, Selection, Tally};
+use crate::cargo_mutants::{self, Fate, MutantOutcome, Scope, Selection, Shard, Tally};
 use crate::flags::Parsed;
 use crate::parse::{TestCounts, parse_test_result};
 use crate::process::{cargo, describe, ensure_m4, nvrtc_env};
@@ -32,9 +32,9 @@ enum Mode {
     Catalog,
     /// `--list`: print the catalog.
     List,
-    /// `--scope NAME...`: cargo-mutants over whole scopes (a crate, or part of one); with `--resume`, on from each
-    /// scope's last record.
-    Scopes(Vec<String>, bool),
+    /// `--scope NAME...`: cargo-mutants over whole scopes (a crate, or part of one), or over one slice of each
+    /// (`--shard K/N`); with `--resume`, on from each scope's (or slice's) last record.
+    Scopes(Vec<String>, ScopeRun),
     /// `--diff [REV]`: cargo-mutants and the catalog over the code changed since `REV` (default: the merge base).
     Diff(Option<String>),
 }
@@ -59,6 +59,7 @@ impl Options {
         let list = flags.switch("--list");
         let diff = flags.switch("--diff");
         let resume = flags.switch("--resume");
+        let shard = flags.text("--shard").map(|s| Shard::parse(&s)).transpose()?;
         let rev = flags.operands.first().map(|r| r.to_string_lossy().into_owned());
         let picked = [list, diff, !scopes.is_empty()].into_iter().filter(|&b| b).count();
         if picked > 1 {
@@ -70,13 +71,16 @@ impl Options {
         if resume && scopes.is_empty() {
             bail!("--resume goes on from a scope's last record; give the scope (`--scope NAME --resume`)");
         }
+        if shard.is_some() && scopes.is_empty() {
+            bail!("--shard takes one slice of a scope's mutants; give the scope (`--scope NAME --shard K/N`)");
+        }
         if let (false, Some(rev)) = (diff, &rev) {
             bail!("`{rev}`: a revision is only taken with --diff (`cargo xtask mutants --diff {rev}`)");
         }
         let mode = match (list, diff, scopes.is_empty()) {
             (true, _, _) => Mode::List,
             (_, true, _) => Mode::Diff(rev),
-            (_, _, false) => Mode::Scopes(scopes, resume),
+            (_, _, false) => Mode::Scopes(scopes, ScopeRun { resume, shard }),
             _ => Mode::Catalog,
         };
         Ok(Options {
@@ -86,6 +90,23 @@ impl Options {
             seed: int("--seed"),
             timeout: Duration::from_secs(int("--timeout")),
         })
+    }
+}
+
+/// How a `--scope` run takes each scope's mutants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ScopeRun {
+    resume: bool,
+    shard: Option<Shard>,
+}
+
+impl ScopeRun {
+    fn selection(self) -> Selection<'static> {
+        match (self.shard, self.resume) {
+            (Some(shard), resume) => Selection::Shard { shard, resume },
+            (None, true) => Selection::Resume,
+            (None, false) => Selection::Whole,
+        }
     }
 }
 
@@ -140,7 +161,7 @@ pub fn mutants(root: &Path, flags: &Parsed) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Mode::Catalog => catalog(root, &options),
-        Mode::Scopes(names, resume) => scopes(root, &options, names, *resume),
+        Mode::Scopes(names, run) => scopes(root, &options, names, *run),
         Mode::Diff(rev) => diff(root, &options, rev.as_deref()),
     }
 }
@@ -250,7 +271,7 @@ fn run_catalog(
 
 /// `--scope NAME...`: cargo-mutants over each whole scope, its survivors checked against
 /// [`cargo_mutants::EQUIVALENT_LIST`]; success only when no scope has an unexplained survivor or a stale entry.
-fn scopes(root: &Path, options: &Options, names: &[String], resume: bool) -> Result<ExitCode> {
+fn scopes(root: &Path, options: &Options, names: &[String], run: ScopeRun) -> Result<ExitCode> {
     let scopes: Vec<&Scope> = if names.iter().any(|n| n == "all") {
         cargo_mutants::SCOPES.iter().collect()
     } else {
@@ -268,8 +289,7 @@ fn scopes(root: &Path, options: &Options, names: &[String], resume: bool) -> Res
     for scope in scopes {
         let files: BTreeSet<String> = tracked.iter().filter(|f| scope.owns(&globs, f)).cloned().collect();
         let started = Instant::now();
-        let selection = if resume { Selection::Resume } else { Selection::Whole };
-        let mut outcomes = run_cargo_mutants(root, &tree, scope, selection, &env)?;
+        let mut outcomes = run_cargo_mutants(root, &tree, scope, run.selection(), &env)?;
         let stale = cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &files);
         let tally = Tally::of(&outcomes);
         let minutes = started.elapsed().as_secs_f64() / 60.0;
@@ -279,7 +299,8 @@ fn scopes(root: &Path, options: &Options, names: &[String], resume: bool) -> Res
         for name in &stale {
             println!("STALE      {name}: listed in {} but no longer generated", cargo_mutants::EQUIVALENT_LIST);
         }
-        if tally.missed == 0 && stale.is_empty() {
+        // A slice tests only part of each file, so only a whole run marks the files tested.
+        if tally.missed == 0 && stale.is_empty() && run.shard.is_none() {
             cargo_mutants::record_tested(root, &files)?;
         } else {
             clean = false;
@@ -366,7 +387,7 @@ fn run_cargo_mutants(
     let out = cargo_mutants::output_dir(root, scope, selection);
     // A run that finds no mutant writes no outcome files, so those of an earlier run must not be there to be read. A
     // resumed run reads them (cargo-mutants carries the caught and unviable ones into `previously_caught.txt`).
-    if selection != Selection::Resume {
+    if !matches!(selection, Selection::Resume | Selection::Shard { resume: true, .. }) {
         recreate_dir(&out)?;
     }
     let timeout = baseline(root, tree, scope, env)?;
@@ -991,12 +1012,18 @@ mod tests {
         assert_eq!(options(&["mutants", "--diff", "v1"]).unwrap().mode, Mode::Diff(Some("v1".to_owned())));
         assert_eq!(
             options(&["mutants", "--scope", "oracle", "--scope=proofs"]).unwrap().mode,
-            Mode::Scopes(strings(&["oracle", "proofs"]), false)
+            Mode::Scopes(strings(&["oracle", "proofs"]), ScopeRun { resume: false, shard: None })
         );
         assert_eq!(
             options(&["mutants", "--scope", "oracle", "--resume"]).unwrap().mode,
-            Mode::Scopes(strings(&["oracle"]), true)
+            Mode::Scopes(strings(&["oracle"]), ScopeRun { resume: true, shard: None })
         );
+        let sliced = options(&["mutants", "--scope", "oracle", "--shard", "1/3", "--resume"]).unwrap().mode;
+        let run = ScopeRun { resume: true, shard: Some(Shard { index: 1, count: 3 }) };
+        assert_eq!(sliced, Mode::Scopes(strings(&["oracle"]), run));
+        assert_eq!(run.selection(), Selection::Shard { shard: Shard { index: 1, count: 3 }, resume: true });
+        assert_eq!(ScopeRun { resume: true, shard: None }.selection(), Selection::Resume);
+        assert_eq!(ScopeRun { resume: false, shard: None }.selection(), Selection::Whole);
         for bad in [&["mutants", "--cases", "0"][..], &["mutants", "--timeout"], &["mutants", "--seed", "-1"]] {
             assert!(parse_for_test(bad).is_err(), "{bad:?}");
         }
@@ -1008,6 +1035,8 @@ mod tests {
             &["mutants", "HEAD~1"],
             &["mutants", "--resume"],
             &["mutants", "--diff", "--resume"],
+            &["mutants", "--shard", "0/2"],
+            &["mutants", "--scope", "oracle", "--shard", "2/2"],
         ] {
             assert!(options(clash).is_err(), "{clash:?} must be refused");
         }
