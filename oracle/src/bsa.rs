@@ -251,6 +251,19 @@ mod tests {
         assert_eq!(lists.iter().copied().collect::<Vec<_>>(), [0, 1, 0, 1, 0, 1]);
     }
 
+    /// Each KV head sums the pooled scores of its own group only: with 4 query heads over 2 KV heads, KV head 1 sums
+    /// query heads 2 and 3, not heads 0 to 3 (one block per side, d = 1, α = 1, computed by hand).
+    #[test]
+    fn each_kv_head_sums_its_own_group_only() {
+        let spec = AttentionSpec::dense(1, 4, 2, 2, 2, 1, 1).with_mask(Mask::None);
+        // Query head h holds h + 1 in both rows; KV head 0 holds keys 1, 1 and KV head 1 holds 10, 10.
+        let q = ArrayD::from_shape_vec(IxDyn(&[1, 4, 2, 1]), vec![1., 1., 2., 2., 3., 3., 4., 4.]).unwrap();
+        let k = ArrayD::from_shape_vec(IxDyn(&[1, 2, 2, 1]), vec![1., 1., 10., 10.]).unwrap();
+        let s = bsa_scores(&spec, q.view(), k.view(), &config(1, false, 0), ()).unwrap();
+        assert_eq!(s[[0, 0, 0, 0]], (1. + 2.) * 1., "KV head 0: query heads 0 and 1");
+        assert_eq!(s[[0, 1, 0, 0]], (3. + 4.) * 10., "KV head 1: query heads 2 and 3");
+    }
+
     /// Equal scores break to the lower block index; forced blocks come in first even with the worst scores; a
     /// causal row keeps only eligible blocks and pads the rest; a query block past a sequence's own lists nothing.
     #[test]
