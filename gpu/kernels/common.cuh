@@ -1,6 +1,6 @@
-// Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_bwd.cu and ring_state.cu by
-// gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix, cp.async and the
-// exp2 instruction, written once.
+// Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu and
+// ring_state.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
+// cp.async, the exp2 instruction and the forward's online-softmax step, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
 
@@ -245,6 +245,95 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
     return y;
 }
 
+// fl32(log2 e): the same constant for every score and every row max (and for the ring's merges), so that the shift
+// errors telescope.
+#define LOG2E_F 1.44269504088896340736f
+
+// The online-softmax step of one KV tile for a warp's rows (E2–E3, the forward kernels' recipe; flash_fwd.cu's
+// header spells it out): scale (and, if MASKED, mask) the scores in `s`, update the running max, rescale ℓ, leave p
+// in `s` and the rescale factor of A in `rescale`, which rescale_accumulators applies (the sm_90a kernel applies it
+// only once the previous tile's P V product is done). The warp owns SLICES 16-row slices in the m16n8 accumulator
+// layout (rows g and g + 8 of each slice, columns 2·tig and + 1 of each 8-key block); `diag0` is the aligned key
+// position of the thread's first row, row (mi, r) has diag0 + 16·mi + 8·r.
+template <bool MASKED, int SLICES, int KEY_TILES>
+__device__ __forceinline__ void softmax_scores(float (&s)[SLICES][KEY_TILES][4], float (&m_run)[SLICES][2],
+                                               float (&ml_run)[SLICES][2], float (&l_part)[SLICES][2],
+                                               float (&rescale)[SLICES][2], float scale, int key0, int len_k,
+                                               int diag0, int win_left, int win_right, int tig) {
+#pragma unroll
+    for (int mi = 0; mi < SLICES; ++mi) {
+        float m_new[2] = {m_run[mi][0], m_run[mi][1]};
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                float x = __fmul_rn(s[mi][n][e], scale);
+                if (MASKED) {
+                    const int j = key0 + n * 8 + tig * 2 + (e % 2);
+                    const int diag = diag0 + 16 * mi + 8 * r;
+                    const bool vis = j < len_k && j <= diag + win_right && j >= diag - win_left;
+                    x = vis ? x : NEG_INF;
+                }
+                s[mi][n][e] = x;
+                m_new[r] = fmaxf(m_new[r], x);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
+            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
+        }
+        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)), exactly 1 when the max did not move. Both
+        // flush results below 2^-126 to zero (the recipe's exp_underflow, gpu/src/flash.rs).
+        float ml_new[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            ml_new[r] = m_new[r] == NEG_INF ? 0.f : __fmul_rn(m_new[r], LOG2E_F);
+            if (m_run[mi][r] == NEG_INF) {
+                rescale[mi][r] = 0.f;
+            } else {
+                rescale[mi][r] =
+                    ml_run[mi][r] == ml_new[r] ? 1.f : ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]));
+            }
+            m_run[mi][r] = m_new[r];
+            ml_run[mi][r] = ml_new[r];
+            l_part[mi][r] = __fmul_rn(l_part[mi][r], rescale[mi][r]);
+        }
+#pragma unroll
+        for (int n = 0; n < KEY_TILES; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e / 2;
+                const float x = s[mi][n][e];
+                // A masked score is −∞, and ex2.approx(−∞) = +0: the unmasked formula serves both paths.
+                const float p = ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
+                s[mi][n][e] = p;
+                l_part[mi][r] = __fadd_rn(l_part[mi][r], p);
+            }
+        }
+    }
+}
+
+// A ← r·A with the factors softmax_scores left in `rescale`. Multiplying by 1 is exact: a warp whose rows all kept
+// their max (most tiles, once a row's max has settled) skips it, and every tiling still computes the same bits.
+template <int SLICES, int COL_TILES>
+__device__ __forceinline__ void rescale_accumulators(float (&acc)[SLICES][COL_TILES][4],
+                                                     const float (&rescale)[SLICES][2]) {
+#pragma unroll
+    for (int mi = 0; mi < SLICES; ++mi) {
+        if (!__all_sync(0xffffffffu, rescale[mi][0] == 1.f && rescale[mi][1] == 1.f)) {
+#pragma unroll
+            for (int n = 0; n < COL_TILES; ++n) {
+                acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[mi][0]);
+                acc[mi][n][1] = __fmul_rn(acc[mi][n][1], rescale[mi][0]);
+                acc[mi][n][2] = __fmul_rn(acc[mi][n][2], rescale[mi][1]);
+                acc[mi][n][3] = __fmul_rn(acc[mi][n][3], rescale[mi][1]);
+            }
+        }
+    }
+}
+
 // C += A·B for one m16n8k16 tile: A row-major 16×16, B column-major 16×8, f32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_ELEM "." MMA_ELEM ".f32 "
@@ -362,6 +451,115 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __re
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
+// The forward kernels' CTA (flash_fwd.cu and flash_fwd_sm90.cu differ in their tile sizes and their products, not in
+// which rows a CTA owns, which keys those rows see, or how a finished row is written).
+
+// One forward CTA: its sequence's lengths and first elements, its rows, and the KV tiles its rows can see.
+struct ForwardCta {
+    int len_q, len_k;                                    // the sequence's lengths
+    long long q_base, k_base, v_base, o_base, lse_base;  // the sequence's first element of Q, K, V, O and LSE
+    int row0, rows_here;                                 // the CTA's first query row and its rows in the sequence
+    long long shift;                                     // Lk − Lq: the masks are aligned bottom-right
+    long long diag_lo, diag_hi;                          // aligned key positions of the first and the last row
+    int tile_lo, tile_hi;                                // the KV tiles holding a visible key: [tile_lo, tile_hi)
+    const elem_t* q_g;                                   // the CTA's first query row, of its query head
+    const elem_t* k_g;                                   // the sequence's first key and value, of the KV head
+    const elem_t* v_g;
+
+    // Whether every row of the CTA sees every key of the tile starting at key0: only other tiles need the mask.
+    __device__ __forceinline__ bool sees_whole_tile(int key0, int block_n, int win_left, int win_right) const {
+        const bool interior = key0 + block_n <= len_k && key0 >= diag_hi - win_left &&
+                              (long long)key0 + block_n - 1 <= diag_lo + win_right;
+        return interior;
+    }
+};
+
+// The CTA of query tile `tile` (block_m rows) of query head `head` of sequence `seq`, with KV tiles of block_n keys;
+// false when the sequence has no such query tile (varlen: fewer query tiles than the longest sequence) and the CTA
+// has nothing to do. KV tiles outside the rows' visible key range (bottom-right aligned) are never loaded.
+__device__ __forceinline__ bool forward_cta(ForwardCta& c, const FlashParams& p, const elem_t* __restrict__ q,
+                                            const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                                            const int* __restrict__ cu_q, const int* __restrict__ cu_k, int seq,
+                                            int head, int tile, int block_m, int block_n) {
+    if (p.varlen) {
+        const int q0 = cu_q[seq], k0 = cu_k[seq];
+        c.len_q = cu_q[seq + 1] - q0;
+        c.len_k = cu_k[seq + 1] - k0;
+        c.q_base = (long long)q0 * p.q_row;
+        c.k_base = (long long)k0 * p.k_row;
+        c.v_base = (long long)k0 * p.v_row;
+        c.o_base = (long long)q0 * p.o_row;
+        c.lse_base = q0;
+    } else {
+        c.len_q = p.dense_len_q;
+        c.len_k = p.dense_len_k;
+        c.q_base = seq * p.q_batch;
+        c.k_base = seq * p.k_batch;
+        c.v_base = seq * p.v_batch;
+        c.o_base = seq * p.o_batch;
+        c.lse_base = seq * p.lse_batch;
+    }
+    c.row0 = tile * block_m;
+    if (c.row0 >= c.len_q) return false;
+    c.rows_here = min(block_m, c.len_q - c.row0);
+    c.shift = (long long)c.len_k - c.len_q;
+    c.diag_lo = c.row0 + c.shift;
+    c.diag_hi = c.row0 + c.rows_here - 1 + c.shift;
+    long long key_lo = c.diag_lo - p.win_left;
+    long long key_hi = c.diag_hi + p.win_right + 1;
+    if (key_lo < 0) key_lo = 0;
+    if (key_hi > c.len_k) key_hi = c.len_k;
+    c.tile_lo = key_lo < key_hi ? (int)(key_lo / block_n) : 0;
+    c.tile_hi = key_lo < key_hi ? (int)((key_hi + block_n - 1) / block_n) : 0;
+    const int kv_head = head / p.group;
+    c.q_g = q + c.q_base + head * p.q_head + (long long)c.row0 * p.q_row;
+    c.k_g = k + c.k_base + kv_head * p.k_head;
+    c.v_g = v + c.v_base + kv_head * p.v_head;
+    return true;
+}
+
+// The sum of a row's f32 partials ℓ over the quad (the four threads of a fragment row hold one partial each).
+__device__ __forceinline__ float quad_sum(float l) {
+    l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 1));
+    l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
+    return l;
+}
+
+// E5 for the thread's rows of a forward CTA: O = round_T(A / ℓ) (IEEE division), LSE = m + ln ℓ (natural log); a row
+// that saw no key gets O = 0 and LSE = −∞. Rows are the m16n8 accumulator layout of SLICES 16-row slices from `wrow`.
+template <int SLICES, int COL_TILES>
+__device__ __forceinline__ void write_output_rows(elem_t* __restrict__ o, float* __restrict__ lse,
+                                                  const ForwardCta& cta, const FlashParams& p, int head, int wrow,
+                                                  int g, int tig, const float (&m_run)[SLICES][2],
+                                                  const float (&l_part)[SLICES][2],
+                                                  const float (&acc)[SLICES][COL_TILES][4]) {
+#pragma unroll
+    for (int mi = 0; mi < SLICES; ++mi) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = quad_sum(l_part[mi][r]);
+            const int row = wrow + 16 * mi + g + 8 * r;
+            if (row >= cta.rows_here) continue;
+            const bool empty = !(l > 0.f);
+            elem_t* o_g = o + cta.o_base + head * p.o_head + (long long)(cta.row0 + row) * p.o_row;
+#pragma unroll
+            for (int n = 0; n < COL_TILES; ++n) {
+                const int c = n * 8 + tig * 2;
+                if (c < p.dv) {
+                    const float x0 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r], l);
+                    const float x1 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r + 1], l);
+                    *reinterpret_cast<unsigned*>(o_g + c) = pack_elems(to_elem(x0), to_elem(x1));
+                }
+            }
+            if (tig == 0) {
+                lse[cta.lse_base + head * p.lse_head + cta.row0 + row] =
+                    empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
 // Tile cursors: the tiles a CTA visits, in ascending order, one per call of next() (-1 when there are no more). Without
 // BLOCK_SPARSE, every tile of a range [tile_lo, tile_hi) (range_cursor); with it, the tiles of the blocks of an
 // ascending block list inside that range (list_cursor), `tiles_per_block` tiles per block. The forward walks a query
@@ -408,6 +606,18 @@ __device__ __forceinline__ TileCursor list_cursor(int tile_lo, int tile_hi, cons
     c.slot = 0;
     c.sub = 0;
     return c;
+}
+
+// The forward CTA's cursor over the key blocks its query block lists (list head `list_head` of sequence `seq`), in
+// `lists.tiles_per_block` KV tiles per block. The host chose q_block as a multiple of the CTA's rows, so the CTA's
+// rows lie in one query block.
+__device__ __forceinline__ TileCursor forward_list_cursor(const ForwardCta& cta, int seq, int list_head,
+                                                          const int* __restrict__ block_lists,
+                                                          const BlockListParams& lists) {
+    const int* list_g = block_lists + seq * lists.seq_stride + (long long)list_head * lists.head_stride +
+                        (long long)(cta.row0 / lists.q_block) * lists.width;
+    const int tiles_per_block = lists.tiles_per_block;  // 64-key tiles for flash_fwd, 128-key ones for sm_90a
+    return list_cursor(cta.tile_lo, cta.tile_hi, list_g, lists.width, tiles_per_block);
 }
 #else
 __device__ __forceinline__ TileCursor range_cursor(int tile_lo, int tile_hi) {

@@ -75,83 +75,6 @@ static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD
 static_assert(NUM_WARPS == 4 || NUM_WARPS == 8, "NUM_WARPS must be 4 or 8");
 static_assert(WARP_M == 1 || WARP_M == 2, "WARP_M must be 1 or 2");
 
-// fl32(log2 e): the same constant for every score and every row max, so that the shift errors telescope.
-#define LOG2E_F 1.44269504088896340736f
-
-// The online-softmax step of one KV tile for the warp's rows: scale (and, if MASKED, mask) the scores in `s`,
-// update the running max, rescale ℓ and A, and leave p in `s`. `diag0` is the aligned key position of the thread's
-// first row (row g of the warp's first slice); row (mi, r) has diag0 + 16·mi + 8·r.
-template <bool MASKED>
-__device__ __forceinline__ void softmax_tile(float (&s)[WARP_M][N_TILES_S][4], float (&m_run)[WARP_M][2],
-                                             float (&ml_run)[WARP_M][2], float (&l_part)[WARP_M][2],
-                                             float (&acc)[WARP_M][N_TILES_O][4], float scale, int key0, int len_k,
-                                             int diag0, int win_left, int win_right, int tig) {
-#pragma unroll
-    for (int mi = 0; mi < WARP_M; ++mi) {
-        float m_new[2] = {m_run[mi][0], m_run[mi][1]};
-#pragma unroll
-        for (int n = 0; n < N_TILES_S; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                float x = __fmul_rn(s[mi][n][e], scale);
-                if (MASKED) {
-                    const int j = key0 + n * 8 + tig * 2 + (e % 2);
-                    const int diag = diag0 + 16 * mi + 8 * r;
-                    const bool vis = j < len_k && j <= diag + win_right && j >= diag - win_left;
-                    x = vis ? x : NEG_INF;
-                }
-                s[mi][n][e] = x;
-                m_new[r] = fmaxf(m_new[r], x);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 1));
-            m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));
-        }
-        // p = 2^(s·L − fl(m·L)); rescale factor 2^(fl(mL_old − mL_new)), exactly 1 when the max did not move. Both
-        // flush results below 2^-126 to zero (the recipe's exp_underflow, gpu/src/flash.rs).
-        float rescale[2];
-        float ml_new[2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            ml_new[r] = m_new[r] == NEG_INF ? 0.f : __fmul_rn(m_new[r], LOG2E_F);
-            if (m_run[mi][r] == NEG_INF) {
-                rescale[r] = 0.f;
-            } else {
-                rescale[r] = ml_run[mi][r] == ml_new[r] ? 1.f : ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]));
-            }
-            m_run[mi][r] = m_new[r];
-            ml_run[mi][r] = ml_new[r];
-            l_part[mi][r] = __fmul_rn(l_part[mi][r], rescale[r]);
-        }
-#pragma unroll
-        for (int n = 0; n < N_TILES_S; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e / 2;
-                const float x = s[mi][n][e];
-                // A masked score is −∞, and ex2.approx(−∞) = +0: the unmasked formula serves both paths.
-                const float p = ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]));
-                s[mi][n][e] = p;
-                l_part[mi][r] = __fadd_rn(l_part[mi][r], p);
-            }
-        }
-        // Multiplying by 1 is exact: a warp whose rows all kept their max (most tiles, once a row's max has settled)
-        // skips A's rescale, and every tiling still computes the same bits.
-        if (!__all_sync(0xffffffffu, rescale[0] == 1.f && rescale[1] == 1.f)) {
-#pragma unroll
-            for (int n = 0; n < N_TILES_O; ++n) {
-                acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);
-                acc[mi][n][1] = __fmul_rn(acc[mi][n][1], rescale[0]);
-                acc[mi][n][2] = __fmul_rn(acc[mi][n][2], rescale[1]);
-                acc[mi][n][3] = __fmul_rn(acc[mi][n][3], rescale[1]);
-            }
-        }
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
 flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
 #if defined(STATE_OUT)
@@ -175,53 +98,20 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int tile = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y;
     const int seq = blockIdx.z;
-    const int kv_head = head / group;
 
-    int len_q, len_k;
-    long long q_base, k_base, v_base, o_base, lse_base;
-    if (varlen) {
-        const int q0 = cu_q[seq], k0 = cu_k[seq];
-        len_q = cu_q[seq + 1] - q0;
-        len_k = cu_k[seq + 1] - k0;
-        q_base = (long long)q0 * q_row;
-        k_base = (long long)k0 * k_row;
-        v_base = (long long)k0 * v_row;
-        o_base = (long long)q0 * o_row;
-        lse_base = q0;
-    } else {
-        len_q = dense_len_q;
-        len_k = dense_len_k;
-        q_base = seq * q_batch;
-        k_base = seq * k_batch;
-        v_base = seq * v_batch;
-        o_base = seq * o_batch;
-        lse_base = seq * lse_batch;
-    }
-    const int row0 = tile * BLOCK_M;
-    if (row0 >= len_q) return;  // varlen: this sequence has fewer query tiles than the longest one
-    const int rows_here = min(BLOCK_M, len_q - row0);
+    ForwardCta cta;
+    if (!forward_cta(cta, params, q, k, v, cu_q, cu_k, seq, head, tile, BLOCK_M, BLOCK_N)) return;
+    const int len_k = cta.len_k;
+    const int row0 = cta.row0;
+    const int rows_here = cta.rows_here;
 
-    const elem_t* q_g = q + q_base + head * q_head + (long long)row0 * q_row;
-    const elem_t* k_g = k + k_base + kv_head * k_head;
-    const elem_t* v_g = v + v_base + kv_head * v_head;
-
-    // Visible key range of this CTA's rows (bottom-right aligned); tiles outside it are never loaded.
-    const long long shift = (long long)len_k - len_q;
-    const long long diag_lo = row0 + shift;
-    const long long diag_hi = row0 + rows_here - 1 + shift;
-    long long key_lo = diag_lo - win_left;
-    long long key_hi = diag_hi + win_right + 1;
-    if (key_lo < 0) key_lo = 0;
-    if (key_hi > len_k) key_hi = len_k;
-    const int tile_lo = key_lo < key_hi ? (int)(key_lo / BLOCK_N) : 0;
-    const int tile_hi = key_lo < key_hi ? (int)((key_hi + BLOCK_N - 1) / BLOCK_N) : 0;
+    const elem_t* q_g = cta.q_g;
+    const elem_t* k_g = cta.k_g;
+    const elem_t* v_g = cta.v_g;
 #if defined(BLOCK_SPARSE)
-    // The host chose q_block as a multiple of BLOCK_M, so the CTA's rows lie in one query block.
-    const int* list_g = block_lists + seq * lists.seq_stride + (long long)(head / lists.heads_per_list) * lists.head_stride +
-                        (long long)(row0 / lists.q_block) * lists.width;
-    TileCursor cursor = list_cursor(tile_lo, tile_hi, list_g, lists.width, lists.tiles_per_block);
+    TileCursor cursor = forward_list_cursor(cta, seq, head / lists.heads_per_list, block_lists, lists);
 #else
-    TileCursor cursor = range_cursor(tile_lo, tile_hi);
+    TileCursor cursor = range_cursor(cta.tile_lo, cta.tile_hi);
 #endif
     int t = cursor.next();
 
@@ -253,7 +143,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #pragma unroll
         for (int n = 0; n < N_TILES_O; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.f;
     }
-    const int diag0 = (int)(row0 + wrow + g + shift);
+    const int diag0 = (int)(row0 + wrow + g + cta.shift);
 
     // ldmatrix row addresses of this lane: Q is the A operand of S, K its B operand (rows are n), V the B operand of
     // PV (rows are k, transposed).
@@ -293,14 +183,13 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
             }
         }
 
-        // Only tiles that some row of the CTA does not see completely need the mask.
-        const bool interior = key0 + BLOCK_N <= len_k && key0 >= diag_hi - win_left &&
-                              (long long)key0 + BLOCK_N - 1 <= diag_lo + win_right;
-        if (interior) {
-            softmax_tile<false>(s, m_run, ml_run, l_part, acc, scale, key0, len_k, diag0, win_left, win_right, tig);
+        float rescale[WARP_M][2];
+        if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {
+            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
         } else {
-            softmax_tile<true>(s, m_run, ml_run, l_part, acc, scale, key0, len_k, diag0, win_left, win_right, tig);
+            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
         }
+        rescale_accumulators(acc, rescale);
 
         cp_async_wait_all();
         __syncthreads();  // V_t landed for everyone; every warp is done reading K_t
@@ -334,20 +223,17 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     // No asynchronous copy is outstanding here: every iteration waits for all of them, and the last one starts no K
     // prefetch (a CTA that sees no KV tile starts none at all).
 
-    // Finalize: ℓ over the quad, O = round_T(A/ℓ), LSE = m + ln ℓ; rows that saw no key get 0 and −∞.
+#if defined(STATE_OUT)
+    // The rows' states as they stand (E2): m, ℓ and A relative to 2^fl(m·L); a row that saw no key keeps m = −∞,
+    // ℓ = 0, A = 0. State rows are LSE rows; A is [LSE row][dv].
 #pragma unroll
     for (int mi = 0; mi < WARP_M; ++mi) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float l = l_part[mi][r];
-            l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 1));
-            l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));
+            const float l = quad_sum(l_part[mi][r]);
             const int row = wrow + 16 * mi + g + 8 * r;
             if (row >= rows_here) continue;
-#if defined(STATE_OUT)
-            // The row's state as it stands (E2): m, ℓ and A relative to 2^fl(m·L); a row that saw no key keeps
-            // m = −∞, ℓ = 0, A = 0. State rows are LSE rows; A is [LSE row][dv].
-            const long long srow = lse_base + head * lse_head + row0 + row;
+            const long long srow = cta.lse_base + head * lse_head + row0 + row;
 #pragma unroll
             for (int n = 0; n < N_TILES_O; ++n) {
                 const int c = n * 8 + tig * 2;
@@ -360,22 +246,10 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
                 state_m[srow] = m_run[mi][r];
                 state_l[srow] = l;
             }
-#else
-            const bool empty = !(l > 0.f);
-            elem_t* o_g = o + o_base + head * o_head + (long long)(row0 + row) * o_row;
-#pragma unroll
-            for (int n = 0; n < N_TILES_O; ++n) {
-                const int c = n * 8 + tig * 2;
-                if (c < dv) {
-                    const float x0 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r], l);
-                    const float x1 = empty ? 0.f : __fdiv_rn(acc[mi][n][2 * r + 1], l);
-                    *reinterpret_cast<unsigned*>(o_g + c) = pack_elems(to_elem(x0), to_elem(x1));
-                }
-            }
-            if (tig == 0) {
-                lse[lse_base + head * lse_head + row0 + row] = empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
-            }
-#endif
         }
     }
+#else
+    // Finalize (E5): O = round_T(A/ℓ), LSE = m + ln ℓ; rows that saw no key get 0 and −∞.
+    write_output_rows(o, lse, cta, params, head, wrow, g, tig, m_run, l_part, acc);
+#endif
 }

@@ -12,9 +12,6 @@
 // Both take their pointers and one RingStateParams (common.cuh): state_merge reads rows and dv, state_finalize all of
 // it.
 
-// fl32(log2 e): the forward kernel's LOG2E_F, so that merged and in-kernel rescales use the same shift.
-#define LOG2E_F 1.44269504088896340736f
-
 extern "C" __global__ void state_merge(float* __restrict__ a_run, float* __restrict__ m_run, float* __restrict__ l_run,
                                        const float* __restrict__ a_part, const float* __restrict__ m_part,
                                        const float* __restrict__ l_part, const RingStateParams params) {

@@ -17,15 +17,17 @@
 //!
 //! - `flash_fwd` needs 8.0: `cp.async` and the bf16/f16 `mma.sync.m16n8k16` exist from `sm_80` on (with `ldmatrix`,
 //!   from `sm_75`). It runs on the A100 (8.0), the consumer Ampere and Ada parts (8.6, 8.9) and everything later.
+//! - `flash_fwd_sm90` needs 9.0 and only 9.0: `wgmma.mma_async` exists in the architecture-specific `sm_90a` target
+//!   alone, so no later device runs it; the launch wrappers pick it only on 9.0 and run `flash_fwd` elsewhere.
 //! - `flash_bwd` needs 9.0: `bwd_kv` stores dS with `stmatrix` and adds dQ with the vector reduction
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
-//! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) would not
-//! exist in later architectures' plain targets. The kernels use none of them: every instruction they use is in the
-//! plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run every kernel.
+//! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) do not exist
+//! in later architectures' plain targets. Only `flash_fwd_sm90` uses them; every instruction of the other kernels is in
+//! the plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run them.
 //! `gpu/tests/it/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
 //! accepts exactly the pairs this table admits.
 
@@ -53,6 +55,13 @@ pub const FLASH_FWD: KernelSource = KernelSource {
     source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_fwd.cu")),
 };
 
+/// `gpu/kernels/flash_fwd_sm90.cu`: the forward on Hopper's `wgmma` (compute capability 9.0 only), with
+/// `flash_fwd`'s arguments.
+pub const FLASH_FWD_SM90: KernelSource = KernelSource {
+    name: "flash_fwd_sm90",
+    source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_fwd_sm90.cu")),
+};
+
 /// `gpu/kernels/flash_bwd.cu`.
 pub const FLASH_BWD: KernelSource = KernelSource {
     name: "flash_bwd",
@@ -66,34 +75,55 @@ pub struct DeviceRequirement {
     pub kernel: &'static str,
     /// The lowest compute capability (major, minor) that runs it.
     pub needs: (i32, i32),
+    /// Whether only `needs` itself runs it: its instructions are architecture-specific (`sm_90a`'s `wgmma`), absent
+    /// from every later architecture.
+    pub only: bool,
     /// The instructions that set `needs`.
     pub instructions: &'static str,
 }
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 4] = [
-    DeviceRequirement { kernel: "flash_fwd", needs: (8, 0), instructions: "cp.async and bf16/f16 mma.sync.m16n8k16" },
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 5] = [
+    DeviceRequirement {
+        kernel: "flash_fwd",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16, in every later target too",
+    },
+    DeviceRequirement {
+        kernel: "flash_fwd_sm90",
+        needs: (9, 0),
+        only: true,
+        instructions: "wgmma.mma_async, which only the sm_90a target has",
+    },
     DeviceRequirement {
         kernel: "flash_bwd",
         needs: (9, 0),
+        only: false,
         instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
     },
     DeviceRequirement {
         kernel: "bsa_select",
         needs: (7, 5),
+        only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
     },
     DeviceRequirement {
         kernel: "ring_state",
         needs: (7, 5),
+        only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; no newer instruction",
     },
 ];
 
 /// The requirement assumed for a kernel text the table does not name: the tensor-core floor of the crate's kernels.
-pub const DEFAULT_REQUIREMENT: DeviceRequirement =
-    DeviceRequirement { kernel: "(unlisted kernel)", needs: (8, 0), instructions: "the crate's tensor-core floor" };
+pub const DEFAULT_REQUIREMENT: DeviceRequirement = DeviceRequirement {
+    kernel: "(unlisted kernel)",
+    needs: (8, 0),
+    only: false,
+    instructions: "the crate's tensor-core floor",
+};
 
 /// What `kernel` needs of the device ([`DEVICE_REQUIREMENTS`], else [`DEFAULT_REQUIREMENT`]).
 pub fn device_requirement(kernel: &str) -> DeviceRequirement {
@@ -105,7 +135,7 @@ pub fn device_requirement(kernel: &str) -> DeviceRequirement {
 /// [`module_from_source`]) before NVRTC is called, and tests ask it without a device.
 pub fn check_device_supports(kernel: &'static str, have: (i32, i32)) -> Result<(), GpuError> {
     let requirement = device_requirement(kernel);
-    if have < requirement.needs {
+    if have < requirement.needs || (requirement.only && have != requirement.needs) {
         return Err(GpuError::UnsupportedDevice {
             kernel,
             needs: requirement.needs,

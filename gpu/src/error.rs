@@ -47,7 +47,7 @@ pub enum GpuError {
     /// The device cannot run this kernel: its compute capability is below the one the kernel's instructions need
     /// (`compile::check_device_supports`, asked before NVRTC is called).
     #[error(
-        "`{kernel}` needs compute capability {}.{} or later ({instructions}); the device has {}.{}",
+        "`{kernel}` needs compute capability {}.{} ({instructions}); the device has {}.{}",
         needs.0,
         needs.1,
         have.0,
@@ -58,7 +58,7 @@ pub enum GpuError {
         kernel: &'static str,
         /// The lowest compute capability (major, minor) that has every instruction the kernel uses.
         needs: (i32, i32),
-        /// The instructions that set `needs`.
+        /// The instructions that set `needs` (and say whether later devices have them).
         instructions: &'static str,
         /// The device's compute capability (major, minor).
         have: (i32, i32),

@@ -16,6 +16,16 @@
 //! same order, the same roundings) whatever the CTA's shape, since tiles a row cannot see leave its state bitwise
 //! unchanged (`p = 0`, rescale `2^0 = 1`). The tests check that all tilings agree bitwise.
 //!
+//! # The sm_90a kernel
+//!
+//! `gpu/kernels/flash_fwd_sm90.cu` ([`compile::FLASH_FWD_SM90`], [`is_wgmma`]) is the same forward on Hopper's
+//! warpgroup MMA (`wgmma`, compute capability 9.0 only): 128-row CTAs of two warpgroups ([`ForwardTiling::WGMMA`]),
+//! [`WGMMA_KV_TILE`]-key tiles, head dims up to [`WGMMA_MAX_HEAD_DIM`]. It shares the online-softmax step and the
+//! output rows with `flash_fwd.cu` (`common.cuh`) and runs the recipe below unchanged, with at most half the rescale
+//! steps the model charges; only the tensor cores' order of summation inside a product differs, as it does between
+//! any two tilings of one instruction. The block-sparse wrappers run it for 128×128 blocks on 9.0
+//! (`crate::block_sparse`); [`flash_forward_device_with`] runs its dense mode when given it.
+//!
 //! # Precision recipe and its rounding-error model
 //!
 //! The kernel's recipe (spelled out in the `.cu` header) differs from the CPU reference's (`attnproof-reference`'s
@@ -66,7 +76,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
 use crate::common::{GpuElement, check_len};
-use crate::compile::{self, FLASH_FWD};
+use crate::compile::{self, FLASH_FWD, FLASH_FWD_SM90};
 use crate::error::GpuError;
 use crate::launch::{self, FlashBuffers, ForwardOut};
 use crate::params::{BlockListParams, FlashParams};
@@ -76,6 +86,17 @@ use crate::ring::state::{ChunkWindow, DeviceState};
 pub const Q_TILE: usize = 64;
 /// Keys per KV tile (the `kv_tile` of the kernel's `FlashRecipe`).
 pub const KV_TILE: usize = 64;
+/// Keys per KV tile of the sm_90a kernel (`compile::FLASH_FWD_SM90`): twice [`KV_TILE`], so a row takes at most the
+/// rescale steps the recipe of [`KV_TILE`] charges.
+pub const WGMMA_KV_TILE: usize = 128;
+/// The largest head dims (`d` and `dv`) of the sm_90a kernel.
+pub const WGMMA_MAX_HEAD_DIM: usize = 128;
+
+/// Whether `kernel` is a text of the sm_90a forward (`gpu/kernels/flash_fwd_sm90.cu`, or a patched copy of it): its
+/// launch plan differs from `flash_fwd`'s (threads, padding, shared memory), not its arguments.
+pub fn is_wgmma(kernel: compile::KernelSource) -> bool {
+    kernel.name == FLASH_FWD_SM90.name
+}
 
 /// How the forward kernel tiles query rows: `warps` warps per CTA, each owning `slices` consecutive 16-row slices
 /// (so every K/V fragment a warp loads from shared memory feeds `slices` MMAs).
@@ -95,6 +116,10 @@ impl ForwardTiling {
         ForwardTiling { warps: 8, slices: 1 },
         ForwardTiling { warps: 8, slices: 2 },
     ];
+
+    /// The tiling of the sm_90a kernel (`gpu/kernels/flash_fwd_sm90.cu`): two warpgroups of 64 rows, 8 warps of one
+    /// 16-row slice each; the only tiling that kernel takes.
+    pub const WGMMA: ForwardTiling = ForwardTiling { warps: 8, slices: 1 };
 
     /// Query rows per CTA.
     pub fn rows(self) -> usize {
@@ -146,37 +171,69 @@ struct Plan {
     cu_k: Vec<i32>,
 }
 
-/// The defines of the forward module a launch for `spec` in `tiling` compiles (after the checks of a launch).
+/// The defines of the forward module of `kernel` a launch for `spec` in `tiling` compiles (after the checks of a
+/// launch).
 pub(crate) fn forward_defines<T: GpuElement>(
     spec: &AttentionSpec,
     tiling: ForwardTiling,
+    kernel: compile::KernelSource,
 ) -> Result<Vec<String>, GpuError> {
-    Ok(plan::<T>(spec, tiling)?.defines)
+    Ok(plan::<T>(spec, tiling, kernel)?.defines)
 }
 
-/// Checks that the kernel supports `spec` and derives the launch plan.
-fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: ForwardTiling) -> Result<Plan, GpuError> {
+/// Shared-memory bytes the sm_90a kernel adds to its tiles to align them to 1024 bytes itself.
+const WGMMA_SMEM_ALIGN: usize = 1024;
+
+/// Checks that `kernel` (`flash_fwd` or the sm_90a forward, [`is_wgmma`]) supports `spec` in `tiling` and derives
+/// the launch plan.
+fn plan<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: ForwardTiling,
+    kernel: compile::KernelSource,
+) -> Result<Plan, GpuError> {
     let (params, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let (d, dv, hq) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q);
-    if !tiling.supports(d, dv) {
-        return Err(GpuError::Unsupported {
-            argument: "tiling",
-            reason: format!("{tiling:?} is not one of {:?} or does not fit d = {d}, dv = {dv}", ForwardTiling::ALL),
-        });
-    }
-    // Both padded to the 16 of an mma k step / an ldmatrix.x4 pair of n tiles; padding columns are zero-filled.
-    let d_pad = round_up(d, 16);
-    let dv_pad = round_up(dv, 16);
+    let (shared, defines) = if is_wgmma(kernel) {
+        if tiling != ForwardTiling::WGMMA {
+            return Err(GpuError::Unsupported {
+                argument: "tiling",
+                reason: format!("the sm_90a forward runs only {:?}, not {tiling:?}", ForwardTiling::WGMMA),
+            });
+        }
+        if d.max(dv) > WGMMA_MAX_HEAD_DIM {
+            return Err(GpuError::Unsupported {
+                argument: "head_dim",
+                reason: format!("the sm_90a forward takes d, dv up to {WGMMA_MAX_HEAD_DIM}, not {d}, {dv}"),
+            });
+        }
+        // Padded to the 64 columns of a 128-byte swizzle chunk; padding columns are zero-filled.
+        let (d_pad, dv_pad) = (round_up(d, 64), round_up(dv, 64));
+        // Q, two K stages and two V stages of 2-byte elements.
+        let tiles = 2 * (tiling.rows() * d_pad + 2 * WGMMA_KV_TILE * (d_pad + dv_pad));
+        let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+        (tiles + WGMMA_SMEM_ALIGN, defines)
+    } else {
+        if !tiling.supports(d, dv) {
+            return Err(GpuError::Unsupported {
+                argument: "tiling",
+                reason: format!("{tiling:?} is not one of {:?} or does not fit d = {d}, dv = {dv}", ForwardTiling::ALL),
+            });
+        }
+        // Both padded to the 16 of an mma k step / an ldmatrix.x4 pair of n tiles; padding columns are zero-filled.
+        let d_pad = round_up(d, 16);
+        let dv_pad = round_up(dv, 16);
+        // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
+        let shared = 2 * (tiling.rows() + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
+        let defines = vec![
+            T::DEFINE.to_owned(),
+            format!("HEAD_DIM_PAD={d_pad}"),
+            format!("HEAD_DIM_V_PAD={dv_pad}"),
+            format!("NUM_WARPS={}", tiling.warps),
+            format!("WARP_M={}", tiling.slices),
+        ];
+        (shared, defines)
+    };
     let q_tile = tiling.rows();
-    // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
-    let shared = 2 * (q_tile + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
-    let defines = vec![
-        T::DEFINE.to_owned(),
-        format!("HEAD_DIM_PAD={d_pad}"),
-        format!("HEAD_DIM_V_PAD={dv_pad}"),
-        format!("NUM_WARPS={}", tiling.warps),
-        format!("WARP_M={}", tiling.slices),
-    ];
     let seqs = spec.sequences();
     let max_len_q = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     let grid_x = u32::try_from(max_len_q.div_ceil(q_tile))
@@ -241,7 +298,7 @@ pub fn flash_forward_state_device<T: GpuElement>(
         });
     }
     let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
-    let mut plan = plan::<T>(spec, tiling)?;
+    let mut plan = plan::<T>(spec, tiling, FLASH_FWD)?;
     plan.defines.push(STATE_OUT.to_owned());
     (plan.params.win_left, plan.params.win_right) = window.kernel_values();
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
@@ -337,7 +394,7 @@ impl<T: GpuElement> PreparedForward<T> {
         tiling: ForwardTiling,
         lists: Option<(&[i32], BlockListParams)>,
     ) -> Result<Self, GpuError> {
-        let mut plan = plan::<T>(spec, tiling)?;
+        let mut plan = plan::<T>(spec, tiling, kernel)?;
         let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
         let sizes = [Operand::Q, Operand::K, Operand::V, Operand::O, Operand::RowStat].map(size);
         let cu_q = stream.clone_htod(&plan.cu_q).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens_q)", e))?;
@@ -490,18 +547,45 @@ mod tests {
             assert!(ForwardTiling::for_head_dims(d, dv).supports(d, dv));
         }
         let spec = AttentionSpec::dense(1, 1, 1, 300, 4, 64, 64);
-        let p = plan::<bf16>(&spec, ForwardTiling { warps: 8, slices: 2 }).unwrap();
+        let p = plan::<bf16>(&spec, ForwardTiling { warps: 8, slices: 2 }, FLASH_FWD).unwrap();
         assert_eq!((p.grid.0, p.threads), (2, 256));
         assert!(p.defines.contains(&"NUM_WARPS=8".to_owned()) && p.defines.contains(&"WARP_M=2".to_owned()));
-        let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 256, 256), ForwardTiling { warps: 8, slices: 2 });
+        let err = plan::<bf16>(
+            &AttentionSpec::dense(1, 1, 1, 4, 4, 256, 256),
+            ForwardTiling { warps: 8, slices: 2 },
+            FLASH_FWD,
+        );
         assert!(matches!(err, Err(GpuError::Unsupported { argument: "tiling", .. })));
+    }
+
+    /// The sm_90a kernel's plan: its one tiling, head dims up to 128 padded to 64, two warpgroups per 128 rows, and
+    /// shared memory for Q, two K and two V stages plus the alignment slack.
+    #[test]
+    fn the_wgmma_plan_takes_its_tiling_and_head_dims_only() {
+        let spec = AttentionSpec::dense(1, 2, 1, 300, 200, 72, 40).with_mask(Mask::Causal);
+        let p = plan::<bf16>(&spec, ForwardTiling::WGMMA, FLASH_FWD_SM90).unwrap();
+        assert_eq!((p.grid, p.threads), ((3, 2, 1), 256));
+        assert_eq!(p.defines, ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=64"]);
+        assert_eq!(p.shared_bytes as usize, 2 * (128 * 128 + 2 * 128 * (128 + 64)) + 1024);
+        for tiling in ForwardTiling::ALL.into_iter().filter(|&t| t != ForwardTiling::WGMMA) {
+            let err = plan::<bf16>(&spec, tiling, FLASH_FWD_SM90);
+            assert!(matches!(err, Err(GpuError::Unsupported { argument: "tiling", .. })), "{tiling:?}");
+        }
+        for (d, dv) in [(136, 64), (64, 136), (256, 256)] {
+            let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv), ForwardTiling::WGMMA, FLASH_FWD_SM90);
+            assert!(matches!(err, Err(GpuError::Unsupported { argument: "head_dim", .. })), "d = {d}, dv = {dv}");
+        }
+        assert!(
+            plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 128, 8), ForwardTiling::WGMMA, FLASH_FWD_SM90).is_ok()
+        );
+        assert!(is_wgmma(FLASH_FWD_SM90) && !is_wgmma(FLASH_FWD));
     }
 
     #[test]
     fn positions_must_fit_the_kernels_32_bit_arithmetic() {
         let half = 1usize << 29;
-        assert!(plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half, 8, 8), T64).is_ok());
-        let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half + 1, 8, 8), T64);
+        assert!(plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half, 8, 8), T64, FLASH_FWD).is_ok());
+        let err = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, half, half + 1, 8, 8), T64, FLASH_FWD);
         assert!(matches!(err, Err(GpuError::TooLarge { argument: "len_q + len_k of one sequence", .. })));
     }
 
@@ -509,26 +593,26 @@ mod tests {
     fn head_dims_must_be_multiples_of_8_up_to_256() {
         for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
             let spec = AttentionSpec::dense(1, 1, 1, 4, 4, d, dv);
-            match plan::<bf16>(&spec, T64) {
+            match plan::<bf16>(&spec, T64, FLASH_FWD) {
                 Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
                 Err(e) => panic!("unexpected error {e}"),
                 Ok(_) => panic!("d={d} dv={dv} accepted"),
             }
         }
-        assert!(plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 8, 256), T64).is_ok());
+        assert!(plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 8, 256), T64, FLASH_FWD).is_ok());
     }
 
     #[test]
     fn bad_specs_are_oracle_errors() {
         let spec = AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8);
-        assert!(matches!(plan::<bf16>(&spec, T64), Err(GpuError::Spec(_))));
+        assert!(matches!(plan::<bf16>(&spec, T64, FLASH_FWD), Err(GpuError::Spec(_))));
     }
 
     #[test]
     fn plan_params_and_grid() {
         // The strides of each layout are checked in `params`; the plan must carry the spec's parameters unchanged.
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 64, 32).with_mask(Mask::Causal);
-        let p = plan::<bf16>(&spec, T64).unwrap();
+        let p = plan::<bf16>(&spec, T64, FLASH_FWD).unwrap();
         assert_eq!(p.grid, (3, 4, 2));
         assert_eq!(p.params, FlashParams::for_spec(&spec).unwrap().0);
         assert_eq!(p.params.q_strides(), [4 * 130 * 64, 130 * 64, 64]);
@@ -536,7 +620,7 @@ mod tests {
             layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
             ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8)
         };
-        let p = plan::<f16>(&varlen, T64).unwrap();
+        let p = plan::<f16>(&varlen, T64, FLASH_FWD).unwrap();
         assert_eq!(p.grid, (2, 2, 3));
         assert_eq!(p.params, FlashParams::for_spec(&varlen).unwrap().0);
         assert_eq!(p.cu_k, vec![0, 0, 9, 20]);

@@ -59,17 +59,27 @@ pub struct ModuleVariant {
 
 /// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
 /// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain, the ring's
-/// `KV_ACCUM` mode and the `BLOCK_SPARSE` mode) and the ring's merge and finalize kernels. With [`compile::compile_for_arch`] this checks kernel texts on a machine without a device.
+/// `KV_ACCUM` mode and the `BLOCK_SPARSE` mode), the ring's merge and finalize kernels, and the sm_90a forward (plain
+/// and `BLOCK_SPARSE`) where the head dims suit it. With [`compile::compile_for_arch`] this checks kernel texts on a
+/// machine without a device.
 pub fn module_variants<T: GpuElement>(
     spec: &AttentionSpec,
     forward: ForwardTiling,
     backward: BackwardTiling,
 ) -> Result<Vec<ModuleVariant>, GpuError> {
-    let fwd = flash::forward_defines::<T>(spec, forward)?;
+    let fwd = flash::forward_defines::<T>(spec, forward, compile::FLASH_FWD)?;
     let bwd = backward::backward_defines::<T>(spec, backward)?;
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
-    Ok(vec![
+    // The sm_90a forward, where the spec's head dims suit it (its block-sparse mode is what the wrappers launch).
+    let sm90 = flash::forward_defines::<T>(spec, ForwardTiling::WGMMA, compile::FLASH_FWD_SM90).ok();
+    let sm90_variants = sm90.iter().flat_map(|defines| {
+        [
+            variant(compile::FLASH_FWD_SM90, with(defines, flash::BLOCK_SPARSE)),
+            variant(compile::FLASH_FWD_SM90, defines.clone()),
+        ]
+    });
+    Ok([
         variant(compile::FLASH_FWD, with(&fwd, flash::STATE_OUT)),
         variant(compile::FLASH_FWD, with(&fwd, flash::BLOCK_SPARSE)),
         variant(compile::FLASH_FWD, fwd),
@@ -78,7 +88,10 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_BWD, bwd),
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
-    ])
+    ]
+    .into_iter()
+    .chain(sm90_variants)
+    .collect())
 }
 
 /// Environment variable that turns a GPU skip into a test failure.
@@ -188,7 +201,7 @@ mod tests {
                 .unwrap();
         let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
         kernels.dedup();
-        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select"]);
+        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "flash_fwd_sm90"]);
         for kernel in kernels {
             assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");
         }

@@ -8,8 +8,9 @@
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
-//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR]]`. `--all-tilings` also times every
-//! tiling the kernel compiles for the head dim (the `default` column marks the one the launch wrappers use).
+//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...]`.
+//! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
+//! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
 //! 2.5 times the forward's. `--fwd-source PATH` and `--bwd-source PATH` (repeatable) also time the forward or the
@@ -18,7 +19,10 @@
 //! compare candidate kernels with the embedded ones on the same inputs.
 //!
 //! `--block-sparse` adds the block-sparse forward (`attnproof_gpu::block_sparse`, E14) at B = 1, H = 16, D = 128,
-//! L = 16K, 64K and 128K, causal, 128×128 blocks, with two kinds of lists per query head: the diagonal block plus 8
+//! L = 16K, 64K and 128K, causal, 128×128 blocks (the kernel the wrappers pick, `BlockLists::forward_kernel`: on an
+//! H200 the sm_90a `wgmma` kernel, with `flash_fwd` beside it in rows `<kind>/mma.sync`; `--wgmma-source PATH`,
+//! repeatable, times other texts of `flash_fwd_sm90.cu` in rows `<kind>@<stem>`), with two kinds of lists per query
+//! head: the diagonal block plus 8
 //! earlier blocks drawn at random (`top8+diag`), and the diagonal plus each earlier block with probability 1/4
 //! (`quarter+diag`). Its rows (direction `bsa-fwd`) count effective FLOPs, those of the visited blocks only, each as a
 //! full 128×128 block (`4·D·128·128` per visited block and head, the diagonal included), so that the same lists give
@@ -44,7 +48,7 @@ use attnproof_gpu::backward::{
 use attnproof_gpu::block_sparse::backward::block_sparse_backward_device;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -78,6 +82,9 @@ struct Options {
     select_sources: Vec<KernelSource>,
     /// `--selection-only`: of the block-sparse rows, only the selector's.
     selection_only: bool,
+    /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
+    /// the file's stem for the CSV.
+    wgmma_sources: Vec<(KernelSource, String)>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -107,6 +114,7 @@ fn parse() -> Result<Options, String> {
         lists_dir: None,
         select_sources: vec![],
         selection_only: false,
+        wgmma_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -123,6 +131,13 @@ fn parse() -> Result<Options, String> {
             "--select-source" => {
                 let path = value("--select-source")?;
                 o.select_sources.push(kernel_from_file("--select-source", &path, "bsa_select")?);
+            }
+            "--wgmma-source" => {
+                let path = value("--wgmma-source")?;
+                let text = kernel_from_file("--wgmma-source", &path, "flash_fwd")?;
+                // Named as the sm_90a kernel, so that its launch plan is that kernel's (`flash::is_wgmma`).
+                let kernel = KernelSource { name: FLASH_FWD_SM90.name, source: text.source };
+                o.wgmma_sources.push((kernel, text.name.to_owned()));
             }
             "--fwd-source" => {
                 let path = value("--fwd-source")?;
@@ -151,8 +166,11 @@ fn parse() -> Result<Options, String> {
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
     }
-    if (o.selection_only || !o.select_sources.is_empty()) && !o.block_sparse {
-        return Err("--selection-only and --select-source concern the block-sparse rows: add --block-sparse".into());
+    if (o.selection_only || !o.select_sources.is_empty() || !o.wgmma_sources.is_empty()) && !o.block_sparse {
+        return Err(
+            "--selection-only, --select-source and --wgmma-source concern the block-sparse rows: add --block-sparse"
+                .into(),
+        );
     }
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
@@ -392,6 +410,7 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
 /// The block-sparse rows (see the module docs).
 fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
     let (h, d) = (BLOCK_SPARSE_HEADS, BLOCK_SPARSE_DIM);
+    let device = compute_capability(stream.context()).map_err(|e| e.to_string())?;
     for l in BLOCK_SPARSE_LENGTHS {
         let n = h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
@@ -419,14 +438,30 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
                 100.0 * density
             );
             let lists = BlockLists { q_block: BLOCK, kv_block: BLOCK, heads: ListHeads::PerQueryHead, lists };
-            let fwd =
-                PreparedForward::<bf16>::block_sparse(stream, &spec, &lists, FLASH_FWD).map_err(|e| e.to_string())?;
-            let ms = median_ms(stream, opts, |s| {
-                fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
-                    .map_err(|e| e.to_string())
-            })?;
             let flops = 4.0 * (d * BLOCK * BLOCK) as f64 * visited as f64;
-            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-fwd,{},1,{ms:.4},{:.1}\n", kind.name(), flops / ms / 1e9));
+            // The production kernel (default 1), then `flash_fwd` where that is another kernel, then any other texts
+            // of the sm_90a kernel, all on the same lists and inputs.
+            let production = lists.forward_kernel(&spec, device);
+            let mut kernels = vec![(production, kind.name().to_owned())];
+            if production != FLASH_FWD {
+                kernels.push((FLASH_FWD, format!("{}/mma.sync", kind.name())));
+            }
+            kernels.extend(opts.wgmma_sources.iter().map(|(k, stem)| (*k, format!("{}@{stem}", kind.name()))));
+            for (kernel, tiling) in &kernels {
+                let fwd =
+                    PreparedForward::<bf16>::block_sparse(stream, &spec, &lists, *kernel).map_err(|e| e.to_string())?;
+                let ms = median_ms(stream, opts, |s| {
+                    fwd.launch(stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
+                        .map_err(|e| e.to_string())
+                })?;
+                let default = u8::from(*kernel == production);
+                emit(
+                    out,
+                    format!("\"(1,{h},{l},{d})\",true,bsa-fwd,{tiling},{default},{ms:.4},{:.1}\n", flops / ms / 1e9),
+                );
+            }
+            let fwd =
+                PreparedForward::<bf16>::block_sparse(stream, &spec, &lists, production).map_err(|e| e.to_string())?;
             let extra = backward_inputs(stream, &fwd, &inputs, n, h * l)?;
             let (mut dq, mut dk, mut dv) = (alloc(stream, n)?, alloc(stream, n)?, alloc(stream, n)?);
             let mut delta = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;

@@ -29,6 +29,13 @@
 //! The query block must hold whole CTAs: the launch takes the production tiling when its rows divide `q_block` and
 //! the 64-row tiling otherwise ([`BlockLists::tiling`]); every tiling computes the same bits.
 //!
+//! On compute capability 9.0, lists of 128-row query blocks and 128-key blocks with head dims up to 128 (the shape
+//! the benchmarks and the block selector use) run on the sm_90a forward instead (`gpu/kernels/flash_fwd_sm90.cu`,
+//! [`BlockLists::forward_kernel`]): Hopper's warpgroup MMA (`wgmma`), 128-key tiles (one per listed block), the same
+//! recipe and the same tile order. Its rows take at most half the rescale steps of `flash_fwd`'s 64-key tiles, so the
+//! same rounding-error model covers it; its bits differ from `flash_fwd`'s (the tensor cores sum in another order),
+//! and with every block listed it computes the bits of its own dense mode.
+//!
 //! # Choosing the blocks
 //!
 //! [`select`] is the block selector (BSA): mean-pooled queries and keys, their scores summed over each GQA group,
@@ -50,9 +57,12 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use ndarray::{Array4, ArrayViewD, Axis};
 
 use crate::common::{GpuElement, to_i32};
-use crate::compile::{self, FLASH_FWD};
+use crate::compile::{self, FLASH_FWD, FLASH_FWD_SM90};
 use crate::error::{BlockListFault, GpuError};
-use crate::flash::{ForwardOutput, ForwardTiling, KV_TILE, PreparedForward, forward_from_host};
+use crate::flash::{
+    ForwardOutput, ForwardTiling, KV_TILE, PreparedForward, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, forward_from_host,
+    is_wgmma,
+};
 use crate::params::BlockListParams;
 
 /// The query and key block sizes the kernel supports.
@@ -173,8 +183,22 @@ impl BlockLists {
         BlockSparseLayout { q_tile: self.q_block, kv_tile: self.kv_block, lists }
     }
 
-    /// The forward tiling of a launch: the production tiling of the head dims when its rows divide `q_block` (a CTA
-    /// must read one list), else the 64-row tiling.
+    /// Whether the sm_90a forward (`compile::FLASH_FWD_SM90`) serves these lists for `spec`: 128-row query blocks
+    /// (its CTA's rows), 128-key blocks (its KV tile) and head dims up to [`WGMMA_MAX_HEAD_DIM`].
+    pub fn suits_wgmma(&self, spec: &AttentionSpec) -> bool {
+        self.q_block == ForwardTiling::WGMMA.rows()
+            && self.kv_block == WGMMA_KV_TILE
+            && spec.head_dim.max(spec.head_dim_v) <= WGMMA_MAX_HEAD_DIM
+    }
+
+    /// The forward kernel the production wrappers run for these lists on a device of compute capability `device`:
+    /// the sm_90a kernel on 9.0 when the lists suit it ([`BlockLists::suits_wgmma`]), `flash_fwd` otherwise.
+    pub fn forward_kernel(&self, spec: &AttentionSpec, device: (i32, i32)) -> compile::KernelSource {
+        if device == (9, 0) && self.suits_wgmma(spec) { FLASH_FWD_SM90 } else { FLASH_FWD }
+    }
+
+    /// The forward tiling of a launch of `flash_fwd`: the production tiling of the head dims when its rows divide
+    /// `q_block` (a CTA must read one list), else the 64-row tiling.
     pub fn tiling(&self, spec: &AttentionSpec) -> ForwardTiling {
         let production = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
         if self.q_block.is_multiple_of(production.rows()) { production } else { ForwardTiling { warps: 4, slices: 1 } }
@@ -212,22 +236,45 @@ impl BlockLists {
 }
 
 impl<T: GpuElement> PreparedForward<T> {
-    /// A prepared block-sparse forward: validates `spec` and `lists` for `kernel` (normally [`compile::FLASH_FWD`]),
-    /// compiles (or fetches) its `BLOCK_SPARSE` module in [`BlockLists::tiling`] and uploads the sequence offsets and
-    /// the lists on `stream`, once; [`PreparedForward::launch`] then runs it on any buffers of the spec's sizes.
+    /// A prepared block-sparse forward: validates `spec` and `lists` for `kernel` (a text of `flash_fwd`, run in
+    /// [`BlockLists::tiling`], or of the sm_90a forward, which takes only lists that [`BlockLists::suits_wgmma`]),
+    /// compiles (or fetches) its `BLOCK_SPARSE` module and uploads the sequence offsets and the lists on `stream`,
+    /// once; [`PreparedForward::launch`] then runs it on any buffers of the spec's sizes.
     pub fn block_sparse(
         stream: &Arc<CudaStream>,
         spec: &AttentionSpec,
         lists: &BlockLists,
         kernel: compile::KernelSource,
     ) -> Result<Self, GpuError> {
-        let (entries, params) = lists.checked_entries(spec)?;
-        PreparedForward::prepare(stream, spec, kernel, lists.tiling(spec), Some((&entries, params)))
+        let (entries, mut params) = lists.checked_entries(spec)?;
+        let tiling = if is_wgmma(kernel) {
+            if !lists.suits_wgmma(spec) {
+                return Err(GpuError::Unsupported {
+                    argument: "lists",
+                    reason: format!(
+                        "the sm_90a forward takes {}-row query blocks, {WGMMA_KV_TILE}-key blocks and head dims up to \
+                         {WGMMA_MAX_HEAD_DIM}, not {}, {} and {}, {}",
+                        ForwardTiling::WGMMA.rows(),
+                        lists.q_block,
+                        lists.kv_block,
+                        spec.head_dim,
+                        spec.head_dim_v
+                    ),
+                });
+            }
+            params.tiles_per_block = 1;
+            ForwardTiling::WGMMA
+        } else {
+            lists.tiling(spec)
+        };
+        PreparedForward::prepare(stream, spec, kernel, tiling, Some((&entries, params)))
     }
 }
 
 /// The block-sparse forward on device buffers (layouts as for [`crate::flash_forward_device`]): every `spec` and
-/// list check runs before the launch, which is asynchronous on `stream`.
+/// list check runs before the launch, which is asynchronous on `stream`. The kernel is
+/// [`BlockLists::forward_kernel`]'s: the sm_90a `wgmma` forward for 128×128 blocks and head dims up to 128 on compute
+/// capability 9.0, `flash_fwd` otherwise.
 #[allow(clippy::too_many_arguments)]
 pub fn block_sparse_forward_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
@@ -239,11 +286,12 @@ pub fn block_sparse_forward_device<T: GpuElement>(
     o: &mut CudaSlice<T>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), GpuError> {
-    block_sparse_forward_device_with(stream, spec, lists, FLASH_FWD, q, k, v, o, lse)
+    let kernel = lists.forward_kernel(spec, compile::compute_capability(stream.context())?);
+    block_sparse_forward_device_with(stream, spec, lists, kernel, q, k, v, o, lse)
 }
 
-/// [`block_sparse_forward_device`] with an explicit kernel text (the tests launch patched copies of `flash_fwd.cu`
-/// through the same checks).
+/// [`block_sparse_forward_device`] with an explicit kernel text, run as given: a text of `flash_fwd` or of the sm_90a
+/// forward (the tests launch patched copies of both through the same checks).
 #[allow(clippy::too_many_arguments)]
 pub fn block_sparse_forward_device_with<T: GpuElement>(
     stream: &Arc<CudaStream>,
@@ -406,6 +454,27 @@ mod tests {
         );
         let per_query = BlockLists { heads: ListHeads::PerQueryHead, lists: layout.lists, ..lists };
         assert_eq!(per_query.params(&spec).unwrap().heads_per_list, 1);
+    }
+
+    /// The wrappers run the sm_90a forward only on 9.0 and only for 128×128 blocks with head dims up to 128; every
+    /// other device, block size or head dim takes `flash_fwd`.
+    #[test]
+    fn the_wgmma_forward_is_chosen_for_its_blocks_head_dims_and_device_only() {
+        let spec = |d, dv| AttentionSpec::dense(1, 1, 1, 300, 300, d, dv);
+        let lists =
+            |q_block, kv_block| BlockLists { q_block, kv_block, ..lists_of(ListHeads::PerQueryHead, (1, 1, 3, 3), -1) };
+        assert_eq!(lists(128, 128).forward_kernel(&spec(128, 128), (9, 0)), FLASH_FWD_SM90);
+        assert_eq!(lists(128, 128).forward_kernel(&spec(8, 64), (9, 0)), FLASH_FWD_SM90);
+        for device in [(8, 0), (8, 9), (10, 0), (12, 0)] {
+            assert_eq!(lists(128, 128).forward_kernel(&spec(128, 128), device), FLASH_FWD, "{device:?}");
+        }
+        for (q_block, kv_block) in [(64, 128), (128, 64), (64, 64)] {
+            assert!(!lists(q_block, kv_block).suits_wgmma(&spec(64, 64)), "{q_block}×{kv_block}");
+            assert_eq!(lists(q_block, kv_block).forward_kernel(&spec(64, 64), (9, 0)), FLASH_FWD);
+        }
+        for (d, dv) in [(136, 128), (128, 136), (256, 256)] {
+            assert!(!lists(128, 128).suits_wgmma(&spec(d, dv)), "d = {d}, dv = {dv}");
+        }
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! and per KV head, and a density class per draw: no block listed, sparse, dense, or every block. Each draw runs
 //! inputs A, B, A with NaN-poisoned, guarded outputs and checks the inputs unchanged (both A runs bitwise equal); each
 //! verdict must pass with a valid gate (including the dropped-listed-block wrong answer); a draw with every block
-//! listed must equal the dense kernel bit for bit in the same tiling. Without a device each test prints
+//! listed must equal the dense kernel bit for bit in the same tiling. The sm_90a forward (`flash_fwd_sm90.cu`, which
+//! the wrappers run for 128×128 blocks and head dims up to 128 on compute capability 9.0) has suites of its own over
+//! those shapes, compared in the all-blocks draws with its own dense mode. Without a device each test prints
 //! `skipped: no CUDA device` and passes.
 
 use std::cell::RefCell;
@@ -15,7 +17,8 @@ use std::sync::Arc;
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads, block_sparse_forward};
-use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
+use attnproof_gpu::compile::{FLASH_FWD, FLASH_FWD_SM90, KernelSource};
+use attnproof_gpu::flash::{ForwardTiling, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, is_wgmma};
 use attnproof_gpu::{BlockListFault, GpuError, skip_unless_gpu};
 use attnproof_harness::adversarial::Worst;
 use attnproof_harness::candidate::{block_sparse_forward_guarded, forward_guarded};
@@ -109,6 +112,28 @@ pub enum DrawShapes {
     /// Those, and one draw in four with 1500 to 2600 keys over a few heads: 12 to 41 key blocks per list head, so
     /// that the backward's CSR transpose has more rows than its scan's first warp covers.
     KernelAndLongKeys,
+    /// The kernels' shapes with head dims up to [`WGMMA_MAX_HEAD_DIM`] and 128×128 blocks: what the sm_90a forward
+    /// takes (`BlockLists::suits_wgmma`).
+    Wgmma,
+}
+
+impl DrawShapes {
+    /// The block sizes the draws take, on each side.
+    pub fn block_sizes(self) -> Vec<usize> {
+        match self {
+            DrawShapes::Kernel | DrawShapes::KernelAndLongKeys => BLOCK_SIZES.to_vec(),
+            DrawShapes::Wgmma => vec![WGMMA_KV_TILE],
+        }
+    }
+}
+
+/// The kernels' shapes with both head dims cut to the sm_90a forward's largest (still multiples of 8).
+fn wgmma_spec() -> impl Strategy<Value = AttentionSpec> {
+    kernel_spec().prop_map(|mut s| {
+        s.head_dim = s.head_dim.min(WGMMA_MAX_HEAD_DIM);
+        s.head_dim_v = s.head_dim_v.min(WGMMA_MAX_HEAD_DIM);
+        s
+    })
 }
 
 /// Few heads and queries over many keys, dense, no mask or causal.
@@ -122,12 +147,13 @@ fn long_key_spec() -> impl Strategy<Value = AttentionSpec> {
 /// What the block-sparse suites draw (dependent shapes through `prop_flat_map`: the picks follow the spec and the
 /// block sizes).
 pub fn block_draws(shapes: DrawShapes) -> impl Strategy<Value = BlockDraw> {
-    let sizes = prop::sample::select(BLOCK_SIZES.to_vec());
+    let sizes = prop::sample::select(shapes.block_sizes());
     let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
     let density = prop::sample::select(Density::ALL.to_vec());
     let specs = match shapes {
         DrawShapes::Kernel => kernel_spec().boxed(),
         DrawShapes::KernelAndLongKeys => prop_oneof![3 => kernel_spec(), 1 => long_key_spec()].boxed(),
+        DrawShapes::Wgmma => wgmma_spec().boxed(),
     };
     (specs, sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
         |(spec, q_block, kv_block, heads, density, profile, seed)| {
@@ -179,6 +205,24 @@ pub const BLOCK_SUITES: [BlockSuite; 2] = [
         cases: 64,
         seed: 0x6770_7562_6c6f_636c,
         shapes: DrawShapes::Kernel,
+    },
+];
+
+/// The sm_90a forward's suites ("gpuwgmma" in ASCII, plus the dtype): 128×128 blocks, head dims up to 128.
+pub const WGMMA_SUITES: [BlockSuite; 2] = [
+    BlockSuite {
+        name: "gpu_block_sparse_wgmma_forward_bf16",
+        bf16: true,
+        cases: 64,
+        seed: 0x6770_7577_676d_6d61,
+        shapes: DrawShapes::Wgmma,
+    },
+    BlockSuite {
+        name: "gpu_block_sparse_wgmma_forward_f16",
+        bf16: false,
+        cases: 64,
+        seed: 0x6770_7577_676d_6d62,
+        shapes: DrawShapes::Wgmma,
     },
 ];
 
@@ -255,11 +299,11 @@ impl BlockCoverage {
         self.csr_rows_past_a_warp += usize::from((32..rows).any(row_listed));
     }
 
-    /// The combinations no draw reached.
-    pub fn unreached(&self) -> Vec<(usize, usize, bool, Density)> {
+    /// The combinations of `sizes` (each side) no draw reached.
+    pub fn unreached(&self, sizes: &[usize]) -> Vec<(usize, usize, bool, Density)> {
         let mut missing = vec![];
-        for q in BLOCK_SIZES {
-            for k in BLOCK_SIZES {
+        for &q in sizes {
+            for &k in sizes {
                 for per_kv in [false, true] {
                     for density in Density::ALL {
                         if !self.seen.contains_key(&(q, k, per_kv, density)) {
@@ -323,7 +367,13 @@ fn check_draw<T: Storage>(
             _ => {}
         }
         if n == 0 && lists_everything(draw) {
-            let dense = forward_guarded(stream, case, FLASH_FWD, draw.lists.tiling(&case.spec))
+            // The dense mode of the same (unpatched) kernel family, in the same tiling.
+            let (dense_kernel, tiling) = if is_wgmma(kernel) {
+                (FLASH_FWD_SM90, ForwardTiling::WGMMA)
+            } else {
+                (FLASH_FWD, draw.lists.tiling(&case.spec))
+            };
+            let dense = forward_guarded(stream, case, dense_kernel, tiling)
                 .map_err(|e| TestCaseError::fail(format!("dense launch: {e}")))?;
             prop_assert!(dense.same(&run), "every block listed, but the bits differ from the dense kernel's");
         }
@@ -364,6 +414,60 @@ fn block_sparse_forward_is_within_bound_f16() {
     run_production(&BLOCK_SUITES[1]);
 }
 
+/// Runs `suite` on the sm_90a forward, on a device of compute capability 9.0 (elsewhere the kernel is an
+/// `UnsupportedDevice` error and the test prints why it skips).
+fn run_wgmma(suite: &BlockSuite) {
+    if !on_hopper(suite.name) {
+        return;
+    }
+    run_on_device(suite, |stream, worst, draw| suite.check(stream, FLASH_FWD_SM90, worst, draw));
+}
+
+#[test]
+fn block_sparse_wgmma_forward_is_within_bound_bf16() {
+    run_wgmma(&WGMMA_SUITES[0]);
+}
+
+#[test]
+fn block_sparse_wgmma_forward_is_within_bound_f16() {
+    run_wgmma(&WGMMA_SUITES[1]);
+}
+
+/// The production wrapper runs the sm_90a forward for 128×128 blocks on 9.0: its bits are that kernel's, and they
+/// differ from `flash_fwd`'s on the same lists (the tensor cores sum in another order), which the comparison needs to
+/// mean anything.
+#[test]
+fn the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper() {
+    if !on_hopper("the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper") {
+        return;
+    }
+    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 300, 300, 128, 128, Mask::Causal);
+    let lists = uniform_lists(&spec, 128, 128, ListHeads::PerKvHead, &[0, 2]);
+    let case = make_case::<bf16>(&spec, ValueProfile::GAUSSIAN, 21);
+    let production = block_sparse_forward(&stream, &spec, &lists, case.q.view(), case.k.view(), case.v.view())
+        .expect("the production forward");
+    let wgmma = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD_SM90).expect("the sm_90a forward");
+    let mma = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("flash_fwd");
+    let bits = |o: &ndarray::ArrayD<bf16>| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&production.o), bits(&wgmma.o), "the production forward is not the sm_90a kernel");
+    assert_ne!(bits(&production.o), bits(&mma.o), "flash_fwd and the sm_90a kernel agree bit for bit");
+}
+
+/// Whether the device is compute capability 9.0 (the sm_90a kernel's only one); prints why a test skips otherwise.
+pub fn on_hopper(test: &str) -> bool {
+    let Some(ctx) = skip_unless_gpu(test) else {
+        return false;
+    };
+    let cc = attnproof_gpu::compile::compute_capability(&ctx).expect("the compute capability");
+    if cc != (9, 0) {
+        println!("{test}: skipped: the sm_90a forward needs compute capability 9.0, the device has {cc:?}");
+        return false;
+    }
+    true
+}
+
 /// The features of `suites`' draws together, replayed without a device as CI runs them; every drawn list must be
 /// valid (the strategy builds them by the convention).
 pub fn suites_coverage(suites: &[BlockSuite]) -> BlockCoverage {
@@ -389,8 +493,29 @@ pub fn suites_coverage(suites: &[BlockSuite]) -> BlockCoverage {
 fn the_block_sparse_suites_draw_every_list_feature() {
     let union = suites_coverage(&BLOCK_SUITES);
     println!("block-sparse suites: {union:?}");
-    assert!(union.unreached().is_empty(), "never drawn: {:?}", union.unreached());
+    assert!(union.unreached(&BLOCK_SIZES).is_empty(), "never drawn: {:?}", union.unreached(&BLOCK_SIZES));
     assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
+}
+
+/// The sm_90a forward's suites reach every list-head and density class at 128×128, GQA-shared lists, varlen, and
+/// both paddings of each head dim (up to 64 and up to 128).
+#[test]
+fn the_wgmma_suites_draw_every_list_feature_at_their_block_size() {
+    let union = suites_coverage(&WGMMA_SUITES);
+    println!("sm_90a block-sparse suites: {union:?}");
+    let sizes = DrawShapes::Wgmma.block_sizes();
+    assert!(union.unreached(&sizes).is_empty(), "never drawn: {:?}", union.unreached(&sizes));
+    assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
+    let pads = RefCell::new(std::collections::BTreeSet::new());
+    for suite in &WGMMA_SUITES {
+        let _ = suite.run(suite.default_config(), |draw| {
+            assert!(draw.lists.suits_wgmma(&draw.spec), "{:?}", draw.spec);
+            pads.borrow_mut().insert((draw.spec.head_dim.div_ceil(64), draw.spec.head_dim_v.div_ceil(64)));
+            Ok(())
+        });
+    }
+    let pads = pads.into_inner();
+    assert!(pads.contains(&(1, 1)) && pads.contains(&(2, 2)), "head-dim paddings drawn: {pads:?}");
 }
 
 /// Lists of `spec` that name the key blocks among `entries` (those inside the sequence) then `−1`, in every own query
@@ -520,6 +645,23 @@ fn sanitizer_shapes() {
 /// The block-sparse killing cases of the catalog's `BLOCK_SPARSE` mutants: 128-key blocks with pads (so that a pad
 /// read as block 0 and half-visited blocks show), causal with the diagonal block listed, lists per query head in a
 /// GQA group with different lists per head, two sequences with different lists, and a row max at logit scale 20.
+/// The sm_90a forward's killing cases: 128×128 blocks, a causal diagonal with Lq ≠ Lk and a GQA group sharing
+/// lists, a window over a 257-row tail with dv ≠ d, and two sequences with lists per query head at logit scale 4.
+pub fn wgmma_killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
+    let mut out = vec![];
+    let spec = dense(1, 4, 2, 300, 260, 64, 64, Mask::Causal);
+    let lists = uniform_lists(&spec, 128, 128, ListHeads::PerKvHead, &[0, 1, 2]);
+    out.push(("causal_gqa_lq_gt_lk", make_case(&spec, gaussian(1.0), 31), lists));
+    let spec = dense(1, 2, 2, 257, 257, 128, 64, Mask::Window { left: 100, right: 5 });
+    let lists = uniform_lists(&spec, 128, 128, ListHeads::PerQueryHead, &[0, 1, 2]);
+    out.push(("window_tail_dv64", make_case(&spec, gaussian(1.0), 32), lists));
+    let spec = dense(2, 2, 1, 200, 400, 128, 128, Mask::None);
+    let picks: Vec<Vec<bool>> = (0..8).map(|r| (0..4).map(|b| (r + b) % 2 == 0).collect()).collect();
+    let lists = lists_from(&spec, 128, 128, ListHeads::PerQueryHead, &picks);
+    out.push(("two_sequences_x4", make_case(&spec, gaussian(4.0), 33), lists));
+    out
+}
+
 pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
     let mut out = vec![];
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);

@@ -23,7 +23,7 @@ use crate::block_sparse::{
 use crate::common::*;
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
-use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
+use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
 use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, skip_unless_gpu};
 use attnproof_harness::HarnessError;
@@ -217,7 +217,8 @@ fn block_sparse_backward_is_within_bound_f16() {
 fn the_block_sparse_backward_suites_draw_every_list_feature() {
     let union = crate::block_sparse::suites_coverage(&BACKWARD_SUITES);
     println!("block-sparse backward suites: {union:?}");
-    assert!(union.unreached().is_empty(), "never drawn: {:?}", union.unreached());
+    let sizes = BLOCK_SIZES;
+    assert!(union.unreached(&sizes).is_empty(), "never drawn: {:?}", union.unreached(&sizes));
     assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
     // The transpose's scan runs a warp per 32 CSR rows: some draws must need the second warp's offsets.
     assert!(union.csr_rows_past_a_warp >= 4, "{union:?}");

@@ -72,8 +72,13 @@ fn every_planned_module_compiles_for_sm_90a() {
     });
     println!("compiled {} distinct modules for sm_90a, {} failed", unique.len(), failures.len());
     assert!(failures.is_empty(), "modules that do not compile:\n{}", failures.join("\n\n"));
-    // The grid really reaches the wide-head paths: two column chunks and one query stage in the backward.
+    // The grid really reaches the wide-head paths: two column chunks and one query stage in the backward; and the
+    // sm_90a forward with both of its paddings.
     assert!(unique.iter().any(|v| v.defines.iter().any(|d| d == "Q_STAGES=1")), "no single-stage backward variant");
+    for pad in ["HEAD_DIM_PAD=64", "HEAD_DIM_PAD=128"] {
+        let sm90 = |v: &&ModuleVariant| v.kernel.name == "flash_fwd_sm90" && v.defines.iter().any(|d| d == pad);
+        assert!(unique.iter().any(|v| sm90(&v)), "no sm_90a forward variant with {pad}");
+    }
 }
 
 /// Compute capabilities from Turing (the oldest target of CUDA 13's NVRTC) to consumer Blackwell.
@@ -103,7 +108,8 @@ fn nvrtc_compiles_a_kernel_exactly_for_the_devices_the_support_table_admits() {
                         // A rejection must come from an instruction the target lacks, not from a broken text.
                         let lacks_instruction = matches!(
                             &compiled,
-                            Err(GpuError::Compile { log, .. }) if log.contains("requires .target sm_")
+                            Err(GpuError::Compile { log, .. })
+                                if log.contains("requires .target sm_") || log.contains("not supported on .target")
                         );
                         if compiled.is_ok() != admitted || (!admitted && !lacks_instruction) {
                             let nvrtc = compiled.err().map_or("compiled".to_owned(), |e| e.to_string());

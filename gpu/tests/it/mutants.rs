@@ -6,7 +6,8 @@
 //! alone, so that the suites that judge every kernel change are shown able to catch each modelled bug. The mutants of
 //! `flash_fwd`'s block-sparse mode (`BLOCK_SPARSE`) run through `block_sparse_forward_device_with` against the
 //! block-sparse killing cases and suite (`crate::block_sparse`), those of `flash_bwd`'s through
-//! `block_sparse_backward_device_with` against the block-sparse backward's (`crate::block_sparse_backward`). Mutants
+//! `block_sparse_backward_device_with` against the block-sparse backward's (`crate::block_sparse_backward`), and those
+//! of the sm_90a forward (`flash_fwd_sm90.cu`, block-sparse mode) against its own cases and suite on a 9.0 device. Mutants
 //! of `gpu/kernels/common.cuh`, which is prepended to both attention kernels, name the kernel that must kill them.
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
@@ -26,7 +27,7 @@ use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, compile_for_arch};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
 use attnproof_harness::adversarial::{Direction, Worst};
@@ -44,7 +45,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 3] = [FLASH_FWD, FLASH_BWD, BSA_SELECT];
+const KERNELS: [KernelSource; 4] = [FLASH_FWD, FLASH_BWD, BSA_SELECT, FLASH_FWD_SM90];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
@@ -232,6 +233,38 @@ fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse::BLOCK_SUITES[0];
     hunt_in_suite(FLASH_FWD, &block_sparse_mutants(), suite.name, |kernel| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
+    });
+}
+
+/// The catalog's mutants of the sm_90a forward (all of its block-sparse mode, the one the wrappers launch).
+fn wgmma_mutants() -> Vec<&'static Mutant> {
+    attnproof_catalog::kernel_text_mutants(FLASH_FWD_SM90.name, Some(BLOCK_SPARSE)).collect()
+}
+
+#[test]
+fn all_wgmma_forward_mutants_are_killed() {
+    if !block_sparse::on_hopper("all_wgmma_forward_mutants_are_killed") {
+        return;
+    }
+    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
+        block_sparse::wgmma_killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
+    hunt(FLASH_FWD_SM90, &wgmma_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
+}
+
+/// Every sm_90a forward mutant also fails that kernel's general block-sparse suite (bf16, its default draws).
+#[test]
+fn all_wgmma_forward_mutants_are_killed_by_the_general_suite() {
+    if !block_sparse::on_hopper("all_wgmma_forward_mutants_are_killed_by_the_general_suite") {
+        return;
+    }
+    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &block_sparse::WGMMA_SUITES[0];
+    hunt_in_suite(FLASH_FWD_SM90, &wgmma_mutants(), suite.name, |kernel| {
         let worst = std::cell::RefCell::new(Worst::default());
         suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
     });
@@ -439,6 +472,8 @@ fn every_catalog_kernel_text_mutant_has_cases_and_applies() {
         }
     }
     for base in KERNELS {
-        assert!(!catalog_mutants(base).is_empty(), "kernel {} has killing cases but no catalog mutants", base.name);
+        let has_mutants = attnproof_catalog::all()
+            .any(|m| matches!(m.runner, Runner::KernelText { kernel, .. } if kernel == base.name));
+        assert!(has_mutants, "kernel {} has killing cases but no catalog mutants", base.name);
     }
 }

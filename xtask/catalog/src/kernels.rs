@@ -18,6 +18,10 @@ const FLASH_FWD: Mutant = Mutant {
     runner: Runner::KernelText { kernel: "flash_fwd", mode: None },
 };
 
+/// Base entry for mutants of the forward kernels' shared code in `gpu/kernels/common.cuh` (the online-softmax step, the
+/// CTA's rows and visible tiles, the output rows), launched in-process with `flash_fwd`'s killing cases.
+const FORWARD_COMMON: Mutant = Mutant { file: COMMON_HEADER, ..FLASH_FWD };
+
 /// Base entry for mutants of the block selector (`bsa_select.cu`: key pooling and selection), launched in-process on a
 /// device with selection killing cases.
 const BSA_SELECT: Mutant = Mutant {
@@ -31,8 +35,16 @@ const BSA_SELECT: Mutant = Mutant {
 const BLOCK_SPARSE_FWD: Mutant =
     Mutant { runner: Runner::KernelText { kernel: "flash_fwd", mode: Some("BLOCK_SPARSE") }, ..FLASH_FWD };
 
-/// Base entry for mutants of the tile cursor (`gpu/kernels/common.cuh`, prepended to both attention kernels) as the
-/// forward's block-sparse mode walks a query block's key-block list.
+/// Base entry for mutants of the sm_90a forward (`gpu/kernels/flash_fwd_sm90.cu`) in its block-sparse mode, the one
+/// the wrappers launch, run on a device of compute capability 9.0 with its own killing cases and suites.
+const WGMMA_FWD: Mutant = Mutant {
+    file: "gpu/kernels/flash_fwd_sm90.cu",
+    runner: Runner::KernelText { kernel: "flash_fwd_sm90", mode: Some("BLOCK_SPARSE") },
+    ..FLASH_FWD
+};
+
+/// Base entry for mutants of `gpu/kernels/common.cuh` (prepended to every attention kernel) that the forward's
+/// block-sparse mode runs: the tile cursor walking a query block's key-block list, the CTA's list and masked tiles.
 const CURSOR_FWD: Mutant = Mutant { file: COMMON_HEADER, ..BLOCK_SPARSE_FWD };
 
 /// Base entry for mutants of the FlashAttention backward kernels, launched in-process on a device.
@@ -72,58 +84,58 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-causal-top-left",
         description: "Causal aligned top-left instead of bottom-right: wrong whenever Lq ≠ Lk",
-        find: "const long long shift = (long long)len_k - len_q;",
-        replace: "const long long shift = 0;",
-        ..FLASH_FWD
+        find: "c.shift = (long long)c.len_k - c.len_q;",
+        replace: "c.shift = 0;",
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-tail-mask-off-by-one",
         description: "The key past the end is visible in the tail tile (it reads the zero-filled padding row: a spurious s = 0)",
         find: "const bool vis = j < len_k &&",
         replace: "const bool vis = j <= len_k &&",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-missing-rescale",
         description: "ℓ and A are never rescaled when the running max moves",
         find: "ex2_approx_ftz(__fsub_rn(ml_run[mi][r], ml_new[r]))",
         replace: "1.f",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-accumulator-not-rescaled",
         description: "A is not rescaled, ℓ is (a half-done rescale)",
-        find: "acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[0]);",
+        find: "acc[mi][n][0] = __fmul_rn(acc[mi][n][0], rescale[mi][0]);",
         replace: "",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-missing-max-subtraction",
         description: "p = 2^(s·L) without subtracting the running max: overflows at large logits, and LSE loses m",
         find: "ex2_approx_ftz(__fmaf_rn(x, LOG2E_F, -ml_new[r]))",
         replace: "ex2_approx_ftz(__fmul_rn(x, LOG2E_F))",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-lse-base-2",
         description: "LSE in base 2",
         find: "__fadd_rn(m_run[mi][r], logf(l))",
         replace: "__fadd_rn(m_run[mi][r], log2f(l))",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-scale-one-over-d",
         description: "Scale 1/d instead of 1/√d",
         find: "float x = __fmul_rn(s[mi][n][e], scale);",
         replace: "float x = __fmul_rn(s[mi][n][e], scale * scale);",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-gqa-head-map",
         description: "GQA maps query head h to KV head h % group instead of h / group",
-        find: "const int kv_head = head / group;",
-        replace: "const int kv_head = head % group;",
-        ..FLASH_FWD
+        find: "const int kv_head = head / p.group;",
+        replace: "const int kv_head = head % p.group;",
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-last-kv-tile-skipped",
@@ -136,51 +148,51 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-only-first-warp-writes",
         description: "Only warp 0 stores its rows (the others' stay NaN-poisoned)",
-        find: "if (row >= rows_here) continue;",
-        replace: "if (row >= rows_here || warp > 0) continue;",
-        ..FLASH_FWD
+        find: "if (row >= cta.rows_here) continue;",
+        replace: "if (row >= cta.rows_here || wrow > 0) continue;",
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-row-max-half-reduced",
         description: "The row max is reduced over half the quad only",
         find: "m_new[r] = fmaxf(m_new[r], __shfl_xor_sync(0xffffffffu, m_new[r], 2));",
         replace: "",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-row-sum-half-reduced",
         description: "ℓ is reduced over half the quad only",
         find: "l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, 2));",
         replace: "",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-stale-k-tile",
         description: "The last tile's K is never fetched: its scores use the previous tile's keys",
         find: "if (t_next >= 0) {",
-        replace: "if (t_next >= 0 && t_next + 1 < tile_hi) {",
+        replace: "if (t_next >= 0 && t_next + 1 < cta.tile_hi) {",
         ..FLASH_FWD
     },
     Mutant {
         name: "gpu-fwd-interior-ignores-tail",
         description: "The tail tile is taken for an interior one (no mask past Lk)",
-        find: "const bool interior = key0 + BLOCK_N <= len_k && key0 >= diag_hi - win_left &&",
+        find: "const bool interior = key0 + block_n <= len_k && key0 >= diag_hi - win_left &&",
         replace: "const bool interior = key0 >= diag_hi - win_left &&",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-interior-ignores-diagonal",
         description: "Diagonal tiles are taken for interior ones when their first key is visible",
-        find: "(long long)key0 + BLOCK_N - 1 <= diag_lo + win_right;",
+        find: "(long long)key0 + block_n - 1 <= diag_lo + win_right;",
         replace: "(long long)key0 <= diag_lo + win_right;",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     Mutant {
         name: "gpu-fwd-window-left-ignored",
         description: "The window's left bound is not applied inside a tile",
         find: "&& j >= diag - win_left;",
         replace: ";",
-        ..FLASH_FWD
+        ..FORWARD_COMMON
     },
     // --- flash_fwd.cu in its block-sparse mode, launched on a device ---
     Mutant {
@@ -207,8 +219,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bsa-fwd-query-lists-read-per-kv-head",
         description: "Lists given per query head are read per KV head (query head h uses the list of head h / group)",
-        find: "(long long)(head / lists.heads_per_list) * lists.head_stride",
-        replace: "(long long)(head / group) * lists.head_stride",
+        find: "head / lists.heads_per_list, block_lists",
+        replace: "head / group, block_lists",
         ..BLOCK_SPARSE_FWD
     },
     Mutant {
@@ -216,14 +228,57 @@ pub const MUTANTS: &[Mutant] = &[
         description: "Every sequence reads the first sequence's lists",
         find: "block_lists + seq * lists.seq_stride",
         replace: "block_lists + 0 * lists.seq_stride",
-        ..BLOCK_SPARSE_FWD
+        ..CURSOR_FWD
     },
     Mutant {
         name: "gpu-bsa-fwd-listed-tiles-unmasked",
         description: "A listed tile is never masked: the diagonal block sees future keys, windows and the key tail vanish",
-        find: "const bool interior = key0 + BLOCK_N <= len_k &&",
-        replace: "const bool interior = true || key0 + BLOCK_N <= len_k &&",
-        ..BLOCK_SPARSE_FWD
+        find: "const bool interior = key0 + block_n <= len_k &&",
+        replace: "const bool interior = true || key0 + block_n <= len_k &&",
+        ..CURSOR_FWD
+    },
+    // --- flash_fwd_sm90.cu (wgmma) in its block-sparse mode, launched on a 9.0 device ---
+    Mutant {
+        name: "gpu-sm90-swizzle-dropped",
+        description: "Tiles are stored unswizzled while the descriptors say 128-byte swizzle: the products read the wrong units",
+        find: "(((u % 8) ^ (r % 8)) << 4)",
+        replace: "((u % 8) << 4)",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-last-product-skipped",
+        description: "The last tile's P·V is never issued: each row loses its last visited block's values",
+        find: "    if (pending_pv) {\n        // The last tile's product",
+        replace: "    if (false) {\n        // The last tile's product",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-v-descriptor-offsets-swapped",
+        description: "V's leading and stride byte offsets swapped (the order the PTX ISA's N-major layout fixes)",
+        find: "BLOCK_N * SW_ROW, 1024));",
+        replace: "1024, BLOCK_N * SW_ROW));",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-q-k-step-half",
+        description: "Q's descriptor advances 16 bytes per k-step instead of 32: scores use the wrong head-dim columns",
+        find: "smem_desc(q_addr + (kk / 4) * (BLOCK_M * SW_ROW) + (kk % 4) * 32, 16, 1024)",
+        replace: "smem_desc(q_addr + (kk / 4) * (BLOCK_M * SW_ROW) + (kk % 4) * 16, 16, 1024)",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-second-warpgroup-reads-first-rows",
+        description: "Both warpgroups read Q's first 64 rows: rows 64 to 127 of every tile get rows 0 to 63's scores",
+        find: "smem_u32(q_s) + (warp / 4) * 64 * SW_ROW;",
+        replace: "smem_u32(q_s) + 0 * 64 * SW_ROW;",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-diagonal-unmasked",
+        description: "Every tile is taken for one all rows see whole: the diagonal block sees future keys, the tail garbage",
+        find: "if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {",
+        replace: "if (true) {",
+        ..WGMMA_FWD
     },
     // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
     Mutant {

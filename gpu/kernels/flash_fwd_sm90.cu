@@ -1,0 +1,284 @@
+// FlashAttention forward with LSE (E2–E5) on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a only),
+// compiled by NVRTC after common.cuh (see gpu/src/compile.rs); the launch wrappers pick it where it applies
+// (gpu/src/flash.rs, gpu/src/block_sparse/mod.rs).
+//
+// One CTA of two warpgroups (8 warps, 256 threads) per (query tile of BLOCK_M = 128 rows, query head, sequence); each
+// warpgroup owns 64 rows and each warp 16, so that a thread's accumulators have the m16n8 fragment layout of
+// flash_fwd.cu (rows g and g + 8, columns 2·tig and + 1 of every 8-column block) and the two kernels share the
+// online-softmax step and the output rows (common.cuh). KV tiles are BLOCK_N = 128 keys.
+//
+// Products: S = Q Kᵀ by wgmma.mma_async.m64n128k16 with Q and K in shared memory (K-major); O += P V by
+// wgmma.mma_async.m64n{64,128}k16 with P from registers (the accumulators of S rounded to the storage type: two
+// adjacent 8-column blocks of S are the m64k16 A fragment) and V in shared memory, N-major (transposed).
+//
+// Shared memory: Q, two K stages and two V stages, each tile stored as 64-column chunks of 128-byte rows in the
+// tensor cores' 128-byte swizzle (the 16-byte unit u of row r sits at unit u ^ (r % 8)); every chunk starts on a
+// 1024-byte boundary (the kernel aligns the dynamic window itself; the host asks for SMEM_ALIGN more bytes). Matrix
+// descriptors (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits 0–13, leading byte offset >> 4 in
+// 16–29, stride byte offset >> 4 in 32–45, swizzle mode 1 (128 bytes) in 62–63. Q and K are K-major: stride offset
+// 1024 (8 rows of 128 bytes), the leading offset unused, a k-step of 16 columns is 32 bytes further inside a chunk.
+// V is N-major: leading offset = the distance between two 64-column chunks (BLOCK_N · 128 bytes), stride offset 1024
+// (8 keys); a k-step of 16 keys is 2048 bytes further. Loads are cp.async of 16 bytes with zero fill: tail rows and
+// padding columns are 0, never garbage (0 · NaN = NaN in a product).
+//
+// Pipeline: iteration i issues S_i = Q K_iᵀ and then O += P_{i-1} V_{i-1}, waits for S_i only, runs the softmax of
+// S_i while the tensor cores run the PV product, then waits for it and rescales A by S_i's factors. A therefore goes
+// through exactly flash_fwd.cu's sequence A ← r_i·A + round_T(P_i)·V_i, and the recipe of flash_fwd.cu's header
+// holds unchanged (its rounding-error model in gpu/src/flash.rs charges ⌈Lk/64⌉ rescale steps; this kernel takes at
+// most ⌈Lk/128⌉ + 1). K_{i+1} and V_i are loaded during iteration i (one CTA barrier per iteration makes every
+// thread's copies visible and frees the stages read in iteration i − 1).
+//
+// Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD and HEAD_DIM_V_PAD, d and dv rounded up to 64 or
+// 128; BLOCK_SPARSE (optional): block-sparse attention (E14), the CTA visits only the tiles of the key blocks its
+// query block lists (the host gives 128-key blocks, one tile each, and 128-row query blocks). The arguments are
+// flash_fwd.cu's (without its STATE_OUT mode), so the same launch code serves both kernels.
+
+#if defined(STATE_OUT)
+#error "flash_fwd_sm90.cu has no STATE_OUT mode; the ring forward runs flash_fwd.cu"
+#endif
+#if !(HEAD_DIM_PAD == 64 || HEAD_DIM_PAD == 128) || !(HEAD_DIM_V_PAD == 64 || HEAD_DIM_V_PAD == 128)
+#error "HEAD_DIM_PAD and HEAD_DIM_V_PAD must be 64 or 128"
+#endif
+
+#define THREADS 256
+#define BLOCK_M 128
+#define BLOCK_N 128
+#define QK_CHUNKS (HEAD_DIM_PAD / 64)
+#define V_CHUNKS (HEAD_DIM_V_PAD / 64)
+#define N_TILES_S (BLOCK_N / 8)
+#define N_TILES_O (HEAD_DIM_V_PAD / 8)
+// Bytes of one swizzled row (64 elements) and of the tiles.
+#define SW_ROW 128
+#define Q_BYTES (QK_CHUNKS * BLOCK_M * SW_ROW)
+#define K_BYTES (QK_CHUNKS * BLOCK_N * SW_ROW)
+#define V_BYTES (V_CHUNKS * BLOCK_N * SW_ROW)
+
+// A shared-memory matrix descriptor in the 128-byte swizzle.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lead_bytes, unsigned stride_bytes) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lead_bytes >> 4) & 0x3FFF) << 16) |
+           ((unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+// Orders this thread's generic-proxy writes to shared memory (cp.async's) before the tensor cores' reads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// D (64×128, f32) += A·B: A (64×16) and B (128×16) K-major in shared memory.
+__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], unsigned long long a, unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_ELEM "." MMA_ELEM " {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]),
+            "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
+            "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]),
+            "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),
+            "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "l"(a), "l"(b), "n"(1));
+}
+
+// D (64×128, f32) += A·B: A (64×16) from registers, B (128 columns) N-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_ELEM "." MMA_ELEM " {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
+            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]),
+            "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
+            "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]),
+            "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),
+            "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+// D (64×64, f32) += A·B: A (64×16) from registers, B (64 columns) N-major in shared memory.
+__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_ELEM "." MMA_ELEM " {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
+            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
+}
+
+__device__ __forceinline__ void s_product(float (&s)[N_TILES_S][4], unsigned long long a, unsigned long long b) {
+    wgmma_ss_m64n128k16(s, a, b);
+}
+__device__ __forceinline__ void pv_product(float (&acc)[N_TILES_O][4], const unsigned (&a)[4], unsigned long long b) {
+#if HEAD_DIM_V_PAD == 128
+    wgmma_rs_m64n128k16(acc, a, b);
+#else
+    wgmma_rs_m64n64k16(acc, a, b);
+#endif
+}
+
+// Starts copying `rows` valid rows of `cols` valid columns (a multiple of 8) of a ROWS-row tile into its swizzled
+// chunks at `smem`, zero-filling everything else.
+template <int ROWS, int CHUNKS>
+__device__ __forceinline__ void load_swizzled_async(unsigned char* smem, const elem_t* __restrict__ g,
+                                                    long long row_stride, int rows, int cols) {
+    constexpr int UNITS = CHUNKS * 8;  // 16-byte units per row
+    const int stride = (int)row_stride;
+#pragma unroll 4
+    for (int idx = threadIdx.x; idx < ROWS * UNITS; idx += THREADS) {
+        const int r = idx / UNITS;
+        const int u = idx % UNITS;
+        const int c = u * 8;
+        const bool valid = r < rows && c < cols;
+        const int offset = valid ? r * stride + c : 0;
+        unsigned char* dst = smem + (u / 8) * (ROWS * SW_ROW) + r * SW_ROW + (((u % 8) ^ (r % 8)) << 4);
+        cp_async_16(reinterpret_cast<elem_t*>(dst), g + offset, valid);
+    }
+}
+
+// O += round_T(P) V for one tile: `a` holds P as the A fragments of the tile's 8 k-steps of 16 keys.
+__device__ __forceinline__ void pv_tile(float (&acc)[N_TILES_O][4], const unsigned (&a)[BLOCK_N / 16][4],
+                                        unsigned v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        pv_product(acc, a[kk], smem_desc(v_addr + kk * 16 * SW_ROW, BLOCK_N * SW_ROW, 1024));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+          elem_t* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+          const FlashParams params
+#if defined(BLOCK_SPARSE)
+          , const int* __restrict__ block_lists, const BlockListParams lists
+#endif
+) {
+    UNPACK_FLASH_PARAMS(params);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* q_s = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    unsigned char* k_s = q_s + Q_BYTES;      // two stages
+    unsigned char* v_s = k_s + 2 * K_BYTES;  // two stages
+
+    // Highest query tiles first, as flash_fwd.cu: under a causal mask they see the most keys.
+    const int tile = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y;
+    const int seq = blockIdx.z;
+    ForwardCta cta;
+    if (!forward_cta(cta, params, q, k, v, cu_q, cu_k, seq, head, tile, BLOCK_M, BLOCK_N)) return;
+    const int len_k = cta.len_k;
+
+    const elem_t* q_g = cta.q_g;
+    const elem_t* k_g = cta.k_g;
+    const elem_t* v_g = cta.v_g;
+#if defined(BLOCK_SPARSE)
+    TileCursor cursor = forward_list_cursor(cta, seq, head / lists.heads_per_list, block_lists, lists);
+#else
+    TileCursor cursor = range_cursor(cta.tile_lo, cta.tile_hi);
+#endif
+    int t = cursor.next();
+
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int g = lane / 4;
+    const int tig = lane % 4;
+    const int wrow = warp * 16;                                   // the warp's 16 rows
+    const unsigned q_addr = smem_u32(q_s) + (warp / 4) * 64 * SW_ROW;  // the warpgroup's 64 rows
+
+    float m_run[1][2] = {{NEG_INF, NEG_INF}}, ml_run[1][2] = {{0.f, 0.f}}, l_part[1][2] = {{0.f, 0.f}};
+    float acc[1][N_TILES_O][4];
+#pragma unroll
+    for (int n = 0; n < N_TILES_O; ++n) acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.f;
+    const int diag0 = (int)(cta.row0 + wrow + g + cta.shift);
+
+    if (t >= 0) {
+        load_swizzled_async<BLOCK_M, QK_CHUNKS>(q_s, q_g, q_row, cta.rows_here, d);
+        const int key0 = t * BLOCK_N;
+        load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s, k_g + (long long)key0 * k_row, k_row, min(BLOCK_N, len_k - key0), d);
+        cp_async_commit();
+    }
+    unsigned p_frag[BLOCK_N / 16][4];  // P_{i-1} in the storage type: the A operand of the next PV product
+    bool pending_pv = false;
+    int i = 0;
+    while (t >= 0) {
+        const int t_next = cursor.next();
+        const int key0 = t * BLOCK_N;
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();  // K_i and V_{i-1} landed for everyone; every warp is done with iteration i − 1
+        if (t_next >= 0) {
+            const int key1 = t_next * BLOCK_N;
+            load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s + ((i + 1) & 1) * K_BYTES, k_g + (long long)key1 * k_row,
+                                                    k_row, min(BLOCK_N, len_k - key1), d);
+        }
+        load_swizzled_async<BLOCK_N, V_CHUNKS>(v_s + (i & 1) * V_BYTES, v_g + (long long)key0 * v_row, v_row,
+                                               min(BLOCK_N, len_k - key0), dv);
+        cp_async_commit();
+
+        float s[1][N_TILES_S][4];
+#pragma unroll
+        for (int n = 0; n < N_TILES_S; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
+        const unsigned k_addr = smem_u32(k_s + (i & 1) * K_BYTES);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
+            s_product(s[0], smem_desc(q_addr + (kk / 4) * (BLOCK_M * SW_ROW) + (kk % 4) * 32, 16, 1024),
+                      smem_desc(k_addr + (kk / 4) * (BLOCK_N * SW_ROW) + (kk % 4) * 32, 16, 1024));
+        }
+        wgmma_commit();
+        if (pending_pv) {
+            pv_tile(acc[0], p_frag, smem_u32(v_s + ((i + 1) & 1) * V_BYTES));
+            wgmma_commit();
+            wgmma_wait<1>();  // S_i is ready; P_{i-1} V_{i-1} may still run
+        } else {
+            wgmma_wait<0>();
+        }
+
+        float rescale[1][2];
+        if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {
+            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+        } else {
+            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+        }
+        wgmma_wait<0>();  // P_{i-1} V_{i-1} is done: A may be rescaled and the fragments refilled
+        rescale_accumulators(acc, rescale);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) pack_a(p_frag[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+        pending_pv = true;
+        t = t_next;
+        ++i;
+    }
+    if (pending_pv) {
+        // The last tile's product: its V landed in stage (i − 1) % 2.
+        cp_async_wait_all();
+        fence_proxy_async();
+        __syncthreads();
+        wgmma_fence();
+        pv_tile(acc[0], p_frag, smem_u32(v_s + ((i + 1) & 1) * V_BYTES));
+        wgmma_commit();
+        wgmma_wait<0>();
+    }
+    // No asynchronous copy is outstanding here: the last iteration's (V only) was waited for above, and a CTA that
+    // sees no KV tile starts none.
+
+    write_output_rows(o, lse, cta, params, head, wrow, g, tig, m_run, l_part, acc);
+}
