@@ -7,7 +7,8 @@
 //! `u = 2^-24` (f32), `u_T` the storage type's unit roundoff (`2^-8` bf16, `2^-11` f16),
 //! `τ_T` its smallest subnormal (absolute rounding error of an underflowing value ≤ `τ_T`),
 //! `g(n) = nu/(1 − nu)` (or the tensor-core variant of [`Accumulation`]), `n_t = ⌈Lk/kv_tile⌉ + extra_merges` the rescale steps a row can take
-//! (one per KV tile, plus one per state merge of a split schedule such as ring attention). Inputs are exact in
+//! (one per KV tile, plus one per state merge of a split schedule such as ring attention; a schedule that visits
+//! fewer tiles, such as a block-sparse forward, states how many: [`FlashRecipe::rescale_steps`]). Inputs are exact in
 //! `T`, hence in f64: the oracle and the candidate see the same numbers. For row `i`, visible key
 //! `j`, with `p_ij`, `s_ij`, `m_i`, `o_i`, `LSE_i` exact:
 //!
@@ -79,6 +80,11 @@ pub struct FlashRecipe {
     /// row's keys across workers (ring attention: one per device); 0 for a single-pass forward.
     /// The backward counts them as extra partial sums over keys (`n_k`).
     pub extra_merges: usize,
+    /// The most KV tiles a row of the forward visits when the schedule skips whole tiles (a
+    /// block-sparse forward visits only the tiles of its listed blocks), or `None` when it may
+    /// visit every tile of its keys. The forward's rescale count is then
+    /// `n_t = min(visited_tiles, ⌈Lk/kv_tile⌉) + extra_merges` (forward model only).
+    pub visited_tiles: Option<usize>,
     /// Additional partial sums over queries beyond one per query tile (the backward's `n_q`): a
     /// schedule that splits a key's queries across workers and adds their f32 dK/dV sums (the ring
     /// backward on GPUs, one per query chunk and merge); 0 otherwise.
@@ -153,6 +159,13 @@ impl Accumulation {
 }
 
 impl FlashRecipe {
+    /// The forward's rescale steps for a row over `len_k` keys: one per KV tile it may visit
+    /// (all `⌈len_k/kv_tile⌉`, or [`FlashRecipe::visited_tiles`] when fewer), plus the extra merges.
+    pub fn rescale_steps(&self, len_k: usize) -> usize {
+        let tiles = len_k.div_ceil(self.kv_tile.max(1));
+        self.visited_tiles.map_or(tiles, |visited| visited.min(tiles)) + self.extra_merges
+    }
+
     /// The recipe of a schedule using libm `expf` on `fl(s − m)`: storage unit roundoff
     /// `unit_roundoff`, subnormal `subnormal`, KV tiles of `kv_tile` keys, no extra merges.
     pub fn libm(unit_roundoff: f64, subnormal: f64, kv_tile: usize) -> Self {
@@ -161,6 +174,7 @@ impl FlashRecipe {
             subnormal,
             kv_tile,
             extra_merges: 0,
+            visited_tiles: None,
             extra_query_partials: 0,
             exp_error: 2.0 * F32_UNIT_ROUNDOFF,
             shift_rounding: 0.0,
@@ -209,7 +223,7 @@ pub fn forward_bounds(x: HeadExact<'_>, recipe: FlashRecipe) -> Result<ForwardBo
     let (ut, tiny) = (recipe.unit_roundoff, recipe.subnormal);
     let (len_q, d) = x.q.dim();
     let (len_k, dv) = x.v.dim();
-    let n_t = len_k.div_ceil(recipe.kv_tile.max(1)) + recipe.extra_merges;
+    let n_t = recipe.rescale_steps(len_k);
     let g = recipe.accumulation.gamma(len_k + n_t);
     let mut o = Array2::<f64>::zeros((len_q, dv));
     let mut lse = Array1::<f64>::zeros(len_q);

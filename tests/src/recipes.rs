@@ -120,6 +120,8 @@ pub fn external(storage: Dtype, kind: RecipeKind) -> BackwardRecipe {
         // any tiling with tiles of two or more keys.
         kv_tile: 1,
         extra_merges: 1,
+        // The kernel may visit every key's tile.
+        visited_tiles: None,
         // The query side's partial sums come from the q_tile below (one query per tile).
         extra_query_partials: 0,
         // ex2.approx.f32 is within 2 ulp (5u, see attnproof_gpu::flash); libm expf within 1 ulp. 8u covers both

@@ -132,7 +132,24 @@ fn tiles_mask(spec: &AttentionSpec, layout: &BlockSparseLayout, seq: &Sequence, 
     Mask::And(vec![spec.mask.clone(), Mask::Predicate(predicate)])
 }
 
-/// Verifies a block-sparse forward candidate `(O, LSE)`: one verdict per (sequence, query head).
+/// The most KV tiles of `kv_tile` keys a row of (sequence `seq`, head `head`) visits when a kernel visits only the
+/// tiles of its query block's listed key blocks (E14): the longest list among the sequence's own query blocks, times
+/// the tiles one block touches. Blocks start at multiples of their size and tiles at multiples of theirs, so a block
+/// touches `⌈block/tile⌉` tiles when one size divides the other and may straddle one more otherwise.
+pub fn visited_tiles(layout: &BlockSparseLayout, seq: &Sequence, head: usize, kv_tile: usize) -> usize {
+    let width = layout.lists.dim().3;
+    let longest = (0..seq.len_q.div_ceil(layout.q_tile.max(1)))
+        .map(|a| (0..width).filter(|&w| layout.lists[[seq.index, head, a, w]] >= 0).count())
+        .max()
+        .unwrap_or(0);
+    let (block, tile) = (layout.kv_tile, kv_tile.max(1));
+    let per_block = block.div_ceil(tile) + usize::from(block % tile != 0 && tile % block != 0);
+    longest * per_block
+}
+
+/// Verifies a block-sparse forward candidate `(O, LSE)`: one verdict per (sequence, query head). The bound charges
+/// each row the rescale steps of the tiles its query block lists ([`visited_tiles`], the recipe's `visited_tiles`),
+/// not one per tile of all its keys: a block-sparse kernel that visits an unlisted tile is outside the recipe.
 pub fn verify_block_sparse_forward<T: Element>(
     case: &Case<T>,
     layout: &BlockSparseLayout,
@@ -146,6 +163,9 @@ pub fn verify_block_sparse_forward<T: Element>(
     let mut verdicts = Vec::new();
     for seq in spec.sequences() {
         for h in 0..spec.n_heads_q {
+            let visited = visited_tiles(layout, &seq, h, recipe.kv_tile);
+            let recipe =
+                FlashRecipe { visited_tiles: Some(recipe.visited_tiles.map_or(visited, |v| v.min(visited))), ..recipe };
             let sub = sub_case(case, &seq, h..h + 1, listed_tiles_mask(spec, layout, &seq, h));
             let o_sub = stack_heads(spec, o.view(), &seq, h..h + 1, false);
             let lse_sub = stack_row_stats(spec, lse.view(), &seq, h..h + 1);

@@ -127,6 +127,7 @@ fn recipe(score_reuse: ScoreReuse) -> FlashRecipe {
         subnormal: 2f64.powi(-133),
         kv_tile: 1,
         extra_merges: 1,
+        visited_tiles: None,
         extra_query_partials: 2,
         exp_error: 3.0 * U,
         shift_rounding: U,
@@ -140,7 +141,8 @@ fn recipe(score_reuse: ScoreReuse) -> FlashRecipe {
 /// The forward model of the module docs, by hand, for [`Head::standard`] under [`recipe`]: returns `(b^O, b^L, σ)`
 /// before the second-order factor.
 fn forward_by_hand(h: &Head, r: &FlashRecipe) -> ([f64; 2], f64, [f64; 2]) {
-    let n_t = 2 + 1; // ⌈Lk / kv_tile⌉ + extra_merges
+    // ⌈Lk / kv_tile⌉ = 2 tiles of one key, or the visited ones when fewer, + extra_merges.
+    let n_t = r.visited_tiles.map_or(2, |v| v.min(2)) + 1;
     let g = g_tc(2 + n_t, 16); // g(Lk + n_t)
     let m = h.s[[0, 0]].max(h.s[[0, 1]]);
     let sigma = [0, 1].map(|j| (g_tc(2, 16) + 3.0 * U + 3.0 * r.score_storage_rounding) * h.alpha * h.abs_qk(j));
@@ -177,6 +179,26 @@ fn forward_terms() {
     close("O[0]", b.o[[0, 0]], o[0] * F);
     close("O[1]", b.o[[0, 1]], o[1] * F);
     close("LSE", b.lse[0], lse * F);
+}
+
+/// A schedule that visits one of the row's two tiles (a block-sparse forward) is charged one rescale step for it, not
+/// two: its bound is the hand-derived one with `n_t = 1 + 1` and below the every-tile bound; a visited count above the
+/// tiles the keys make changes nothing.
+#[test]
+fn forward_terms_count_only_the_visited_tiles() {
+    let h = Head::standard();
+    let every = recipe(ScoreReuse::BitwiseAsForward);
+    let one = FlashRecipe { visited_tiles: Some(1), ..every };
+    let b = forward_bounds(h.exact(), one).unwrap();
+    let (o, lse, _) = forward_by_hand(&h, &one);
+    close("O[0]", b.o[[0, 0]], o[0] * F);
+    close("O[1]", b.o[[0, 1]], o[1] * F);
+    close("LSE", b.lse[0], lse * F);
+    let all = forward_bounds(h.exact(), every).unwrap();
+    assert!(b.o[[0, 0]] < all.o[[0, 0]] && b.lse[0] < all.lse[0], "{b:?} against {all:?}");
+    let more = forward_bounds(h.exact(), FlashRecipe { visited_tiles: Some(7), ..every }).unwrap();
+    assert_eq!(more, all);
+    assert_eq!((one.rescale_steps(2), every.rescale_steps(2), every.rescale_steps(5)), (2, 3, 6));
 }
 
 /// The backward model of `backward_bounds`' docs, by hand, for [`Head::standard`] under `r`, with the forward bounds

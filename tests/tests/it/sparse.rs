@@ -12,6 +12,7 @@ use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_
 use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
     verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
+    visited_tiles,
 };
 use attnproof_harness::strategies::{interesting_length, layout, profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
@@ -866,6 +867,24 @@ fn the_forward_gate_scores_the_dropped_selected_block() {
         assert!(!dropped.is_empty(), "no dropped-block wrong answer scored:\n{v}");
         assert!(dropped.iter().all(|c| c.applicable && c.rejected), "{dropped:?}");
         assert!(v.passed() && v.valid(), "{v}");
+    }
+}
+
+/// The block-sparse bound charges a row the rescale steps of its query block's listed tiles (E14's merge count),
+/// counted by hand here: the longest list of the sequence's own query blocks, times the tiles one block touches.
+#[test]
+fn the_block_sparse_bound_charges_the_listed_tiles_only() {
+    // Two sequences; lists [B = 2, H = 1, 3 query blocks, width 3]: sequence 0 lists 1, 3 and 2 blocks, sequence 1
+    // (one own query block) lists 2, and a past-the-end query block that lists nothing.
+    let lists =
+        Array4::from_shape_vec((2, 1, 3, 3), vec![0, -1, -1, 0, 1, 2, 1, 2, -1, 0, 3, -1, -1, -1, -1, -1, -1, -1])
+            .unwrap();
+    let seq = |index, len_q| attnproof_oracle::spec::Sequence { index, q_start: 0, len_q, k_start: 0, len_k: 400 };
+    for (block, tile, per_block) in [(64, 64, 1), (128, 64, 2), (64, 128, 1), (48, 64, 2), (96, 64, 3), (64, 16, 4)] {
+        let layout = BlockSparseLayout { q_tile: 64, kv_tile: block, lists: lists.clone() };
+        assert_eq!(visited_tiles(&layout, &seq(0, 150), 0, tile), 3 * per_block, "block {block}, tile {tile}");
+        assert_eq!(visited_tiles(&layout, &seq(1, 60), 0, tile), 2 * per_block, "block {block}, tile {tile}");
+        assert_eq!(visited_tiles(&layout, &seq(0, 60), 0, tile), per_block, "only the first query block is own");
     }
 }
 
