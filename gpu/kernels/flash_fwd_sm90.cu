@@ -13,7 +13,7 @@
 //
 // Shared memory: Q, two K stages and two V stages, each tile stored as 64-column chunks of 128-byte rows in the
 // tensor cores' 128-byte swizzle (the 16-byte unit u of row r sits at unit u ^ (r % 8)); every chunk starts on a
-// 1024-byte boundary (the kernel aligns the dynamic window itself; the host asks for SMEM_ALIGN more bytes). Matrix
+// 1024-byte boundary (the kernel aligns the dynamic window itself; the host asks for 1024 more bytes). Matrix
 // descriptors (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits 0–13, leading byte offset >> 4 in
 // 16–29, stride byte offset >> 4 in 32–45, swizzle mode 1 (128 bytes) in 62–63. Q and K are K-major: stride offset
 // 1024 (8 rows of 128 bytes), the leading offset unused, a k-step of 16 columns is 32 bytes further inside a chunk.
@@ -24,9 +24,9 @@
 // Pipeline: iteration i issues S_i = Q K_iᵀ and then O += P_{i-1} V_{i-1}, waits for S_i only, runs the softmax of
 // S_i while the tensor cores run the PV product, then waits for it and rescales A by S_i's factors. A therefore goes
 // through exactly flash_fwd.cu's sequence A ← r_i·A + round_T(P_i)·V_i, and the recipe of flash_fwd.cu's header
-// holds unchanged (its rounding-error model in gpu/src/flash.rs charges ⌈Lk/64⌉ rescale steps; this kernel takes at
-// most ⌈Lk/128⌉ + 1). K_{i+1} and V_i are loaded during iteration i (one CTA barrier per iteration makes every
-// thread's copies visible and frees the stages read in iteration i − 1).
+// holds unchanged (its rounding-error model in gpu/src/flash.rs charges ⌈Lk/64⌉ rescale steps, or the listed tiles'
+// count in block-sparse mode; this kernel takes at most half as many). K_{i+1} and V_i are loaded during iteration
+// i (one CTA barrier per iteration makes every thread's copies visible and frees the stages read in iteration i − 1).
 //
 // Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD and HEAD_DIM_V_PAD, d and dv rounded up to 64 or
 // 128; BLOCK_SPARSE (optional): block-sparse attention (E14), the CTA visits only the tiles of the key blocks its
