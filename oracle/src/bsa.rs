@@ -214,6 +214,8 @@ mod tests {
         // Lq = 6 > Lk = 2: rows 0..=3 see no key; block 2 (rows 4, 5) sees key block 0.
         assert_eq!((0..3).map(|a| c.eligible_end(&seq(6, 2), a, true)).collect::<Vec<_>>(), [0, 0, 1]);
         assert_eq!(c.eligible_end(&seq(6, 2), 0, false), 1, "no mask: every key block");
+        // Lq = 5, Lk = 2: row 3, the last of block 1, is aligned with key 0 exactly, so block 1 sees key block 0.
+        assert_eq!((0..3).map(|a| c.eligible_end(&seq(5, 2), a, true)).collect::<Vec<_>>(), [0, 1, 1]);
     }
 
     #[test]
