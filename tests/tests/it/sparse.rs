@@ -10,7 +10,7 @@ use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
 use attnproof_harness::sparse::{
-    SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, sub_case,
+    SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, stack_row_stats, sub_case,
     verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
     visited_tiles,
 };
@@ -885,6 +885,35 @@ fn the_block_sparse_bound_charges_the_listed_tiles_only() {
         assert_eq!(visited_tiles(&layout, &seq(0, 150), 0, tile), 3 * per_block, "block {block}, tile {tile}");
         assert_eq!(visited_tiles(&layout, &seq(1, 60), 0, tile), 2 * per_block, "block {block}, tile {tile}");
         assert_eq!(visited_tiles(&layout, &seq(0, 60), 0, tile), per_block, "only the first query block is own");
+    }
+}
+
+/// The block-sparse verdict charges the listed tiles' rescale steps: against the dense verdict of the same
+/// visibility, which charges every tile of the keys, its bound is tighter, so the same candidate's worst ratio is
+/// larger (each query tile lists one of the 8 key tiles).
+#[test]
+fn the_block_sparse_verdict_is_tighter_than_every_tile_charged() {
+    let spec = AttentionSpec::dense(1, 1, 1, 16, 64, 8, 8);
+    let case = make_case::<bf16>(&spec, GAUSS, 71);
+    let one = |b: usize| (0..8).map(|j| j == b).collect::<Vec<bool>>();
+    let layout = layout_from(&spec, TileConfig { q_tile: 8, kv_tile: 8 }, &[one(0), one(5)], false);
+    let (o, lse) = bs_forward(&case, &layout).expect("valid");
+    let r = recipe::<bf16>(8);
+    let sparse = verify_block_sparse_forward(&case, &layout, r, o.view(), lse.view()).expect("verifiable");
+    let seq = spec.sequences()[0].clone();
+    let sub = sub_case(&case, &seq, 0..1, listed_tiles_mask(&spec, &layout, &seq, 0));
+    let o_sub = stack_heads(&spec, o.view(), &seq, 0..1, false);
+    let lse_sub = stack_row_stats(&spec, lse.view(), &seq, 0..1);
+    let every = attnproof_harness::verify_forward(&sub, r, o_sub.view(), lse_sub.view()).expect("verifiable");
+    assert!(sparse[0].passed() && every.passed(), "{}\n{every}", sparse[0]);
+    for (s, e) in sparse[0].outputs.iter().zip(&every.outputs) {
+        assert!(
+            s.max_ratio > e.max_ratio && e.max_ratio > 0.0,
+            "{}: {} against {}",
+            s.output,
+            s.max_ratio,
+            e.max_ratio
+        );
     }
 }
 
