@@ -900,7 +900,7 @@ fn the_block_sparse_verdict_is_tighter_than_every_tile_charged() {
     let (o, lse) = bs_forward(&case, &layout).expect("valid");
     let r = recipe::<bf16>(8);
     let sparse = verify_block_sparse_forward(&case, &layout, r, o.view(), lse.view()).expect("verifiable");
-    let seq = spec.sequences()[0].clone();
+    let seq = spec.sequences()[0];
     let sub = sub_case(&case, &seq, 0..1, listed_tiles_mask(&spec, &layout, &seq, 0));
     let o_sub = stack_heads(&spec, o.view(), &seq, 0..1, false);
     let lse_sub = stack_row_stats(&spec, lse.view(), &seq, 0..1);
