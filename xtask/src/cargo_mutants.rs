@@ -507,8 +507,14 @@ pub enum Selection<'a> {
     /// The mutants on the changed lines of this patch, into a record of their own.
     Diff(&'a Path),
     /// One slice of the scope's mutants (cargo-mutants' `--shard`), into a record of its own: a scope too long for
-    /// one sitting is run slice by slice, each slice to its end. `resume` goes on from the slice's last record.
+    /// one sitting is run slice by slice, each slice to its end. `resume` goes on from the slice's last record: the
+    /// runner lists the slice (`--list` with the slice's arguments) and runs its rest as [`Selection::SliceRest`].
     Shard { shard: Shard, resume: bool },
+    /// The mutants of a slice, named as `--list` names them, that the slice's record does not show caught or
+    /// unviable. cargo-mutants slices what is left after every filter, `--iterate` included, so `--shard` with
+    /// `--iterate` would take a third of the scope's untested mutants, not the rest of this slice: the rest is
+    /// picked by name instead, one anchored `--re` each, with `--iterate` and no `--shard`.
+    SliceRest { shard: Shard, names: &'a [String] },
 }
 
 /// The `index`-th of `count` slices of a scope's mutants (0-based, as cargo-mutants counts them); each mutant falls
@@ -556,10 +562,12 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>, t
         Selection::Resume => args.push("--iterate".to_owned()),
         Selection::Diff(patch) => args.extend(["--in-diff".to_owned(), patch.display().to_string()]),
         Selection::Shard { shard, resume } => {
+            assert!(!resume, "a slice is resumed by name (Selection::SliceRest), never with --shard and --iterate");
             args.extend([format!("--shard={}/{}", shard.index, shard.count), "--sharding=round-robin".to_owned()]);
-            if resume {
-                args.push("--iterate".to_owned());
-            }
+        }
+        Selection::SliceRest { names, .. } => {
+            args.push("--iterate".to_owned());
+            args.extend(names.iter().map(|name| format!("--re=^{}$", regex_escape(name))));
         }
     }
     for target in scope.targets {
@@ -572,6 +580,23 @@ pub fn cargo_mutants_args(scope: &Scope, out: &Path, selection: Selection<'_>, t
         args.extend(scope.filters.iter().map(|a| (*a).to_owned()));
     }
     args
+}
+
+/// `text` as a regular expression that matches it literally (the metacharacters of Rust's `regex` crate escaped).
+pub fn regex_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
+/// The names `cargo mutants --list` printed: one per non-empty line.
+pub fn listed_names(stdout: &str) -> Vec<String> {
+    stdout.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_owned).collect()
 }
 
 /// The cargo arguments of the unmutated run of `scope`'s judging tests, the baseline: the command cargo-mutants runs
@@ -658,7 +683,9 @@ pub fn output_dir(root: &Path, scope: &Scope, selection: Selection<'_>) -> PathB
     let name = match selection {
         Selection::Diff(_) => format!("diff-{}", scope.name),
         Selection::Whole | Selection::Resume => scope.name.to_owned(),
-        Selection::Shard { shard, .. } => format!("{}-shard-{}-of-{}", scope.name, shard.index, shard.count),
+        Selection::Shard { shard, .. } | Selection::SliceRest { shard, .. } => {
+            format!("{}-shard-{}-of-{}", scope.name, shard.index, shard.count)
+        }
     };
     root.join("target").join("mutants").join("runs").join(name)
 }
@@ -921,11 +948,22 @@ mod tests {
         assert!(!whole.iter().any(|a| a == "--in-diff" || a == "--iterate"), "{whole:?}");
         let resumed = cargo_mutants_args(scope, Path::new("/o"), Selection::Resume, MINUTE).join(" ");
         assert!(resumed.contains("sparse/** --iterate --cargo-arg"), "{resumed}");
-        let slice = |resume| Selection::Shard { shard: Shard { index: 2, count: 5 }, resume };
-        let sliced = cargo_mutants_args(scope, Path::new("/o"), slice(false), MINUTE).join(" ");
+        let shard = Shard { index: 2, count: 5 };
+        let sliced = cargo_mutants_args(scope, Path::new("/o"), Selection::Shard { shard, resume: false }, MINUTE);
+        let sliced = sliced.join(" ");
         assert!(sliced.contains("sparse/** --shard=2/5 --sharding=round-robin --cargo-arg"), "{sliced}");
-        let sliced = cargo_mutants_args(scope, Path::new("/o"), slice(true), MINUTE).join(" ");
-        assert!(sliced.contains("--sharding=round-robin --iterate --cargo-arg"), "{sliced}");
+        // The rest of a slice: by name, anchored and escaped, with --iterate and without --shard.
+        let names = ["a.rs:1:2: replace + with - in f".to_owned(), "b.rs:3:4: replace g -> u8 with 0".to_owned()];
+        let rest = cargo_mutants_args(scope, Path::new("/o"), Selection::SliceRest { shard, names: &names }, MINUTE);
+        let rest = rest.join(" ");
+        let expected = r"sparse/** --iterate --re=^a\.rs:1:2: replace \+ with \- in f$ --re=^b\.rs:3:4: replace g \-> u8 with 0$ --cargo-arg";
+        assert!(rest.contains(expected), "{rest}");
+        assert_eq!(
+            output_dir(Path::new("/r"), scope, Selection::SliceRest { shard, names: &names }),
+            output_dir(Path::new("/r"), scope, Selection::Shard { shard, resume: true }),
+            "the rest of a slice goes on in the slice's record"
+        );
+        assert!(!rest.contains("--shard"), "{rest}");
         let verdict =
             cargo_mutants_args(find_scope("verdict").unwrap(), Path::new("/o"), Selection::Whole, MINUTE).join(" ");
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");

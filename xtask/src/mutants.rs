@@ -390,12 +390,50 @@ fn run_cargo_mutants(
     if !matches!(selection, Selection::Resume | Selection::Shard { resume: true, .. }) {
         recreate_dir(&out)?;
     }
+    // A slice is resumed by name: the names of the whole slice first, then its rest.
+    let slice = match selection {
+        Selection::Shard { shard, resume: true } => Some((shard, list_slice(tree, scope, shard, &out, env)?)),
+        _ => None,
+    };
+    let selection = match &slice {
+        Some((shard, names)) => Selection::SliceRest { shard: *shard, names },
+        None => selection,
+    };
     let timeout = baseline(root, tree, scope, env)?;
     let mut cmd = env.command(&tree.dir, &cargo_mutants::cargo_mutants_args(scope, &out, selection, timeout));
     println!("$ {}", describe(&cmd));
     let status = cmd.status().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
     cargo_mutants::check_exit(status.code(), &cmd)?;
-    cargo_mutants::read_outcomes(&out.join("mutants.out"))
+    let mut outcomes = cargo_mutants::read_outcomes(&out.join("mutants.out"))?;
+    // The record may carry mutants of other slices (an earlier run that sliced after `--iterate`): count the slice's.
+    if let Some((_, names)) = &slice {
+        let names: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+        outcomes.retain(|o| names.contains(o.name.as_str()));
+    }
+    Ok(outcomes)
+}
+
+/// The names of the mutants of `scope`'s slice `shard`, as `cargo mutants --list` gives them with the slice's own
+/// arguments.
+fn list_slice(tree: &ScratchTree, scope: &Scope, shard: Shard, out: &Path, env: &TestEnv) -> Result<Vec<String>> {
+    let mut args = cargo_mutants::cargo_mutants_args(
+        scope,
+        out,
+        Selection::Shard { shard, resume: false },
+        Duration::from_secs(60),
+    );
+    args.insert(1, "--list".to_owned());
+    let mut cmd = env.command(&tree.dir, &args);
+    println!("$ {}", describe(&cmd));
+    let output = cmd.output().with_context(|| format!("could not start `{}`", describe(&cmd)))?;
+    if !output.status.success() {
+        bail!("`{}` failed: {}", describe(&cmd), String::from_utf8_lossy(&output.stderr));
+    }
+    let names = cargo_mutants::listed_names(&String::from_utf8_lossy(&output.stdout));
+    if names.is_empty() {
+        bail!("`{}` listed no mutant: the slice is empty", describe(&cmd));
+    }
+    Ok(names)
 }
 
 /// Runs `scope`'s judging tests on the unmutated scratch copy (built first, then timed) and returns how long one

@@ -12,7 +12,9 @@
 //!
 //! Production code has no mutation hook: the patches are applied here, to the text the crate embeds, and the patched
 //! text is an ordinary argument of the public API. The unpatched kernel must pass every case first, so that a kill
-//! means the patch, not the case, broke the result. Each patch must match its anchor exactly once, so a refactor of
+//! means the patch, not the case, broke the result. Each mutant is judged in a process of its own (this binary run
+//! again on the one test, see `judge_isolated`): a mutant that faults leaves its CUDA context unusable, and in a shared
+//! process every later launch would fail with it. Each patch must match its anchor exactly once, so a refactor of
 //! a kernel that moves an anchor fails this test instead of silently dropping the mutant. Without a device the tests
 //! print `skipped: no CUDA device` and pass.
 
@@ -130,29 +132,174 @@ fn patched(base: KernelSource, m: &Mutant) -> KernelSource {
     KernelSource { name: base.name, source: Box::leak(text.into_boxed_str()) }
 }
 
-/// Requires the unpatched `base` to pass every case, then every mutant of `catalog` to fail one; prints the table.
+/// The environment variable that makes a process of this test binary a hunt's child: it names the one mutant the
+/// child judges (see [`judge_isolated`]).
+const CHILD_MUTANT: &str = "ATTNPROOF_GPU_MUTANT";
+
+/// The mark of the stdout line on which a child reports its verdict to the hunt that started it.
+const VERDICT_LINE: &str = "attnproof-mutant-verdict:";
+
+/// Children of one hunt that run at once: each holds a CUDA context and runs the f64 oracle on the CPU.
+const CHILDREN_AT_ONCE: usize = 4;
+
+/// How a mutant was killed: the case (or suite, or draw count) and the first line of why.
+#[derive(Debug, Clone, PartialEq)]
+struct Kill {
+    by: String,
+    why: String,
+}
+
+impl Kill {
+    fn new(by: &str, why: &str) -> Self {
+        // One line, without the tabs that separate the fields of the verdict line.
+        let first_line = why.lines().next().unwrap_or("").replace('\t', " ");
+        Kill { by: by.replace('\t', " "), why: first_line }
+    }
+}
+
+/// The mutant this process judges alone, when it is a hunt's child.
+fn child_mutant() -> Option<String> {
+    std::env::var(CHILD_MUTANT).ok()
+}
+
+/// A child's verdict as one stdout line, and back.
+fn verdict_line(verdict: &Option<Kill>) -> String {
+    match verdict {
+        Some(kill) => format!("{VERDICT_LINE} killed\t{}\t{}", kill.by, kill.why),
+        None => format!("{VERDICT_LINE} survived"),
+    }
+}
+
+fn parse_verdict(stdout: &str) -> Option<Option<Kill>> {
+    // libtest may have written `test NAME ... ` on the same line before the test printed anything.
+    let line = stdout.lines().find_map(|line| line.split_once(VERDICT_LINE))?.1.trim_start();
+    if line == "survived" {
+        return Some(None);
+    }
+    let mut fields = line.strip_prefix("killed\t")?.splitn(2, '\t');
+    Some(Some(Kill { by: fields.next()?.to_owned(), why: fields.next().unwrap_or("").to_owned() }))
+}
+
+/// The last `n` lines of a child's output, for a failure message.
+fn tail(bytes: &[u8], n: usize) -> String {
+    let text = String::from_utf8_lossy(bytes);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Judges every mutant of `mutants` by `judge` (`None`: it survived), each in a process of its own: this test binary
+/// run again on the test `test` of this module alone, with [`CHILD_MUTANT`] naming the mutant. A mutant that faults
+/// (an illegal address, say) leaves its CUDA context unusable for every later launch of the process, so judged in one
+/// process it would count every later mutant killed whatever that mutant does and fail the baselines of the tests
+/// running beside it; in a child, its fault is its own kill and nothing else's. Returns the verdicts in the order of
+/// `mutants`, or `None` in a child, which has printed its one verdict. Panics when a child ends without a verdict.
+fn judge_isolated(
+    test: &str,
+    mutants: &[&Mutant],
+    judge: impl Fn(&Mutant) -> Option<Kill>,
+) -> Option<Vec<Option<Kill>>> {
+    if let Some(name) = child_mutant() {
+        let m = mutants.iter().find(|m| m.name == name).unwrap_or_else(|| panic!("`{name}` is not a mutant of {test}"));
+        println!("{}", verdict_line(&judge(m)));
+        return None;
+    }
+    let exe = std::env::current_exe().expect("the path of this test binary");
+    // libtest names a test by its module path without the crate: `mutants::all_forward_mutants_are_killed`.
+    let module = module_path!().split_once("::").map_or(module_path!(), |(_, module)| module);
+    let filter = format!("{module}::{test}");
+    let mut verdicts = Vec::with_capacity(mutants.len());
+    for chunk in mutants.chunks(CHILDREN_AT_ONCE) {
+        let children: Vec<_> = chunk
+            .iter()
+            .map(|m| {
+                std::process::Command::new(&exe)
+                    .args([filter.as_str(), "--exact", "--nocapture", "--test-threads=1"])
+                    .env(CHILD_MUTANT, m.name)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap_or_else(|e| panic!("mutant `{}`: start {}: {e}", m.name, exe.display()))
+            })
+            .collect();
+        for (m, child) in chunk.iter().zip(children) {
+            let out =
+                child.wait_with_output().unwrap_or_else(|e| panic!("mutant `{}`: wait for its process: {e}", m.name));
+            match parse_verdict(&String::from_utf8_lossy(&out.stdout)) {
+                Some(verdict) if out.status.success() => verdicts.push(verdict),
+                _ => panic!(
+                    "mutant `{}`: its process (`{filter}`) ended without a verdict ({}); last lines:\n{}\n{}",
+                    m.name,
+                    out.status,
+                    tail(&out.stdout, 10),
+                    tail(&out.stderr, 20)
+                ),
+            }
+        }
+    }
+    Some(verdicts)
+}
+
+/// The isolation itself, without a device: each mutant is judged in a child process of its own (its process id differs
+/// from this process's and from every other child's), and each child's verdict comes back to the right mutant, killed
+/// or not, with its case and reason intact.
+#[test]
+fn a_hunt_judges_each_mutant_in_a_process_of_its_own() {
+    let mutants: Vec<&Mutant> = catalog_mutants(FLASH_FWD).into_iter().take(CHILDREN_AT_ONCE + 2).collect();
+    assert!(mutants.len() > CHILDREN_AT_ONCE, "more mutants than one batch of children");
+    // Mutants at even catalog positions are killed, by a case naming the child's process.
+    let position = |m: &Mutant| mutants.iter().position(|n| n.name == m.name).expect("a listed mutant");
+    let judged = judge_isolated("a_hunt_judges_each_mutant_in_a_process_of_its_own", &mutants, |m| {
+        (position(m) % 2 == 0)
+            .then(|| Kill::new(&std::process::id().to_string(), &format!("{}\twith a tab\nand more", m.name)))
+    });
+    let Some(verdicts) = judged else { return };
+    let mut processes = vec![std::process::id().to_string()];
+    for (i, (m, verdict)) in mutants.iter().zip(&verdicts).enumerate() {
+        match verdict {
+            Some(kill) => {
+                assert_eq!(i % 2, 0, "mutant `{}` at {i} was not to be killed", m.name);
+                assert_eq!(kill.why, format!("{} with a tab", m.name), "the first line of why, tabs replaced");
+                assert!(
+                    !processes.contains(&kill.by),
+                    "mutant `{}` was judged in process {}, not its own",
+                    m.name,
+                    kill.by
+                );
+                processes.push(kill.by.clone());
+            }
+            None => assert_eq!(i % 2, 1, "mutant `{}` at {i} was to be killed", m.name),
+        }
+    }
+    assert_eq!(verdicts.len(), mutants.len());
+}
+
+/// Requires the unpatched `base` to pass every case, then every mutant of `catalog` to fail one, each judged in a
+/// process of its own ([`judge_isolated`]); prints the table. `test` is the calling test's name in this module.
 fn hunt<C>(
+    test: &str,
     base: KernelSource,
     catalog: &[&Mutant],
     cases: &[(&str, C)],
     check: impl Fn(KernelSource, &C) -> Result<(), String>,
 ) {
-    for (name, case) in cases {
-        if let Err(why) = check(base, case) {
-            panic!("the unpatched {} fails case `{name}`: {why}", base.name);
+    if child_mutant().is_none() {
+        for (name, case) in cases {
+            if let Err(why) = check(base, case) {
+                panic!("the unpatched {} fails case `{name}`: {why}", base.name);
+            }
         }
     }
     assert!(!catalog.is_empty(), "the catalog holds no kernel-text mutant of {}", base.name);
+    let judged = judge_isolated(test, catalog, |m| {
+        let kernel = patched(base, m);
+        cases.iter().find_map(|(name, case)| check(kernel, case).err().map(|why| Kill::new(name, &why)))
+    });
+    let Some(verdicts) = judged else { return };
     let mut survivors = vec![];
     println!("{:<40} {:<24} detail", "mutant", "killed by");
-    for m in catalog {
-        let kernel = patched(base, m);
-        let kill = cases.iter().find_map(|(name, case)| check(kernel, case).err().map(|why| (*name, why)));
-        match kill {
-            Some((by, why)) => {
-                let first_line = why.lines().next().unwrap_or("").chars().take(70).collect::<String>();
-                println!("{:<40} {:<24} {first_line}", m.name, by);
-            }
+    for (m, verdict) in catalog.iter().zip(verdicts) {
+        match verdict {
+            Some(kill) => println!("{:<40} {:<24} {}", m.name, kill.by, kill.why.chars().take(70).collect::<String>()),
             None => {
                 println!("{:<40} {:<24}", m.name, "SURVIVED");
                 survivors.push(m.name);
@@ -169,7 +316,9 @@ fn all_forward_mutants_are_killed() {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    hunt(FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| check_forward(&stream, kernel, case));
+    hunt("all_forward_mutants_are_killed", FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| {
+        check_forward(&stream, kernel, case)
+    });
 }
 
 /// Runs the block-sparse forward `kernel` on a killing case (guarded); `Ok(())` when every verdict passes with a
@@ -198,24 +347,33 @@ fn all_block_sparse_forward_mutants_are_killed() {
     let stream = ctx.new_stream().expect("create a stream");
     let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
         block_sparse::killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
-    hunt(FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
+    hunt("all_block_sparse_forward_mutants_are_killed", FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| {
+        check_block_sparse(&stream, kernel, c)
+    });
 }
 
 /// Runs each of `mutants` (patches of `base`) through `run_suite`, which runs a general property suite on the patched
-/// kernel and returns its result; every mutant must make the suite fail. Prints mutant and first line of why.
+/// kernel and returns its result, each in a process of its own ([`judge_isolated`]); every mutant must make the suite
+/// fail. Prints mutant and first line of why. `test` is the calling test's name in this module.
 fn hunt_in_suite<D: std::fmt::Debug>(
+    test: &str,
     base: KernelSource,
     mutants: &[&Mutant],
     suite_name: &str,
     run_suite: impl Fn(KernelSource) -> Result<(), Box<TestError<D>>>,
 ) {
     assert!(!mutants.is_empty(), "no mutants of {} to hunt", base.name);
+    let judged = judge_isolated(test, mutants, |m| match run_suite(patched(base, m)).map_err(|e| *e) {
+        Err(TestError::Fail(why, _)) => Some(Kill::new(suite_name, why.message())),
+        Err(TestError::Abort(why)) => panic!("{suite_name}: the suite gave up on mutant `{}`: {why}", m.name),
+        Ok(()) => None,
+    });
+    let Some(verdicts) = judged else { return };
     let mut survivors = vec![];
-    for m in mutants {
-        match run_suite(patched(base, m)).map_err(|e| *e) {
-            Err(TestError::Fail(why, _)) => println!("{:<40} {}", m.name, why.message().lines().next().unwrap_or("")),
-            Err(TestError::Abort(why)) => panic!("{suite_name}: the suite gave up on mutant `{}`: {why}", m.name),
-            Ok(()) => {
+    for (m, verdict) in mutants.iter().zip(verdicts) {
+        match verdict {
+            Some(kill) => println!("{:<40} {}", m.name, kill.why),
+            None => {
                 println!("{:<40} SURVIVED", m.name);
                 survivors.push(m.name);
             }
@@ -232,10 +390,16 @@ fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
     };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse::BLOCK_SUITES[0];
-    hunt_in_suite(FLASH_FWD, &block_sparse_mutants(), suite.name, |kernel| {
-        let worst = std::cell::RefCell::new(Worst::default());
-        suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
-    });
+    hunt_in_suite(
+        "all_block_sparse_forward_mutants_are_killed_by_the_general_suite",
+        FLASH_FWD,
+        &block_sparse_mutants(),
+        suite.name,
+        |kernel| {
+            let worst = std::cell::RefCell::new(Worst::default());
+            suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
+        },
+    );
 }
 
 /// The catalog's mutants of the sm_90a forward (all of its block-sparse mode, the one the wrappers launch).
@@ -252,7 +416,9 @@ fn all_wgmma_forward_mutants_are_killed() {
     let stream = ctx.new_stream().expect("create a stream");
     let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
         block_sparse::wgmma_killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
-    hunt(FLASH_FWD_SM90, &wgmma_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
+    hunt("all_wgmma_forward_mutants_are_killed", FLASH_FWD_SM90, &wgmma_mutants(), &cases, |kernel, c| {
+        check_block_sparse(&stream, kernel, c)
+    });
 }
 
 /// Every sm_90a forward mutant also fails that kernel's general block-sparse suite (bf16, its default draws).
@@ -264,10 +430,16 @@ fn all_wgmma_forward_mutants_are_killed_by_the_general_suite() {
     let ctx = attnproof_gpu::cuda_device().expect("a device");
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse::WGMMA_SUITES[0];
-    hunt_in_suite(FLASH_FWD_SM90, &wgmma_mutants(), suite.name, |kernel| {
-        let worst = std::cell::RefCell::new(Worst::default());
-        suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
-    });
+    hunt_in_suite(
+        "all_wgmma_forward_mutants_are_killed_by_the_general_suite",
+        FLASH_FWD_SM90,
+        &wgmma_mutants(),
+        suite.name,
+        |kernel| {
+            let worst = std::cell::RefCell::new(Worst::default());
+            suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
+        },
+    );
 }
 
 /// The catalog's mutants of `flash_bwd`'s block-sparse mode.
@@ -282,10 +454,16 @@ fn all_block_sparse_backward_mutants_are_killed() {
     };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse_backward::BACKWARD_SUITES[0];
-    hunt(FLASH_BWD, &block_sparse_backward_mutants(), &block_sparse_backward::killing_cases(), |kernel, draw| {
-        let worst = std::cell::RefCell::new(Worst::default());
-        block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw).map_err(|e| e.to_string())
-    });
+    hunt(
+        "all_block_sparse_backward_mutants_are_killed",
+        FLASH_BWD,
+        &block_sparse_backward_mutants(),
+        &block_sparse_backward::killing_cases(),
+        |kernel, draw| {
+            let worst = std::cell::RefCell::new(Worst::default());
+            block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw).map_err(|e| e.to_string())
+        },
+    );
 }
 
 /// Every block-sparse backward mutant also fails the general block-sparse backward suite (bf16, its default draws).
@@ -296,13 +474,21 @@ fn all_block_sparse_backward_mutants_are_killed_by_the_general_suite() {
     };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse_backward::BACKWARD_SUITES[0];
-    hunt_in_suite(FLASH_BWD, &block_sparse_backward_mutants(), suite.name, |kernel| {
-        let worst = std::cell::RefCell::new(Worst::default());
-        suite
-            .run(suite.default_config(), |draw| block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw))
-            .1
-            .map_err(Box::new)
-    });
+    hunt_in_suite(
+        "all_block_sparse_backward_mutants_are_killed_by_the_general_suite",
+        FLASH_BWD,
+        &block_sparse_backward_mutants(),
+        suite.name,
+        |kernel| {
+            let worst = std::cell::RefCell::new(Worst::default());
+            suite
+                .run(suite.default_config(), |draw| {
+                    block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw)
+                })
+                .1
+                .map_err(Box::new)
+        },
+    );
 }
 
 #[test]
@@ -313,7 +499,7 @@ fn all_block_selection_mutants_are_killed() {
     let stream = ctx.new_stream().expect("create a stream");
     let cases: Vec<(&str, (Case<bf16>, BsaConfig))> =
         block_selection::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
-    hunt(BSA_SELECT, &catalog_mutants(BSA_SELECT), &cases, |kernel, c| {
+    hunt("all_block_selection_mutants_are_killed", BSA_SELECT, &catalog_mutants(BSA_SELECT), &cases, |kernel, c| {
         block_selection::check_selection(&stream, kernel, c)
     });
 }
@@ -326,12 +512,20 @@ fn all_block_selection_mutants_are_killed_by_the_general_suite() {
     };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_selection::SELECTION_SUITES[0];
-    hunt_in_suite(BSA_SELECT, &catalog_mutants(BSA_SELECT), suite.name, |kernel| {
-        let tally = std::cell::RefCell::new(block_selection::SelectionTally::default());
-        let config =
-            Config { max_shrink_iters: 0, ..crate::property::default_run_config(suite.name, suite.cases, suite.seed) };
-        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
-    });
+    hunt_in_suite(
+        "all_block_selection_mutants_are_killed_by_the_general_suite",
+        BSA_SELECT,
+        &catalog_mutants(BSA_SELECT),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new(block_selection::SelectionTally::default());
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+        },
+    );
 }
 
 #[test]
@@ -348,19 +542,19 @@ fn all_backward_mutants_are_killed() {
             (name, BackwardCase { problem, expect })
         })
         .collect();
-    hunt(FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| check_backward(&stream, kernel, c));
+    hunt("all_backward_mutants_are_killed", FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| {
+        check_backward(&stream, kernel, c)
+    });
 }
 
 /// Runs every catalog mutant of `base` through the general property suite `suite` (its default draws, bf16, no
 /// shrinking: the first failing draw kills) and requires each to fail, as the hand-picked cases above do. The
 /// production kernel passes the same draws in `flash_forward`/`flash_backward`, so a failure is the patch's. Prints
 /// the table: mutant, the draw that killed it, the first line of why.
-fn hunt_with_general_suite(base: KernelSource, suite: &PropertySuite, candidate: &GpuCandidate) {
+fn hunt_with_general_suite(test: &str, base: KernelSource, suite: &PropertySuite, candidate: &GpuCandidate) {
     let catalog = catalog_mutants(base);
     assert!(!catalog.is_empty(), "the catalog holds no kernel-text mutant of {}", base.name);
-    let mut survivors = vec![];
-    println!("{:<40} {:<8} detail", "mutant", "draw");
-    for m in &catalog {
+    let judged = judge_isolated(test, &catalog, |m| {
         let patched_kernel = patched(base, m);
         let mutant = match suite.direction {
             Direction::Forward => GpuCandidate { forward_kernel: patched_kernel, ..candidate.clone() },
@@ -374,12 +568,18 @@ fn hunt_with_general_suite(base: KernelSource, suite: &PropertySuite, candidate:
             check(suite, &mutant, &worst, draw)
         });
         match result {
-            Err(TestError::Fail(why, _)) => {
-                let first_line = why.message().lines().next().unwrap_or("").chars().take(70).collect::<String>();
-                println!("{:<40} {:<8} {first_line}", m.name, draws.get());
-            }
+            Err(TestError::Fail(why, _)) => Some(Kill::new(&draws.get().to_string(), why.message())),
             Err(TestError::Abort(why)) => panic!("{}: the suite gave up on mutant `{}`: {why}", suite.name, m.name),
-            Ok(()) => {
+            Ok(()) => None,
+        }
+    });
+    let Some(verdicts) = judged else { return };
+    let mut survivors = vec![];
+    println!("{:<40} {:<8} detail", "mutant", "draw");
+    for (m, verdict) in catalog.iter().zip(verdicts) {
+        match verdict {
+            Some(kill) => println!("{:<40} {:<8} {}", m.name, kill.by, kill.why.chars().take(70).collect::<String>()),
+            None => {
                 println!("{:<40} {:<8}", m.name, "SURVIVED");
                 survivors.push(m.name);
             }
@@ -405,7 +605,12 @@ fn all_forward_mutants_are_killed_by_the_general_suite() {
     let Some(candidate) = GpuCandidate::if_available("all_forward_mutants_are_killed_by_the_general_suite") else {
         return;
     };
-    hunt_with_general_suite(FLASH_FWD, suite("gpu_flash_forward_bf16"), &candidate);
+    hunt_with_general_suite(
+        "all_forward_mutants_are_killed_by_the_general_suite",
+        FLASH_FWD,
+        suite("gpu_flash_forward_bf16"),
+        &candidate,
+    );
 }
 
 #[test]
@@ -413,7 +618,12 @@ fn all_backward_mutants_are_killed_by_the_general_suite() {
     let Some(candidate) = GpuCandidate::if_available("all_backward_mutants_are_killed_by_the_general_suite") else {
         return;
     };
-    hunt_with_general_suite(FLASH_BWD, suite("gpu_flash_backward_bf16"), &candidate);
+    hunt_with_general_suite(
+        "all_backward_mutants_are_killed_by_the_general_suite",
+        FLASH_BWD,
+        suite("gpu_flash_backward_bf16"),
+        &candidate,
+    );
 }
 
 /// Every mutant compiles (for sm_90a, with the killing cases' defines): a patch that broke the build would fail every
