@@ -56,7 +56,8 @@ pub enum GpuError {
     UnsupportedDevice {
         /// The kernel (source file stem).
         kernel: &'static str,
-        /// The lowest compute capability (major, minor) that has every instruction the kernel uses.
+        /// The compute capability (major, minor) the kernel needs: the lowest that has every instruction it uses, or,
+        /// for an architecture-specific kernel (sm_90a), the only one.
         needs: (i32, i32),
         /// The instructions that set `needs` (and say whether later devices have them).
         instructions: &'static str,

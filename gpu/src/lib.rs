@@ -139,6 +139,24 @@ pub fn skip_unless_gpu(test_name: &str) -> Option<Arc<CudaContext>> {
     }
 }
 
+/// Returns the CUDA device for a test of an sm_90a-only kernel when it is compute capability 9.0 (the only one that
+/// runs `wgmma`), else prints why the test skips and returns `None`; no device at all is [`skip_unless_gpu`]'s case
+/// (a panic under [`REQUIRE_GPU_ENV`]). Another device under [`REQUIRE_GPU_ENV`] skips too: the production wrappers
+/// run the portable kernels there, and their tests run.
+///
+/// # Panics
+///
+/// Panics when the device's compute capability cannot be read.
+pub fn skip_unless_hopper(test_name: &str) -> Option<Arc<CudaContext>> {
+    let ctx = skip_unless_gpu(test_name)?;
+    let cc = compile::compute_capability(&ctx).expect("the compute capability");
+    if cc != (9, 0) {
+        println!("{test_name}: skipped: sm_90a kernels need compute capability 9.0, the device has {cc:?}");
+        return None;
+    }
+    Some(ctx)
+}
+
 /// Environment variable that turns a missing NVRTC into a failure of the compile-only tests: `cargo xtask test` and
 /// `verify` set it when they have NVRTC to offer (NVIDIA's wheel, installed by xtask), so that CI cannot skip them.
 pub const REQUIRE_NVRTC_ENV: &str = "ATTNPROOF_REQUIRE_NVRTC";

@@ -19,7 +19,7 @@ use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads, block_sparse_forward};
 use attnproof_gpu::compile::{FLASH_FWD, FLASH_FWD_SM90, KernelSource};
 use attnproof_gpu::flash::{ForwardTiling, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, is_wgmma};
-use attnproof_gpu::{BlockListFault, GpuError, skip_unless_gpu};
+use attnproof_gpu::{BlockListFault, GpuError, skip_unless_gpu, skip_unless_hopper};
 use attnproof_harness::adversarial::Worst;
 use attnproof_harness::candidate::{block_sparse_forward_guarded, forward_guarded};
 use attnproof_harness::generate::{ValueProfile, make_case};
@@ -417,7 +417,7 @@ fn block_sparse_forward_is_within_bound_f16() {
 /// Runs `suite` on the sm_90a forward, on a device of compute capability 9.0 (elsewhere the kernel is an
 /// `UnsupportedDevice` error and the test prints why it skips).
 fn run_wgmma(suite: &BlockSuite) {
-    if !on_hopper(suite.name) {
+    if skip_unless_hopper(suite.name).is_none() {
         return;
     }
     run_on_device(suite, |stream, worst, draw| suite.check(stream, FLASH_FWD_SM90, worst, draw));
@@ -438,10 +438,9 @@ fn block_sparse_wgmma_forward_is_within_bound_f16() {
 /// mean anything.
 #[test]
 fn the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper() {
-    if !on_hopper("the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper") {
+    let Some(ctx) = skip_unless_hopper("the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper") else {
         return;
-    }
-    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    };
     let stream = ctx.new_stream().expect("create a stream");
     let spec = dense(1, 2, 1, 300, 300, 128, 128, Mask::Causal);
     let lists = uniform_lists(&spec, 128, 128, ListHeads::PerKvHead, &[0, 2]);
@@ -453,19 +452,6 @@ fn the_production_block_sparse_forward_runs_the_wgmma_kernel_on_hopper() {
     let bits = |o: &ndarray::ArrayD<bf16>| o.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&production.o), bits(&wgmma.o), "the production forward is not the sm_90a kernel");
     assert_ne!(bits(&production.o), bits(&mma.o), "flash_fwd and the sm_90a kernel agree bit for bit");
-}
-
-/// Whether the device is compute capability 9.0 (the sm_90a kernel's only one); prints why a test skips otherwise.
-pub fn on_hopper(test: &str) -> bool {
-    let Some(ctx) = skip_unless_gpu(test) else {
-        return false;
-    };
-    let cc = attnproof_gpu::compile::compute_capability(&ctx).expect("the compute capability");
-    if cc != (9, 0) {
-        println!("{test}: skipped: the sm_90a forward needs compute capability 9.0, the device has {cc:?}");
-        return false;
-    }
-    true
 }
 
 /// The features of `suites`' draws together, replayed without a device as CI runs them; every drawn list must be

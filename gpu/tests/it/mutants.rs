@@ -31,7 +31,9 @@ use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
-use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu};
+use attnproof_gpu::{
+    BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
+};
 use attnproof_harness::adversarial::{Direction, Worst};
 use attnproof_harness::backward::{BackwardCandidate, BackwardExpectation};
 use attnproof_harness::candidate::GpuCandidate;
@@ -409,10 +411,9 @@ fn wgmma_mutants() -> Vec<&'static Mutant> {
 
 #[test]
 fn all_wgmma_forward_mutants_are_killed() {
-    if !block_sparse::on_hopper("all_wgmma_forward_mutants_are_killed") {
+    let Some(ctx) = skip_unless_hopper("all_wgmma_forward_mutants_are_killed") else {
         return;
-    }
-    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    };
     let stream = ctx.new_stream().expect("create a stream");
     let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
         block_sparse::wgmma_killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
@@ -424,10 +425,9 @@ fn all_wgmma_forward_mutants_are_killed() {
 /// Every sm_90a forward mutant also fails that kernel's general block-sparse suite (bf16, its default draws).
 #[test]
 fn all_wgmma_forward_mutants_are_killed_by_the_general_suite() {
-    if !block_sparse::on_hopper("all_wgmma_forward_mutants_are_killed_by_the_general_suite") {
+    let Some(ctx) = skip_unless_hopper("all_wgmma_forward_mutants_are_killed_by_the_general_suite") else {
         return;
-    }
-    let ctx = attnproof_gpu::cuda_device().expect("a device");
+    };
     let stream = ctx.new_stream().expect("create a stream");
     let suite = &block_sparse::WGMMA_SUITES[0];
     hunt_in_suite(
