@@ -327,9 +327,19 @@ pub fn apply_equivalents(
         }
     }
     let generated: BTreeSet<&str> = outcomes.iter().map(|o| o.name.as_str()).collect();
+    stale_entries(equivalent, full_run_files, &generated)
+}
+
+/// The entries of `equivalent` for files of `files` that `generated` (the names of every mutant cargo-mutants makes of
+/// those files) does not hold: stale, their code moved or changed.
+pub fn stale_entries(
+    equivalent: &BTreeMap<String, String>,
+    files: &BTreeSet<String>,
+    generated: &BTreeSet<&str>,
+) -> Vec<String> {
     equivalent
         .keys()
-        .filter(|name| full_run_files.contains(name.split(':').next().unwrap_or(name)))
+        .filter(|name| files.contains(name.split(':').next().unwrap_or(name)))
         .filter(|name| !generated.contains(name.as_str()))
         .cloned()
         .collect()
@@ -816,6 +826,12 @@ mod tests {
         );
         let unlisted = apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
         assert!(unlisted.is_empty(), "entries of files not fully run are not called stale");
+        // A slice judges staleness against the whole scope's list: an entry another slice generates is not stale.
+        let files = BTreeSet::from(["a.rs".to_owned()]);
+        let listed = BTreeSet::from(["a.rs:2:1: replace * with /", "a.rs:9:9: gone"]);
+        assert!(stale_entries(&equivalent, &files, &listed).is_empty());
+        let listed = BTreeSet::from(["a.rs:2:1: replace * with /"]);
+        assert_eq!(stale_entries(&equivalent, &files, &listed), ["a.rs:9:9: gone"]);
     }
 
     #[test]

@@ -290,7 +290,16 @@ fn scopes(root: &Path, options: &Options, names: &[String], run: ScopeRun) -> Re
         let files: BTreeSet<String> = tracked.iter().filter(|f| scope.owns(&globs, f)).cloned().collect();
         let started = Instant::now();
         let mut outcomes = run_cargo_mutants(root, &tree, scope, run.selection(), &env)?;
-        let stale = cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &files);
+        let stale = if run.shard.is_some() {
+            // A slice generates a part of each file's mutants: an entry is stale only when the whole scope's list
+            // (`cargo mutants --list`, seconds) no longer names it.
+            cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &BTreeSet::new());
+            let out = cargo_mutants::output_dir(root, scope, run.selection());
+            let listed = list_mutants(&tree, scope, Selection::Whole, &out, &env)?;
+            cargo_mutants::stale_entries(&equivalent, &files, &listed.iter().map(String::as_str).collect())
+        } else {
+            cargo_mutants::apply_equivalents(&mut outcomes, &equivalent, &files)
+        };
         let tally = Tally::of(&outcomes);
         let minutes = started.elapsed().as_secs_f64() / 60.0;
         for o in outcomes.iter().filter(|o| o.fate != Fate::Caught) {
@@ -416,12 +425,18 @@ fn run_cargo_mutants(
 /// The names of the mutants of `scope`'s slice `shard`, as `cargo mutants --list` gives them with the slice's own
 /// arguments.
 fn list_slice(tree: &ScratchTree, scope: &Scope, shard: Shard, out: &Path, env: &TestEnv) -> Result<Vec<String>> {
-    let mut args = cargo_mutants::cargo_mutants_args(
-        scope,
-        out,
-        Selection::Shard { shard, resume: false },
-        Duration::from_secs(60),
-    );
+    list_mutants(tree, scope, Selection::Shard { shard, resume: false }, out, env)
+}
+
+/// The names of the mutants `selection` takes of `scope`, as `cargo mutants --list` gives them (nothing is built).
+fn list_mutants(
+    tree: &ScratchTree,
+    scope: &Scope,
+    selection: Selection<'_>,
+    out: &Path,
+    env: &TestEnv,
+) -> Result<Vec<String>> {
+    let mut args = cargo_mutants::cargo_mutants_args(scope, out, selection, Duration::from_secs(60));
     args.insert(1, "--list".to_owned());
     let mut cmd = env.command(&tree.dir, &args);
     println!("$ {}", describe(&cmd));
@@ -431,7 +446,7 @@ fn list_slice(tree: &ScratchTree, scope: &Scope, shard: Shard, out: &Path, env: 
     }
     let names = cargo_mutants::listed_names(&String::from_utf8_lossy(&output.stdout));
     if names.is_empty() {
-        bail!("`{}` listed no mutant: the slice is empty", describe(&cmd));
+        bail!("`{}` listed no mutant", describe(&cmd));
     }
     Ok(names)
 }
