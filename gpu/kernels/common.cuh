@@ -588,6 +588,10 @@ struct TileCursor {
         slot = width;
         return -1;
     }
+    // The position, counted in tiles from the list's start, of the tile next() returned last: its entry's index times
+    // tiles_per_block plus its index inside the block (pads and skipped tiles count too, so it depends only on the
+    // list and the tile).
+    __device__ __forceinline__ int last_position() const { return slot * tiles_per_block + sub - 1; }
 #else
     int t_next;
     __device__ __forceinline__ int next() { return t_next < tile_hi ? t_next++ : -1; }

@@ -199,6 +199,35 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, in
 #define QUERY_BLOCK_LIST(seq, head, row0)                                                                            \
     (block_lists + (seq) * lists.seq_stride + (long long)((head) / lists.heads_per_list) * lists.head_stride +       \
      (long long)((row0) / lists.q_block) * lists.width)
+// The index of the first entry of a list (`width` entries, an ascending valid prefix then -1) that is ≥ `block`,
+// reading a pad as larger than every block (`width` when there is none): a binary search.
+__device__ __forceinline__ int list_position(const int* __restrict__ list, int width, int block) {
+    int lo = 0, hi = width;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        const int x = __ldg(list + mid);
+        if (x >= 0 && x < block) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    return lo;
+}
+
+// Whether the list holds `block`.
+__device__ __forceinline__ bool list_holds(const int* __restrict__ list, int width, int block) {
+    const int at = list_position(list, width, block);
+    return at < width && __ldg(list + at) == block;
+}
+
+// The deterministic mode's dQ partial slot of KV tile `t` (key blocks of `kv_tiles_per_block` tiles) for the query
+// block whose list is `list`: the tile's position in that list, as TileCursor::last_position counts it when
+// bwd_dq_finalize walks the list. The workspace then holds width × kv_tiles_per_block partials of Q's size, not one
+// per KV tile of the longest sequence (which at 128K keys would be a thousand copies of Q).
+__device__ __forceinline__ int partial_slot(const int* __restrict__ list, int width, int t, int kv_tiles_per_block) {
+    return list_position(list, width, t / kv_tiles_per_block) * kv_tiles_per_block + t % kv_tiles_per_block;
+}
 #else
 #define SPARSE_PARAMS
 #endif
@@ -504,7 +533,15 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             }
             // The warp's rows of the tile's dQ: added to the f32 accumulator (mode 1) or stored as this KV tile's
             // partial (mode 2); one branch on the mode around all of them, so each row's stores are predicated.
-            float* dq_tile = (dq_mode == 1 ? dq_acc : dq_part + (long long)b * part_stride) + sv.q_base +
+#if defined(BLOCK_SPARSE)
+            // The partial's slot: this tile's position in the query block's list (bwd_dq_finalize reads it there).
+            const int slot = dq_mode == 1 ? 0
+                                          : partial_slot(QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width, b,
+                                                         lists.tiles_per_block * 64 / KV_TILE);
+#else
+            const int slot = b;
+#endif
+            float* dq_tile = (dq_mode == 1 ? dq_acc : dq_part + (long long)slot * part_stride) + sv.q_base +
                              head * q_head + (long long)row0 * q_row;
             if (dq_mode == 1) {
 #pragma unroll
@@ -818,7 +855,8 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
             x = dq_acc[at];
         } else {
 #if defined(BLOCK_SPARSE)
-            // The KV tiles of the query block's listed key blocks: the only partials bwd_kv wrote for this tile.
+            // The KV tiles of the query block's listed key blocks: the only partials bwd_kv wrote for this tile, each
+            // at its position in the list (partial_slot).
             TileCursor cursor = list_cursor(0, n_kt, QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width,
                                             lists.tiles_per_block * 64 / KV_TILE);
 #else
@@ -828,7 +866,12 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
                 int a_lo, a_hi;
                 if (kv_tile_rows(t, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) && tile >= a_lo &&
                     tile <= a_hi) {
-                    x = __fadd_rn(x, dq_part[(long long)t * part_stride + at]);
+#if defined(BLOCK_SPARSE)
+                    const int slot = cursor.last_position();
+#else
+                    const int slot = t;
+#endif
+                    x = __fadd_rn(x, dq_part[(long long)slot * part_stride + at]);
                 }
             }
         }
@@ -843,22 +886,6 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
 // into csr_offsets[row], bwd_csr_scan turns the counts into offsets in place (csr_offsets[rows] = the total), and
 // bwd_csr_fill writes the indices. Every step is deterministic: a row's indices come out in ascending order from a
 // warp ballot, with no atomics.
-
-// Whether the list (`width` entries, an ascending valid prefix then -1) holds `block`: a binary search, reading a pad
-// as larger than every block.
-__device__ __forceinline__ bool list_holds(const int* __restrict__ list, int width, int block) {
-    int lo = 0, hi = width;  // the first entry ≥ block (a pad counts as +∞) is at index lo once lo == hi
-    while (lo < hi) {
-        const int mid = (lo + hi) / 2;
-        const int x = __ldg(list + mid);
-        if (x >= 0 && x < block) {
-            lo = mid + 1;
-        } else {
-            hi = mid;
-        }
-    }
-    return lo < width && __ldg(list + lo) == block;
-}
 
 // One warp per CSR row: grid (⌈kv_blocks / NUM_WARPS⌉, list heads, sequences). The lanes test 32 query blocks at a
 // time; FILL writes the listing query blocks from the row's offset in ascending order, otherwise the count.

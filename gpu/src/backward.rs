@@ -14,7 +14,8 @@
 //!    tile owning dQ, which recomputes `P` and `dS` a second time; [`GpuBackwardStrategy::KvOwnerAtomic`] lets
 //!    `bwd_kv` `atomicAdd` each KV tile's dQ into an f32 accumulator, converted by `bwd_dq_finalize`;
 //!    [`GpuBackwardStrategy::KvOwnerDeterministic`] lets `bwd_kv` write each KV tile's dQ as a partial (an f32
-//!    workspace of `⌈max Lk / KV_TILE⌉` copies of Q's size), summed by `bwd_dq_finalize` in ascending KV tile order.
+//!    workspace of `⌈max Lk / KV_TILE⌉` copies of Q's size; block-sparse, one per listed KV tile), summed by
+//!    `bwd_dq_finalize` in ascending KV tile order.
 //!    Strategy A and the deterministic mode are bitwise reproducible; the atomic mode's dQ depends on the order the
 //!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
 //!    three, so they agree bitwise across strategies.
@@ -388,6 +389,16 @@ impl SparseLists<'_> {
     fn csr_rows(&self, seqs: usize) -> usize {
         seqs * self.params.list_heads as usize * self.params.kv_blocks as usize
     }
+
+    /// The deterministic dQ mode's partials per query tile under `tiling`: one per KV tile of the longest list's
+    /// valid prefix (each partial is stored at its tile's position in its list, `partial_slot` in `flash_bwd.cu`, and
+    /// a position is always inside the valid prefix), instead of one per KV tile of the longest sequence. The
+    /// entries were validated before: ascending valid prefixes, then `−1`.
+    fn dq_partials(&self, tiling: BackwardTiling) -> usize {
+        let width = (self.params.width as usize).max(1);
+        let longest = self.entries.chunks(width).map(|list| list.iter().take_while(|&&b| b >= 0).count()).max();
+        longest.unwrap_or(0) * (self.kv_block() / tiling.kv_tile())
+    }
 }
 
 /// The define of `flash_bwd.cu`'s block-sparse mode.
@@ -497,10 +508,13 @@ pub(crate) fn launch_backward<T: GpuElement>(
         None => None,
     };
     let partials = match strategy {
-        GpuBackwardStrategy::KvOwnerDeterministic => plan
-            .q_elements
-            .checked_mul(plan.kv_tiles as usize)
-            .ok_or(GpuError::TooLarge { argument: "dQ partials", value: usize::MAX })?,
+        GpuBackwardStrategy::KvOwnerDeterministic => {
+            // Dense: one partial per KV tile; block-sparse: one per listed KV tile.
+            let copies = sparse.as_ref().map_or(plan.kv_tiles as usize, |sparse| sparse.dq_partials(tiling));
+            plan.q_elements
+                .checked_mul(copies)
+                .ok_or(GpuError::TooLarge { argument: "dQ partials", value: usize::MAX })?
+        }
         _ => 0,
     };
     let accumulator = if strategy == GpuBackwardStrategy::KvOwnerAtomic { plan.q_elements } else { 0 };
@@ -854,6 +868,23 @@ mod tests {
     use crate::common::NO_BOUND;
     use attnproof_oracle::{Mask, Predicate};
     use half::{bf16, f16};
+
+    /// The deterministic block-sparse dQ workspace holds one partial per KV tile of the longest list's valid prefix,
+    /// whatever the lists' padded width and the sequence's length.
+    #[test]
+    fn the_sparse_dq_workspace_counts_the_longest_list() {
+        // Three lists of width 4: two entries, three entries, none.
+        let entries = [0, 5, -1, -1, 1, 2, 7, -1, -1, -1, -1, -1];
+        let params = BlockListParams { width: 4, tiles_per_block: 2, kv_blocks: 4096, ..Default::default() };
+        let sparse = SparseLists { entries: &entries, params };
+        assert_eq!(sparse.dq_partials(BackwardTiling::DEFAULT), 3, "128-key tiles in 128-key blocks");
+        assert_eq!(sparse.dq_partials(BackwardTiling { kv_warps: 4 }), 6, "64-key tiles in 128-key blocks");
+        let full = [3, 4, 5, 6];
+        let sparse = SparseLists { entries: &full, params };
+        assert_eq!(sparse.dq_partials(BackwardTiling::DEFAULT), 4, "a list without a pad");
+        let sparse = SparseLists { entries: &[], params: BlockListParams { width: 0, ..params } };
+        assert_eq!(sparse.dq_partials(BackwardTiling::DEFAULT), 0, "no lists");
+    }
 
     #[test]
     fn predicate_masks_and_odd_dims_are_typed_errors() {

@@ -15,8 +15,10 @@
 //!    dense kernel's, and an unvisited one contributes what the oracle gives it: nothing.
 //! 4. dQ by [`GpuBackwardStrategy`]: `bwd_dq` (two traversals: one CTA per query tile walks its query block's list
 //!    again, deterministic), the KV owner's atomic f32 accumulator, or its per-KV-tile partials summed in ascending KV
-//!    tile order over the query block's listed tiles (bitwise deterministic; the workspace is the dense one,
-//!    `⌈max Lk / KV_TILE⌉` copies of Q's size in f32, so it suits moderate lengths).
+//!    tile order over the query block's listed tiles (bitwise deterministic). Each partial is stored at its KV tile's
+//!    position in the query block's list, so the f32 workspace holds `kv_block / KV_TILE` copies of Q's size per
+//!    entry of the longest list (9 for top-8 lists plus the diagonal at 128×128 blocks), not the dense mode's
+//!    `⌈max Lk / KV_TILE⌉` (1024 at 128K keys).
 //!
 //! The rounding-error model is the dense backward's (`crate::backward`) under the lists' visibility: each visited
 //! tile pair does the dense kernels' arithmetic, and a row's sums over visited tiles take no more instructions and

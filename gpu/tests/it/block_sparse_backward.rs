@@ -304,6 +304,57 @@ fn unlisted_blocks_get_zero_gradients() {
     }
 }
 
+/// The deterministic dQ mode keeps one f32 partial per listed KV tile, not one per KV tile of the sequence: at 512K
+/// keys (4096 KV tiles) the dense-sized workspace would be 4096 copies of Q's 128 MiB, more than the device holds,
+/// while lists of the first block and the diagonal need two. Each dQ row then sums at most two partials, and a sum of
+/// two is the same in either order, so the deterministic mode's dQ must equal the atomic mode's bit for bit (and
+/// dK, dV, D, which do not depend on the dQ mode, too); the atomic mode is held to the oracle by the suites.
+#[test]
+fn the_deterministic_dq_workspace_fits_long_sequences() {
+    let Some(ctx) = skip_unless_gpu("the_deterministic_dq_workspace_fits_long_sequences") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let len = 512 * 1024;
+    let spec = dense(1, 1, 1, len, len, 64, 64, Mask::Causal);
+    let blocks = len / 128;
+    let mut entries = ndarray::Array4::from_elem((1, 1, blocks, 2), -1i32);
+    for a in 0..blocks {
+        entries[[0, 0, a, 0]] = 0;
+        if a > 0 {
+            entries[[0, 0, a, 1]] = a as i32;
+        }
+    }
+    let lists = BlockLists { q_block: 128, kv_block: 128, heads: ListHeads::PerKvHead, lists: entries };
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 41);
+    let d_out = make_d_out::<bf16>(&spec, 41);
+    let fwd = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("forward");
+    let run = |strategy| {
+        block_sparse_backward(
+            &stream,
+            &spec,
+            &lists,
+            case.q.view(),
+            case.k.view(),
+            case.v.view(),
+            fwd.o.view(),
+            fwd.lse.view(),
+            d_out.view(),
+            strategy,
+        )
+        .unwrap_or_else(|e| panic!("{strategy:?} at {len} keys: {e}"))
+    };
+    let atomic = run(GpuBackwardStrategy::KvOwnerAtomic);
+    let deterministic = run(GpuBackwardStrategy::KvOwnerDeterministic);
+    let bits = |x: &ndarray::ArrayD<bf16>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(atomic.dq.iter().any(|x| x.to_f32() != 0.0), "a dQ to compare");
+    assert!(bits(&atomic.dq) == bits(&deterministic.dq), "dQ: the deterministic mode differs from the atomic one");
+    assert!(bits(&atomic.dk) == bits(&deterministic.dk), "dK");
+    assert!(bits(&atomic.dv) == bits(&deterministic.dv), "dV");
+    let delta_bits = |x: &ndarray::ArrayD<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(delta_bits(&atomic.delta) == delta_bits(&deterministic.delta), "D");
+}
+
 /// Bad lists and a tiling whose KV tiles straddle key blocks are typed errors before any launch; the device stays
 /// usable.
 #[test]
