@@ -324,6 +324,20 @@ pub const MUTANTS: &[Mutant] = &[
         ..BLOCK_SPARSE_BWD
     },
     Mutant {
+        name: "gpu-bsa-bwd-dq-partials-share-a-slot",
+        description: "The deterministic dQ mode stores every listed KV tile's partial in the slot of the first entry",
+        find: "return list_position(list, width, t / kv_tiles_per_block) * kv_tiles_per_block + t % kv_tiles_per_block;",
+        replace: "return t % kv_tiles_per_block;",
+        ..BLOCK_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-bsa-bwd-dq-sum-reads-the-next-slot",
+        description: "The deterministic dQ sum reads each listed tile's partial one slot past the one written",
+        find: "__device__ __forceinline__ int last_position() const { return slot * tiles_per_block + sub - 1; }",
+        replace: "__device__ __forceinline__ int last_position() const { return slot * tiles_per_block + sub; }",
+        ..CURSOR_BWD
+    },
+    Mutant {
         name: "gpu-bsa-bwd-query-lists-read-per-kv-head",
         description: "The KV owner reads the CSR row of the query head's KV head where the lists are per query head",
         find: "head / lists.heads_per_list) * lists.kv_blocks",
