@@ -21,11 +21,13 @@ use crate::block_sparse::{
     run_on_device, sanitizer_draws, uniform_lists,
 };
 use crate::common::*;
+use attnproof_gpu::backward::BackwardOutput;
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
-use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, skip_unless_gpu};
+use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::adversarial::Worst;
 use attnproof_harness::backward::BackwardExpectation;
@@ -265,6 +267,19 @@ fn the_csr_transpose_equals_the_oracles() {
     }
 }
 
+/// The production block-sparse backward of `case` over `lists`, after the forward run `fwd`, with `d_out`.
+fn backward_after_forward(
+    stream: &Arc<CudaStream>,
+    case: &Case<bf16>,
+    lists: &BlockLists,
+    fwd: &ForwardRun<bf16>,
+    d_out: &ndarray::ArrayD<bf16>,
+    strategy: GpuBackwardStrategy,
+) -> Result<BackwardOutput<bf16>, GpuError> {
+    let (q, k, v) = (case.q.view(), case.k.view(), case.v.view());
+    block_sparse_backward(stream, &case.spec, lists, q, k, v, fwd.o.view(), fwd.lse.view(), d_out.view(), strategy)
+}
+
 /// A query block that lists nothing gets dQ = 0 on its rows, and a key block no query block lists gets dK = dV = 0,
 /// for every strategy.
 #[test]
@@ -280,19 +295,7 @@ fn unlisted_blocks_get_zero_gradients() {
     let d_out = make_d_out::<bf16>(&spec, 31);
     let fwd = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("forward");
     for strategy in GpuBackwardStrategy::ALL {
-        let g = block_sparse_backward(
-            &stream,
-            &spec,
-            &lists,
-            case.q.view(),
-            case.k.view(),
-            case.v.view(),
-            fwd.o.view(),
-            fwd.lse.view(),
-            d_out.view(),
-            strategy,
-        )
-        .expect("launch");
+        let g = backward_after_forward(&stream, &case, &lists, &fwd, &d_out, strategy).expect("launch");
         assert!(g.dq.slice(s![0, .., 64..128, ..]).iter().all(|x| x.to_f32() == 0.0), "{strategy:?}: dQ");
         for unlisted in [0usize, 2, 4] {
             let keys = unlisted * 64..(unlisted * 64 + 64).min(300);
@@ -330,19 +333,8 @@ fn the_deterministic_dq_workspace_fits_long_sequences() {
     let d_out = make_d_out::<bf16>(&spec, 41);
     let fwd = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("forward");
     let run = |strategy| {
-        block_sparse_backward(
-            &stream,
-            &spec,
-            &lists,
-            case.q.view(),
-            case.k.view(),
-            case.v.view(),
-            fwd.o.view(),
-            fwd.lse.view(),
-            d_out.view(),
-            strategy,
-        )
-        .unwrap_or_else(|e| panic!("{strategy:?} at {len} keys: {e}"))
+        backward_after_forward(&stream, &case, &lists, &fwd, &d_out, strategy)
+            .unwrap_or_else(|e| panic!("{strategy:?} at {len} keys: {e}"))
     };
     let atomic = run(GpuBackwardStrategy::KvOwnerAtomic);
     let deterministic = run(GpuBackwardStrategy::KvOwnerDeterministic);
