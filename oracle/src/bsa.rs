@@ -227,6 +227,9 @@ mod tests {
         assert_eq!(config(4, false, 1).forced(3), [2]);
         assert_eq!(config(4, true, 0).forced(3), [0]);
         assert!(config(2, true, 2).validate().is_err());
+        // A list exactly as wide as the forced blocks is valid (they fill it).
+        assert_eq!(config(3, true, 2).validate(), Ok(()));
+        assert_eq!(config(1, false, 1).validate(), Ok(()));
         assert!(BsaConfig { q_block: 0, ..config(2, false, 0) }.validate().is_err());
     }
 
