@@ -237,3 +237,38 @@ pub fn backward_mpfr(
     let (q, k, v, g) = (to_mpfr(q, precision), to_mpfr(k, precision), to_mpfr(v, precision), to_mpfr(d_out, precision));
     backward(spec, Qkv { q: q.view(), k: k.view(), v: v.view() }, g.view(), DenseConfig::default(), precision)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inputs::uniform_tensor;
+    use crate::spec::Mask;
+
+    /// The f64 results do not depend on the thread count: row chunks run in parallel and the backward adds their
+    /// dK, dV terms in chunk order. Compared bit for bit between the global pool, one thread and three threads, with
+    /// chunks of 7 rows so that the backward runs several waves, on a causal GQA problem with Lq ≠ Lk.
+    #[test]
+    fn f64_results_are_the_same_bits_on_any_thread_count() {
+        let spec = AttentionSpec::dense(1, 4, 2, 150, 130, 64, 48).with_mask(Mask::Causal);
+        let shape = |op| spec.expected_shape(op);
+        let q = uniform_tensor(1, &shape(Operand::Q));
+        let k = uniform_tensor(2, &shape(Operand::K));
+        let v = uniform_tensor(3, &shape(Operand::V));
+        let d_out = uniform_tensor(4, &shape(Operand::O));
+        let config = DenseConfig { row_chunk: 7 };
+        let run = || {
+            let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+            backward(&spec, qkv, d_out.view(), config, ()).expect("a valid problem")
+        };
+        let bits = |g: &Gradients<f64>| {
+            [&g.dq, &g.dk, &g.dv, &g.delta, &g.forward.o, &g.forward.lse]
+                .iter()
+                .flat_map(|t| t.iter().map(|x| x.to_bits()))
+                .collect::<Vec<_>>()
+        };
+        let pool = |threads| rayon::ThreadPoolBuilder::new().num_threads(threads).build().expect("a thread pool");
+        let outside = bits(&run());
+        assert_eq!(bits(&pool(1).install(run)), outside, "one thread");
+        assert_eq!(bits(&pool(3).install(run)), outside, "three threads");
+    }
+}

@@ -3,6 +3,7 @@
 //! sees all of its keys, so the chunking changes no arithmetic of a row.
 
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice, Zip};
+use rayon::prelude::*;
 
 use crate::online::SoftmaxState;
 use crate::real::Real;
@@ -72,8 +73,10 @@ pub fn scores<S: Real>(
     ctx: S::Ctx,
 ) -> Array2<S> {
     let mut s = S::matmul(q, k.t(), ctx);
-    Zip::from(&mut s).and(visible).for_each(|x, &vis| {
-        *x = if vis { x.clone() * scale.clone() } else { S::neg_infinity(ctx) };
+    Zip::from(s.rows_mut()).and(visible.rows()).for_each(|mut row, vis| {
+        for (x, &vis) in row.iter_mut().zip(vis) {
+            *x = if vis { x.clone() * scale.clone() } else { S::neg_infinity(ctx) };
+        }
     });
     s
 }
@@ -104,8 +107,10 @@ pub fn delta_from_probabilities<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_
 /// E8: `dS_ij = P_ij (dP_ij − D_i)`.
 pub fn score_gradient<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_, S>, delta: ArrayView1<'_, S>) -> Array2<S> {
     let mut ds = p.to_owned();
-    Zip::indexed(&mut ds).and(dp).for_each(|(i, _), x, d| {
-        *x = x.clone() * (d.clone() - delta[i].clone());
+    Zip::from(ds.rows_mut()).and(dp.rows()).and(&delta).for_each(|mut row, dp, delta| {
+        for (x, d) in row.iter_mut().zip(dp) {
+            *x = x.clone() * (d.clone() - delta.clone());
+        }
     });
     ds
 }
@@ -115,15 +120,27 @@ pub fn head_forward<S: Real>(inputs: HeadInputs<'_, S>, scale: &S, config: Dense
     let (len_q, dv) = (inputs.q.nrows(), inputs.v.ncols());
     let mut o = Array2::from_elem((len_q, dv), S::zero(ctx));
     let mut lse = Array1::from_elem(len_q, S::zero(ctx));
-    for start in (0..len_q).step_by(config.row_chunk.max(1)) {
-        let rows = start..(start + config.row_chunk.max(1)).min(len_q);
-        let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
-        let s = scores(inputs.q.slice_axis(Axis(0), Slice::from(rows.clone())), inputs.k, scale, visible, ctx);
-        let (o_c, lse_c) = SoftmaxState::of_block(s.view(), visible, inputs.v, ctx).finalize();
+    // Chunks of rows are independent (each row sees all of its keys), so they run in parallel; each chunk's rows
+    // are computed exactly as in a sequential walk.
+    let chunks: Vec<_> = row_chunks(len_q, config)
+        .into_par_iter()
+        .map(|rows| {
+            let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let s = scores(inputs.q.slice_axis(Axis(0), Slice::from(rows.clone())), inputs.k, scale, visible, ctx);
+            (rows, SoftmaxState::of_block(s.view(), visible, inputs.v, ctx).finalize())
+        })
+        .collect();
+    for (rows, (o_c, lse_c)) in chunks {
         o.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&o_c);
         lse.slice_axis_mut(Axis(0), Slice::from(rows)).assign(&lse_c);
     }
     HeadForward { o, lse }
+}
+
+/// The row ranges of `config.row_chunk` rows (the last one shorter) covering `len_q` rows, in order.
+fn row_chunks(len_q: usize, config: DenseConfig) -> Vec<std::ops::Range<usize>> {
+    let chunk = config.row_chunk.max(1);
+    (0..len_q).step_by(chunk).map(|start| start..(start + chunk).min(len_q)).collect()
 }
 
 /// Backward of one head given its forward results (E6–E10): `D` from `dO·O`, then per chunk of
@@ -143,20 +160,31 @@ pub fn head_backward<S: Real>(
     let mut dq = Array2::from_elem((len_q, d), S::zero(ctx));
     let mut dk = Array2::from_elem((len_k, d), S::zero(ctx));
     let mut dv_acc = Array2::from_elem((len_k, dv), S::zero(ctx));
-    for start in (0..len_q).step_by(config.row_chunk.max(1)) {
-        let rows = start..(start + config.row_chunk.max(1)).min(len_q);
-        let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
-        let q_c = inputs.q.slice_axis(Axis(0), Slice::from(rows.clone()));
-        let d_out_c = d_out.slice_axis(Axis(0), Slice::from(rows.clone()));
-        let s = scores(q_c, inputs.k, scale, visible, ctx);
-        let p =
-            probabilities_from_lse(s.view(), forward.lse.slice_axis(Axis(0), Slice::from(rows.clone())), visible, ctx);
-        add_assign(&mut dv_acc, S::matmul(p.t(), d_out_c, ctx));
-        let dp = S::matmul(d_out_c, inputs.v.t(), ctx);
-        let ds = score_gradient(p.view(), dp.view(), delta.slice_axis(Axis(0), Slice::from(rows.clone())));
-        let dq_c = S::matmul(ds.view(), inputs.k, ctx).mapv(|x| x * scale.clone());
-        dq.slice_axis_mut(Axis(0), Slice::from(rows)).assign(&dq_c);
-        add_assign(&mut dk, S::matmul(ds.t(), q_c, ctx));
+    // Chunks run in parallel, a wave of as many as there are threads at a time; their dK and dV terms are then added
+    // in ascending chunk order, so every sum is the sequential walk's, bit for bit, whatever the thread count.
+    let chunks = row_chunks(len_q, config);
+    for wave in chunks.chunks(rayon::current_num_threads().max(1)) {
+        let terms: Vec<_> = wave
+            .par_iter()
+            .map(|rows| {
+                let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+                let q_c = inputs.q.slice_axis(Axis(0), Slice::from(rows.clone()));
+                let d_out_c = d_out.slice_axis(Axis(0), Slice::from(rows.clone()));
+                let s = scores(q_c, inputs.k, scale, visible, ctx);
+                let lse_c = forward.lse.slice_axis(Axis(0), Slice::from(rows.clone()));
+                let p = probabilities_from_lse(s.view(), lse_c, visible, ctx);
+                let dv_c = S::matmul(p.t(), d_out_c, ctx);
+                let dp = S::matmul(d_out_c, inputs.v.t(), ctx);
+                let ds = score_gradient(p.view(), dp.view(), delta.slice_axis(Axis(0), Slice::from(rows.clone())));
+                let dq_c = S::matmul(ds.view(), inputs.k, ctx).mapv(|x| x * scale.clone());
+                (dq_c, S::matmul(ds.t(), q_c, ctx), dv_c)
+            })
+            .collect();
+        for (rows, (dq_c, dk_c, dv_c)) in wave.iter().zip(terms) {
+            add_assign(&mut dv_acc, dv_c);
+            dq.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&dq_c);
+            add_assign(&mut dk, dk_c);
+        }
     }
     dk.mapv_inplace(|x| x * scale.clone());
     HeadGradients { dq, dk, dv: dv_acc, delta }

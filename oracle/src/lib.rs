@@ -15,7 +15,7 @@
 //!   the tie and padding conventions, index-list validation), [`inputs`] (deterministic inputs).
 //!
 //! The oracle knows nothing of tiles: the only "blocks" it sees are the key sets of E2–E5.
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 pub mod attention;
 pub mod block_scores;

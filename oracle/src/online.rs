@@ -36,9 +36,13 @@ pub fn shifted_exponentials<S: Real>(
     ctx: S::Ctx,
 ) -> Array2<S> {
     let mut w = Array2::from_elem(scores.dim(), S::zero(ctx));
-    Zip::indexed(&mut w).for_each(|(i, j), w| {
-        if visible[[i, j]] {
-            *w = (scores[[i, j]].clone() - m[i].clone()).exp();
+    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks (the hot loop of the dense
+    // oracle), the same operations per element as `exp(s_ij − m_i)`.
+    Zip::from(w.rows_mut()).and(scores.rows()).and(visible.rows()).and(&m).for_each(|mut w, s, vis, m| {
+        for ((w, s), &vis) in w.iter_mut().zip(s).zip(vis) {
+            if vis {
+                *w = (s.clone() - m.clone()).exp();
+            }
         }
     });
     w

@@ -178,9 +178,32 @@ fn faer_matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
         a,
         b,
         1.0,
-        faer::Par::rayon(0),
+        matmul_parallelism(),
     );
+    clear_upper_vector_state();
     c
+}
+
+/// Clears the upper halves of the AVX registers (`vzeroupper`) after faer's AVX-512 kernels. They return with the
+/// upper state dirty, and on x86 every later legacy-SSE instruction of the same thread (this crate's scalar f64 code
+/// and libm's `exp`, compiled for the baseline target) then pays a state-transition penalty: the dense forward at
+/// 4096 keys ran in 2.49 s instead of 0.42 s on one thread, its `exp` calls following a product on the same thread.
+/// The crate's one `unsafe` (tidy rule 6 keeps it in this file).
+#[allow(unsafe_code)]
+fn clear_upper_vector_state() {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx") {
+        // SAFETY: `vzeroupper` exists wherever AVX does (checked above) and only zeroes bits 128 and up of the
+        // vector registers, which hold no live value here: nothing vector-typed lives across this call.
+        unsafe { std::arch::x86_64::_mm256_zeroupper() };
+    }
+}
+
+/// faer's parallelism for a product: the whole rayon pool when called from outside it, none from inside one of its
+/// tasks. The oracle's loops over heads and row chunks already keep every thread busy there, and faer's own
+/// parallel kernels, whose threads meet at barriers, would wait for workers that are running other chunks.
+fn matmul_parallelism() -> faer::Par {
+    if rayon::current_thread_index().is_some() { faer::Par::Seq } else { faer::Par::rayon(0) }
 }
 
 /// An MPFR number (`rug::Float`) with the arithmetic the oracle needs.

@@ -37,7 +37,7 @@ enum Rule {
     Dependency,
     /// Rule 5: a `// SAFETY:` comment above every `unsafe`.
     SafetyComment,
-    /// Rule 6: `unsafe` in the GPU crate only in `gpu/src/launch.rs`.
+    /// Rule 6: `unsafe` in the GPU crate only in `gpu/src/launch.rs`, in the oracle only in `oracle/src/real.rs`.
     UnsafeLocation,
     /// Rule 7: no `#[ignore]`, `dbg!(` or `todo!(`.
     ForbiddenMacro,
@@ -806,19 +806,22 @@ fn check_safety_comments(path: &str, text: &str) -> Vec<Violation> {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Rule 6: unsafe only in gpu/src/launch.rs.
+// Rule 6: unsafe only in gpu/src/launch.rs and oracle/src/real.rs.
 // ---------------------------------------------------------------------------------------------------------------
 
-/// The GPU crate's source folder, where rule 6 applies.
-const GPU_SOURCES: &str = "gpu/src/";
-/// The one file of [`GPU_SOURCES`] allowed to use `unsafe`.
-const GPU_UNSAFE_HOME: &str = "gpu/src/launch.rs";
+/// The source folders where rule 6 applies, each with the one file allowed to use `unsafe`: the GPU crate's driver
+/// calls, and the oracle's `vzeroupper` after faer's products (the oracle denies `unsafe_code` and allows it on that
+/// one function).
+const UNSAFE_HOMES: &[(&str, &str)] = &[("gpu/src/", "gpu/src/launch.rs"), ("oracle/src/", "oracle/src/real.rs")];
 
-/// Rule 6: no Rust file under `gpu/src/` other than `gpu/src/launch.rs` uses the `unsafe` keyword in code (comments
-/// and strings are ignored, see [`strip_comments_and_strings`]). The crates with `#![forbid(unsafe_code)]` are left
-/// to the compiler.
+/// Rule 6: no Rust file under a folder of [`UNSAFE_HOMES`] other than its home uses the `unsafe` keyword in code
+/// (comments and strings are ignored, see [`strip_comments_and_strings`]). The crates with `#![forbid(unsafe_code)]`
+/// are left to the compiler.
 fn check_unsafe_location(path: &str, text: &str) -> Vec<Violation> {
-    if !is_rust(path) || !path.starts_with(GPU_SOURCES) || path == GPU_UNSAFE_HOME {
+    let Some((_, home)) = UNSAFE_HOMES.iter().find(|(folder, _)| path.starts_with(folder)) else {
+        return Vec::new();
+    };
+    if !is_rust(path) || path == *home {
         return Vec::new();
     }
     unsafe_lines(&strip_comments_and_strings(text))
@@ -828,7 +831,7 @@ fn check_unsafe_location(path: &str, text: &str) -> Vec<Violation> {
                 path,
                 index + 1,
                 Rule::UnsafeLocation,
-                format!("`unsafe` outside {GPU_UNSAFE_HOME}: move this operation into a safe wrapper there"),
+                format!("`unsafe` outside {home}: move this operation into a safe wrapper there"),
             )
         })
         .collect()
@@ -1468,6 +1471,8 @@ mod tests {
         assert_eq!(rules(&check_unsafe_location("gpu/src/flash.rs", text)), [(5, Rule::UnsafeLocation)]);
         assert_eq!(rules(&check_unsafe_location("gpu/src/ring/state.rs", text)), [(5, Rule::UnsafeLocation)]);
         assert!(check_unsafe_location("gpu/src/launch.rs", text).is_empty());
+        assert_eq!(rules(&check_unsafe_location("oracle/src/dense.rs", text)), [(5, Rule::UnsafeLocation)]);
+        assert!(check_unsafe_location("oracle/src/real.rs", text).is_empty());
         assert!(check_unsafe_location("gpu/tests/device.rs", text).is_empty());
         assert!(
             check_unsafe_location("gpu/src/lib.rs", "//! Every `unsafe` is in launch.\nconst S: &str = \"unsafe\";\n")
