@@ -122,7 +122,7 @@ pub fn head_forward<S: Real>(inputs: HeadInputs<'_, S>, scale: &S, config: Dense
     let mut lse = Array1::from_elem(len_q, S::zero(ctx));
     // Chunks of rows are independent (each row sees all of its keys), so they run in parallel; each chunk's rows
     // are computed exactly as in a sequential walk.
-    let chunks: Vec<_> = row_chunks(len_q, config)
+    let chunks: Vec<_> = row_chunks::<S>(len_q, inputs.k.nrows(), config)
         .into_par_iter()
         .map(|rows| {
             let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
@@ -137,9 +137,16 @@ pub fn head_forward<S: Real>(inputs: HeadInputs<'_, S>, scale: &S, config: Dense
     HeadForward { o, lse }
 }
 
-/// The row ranges of `config.row_chunk` rows (the last one shorter) covering `len_q` rows, in order.
-fn row_chunks(len_q: usize, config: DenseConfig) -> Vec<std::ops::Range<usize>> {
-    let chunk = config.row_chunk.max(1);
+/// Bytes of one chunk's `[rows, Lk]` arrays (scores, weights) at most: below glibc's largest dynamic mmap threshold
+/// (32 MiB), so that a chunk's arrays come back from the heap instead of fresh pages. At 512 rows of 16K keys each array
+/// was 64 MiB, and a fifth of the dense forward's time went to page faults.
+const CHUNK_BYTES: usize = 16 << 20;
+
+/// The row ranges covering `len_q` rows, in order: `config.row_chunk` rows each (the last one shorter), fewer when a
+/// chunk's `[rows, len_k]` array of `S` would pass [`CHUNK_BYTES`] (never fewer than 16).
+fn row_chunks<S>(len_q: usize, len_k: usize, config: DenseConfig) -> Vec<std::ops::Range<usize>> {
+    let by_memory = CHUNK_BYTES / (std::mem::size_of::<S>() * len_k.max(1)).max(1);
+    let chunk = config.row_chunk.min(by_memory.max(16)).max(1);
     (0..len_q).step_by(chunk).map(|start| start..(start + chunk).min(len_q)).collect()
 }
 
@@ -162,7 +169,7 @@ pub fn head_backward<S: Real>(
     let mut dv_acc = Array2::from_elem((len_k, dv), S::zero(ctx));
     // Chunks run in parallel, a wave of as many as there are threads at a time; their dK and dV terms are then added
     // in ascending chunk order, so every sum is the sequential walk's, bit for bit, whatever the thread count.
-    let chunks = row_chunks(len_q, config);
+    let chunks = row_chunks::<S>(len_q, len_k, config);
     for wave in chunks.chunks(rayon::current_num_threads().max(1)) {
         let terms: Vec<_> = wave
             .par_iter()
