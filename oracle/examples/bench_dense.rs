@@ -1,26 +1,101 @@
-//! Benchmark of the fast f64 oracle path: one problem of `heads` heads, `Lq = Lk = len`, forward
-//! and forward + backward, wall-clock seconds (best and median of `--reps`). Not a test: it
-//! reports, it asserts nothing. Run with `cargo xtask bench-oracle` (release build).
+//! Benchmark of the fast f64 oracle path: one problem of `heads` heads, `Lq = Lk = len`, forward and forward +
+//! backward, wall-clock seconds (best and median of `--reps`, at least two so that the best is a warm run), GFLOP/s
+//! and the fraction of the machine's f64 peak; beside it, when `python3` can import NumPy (and `--no-numpy` is not
+//! given), the textbook NumPy code of `bench/numpy_attention.py` on the same inputs (one head), with the ratio. Not a
+//! test: it reports, it asserts nothing. Run with `cargo xtask bench-oracle` (release build).
+//!
+//! FLOPs are the textbook counts of the products, `4 L² d` for the forward (`Q Kᵀ`, `P V`) and `12 L² d` for forward +
+//! backward (adding `Pᵀ dO`, `dO Vᵀ`, `dS K`, `dSᵀ Q`) per head, the same for both sides, whatever the mask (neither
+//! skips masked work) and although the oracle's backward recomputes `Q Kᵀ`. The peak is `threads × GHz × 16`: two
+//! 256-bit FMA units per core, 4 f64 lanes, 2 FLOPs per FMA (the clock from `/proc/cpuinfo`, or `--ghz`). A core with
+//! two 512-bit FMA units peaks at twice that.
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
 
 use attnproof_oracle::inputs::uniform_tensor as tensor;
 use attnproof_oracle::{AttentionSpec, Mask, backward_f64, forward_f64};
+use ndarray::ArrayD;
 
-fn arg(args: &[String], name: &str, default: usize) -> usize {
+fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T
+where
+    T::Err: std::fmt::Display,
+{
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1))
         .map_or(default, |v| v.parse().unwrap_or_else(|e| panic!("{name} {v}: {e}")))
 }
 
+/// The clock in GHz from the first `cpu MHz` line of `/proc/cpuinfo`, if there is one.
+fn cpuinfo_ghz() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("cpu MHz"))?;
+    line.split(':').nth(1)?.trim().parse::<f64>().ok().map(|mhz| mhz / 1000.0)
+}
+
+/// Best and median of `reps` timed runs of `f`.
+fn time(reps: usize, f: &dyn Fn()) -> (f64, f64) {
+    let mut t: Vec<f64> = (0..reps)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    (t[0], t[t.len() / 2])
+}
+
+/// Writes `x` as little-endian f64 to `path` (the layout `numpy.fromfile` reads).
+fn write_f64(path: &Path, x: &ArrayD<f64>) {
+    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    std::fs::write(path, bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+}
+
+/// NumPy's best forward and forward + backward seconds on the first head of these inputs, or why there are none.
+fn numpy_times(inputs: [&ArrayD<f64>; 4], len: usize, d: usize, reps: usize) -> Result<(f64, f64), String> {
+    let has_numpy = Command::new("python3").args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success());
+    if !has_numpy {
+        return Err("python3 cannot import numpy".into());
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/numpy_attention.py");
+    let folder = std::env::temp_dir().join(format!("attnproof-bench-oracle-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).map_err(|e| e.to_string())?;
+    for (name, x) in ["q", "k", "v", "do"].into_iter().zip(inputs) {
+        // The first head: `[1, heads, len, d]` is head-major, so its rows come first.
+        let head = ArrayD::from_shape_vec(vec![len, d], x.iter().take(len * d).copied().collect()).expect("one head");
+        write_f64(&folder.join(format!("{name}.f64")), &head);
+    }
+    let out = Command::new("python3")
+        .arg(&script)
+        .args([folder.display().to_string(), len.to_string(), d.to_string(), reps.to_string()])
+        .output()
+        .map_err(|e| e.to_string());
+    let _ = std::fs::remove_dir_all(&folder);
+    let out = out?;
+    if !out.status.success() {
+        return Err(format!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr)));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let seconds =
+        |label: &str| text.lines().find_map(|l| l.strip_prefix(label)).and_then(|v| v.trim().parse::<f64>().ok());
+    match (seconds("numpy forward "), seconds("numpy forward+backward ")) {
+        (Some(f), Some(fb)) => Ok((f, fb)),
+        _ => Err(format!("unexpected output of {}: {text}", script.display())),
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let len = arg(&args, "--len", 16384);
-    let d = arg(&args, "--head-dim", 128);
-    let heads = arg(&args, "--heads", 1);
-    let reps = arg(&args, "--reps", 1).max(1);
+    let len = arg(&args, "--len", 16384usize);
+    let d = arg(&args, "--head-dim", 128usize);
+    let heads = arg(&args, "--heads", 1usize);
+    let reps = arg(&args, "--reps", 2usize).max(1);
     let causal = args.iter().any(|a| a == "--causal");
+    let threads = rayon::current_num_threads();
+    let ghz = arg(&args, "--ghz", cpuinfo_ghz().unwrap_or(f64::NAN));
     let mut spec = AttentionSpec::dense(1, heads, heads, len, len, d, d);
     if causal {
         spec = spec.with_mask(Mask::Causal);
@@ -31,27 +106,39 @@ fn main() {
         tensor(3, &[1, heads, len, d]),
         tensor(4, &[1, heads, len, d]),
     );
-    println!(
-        "bench_dense: heads={heads} Lq=Lk={len} d=dv={d} causal={causal} threads={} reps={reps}",
-        rayon::current_num_threads()
-    );
-    let time = |f: &dyn Fn()| {
-        let mut t: Vec<f64> = (0..reps)
-            .map(|_| {
-                let start = Instant::now();
-                f();
-                start.elapsed().as_secs_f64()
-            })
-            .collect();
-        t.sort_by(f64::total_cmp);
-        (t[0], t[t.len() / 2])
+    let peak = threads as f64 * ghz * 16.0;
+    println!("bench_dense: heads={heads} Lq=Lk={len} d=dv={d} causal={causal} threads={threads} reps={reps}");
+    println!("f64 peak: {threads} threads x {ghz:.2} GHz x 16 FLOP/cycle = {peak:.1} GFLOP/s");
+    let gflop = |units: f64| units * (len * len * d * heads) as f64 / 1e9;
+    let row = |label: &str, best: f64, median: f64, flops: f64| {
+        let rate = flops / best;
+        println!(
+            "{label:<20} best {best:.2} s, median {median:.2} s, {rate:.1} GFLOP/s, {:.0} % of peak",
+            100.0 * rate / peak
+        );
     };
-    let (best, median) = time(&|| {
+    let forward = time(reps, &|| {
         forward_f64(&spec, q.view(), k.view(), v.view()).expect("valid problem");
     });
-    println!("forward:            best {best:.2} s, median {median:.2} s");
-    let (best, median) = time(&|| {
+    row("forward:", forward.0, forward.1, gflop(4.0));
+    let both = time(reps, &|| {
         backward_f64(&spec, q.view(), k.view(), v.view(), g.view()).expect("valid problem");
     });
-    println!("forward + backward: best {best:.2} s, median {median:.2} s");
+    row("forward + backward:", both.0, both.1, gflop(12.0));
+    if args.iter().any(|a| a == "--no-numpy") || causal {
+        return;
+    }
+    match numpy_times([&q, &k, &v, &g], len, d, reps) {
+        Ok((f, fb)) => {
+            // NumPy runs one head: compare per head.
+            let per_head = |t: f64| t / heads as f64;
+            println!(
+                "numpy (one head):    forward {f:.2} s, forward + backward {fb:.2} s; oracle / numpy speed: forward \
+                 {:.2}, forward + backward {:.2} (above 1: the oracle is faster)",
+                f / per_head(forward.0),
+                fb / per_head(both.0)
+            );
+        }
+        Err(why) => println!("numpy: not run ({why})"),
+    }
 }

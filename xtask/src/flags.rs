@@ -155,7 +155,7 @@ pub const COMMANDS: &[CommandSpec] = &[
             Flag { default: Some("128"), ..valued("--head-dim", "D", ValueType::PositiveInt, "head dimension") },
         ],
         operands: Operands::Forwarded {
-            usage: "[--heads H] [--reps R] [--causal]",
+            usage: "[--heads H] [--reps R] [--causal] [--ghz G] [--no-numpy]",
             help: "any other argument goes to the benchmark (examples/bench_dense.rs) unchanged",
         },
     },
