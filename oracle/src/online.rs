@@ -35,22 +35,38 @@ pub fn shifted_exponentials<S: Real>(
     m: ArrayView1<'_, S>,
     ctx: S::Ctx,
 ) -> Array2<S> {
-    let mut w = Array2::from_elem(scores.dim(), S::zero(ctx));
-    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks (the hot loop of the dense
-    // oracle), the same operations per element as `exp(s_ij − m_i)`.
-    Zip::from(w.rows_mut()).and(scores.rows()).and(visible.rows()).and(&m).for_each(|mut w, s, vis, m| {
-        for ((w, s), &vis) in w.iter_mut().zip(s).zip(vis) {
-            if vis {
-                *w = (s.clone() - m.clone()).exp();
-            }
-        }
-    });
-    w
+    exponentials_and_sums(scores, visible, m, ctx).0
 }
 
 /// `Σ_j w_ij` per row, summed left to right.
 pub fn row_sums<S: Real>(w: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
     w.map_axis(Axis(1), |row| row.iter().fold(S::zero(ctx), |acc, x| acc + x.clone()))
+}
+
+/// [`shifted_exponentials`] and their [`row_sums`] in one pass over each row (the dense oracle's hot loop: one walk
+/// over the `[rows, keys]` array instead of two). Every exponential is the same operation, and each row's sum adds
+/// the same terms, masked zeros included, in the same left-to-right order, so both results are bit for bit those of
+/// the two separate functions.
+pub fn exponentials_and_sums<S: Real>(
+    scores: ArrayView2<'_, S>,
+    visible: ArrayView2<'_, bool>,
+    m: ArrayView1<'_, S>,
+    ctx: S::Ctx,
+) -> (Array2<S>, Array1<S>) {
+    let mut w = Array2::from_elem(scores.dim(), S::zero(ctx));
+    let mut sums = Array1::from_elem(scores.nrows(), S::zero(ctx));
+    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks.
+    Zip::from(w.rows_mut()).and(&mut sums).and(scores.rows()).and(visible.rows()).and(&m).for_each(
+        |mut w, sum, s, vis, m| {
+            for ((w, s), &vis) in w.iter_mut().zip(s).zip(vis) {
+                if vis {
+                    *w = (s.clone() - m.clone()).exp();
+                }
+                *sum += w.clone();
+            }
+        },
+    );
+    (w, sums)
 }
 
 /// `e^{a − b}` with the E4 convention that `e^{−∞ − (−∞)}` is 0 (an empty state contributes nothing).
@@ -82,8 +98,7 @@ impl<S: Real> SoftmaxState<S> {
         ctx: S::Ctx,
     ) -> Self {
         let m = row_max(scores, visible, ctx);
-        let w = shifted_exponentials(scores, visible, m.view(), ctx);
-        let l = row_sums(w.view(), ctx);
+        let (w, l) = exponentials_and_sums(scores, visible, m.view(), ctx);
         let a = S::matmul(w.view(), v, ctx);
         SoftmaxState { m, l, a }
     }
@@ -99,8 +114,7 @@ impl<S: Real> SoftmaxState<S> {
     ) {
         let block_max = row_max(scores, visible, ctx);
         let m_new = Zip::from(&self.m).and(&block_max).map_collect(|a, b| a.clone().max(b.clone()));
-        let w = shifted_exponentials(scores, visible, m_new.view(), ctx);
-        let block_l = row_sums(w.view(), ctx);
+        let (w, block_l) = exponentials_and_sums(scores, visible, m_new.view(), ctx);
         let block_a = S::matmul(w.view(), v, ctx);
         for i in 0..self.rows() {
             let c = rescale_factor(&self.m[i], &m_new[i], ctx);
@@ -163,4 +177,29 @@ pub fn ring_arrival_order(device: usize, n_devices: usize) -> Vec<usize> {
 /// E11a: the two chunks (of `2G`) that device `g` holds under the zigzag layout: `g` and `2G−1−g`.
 pub fn zigzag_chunks(device: usize, n_devices: usize) -> [usize; 2] {
     [device, 2 * n_devices - 1 - device]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::inputs::uniform_tensor;
+    use ndarray::{Array2, Ix2};
+
+    /// The fused pass gives `e^{s − m}` and the left-to-right row sums bit for bit: rows with some keys masked, one row with
+    /// every key masked (`m = −∞`, all weights exactly 0), and scores large enough that exponentials span many
+    /// binades.
+    #[test]
+    fn the_fused_pass_equals_exponentials_then_sums() {
+        let scores = uniform_tensor(7, &[5, 37]).into_dimensionality::<Ix2>().expect("2-D").mapv(|x| 40.0 * x);
+        let visible = Array2::from_shape_fn((5, 37), |(i, j)| i != 3 && (i + 2 * j) % 5 != 0);
+        let m = row_max(scores.view(), visible.view(), ());
+        assert_eq!(m[3], f64::NEG_INFINITY, "the fully masked row");
+        let (w, sums) = exponentials_and_sums(scores.view(), visible.view(), m.view(), ());
+        let direct =
+            Array2::from_shape_fn((5, 37), |(i, j)| if visible[[i, j]] { (scores[[i, j]] - m[i]).exp() } else { 0.0 });
+        let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(w.as_slice().unwrap()), bits(direct.as_slice().unwrap()));
+        assert_eq!(bits(sums.as_slice().unwrap()), bits(row_sums(direct.view(), ()).as_slice().unwrap()));
+        assert!(w.row(3).iter().all(|&x| x == 0.0) && sums[3] == 0.0);
+    }
 }
