@@ -206,3 +206,26 @@ pub fn add_assign<S: Real>(acc: &mut Array2<S>, x: Array2<S>) {
 pub fn row_totals<S: Real>(x: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
     x.map_axis(Axis(1), |r| r.iter().fold(S::zero(ctx), |a, b| a + b.clone()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunks cover the rows in order, hold `config.row_chunk` rows while a `[rows, Lk]` array of `S` stays
+    /// within `CHUNK_BYTES` (16 MiB: 512 rows of 4096 f64 keys, 128 of 16384), fewer past that, and never fewer than
+    /// 16; the element size counts (MPFR numbers take more rows' worth of bytes).
+    #[test]
+    fn row_chunks_keep_each_array_under_the_mmap_threshold() {
+        let config = DenseConfig::default();
+        let sizes = |len_q, len_k| row_chunks::<f64>(len_q, len_k, config).iter().map(|r| r.len()).collect::<Vec<_>>();
+        assert_eq!(sizes(1030, 4096), [512, 512, 6], "up to 4096 keys: the configured 512 rows");
+        assert_eq!(sizes(300, 16384), [128, 128, 44], "16384 keys: 16 MiB / (8 B × 16384) = 128 rows");
+        assert_eq!(sizes(40, 1 << 22), [16, 16, 8], "at least 16 rows, however long the rows");
+        assert_eq!(row_chunks::<[f64; 4]>(300, 16384, config)[0].len(), 32, "32-byte elements: a quarter of the rows");
+        let chunks = row_chunks::<f64>(300, 16384, config);
+        assert_eq!((chunks[0].start, chunks[2].end), (0, 300));
+        assert!(chunks.windows(2).all(|w| w[0].end == w[1].start), "contiguous, in order");
+        assert_eq!(sizes(0, 16384), Vec::<usize>::new(), "no rows: no chunk");
+        assert_eq!(sizes(5, 0), [5], "no keys: one chunk of every row");
+    }
+}
