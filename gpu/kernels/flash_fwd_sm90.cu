@@ -18,20 +18,32 @@
 // 16–29, stride byte offset >> 4 in 32–45, swizzle mode 1 (128 bytes) in 62–63. Q and K are K-major: stride offset
 // 1024 (8 rows of 128 bytes), the leading offset unused, a k-step of 16 columns is 32 bytes further inside a chunk.
 // V is N-major: leading offset = the distance between two 64-column chunks (BLOCK_N · 128 bytes), stride offset 1024
-// (8 keys); a k-step of 16 keys is 2048 bytes further. Loads are cp.async of 16 bytes with zero fill: tail rows and
-// padding columns are 0, never garbage (0 · NaN = NaN in a product).
+// (8 keys); a k-step of 16 keys is 2048 bytes further.
+//
+// Loads, two ways, both leaving tail rows and padding columns 0, never garbage (0 · NaN = NaN in a product), so both
+// put the same bytes in shared memory and give the same bits:
+// - TMA_LOADS (the host's choice where the tensor copy engine can read the operands: d and dv multiples of 8 in
+//   [64, 128]): K and V tiles come through the tensor copy engine (cp.async.bulk.tensor), one 2-D tensor map per
+//   (sequence, KV head) whose row count is the sequence's key count, so rows past it are out of bounds and filled
+//   with 0. KV_STAGES = 3 stages each; per stage a "full" mbarrier (the copy's bytes landed) and an "empty" one (all 8
+//   consumer warps are done reading it). One thread (thread 0) issues the copies: at the start of iteration i it
+//   loads K_{i+1} and V_i, into the stages that held K_{i−2} and V_{i−3}, which the warps released in iteration
+//   i − 2: the two warpgroups may drift a whole iteration apart before the copies wait, and no CTA barrier is left in
+//   the loop. Q (once per CTA) is still loaded with cp.async.
+// - otherwise: cp.async of 16 bytes with zero fill by every thread, two stages, one CTA barrier per iteration (every
+//   thread's copies visible to both warpgroups; the stages read in iteration i − 1 free again).
 //
 // Pipeline: iteration i issues S_i = Q K_iᵀ and then O += P_{i-1} V_{i-1}, waits for S_i only, runs the softmax of
 // S_i while the tensor cores run the PV product, then waits for it and rescales A by S_i's factors. A therefore goes
 // through exactly flash_fwd.cu's sequence A ← r_i·A + round_T(P_i)·V_i, and the recipe of flash_fwd.cu's header
 // holds unchanged (its rounding-error model in gpu/src/flash.rs charges ⌈Lk/64⌉ rescale steps, or the listed tiles'
-// count in block-sparse mode; this kernel takes at most half as many). K_{i+1} and V_i are loaded during iteration
-// i (one CTA barrier per iteration makes every thread's copies visible and frees the stages read in iteration i − 1).
+// count in block-sparse mode; this kernel takes at most half as many).
 //
 // Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD and HEAD_DIM_V_PAD, d and dv rounded up to 64 or
 // 128; BLOCK_SPARSE (optional): block-sparse attention (E14), the CTA visits only the tiles of the key blocks its
-// query block lists (the host gives 128-key blocks, one tile each, and 128-row query blocks). The arguments are
-// flash_fwd.cu's (without its STATE_OUT mode), so the same launch code serves both kernels.
+// query block lists (the host gives 128-key blocks, one tile each, and 128-row query blocks); TMA_LOADS (optional,
+// above), which adds the tensor maps' argument. The other arguments are flash_fwd.cu's (without its STATE_OUT mode),
+// so the same launch code serves both kernels.
 
 #if defined(STATE_OUT)
 #error "flash_fwd_sm90.cu has no STATE_OUT mode; the ring forward runs flash_fwd.cu"
@@ -52,6 +64,11 @@
 #define Q_BYTES (QK_CHUNKS * BLOCK_M * SW_ROW)
 #define K_BYTES (QK_CHUNKS * BLOCK_N * SW_ROW)
 #define V_BYTES (V_CHUNKS * BLOCK_N * SW_ROW)
+#if defined(TMA_LOADS)
+#define KV_STAGES 3
+#else
+#define KV_STAGES 2
+#endif
 
 // A shared-memory matrix descriptor in the 128-byte swizzle.
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lead_bytes, unsigned stride_bytes) {
@@ -66,6 +83,69 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 // Orders this thread's generic-proxy writes to shared memory (cp.async's) before the tensor cores' reads.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#if defined(TMA_LOADS)
+// The mbarriers of the TMA pipeline (PTX ISA, "mbarrier"): a phase completes when its pending arrivals and expected
+// transaction bytes reach zero; waits name the parity of the phase they wait for.
+__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned arrivals) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
+}
+// Makes the initialised barriers visible to the tensor copy engine's completions.
+__device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
+    asm volatile("{\n.reg .pred done;\nWAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// The tensor maps were written by the host before the launch; the acquire orders that write before this CTA's copies
+// read them through the tensor-map proxy.
+__device__ __forceinline__ void tensormap_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
+// Copies the box at (column `col`, row `row`) of the 2-D tensor map `map` (64 columns × BLOCK_N rows, 128-byte
+// swizzle) to `dst` and signals its bytes on `bar`.
+__device__ __forceinline__ void tma_load_box(unsigned dst, const void* map, int col, int row, unsigned bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar) : "memory");
+}
+
+// Thread 0's side of the TMA pipeline: the K and V tiles in the consumers' order, each into the next of KV_STAGES
+// stages once the 8 consumer warps released that stage's previous tile.
+struct KvLoader {
+    TileCursor k_tiles, v_tiles;  // copies of the consumers' cursor, advanced as K and V tiles are issued
+    int k_issued, v_issued;       // tiles issued so far
+    const void* k_map;
+    const void* v_map;
+    unsigned k_s, v_s;            // shared-memory addresses of stage 0
+    unsigned bars;                // k_full[KV_STAGES], v_full[KV_STAGES], k_empty[KV_STAGES], v_empty[KV_STAGES]
+
+    __device__ __forceinline__ void issue(TileCursor& tiles, int& issued, const void* map, unsigned smem, int bytes,
+                                          int chunks, unsigned full, unsigned empty) {
+        const int t = tiles.next();
+        if (t < 0) return;
+        const int stage = issued % KV_STAGES;
+        const int use = issued / KV_STAGES;
+        if (use > 0) mbarrier_wait(empty + 8 * stage, (use - 1) & 1);  // the stage's previous tile was released
+        mbarrier_arrive_expect_tx(full + 8 * stage, bytes);
+        for (int c = 0; c < chunks; ++c) {
+            tma_load_box(smem + stage * bytes + c * (BLOCK_N * SW_ROW), map, c * 64, t * BLOCK_N, full + 8 * stage);
+        }
+        ++issued;
+    }
+    __device__ __forceinline__ void issue_k() {
+        issue(k_tiles, k_issued, k_map, k_s, K_BYTES, QK_CHUNKS, bars, bars + 16 * KV_STAGES);
+    }
+    __device__ __forceinline__ void issue_v() {
+        issue(v_tiles, v_issued, v_map, v_s, V_BYTES, V_CHUNKS, bars + 8 * KV_STAGES, bars + 24 * KV_STAGES);
+    }
+};
+#endif
 
 // D (64×128, f32) += A·B: A (64×16) and B (128×16) K-major in shared memory.
 __device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], unsigned long long a, unsigned long long b) {
@@ -172,12 +252,16 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #if defined(BLOCK_SPARSE)
           , const int* __restrict__ block_lists, const BlockListParams lists
 #endif
+#if defined(TMA_LOADS)
+          // Two 128-byte tensor maps (K, then V) per (sequence, KV head), sequence-major (gpu/src/flash.rs).
+          , const unsigned long long* __restrict__ kv_maps
+#endif
 ) {
     UNPACK_FLASH_PARAMS(params);
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* q_s = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-    unsigned char* k_s = q_s + Q_BYTES;      // two stages
-    unsigned char* v_s = k_s + 2 * K_BYTES;  // two stages
+    unsigned char* k_s = q_s + Q_BYTES;               // KV_STAGES stages
+    unsigned char* v_s = k_s + KV_STAGES * K_BYTES;  // KV_STAGES stages
 
     // Highest query tiles first, as flash_fwd.cu: under a causal mask they see the most keys.
     const int tile = gridDim.x - 1 - blockIdx.x;
@@ -187,15 +271,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     if (!forward_cta(cta, params, q, k, v, cu_q, cu_k, seq, head, tile, BLOCK_M, BLOCK_N)) return;
     const int len_k = cta.len_k;
 
-    const elem_t* q_g = cta.q_g;
-    const elem_t* k_g = cta.k_g;
-    const elem_t* v_g = cta.v_g;
 #if defined(BLOCK_SPARSE)
     TileCursor cursor = forward_list_cursor(cta, seq, head / lists.heads_per_list, block_lists, lists);
 #else
     TileCursor cursor = range_cursor(cta.tile_lo, cta.tile_hi);
 #endif
-    int t = cursor.next();
 
     const int warp = threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
@@ -204,6 +284,29 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int wrow = warp * 16;                                   // the warp's 16 rows
     const unsigned q_addr = smem_u32(q_s) + (warp / 4) * 64 * SW_ROW;  // the warpgroup's 64 rows
 
+#if defined(TMA_LOADS)
+    __shared__ __align__(8) unsigned long long kv_bars[4 * KV_STAGES];
+    const unsigned bars = smem_u32(kv_bars);
+    const unsigned k_full = bars, v_full = bars + 8 * KV_STAGES;
+    const unsigned k_empty = bars + 16 * KV_STAGES, v_empty = bars + 24 * KV_STAGES;
+    KvLoader loader;
+    if (threadIdx.x == 0) {
+        const unsigned long long* maps = kv_maps + 32ll * ((long long)seq * (gridDim.y / group) + head / group);
+        loader = KvLoader{cursor, cursor, 0, 0, maps, maps + 16, smem_u32(k_s), smem_u32(v_s), bars};
+        for (int st = 0; st < KV_STAGES; ++st) {
+            mbarrier_init(k_full + 8 * st, 1);
+            mbarrier_init(v_full + 8 * st, 1);
+            mbarrier_init(k_empty + 8 * st, THREADS / 32);
+            mbarrier_init(v_empty + 8 * st, THREADS / 32);
+        }
+        fence_mbarrier_init();
+        tensormap_acquire(loader.k_map);
+        tensormap_acquire(loader.v_map);
+        loader.issue_k();  // K_0
+    }
+#endif
+    int t = cursor.next();
+
     float m_run[1][2] = {{NEG_INF, NEG_INF}}, ml_run[1][2] = {{0.f, 0.f}}, l_part[1][2] = {{0.f, 0.f}};
     float acc[1][N_TILES_O][4];
 #pragma unroll
@@ -211,33 +314,55 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int diag0 = (int)(cta.row0 + wrow + g + cta.shift);
 
     if (t >= 0) {
-        load_swizzled_async<BLOCK_M, QK_CHUNKS>(q_s, q_g, q_row, cta.rows_here, d);
+        load_swizzled_async<BLOCK_M, QK_CHUNKS>(q_s, cta.q_g, q_row, cta.rows_here, d);
+#if !defined(TMA_LOADS)
         const int key0 = t * BLOCK_N;
-        load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s, k_g + (long long)key0 * k_row, k_row, min(BLOCK_N, len_k - key0), d);
+        load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s, cta.k_g + (long long)key0 * k_row, k_row,
+                                                min(BLOCK_N, len_k - key0), d);
+#endif
         cp_async_commit();
     }
+#if defined(TMA_LOADS)
+    // Q landed for everyone (and the barriers are initialised) before the loop; a CTA without tiles waits here too.
+    cp_async_wait_all();
+    fence_proxy_async();
+    __syncthreads();
+#endif
     unsigned p_frag[BLOCK_N / 16][4];  // P_{i-1} in the storage type: the A operand of the next PV product
     bool pending_pv = false;
     int i = 0;
     while (t >= 0) {
         const int t_next = cursor.next();
         const int key0 = t * BLOCK_N;
+#if defined(TMA_LOADS)
+        if (threadIdx.x == 0) {
+            loader.issue_k();  // K_{i+1}
+            loader.issue_v();  // V_i
+        }
+        __syncwarp();
+        const int k_stage = i % KV_STAGES;
+        mbarrier_wait(k_full + 8 * k_stage, (i / KV_STAGES) & 1);
+#else
+        const int k_stage = i & 1;
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();  // K_i and V_{i-1} landed for everyone; every warp is done with iteration i − 1
         if (t_next >= 0) {
             const int key1 = t_next * BLOCK_N;
-            load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s + ((i + 1) & 1) * K_BYTES, k_g + (long long)key1 * k_row,
+            load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s + ((i + 1) & 1) * K_BYTES, cta.k_g + (long long)key1 * k_row,
                                                     k_row, min(BLOCK_N, len_k - key1), d);
         }
-        load_swizzled_async<BLOCK_N, V_CHUNKS>(v_s + (i & 1) * V_BYTES, v_g + (long long)key0 * v_row, v_row,
+        load_swizzled_async<BLOCK_N, V_CHUNKS>(v_s + (i & 1) * V_BYTES, cta.v_g + (long long)key0 * v_row, v_row,
                                                min(BLOCK_N, len_k - key0), dv);
         cp_async_commit();
+#endif
+        // The stage of V_{i-1}, the tile of the pending PV product.
+        const int v_stage = (i + KV_STAGES - 1) % KV_STAGES;
 
         float s[1][N_TILES_S][4];
 #pragma unroll
         for (int n = 0; n < N_TILES_S; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
-        const unsigned k_addr = smem_u32(k_s + (i & 1) * K_BYTES);
+        const unsigned k_addr = smem_u32(k_s + k_stage * K_BYTES);
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < HEAD_DIM_PAD / 16; ++kk) {
@@ -246,12 +371,18 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         }
         wgmma_commit();
         if (pending_pv) {
-            pv_tile(acc[0], p_frag, smem_u32(v_s + ((i + 1) & 1) * V_BYTES));
+#if defined(TMA_LOADS)
+            mbarrier_wait(v_full + 8 * v_stage, ((i - 1) / KV_STAGES) & 1);
+#endif
+            pv_tile(acc[0], p_frag, smem_u32(v_s + v_stage * V_BYTES));
             wgmma_commit();
             wgmma_wait<1>();  // S_i is ready; P_{i-1} V_{i-1} may still run
         } else {
             wgmma_wait<0>();
         }
+#if defined(TMA_LOADS)
+        if (lane == 0) mbarrier_arrive(k_empty + 8 * k_stage);  // this warp is done reading K_i
+#endif
 
         float rescale[1][2];
         if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {
@@ -260,6 +391,9 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
             softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
         }
         wgmma_wait<0>();  // P_{i-1} V_{i-1} is done: A may be rescaled and the fragments refilled
+#if defined(TMA_LOADS)
+        if (pending_pv && lane == 0) mbarrier_arrive(v_empty + 8 * v_stage);  // this warp is done reading V_{i-1}
+#endif
         rescale_accumulators(acc, rescale);
 #pragma unroll
         for (int kk = 0; kk < BLOCK_N / 16; ++kk) pack_a(p_frag[kk], s[0][2 * kk], s[0][2 * kk + 1]);
@@ -268,17 +402,22 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         ++i;
     }
     if (pending_pv) {
-        // The last tile's product: its V landed in stage (i − 1) % 2.
+        // The last tile's product: V_{i-1}.
+        const int v_stage = (i + KV_STAGES - 1) % KV_STAGES;
+#if defined(TMA_LOADS)
+        mbarrier_wait(v_full + 8 * v_stage, ((i - 1) / KV_STAGES) & 1);
+#else
         cp_async_wait_all();
         fence_proxy_async();
         __syncthreads();
+#endif
         wgmma_fence();
-        pv_tile(acc[0], p_frag, smem_u32(v_s + ((i + 1) & 1) * V_BYTES));
+        pv_tile(acc[0], p_frag, smem_u32(v_s + v_stage * V_BYTES));
         wgmma_commit();
         wgmma_wait<0>();
     }
-    // No asynchronous copy is outstanding here: the last iteration's (V only) was waited for above, and a CTA that
-    // sees no KV tile starts none.
+    // No asynchronous copy is outstanding here: every K and V tile issued was waited for above (a CTA that sees no KV
+    // tile starts none), and the cp.async path's last copies (V only) were waited for before the last product.
 
     write_output_rows(o, lse, cta, params, head, wrow, g, tig, m_run, l_part, acc);
 }

@@ -72,13 +72,13 @@ use std::sync::Arc;
 
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
 use crate::common::{GpuElement, check_len};
 use crate::compile::{self, FLASH_FWD, FLASH_FWD_SM90};
 use crate::error::GpuError;
-use crate::launch::{self, FlashBuffers, ForwardOut};
+use crate::launch::{self, FlashBuffers, ForwardOut, TensorTile};
 use crate::params::{BlockListParams, FlashParams};
 use crate::ring::state::{ChunkWindow, DeviceState};
 
@@ -155,6 +155,18 @@ pub use crate::common::EXP_UNDERFLOW;
 pub(crate) const STATE_OUT: &str = "STATE_OUT";
 /// The define of `flash_fwd.cu`'s block-sparse mode (`crate::block_sparse`), which visits only the listed key blocks.
 pub(crate) const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
+/// The define of the sm_90a forward's tensor-copy-engine loads of K and V (`gpu/kernels/flash_fwd_sm90.cu`).
+pub(crate) const TMA_LOADS: &str = "TMA_LOADS";
+/// The K and V stages of the sm_90a forward: three under [`TMA_LOADS`] (the copies may then run a whole iteration
+/// ahead of the slower warpgroup), two with `cp.async`.
+const WGMMA_STAGES_TMA: usize = 3;
+const WGMMA_STAGES_CP_ASYNC: usize = 2;
+
+/// Whether the sm_90a forward loads K and V through the tensor copy engine for head dims `d`, `dv`: each row of a
+/// tensor map must be a whole number of 16-byte units, and a 64-column box must not be wider than the matrix.
+pub fn wgmma_uses_tma(d: usize, dv: usize) -> bool {
+    [d, dv].iter().all(|&n| n.is_multiple_of(8) && (64..=WGMMA_MAX_HEAD_DIM).contains(&n))
+}
 
 /// `n` rounded up to a multiple of `m`.
 fn round_up(n: usize, m: usize) -> usize {
@@ -169,6 +181,8 @@ struct Plan {
     defines: Vec<String>,
     cu_q: Vec<i32>,
     cu_k: Vec<i32>,
+    /// Whether the module loads K and V through tensor maps ([`TMA_LOADS`]).
+    tma: bool,
 }
 
 /// The defines of the forward module of `kernel` a launch for `spec` in `tiling` compiles (after the checks of a
@@ -208,9 +222,15 @@ fn plan<T: GpuElement>(
         }
         // Padded to the 64 columns of a 128-byte swizzle chunk; padding columns are zero-filled.
         let (d_pad, dv_pad) = (round_up(d, 64), round_up(dv, 64));
-        // Q, two K stages and two V stages of 2-byte elements.
-        let tiles = 2 * (tiling.rows() * d_pad + 2 * WGMMA_KV_TILE * (d_pad + dv_pad));
-        let defines = vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+        let tma = wgmma_uses_tma(d, dv);
+        let stages = if tma { WGMMA_STAGES_TMA } else { WGMMA_STAGES_CP_ASYNC };
+        // Q and the K and V stages, of 2-byte elements.
+        let tiles = 2 * (tiling.rows() * d_pad + stages * WGMMA_KV_TILE * (d_pad + dv_pad));
+        let mut defines =
+            vec![T::DEFINE.to_owned(), format!("HEAD_DIM_PAD={d_pad}"), format!("HEAD_DIM_V_PAD={dv_pad}")];
+        if tma {
+            defines.push(TMA_LOADS.to_owned());
+        }
         (tiles + WGMMA_SMEM_ALIGN, defines)
     } else {
         if !tiling.supports(d, dv) {
@@ -251,6 +271,7 @@ fn plan<T: GpuElement>(
         grid: (grid_x, grid_y, grid_z),
         threads: tiling.threads(),
         shared_bytes: shared as u32,
+        tma: defines.iter().any(|d| d == TMA_LOADS),
         defines,
         cu_q,
         cu_k,
@@ -317,7 +338,7 @@ pub fn flash_forward_state_device<T: GpuElement>(
         stream,
         &func,
         cfg,
-        FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k, lists: None },
+        FlashBuffers { q, k, v, out, cu_q: &cu_q, cu_k: &cu_k, lists: None, kv_maps: None },
         &plan.params,
     )
 }
@@ -370,7 +391,71 @@ pub struct PreparedForward<T> {
     sizes: [usize; 5],
     /// The block lists on the device and their scalars (block-sparse mode, `crate::block_sparse`), or `None`.
     lists: Option<(CudaSlice<i32>, BlockListParams)>,
+    /// Where the tensor maps of a module with [`TMA_LOADS`] point, or `None`.
+    kv_maps: Option<KvMapLayout>,
     _element: PhantomData<T>,
+}
+
+/// The K and V matrices the sm_90a forward's tensor maps describe: one per (sequence, KV head), whose rows are the
+/// sequence's keys (so that a tile reaching past them reads zeros, never the next sequence's keys). The maps hold
+/// the buffers' addresses, so they are encoded at each launch from this layout.
+struct KvMapLayout {
+    /// Per (sequence, KV head), sequence-major: the element offsets of the first row of K and of V, and the keys.
+    matrices: Vec<(u64, u64, u64)>,
+    /// Columns of K and of V.
+    d: u64,
+    dv: u64,
+    /// Row strides of K and V in bytes.
+    k_row_bytes: u64,
+    v_row_bytes: u64,
+}
+
+impl KvMapLayout {
+    fn new<T>(spec: &AttentionSpec, params: &FlashParams, cu_k: &[i32]) -> Self {
+        let as_u64 = |n: i64| n as u64;
+        let mut matrices = Vec::new();
+        for (seq, s) in spec.sequences().iter().enumerate() {
+            // Varlen rows are packed (batch stride 0): the sequence starts at its offset; dense ones at the batch.
+            let (k_seq, v_seq) = if params.varlen != 0 {
+                (i64::from(cu_k[seq]) * params.k_row, i64::from(cu_k[seq]) * params.v_row)
+            } else {
+                (seq as i64 * params.k_batch, seq as i64 * params.v_batch)
+            };
+            for h in 0..spec.n_heads_kv as i64 {
+                matrices.push((as_u64(k_seq + h * params.k_head), as_u64(v_seq + h * params.v_head), s.len_k as u64));
+            }
+        }
+        let bytes = std::mem::size_of::<T>() as u64;
+        KvMapLayout {
+            matrices,
+            d: spec.head_dim as u64,
+            dv: spec.head_dim_v as u64,
+            k_row_bytes: as_u64(params.k_row) * bytes,
+            v_row_bytes: as_u64(params.v_row) * bytes,
+        }
+    }
+
+    /// The maps (K, then V, per matrix) for K and V buffers at device addresses `k` and `v` of `T`.
+    fn encode<T>(&self, k: u64, v: u64) -> Result<Vec<u64>, GpuError> {
+        let bytes = std::mem::size_of::<T>() as u64;
+        let box_rows = WGMMA_KV_TILE as u32;
+        let mut words = Vec::with_capacity(32 * self.matrices.len());
+        for &(k_off, v_off, rows) in &self.matrices {
+            let k_tile = TensorTile {
+                base: k + k_off * bytes,
+                cols: self.d,
+                rows,
+                row_stride_bytes: self.k_row_bytes,
+                box_cols: 64,
+                box_rows,
+            };
+            let v_tile =
+                TensorTile { base: v + v_off * bytes, cols: self.dv, row_stride_bytes: self.v_row_bytes, ..k_tile };
+            words.extend(launch::encode_tensor_map(k_tile)?);
+            words.extend(launch::encode_tensor_map(v_tile)?);
+        }
+        Ok(words)
+    }
 }
 
 impl<T: GpuElement> PreparedForward<T> {
@@ -410,7 +495,8 @@ impl<T: GpuElement> PreparedForward<T> {
             }
         };
         let launch = load_forward(stream, kernel, &plan)?;
-        Ok(PreparedForward { launch, params: plan.params, cu_q, cu_k, sizes, lists, _element: PhantomData })
+        let kv_maps = plan.tma.then(|| KvMapLayout::new::<T>(spec, &plan.params, &plan.cu_k));
+        Ok(PreparedForward { launch, params: plan.params, cu_q, cu_k, sizes, lists, kv_maps, _element: PhantomData })
     }
 
     /// Checks the buffers' lengths and launches asynchronously on `stream` (see [`flash_forward_device`] for the
@@ -433,6 +519,13 @@ impl<T: GpuElement> PreparedForward<T> {
         let Some((func, cfg)) = &self.launch else {
             return Ok(());
         };
+        let kv_maps = match &self.kv_maps {
+            None => None,
+            Some(layout) => {
+                let words = layout.encode::<T>(k.device_ptr(stream).0, v.device_ptr(stream).0)?;
+                Some(stream.clone_htod(&words).map_err(|e| GpuError::driver("cuMemcpyHtoD(tensor maps)", e))?)
+            }
+        };
         launch::launch_flash_forward(
             stream,
             func,
@@ -445,6 +538,7 @@ impl<T: GpuElement> PreparedForward<T> {
                 cu_q: &self.cu_q,
                 cu_k: &self.cu_k,
                 lists: self.lists.as_ref().map(|(entries, params)| (entries, params)),
+                kv_maps: kv_maps.as_ref(),
             },
             &self.params,
         )
@@ -536,6 +630,61 @@ mod tests {
     use half::{bf16, f16};
 
     const T64: ForwardTiling = ForwardTiling { warps: 4, slices: 1 };
+
+    #[test]
+    fn the_tensor_copies_take_head_dims_of_whole_16_byte_rows_from_64_to_128() {
+        for (d, dv, tma) in [(64, 64, true), (128, 128, true), (72, 120, true), (128, 64, true), (56, 128, false)] {
+            assert_eq!(wgmma_uses_tma(d, dv), tma, "{d}, {dv}");
+        }
+        for (d, dv) in [(68, 64), (64, 100), (136, 64), (8, 8)] {
+            assert!(!wgmma_uses_tma(d, dv), "{d}, {dv}");
+        }
+        let defines =
+            |d, dv| plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv), ForwardTiling::WGMMA, FLASH_FWD_SM90);
+        let tma = defines(128, 96).unwrap();
+        let cp_async = defines(40, 40).unwrap();
+        assert!(tma.tma && tma.defines.contains(&TMA_LOADS.to_owned()));
+        assert!(!cp_async.tma && !cp_async.defines.contains(&TMA_LOADS.to_owned()));
+        // Three stages of 128 keys of K and V (2-byte elements), Q, and the alignment slack.
+        assert_eq!(tma.shared_bytes as usize, 2 * (128 * 128 + 3 * 128 * (128 + 128)) + WGMMA_SMEM_ALIGN);
+        assert_eq!(cp_async.shared_bytes as usize, 2 * (128 * 64 + 2 * 128 * (64 + 64)) + WGMMA_SMEM_ALIGN);
+        assert!(!plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 128, 64), T64, FLASH_FWD).unwrap().tma);
+    }
+
+    #[test]
+    fn each_tensor_map_covers_one_sequence_and_kv_head() {
+        // Dense [B, H, L, D]: a (sequence, head) matrix starts at (b·H + h)·L·D, and its rows are the L keys.
+        let spec = AttentionSpec::dense(2, 6, 3, 5, 7, 64, 72);
+        let (params, _, cu_k) = FlashParams::for_spec(&spec).unwrap();
+        let layout = KvMapLayout::new::<bf16>(&spec, &params, &cu_k);
+        let expected: Vec<(u64, u64, u64)> =
+            (0..2u64).flat_map(|b| (0..3u64).map(move |h| ((b * 3 + h) * 7 * 64, (b * 3 + h) * 7 * 72, 7))).collect();
+        assert_eq!(layout.matrices, expected);
+        assert_eq!((layout.d, layout.dv, layout.k_row_bytes, layout.v_row_bytes), (64, 72, 128, 144));
+        // Varlen [T, H, D]: a sequence's matrix starts at its first packed row, offset by the head, and has only its
+        // own keys (an empty sequence too), so a tile past its end reads zeros instead of the next sequence.
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 5, 5, 70], cu_seqlens_k: vec![0, 0, 9, 20] },
+            ..AttentionSpec::dense(1, 4, 2, 1, 1, 64, 64)
+        };
+        let (params, _, cu_k) = FlashParams::for_spec(&spec).unwrap();
+        let layout = KvMapLayout::new::<f16>(&spec, &params, &cu_k);
+        let row = 2 * 64;
+        let expected: Vec<(u64, u64, u64)> = [(0, 0), (0, 9), (9, 11)]
+            .iter()
+            .flat_map(|&(start, len)| (0..2u64).map(move |h| (start * row + h * 64, start * row + h * 64, len)))
+            .collect();
+        assert_eq!(layout.matrices, expected);
+        assert_eq!(layout.k_row_bytes, 2 * row);
+    }
+
+    #[test]
+    fn a_misaligned_tensor_map_is_a_typed_error_before_the_driver() {
+        let tile = TensorTile { base: 256, cols: 64, rows: 10, row_stride_bytes: 128, box_cols: 64, box_rows: 128 };
+        for bad in [TensorTile { base: 264, ..tile }, TensorTile { row_stride_bytes: 136, ..tile }] {
+            assert!(matches!(launch::encode_tensor_map(bad), Err(GpuError::Unsupported { .. })), "{bad:?}");
+        }
+    }
 
     #[test]
     fn tilings_rows_and_support() {

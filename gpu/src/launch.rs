@@ -1,5 +1,5 @@
 //! Every `unsafe` operation of the crate, each with its `// SAFETY:` argument: probing the CUDA libraries, driving
-//! NVRTC to a CUBIN, and launching kernels. The safe modules validate shapes, strides, dtypes and buffer sizes before
+//! NVRTC to a CUBIN, encoding tensor maps, and launching kernels. The safe modules validate shapes, strides, dtypes and buffer sizes before
 //! they call in here, so the arguments below can state their preconditions as facts.
 
 use std::ffi::{CStr, CString, c_char};
@@ -125,6 +125,67 @@ pub(crate) struct FlashBuffers<'a, T> {
     pub cu_k: &'a CudaSlice<i32>,
     /// The block lists and their scalars, for a module compiled with `BLOCK_SPARSE` (and only then).
     pub lists: Option<(&'a CudaSlice<i32>, &'a BlockListParams)>,
+    /// The K and V tensor maps (16 words each, two per (sequence, KV head)), for a module of the sm_90a forward
+    /// compiled with `TMA_LOADS` (and only then).
+    pub kv_maps: Option<&'a CudaSlice<u64>>,
+}
+
+/// A 2-D tile (box) of a row-major matrix of 2-byte elements, as the tensor copy engine reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct TensorTile {
+    /// Device address of the matrix's first element.
+    pub base: u64,
+    /// Columns and rows of the matrix: the copy engine fills reads past them with zeros.
+    pub cols: u64,
+    pub rows: u64,
+    /// Bytes between two rows.
+    pub row_stride_bytes: u64,
+    /// Columns and rows of one box.
+    pub box_cols: u32,
+    pub box_rows: u32,
+}
+
+/// The tensor map (`CUtensorMap`, 128 bytes) of `tile` in the tensor cores' 128-byte swizzle, out-of-bounds reads
+/// filled with zeros.
+pub(crate) fn encode_tensor_map(tile: TensorTile) -> Result<[u64; 16], GpuError> {
+    use cudarc::driver::sys;
+    // The driver's own requirements, checked first so that a violation is a typed error naming the value.
+    let misaligned = |what: &'static str, value: u64| {
+        Err(GpuError::Unsupported { argument: what, reason: format!("{value} is not a multiple of 16 bytes") })
+    };
+    if !tile.base.is_multiple_of(16) {
+        return misaligned("tensor map base address", tile.base);
+    }
+    if !tile.row_stride_bytes.is_multiple_of(16) {
+        return misaligned("tensor map row stride", tile.row_stride_bytes);
+    }
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dims = [tile.cols, tile.rows.max(1)];
+    let strides = [tile.row_stride_bytes];
+    let boxes = [tile.box_cols, tile.box_rows];
+    let element_strides = [1u32, 1];
+    // SAFETY: `cuTensorMapEncodeTiled` is a host function that writes the 128-byte map it is given (ours, 64-byte
+    // aligned by `CUtensorMap`'s declaration) and reads `tensorRank` = 2 entries of each dimension array and 1 of the
+    // strides, all of which live on this stack frame for the call. It does not dereference `globalAddress` (the map
+    // only records it): the kernel reads through it later, inside the bounds the caller encoded.
+    let result = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+            2,
+            tile.base as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    result.result().map_err(|e| GpuError::driver("cuTensorMapEncodeTiled", e))?;
+    Ok(map.opaque)
 }
 
 /// Launches `flash_fwd` on `stream`.
@@ -146,7 +207,7 @@ pub(crate) fn launch_flash_forward<T>(
     buffers: FlashBuffers<'_, T>,
     params: &FlashParams,
 ) -> Result<(), GpuError> {
-    let FlashBuffers { q, k, v, out, cu_q, cu_k, lists } = buffers;
+    let FlashBuffers { q, k, v, out, cu_q, cu_k, lists, kv_maps } = buffers;
     let mut builder = stream.launch_builder(func);
     builder.arg(q).arg(k).arg(v);
     let call = match out {
@@ -163,11 +224,15 @@ pub(crate) fn launch_flash_forward<T>(
     if let Some((entries, list_params)) = lists {
         builder.arg(entries).arg(list_params);
     }
+    if let Some(maps) = kv_maps {
+        builder.arg(maps);
+    }
     // SAFETY: the argument list above matches `flash_fwd`'s parameters one for one in order and type: three input
     // pointers of `elem_t` = T, then `o` (T) and `lse` (f32), or under STATE_OUT `a`, `m`, `l` (f32), then the two
     // i32 `cu_seqlens` pointers, all as CUdeviceptr; then `const FlashParams params` by value, whose layout the two
     // sides share (see the `DeviceRepr` impl above); under BLOCK_SPARSE the i32 lists pointer and
-    // `const BlockListParams lists` by value. The kernel writes only the outputs of `out`, within the bounds the
+    // `const BlockListParams lists` by value; under TMA_LOADS the tensor maps' u64 pointer, which holds two maps per
+    // (sequence, KV head) encoded over the extents of this launch's K and V. The kernel writes only the outputs of `out`, within the bounds the
     // caller checked (see the preconditions above), and reads the inputs read-only; the buffers are borrowed for this
     // call, and cudarc records their use on `stream`, so none is freed while the kernel runs.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;

@@ -27,7 +27,7 @@ use attnproof_harness::sparse::{SparseHarnessError, verify_block_sparse_forward}
 use attnproof_harness::strategies::profile;
 use attnproof_harness::{Case, HarnessError};
 use attnproof_oracle::{AttentionSpec, Layout, Mask};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
 use half::{bf16, f16};
 use ndarray::{Array4, Axis};
 use proptest::prelude::*;
@@ -603,13 +603,39 @@ pub fn sanitizer_draws() -> Vec<BlockDraw> {
         (varlen(&[0, 0, 70], &[0, 20, 150], 2, 1, 32, 32, Mask::None), 64, 64, ListHeads::PerKvHead, vec![0, 2]),
         (dense(1, 1, 1, 70, 70, 64, 64, Mask::None), 64, 64, ListHeads::PerKvHead, vec![]),
     ];
+    uniform_draws(shapes, 9)
+}
+
+/// Draws of uniform lists: each shape is (spec, query block, key block, list heads, the key blocks every list holds).
+fn uniform_draws<const N: usize>(
+    shapes: [(AttentionSpec, usize, usize, ListHeads, Vec<i32>); N],
+    seed: u64,
+) -> Vec<BlockDraw> {
     shapes
         .into_iter()
         .map(|(spec, q_block, kv_block, heads, entries)| {
             let lists = uniform_lists(&spec, q_block, kv_block, heads, &entries);
-            BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed: 9 }
+            BlockDraw { spec, lists, density: Density::Sparse, profile: gaussian(1.0), seed }
         })
         .collect()
+}
+
+/// Checks every draw of `draws` on the device of `ctx` with `check` and prints the worst error/bound under `name`:
+/// the sanitizer tests of the block-sparse kernels.
+pub fn check_draws(
+    ctx: &Arc<CudaContext>,
+    name: &str,
+    draws: Vec<BlockDraw>,
+    check: impl Fn(&Arc<CudaStream>, &RefCell<Worst>, &BlockDraw) -> Result<(), TestCaseError>,
+) {
+    let stream = ctx.new_stream().expect("create a stream");
+    let worst = RefCell::new(Worst::default());
+    for draw in draws {
+        if let Err(e) = check(&stream, &worst, &draw) {
+            panic!("{draw:?}: {e}");
+        }
+    }
+    println!("{name}: worst error/bound {}", worst.borrow());
 }
 
 /// The forward over [`sanitizer_draws`], for `run.sh sanitize`.
@@ -618,14 +644,35 @@ fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("block_sparse::sanitizer_shapes") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
-    let worst = RefCell::new(Worst::default());
-    for draw in sanitizer_draws() {
-        if let Err(e) = check_draw::<bf16>(&stream, FLASH_FWD, &worst, &draw) {
-            panic!("{draw:?}: {e}");
-        }
-    }
-    println!("block_sparse::sanitizer_shapes: worst error/bound {}", worst.borrow());
+    check_draws(&ctx, "block_sparse::sanitizer_shapes", sanitizer_draws(), |stream, worst, draw| {
+        check_draw::<bf16>(stream, FLASH_FWD, worst, draw)
+    });
+}
+
+/// Small draws for the sm_90a forward under `run.sh sanitize`: its tensor-copy pipeline over more tiles than stages
+/// (every stage refilled, its barriers through a second phase) with a GQA group of 3 and dv ≠ d, varlen with an empty
+/// key sequence and a tail tile per sequence (each sequence's tensor maps end at its keys), and its cp.async loads
+/// (d < 64).
+pub fn wgmma_sanitizer_draws() -> Vec<BlockDraw> {
+    let heads_per_kv = ListHeads::PerKvHead;
+    let per_query_head = ListHeads::PerQueryHead;
+    let shapes = [
+        (dense(1, 3, 1, 130, 900, 128, 64, Mask::Causal), 128, 128, heads_per_kv, vec![0, 1, 2, 3, 4, 5, 6]),
+        (varlen(&[0, 60, 60, 200], &[0, 0, 150, 420], 2, 1, 64, 64, Mask::None), 128, 128, per_query_head, vec![0, 1]),
+        (dense(1, 2, 2, 129, 200, 40, 40, Mask::Window { left: 70, right: 3 }), 128, 128, per_query_head, vec![0, 1]),
+    ];
+    uniform_draws(shapes, 10)
+}
+
+/// The sm_90a forward over [`wgmma_sanitizer_draws`], for `run.sh sanitize`.
+#[test]
+fn wgmma_sanitizer_shapes() {
+    let Some(ctx) = skip_unless_hopper("block_sparse::wgmma_sanitizer_shapes") else {
+        return;
+    };
+    check_draws(&ctx, "block_sparse::wgmma_sanitizer_shapes", wgmma_sanitizer_draws(), |stream, worst, draw| {
+        check_draw::<bf16>(stream, FLASH_FWD_SM90, worst, draw)
+    });
 }
 
 /// The block-sparse killing cases of the catalog's `BLOCK_SPARSE` mutants: 128-key blocks with pads (so that a pad
@@ -645,6 +692,10 @@ pub fn wgmma_killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
     let picks: Vec<Vec<bool>> = (0..8).map(|r| (0..4).map(|b| (r + b) % 2 == 0).collect()).collect();
     let lists = lists_from(&spec, 128, 128, ListHeads::PerQueryHead, &picks);
     out.push(("two_sequences_x4", make_case(&spec, gaussian(4.0), 33), lists));
+    // d = 40 takes the cp.async loads (flash::wgmma_uses_tma), every case above the tensor copies.
+    let spec = dense(1, 2, 1, 130, 200, 40, 72, Mask::Causal);
+    let lists = uniform_lists(&spec, 128, 128, ListHeads::PerKvHead, &[0, 1]);
+    out.push(("cp_async_loads_d40", make_case(&spec, gaussian(1.0), 34), lists));
     out
 }
 

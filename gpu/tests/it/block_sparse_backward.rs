@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::block_sparse::{
-    BlockDraw, BlockSuite, Density, DrawShapes, every_list_fault_is_refused, lists_everything, lists_from,
+    BlockDraw, BlockSuite, Density, DrawShapes, check_draws, every_list_fault_is_refused, lists_everything, lists_from,
     run_on_device, sanitizer_draws, uniform_lists,
 };
 use crate::common::*;
@@ -396,14 +396,9 @@ fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("block_sparse_backward::sanitizer_shapes") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
-    let worst = RefCell::new(Worst::default());
-    for draw in sanitizer_draws() {
-        if let Err(e) = check::<bf16>(&stream, FLASH_BWD, &worst, &draw) {
-            panic!("{draw:?}: {e}");
-        }
-    }
-    println!("block_sparse_backward::sanitizer_shapes: worst error/bound {}", worst.borrow());
+    check_draws(&ctx, "block_sparse_backward::sanitizer_shapes", sanitizer_draws(), |stream, worst, draw| {
+        check::<bf16>(stream, FLASH_BWD, worst, draw)
+    });
 }
 
 /// The killing cases of the catalog's `BLOCK_SPARSE` backward mutants: 128-row query blocks (two query tiles each)

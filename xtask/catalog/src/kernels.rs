@@ -280,6 +280,27 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "if (true) {",
         ..WGMMA_FWD
     },
+    Mutant {
+        name: "gpu-sm90-tma-box-one-tile-late",
+        description: "The tensor copies read each listed block's successor: every row attends to the wrong keys",
+        find: "c * 64, t * BLOCK_N, full + 8 * stage);",
+        replace: "c * 64, (t + 1) * BLOCK_N, full + 8 * stage);",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-tma-v-through-k-map",
+        description: "V's tiles are copied through K's tensor map: the products weight the keys instead of the values",
+        find: "issue(v_tiles, v_issued, v_map,",
+        replace: "issue(v_tiles, v_issued, k_map,",
+        ..WGMMA_FWD
+    },
+    Mutant {
+        name: "gpu-sm90-tma-maps-of-the-first-sequence",
+        description: "Every sequence's CTAs use the first sequence's tensor maps: later sequences attend to its keys",
+        find: "32ll * ((long long)seq * (gridDim.y / group)",
+        replace: "32ll * ((long long)0 * (gridDim.y / group)",
+        ..WGMMA_FWD
+    },
     // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
     Mutant {
         name: "gpu-bsa-bwd-list-off-by-one",
