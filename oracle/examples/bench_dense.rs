@@ -4,6 +4,10 @@
 //! given), the textbook NumPy code of `bench/numpy_attention.py` on the same inputs (one head), with the ratio. Not a
 //! test: it reports, it asserts nothing. Run with `cargo xtask bench-oracle` (release build).
 //!
+//! Then the MPFR row (`--mpfr-len`, default 128, 0 to leave it out; `--mpfr-head-dim`, default 64; `--mpfr-bits`,
+//! default 256): the oracle's MPFR forward on one head beside mpmath's (`bench/mpmath_attention.py`, when `python3`
+//! can import mpmath and `--no-numpy` is not given), in multiply-adds per second.
+//!
 //! FLOPs are the textbook counts of the products, `4 L² d` for the forward (`Q Kᵀ`, `P V`) and `12 L² d` for forward +
 //! backward (adding `Pᵀ dO`, `dO Vᵀ`, `dS K`, `dSᵀ Q`) per head, the same for both sides, whatever the mask (neither
 //! skips masked work) and although the oracle's backward recomputes `Q Kᵀ`. The peak is `threads × GHz × 16`: two
@@ -15,7 +19,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use attnproof_oracle::inputs::uniform_tensor as tensor;
-use attnproof_oracle::{AttentionSpec, Mask, backward_f64, forward_f64};
+use attnproof_oracle::{AttentionSpec, Mask, Precision, backward_f64, forward_f64, forward_mpfr};
 use ndarray::ArrayD;
 
 fn arg<T: std::str::FromStr>(args: &[String], name: &str, default: T) -> T
@@ -54,36 +58,88 @@ fn write_f64(path: &Path, x: &ArrayD<f64>) {
     std::fs::write(path, bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
 }
 
-/// NumPy's best forward and forward + backward seconds on the first head of these inputs, or why there are none.
-fn numpy_times(inputs: [&ArrayD<f64>; 4], len: usize, d: usize, reps: usize) -> Result<(f64, f64), String> {
-    let has_numpy = Command::new("python3").args(["-c", "import numpy"]).output().is_ok_and(|o| o.status.success());
-    if !has_numpy {
-        return Err("python3 cannot import numpy".into());
+/// Writes the first head of each input to a fresh folder, runs `python3 bench/SCRIPT FOLDER ARGS...` and returns its
+/// standard output, or why it did not run (`python3` cannot import `module`, or the script failed).
+fn python_peer(
+    module: &str,
+    script: &str,
+    inputs: &[(&str, &ArrayD<f64>)],
+    rows: usize,
+    d: usize,
+    args: &[String],
+) -> Result<String, String> {
+    let imports = Command::new("python3").args(["-c", &format!("import {module}")]).output();
+    if !imports.is_ok_and(|o| o.status.success()) {
+        return Err(format!("python3 cannot import {module}"));
     }
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/numpy_attention.py");
-    let folder = std::env::temp_dir().join(format!("attnproof-bench-oracle-{}", std::process::id()));
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench").join(script);
+    let folder = std::env::temp_dir().join(format!("attnproof-bench-oracle-{}-{module}", std::process::id()));
     std::fs::create_dir_all(&folder).map_err(|e| e.to_string())?;
-    for (name, x) in ["q", "k", "v", "do"].into_iter().zip(inputs) {
+    for (name, x) in inputs {
         // The first head: `[1, heads, len, d]` is head-major, so its rows come first.
-        let head = ArrayD::from_shape_vec(vec![len, d], x.iter().take(len * d).copied().collect()).expect("one head");
+        let head = ArrayD::from_shape_vec(vec![rows, d], x.iter().take(rows * d).copied().collect()).expect("one head");
         write_f64(&folder.join(format!("{name}.f64")), &head);
     }
-    let out = Command::new("python3")
-        .arg(&script)
-        .args([folder.display().to_string(), len.to_string(), d.to_string(), reps.to_string()])
-        .output()
-        .map_err(|e| e.to_string());
+    let out = Command::new("python3").arg(&script).arg(&folder).args(args).output().map_err(|e| e.to_string());
     let _ = std::fs::remove_dir_all(&folder);
     let out = out?;
     if !out.status.success() {
         return Err(format!("{} failed: {}", script.display(), String::from_utf8_lossy(&out.stderr)));
     }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let seconds =
-        |label: &str| text.lines().find_map(|l| l.strip_prefix(label)).and_then(|v| v.trim().parse::<f64>().ok());
-    match (seconds("numpy forward "), seconds("numpy forward+backward ")) {
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The number after `label` on a line of `text`.
+fn seconds(text: &str, label: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix(label)).and_then(|v| v.trim().parse::<f64>().ok())
+}
+
+/// NumPy's best forward and forward + backward seconds on the first head of these inputs, or why there are none.
+fn numpy_times(inputs: [&ArrayD<f64>; 4], len: usize, d: usize, reps: usize) -> Result<(f64, f64), String> {
+    let named: Vec<(&str, &ArrayD<f64>)> = ["q", "k", "v", "do"].into_iter().zip(inputs).collect();
+    let args = [len, d, reps].map(|n| n.to_string());
+    let text = python_peer("numpy", "numpy_attention.py", &named, len, d, &args)?;
+    match (seconds(&text, "numpy forward "), seconds(&text, "numpy forward+backward ")) {
         (Some(f), Some(fb)) => Ok((f, fb)),
-        _ => Err(format!("unexpected output of {}: {text}", script.display())),
+        _ => Err(format!("unexpected output of numpy_attention.py: {text}")),
+    }
+}
+
+/// The MPFR row: the oracle's forward at `bits` on one head of `len` rows and head dim `d`, beside mpmath's on the
+/// same inputs (`bench/mpmath_attention.py`), in multiply-adds per second (`2 L² d`, the two products; the
+/// exponentials and the softmax's sums are not counted, on either side).
+fn mpfr_row(len: usize, d: usize, bits: u32, reps: usize, with_mpmath: bool) {
+    let spec = AttentionSpec::dense(1, 1, 1, len, len, d, d);
+    let (q, k, v) = (tensor(5, &[1, 1, len, d]), tensor(6, &[1, 1, len, d]), tensor(7, &[1, 1, len, d]));
+    let (best, median) = time(reps, &|| {
+        forward_mpfr(&spec, q.view(), k.view(), v.view(), Precision(bits)).expect("valid problem");
+    });
+    let macs = 2.0 * (len * len * d) as f64;
+    println!(
+        "MPFR {bits}-bit forward: L={len} d={d}, best {best:.3} s, median {median:.3} s, {:.2} M multiply-adds/s",
+        macs / best / 1e6
+    );
+    if !with_mpmath {
+        return;
+    }
+    let args = [len.to_string(), d.to_string(), bits.to_string(), reps.to_string()];
+    let named = [("q", &q), ("k", &k), ("v", &v)];
+    match python_peer("mpmath", "mpmath_attention.py", &named, len, d, &args) {
+        Ok(text) => {
+            let backend = text.lines().find_map(|l| l.strip_prefix("mpmath backend ")).unwrap_or("?");
+            for label in ["textbook", "fdot"] {
+                match seconds(&text, &format!("mpmath {label} ")) {
+                    Some(t) => println!(
+                        "mpmath {bits}-bit forward ({label}, {backend} backend): best {t:.3} s, {:.2} M multiply-adds/s; \
+                         oracle / mpmath speed: {:.1}",
+                        macs / t / 1e6,
+                        t / best
+                    ),
+                    None => println!("mpmath {label}: unexpected output: {text}"),
+                }
+            }
+        }
+        Err(why) => println!("mpmath: not run ({why})"),
     }
 }
 
@@ -125,7 +181,12 @@ fn main() {
         backward_f64(&spec, q.view(), k.view(), v.view(), g.view()).expect("valid problem");
     });
     row("forward + backward:", both.0, both.1, gflop(12.0));
-    if args.iter().any(|a| a == "--no-numpy") || causal {
+    let no_python = args.iter().any(|a| a == "--no-numpy");
+    let mpfr_len = arg(&args, "--mpfr-len", 128usize);
+    if mpfr_len > 0 {
+        mpfr_row(mpfr_len, arg(&args, "--mpfr-head-dim", 64usize), arg(&args, "--mpfr-bits", 256u32), reps, !no_python);
+    }
+    if no_python || causal {
         return;
     }
     match numpy_times([&q, &k, &v, &g], len, d, reps) {

@@ -5,7 +5,7 @@ use std::fmt;
 use std::iter::Sum;
 use std::ops::{Add, AddAssign, Div, Mul, Neg, Sub};
 
-use ndarray::{Array2, ArrayView2, Axis};
+use ndarray::{Array2, ArrayView1, ArrayView2, Axis};
 use rug::Float;
 
 /// Default MPFR precision of the oracle, in bits.
@@ -333,6 +333,34 @@ impl Real for Mp {
     fn is_nan(&self) -> bool {
         self.0.is_nan()
     }
+    /// [`naive_matmul`]'s sums, bit for bit (each product rounded to the precision, then added left to right), without
+    /// its two clones per multiply-add: the product goes into one reused temporary per row, and rows run in parallel
+    /// (a row's arithmetic does not depend on which thread runs it).
+    fn matmul(a: ArrayView2<'_, Mp>, b: ArrayView2<'_, Mp>, ctx: Precision) -> Array2<Mp> {
+        use rayon::prelude::*;
+        use rug::Assign;
+        assert_eq!(a.ncols(), b.nrows(), "matmul: inner dimensions differ");
+        let rows: Vec<Vec<Mp>> = (0..a.nrows())
+            .into_par_iter()
+            .map_init(
+                || Float::new(ctx.0),
+                |product, i| {
+                    let row = a.row(i);
+                    let dot = |col: ArrayView1<'_, Mp>| {
+                        let mut acc = Mp::zero(ctx);
+                        for (x, y) in row.iter().zip(col.iter()) {
+                            product.assign(&x.0 * &y.0);
+                            acc.0 += &*product;
+                        }
+                        acc
+                    };
+                    b.axis_iter(Axis(1)).map(dot).collect()
+                },
+            )
+            .collect();
+        Array2::from_shape_vec((a.nrows(), b.ncols()), rows.into_iter().flatten().collect())
+            .expect("one row of b.ncols() entries per row of a")
+    }
 }
 
 #[cfg(test)]
@@ -348,6 +376,34 @@ mod tests {
         let slow = naive_matmul(a.view(), b.t(), ());
         assert_eq!(fast, slow);
         assert_eq!(fast[[1, 1]], 4.0 * 2.0 + 6.0 * -3.0);
+    }
+
+    #[test]
+    fn the_mpfr_product_sums_as_the_textbook_loop_does() {
+        // Values whose products and sums round at 64 bits, on transposed and strided views: the in-place product must
+        // round each product, then each sum, in the loop's order, so the bits are the naive loop's.
+        let prec = Precision(64);
+        let x = |i: usize| Mp::new(1.0 / 3.0 + i as f64 * 0.715 - (i * i) as f64 * 0.013, prec);
+        let a = Array2::from_shape_fn((5, 7), |(i, j)| x(3 * i + j) / x(j + 40));
+        let b = Array2::from_shape_fn((4, 7), |(i, j)| x(i + 2 * j + 11));
+        let strided = a.slice_axis(Axis(1), ndarray::Slice::new(0, None, 2));
+        for (l, r) in [(a.view(), b.t()), (strided, b.slice_axis(Axis(1), ndarray::Slice::new(0, None, 2)).t())] {
+            let fast = Mp::matmul(l, r, prec);
+            let slow = naive_matmul(l, r, prec);
+            assert_eq!(fast, slow);
+            assert!(fast.iter().all(|v| v.precision() == prec));
+        }
+        // An exact dot product rounded once differs somewhere: the comparison above can see a change of rounding.
+        let once = naive_matmul(
+            a.mapv(|v| Mp(Float::with_val(512, &v.0))).view(),
+            b.t().mapv(|v| Mp(Float::with_val(512, &v.0))).view(),
+            Precision(512),
+        );
+        let fast = Mp::matmul(a.view(), b.t(), prec);
+        assert!(
+            fast.iter().zip(&once).any(|(f, e)| *f != Mp(Float::with_val(64, &e.0))),
+            "no element shows the rounding"
+        );
     }
 
     #[test]
