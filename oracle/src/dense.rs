@@ -72,13 +72,26 @@ pub fn scores<S: Real>(
     visible: ArrayView2<'_, bool>,
     ctx: S::Ctx,
 ) -> Array2<S> {
-    let mut s = S::matmul(q, k.t(), ctx);
+    let mut s = Array2::from_elem((0, 0), S::zero(ctx));
+    scores_into(&mut s, q, k, scale, visible, ctx);
+    s
+}
+
+/// [`scores`] into `s`, reusing its memory where its shape allows.
+pub fn scores_into<S: Real>(
+    s: &mut Array2<S>,
+    q: ArrayView2<'_, S>,
+    k: ArrayView2<'_, S>,
+    scale: &S,
+    visible: ArrayView2<'_, bool>,
+    ctx: S::Ctx,
+) {
+    S::matmul_into(s, q, k.t(), ctx);
     Zip::from(s.rows_mut()).and(visible.rows()).for_each(|mut row, vis| {
         for (x, &vis) in row.iter_mut().zip(vis) {
             *x = if vis { x.clone() * scale.clone() } else { S::neg_infinity(ctx) };
         }
     });
-    s
 }
 
 /// E10: `P_ij = exp(S_ij − LSE_i)` on visible pairs and 0 elsewhere (so rows with
@@ -106,13 +119,18 @@ pub fn delta_from_probabilities<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_
 
 /// E8: `dS_ij = P_ij (dP_ij − D_i)`.
 pub fn score_gradient<S: Real>(p: ArrayView2<'_, S>, dp: ArrayView2<'_, S>, delta: ArrayView1<'_, S>) -> Array2<S> {
-    let mut ds = p.to_owned();
-    Zip::from(ds.rows_mut()).and(dp.rows()).and(&delta).for_each(|mut row, dp, delta| {
-        for (x, d) in row.iter_mut().zip(dp) {
-            *x = x.clone() * (d.clone() - delta.clone());
+    let mut ds = dp.to_owned();
+    score_gradient_in_place(p, &mut ds, delta);
+    ds
+}
+
+/// [`score_gradient`] over `dP` in `dp_ds`, which becomes `dS`.
+pub fn score_gradient_in_place<S: Real>(p: ArrayView2<'_, S>, dp_ds: &mut Array2<S>, delta: ArrayView1<'_, S>) {
+    Zip::from(dp_ds.rows_mut()).and(p.rows()).and(&delta).for_each(|mut row, p, delta| {
+        for (x, p) in row.iter_mut().zip(p) {
+            *x = p.clone() * (x.clone() - delta.clone());
         }
     });
-    ds
 }
 
 /// Forward of one head: E1 scores, one E2 state over all keys of each row, E5 finalize.
@@ -127,7 +145,7 @@ pub fn head_forward<S: Real>(inputs: HeadInputs<'_, S>, scale: &S, config: Dense
         .map(|rows| {
             let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
             let s = scores(inputs.q.slice_axis(Axis(0), Slice::from(rows.clone())), inputs.k, scale, visible, ctx);
-            (rows, SoftmaxState::of_block(s.view(), visible, inputs.v, ctx).finalize())
+            (rows, SoftmaxState::of_owned_block(s, visible, inputs.v, ctx).finalize())
         })
         .collect();
     for (rows, (o_c, lse_c)) in chunks {
@@ -168,37 +186,57 @@ pub fn head_backward<S: Real>(
     let mut dk = Array2::from_elem((len_k, d), S::zero(ctx));
     let mut dv_acc = Array2::from_elem((len_k, dv), S::zero(ctx));
     // Chunks run in parallel, a wave of as many as there are threads at a time; their dK and dV terms are then added
-    // in ascending chunk order, so every sum is the sequential walk's, bit for bit, whatever the thread count.
+    // in ascending chunk order, so every sum is the sequential walk's, bit for bit, whatever the thread count. Each
+    // chunk of a wave works in its own slot, whose arrays the next wave reuses.
     let chunks = row_chunks::<S>(len_q, len_k, config);
-    for wave in chunks.chunks(rayon::current_num_threads().max(1)) {
-        let terms: Vec<_> = wave
-            .par_iter()
-            .map(|rows| {
-                let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
-                let q_c = inputs.q.slice_axis(Axis(0), Slice::from(rows.clone()));
-                let d_out_c = d_out.slice_axis(Axis(0), Slice::from(rows.clone()));
-                let s = scores(q_c, inputs.k, scale, visible, ctx);
-                let lse_c = forward.lse.slice_axis(Axis(0), Slice::from(rows.clone()));
-                let p = probabilities_from_lse(s.view(), lse_c, visible, ctx);
-                let dv_c = S::matmul(p.t(), d_out_c, ctx);
-                let dp = S::matmul(d_out_c, inputs.v.t(), ctx);
-                let ds = score_gradient(p.view(), dp.view(), delta.slice_axis(Axis(0), Slice::from(rows.clone())));
-                let dq_c = S::matmul(ds.view(), inputs.k, ctx).mapv(|x| x * scale.clone());
-                (dq_c, S::matmul(ds.t(), q_c, ctx), dv_c)
-            })
-            .collect();
-        for (rows, (dq_c, dk_c, dv_c)) in wave.iter().zip(terms) {
-            add_assign(&mut dv_acc, dv_c);
-            dq.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&dq_c);
-            add_assign(&mut dk, dk_c);
+    let threads = rayon::current_num_threads().max(1);
+    let mut slots: Vec<BackwardSlot<S>> = (0..threads.min(chunks.len())).map(|_| BackwardSlot::new(ctx)).collect();
+    for wave in chunks.chunks(threads) {
+        wave.par_iter().zip(slots.par_iter_mut()).for_each(|(rows, slot)| {
+            let visible = inputs.visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let q_c = inputs.q.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let d_out_c = d_out.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let lse_c = forward.lse.slice_axis(Axis(0), Slice::from(rows.clone()));
+            // E1 then E10 in place: the scores become P.
+            scores_into(&mut slot.p, q_c, inputs.k, scale, visible, ctx);
+            crate::online::exponentials_and_sums_in_place(&mut slot.p, visible, lse_c, ctx);
+            S::matmul_into(&mut slot.dv, slot.p.t(), d_out_c, ctx);
+            // dP, then dS in place (E8).
+            S::matmul_into(&mut slot.ds, d_out_c, inputs.v.t(), ctx);
+            score_gradient_in_place(slot.p.view(), &mut slot.ds, delta.slice_axis(Axis(0), Slice::from(rows.clone())));
+            S::matmul_into(&mut slot.dq, slot.ds.view(), inputs.k, ctx);
+            slot.dq.mapv_inplace(|x| x * scale.clone());
+            S::matmul_into(&mut slot.dk, slot.ds.t(), q_c, ctx);
+        });
+        for (rows, slot) in wave.iter().zip(&slots) {
+            add_assign(&mut dv_acc, slot.dv.view());
+            dq.slice_axis_mut(Axis(0), Slice::from(rows.clone())).assign(&slot.dq);
+            add_assign(&mut dk, slot.dk.view());
         }
     }
     dk.mapv_inplace(|x| x * scale.clone());
     HeadGradients { dq, dk, dv: dv_acc, delta }
 }
 
+/// One chunk's arrays in [`head_backward`]: `P`, `dP` (then `dS`) and the chunk's terms of dQ, dK and dV, reused from
+/// wave to wave (allocating them per chunk made the backward spend a fifth of its time in page faults).
+struct BackwardSlot<S> {
+    p: Array2<S>,
+    ds: Array2<S>,
+    dq: Array2<S>,
+    dk: Array2<S>,
+    dv: Array2<S>,
+}
+
+impl<S: Real> BackwardSlot<S> {
+    fn new(ctx: S::Ctx) -> Self {
+        let empty = || Array2::from_elem((0, 0), S::zero(ctx));
+        BackwardSlot { p: empty(), ds: empty(), dq: empty(), dk: empty(), dv: empty() }
+    }
+}
+
 /// `acc += x`, elementwise.
-pub fn add_assign<S: Real>(acc: &mut Array2<S>, x: Array2<S>) {
+pub fn add_assign<S: Real>(acc: &mut Array2<S>, x: ArrayView2<'_, S>) {
     Zip::from(acc).and(&x).for_each(|a, b| *a += b.clone());
 }
 
@@ -210,6 +248,61 @@ pub fn row_totals<S: Real>(x: ArrayView2<'_, S>, ctx: S::Ctx) -> Array1<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inputs::uniform_tensor;
+    use crate::spec::Mask;
+
+    /// The backward's chunks, computed in reused arrays (`BackwardSlot`), give the bits of the allocating functions of
+    /// each equation composed in the same order: chunks of 7 rows (waves over the threads, a short last chunk), a
+    /// causal mask with Lq ≠ Lk, rows that see no key.
+    #[test]
+    fn the_backward_in_reused_arrays_is_the_allocating_walk_bit_for_bit() {
+        let (len_q, len_k, d, dv) = (30, 23, 5, 6);
+        let two = |seed: u64, rows: usize, cols: usize| {
+            uniform_tensor(seed, &[rows, cols]).into_dimensionality::<ndarray::Ix2>().expect("two axes")
+        };
+        let (q, k, v, g) = (two(1, len_q, d), two(2, len_k, d), two(3, len_k, dv), two(4, len_q, dv));
+        let visible = Mask::Causal.matrix(len_q, len_k);
+        let inputs = HeadInputs { q: q.view(), k: k.view(), v: v.view(), visible: visible.view() };
+        let scale = 0.37;
+        let config = DenseConfig { row_chunk: 7 };
+        let fwd = head_forward(inputs, &scale, config, ());
+        let got = head_backward(inputs, g.view(), &fwd, &scale, config, ());
+        let delta = delta_from_output(g.view(), fwd.o.view(), ());
+        let (mut dq, mut dk, mut dv_acc) =
+            (Array2::<f64>::zeros((len_q, d)), Array2::<f64>::zeros((len_k, d)), Array2::<f64>::zeros((len_k, dv)));
+        for rows in row_chunks::<f64>(len_q, len_k, config) {
+            let cut = |a: ArrayView2<'_, f64>| a.slice_axis(Axis(0), Slice::from(rows.clone())).to_owned();
+            let vis = visible.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let s = scores(cut(q.view()).view(), k.view(), &scale, vis, ());
+            let lse = fwd.lse.slice_axis(Axis(0), Slice::from(rows.clone()));
+            let p = probabilities_from_lse(s.view(), lse, vis, ());
+            let dp = f64::matmul(cut(g.view()).view(), v.t(), ());
+            let ds = score_gradient(p.view(), dp.view(), delta.slice_axis(Axis(0), Slice::from(rows.clone())));
+            add_assign(&mut dv_acc, f64::matmul(p.t(), cut(g.view()).view(), ()).view());
+            dq.slice_axis_mut(Axis(0), Slice::from(rows.clone()))
+                .assign(&f64::matmul(ds.view(), k.view(), ()).mapv(|x| x * scale));
+            add_assign(&mut dk, f64::matmul(ds.t(), cut(q.view()).view(), ()).view());
+        }
+        dk.mapv_inplace(|x| x * scale);
+        let bits = |a: &Array2<f64>| a.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got.dq), bits(&dq));
+        assert_eq!(bits(&got.dk), bits(&dk));
+        assert_eq!(bits(&got.dv), bits(&dv_acc));
+        assert!(got.dq.row(0).iter().all(|&x| x == 0.0), "a row that sees no key has no gradient");
+    }
+
+    #[test]
+    fn a_product_into_a_used_array_ignores_its_old_values() {
+        let a = ndarray::array![[1.0, 2.0], [3.0, -4.0], [0.5, 0.25]];
+        let b = ndarray::array![[2.0, -1.0, 0.0], [1.0, 3.0, -2.0]];
+        let mut dst = Array2::from_elem((3, 3), f64::NAN);
+        dst[[0, 0]] = f64::INFINITY;
+        f64::matmul_into(&mut dst, a.view(), b.view(), ());
+        assert_eq!(dst, f64::matmul(a.view(), b.view(), ()));
+        // Another shape reallocates.
+        f64::matmul_into(&mut dst, a.t(), a.view(), ());
+        assert_eq!(dst, f64::matmul(a.t(), a.view(), ()));
+    }
 
     /// The chunks cover the rows in order, hold `config.row_chunk` rows while a `[rows, Lk]` array of `S` stays
     /// within `CHUNK_BYTES` (16 MiB: 512 rows of 4096 f64 keys, 128 of 16384), fewer past that, and never fewer than

@@ -53,20 +53,27 @@ pub fn exponentials_and_sums<S: Real>(
     m: ArrayView1<'_, S>,
     ctx: S::Ctx,
 ) -> (Array2<S>, Array1<S>) {
-    let mut w = Array2::from_elem(scores.dim(), S::zero(ctx));
-    let mut sums = Array1::from_elem(scores.nrows(), S::zero(ctx));
-    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks.
-    Zip::from(w.rows_mut()).and(&mut sums).and(scores.rows()).and(visible.rows()).and(&m).for_each(
-        |mut w, sum, s, vis, m| {
-            for ((w, s), &vis) in w.iter_mut().zip(s).zip(vis) {
-                if vis {
-                    *w = (s.clone() - m.clone()).exp();
-                }
-                *sum += w.clone();
-            }
-        },
-    );
+    let mut w = scores.to_owned();
+    let sums = exponentials_and_sums_in_place(&mut w, visible, m, ctx);
     (w, sums)
+}
+
+/// [`exponentials_and_sums`] over the scores in `w`, which become the weights (the backward reuses its arrays).
+pub fn exponentials_and_sums_in_place<S: Real>(
+    w: &mut Array2<S>,
+    visible: ArrayView2<'_, bool>,
+    m: ArrayView1<'_, S>,
+    ctx: S::Ctx,
+) -> Array1<S> {
+    let mut sums = Array1::from_elem(w.nrows(), S::zero(ctx));
+    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks.
+    Zip::from(w.rows_mut()).and(&mut sums).and(visible.rows()).and(&m).for_each(|mut w, sum, vis, m| {
+        for (w, &vis) in w.iter_mut().zip(vis) {
+            *w = if vis { (w.clone() - m.clone()).exp() } else { S::zero(ctx) };
+            *sum += w.clone();
+        }
+    });
+    sums
 }
 
 /// `e^{a − b}` with the E4 convention that `e^{−∞ − (−∞)}` is 0 (an empty state contributes nothing).
@@ -97,9 +104,19 @@ impl<S: Real> SoftmaxState<S> {
         v: ArrayView2<'_, S>,
         ctx: S::Ctx,
     ) -> Self {
-        let m = row_max(scores, visible, ctx);
-        let (w, l) = exponentials_and_sums(scores, visible, m.view(), ctx);
-        let a = S::matmul(w.view(), v, ctx);
+        Self::of_owned_block(scores.to_owned(), visible, v, ctx)
+    }
+
+    /// [`SoftmaxState::of_block`] from scores the caller no longer needs: their array becomes the weights.
+    pub fn of_owned_block(
+        mut scores: Array2<S>,
+        visible: ArrayView2<'_, bool>,
+        v: ArrayView2<'_, S>,
+        ctx: S::Ctx,
+    ) -> Self {
+        let m = row_max(scores.view(), visible, ctx);
+        let l = exponentials_and_sums_in_place(&mut scores, visible, m.view(), ctx);
+        let a = S::matmul(scores.view(), v, ctx);
         SoftmaxState { m, l, a }
     }
 

@@ -87,6 +87,11 @@ pub trait Real:
     fn matmul(a: ArrayView2<'_, Self>, b: ArrayView2<'_, Self>, ctx: Self::Ctx) -> Array2<Self> {
         naive_matmul(a, b, ctx)
     }
+    /// [`Real::matmul`] into `dst`, bit for bit, reusing its memory when it already has the product's shape (the
+    /// backward's chunks reuse their arrays: fresh pages for every chunk cost a fifth of its time).
+    fn matmul_into(dst: &mut Array2<Self>, a: ArrayView2<'_, Self>, b: ArrayView2<'_, Self>, ctx: Self::Ctx) {
+        *dst = Self::matmul(a, b, ctx);
+    }
 }
 
 /// The textbook triple loop, summing each dot product left to right.
@@ -134,7 +139,15 @@ impl Real for f64 {
         f64::is_nan(*self)
     }
     fn matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>, _: ()) -> Array2<f64> {
-        faer_matmul(a, b)
+        let mut c = Array2::<f64>::zeros((a.nrows(), b.ncols()));
+        faer_matmul_into(&mut c, a, b);
+        c
+    }
+    fn matmul_into(dst: &mut Array2<f64>, a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>, _: ()) {
+        if dst.dim() != (a.nrows(), b.ncols()) || !dst.is_standard_layout() {
+            *dst = Array2::zeros((a.nrows(), b.ncols()));
+        }
+        faer_matmul_into(dst, a, b);
     }
 }
 
@@ -150,8 +163,9 @@ fn as_faer<'a>(a: &'a ArrayView2<'_, f64>) -> Option<faer::MatRef<'a, f64>> {
     None
 }
 
-/// `a · b` in f64 through faer (blocked, SIMD, parallel over the global rayon pool).
-fn faer_matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
+/// `c = a · b` in f64 through faer (blocked, SIMD, parallel over the global rayon pool); `c` is standard layout and
+/// of the product's shape, and its old values are never read.
+fn faer_matmul_into(c: &mut Array2<f64>, a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) {
     assert_eq!(a.ncols(), b.nrows(), "matmul: inner dimensions differ");
     let a_owned;
     let a = match as_faer(&a) {
@@ -169,9 +183,8 @@ fn faer_matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
             faer::MatRef::from_row_major_slice(b_owned.as_slice().expect("standard layout"), b.nrows(), b.ncols())
         }
     };
-    let mut c = Array2::<f64>::zeros((a.nrows(), b.ncols()));
     let (rows, cols) = c.dim();
-    let c_slice = c.as_slice_mut().expect("fresh array is standard layout");
+    let c_slice = c.as_slice_mut().expect("the caller gives a standard-layout array");
     faer::linalg::matmul::matmul(
         faer::MatMut::from_row_major_slice_mut(c_slice, rows, cols),
         faer::Accum::Replace,
@@ -181,7 +194,6 @@ fn faer_matmul(a: ArrayView2<'_, f64>, b: ArrayView2<'_, f64>) -> Array2<f64> {
         matmul_parallelism(),
     );
     clear_upper_vector_state();
-    c
 }
 
 /// Clears the upper halves of the AVX registers (`vzeroupper`) after faer's AVX-512 kernels. They return with the

@@ -123,9 +123,29 @@ impl Mask {
         }
     }
 
-    /// The visibility matrix `[len_q, len_k]` of one sequence.
+    /// Whether every row's visible keys are exactly [`Mask::key_range`] (no predicate anywhere in the mask).
+    fn is_interval(&self) -> bool {
+        match self {
+            Mask::None | Mask::Causal | Mask::Window { .. } => true,
+            Mask::Predicate(_) => false,
+            Mask::And(parts) => parts.iter().all(Mask::is_interval),
+        }
+    }
+
+    /// The visibility matrix `[len_q, len_k]` of one sequence. Masks without a predicate fill each row's key range
+    /// (a memset per row); a predicate is asked element by element.
     pub fn matrix(&self, len_q: usize, len_k: usize) -> ndarray::Array2<bool> {
-        ndarray::Array2::from_shape_fn((len_q, len_k), |(query, key)| self.visible(Pair { query, key, len_q, len_k }))
+        if !self.is_interval() {
+            return ndarray::Array2::from_shape_fn((len_q, len_k), |(query, key)| {
+                self.visible(Pair { query, key, len_q, len_k })
+            });
+        }
+        let mut m = ndarray::Array2::from_elem((len_q, len_k), false);
+        for (query, mut row) in m.rows_mut().into_iter().enumerate() {
+            let keys = self.key_range(query, len_q, len_k);
+            row.slice_mut(ndarray::s![keys]).fill(true);
+        }
+        m
     }
 }
 
@@ -337,8 +357,12 @@ impl AttentionSpec {
         if t.shape() != expected.as_slice() {
             return Err(OracleError::ShapeMismatch { argument, expected, actual: t.shape().to_vec() });
         }
-        if let Some((index, value)) = t.indexed_iter().find(|(_, x)| !x.is_finite()) {
-            return Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value: value.to_f64() });
+        // A flat scan (the indexed iterator builds a dynamic index per element, a few percent of a large forward); the
+        // index is recovered only for the error.
+        if let Some(position) = t.iter().position(|x| !x.is_finite()) {
+            let index = ndarray::indices(t.shape()).into_iter().nth(position).expect("a position inside the tensor");
+            let value = t.iter().nth(position).expect("a position inside the tensor").to_f64();
+            return Err(OracleError::NonFinite { argument, index: index.slice().to_vec(), value });
         }
         Ok(())
     }
@@ -417,5 +441,45 @@ mod tests {
             visible: Arc::new(|p: Pair| p.key.is_multiple_of(2)),
         });
         assert_eq!(format!("{mask:?}"), "Predicate(Predicate(even keys))");
+    }
+
+    #[test]
+    fn a_matrix_filled_by_key_ranges_is_the_masks_element_by_element() {
+        let even = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|p: Pair| p.key % 2 == 0) });
+        let masks = [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window { left: 0, right: 0 },
+            Mask::Window { left: 3, right: 1 },
+            Mask::Window { left: 100, right: 100 },
+            Mask::And(vec![Mask::Causal, Mask::Window { left: 2, right: 5 }]),
+            Mask::And(vec![Mask::Causal, even.clone()]),
+            even,
+        ];
+        for mask in &masks {
+            for (len_q, len_k) in [(7, 7), (9, 4), (4, 9), (0, 5), (5, 0), (1, 1)] {
+                let by_element = ndarray::Array2::from_shape_fn((len_q, len_k), |(query, key)| {
+                    mask.visible(Pair { query, key, len_q, len_k })
+                });
+                assert_eq!(mask.matrix(len_q, len_k), by_element, "{mask:?} {len_q}x{len_k}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_non_finite_input_is_named_by_its_index() {
+        let spec = AttentionSpec::dense(1, 2, 2, 3, 3, 4, 4);
+        let mut q = ndarray::ArrayD::<f64>::zeros(IxDyn(&[1, 2, 3, 4]));
+        q[[0, 1, 2, 3]] = f64::NAN;
+        q[[0, 1, 2, 2]] = f64::INFINITY;
+        match spec.check_tensor("q", Operand::Q, &q.view()) {
+            Err(OracleError::NonFinite { argument, index, value }) => {
+                assert_eq!((argument, index, value), ("q", vec![0, 1, 2, 2], f64::INFINITY));
+            }
+            other => panic!("{other:?}"),
+        }
+        q[[0, 1, 2, 2]] = 1.0;
+        q[[0, 1, 2, 3]] = 2.0;
+        assert!(spec.check_tensor("q", Operand::Q, &q.view()).is_ok());
     }
 }
