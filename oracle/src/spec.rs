@@ -445,7 +445,8 @@ mod tests {
 
     #[test]
     fn a_matrix_filled_by_key_ranges_is_the_masks_element_by_element() {
-        let even = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|p: Pair| p.key % 2 == 0) });
+        let even =
+            Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|p: Pair| p.key.is_multiple_of(2)) });
         let masks = [
             Mask::None,
             Mask::Causal,
