@@ -21,5 +21,6 @@ pub mod pisa;
 pub mod pyramid;
 pub mod residual;
 pub mod selection;
+pub mod sums;
 
 pub use residual::{Agreement, Bits, Violation};

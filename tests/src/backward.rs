@@ -9,6 +9,7 @@ use attnproof_oracle::{AttentionSpec, DenseConfig, Qkv, Scale};
 use attnproof_proofs::flash_bound::{
     FlashRecipe, HeadBackwardExact, HeadExact, backward_bounds, forward_bounds, gqa_sum_term,
 };
+use attnproof_proofs::sums;
 use attnproof_reference::Element;
 use ndarray::{ArrayD, ArrayViewD, IxDyn, Zip};
 
@@ -139,28 +140,23 @@ fn backward_truth_with_visibility(
                 |a: ndarray::ArrayView2<'_, f64>, i: usize, b: ndarray::ArrayView2<'_, f64>, j: usize| -> f64 {
                     a.row(i).iter().zip(b.row(j)).map(|(x, y)| x.abs() * y.abs()).sum()
                 };
-            // Each term once per (i, j), not once per column c of the sums below: the same values, summed in the
-            // same order, at a cost of O(Lq Lk dv) instead of O(Lq Lk d dv).
+            // Each term once per (i, j), not once per column c of the sums below; the sums run vectorized and in
+            // parallel, each adding its terms in ascending order (`attnproof_proofs::sums`), as the plain loops do.
             let row_o: Vec<f64> = (0..len_q).map(|i| abs_dot(gh, i, fwd.o.view(), i)).collect();
-            let terms =
-                ndarray::Array2::from_shape_fn((len_q, len_k), |(i, j)| p[[i, j]] * (abs_dot(gh, i, vh, j) + row_o[i]));
-            let term = |i: usize, j: usize| terms[[i, j]];
-            for c in 0..spec.head_dim {
-                for i in 0..len_q {
-                    let m = scale.abs() * (0..len_k).map(|j| term(i, j) * kh[[j, c]].abs()).sum::<f64>();
-                    magnitude[0] = magnitude[0].max(m);
-                }
-                for j in 0..len_k {
-                    let m = scale.abs() * (0..len_q).map(|i| term(i, j) * qh[[i, c]].abs()).sum::<f64>();
-                    magnitude[1] = magnitude[1].max(m * group_size(spec));
+            let abs_vt = sums::abs_transposed(vh);
+            let mut terms = ndarray::Array2::<f64>::zeros((len_q, len_k));
+            for (i, mut row) in terms.rows_mut().into_iter().enumerate() {
+                for (j, (t, dot)) in row.iter_mut().zip(sums::abs_dots(gh.row(i), &abs_vt)).enumerate() {
+                    *t = p[[i, j]] * (dot + row_o[i]);
                 }
             }
-            for c in 0..spec.head_dim_v {
-                for j in 0..len_k {
-                    let m = (0..len_q).map(|i| p[[i, j]] * gh[[i, c]].abs()).sum::<f64>();
-                    magnitude[2] = magnitude[2].max(m * group_size(spec));
-                }
-            }
+            let largest = |a: ndarray::Array2<f64>, factor: f64| a.iter().map(|m| m * factor).fold(0.0, f64::max);
+            let by_query = sums::weighted_row_sums(len_q, kh, |i, j| terms[[i, j]]);
+            magnitude[0] = magnitude[0].max(largest(by_query.mapv(|m| scale.abs() * m), 1.0));
+            let by_key = sums::weighted_column_sums(len_k, qh, |i, j| terms[[i, j]]);
+            magnitude[1] = magnitude[1].max(largest(by_key.mapv(|m| scale.abs() * m), group_size(spec)));
+            let values = sums::weighted_column_sums(len_k, gh, |i, j| p[[i, j]]);
+            magnitude[2] = magnitude[2].max(largest(values, group_size(spec)));
             bound_dq.slice_mut(spec.head_slice(&seq, h, false)).assign(&b.dq);
             bound_delta.slice_mut(spec.row_stat_slice(&seq, h)).assign(&b.delta);
             let ks = spec.head_slice(&seq, kv, true);
