@@ -7,6 +7,7 @@ mod dsa_theorems;
 mod f64_bound;
 mod f64_bound_terms;
 mod flash_bound_terms;
+mod flash_bound_textbook;
 mod hils_theorems;
 mod nsa_theorems;
 mod online_theorems;

@@ -364,8 +364,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "bound-exp-underflow-ignored-in-o",
         description: "the forward bound charges gradual underflow whatever the recipe's exp_underflow says",
-        find: "+ len_k as f64 * (tiny + recipe.exp_underflow) * vmax;",
-        replace: "+ len_k as f64 * (tiny + F32_SUBNORMAL) * vmax;",
+        find: "+ len_k as f64 * (tiny + recipe.exp_underflow) * vmax[c]",
+        replace: "+ len_k as f64 * (tiny + F32_SUBNORMAL) * vmax[c]",
         ..BOUND_MODEL
     },
     Mutant {
