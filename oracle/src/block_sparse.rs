@@ -77,10 +77,21 @@ impl BlockSparseLayout {
     /// query's tile". Call after [`BlockSparseLayout::validate`].
     pub fn visibility(&self, spec: &AttentionSpec, seq: &Sequence, head: usize) -> Array2<bool> {
         let mut visible = spec.mask.matrix(seq.len_q, seq.len_k);
-        for ((i, j), v) in visible.indexed_iter_mut() {
-            let (a, b) = (i / self.q_tile, (j / self.kv_tile) as i32);
-            let listed = (0..self.lists.dim().3).any(|w| self.lists[[seq.index, head, a, w]] == b);
-            *v = *v && listed;
+        let key_blocks = seq.len_k.div_ceil(self.kv_tile.max(1));
+        // Each query block's listed key blocks once, then a lookup per element (not a scan of the list).
+        let mut listed = vec![false; key_blocks];
+        for (i, mut row) in visible.rows_mut().into_iter().enumerate() {
+            if i % self.q_tile.max(1) == 0 {
+                listed.fill(false);
+                for &b in self.lists.slice(ndarray::s![seq.index, head, i / self.q_tile, ..]) {
+                    if let Some(slot) = usize::try_from(b).ok().and_then(|b| listed.get_mut(b)) {
+                        *slot = true;
+                    }
+                }
+            }
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = *v && listed[j / self.kv_tile];
+            }
         }
         visible
     }
@@ -124,4 +135,36 @@ pub fn block_sparse_backward<S: Real>(
 ) -> Result<Gradients<S>, OracleError> {
     layout.validate(spec)?;
     backward_with_visibility(spec, qkv, d_out, &|seq: &Sequence, h| layout.visibility(spec, seq, h), config, ctx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::{Layout, Mask};
+
+    /// The visibility is the mask AND "the element's key block is listed for its query block", element by element:
+    /// varlen sequences shorter than the lists (entries past a sequence's key blocks), `−1` pads, a causal mask,
+    /// tiles that do not divide the lengths.
+    #[test]
+    fn visibility_is_the_mask_and_the_listed_blocks_element_by_element() {
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 7, 20], cu_seqlens_k: vec![0, 5, 23] },
+            ..AttentionSpec::dense(1, 2, 2, 1, 1, 4, 4).with_mask(Mask::Causal)
+        };
+        let (q_tile, kv_tile) = (4, 3);
+        let lists = Array4::from_shape_fn((2, 2, 4, 3), |(s, h, a, w)| {
+            let entries = [[0, 2, -1], [1, 3, 5], [0, 1, 2], [4, 6, -1]];
+            entries[(a + s + h) % 4][w]
+        });
+        let layout = BlockSparseLayout { q_tile, kv_tile, lists: lists.clone() };
+        for seq in spec.sequences() {
+            for h in 0..2 {
+                let mask = spec.mask.matrix(seq.len_q, seq.len_k);
+                let expected = Array2::from_shape_fn((seq.len_q, seq.len_k), |(i, j)| {
+                    mask[[i, j]] && (0..3).any(|w| lists[[seq.index, h, i / q_tile, w]] == (j / kv_tile) as i32)
+                });
+                assert_eq!(layout.visibility(&spec, &seq, h), expected, "sequence {}, head {h}", seq.index);
+            }
+        }
+    }
 }
