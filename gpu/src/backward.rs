@@ -102,7 +102,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStrea
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
 use crate::common::{GpuElement, check_len, to_i32};
-use crate::compile::{self, FLASH_BWD};
+use crate::compile::{self, FLASH_BWD, ModuleVariant};
 use crate::error::GpuError;
 use crate::launch::{self, BackwardBuffers, BackwardKernel, SparseBuffers};
 use crate::params::{BackwardParams, BlockListParams, FlashParams};
@@ -266,6 +266,16 @@ pub(crate) fn backward_defines<T: GpuElement>(
     tiling: BackwardTiling,
 ) -> Result<Vec<String>, GpuError> {
     Ok(plan::<T>(spec, tiling)?.defines)
+}
+
+/// The module a plain (dense) backward of `kernel` (a text of `flash_bwd.cu`) for `spec` in `tiling` compiles with
+/// storage type `T` (what a caller compiles ahead of the launch with [`compile::module`]).
+pub fn backward_variant<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: BackwardTiling,
+    kernel: compile::KernelSource,
+) -> Result<ModuleVariant, GpuError> {
+    Ok(ModuleVariant { kernel, defines: backward_defines::<T>(spec, tiling)? })
 }
 
 /// Checks that the kernels support `spec` and derives the launch plan.

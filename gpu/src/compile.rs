@@ -49,6 +49,15 @@ pub struct KernelSource {
     pub source: &'static str,
 }
 
+/// One module a launch may compile: a kernel text and its defines.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ModuleVariant {
+    /// The kernel text.
+    pub kernel: KernelSource,
+    /// The `-D` defines of the variant.
+    pub defines: Vec<String>,
+}
+
 /// `gpu/kernels/flash_fwd.cu`.
 pub const FLASH_FWD: KernelSource = KernelSource {
     name: "flash_fwd",
@@ -180,10 +189,20 @@ pub fn options(arch: &str, defines: &[String]) -> Vec<String> {
 }
 
 type CacheKey = (usize, &'static str, &'static str, Vec<String>);
+/// One variant's place in the cache: empty until its first compile succeeds.
+type Slot = Arc<Mutex<Option<Arc<CudaModule>>>>;
 
-fn cache() -> &'static Mutex<HashMap<CacheKey, Arc<CudaModule>>> {
-    static CACHE: OnceLock<Mutex<HashMap<CacheKey, Arc<CudaModule>>>> = OnceLock::new();
+fn cache() -> &'static Mutex<HashMap<CacheKey, Slot>> {
+    static CACHE: OnceLock<Mutex<HashMap<CacheKey, Slot>>> = OnceLock::new();
     CACHE.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The slot of `key`, made empty if there is none. The map's lock is held only for the lookup, so that threads
+/// compiling different variants do not wait for each other.
+fn slot(key: CacheKey) -> Slot {
+    // A poisoned lock only means another thread panicked mid-insert; the map itself is still consistent.
+    let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
+    map.entry(key).or_default().clone()
 }
 
 /// The module of `kernel` compiled with `defines` for the context's device, from the cache or freshly compiled.
@@ -191,10 +210,23 @@ pub fn module(ctx: &Arc<CudaContext>, kernel: KernelSource, defines: &[String]) 
     module_from_source(ctx, kernel.name, kernel.source, defines)
 }
 
+/// The cache key and NVRTC options of `kernel` with `defines` on the context's device, after the device check.
+fn key_and_options(
+    ctx: &Arc<CudaContext>,
+    kernel: KernelSource,
+    defines: &[String],
+) -> Result<(CacheKey, Vec<String>), GpuError> {
+    let (major, minor) = compute_capability(ctx)?;
+    check_device_supports(kernel.name, (major, minor))?;
+    let opts = options(&arch_for(major, minor), defines);
+    Ok(((ctx.ordinal(), kernel.name, kernel.source, opts.clone()), opts))
+}
+
 /// The module of the CUDA C text `source` (NVRTC program `name`) compiled with the pinned options plus `defines`
 /// for the context's device, from the cache or freshly compiled.
 ///
-/// The lock is held while compiling, so that two threads asking for the same variant compile it once.
+/// The variant's own slot is locked while compiling, so that two threads asking for the same variant compile it
+/// once, while threads asking for different variants compile in parallel.
 pub fn module_from_source(
     ctx: &Arc<CudaContext>,
     name: &'static str,
@@ -202,19 +234,16 @@ pub fn module_from_source(
     defines: &[String],
 ) -> Result<Arc<CudaModule>, GpuError> {
     let kernel = KernelSource { name, source };
-    let (major, minor) = compute_capability(ctx)?;
-    check_device_supports(kernel.name, (major, minor))?;
-    let opts = options(&arch_for(major, minor), defines);
-    let key = (ctx.ordinal(), kernel.name, kernel.source, opts.clone());
-    // A poisoned lock only means another thread panicked mid-insert; the map itself is still consistent.
-    let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(m) = map.get(&key) {
+    let (key, opts) = key_and_options(ctx, kernel, defines)?;
+    let slot = slot(key);
+    let mut module = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(m) = module.as_ref() {
         return Ok(m.clone());
     }
     let cubin = compile_with_options(kernel, opts)?;
-    let module = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| GpuError::driver("cuModuleLoadData", e))?;
-    map.insert(key, module.clone());
-    Ok(module)
+    let loaded = ctx.load_module(Ptx::from_binary(cubin)).map_err(|e| GpuError::driver("cuModuleLoadData", e))?;
+    *module = Some(loaded.clone());
+    Ok(loaded)
 }
 
 /// Lets `func` use `bytes` of dynamic shared memory: above the default 48 KiB it asks the device's opt-in limit and

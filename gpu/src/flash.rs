@@ -195,6 +195,16 @@ pub(crate) fn forward_defines<T: GpuElement>(
     Ok(plan::<T>(spec, tiling, kernel)?.defines)
 }
 
+/// The module a plain (dense) forward of `kernel` for `spec` in `tiling` compiles with storage type `T` (what a
+/// caller compiles ahead of the launch with [`compile::module`]).
+pub fn forward_variant<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: ForwardTiling,
+    kernel: compile::KernelSource,
+) -> Result<compile::ModuleVariant, GpuError> {
+    Ok(compile::ModuleVariant { kernel, defines: forward_defines::<T>(spec, tiling, kernel)? })
+}
+
 /// Shared-memory bytes the sm_90a kernel adds to its tiles to align them to 1024 bytes itself.
 const WGMMA_SMEM_ALIGN: usize = 1024;
 

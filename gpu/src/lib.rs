@@ -30,14 +30,15 @@ mod params;
 pub mod ring;
 
 pub use backward::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, flash_backward,
-    flash_backward_device, flash_backward_device_with,
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, backward_variant,
+    flash_backward, flash_backward_device, flash_backward_device_with,
 };
 pub use block_sparse::{BlockLists, ListHeads, block_sparse_forward, block_sparse_forward_device};
 pub use common::{GpuElement, KernelMask, kernel_scale};
 pub use error::{BlockListFault, GpuError, GpuUnavailable};
 pub use flash::{
     ForwardOutput, ForwardTiling, PreparedForward, flash_forward, flash_forward_device, flash_forward_device_with,
+    forward_variant,
 };
 
 use std::panic::{self, AssertUnwindSafe};
@@ -46,16 +47,7 @@ use std::sync::Arc;
 use attnproof_oracle::AttentionSpec;
 use cudarc::driver::CudaContext;
 
-use crate::compile::KernelSource;
-
-/// One module a launch may compile: a kernel text and its defines.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ModuleVariant {
-    /// The kernel text.
-    pub kernel: KernelSource,
-    /// The `-D` defines of the variant.
-    pub defines: Vec<String>,
-}
+pub use crate::compile::ModuleVariant;
 
 /// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
 /// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain, the ring's

@@ -22,11 +22,12 @@ use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::backward::flash_backward_device_with;
 use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::{BlockLists, block_sparse_forward_device_with};
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, ModuleVariant};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::flash::flash_forward_device_with;
 use attnproof_gpu::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, skip_unless_gpu,
+    BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuElement, GpuError, backward_variant,
+    forward_variant, skip_unless_gpu,
 };
 use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::spec::Operand;
@@ -553,6 +554,22 @@ impl GpuCandidate {
         GpuCandidate { backward_tiling: tiling, ..self }
     }
 
+    /// The forward tiling of a launch for `spec`: the candidate's, or the production choice for the head dims.
+    fn forward_tiling_for(&self, spec: &AttentionSpec) -> ForwardTiling {
+        self.forward_tiling.unwrap_or_else(|| ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v))
+    }
+
+    /// The module this candidate's forward launch for `spec` compiles with storage type `T` (what
+    /// `attnproof_gpu::compile::module` compiles ahead of the launch); an error where the launch would refuse the spec.
+    pub fn forward_variant<T: Storage>(&self, spec: &AttentionSpec) -> Result<ModuleVariant, GpuError> {
+        forward_variant::<T>(spec, self.forward_tiling_for(spec), self.forward_kernel)
+    }
+
+    /// The module this candidate's backward launches for `spec` compile with storage type `T`.
+    pub fn backward_variant<T: Storage>(&self, spec: &AttentionSpec) -> Result<ModuleVariant, GpuError> {
+        backward_variant::<T>(spec, self.backward_tiling, self.backward_kernel)
+    }
+
     fn error(&self, e: LaunchError) -> CandidateError {
         match e {
             LaunchError::Gpu(GpuError::Unsupported { argument, reason }) => {
@@ -592,9 +609,7 @@ impl Candidate for GpuCandidate {
     }
 
     fn forward<T: Storage>(&self, case: &Case<T>) -> Result<ForwardRun<T>, CandidateError> {
-        let tiling = self
-            .forward_tiling
-            .unwrap_or_else(|| ForwardTiling::for_head_dims(case.spec.head_dim, case.spec.head_dim_v));
+        let tiling = self.forward_tiling_for(&case.spec);
         forward_guarded(&self.stream, case, self.forward_kernel, tiling).map_err(|e| self.error(e))
     }
 

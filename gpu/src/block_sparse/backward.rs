@@ -39,10 +39,10 @@ use ndarray::ArrayViewD;
 use super::BlockLists;
 use crate::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, SparseLists,
-    backward_defines, backward_from_host, launch_backward, sparse_csr,
+    backward_from_host, backward_variant, launch_backward, sparse_csr,
 };
 use crate::common::GpuElement;
-use crate::compile::{self, FLASH_BWD};
+use crate::compile::{self, FLASH_BWD, ModuleVariant};
 use crate::error::GpuError;
 
 impl BlockLists {
@@ -54,6 +54,24 @@ impl BlockLists {
         } else {
             BackwardTiling { kv_warps: 4 }
         }
+    }
+
+    /// The module of `kernel` (a text of `flash_bwd.cu`) whose transpose kernels build these lists' CSR for
+    /// `spec`. They read no attention operand, so one variant (the bf16 one) serves both storage types.
+    pub fn csr_variant(&self, spec: &AttentionSpec, kernel: compile::KernelSource) -> Result<ModuleVariant, GpuError> {
+        self.backward_variant::<bf16>(spec, kernel)
+    }
+
+    /// The module a block-sparse backward of `kernel` (a text of `flash_bwd.cu`) over these lists compiles for
+    /// `spec` with storage type `T`, in [`BlockLists::backward_tiling`] (what a caller compiles ahead of the launch with [`compile::module`]).
+    pub fn backward_variant<T: GpuElement>(
+        &self,
+        spec: &AttentionSpec,
+        kernel: compile::KernelSource,
+    ) -> Result<ModuleVariant, GpuError> {
+        let mut variant = backward_variant::<T>(spec, self.backward_tiling(), kernel)?;
+        variant.defines.push(crate::backward::BLOCK_SPARSE.to_owned());
+        Ok(variant)
     }
 }
 
@@ -145,9 +163,8 @@ pub fn block_csr_with(
 ) -> Result<BlockCsr, GpuError> {
     let (entries, params) = lists.checked_entries(spec)?;
     let sparse = SparseLists { entries: &entries, params };
-    let mut defines = backward_defines::<bf16>(spec, lists.backward_tiling())?;
-    defines.push(crate::backward::BLOCK_SPARSE.to_owned());
-    let module = compile::module(stream.context(), kernel, &defines)?;
+    let variant = lists.csr_variant(spec, kernel)?;
+    let module = compile::module(stream.context(), variant.kernel, &variant.defines)?;
     let csr = sparse_csr(stream, &module, &sparse, spec.sequences().len())?;
     let down_err = |e| GpuError::driver("cuMemcpyDtoH(block CSR)", e);
     let offsets = stream.clone_dtoh(&csr.offsets).map_err(down_err)?;

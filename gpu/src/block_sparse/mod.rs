@@ -57,11 +57,11 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use ndarray::{Array4, ArrayViewD, Axis};
 
 use crate::common::{GpuElement, to_i32};
-use crate::compile::{self, FLASH_FWD, FLASH_FWD_SM90};
+use crate::compile::{self, FLASH_FWD, FLASH_FWD_SM90, ModuleVariant};
 use crate::error::{BlockListFault, GpuError};
 use crate::flash::{
-    ForwardOutput, ForwardTiling, KV_TILE, PreparedForward, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, forward_from_host,
-    is_wgmma,
+    BLOCK_SPARSE, ForwardOutput, ForwardTiling, KV_TILE, PreparedForward, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM,
+    forward_defines, forward_from_host, is_wgmma,
 };
 use crate::params::BlockListParams;
 
@@ -204,6 +204,46 @@ impl BlockLists {
         if self.q_block.is_multiple_of(production.rows()) { production } else { ForwardTiling { warps: 4, slices: 1 } }
     }
 
+    /// The forward tiling a block-sparse launch of `kernel` over these lists runs in: [`BlockLists::tiling`] for
+    /// `flash_fwd`, the `wgmma` tiling for the sm_90a forward, which takes only lists that
+    /// [`BlockLists::suits_wgmma`].
+    fn forward_tiling_of(
+        &self,
+        spec: &AttentionSpec,
+        kernel: compile::KernelSource,
+    ) -> Result<ForwardTiling, GpuError> {
+        if !is_wgmma(kernel) {
+            return Ok(self.tiling(spec));
+        }
+        if !self.suits_wgmma(spec) {
+            return Err(GpuError::Unsupported {
+                argument: "lists",
+                reason: format!(
+                    "the sm_90a forward takes {}-row query blocks, {WGMMA_KV_TILE}-key blocks and head dims up to \
+                     {WGMMA_MAX_HEAD_DIM}, not {}, {} and {}, {}",
+                    ForwardTiling::WGMMA.rows(),
+                    self.q_block,
+                    self.kv_block,
+                    spec.head_dim,
+                    spec.head_dim_v
+                ),
+            });
+        }
+        Ok(ForwardTiling::WGMMA)
+    }
+
+    /// The module a block-sparse forward of `kernel` over these lists compiles for `spec` with storage type `T`
+    /// (what a caller compiles ahead of the launch with [`compile::module`]).
+    pub fn forward_variant<T: GpuElement>(
+        &self,
+        spec: &AttentionSpec,
+        kernel: compile::KernelSource,
+    ) -> Result<ModuleVariant, GpuError> {
+        let mut defines = forward_defines::<T>(spec, self.forward_tiling_of(spec, kernel)?, kernel)?;
+        defines.push(BLOCK_SPARSE.to_owned());
+        Ok(ModuleVariant { kernel, defines })
+    }
+
     /// Validates the lists for `spec` and returns their entries (row-major, as the kernels read them) with the
     /// kernels' list scalars: what the forward and the backward upload.
     pub(crate) fn checked_entries(&self, spec: &AttentionSpec) -> Result<(Vec<i32>, BlockListParams), GpuError> {
@@ -247,26 +287,10 @@ impl<T: GpuElement> PreparedForward<T> {
         kernel: compile::KernelSource,
     ) -> Result<Self, GpuError> {
         let (entries, mut params) = lists.checked_entries(spec)?;
-        let tiling = if is_wgmma(kernel) {
-            if !lists.suits_wgmma(spec) {
-                return Err(GpuError::Unsupported {
-                    argument: "lists",
-                    reason: format!(
-                        "the sm_90a forward takes {}-row query blocks, {WGMMA_KV_TILE}-key blocks and head dims up to \
-                         {WGMMA_MAX_HEAD_DIM}, not {}, {} and {}, {}",
-                        ForwardTiling::WGMMA.rows(),
-                        lists.q_block,
-                        lists.kv_block,
-                        spec.head_dim,
-                        spec.head_dim_v
-                    ),
-                });
-            }
+        let tiling = lists.forward_tiling_of(spec, kernel)?;
+        if is_wgmma(kernel) {
             params.tiles_per_block = 1;
-            ForwardTiling::WGMMA
-        } else {
-            lists.tiling(spec)
-        };
+        }
         PreparedForward::prepare(stream, spec, kernel, tiling, Some((&entries, params)))
     }
 }

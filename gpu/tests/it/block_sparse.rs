@@ -15,11 +15,11 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{default_run_config, run_config};
+use crate::property::{compile_ahead, default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads, block_sparse_forward};
-use attnproof_gpu::compile::{FLASH_FWD, FLASH_FWD_SM90, KernelSource};
+use attnproof_gpu::compile::{FLASH_FWD, FLASH_FWD_SM90, KernelSource, ModuleVariant};
 use attnproof_gpu::flash::{ForwardTiling, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, is_wgmma};
-use attnproof_gpu::{BlockListFault, GpuError, skip_unless_gpu, skip_unless_hopper};
+use attnproof_gpu::{BlockListFault, GpuError, forward_variant, skip_unless_gpu, skip_unless_hopper};
 use attnproof_harness::adversarial::Worst;
 use attnproof_harness::candidate::{block_sparse_forward_guarded, forward_guarded};
 use attnproof_harness::generate::{ValueProfile, make_case};
@@ -367,12 +367,7 @@ fn check_draw<T: Storage>(
             _ => {}
         }
         if n == 0 && lists_everything(draw) {
-            // The dense mode of the same (unpatched) kernel family, in the same tiling.
-            let (dense_kernel, tiling) = if is_wgmma(kernel) {
-                (FLASH_FWD_SM90, ForwardTiling::WGMMA)
-            } else {
-                (FLASH_FWD, draw.lists.tiling(&case.spec))
-            };
+            let (dense_kernel, tiling) = dense_forward_of(kernel, draw);
             let dense = forward_guarded(stream, case, dense_kernel, tiling)
                 .map_err(|e| TestCaseError::fail(format!("dense launch: {e}")))?;
             prop_assert!(dense.same(&run), "every block listed, but the bits differ from the dense kernel's");
@@ -381,10 +376,11 @@ fn check_draw<T: Storage>(
     Ok(())
 }
 
-/// Runs `suite` on a device with `check` (the production kernels' check of one draw); prints the worst ratio and the
-/// draws' coverage.
+/// Runs `suite` on a device with `check` (the production kernels' check of one draw), compiling the `variants` of
+/// the draws ahead in parallel (`crate::property::compile_ahead`); prints the worst ratio and the draws' coverage.
 pub fn run_on_device(
     suite: &BlockSuite,
+    variants: impl Fn(&BlockDraw) -> Vec<ModuleVariant> + Sync,
     check: impl Fn(&Arc<CudaStream>, &RefCell<Worst>, &BlockDraw) -> Result<(), TestCaseError>,
 ) {
     let Some(ctx) = skip_unless_gpu(suite.name) else {
@@ -392,16 +388,52 @@ pub fn run_on_device(
     };
     let stream = ctx.new_stream().expect("create a stream");
     let worst = RefCell::new(Worst::default());
-    let (coverage, result) = suite.run(suite.config(), |draw| check(&stream, &worst, draw));
+    let replay = |sink: &dyn Fn(Vec<ModuleVariant>)| {
+        let _ = suite.run(Config { max_shrink_iters: 0, ..suite.config() }, |draw| {
+            sink(variants(draw));
+            Ok(())
+        });
+    };
+    let (coverage, result) = compile_ahead(&ctx, replay, |next_draw| {
+        suite.run(suite.config(), |draw| {
+            next_draw();
+            check(&stream, &worst, draw)
+        })
+    });
     if let Err(e) = result {
         panic!("{}: {e}", suite.name);
     }
     println!("{}: worst error/bound {}; coverage {coverage:?}", suite.name, worst.borrow());
 }
 
+/// The modules the forward check of `draw` by `kernel` compiles in `suite`'s dtype: the block-sparse forward's, and
+/// the dense forward's when every block is listed.
+pub fn forward_variants(suite: &BlockSuite, kernel: KernelSource, draw: &BlockDraw) -> Vec<ModuleVariant> {
+    fn of<T: Storage>(kernel: KernelSource, draw: &BlockDraw) -> Vec<ModuleVariant> {
+        let spec = &draw.spec;
+        let mut out = vec![draw.lists.forward_variant::<T>(spec, kernel)];
+        if lists_everything(draw) {
+            let (dense_kernel, tiling) = dense_forward_of(kernel, draw);
+            out.push(forward_variant::<T>(spec, tiling, dense_kernel));
+        }
+        out.into_iter().flatten().collect()
+    }
+    if suite.bf16 { of::<bf16>(kernel, draw) } else { of::<f16>(kernel, draw) }
+}
+
+/// The dense forward whose bits a block-sparse forward of `kernel` listing every block must give: the same kernel
+/// family (unpatched) in the same tiling.
+fn dense_forward_of(kernel: KernelSource, draw: &BlockDraw) -> (KernelSource, ForwardTiling) {
+    if is_wgmma(kernel) { (FLASH_FWD_SM90, ForwardTiling::WGMMA) } else { (FLASH_FWD, draw.lists.tiling(&draw.spec)) }
+}
+
 /// Runs `suite` on the production forward.
 fn run_production(suite: &BlockSuite) {
-    run_on_device(suite, |stream, worst, draw| suite.check(stream, FLASH_FWD, worst, draw));
+    run_on_device(
+        suite,
+        |draw| forward_variants(suite, FLASH_FWD, draw),
+        |stream, worst, draw| suite.check(stream, FLASH_FWD, worst, draw),
+    );
 }
 
 #[test]
@@ -420,7 +452,11 @@ fn run_wgmma(suite: &BlockSuite) {
     if skip_unless_hopper(suite.name).is_none() {
         return;
     }
-    run_on_device(suite, |stream, worst, draw| suite.check(stream, FLASH_FWD_SM90, worst, draw));
+    run_on_device(
+        suite,
+        |draw| forward_variants(suite, FLASH_FWD_SM90, draw),
+        |stream, worst, draw| suite.check(stream, FLASH_FWD_SM90, worst, draw),
+    );
 }
 
 #[test]

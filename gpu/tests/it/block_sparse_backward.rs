@@ -25,8 +25,8 @@ use attnproof_gpu::backward::BackwardOutput;
 use attnproof_gpu::backward::Q_TILE;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource};
-use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, ModuleVariant};
+use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, GpuError, backward_variant, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::adversarial::Worst;
@@ -198,9 +198,31 @@ fn check<T: Storage>(
     Ok(())
 }
 
+/// The modules the backward check of `draw` by `kernel` compiles in `suite`'s dtype: the production block-sparse
+/// forward's, the CSR transpose's, the block-sparse backward's, and the dense backward's when every block is listed.
+pub fn backward_variants(suite: &BlockSuite, kernel: KernelSource, draw: &BlockDraw) -> Vec<ModuleVariant> {
+    fn of<T: Storage>(kernel: KernelSource, draw: &BlockDraw) -> Vec<ModuleVariant> {
+        let (spec, lists) = (&draw.spec, &draw.lists);
+        let mut out = vec![
+            lists.forward_variant::<T>(spec, FLASH_FWD),
+            lists.csr_variant(spec, kernel),
+            lists.backward_variant::<T>(spec, kernel),
+        ];
+        if lists_everything(draw) {
+            out.push(backward_variant::<T>(spec, lists.backward_tiling(), FLASH_BWD));
+        }
+        out.into_iter().flatten().collect()
+    }
+    if suite.bf16 { of::<bf16>(kernel, draw) } else { of::<f16>(kernel, draw) }
+}
+
 /// Runs `suite` with the production kernels.
 fn run_production(suite: &BlockSuite) {
-    run_on_device(suite, |stream, worst, draw| check_draw(suite, stream, FLASH_BWD, worst, draw));
+    run_on_device(
+        suite,
+        |draw| backward_variants(suite, FLASH_BWD, draw),
+        |stream, worst, draw| check_draw(suite, stream, FLASH_BWD, worst, draw),
+    );
 }
 
 #[test]

@@ -4,10 +4,15 @@
 //! production kernels and print their coverage; `mutants` runs every catalog kernel-text mutant through them; the
 //! test below replays their draws without a device and requires every kernel feature to be drawn.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
 
 use crate::common::kernel_spec;
 use attnproof_gpu::backward::BackwardTiling;
+use attnproof_gpu::compile::{self, ModuleVariant};
 use attnproof_gpu::flash::KV_TILE;
 use attnproof_harness::adversarial::{Direction, Repeat, Worst, backward_verdicts, forward_verdicts};
 use attnproof_harness::candidate::{GpuCandidate, Storage};
@@ -15,6 +20,7 @@ use attnproof_harness::coverage::Coverage;
 use attnproof_harness::generate::{ValueProfile, make_case, make_d_out};
 use attnproof_harness::strategies::{profile, suite_config};
 use attnproof_oracle::AttentionSpec;
+use cudarc::driver::CudaContext;
 use half::{bf16, f16};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
@@ -197,6 +203,109 @@ fn check_backward<T: Storage>(
     Ok(())
 }
 
+/// The modules `candidate`'s check of `draw` in `suite` compiles: the forward's, and the backward's in the drawn
+/// tiling for a backward suite.
+pub fn draw_variants(suite: &PropertySuite, candidate: &GpuCandidate, draw: &Draw) -> Vec<ModuleVariant> {
+    fn of<T: Storage>(suite: &PropertySuite, candidate: &GpuCandidate, draw: &Draw) -> Vec<ModuleVariant> {
+        let (spec, _, _, tiling) = draw;
+        let mut out = vec![candidate.forward_variant::<T>(spec)];
+        if suite.direction == Direction::Backward {
+            out.push(candidate.clone().with_backward_tiling(*tiling).backward_variant::<T>(spec));
+        }
+        out.into_iter().flatten().collect()
+    }
+    match suite.dtype {
+        Dtype::Bf16 => of::<bf16>(suite, candidate, draw),
+        Dtype::F16 => of::<f16>(suite, candidate, draw),
+    }
+}
+
+/// How many draws ahead of the one under check [`compile_ahead`] compiles: enough to keep every core busy with
+/// NVRTC while the checks launch and run the oracle, few enough that a run stopping at its first failing draw (a
+/// mutant's) wastes little.
+const COMPILE_AHEAD_DRAWS: usize = 8;
+
+/// Sets the flag when dropped, so that [`compile_ahead`]'s helpers stop even when the run panics.
+struct Stop<'a>(&'a AtomicBool);
+
+impl Drop for Stop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Runs `run` while helper threads compile the modules of the draws ahead of it.
+///
+/// A suite's draws depend only on its configuration, so `replay` draws them again without a device and passes each
+/// draw's modules to its sink; one thread per core compiles them (`attnproof_gpu::compile::module`, whose cache
+/// compiles a variant once and lets a launch wait for a compile under way), at most [`COMPILE_AHEAD_DRAWS`] draws
+/// ahead of the draw `run` has reached (`run` calls the function it is given once per draw, before the draw's
+/// launches). Without it, every NVRTC compile (about a second for `flash_bwd`) ran between two launches, one at a
+/// time, and a suite drawing a new head dim in nearly every case spent most of its time compiling. Compile errors
+/// are left to the launches, which report them.
+pub fn compile_ahead<R>(
+    ctx: &Arc<CudaContext>,
+    replay: impl FnOnce(&dyn Fn(Vec<ModuleVariant>)) + Send,
+    run: impl FnOnce(&dyn Fn()) -> R,
+) -> R {
+    let compile = |v: &ModuleVariant| {
+        let _ = compile::module(ctx, v.kernel, &v.defines);
+    };
+    run_ahead(compile, replay, run)
+}
+
+/// [`compile_ahead`] with any `compile` (the tests below count calls instead of compiling).
+fn run_ahead<R>(
+    compile: impl Fn(&ModuleVariant) + Sync,
+    replay: impl FnOnce(&dyn Fn(Vec<ModuleVariant>)) + Send,
+    run: impl FnOnce(&dyn Fn()) -> R,
+) -> R {
+    let reached = AtomicUsize::new(0);
+    let done = AtomicBool::new(false);
+    let (sender, receiver) = mpsc::channel::<ModuleVariant>();
+    let receiver = Mutex::new(receiver);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    std::thread::scope(|scope| {
+        let (reached, done, receiver, compile) = (&reached, &done, &receiver, &compile);
+        for _ in 0..threads {
+            scope.spawn(move || {
+                loop {
+                    let next = receiver.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                    match next {
+                        Ok(v) if !done.load(Ordering::Relaxed) => compile(&v),
+                        Ok(_) => continue,
+                        Err(_) => break,
+                    }
+                }
+            });
+        }
+        scope.spawn(move || {
+            let seen = RefCell::new(HashSet::new());
+            let drawn = Cell::new(0);
+            replay(&|variants| {
+                while !done.load(Ordering::Relaxed)
+                    && drawn.get() >= reached.load(Ordering::Relaxed) + COMPILE_AHEAD_DRAWS
+                {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                drawn.set(drawn.get() + 1);
+                if done.load(Ordering::Relaxed) {
+                    return;
+                }
+                for v in variants {
+                    if seen.borrow_mut().insert(v.clone()) {
+                        let _ = sender.send(v);
+                    }
+                }
+            });
+        });
+        let _stop = Stop(done);
+        run(&|| {
+            reached.fetch_add(1, Ordering::Relaxed);
+        })
+    })
+}
+
 /// Runs `suite` on the production kernels: fails on the first case outside its bound, and prints the worst ratio
 /// and the coverage of the draws. Without a device it reports its skip and returns.
 pub fn run_production(suite: &PropertySuite) {
@@ -204,7 +313,20 @@ pub fn run_production(suite: &PropertySuite) {
         return;
     };
     let worst = RefCell::new(Worst::default());
-    let (coverage, result) = run_suite(suite, suite.config(), |draw| check(suite, &candidate, &worst, draw));
+    let ctx = candidate.stream.context().clone();
+    let replay = |sink: &dyn Fn(Vec<ModuleVariant>)| {
+        let config = Config { max_shrink_iters: 0, ..suite.config() };
+        let _ = run_suite(suite, config, |draw| {
+            sink(draw_variants(suite, &candidate, draw));
+            Ok(())
+        });
+    };
+    let (coverage, result) = compile_ahead(&ctx, replay, |next_draw| {
+        run_suite(suite, suite.config(), |draw| {
+            next_draw();
+            check(suite, &candidate, &worst, draw)
+        })
+    });
     if let Err(e) = result {
         panic!("{}: {e}", suite.name);
     }
@@ -245,4 +367,67 @@ fn every_direction_and_dtype_has_one_suite() {
         assert_eq!(suite(s.name), s);
         assert_eq!(SUITES.iter().filter(|t| t.seed == s.seed).count(), 1, "{}'s seed", s.name);
     }
+}
+
+/// A stand-in variant per draw: a `flash_fwd` "module" whose define names the draw.
+fn variant_of_draw(n: usize) -> ModuleVariant {
+    ModuleVariant { kernel: attnproof_gpu::compile::FLASH_FWD, defines: vec![format!("DRAW={n}")] }
+}
+
+/// The compile-ahead helpers compile each draw's modules once (a module two draws share, once in all), never more
+/// than `COMPILE_AHEAD_DRAWS` draws ahead of the run, and not past a run that stops early; the run's result comes
+/// back.
+#[test]
+fn compiling_ahead_stays_a_bounded_number_of_draws_ahead() {
+    for (draws, stop_after) in [(40, 40), (40, 3), (5, 5), (0, 0)] {
+        let reached = AtomicUsize::new(0);
+        let compiled = Mutex::new(vec![]);
+        let compile = |v: &ModuleVariant| {
+            let draw: usize = v.defines[0].trim_start_matches("DRAW=").parse().expect("a draw number");
+            compiled.lock().unwrap().push((draw, reached.load(Ordering::SeqCst)));
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        // Each draw lists its own module and the shared module of draw 0.
+        let replay = |sink: &dyn Fn(Vec<ModuleVariant>)| {
+            for n in 0..draws {
+                sink(vec![variant_of_draw(n), variant_of_draw(0)]);
+            }
+        };
+        let answer = run_ahead(compile, replay, |next_draw| {
+            for _ in 0..stop_after {
+                next_draw();
+                reached.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(3));
+            }
+            stop_after * 2
+        });
+        assert_eq!(answer, stop_after * 2);
+        let compiled = compiled.into_inner().unwrap();
+        let mut once: Vec<usize> = compiled.iter().map(|&(d, _)| d).collect();
+        once.sort();
+        let before = once.len();
+        once.dedup();
+        assert_eq!(before, once.len(), "a module compiled twice: {compiled:?}");
+        for &(draw, at) in &compiled {
+            assert!(draw < at + COMPILE_AHEAD_DRAWS, "draw {draw} compiled when the run had reached {at}");
+        }
+        if stop_after == draws {
+            assert_eq!(once, (0..draws).collect::<Vec<_>>(), "every draw's module, once");
+        } else {
+            assert!(once.iter().all(|&d| d < stop_after + COMPILE_AHEAD_DRAWS), "compiled past the stop: {once:?}");
+        }
+    }
+}
+
+/// A run that panics takes its helpers down with it instead of leaving them waiting for draws it will never reach.
+#[test]
+fn compiling_ahead_ends_with_a_panicking_run() {
+    let replay = |sink: &dyn Fn(Vec<ModuleVariant>)| (0..100).for_each(|n| sink(vec![variant_of_draw(n)]));
+    let outcome = std::panic::catch_unwind(|| {
+        run_ahead(|_| {}, replay, |next_draw| {
+            next_draw();
+            panic!("the run fails");
+        })
+    });
+    assert!(outcome.is_err());
 }
