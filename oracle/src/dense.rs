@@ -87,10 +87,10 @@ pub fn scores_into<S: Real>(
     ctx: S::Ctx,
 ) {
     S::matmul_into(s, q, k.t(), ctx);
-    Zip::from(s.rows_mut()).and(visible.rows()).for_each(|mut row, vis| {
-        for (x, &vis) in row.iter_mut().zip(vis) {
-            *x = if vis { x.clone() * scale.clone() } else { S::neg_infinity(ctx) };
-        }
+    Zip::from(s.rows_mut()).and(visible.rows()).for_each(|row, vis| {
+        crate::online::for_each_run(row, vis, |elements, visible| {
+            if visible { S::scale_in_place(elements, scale) } else { elements.fill(S::neg_infinity(ctx)) }
+        });
     });
 }
 

@@ -36,6 +36,7 @@ pub mod selection;
 pub mod spec;
 pub mod topk;
 pub mod vector;
+pub mod vexp;
 
 pub use attention::{
     Forward, Gradients, Qkv, backward, backward_f64, backward_mpfr, forward, forward_f64, forward_mpfr, to_mpfr,

@@ -4,7 +4,9 @@
 //! Each row of a [`SoftmaxState`] is the state of one query row over some set of keys. Rows are
 //! independent; batching them lets `A` be formed with one matrix product.
 
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Zip};
+use std::ops::Range;
+
+use ndarray::{Array1, Array2, ArrayView1, ArrayView2, ArrayViewMut1, Axis, Zip, s};
 
 use crate::real::Real;
 
@@ -20,10 +22,44 @@ pub struct SoftmaxState<S> {
     pub a: Array2<S>,
 }
 
+/// The maximal runs of equal visibility in one row of a mask, left to right: `(keys, visible)`. The hot loops walk a
+/// row run by run, so that a span of keys entirely visible or entirely hidden (a causal row's prefix, a window, a
+/// listed block) is one slice operation with no per-element branch.
+pub fn visibility_runs(row: ArrayView1<'_, bool>) -> impl Iterator<Item = (Range<usize>, bool)> + '_ {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        let visible = *row.get(at)?;
+        let len = row.slice(s![at..]).iter().position(|&v| v != visible).unwrap_or(row.len() - at);
+        let run = at..at + len;
+        at += len;
+        Some((run, visible))
+    })
+}
+
+/// Calls `f` on each run of [`visibility_runs`] with the row's elements there as a slice (copied through a buffer
+/// when the row is not contiguous).
+pub(crate) fn for_each_run<S: Clone>(
+    mut row: ArrayViewMut1<'_, S>,
+    vis: ArrayView1<'_, bool>,
+    mut f: impl FnMut(&mut [S], bool),
+) {
+    match row.as_slice_mut() {
+        Some(elements) => visibility_runs(vis).for_each(|(run, visible)| f(&mut elements[run], visible)),
+        None => {
+            let mut elements = row.to_vec();
+            visibility_runs(vis).for_each(|(run, visible)| f(&mut elements[run], visible));
+            row.iter_mut().zip(elements).for_each(|(x, y)| *x = y);
+        }
+    }
+}
+
 /// The row max over visible entries (`−∞` where a row has none), E2's `m`.
 pub fn row_max<S: Real>(scores: ArrayView2<'_, S>, visible: ArrayView2<'_, bool>, ctx: S::Ctx) -> Array1<S> {
     Zip::from(scores.rows()).and(visible.rows()).map_collect(|s, vis| {
-        s.iter().zip(vis).filter(|(_, v)| **v).fold(S::neg_infinity(ctx), |m, (x, _)| m.max(x.clone()))
+        visibility_runs(vis)
+            .filter(|(_, visible)| *visible)
+            .flat_map(|(run, _)| s.slice_move(s![run]))
+            .fold(S::neg_infinity(ctx), |m, x| m.max(x.clone()))
     })
 }
 
@@ -66,12 +102,18 @@ pub fn exponentials_and_sums_in_place<S: Real>(
     ctx: S::Ctx,
 ) -> Array1<S> {
     let mut sums = Array1::from_elem(w.nrows(), S::zero(ctx));
-    // Row by row over zipped lanes: no per-element index arithmetic or bounds checks.
-    Zip::from(w.rows_mut()).and(&mut sums).and(visible.rows()).and(&m).for_each(|mut w, sum, vis, m| {
-        for (w, &vis) in w.iter_mut().zip(vis) {
-            *w = if vis { (w.clone() - m.clone()).exp() } else { S::zero(ctx) };
-            *sum += w.clone();
-        }
+    // Run by run: the exponentials of a visible run in one slice operation (vector lanes for f64), then its terms
+    // added left to right. A hidden run's zeros are not added: the sum starts at +0 and every term is at least +0, so
+    // adding them would not change a bit.
+    Zip::from(w.rows_mut()).and(&mut sums).and(visible.rows()).and(&m).for_each(|w, sum, vis, m| {
+        for_each_run(w, vis, |elements, visible| {
+            if visible {
+                S::exp_shifted_in_place(elements, m);
+                elements.iter().for_each(|x| *sum += x.clone());
+            } else {
+                elements.fill(S::zero(ctx));
+            }
+        });
     });
     sums
 }
@@ -206,6 +248,42 @@ mod tests {
     /// every key masked (`m = −∞`, all weights exactly 0), and scores large enough that exponentials span many
     /// binades.
     #[test]
+    fn visibility_runs_cover_a_row_in_maximal_runs() {
+        let row = ndarray::arr1(&[true, true, false, false, false, true, false, true, true, true]);
+        let runs: Vec<_> = visibility_runs(row.view()).collect();
+        assert_eq!(runs, [(0..2, true), (2..5, false), (5..6, true), (6..7, false), (7..10, true)]);
+        assert_eq!(visibility_runs(ndarray::arr1(&[false; 4]).view()).collect::<Vec<_>>(), [(0..4, false)]);
+        assert_eq!(visibility_runs(ndarray::Array1::<bool>::from(vec![]).view()).count(), 0);
+    }
+
+    /// A row that is not contiguous (a column of a transposed array) goes through the buffer and gets the same values
+    /// as a contiguous one.
+    #[test]
+    fn runs_of_a_strided_row_write_back() {
+        let visible = Array2::from_shape_fn((3, 9), |(i, j)| (i + j) % 4 != 0);
+        let scores = Array2::from_shape_fn((3, 9), |(i, j)| (i * 9 + j) as f64 / 7.0 - 2.0);
+        let m = row_max(scores.view(), visible.view(), ());
+        let (contiguous, sums) = exponentials_and_sums(scores.view(), visible.view(), m.view(), ());
+        let mut strided = scores.t().to_owned();
+        let mut strided = strided.view_mut().reversed_axes();
+        let mut strided_sums = Array1::<f64>::zeros(3);
+        Zip::from(strided.rows_mut()).and(&mut strided_sums).and(visible.rows()).and(&m).for_each(
+            |w, sum: &mut f64, vis, m: &f64| {
+                for_each_run(w, vis, |elements, visible| {
+                    if visible {
+                        f64::exp_shifted_in_place(elements, m);
+                        elements.iter().for_each(|x| *sum += *x);
+                    } else {
+                        elements.fill(0.0);
+                    }
+                });
+            },
+        );
+        assert_eq!(strided, contiguous);
+        assert_eq!(strided_sums, sums);
+    }
+
+    #[test]
     fn the_fused_pass_equals_exponentials_then_sums() {
         let scores = uniform_tensor(7, &[5, 37]).into_dimensionality::<Ix2>().expect("2-D").mapv(|x| 40.0 * x);
         let visible = Array2::from_shape_fn((5, 37), |(i, j)| i != 3 && (i + 2 * j) % 5 != 0);
@@ -213,7 +291,10 @@ mod tests {
         assert_eq!(m[3], f64::NEG_INFINITY, "the fully masked row");
         let (w, sums) = exponentials_and_sums(scores.view(), visible.view(), m.view(), ());
         let direct =
-            Array2::from_shape_fn((5, 37), |(i, j)| if visible[[i, j]] { (scores[[i, j]] - m[i]).exp() } else { 0.0 });
+            Array2::from_shape_fn(
+                (5, 37),
+                |(i, j)| if visible[[i, j]] { Real::exp(&(scores[[i, j]] - m[i])) } else { 0.0 },
+            );
         let bits = |x: &[f64]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(w.as_slice().unwrap()), bits(direct.as_slice().unwrap()));
         assert_eq!(bits(sums.as_slice().unwrap()), bits(row_sums(direct.view(), ()).as_slice().unwrap()));

@@ -87,6 +87,20 @@ pub trait Real:
     fn matmul(a: ArrayView2<'_, Self>, b: ArrayView2<'_, Self>, ctx: Self::Ctx) -> Array2<Self> {
         naive_matmul(a, b, ctx)
     }
+    /// `xs[i] ← e^(xs[i] − shift)` for every element, bit for bit as [`Real::exp`] of each difference (E3's
+    /// weights over a run of visible keys). Element by element here; `f64` runs it over the whole slice in vector
+    /// lanes.
+    fn exp_shifted_in_place(xs: &mut [Self], shift: &Self) {
+        for x in xs {
+            *x = (x.clone() - shift.clone()).exp();
+        }
+    }
+    /// `xs[i] ← xs[i] · scale` for every element (E1's scale over a run of visible keys).
+    fn scale_in_place(xs: &mut [Self], scale: &Self) {
+        for x in xs {
+            *x = x.clone() * scale.clone();
+        }
+    }
     /// [`Real::matmul`] into `dst`, bit for bit, reusing its memory when it already has the product's shape (the
     /// backward's chunks reuse their arrays: fresh pages for every chunk cost a fifth of its time).
     fn matmul_into(dst: &mut Array2<Self>, a: ArrayView2<'_, Self>, b: ArrayView2<'_, Self>, ctx: Self::Ctx) {
@@ -120,8 +134,12 @@ impl Real for f64 {
     fn to_f64(&self) -> f64 {
         *self
     }
+    /// The oracle's own `exp` ([`crate::vexp`]: below one ulp, the same bits one value at a time and in slices).
     fn exp(&self) -> Self {
-        f64::exp(*self)
+        crate::vexp::exp(*self)
+    }
+    fn exp_shifted_in_place(xs: &mut [Self], shift: &Self) {
+        crate::vexp::exp_shifted_in_place(xs, *shift);
     }
     fn ln(&self) -> Self {
         f64::ln(*self)

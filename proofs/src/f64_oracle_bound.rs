@@ -4,7 +4,8 @@
 //! # The model
 //!
 //! Standard floating-point model with unit roundoff `u = 2^-53`: each `+ − × ÷ √` rounds with
-//! relative error at most `u`; `exp` and `ln` (glibc, documented below 1 ulp) at most `2u`; a
+//! relative error at most `u`; `exp` (the oracle's own, `attnproof_oracle::vexp`, below 1 ulp: its test measures
+//! it against MPFR) and `ln` (glibc, documented below 1 ulp) at most `2u`; a
 //! sum or dot product of `n` terms, in any order and with or without FMA (faer's blocked
 //! products included), errs by at most `γ_n Σ|terms|`, `γ_n = nu/(1 − nu)`. Subnormal results
 //! err by at most `2^-1074` absolutely (`exp` of a very negative argument).

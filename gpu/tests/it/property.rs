@@ -424,10 +424,14 @@ fn compiling_ahead_stays_a_bounded_number_of_draws_ahead() {
 fn compiling_ahead_ends_with_a_panicking_run() {
     let replay = |sink: &dyn Fn(Vec<ModuleVariant>)| (0..100).for_each(|n| sink(vec![variant_of_draw(n)]));
     let outcome = std::panic::catch_unwind(|| {
-        run_ahead(|_| {}, replay, |next_draw| {
-            next_draw();
-            panic!("the run fails");
-        })
+        run_ahead(
+            |_| {},
+            replay,
+            |next_draw| {
+                next_draw();
+                panic!("the run fails");
+            },
+        )
     });
     assert!(outcome.is_err());
 }
