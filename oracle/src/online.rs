@@ -29,11 +29,26 @@ pub fn visibility_runs(row: ArrayView1<'_, bool>) -> impl Iterator<Item = (Range
     let mut at = 0;
     std::iter::from_fn(move || {
         let visible = *row.get(at)?;
-        let len = row.slice(s![at..]).iter().position(|&v| v != visible).unwrap_or(row.len() - at);
+        let rest = row.slice_move(s![at..]);
+        let len = match rest.as_slice() {
+            Some(rest) => run_length(rest, visible),
+            None => rest.iter().position(|&v| v != visible).unwrap_or(rest.len()),
+        };
         let run = at..at + len;
         at += len;
         Some((run, visible))
     })
+}
+
+/// How many leading elements of `flags` equal `value`. Whole blocks of 64 are tested without an early exit, which
+/// compiles to vector compares: a mask row is scanned once per pass, and an element-by-element search cost as much as
+/// the exponentials it was meant to save.
+fn run_length(flags: &[bool], value: bool) -> usize {
+    const BLOCK: usize = 64;
+    let uniform =
+        flags.chunks(BLOCK).take_while(|c| c.len() == BLOCK && c.iter().fold(true, |all, &v| all & (v == value)));
+    let whole = uniform.count() * BLOCK;
+    whole + flags[whole..].iter().position(|&v| v != value).unwrap_or(flags.len() - whole)
 }
 
 /// Calls `f` on each run of [`visibility_runs`] with the row's elements there as a slice (copied through a buffer
@@ -55,12 +70,15 @@ pub(crate) fn for_each_run<S: Clone>(
 
 /// The row max over visible entries (`−∞` where a row has none), E2's `m`.
 pub fn row_max<S: Real>(scores: ArrayView2<'_, S>, visible: ArrayView2<'_, bool>, ctx: S::Ctx) -> Array1<S> {
-    Zip::from(scores.rows()).and(visible.rows()).map_collect(|s, vis| {
-        visibility_runs(vis)
-            .filter(|(_, visible)| *visible)
-            .flat_map(|(run, _)| s.slice_move(s![run]))
-            .fold(S::neg_infinity(ctx), |m, x| m.max(x.clone()))
-    })
+    Zip::from(scores.rows()).and(visible.rows()).map_collect(|s, vis| max_of_row(s, vis, ctx))
+}
+
+/// [`row_max`] of one row.
+fn max_of_row<S: Real>(s: ArrayView1<'_, S>, vis: ArrayView1<'_, bool>, ctx: S::Ctx) -> S {
+    visibility_runs(vis)
+        .filter(|(_, visible)| *visible)
+        .flat_map(|(run, _)| s.slice_move(s![run]))
+        .fold(S::neg_infinity(ctx), |m, x| m.max(x.clone()))
 }
 
 /// `e^{s_ij − m_i}` on visible entries and exactly 0 elsewhere, so that a masked entry never
@@ -101,21 +119,40 @@ pub fn exponentials_and_sums_in_place<S: Real>(
     m: ArrayView1<'_, S>,
     ctx: S::Ctx,
 ) -> Array1<S> {
-    let mut sums = Array1::from_elem(w.nrows(), S::zero(ctx));
+    Zip::from(w.rows_mut()).and(visible.rows()).and(&m).map_collect(|w, vis, m| exponentials_of_row(w, vis, m, ctx))
+}
+
+/// [`exponentials_and_sums_in_place`] of one row: its weights in place, and their sum.
+fn exponentials_of_row<S: Real>(w: ArrayViewMut1<'_, S>, vis: ArrayView1<'_, bool>, m: &S, ctx: S::Ctx) -> S {
+    let mut sum = S::zero(ctx);
     // Run by run: the exponentials of a visible run in one slice operation (vector lanes for f64), then its terms
     // added left to right. A hidden run's zeros are not added: the sum starts at +0 and every term is at least +0, so
     // adding them would not change a bit.
-    Zip::from(w.rows_mut()).and(&mut sums).and(visible.rows()).and(&m).for_each(|w, sum, vis, m| {
-        for_each_run(w, vis, |elements, visible| {
-            if visible {
-                S::exp_shifted_in_place(elements, m);
-                elements.iter().for_each(|x| *sum += x.clone());
-            } else {
-                elements.fill(S::zero(ctx));
-            }
-        });
+    for_each_run(w, vis, |elements, visible| {
+        if visible {
+            S::exp_shifted_in_place(elements, m);
+            elements.iter().for_each(|x| sum += x.clone());
+        } else {
+            elements.fill(S::zero(ctx));
+        }
     });
-    sums
+    sum
+}
+
+/// E2's `m` and E3's weights and their sums over a block of scores, in place, one row at a time: each row's max and
+/// exponentials are taken while the row is in the cache ([`row_max`] then [`exponentials_and_sums_in_place`] would
+/// stream the whole block from memory twice), with the same bits.
+fn maxima_and_weights_in_place<S: Real>(
+    w: &mut Array2<S>,
+    visible: ArrayView2<'_, bool>,
+    ctx: S::Ctx,
+) -> (Array1<S>, Array1<S>) {
+    let mut m = Array1::from_elem(w.nrows(), S::zero(ctx));
+    let l = Zip::from(w.rows_mut()).and(visible.rows()).and(&mut m).map_collect(|w, vis, m| {
+        *m = max_of_row(w.view(), vis, ctx);
+        exponentials_of_row(w, vis, m, ctx)
+    });
+    (m, l)
 }
 
 /// `e^{a − b}` with the E4 convention that `e^{−∞ − (−∞)}` is 0 (an empty state contributes nothing).
@@ -156,8 +193,7 @@ impl<S: Real> SoftmaxState<S> {
         v: ArrayView2<'_, S>,
         ctx: S::Ctx,
     ) -> Self {
-        let m = row_max(scores.view(), visible, ctx);
-        let l = exponentials_and_sums_in_place(&mut scores, visible, m.view(), ctx);
+        let (m, l) = maxima_and_weights_in_place(&mut scores, visible, ctx);
         let a = S::matmul(scores.view(), v, ctx);
         SoftmaxState { m, l, a }
     }
@@ -256,6 +292,24 @@ mod tests {
         assert_eq!(visibility_runs(ndarray::Array1::<bool>::from(vec![]).view()).count(), 0);
     }
 
+    /// Runs across the scan's 64-element blocks: every run length from 0 to 200 at every offset class, compared with
+    /// an element-by-element search.
+    #[test]
+    fn run_lengths_across_blocks_equal_the_plain_search() {
+        for value in [false, true] {
+            for len in 0..200 {
+                for tail in [0usize, 1, 63, 64, 65, 130] {
+                    let mut flags = vec![value; len];
+                    flags.extend(std::iter::repeat_n(!value, usize::from(tail > 0)));
+                    flags.extend(std::iter::repeat_n(value, tail.saturating_sub(1)));
+                    let plain = flags.iter().position(|&v| v != value).unwrap_or(flags.len());
+                    assert_eq!(run_length(&flags, value), plain, "value {value}, len {len}, tail {tail}");
+                    assert_eq!(run_length(&flags, value), len, "value {value}, len {len}, tail {tail}");
+                }
+            }
+        }
+    }
+
     /// A row that is not contiguous (a column of a transposed array) goes through the buffer and gets the same values
     /// as a contiguous one.
     #[test]
@@ -299,5 +353,11 @@ mod tests {
         assert_eq!(bits(w.as_slice().unwrap()), bits(direct.as_slice().unwrap()));
         assert_eq!(bits(sums.as_slice().unwrap()), bits(row_sums(direct.view(), ()).as_slice().unwrap()));
         assert!(w.row(3).iter().all(|&x| x == 0.0) && sums[3] == 0.0);
+        // The row-at-a-time pass of `of_owned_block` gives the same bits as the two whole-array passes.
+        let mut fused = scores.clone();
+        let (fused_m, fused_sums) = maxima_and_weights_in_place(&mut fused, visible.view(), ());
+        assert_eq!(bits(fused.as_slice().unwrap()), bits(w.as_slice().unwrap()));
+        assert_eq!(bits(fused_m.as_slice().unwrap()), bits(m.as_slice().unwrap()));
+        assert_eq!(bits(fused_sums.as_slice().unwrap()), bits(sums.as_slice().unwrap()));
     }
 }

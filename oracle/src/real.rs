@@ -339,6 +339,19 @@ impl Real for Mp {
     fn ctx(&self) -> Precision {
         self.precision()
     }
+    /// In place, without the default's three temporaries per element; each operation rounds to the element's own
+    /// precision as the owned operators do, so the bits are the default's.
+    fn exp_shifted_in_place(xs: &mut [Self], shift: &Self) {
+        for x in xs {
+            x.0 -= &shift.0;
+            x.0.exp_mut();
+        }
+    }
+    fn scale_in_place(xs: &mut [Self], scale: &Self) {
+        for x in xs {
+            x.0 *= &scale.0;
+        }
+    }
     fn from_f64(x: f64, ctx: Precision) -> Self {
         Mp::new(x, ctx)
     }
@@ -406,6 +419,24 @@ mod tests {
         let slow = naive_matmul(a.view(), b.t(), ());
         assert_eq!(fast, slow);
         assert_eq!(fast[[1, 1]], 4.0 * 2.0 + 6.0 * -3.0);
+    }
+
+    /// The MPFR slice operations round as the owned operators do: the same bits as the trait's element-by-element
+    /// defaults (spelled out here), at a precision where every step rounds.
+    #[test]
+    fn the_mpfr_slice_operations_equal_the_owned_operators() {
+        let prec = Precision(64);
+        let xs: Vec<Mp> = (0..40).map(|i| Mp::new(-3.0 + i as f64 * 0.173, prec) / Mp::new(7.0, prec)).collect();
+        let shift = Mp::new(1.0, prec) / Mp::new(3.0, prec);
+        let mut fast = xs.clone();
+        Mp::exp_shifted_in_place(&mut fast, &shift);
+        let slow: Vec<Mp> = xs.iter().map(|x| (x.clone() - shift.clone()).exp()).collect();
+        assert_eq!(fast, slow);
+        let mut fast = xs.clone();
+        Mp::scale_in_place(&mut fast, &shift);
+        let slow: Vec<Mp> = xs.iter().map(|x| x.clone() * shift.clone()).collect();
+        assert_eq!(fast, slow);
+        assert!(fast.iter().all(|v| v.precision() == prec));
     }
 
     #[test]
