@@ -89,7 +89,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | ring | peers) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | ring | peers | python) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -116,6 +116,7 @@ all)
         done
     done
     (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
+    (bash "$here/run.sh" python >"$work/python.log" 2>&1; echo $? >"$work/python.rc") &
     (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") &
     wait
     phase1=$(($(date +%s) - start))
@@ -249,6 +250,14 @@ ring)
     csv="$(mktemp -d)/ring.csv"
     "$here"/bin/ring_bench --csv "$csv" "$@" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/ring.csv"; fi
+    ;;
+python)
+    # The Python package's tests with the machine's torch (CPU and CUDA tensors, SDPA): the wheel installed into a
+    # scratch directory, the `check` binary beside it for the same-report test; a torch test may not skip here.
+    site="$(mktemp -d)"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$here"/python/wheels/*.whl || exit 1
+    PYTHONPATH="$site" ATTNPROOF_CHECK_BINARY="$here/bin/check" ATTNPROOF_REQUIRE_CLI=1 ATTNPROOF_REQUIRE_TORCH=1 \
+        python3 -m pytest -q -p no:cacheprovider "$here/python/tests" "$here/python/examples" "$@"
     ;;
 peers)
     out="${OUT:-$(mktemp -d)}"

@@ -1,7 +1,8 @@
 //! `cargo xtask gpu-bundle`: builds the GPU test binaries and the benchmark binaries in release and copies them, with
 //! `bench/peers.py` and a `run.sh` entry script, into `gpu-bundle/` (ignored by git), so that one call on a GPU machine
-//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|bsa-bench|peers]`. The
-//! case checker (`check`) and the PyTorch case dumper (`python/`) ride along for the verdict on PyTorch's kernels.
+//! without Rust runs the whole GPU verification: `bash gpu-bundle/run.sh [tests|mutants|sanitize|bench|bsa-bench|peers|
+//! python]`. The case checker (`check`) and the PyTorch case dumper (`python/`) ride along for the verdict on PyTorch's
+//! kernels, and the Python package's wheel with its tests for the paths that need torch (`run.sh python`).
 //!
 //! The catalog's scratch-built GPU mutants (`Runner::ScratchGpu`) are built here too: each is patched into the scratch
 //! copy that `cargo xtask mutants` uses (one shared target directory, so dependencies compile once), its killing test
@@ -13,7 +14,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 
 use anyhow::{Context, Result, bail};
 use attnproof_catalog::{Mutant, Runner};
@@ -29,8 +30,15 @@ const BENCHES: &[(&str, &str)] =
 /// Scripts copied into the bundle's root, relative to the repository root.
 const SCRIPTS: &[&str] = &["bench/peers.py", "bench/block_sparse_peers.py"];
 /// Scripts copied into the bundle at their own relative paths (they import each other by relative path).
-const TREE_SCRIPTS: &[&str] =
-    &["python/attnproof_dump.py", "python/examples/dump_peers.py", "python/examples/peers_table.py"];
+const TREE_SCRIPTS: &[&str] = &[
+    "python/attnproof_dump.py",
+    "python/examples/dump_peers.py",
+    "python/examples/peers_table.py",
+    "python/tests/test_check.py",
+    "python/examples/test_sdpa.py",
+];
+/// Where the Python package's wheel goes in the bundle (`run.sh python` installs it).
+const WHEELS_DIR: &str = "python/wheels";
 /// The bundle directory, relative to the repository root.
 pub const BUNDLE_DIR: &str = "gpu-bundle";
 /// Largest bundle the device tool carries.
@@ -109,6 +117,7 @@ pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
         fs::copy(&src, &dest).with_context(|| format!("could not copy {}", src.display()))?;
         total += fs::metadata(&dest)?.len();
     }
+    total += build_wheel(root, &bundle.join(WHEELS_DIR))?;
     let script = bundle.join("run.sh");
     fs::write(&script, RUN_SH).with_context(|| format!("could not write {}", script.display()))?;
     make_executable(&script)?;
@@ -124,6 +133,24 @@ pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
         bundle.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Builds the Python package's wheel into `dir` (pip runs maturin in an isolated build environment, so maturin need
+/// not be installed here) and returns its size.
+fn build_wheel(root: &Path, dir: &Path) -> Result<u64> {
+    let mut pip = Command::new("python3");
+    pip.current_dir(root).args(["-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir"]).arg(dir).arg("./python");
+    let status = pip.status().context("could not run `python3 -m pip wheel ./python` (the Python package's wheel)")?;
+    if !status.success() {
+        bail!("`python3 -m pip wheel ./python` failed ({status}): the bundle's Python tests need the wheel");
+    }
+    let mut total = 0;
+    for entry in fs::read_dir(dir).with_context(|| format!("could not list {}", dir.display()))? {
+        let path = entry?.path();
+        total += fs::metadata(&path)?.len();
+        println!("gpu-bundle: {} ({} KiB)", path.display(), fs::metadata(&path)?.len() / 1024);
+    }
+    Ok(total)
 }
 
 /// A scratch-built GPU mutant's killing test binary, staged outside the bundle until the bundle is rewritten.
@@ -306,7 +333,9 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "bsa-bench)", "ring)", "peers)"] {
+        for mode in
+            ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "bsa-bench)", "ring)", "peers)", "python)"]
+        {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));

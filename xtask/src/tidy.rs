@@ -415,6 +415,7 @@ const DEPENDENCY_RULE: &[(&str, Allowed)] = &[
     ("attnproof-reference", Allowed::Only(&["attnproof-oracle", "attnproof-ring-driver"])),
     ("attnproof-gpu", Allowed::Only(&["attnproof-oracle", "attnproof-ring-driver"])),
     ("attnproof-harness", Allowed::AllBut(&["xtask"])),
+    ("attnproof-python", Allowed::Only(&["attnproof-harness"])),
     ("attnproof-catalog", Allowed::Only(&[])),
     ("xtask", Allowed::Only(&["attnproof-catalog"])),
 ];
@@ -1388,6 +1389,7 @@ mod tests {
                 &["attnproof-oracle", "attnproof-proofs", "attnproof-reference", "attnproof-gpu"],
             ),
             manifest("xtask/catalog/Cargo.toml", "attnproof-catalog", &[]),
+            manifest("python/Cargo.toml", "attnproof-python", &["attnproof-harness", "pyo3"]),
             manifest("xtask/Cargo.toml", "xtask", &["attnproof-catalog", "anyhow"]),
         ]
     }

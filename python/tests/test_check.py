@@ -1,0 +1,237 @@
+"""The Python API of attnproof: verdicts on correct and planted-bug attention outputs, computed here with NumPy in f64
+and rounded to the storage dtype, the diagnosed causes, typed errors on bad input, the pytest helpers, and the same
+report as `cargo xtask check` on the same case bytes. Torch paths run where torch is installed and skip elsewhere."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import attnproof
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def attention(q, k, v, *, scale=None, causal=False, top_left=False, window=None):
+    """The textbook forward in f64 over `[B, H, L, D]` arrays (GQA by head groups): O and LSE (base e)."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k = np.repeat(k, hq // hkv, axis=1)
+    v = np.repeat(v, hq // hkv, axis=1)
+    s = scale * np.einsum("bhid,bhjd->bhij", q, k)
+    i = np.arange(lq)[:, None] + (0 if top_left else lk - lq)
+    j = np.arange(lk)[None, :]
+    visible = np.ones((lq, lk), dtype=bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            visible &= j >= i - left
+        if right >= 0:
+            visible &= j <= i + right
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    p = np.where(visible, np.exp(s - m_safe), 0.0)
+    ell = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhij,bhjd->bhid", p / np.where(ell > 0, ell, 1.0), v)
+    lse = np.where(ell[..., 0] > 0, m_safe[..., 0] + np.log(np.where(ell[..., 0] > 0, ell[..., 0], 1.0)), -np.inf)
+    return o, lse
+
+
+def inputs(shape_q, shape_kv, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_kv).astype(dtype)
+    v = rng.standard_normal(shape_kv).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "shape_q, shape_kv, causal, window",
+    [
+        ((1, 2, 33, 16), (1, 2, 33, 16), False, None),
+        ((2, 4, 17, 32), (2, 2, 40, 32), True, None),  # GQA, Lq != Lk, bottom-right causal
+        ((1, 3, 64, 8), (1, 1, 65, 8), False, (5, 0)),  # MQA, a narrow window
+    ],
+)
+def test_a_correct_f32_forward_passes(shape_q, shape_kv, causal, window):
+    q, k, v = inputs(shape_q, shape_kv)
+    o, lse = attention(q, k, v, causal=causal, window=window)
+    report = attnproof.check_forward(
+        q, k, v, o.astype(np.float32), lse.astype(np.float32), causal=causal, window=window
+    )
+    assert report.passed and report.verified, report
+    assert report.recipe == "f32-in/f32-acc"
+    assert {o.output for o in report.outputs} == {"O", "LSE"}
+    assert all(o.max_error_over_bound < 1 for o in report.outputs)
+    assert report.to_dict()["status"] == "pass"
+
+
+def test_a_wrong_scale_fails_and_is_named():
+    q, k, v = inputs((1, 2, 40, 16), (1, 2, 40, 16), seed=1)
+    o, lse = attention(q, k, v, scale=1.0 / 16)
+    report = attnproof.check_forward(q, k, v, o.astype(np.float32), lse.astype(np.float32))
+    assert not report.passed
+    assert "wrong scale" in report.output("O").cause and "1/d" in report.output("O").cause
+    with pytest.raises(AssertionError, match="cause: wrong scale"):
+        attnproof.assert_attention_close(q, k, v, o.astype(np.float32), lse.astype(np.float32))
+
+
+def test_top_left_causal_with_lq_ne_lk_is_named():
+    q, k, v = inputs((1, 1, 12, 16), (1, 1, 30, 16), seed=2)
+    o, lse = attention(q, k, v, causal=True, top_left=True)
+    with pytest.raises(AssertionError, match="causal alignment"):
+        attnproof.assert_attention_close(q, k, v, o.astype(np.float32), lse.astype(np.float32), causal=True)
+    # Stated as top-left, the same outputs pass.
+    attnproof.assert_attention_close(
+        q, k, v, o.astype(np.float32), lse.astype(np.float32), causal=True, causal_align="top_left"
+    )
+
+
+def test_lse_in_base_two_is_named():
+    q, k, v = inputs((1, 2, 20, 16), (1, 2, 20, 16), seed=3)
+    o, lse = attention(q, k, v)
+    report = attnproof.check_forward(q, k, v, o.astype(np.float32), (lse / math.log(2)).astype(np.float32))
+    assert report.output("O").passed and not report.output("LSE").passed
+    assert "base 2" in report.output("LSE").cause
+    assert attnproof.check_forward(
+        q, k, v, o.astype(np.float32), (lse / math.log(2)).astype(np.float32), lse_base="2"
+    ).passed
+
+
+def test_bf16_through_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes gives NumPy a bf16 dtype")
+    bf16 = ml_dtypes.bfloat16
+    q, k, v = (x.astype(bf16) for x in inputs((1, 2, 70, 64), (1, 2, 70, 64), seed=4))
+    o, lse = attention(q, k, v, causal=True)
+    report = attnproof.check_forward(q, k, v, o.astype(bf16), lse.astype(np.float32), causal=True)
+    assert report.passed and report.recipe == "bf16-in/f32-acc/p-bf16", report
+    # One output element off by far more than bf16's rounding: the check fails at that element.
+    bad = o.astype(bf16)
+    bad[0, 1, 69, 3] = bf16(float(bad[0, 1, 69, 3]) + 0.5)
+    report = attnproof.check_forward(q, k, v, bad, lse.astype(np.float32), causal=True)
+    assert not report.output("O").passed and report.output("O").worst_index == (0, 1, 69, 3)
+
+
+def test_the_backward_is_checked():
+    q, k, v = inputs((1, 2, 24, 16), (1, 2, 24, 16), seed=5)
+    d_out = np.random.default_rng(6).standard_normal(q.shape).astype(np.float32)
+    o, lse = attention(q, k, v)
+    # Gradients by central differences would be too coarse; the exact ones come from the textbook backward.
+    qd, kd, vd, gd = (x.astype(np.float64) for x in (q, k, v, d_out))
+    s = np.einsum("bhid,bhjd->bhij", qd, kd) / 4.0
+    p = np.exp(s - lse[..., None])
+    dv = np.einsum("bhij,bhid->bhjd", p, gd)
+    dp = np.einsum("bhid,bhjd->bhij", gd, vd)
+    ds = p * (dp - (gd * o).sum(-1, keepdims=True))
+    dq = np.einsum("bhij,bhjd->bhid", ds, kd) / 4.0
+    dk = np.einsum("bhij,bhid->bhjd", ds, qd) / 4.0
+    f32 = [x.astype(np.float32) for x in (o, lse, dq, dk, dv)]
+    report = attnproof.check_backward(q, k, v, f32[0], f32[1], d_out, f32[2], f32[3], f32[4])
+    assert report.passed, report
+    assert {o.output for o in report.outputs} >= {"dQ", "dK", "dV"}
+    # dK with the wrong sign fails.
+    report = attnproof.check_backward(q, k, v, f32[0], f32[1], d_out, f32[2], -f32[3], f32[4])
+    assert not report.output("dK").passed and report.output("dQ").passed
+
+
+@pytest.mark.parametrize(
+    "change, argument",
+    [
+        (lambda a: dict(a, q=a["q"][..., :-1]), "k"),  # D of q and k differ
+        (lambda a: dict(a, causal_align="diagonal"), "causal_align"),
+        (lambda a: dict(a, lse_base="10"), "lse_base"),
+        (lambda a: dict(a, window=(3,)), "window"),
+        (lambda a: dict(a, q=a["q"].astype(np.int8)), "q"),
+        (lambda a: dict(a, block_indices=np.zeros((1, 1, 1, 1), np.int32)), "block_size"),
+        (lambda a: dict(a, q=np.full_like(a["q"], np.nan)), "q"),
+    ],
+)
+def test_bad_input_is_a_case_error_naming_the_argument(change, argument):
+    q, k, v = inputs((1, 1, 8, 8), (1, 1, 8, 8))
+    o, lse = attention(q, k, v)
+    args = change(dict(q=q, k=k, v=v, o=o.astype(np.float32), lse=lse.astype(np.float32)))
+    with pytest.raises(attnproof.CaseError, match=argument) as caught:
+        attnproof.check_forward(**args)
+    assert isinstance(caught.value, ValueError)
+    assert "Some(" not in str(caught.value)
+
+
+def test_the_fixture(attention_check):
+    q, k, v = inputs((1, 1, 9, 8), (1, 1, 9, 8))
+    o, lse = attention(q, k, v)
+    report = attention_check(q, k, v, o.astype(np.float32), lse.astype(np.float32))
+    assert report.passed
+
+
+def test_the_report_reads_cleanly():
+    q, k, v = inputs((1, 1, 9, 8), (1, 1, 9, 8))
+    o, lse = attention(q, k, v, scale=1.0)
+    report = attnproof.check_forward(q, k, v, o.astype(np.float32), lse.astype(np.float32), kernel="mine")
+    text = repr(report)
+    assert text.startswith("FAIL") and "kernel \"mine\"" in text and "<in memory>" not in text
+    assert json.loads(json.dumps(report.to_dict()))["outputs"][0]["output"] == "O"
+
+
+def test_the_same_report_as_the_cli(tmp_path):
+    """The bytes the Python API checks, written to a file and given to the `check` binary, get the same report."""
+    binary = Path(os.environ.get("ATTNPROOF_CHECK_BINARY", REPO / "target" / "release" / "check"))
+    if not binary.exists():
+        # CI builds the binary and sets ATTNPROOF_REQUIRE_CLI, so that this comparison cannot silently skip there.
+        assert not os.environ.get("ATTNPROOF_REQUIRE_CLI"), f"ATTNPROOF_REQUIRE_CLI is set but {binary} is missing"
+        pytest.skip(f"no {binary}: build it with `cargo build --release -p attnproof-harness --bin check`")
+    q, k, v = inputs((1, 2, 30, 16), (1, 1, 45, 16), seed=7)
+    o, lse = attention(q, k, v, causal=True, scale=0.5)
+    tensors = {"q": q, "k": k, "v": v, "o": o.astype(np.float32), "lse": lse.astype(np.float32)}
+    meta = {"recipe": "f32-in/f32-acc", "causal": "true", "scale": "0.25"}
+    data = attnproof.case_bytes(tensors, meta)
+    path = tmp_path / "case.safetensors"
+    path.write_bytes(data)
+    cli = subprocess.run([str(binary), "--json", str(path)], capture_output=True, text=True)
+    assert cli.returncode == 1, cli.stderr
+    from_cli = json.loads(cli.stdout)[0]
+    in_process = json.loads(attnproof._native.check_case(data)[0])
+    from_cli.pop("path"), in_process.pop("path")
+    assert in_process == from_cli
+
+
+def import_torch():
+    """torch, or a skip where it is not installed (a failure where ATTNPROOF_REQUIRE_TORCH is set: the GPU bundle)."""
+    if os.environ.get("ATTNPROOF_REQUIRE_TORCH"):
+        import torch
+
+        return torch
+    return pytest.importorskip("torch", reason="torch is not installed")
+
+
+def test_torch_tensors_when_torch_is_installed():
+    torch = import_torch()
+    if os.environ.get("ATTNPROOF_REQUIRE_TORCH"):
+        assert torch.cuda.is_available(), "ATTNPROOF_REQUIRE_TORCH is set, but torch sees no CUDA device"
+    q, k, v = (torch.from_numpy(x).to(torch.bfloat16) for x in inputs((1, 2, 50, 32), (1, 2, 50, 32), seed=8))
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        qd, kd, vd = (x.to(device) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, is_causal=True)
+        report = attnproof.check_forward(
+            qd, kd, vd, o, causal=True, causal_align="top_left", recipe="bf16-in/f32-math"
+        )
+        assert report.passed, (device, report)
+
+
+def test_every_public_function_has_a_docstring():
+    for name in attnproof.__all__:
+        obj = getattr(attnproof, name)
+        if callable(obj):
+            assert obj.__doc__, name
+
