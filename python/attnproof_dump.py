@@ -13,6 +13,8 @@ from safetensors.torch import save_file
 FORMAT_VERSION = "1"
 CAUSAL_ALIGNS = ("bottom_right", "top_left")
 LSE_BASES = ("e", "2")
+MASKED_LSES = ("-inf", "+inf")
+KERNEL_PARAMS = ("kv_tile", "q_tile", "mma_k", "exp", "split_kv")
 STORAGE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -49,6 +51,8 @@ def dump_case(
     block_indices=None,
     block_q=None,
     block_k=None,
+    masked_lse="-inf",
+    kernel_params=None,
     extra_metadata=None,
 ):
     """Writes one case to `path`.
@@ -57,6 +61,10 @@ def dump_case(
     `cu_seqlens_k` (layout `thd`). `lse`: `[B, Hq, Lq]` (or `[Hq, Tq]`), stored as float32, in
     base `lse_base`. `scale=None` means the default `1/sqrt(d)`, which is then written out as a
     number. `block_indices`: int32 `[B, Hq, ceil(Lq/block_q), width]` KV-block lists, -1 padded.
+    `masked_lse`: what the kernel writes as the LSE of a row that sees no key ("-inf", or "+inf" for
+    FlashAttention 2 and 3 and the kernels built on them). `kernel_params`: the kernel's real
+    parameters, any of kv_tile, q_tile, mma_k, exp ("ex2" or "expf"), split_kv, written as
+    `kernel_<name>` so that the bound uses them instead of the worst case.
     """
     if q.dim() == 4:
         layout = "bhld"
@@ -70,6 +78,8 @@ def dump_case(
         raise ValueError(f"causal_align must be one of {CAUSAL_ALIGNS}, got {causal_align!r}")
     if lse_base not in LSE_BASES:
         raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}")
+    if masked_lse not in MASKED_LSES:
+        raise ValueError(f"masked_lse must be one of {MASKED_LSES}, got {masked_lse!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in STORAGE_DTYPES:
             raise ValueError(f"{name} has dtype {t.dtype}; expected bf16, f16 or f32")
@@ -95,7 +105,12 @@ def dump_case(
         "lse_base": lse_base,
         "recipe": recipe,
         "kernel": kernel,
+        "masked_lse": masked_lse,
     }
+    for name, value in (kernel_params or {}).items():
+        if name not in KERNEL_PARAMS:
+            raise ValueError(f"kernel_params: unknown parameter {name!r} (known: {', '.join(KERNEL_PARAMS)})")
+        metadata[f"kernel_{name}"] = str(value)
     if window_left is not None:
         metadata["window_left"] = str(int(window_left))
     if window_right is not None:

@@ -39,6 +39,12 @@ __all__ = [
 
 CAUSAL_ALIGNS = ("bottom_right", "top_left")
 LSE_BASES = ("e", "2")
+MASKED_LSES = ("-inf", "+inf")
+
+# The kernel parameters a check may state (`kernel_params`), each written as the metadata key `kernel_<name>`: KV and
+# query tile sizes, products per MMA instruction, the exponential ("ex2" or "expf") and the split-KV count. A stated
+# one replaces the worst case over all kernels in the bound (docs/case-format.md).
+KERNEL_PARAMS = ("kv_tile", "q_tile", "mma_k", "exp", "split_kv")
 
 # The recipe a storage dtype implies when none is given: a fused FlashAttention-style kernel in that dtype.
 DEFAULT_RECIPES = {"BF16": "bf16-in/f32-acc/p-bf16", "F16": "f16-in/f32-acc/p-f16", "F32": "f32-in/f32-acc"}
@@ -188,6 +194,10 @@ class Report:
     #: Whether the bound rejects canned wrong answers (the discriminability gate), when it applies.
     gate_valid: Optional[bool]
     text: str
+    #: The kernel parameters the case stated (None for those it did not: the bound took their worst case).
+    kernel_params: Dict[str, Any] = field(default_factory=dict)
+    #: What the bound assumed, one phrase per kernel parameter ("kv_tile 128 (stated), q_tile 1 (worst case), ...").
+    assumptions: str = ""
 
     @property
     def passed(self) -> bool:
@@ -212,6 +222,8 @@ class Report:
             "status": self.status,
             "recipe": self.recipe,
             "kernel": self.kernel,
+            "kernel_params": dict(self.kernel_params),
+            "assumptions": self.assumptions,
             "oracle": self.oracle,
             "oracle_note": self.oracle_note,
             "outputs": [dict(o.__dict__, worst_index=list(o.worst_index or [])) for o in self.outputs],
@@ -252,6 +264,8 @@ class Report:
             outputs=outputs,
             gate_valid=None if gate is None else bool(gate["valid"]),
             text=text.replace("<in memory>: ", "", 1),
+            kernel_params=d.get("kernel_params", {}),
+            assumptions=d.get("assumptions", ""),
         )
 
 
@@ -266,11 +280,15 @@ def _metadata(
     recipe: Optional[str],
     kernel: str,
     block_size: Optional[Tuple[int, int]],
+    kernel_params: Optional[Mapping[str, Any]],
+    masked_lse: str,
 ) -> Dict[str, str]:
     if causal_align not in CAUSAL_ALIGNS:
         raise CaseError(f"causal_align: must be one of {CAUSAL_ALIGNS}, not {causal_align!r}")
     if lse_base not in LSE_BASES:
         raise CaseError(f"lse_base: must be one of {LSE_BASES}, not {lse_base!r}")
+    if masked_lse not in MASKED_LSES:
+        raise CaseError(f"masked_lse: must be one of {MASKED_LSES}, not {masked_lse!r}")
     if recipe is None:
         recipe = DEFAULT_RECIPES.get(q.dtype)
         if recipe is None:
@@ -283,7 +301,13 @@ def _metadata(
         "lse_base": lse_base,
         "recipe": recipe,
         "kernel": kernel,
+        "masked_lse": masked_lse,
     }
+    for name, value in dict(kernel_params or {}).items():
+        if name not in KERNEL_PARAMS:
+            raise CaseError(f"kernel_params: unknown parameter {name!r} (known: {', '.join(KERNEL_PARAMS)})")
+        if value is not None:
+            meta[f"kernel_{name}"] = str(value)
     if scale is not None:
         if not math.isfinite(float(scale)):
             raise CaseError(f"scale: must be finite, not {scale}")
@@ -316,6 +340,8 @@ def _check(
     cu_seqlens_k: Any,
     block_indices: Any,
     block_size: Optional[Tuple[int, int]],
+    kernel_params: Optional[Mapping[str, Any]],
+    masked_lse: str,
     mpfr: bool,
 ) -> Report:
     prepared = {name: _tensor(t, name) for name, t in tensors.items() if t is not None}
@@ -334,6 +360,8 @@ def _check(
         recipe=recipe,
         kernel=kernel,
         block_size=block_size,
+        kernel_params=kernel_params,
+        masked_lse=masked_lse,
     )
     json_text, text = check_case(case_bytes(prepared, meta), mpfr)
     return Report._from_native(json_text, text)
@@ -352,6 +380,8 @@ _OPTIONS = (
     "cu_seqlens_k",
     "block_indices",
     "block_size",
+    "kernel_params",
+    "masked_lse",
     "mpfr",
 )
 
@@ -379,6 +409,8 @@ def check_forward(
     cu_seqlens_k: Any = None,
     block_indices: Any = None,
     block_size: Any = None,
+    kernel_params: Optional[Mapping[str, Any]] = None,
+    masked_lse: str = "-inf",
     mpfr: bool = False,
 ) -> Report:
     """Checks a forward call's outputs `o` (and `lse`, when given) against the oracle.
@@ -387,7 +419,11 @@ def check_forward(
     PyTorch SDPA's `is_causal`). `window`: (left, right) key counts around the aligned diagonal, -1 unbounded.
     `scale`: the softmax scale (None: 1/sqrt(D)). `lse_base`: "e" or "2". `recipe`: the kernel's precision recipe
     (docs/case-format.md; None: the fused-kernel recipe of q's dtype). `block_indices` with `block_size` (an int or
-    (block_q, block_k)): block-sparse lists. `mpfr`: the 256-bit oracle instead of f64 (small cases).
+    (block_q, block_k)): block-sparse lists. `kernel_params`: the kernel's real parameters, any of
+    {"kv_tile": int, "q_tile": int, "mma_k": int, "exp": "ex2" | "expf", "split_kv": int}; each one given replaces
+    the worst case over all kernels in the bound (the report's `assumptions` says which were used). `masked_lse`: what
+    the kernel writes as the LSE of a row that sees no key, "-inf" or "+inf" (FlashAttention 2 and 3). `mpfr`: the
+    256-bit oracle instead of f64 (small cases).
     Raises `CaseError` (a `ValueError`) naming the argument when the call cannot be checked.
     """
     return _check({"q": q, "k": k, "v": v, "o": o, "lse": lse}, **_options(locals()))
@@ -415,6 +451,8 @@ def check_backward(
     cu_seqlens_k: Any = None,
     block_indices: Any = None,
     block_size: Any = None,
+    kernel_params: Optional[Mapping[str, Any]] = None,
+    masked_lse: str = "-inf",
     mpfr: bool = False,
 ) -> Report:
     """Checks a backward call's gradients `dq`, `dk`, `dv` (those given) for the output gradient `do`, and the

@@ -125,6 +125,11 @@ def sdpa_cudnn(q, k, v, causal, scale):
 
 FUSED = {"sdpa-flash": sdpa_flash, "sdpa-cudnn": sdpa_cudnn, "sdpa-efficient": sdpa_efficient}
 
+# What each fused backend writes as the LSE of a row that sees no key: FlashAttention 2 (SDPA's flash backend) writes
+# +inf, so that exp(s - LSE) is 0 in its backward; the others are recorded with the checker's default, -inf (the log
+# of an empty sum), which a row of theirs must then match.
+MASKED_LSE = {"sdpa-flash": "+inf", "sdpa-cudnn": "-inf", "sdpa-efficient": "-inf"}
+
 
 def fused_case(dumper, peer, fn, s: Shape, dtype, seed, *, wrong=None):
     """Forward (O, LSE) and backward (dQ, dK, dV) of one fused SDPA backend on one shape.
@@ -149,7 +154,7 @@ def fused_case(dumper, peer, fn, s: Shape, dtype, seed, *, wrong=None):
     dumper.dump(
         name, q0, k0, v0, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv,
         causal=s.causal, causal_align=align, scale=scale, recipe=RECIPE[dtype], lse_base=lse_base,
-        kernel=f"torch {torch.__version__} {peer}",
+        kernel=f"torch {torch.__version__} {peer}", masked_lse=MASKED_LSE[peer],
         extra_metadata={"peer": peer, "expect": "fail" if wrong else "pass", "wrong_use": wrong or ""},
     )
 

@@ -155,6 +155,10 @@ def test_the_backward_is_checked():
         (lambda a: dict(a, q=a["q"].astype(np.int8)), "q"),
         (lambda a: dict(a, block_indices=np.zeros((1, 1, 1, 1), np.int32)), "block_size"),
         (lambda a: dict(a, q=np.full_like(a["q"], np.nan)), "q"),
+        (lambda a: dict(a, masked_lse="nan"), "masked_lse"),
+        (lambda a: dict(a, kernel_params={"tile": 64}), "kernel_params"),
+        (lambda a: dict(a, kernel_params={"kv_tile": 0}), "kernel_kv_tile"),
+        (lambda a: dict(a, kernel_params={"exp": "exp10"}), "kernel_exp"),
     ],
 )
 def test_bad_input_is_a_case_error_naming_the_argument(change, argument):
@@ -164,7 +168,75 @@ def test_bad_input_is_a_case_error_naming_the_argument(change, argument):
     with pytest.raises(attnproof.CaseError, match=argument) as caught:
         attnproof.check_forward(**args)
     assert isinstance(caught.value, ValueError)
-    assert "Some(" not in str(caught.value)
+    message = str(caught.value)
+    assert "Some(" not in message and "None" not in message
+    # Every backquoted span is a bare name: no nested quotes, no prose inside them.
+    assert all(span.replace("_", "").isalnum() for span in message.split("`")[1::2]), message
+
+
+def tf32(x):
+    """`x` rounded to TF32 (10 fraction bits, to nearest with ties to even), as a TF32 tensor core reads an f32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & ~np.uint64(0x1FFF)
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def test_stated_kernel_parameters_are_used_and_reported():
+    """The bound takes the stated parameters and says so. A kernel whose products run in TF32 (here the exact forward
+    of TF32-rounded inputs) passes the worst-case f32 bound over 4096 keys, fails it once the kernel's 64-key tiles
+    are stated, with TF32 named, and passes the f32-in/tf32 recipe. The inputs make TF32 show: every query element
+    1 + 3*2^-12 (rounded up by TF32), keys of negative scores, and a last key that TF32 raises and that carries most of
+    the weight."""
+    _, k, v = inputs((1, 1, 4, 32), (1, 1, 4096, 32), seed=11)
+    q = np.full((1, 1, 4, 32), 1 + 3 * 2.0**-12, np.float32)
+    k = (0.3 * k - 0.35).astype(np.float32)
+    k[:, :, -1, :] = 1.5 + 4.5 * 2.0**-12
+    o, lse = attention(tf32(q), tf32(k), tf32(v))
+    args = (q, k, v, o.astype(np.float32), lse.astype(np.float32))
+    params = {"kv_tile": 64, "mma_k": 8, "exp": "ex2", "split_kv": 1}
+    stated = attnproof.check_forward(*args, kernel_params=params)
+    assert stated.kernel_params == {"kv_tile": 64, "q_tile": None, "mma_k": 8, "exp": "ex2", "split_kv": 1}
+    assert "kv_tile 64 (stated)" in stated.assumptions and "q_tile 1 (worst case)" in stated.assumptions
+    assert "bound assumes: kv_tile 64 (stated)" in stated.text
+    unstated = attnproof.check_forward(*args)
+    assert "kv_tile 1 (worst case)" in unstated.assumptions
+    assert unstated.passed and not stated.passed, (unstated, stated)
+    assert "TF32" in (stated.output("LSE").cause or ""), stated
+    assert attnproof.check_forward(*args, recipe="f32-in/tf32", kernel_params=params).passed
+
+
+def test_plus_infinity_for_rows_that_see_no_key():
+    """FlashAttention's LSE of +inf for a row that sees no key passes when stated, fails when not."""
+    q, k, v = inputs((1, 1, 12, 8), (1, 1, 6, 8), seed=13)
+    o, lse = attention(q, k, v, causal=True)  # bottom-right: the first 6 rows see no key
+    assert np.isneginf(lse[0, 0, :6]).all()
+    flash_lse = np.where(np.isneginf(lse), np.inf, lse).astype(np.float32)
+    args = (q, k, v, o.astype(np.float32), flash_lse)
+    assert attnproof.check_forward(*args, causal=True, masked_lse="+inf").passed
+    assert not attnproof.check_forward(*args, causal=True).output("LSE").passed
+
+
+def test_planted_mask_bugs_are_named():
+    """An exact forward with the causal diagonal left out, or the last key dropped, fails with that cause named."""
+    q, k, v = inputs((1, 2, 20, 16), (1, 2, 32, 16), seed=14)
+    o_strict = np.stack([np.stack([_row_strict(q[0, h], k[0, h], v[0, h]) for h in range(2)])])
+    report = attnproof.check_forward(q, k, v, o_strict.astype(np.float32), causal=True)
+    assert "causal off by one" in (report.output("O").cause or ""), report
+    o_short, _ = attention(q, k[:, :, :-1], v[:, :, :-1])
+    report = attnproof.check_forward(q, k, v, o_short.astype(np.float32))
+    assert "left out the last key" in (report.output("O").cause or ""), report
+
+
+def _row_strict(q, k, v):
+    """O of one head under a bottom-right causal mask that leaves out each query's diagonal key (j < i)."""
+    lq, lk = q.shape[0], k.shape[0]
+    s = q @ k.T / math.sqrt(q.shape[1])
+    visible = np.arange(lk)[None, :] < np.arange(lq)[:, None] + (lk - lq)
+    s = np.where(visible, s, -np.inf)
+    m = s.max(axis=1, keepdims=True)
+    p = np.where(visible, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+    ell = p.sum(axis=1, keepdims=True)
+    return (p / np.where(ell > 0, ell, 1.0)) @ v
 
 
 def test_the_fixture(attention_check):

@@ -17,7 +17,7 @@ use attnproof_proofs::flash_bound::{
 use attnproof_reference::Element;
 use attnproof_reference::ring::{RingConfig, RingSplit};
 
-use crate::case::recipe::RecipeKind;
+use crate::case::recipe::{ExpForm, KernelParams, RecipeKind};
 use crate::case::safetensors::Dtype;
 
 /// A backward recipe: the model's parameters and the query tile whose partial sums the dK/dV bound counts.
@@ -106,41 +106,65 @@ pub fn storage_constants(storage: Dtype) -> (f64, f64) {
     }
 }
 
-/// The conservative recipe of an external kernel (a case file's `recipe`) with storage type `storage` computing as
-/// `kind`, and the query tile to count its partial sums with (1: any tiling). An external kernel's tiles,
-/// exponential and MMA shape are unknown, so every parameter is set to the value that makes the bound largest over
-/// the kernels the recipe covers (the argument for each is in `docs/case-format.md`).
-pub fn external(storage: Dtype, kind: RecipeKind) -> BackwardRecipe {
-    let (unit_roundoff, subnormal) = storage_constants(storage);
+/// TF32's unit roundoff as the model uses it: `2^-10`, the relative error of truncating an f32 to TF32's 10 fraction
+/// bits (the tensor cores' own conversion; rounding to nearest, `cvt.rna.tf32.f32`, halves it).
+pub const TF32_UNIT_ROUNDOFF: f64 = 1.0 / 1024.0;
+
+/// The recipe of an external kernel (a case file's `recipe`) with storage type `storage` computing as `kind`, under
+/// the kernel parameters the case states, and the query tile to count its partial sums with. An unstated parameter
+/// (tiles, exponential, MMA shape, split count) is set to the value that makes the bound largest over the kernels the
+/// recipe covers; a stated one replaces it (the argument for each is in `docs/case-format.md`).
+pub fn external(storage: Dtype, kind: RecipeKind, params: KernelParams) -> BackwardRecipe {
+    let (storage_roundoff, subnormal) = storage_constants(storage);
     let u = F32_UNIT_ROUNDOFF;
+    let (kv_tile, extra_merges) = match (params.kv_tile, params.split_kv) {
+        // One key per tile and one extra merge: n_t = Lk + 1 rescales, at least the tiles plus split-KV merges of
+        // any tiling with tiles of two or more keys.
+        (None, None) => (1, 1),
+        // `s` pieces: each extra piece may start a partial tile and adds a merge.
+        (tile, Some(splits)) => (tile.unwrap_or(1), 2 * (splits - 1)),
+        // At most one split per tile, on tile boundaries: n_t ≤ 2⌈Lk/t⌉. Counting tiles of ⌊t/2⌋ keys plus one merge
+        // covers it, as ⌈Lk/⌊t/2⌋⌉ ≥ ⌈2Lk/t⌉ ≥ 2⌈Lk/t⌉ − 1 (a stated tile of one key needs its split count).
+        (Some(tile), None) => ((tile / 2).max(1), 1),
+    };
+    // ex2.approx.f32 is within 2 ulp (5u, see attnproof_gpu::flash); an expf within 1 ulp is within 2u. Unstated, 8u
+    // covers both with margin. Arguments formed as s·c − fl(m·c) (FlashAttention 2/3, cuDNN) shift by ≤ u|m|; a
+    // backward's fma(dot, c, −fl(LSE·log2 e)) by ≤ 1.23u|LSE| with an f32 log2 e (its rounding multiplies LSE): 4u
+    // covers both. An expf of fl(s − m) has no shift rounding (the subtraction's is in the model's 2u|s − m|).
+    let (exp_error, shift_rounding) = match params.exp {
+        None => (8.0 * u, 4.0 * u),
+        Some(ExpForm::Exp2Approx) => (EXP_RELATIVE_ERROR, 4.0 * u),
+        Some(ExpForm::Expf) => (2.0 * u, 0.0),
+    };
+    // TF32 rounds q and k before the score's products (each product moves by at most (1 + ε)² − 1 ≤ 3ε relative, the
+    // model's score-storage term) and P and v before PV (the numerator's products by at most 3ε, charged as the
+    // storage rounding of P: u_T = 3ε, which also over-covers the f32 output's own rounding).
+    let (unit_roundoff, score_storage_rounding) = match kind {
+        RecipeKind::Tf32 => (3.0 * TF32_UNIT_ROUNDOFF, TF32_UNIT_ROUNDOFF),
+        RecipeKind::MathReduced => (storage_roundoff, storage_roundoff),
+        RecipeKind::Fused | RecipeKind::MathF32 => (storage_roundoff, 0.0),
+    };
     let recipe = FlashRecipe {
         unit_roundoff,
         subnormal,
-        // One key per tile and one extra merge: n_t = Lk + 1 rescales, at least the tiles plus split-KV merges of
-        // any tiling with tiles of two or more keys.
-        kv_tile: 1,
-        extra_merges: 1,
+        kv_tile,
+        extra_merges,
         // The kernel may visit every key's tile.
         visited_tiles: None,
-        // The query side's partial sums come from the q_tile below (one query per tile).
+        // The query side's partial sums come from the q_tile below.
         extra_query_partials: 0,
-        // ex2.approx.f32 is within 2 ulp (5u, see attnproof_gpu::flash); libm expf within 1 ulp. 8u covers both
-        // with margin.
-        exp_error: 8.0 * u,
-        // Arguments formed as s·c − fl(m·c) (FlashAttention 2/3, cuDNN) shift by ≤ u|m|; a backward's
-        // fma(dot, c, −fl(LSE·log2 e)) by ≤ 1.23u|LSE| with an f32 log2 e (its rounding multiplies LSE). 4u covers
-        // both.
-        shift_rounding: 4.0 * u,
+        exp_error,
+        shift_rounding,
         // FlashAttention 2 and 3 build with --use_fast_math, whose exp2f flushes subnormal results to zero: a lost
         // probability of up to 2^-126 covers it and gradual underflow.
         exp_underflow: F32_MIN_NORMAL,
-        // One product per "instruction": γ'_{2n} with u' = 2u dominates round-to-nearest γ_n and every tensor-core
-        // MMA shape (k ≥ 1), and absorbs the two extra f32 roundings of the math backend's q·√α, k·√α.
-        accumulation: Accumulation::TensorCore { k_step: 1 },
+        // One product per "instruction" unless stated: γ'_{2n} with u' = 2u dominates round-to-nearest γ_n and every
+        // tensor-core MMA shape (k ≥ 1), and absorbs the two extra f32 roundings of the math backend's q·√α, k·√α.
+        accumulation: Accumulation::TensorCore { k_step: params.mma_k.unwrap_or(1) },
         score_reuse: ScoreReuse::Recomputed,
-        score_storage_rounding: if kind == RecipeKind::MathReduced { unit_roundoff } else { 0.0 },
+        score_storage_rounding,
     };
-    BackwardRecipe { recipe, q_tile: 1 }
+    BackwardRecipe { recipe, q_tile: params.q_tile.unwrap_or(1) }
 }
 
 #[cfg(test)]
@@ -185,5 +209,60 @@ mod tests {
         assert_eq!(gpu_ring.recipe.extra_merges, gpu_ring.recipe.extra_query_partials);
         assert!(gpu_ring.recipe.extra_merges > 0);
         assert_eq!(gpu_ring_forward::<bf16>(config.split()).extra_merges, gpu_ring.recipe.extra_merges);
+    }
+
+    /// Every stated kernel parameter tightens the external recipe's bound or leaves it as it was, element by element,
+    /// forward and backward: a stated value is never looser than the worst case it replaces.
+    #[test]
+    fn stated_kernel_parameters_never_widen_the_bound() {
+        use crate::backward::problem_backward_bounds_with_visibility;
+        use crate::flash::problem_forward_bounds;
+        use crate::generate::{Distribution, ValueProfile, make_case, make_d_out};
+        use attnproof_oracle::AttentionSpec;
+        use attnproof_oracle::spec::Sequence;
+        let spec = AttentionSpec::dense(1, 2, 1, 9, 70, 8, 8);
+        let profile = ValueProfile { distribution: Distribution::Gaussian, logit_scale: 2.0, value_mean: 0.0 };
+        let [q, k, v] = make_case::<bf16>(&spec, profile, 3).widened();
+        let g = make_d_out::<bf16>(&spec, 4).mapv(|x| x.to_f64());
+        let vis = |seq: &Sequence, _h: usize| spec.mask.matrix(seq.len_q, seq.len_k);
+        let bounds = |params: KernelParams| {
+            let r = external(Dtype::Bf16, RecipeKind::Fused, params);
+            let f = problem_forward_bounds(&spec, &q, &k, &v, r.recipe).expect("forward model");
+            let b = problem_backward_bounds_with_visibility(&spec, [&q, &k, &v, &g], &vis, r.recipe, r.q_tile)
+                .expect("backward model");
+            [f.bound_o, f.bound_lse, b.bound_dq, b.bound_dk, b.bound_dv]
+        };
+        let worst = bounds(KernelParams::default());
+        let stated = [
+            KernelParams { kv_tile: Some(2), ..KernelParams::default() },
+            KernelParams { kv_tile: Some(64), ..KernelParams::default() },
+            KernelParams { kv_tile: Some(16), split_kv: Some(4), ..KernelParams::default() },
+            KernelParams { split_kv: Some(1), ..KernelParams::default() },
+            KernelParams { q_tile: Some(64), ..KernelParams::default() },
+            KernelParams { mma_k: Some(16), ..KernelParams::default() },
+            KernelParams { exp: Some(ExpForm::Exp2Approx), ..KernelParams::default() },
+            KernelParams { exp: Some(ExpForm::Expf), ..KernelParams::default() },
+        ];
+        for params in stated {
+            let tighter = bounds(params);
+            for (name, (t, w)) in ["O", "LSE", "dQ", "dK", "dV"].iter().zip(tighter.iter().zip(&worst)) {
+                ndarray::Zip::from(t).and(w).for_each(|t, w| assert!(t <= w, "{params:?}: {name} bound {t} > {w}"));
+            }
+            // Two-key tiles with up to one split each count as many rescales as the unstated worst case.
+            if params.kv_tile != Some(2) {
+                assert_ne!(tighter, worst, "{params:?} changes no bound");
+            }
+        }
+    }
+
+    /// The TF32 recipe charges TF32's rounding where TF32 rounds: the score term and the storage rounding of `P`
+    /// (which `v`'s rounding shares), with f32's subnormal and no backward model.
+    #[test]
+    fn the_tf32_recipe_charges_tf32_roundings() {
+        let tf32 = external(Dtype::F32, RecipeKind::Tf32, KernelParams::default()).recipe;
+        let f32 = external(Dtype::F32, RecipeKind::Fused, KernelParams::default()).recipe;
+        assert_eq!(tf32.score_storage_rounding, TF32_UNIT_ROUNDOFF);
+        assert_eq!(tf32.unit_roundoff, 3.0 * TF32_UNIT_ROUNDOFF);
+        assert_eq!(FlashRecipe { unit_roundoff: f32.unit_roundoff, score_storage_rounding: 0.0, ..tf32 }, f32);
     }
 }

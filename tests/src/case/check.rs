@@ -11,9 +11,12 @@ use attnproof_oracle::attention::{backward_with_visibility, forward_with_visibil
 use attnproof_oracle::dense::scores;
 use attnproof_oracle::spec::Sequence;
 use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Mp, Precision, Qkv, Real, Scale};
-use ndarray::{ArrayD, ArrayViewD, Axis, Dimension};
+use attnproof_proofs::flash_bound::FlashRecipe;
+use ndarray::{Array2, ArrayD, ArrayViewD, Axis, Dimension};
 
-use super::format::{CaseFile, CausalAlign, LseBase, MaskSpec};
+use super::format::{CaseFile, CausalAlign, LseBase, MaskShift, MaskSpec};
+use super::recipe::{KernelParams, Recipe, RecipeKind};
+use super::safetensors::Dtype;
 use crate::backward::problem_backward_bounds_with_visibility;
 use crate::flash::{HarnessError, forward_gate, problem_forward_bounds_with_visibility};
 use crate::gate::GateReport;
@@ -83,6 +86,8 @@ pub struct CaseReport {
     pub recipe: String,
     /// The `kernel` metadata.
     pub kernel: String,
+    /// The kernel parameters the case states (the bound takes the worst case for the others).
+    pub kernel_params: KernelParams,
     /// The oracle used.
     pub oracle: OracleChoice,
     /// A note on the oracle choice (MPFR skipped for size), if any.
@@ -121,6 +126,64 @@ struct Hypothesis {
     spec: AttentionSpec,
     lse_base: LseBase,
     normalize_o: bool,
+    /// Keys the candidate left out at the end of every sequence.
+    dropped_tail: Option<KeyTail>,
+    /// Keys and values laid out per query head as the candidate read them (the GQA head map `h % Hkv`), with `spec`
+    /// stating one KV head per query head; `None`: the case's own.
+    kv: Option<[ArrayD<f64>; 2]>,
+    /// The recipe whose bound the outputs are judged under, when not the case's (a recipe mismatch).
+    recipe: Option<FlashRecipe>,
+}
+
+impl Hypothesis {
+    /// The case as stated.
+    fn stated(case: &CaseFile) -> Hypothesis {
+        Hypothesis {
+            name: "as stated".into(),
+            spec: case.spec.clone(),
+            lse_base: case.lse_base,
+            normalize_o: false,
+            dropped_tail: None,
+            kv: None,
+            recipe: None,
+        }
+    }
+
+    /// The keys and values the candidate read.
+    fn keys_values<'a>(&'a self, case: &'a CaseFile) -> [&'a ArrayD<f64>; 2] {
+        match &self.kv {
+            Some([k, v]) => [k, v],
+            None => [&case.k, &case.v],
+        }
+    }
+
+    /// The keys of (sequence, head) the hypothesis has the candidate attend to.
+    fn visibility(&self, case: &CaseFile, seq: &Sequence, head: usize) -> Array2<bool> {
+        let mut visible = case.visibility(&self.spec, seq, head);
+        if let Some(tail) = self.dropped_tail {
+            visible.slice_axis_mut(Axis(1), ndarray::Slice::from(tail.first_dropped(seq.len_k)..)).fill(false);
+        }
+        visible
+    }
+}
+
+/// The keys a candidate may leave out at the end of a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeyTail {
+    /// The last key.
+    LastKey,
+    /// The last KV tile of this many keys (partial when the tile does not divide `Lk`).
+    LastTile(usize),
+}
+
+impl KeyTail {
+    /// The first key left out of a sequence of `len_k` keys.
+    fn first_dropped(self, len_k: usize) -> usize {
+        match self {
+            KeyTail::LastKey => len_k.saturating_sub(1),
+            KeyTail::LastTile(tile) => len_k.saturating_sub(1) / tile * tile,
+        }
+    }
 }
 
 const DISPLAY: [(&str, &str); 5] = [("o", "O"), ("lse", "LSE"), ("dq", "dQ"), ("dk", "dK"), ("dv", "dV")];
@@ -144,8 +207,7 @@ fn oracle_for(spec: &AttentionSpec, asked: OracleChoice) -> (OracleChoice, Optio
 /// Checks one case.
 pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
     let (oracle, oracle_note) = oracle_for(&case.spec, oracle);
-    let stated =
-        Hypothesis { name: "as stated".into(), spec: case.spec.clone(), lse_base: case.lse_base, normalize_o: false };
+    let stated = Hypothesis::stated(case);
     let evals = evaluate(case, &stated, oracle, &case.outputs.keys().copied().collect::<Vec<_>>());
     let failing: Vec<&'static str> = evals
         .iter()
@@ -186,6 +248,7 @@ pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
     CaseReport {
         recipe: case.recipe.name.clone(),
         kernel: case.kernel.clone(),
+        kernel_params: case.recipe.params,
         oracle,
         oracle_note,
         outputs,
@@ -234,14 +297,24 @@ fn diagnose(case: &CaseFile, oracle: OracleChoice, failing: &[&'static str]) -> 
     causes
 }
 
+/// Every output; the forward's alone, for hypotheses that change the shape of dK and dV or have no backward model.
+const ALL_OUTPUTS: [&str; 5] = ["o", "lse", "dq", "dk", "dv"];
+const FORWARD_OUTPUTS: [&str; 2] = ["o", "lse"];
+
+/// KV tiles tried for a dropped last tile when the case states none: the common ones.
+const COMMON_KV_TILES: [usize; 3] = [32, 64, 128];
+
 fn hypotheses(case: &CaseFile) -> Vec<(Hypothesis, Vec<&'static str>)> {
-    let all: Vec<&'static str> = vec!["o", "lse", "dq", "dk", "dv"];
-    let d = case.spec.head_dim as f64;
+    let all = ALL_OUTPUTS.to_vec();
+    let (d, dv) = (case.spec.head_dim as f64, case.spec.head_dim_v as f64);
     let stated_scale = case.spec.scale_value::<f64>(());
-    let base =
-        |name: String, spec: AttentionSpec| Hypothesis { name, spec, lse_base: case.lse_base, normalize_o: false };
+    let base = |name: String, spec: AttentionSpec| Hypothesis { name, spec, ..Hypothesis::stated(case) };
     let mut out = Vec::new();
-    for (label, value) in [("1/d", 1.0 / d), ("1/sqrt(d)", 1.0 / d.sqrt()), ("1", 1.0)] {
+    let mut scales = vec![("1/d", 1.0 / d), ("1/sqrt(d)", 1.0 / d.sqrt()), ("1", 1.0)];
+    if dv != d {
+        scales.push(("1/sqrt(dv)", 1.0 / dv.sqrt()));
+    }
+    for (label, value) in scales {
         // A hypothesis equal to the statement could not make a failing output pass; one an ulp away is harmless.
         if value != stated_scale {
             let spec = case.spec.clone().with_scale(Scale::Value(value));
@@ -282,39 +355,164 @@ fn hypotheses(case: &CaseFile) -> Vec<(Hypothesis, Vec<&'static str>)> {
             out.push((base(name, with_mask(MaskSpec { causal: true, align, ..case.mask })), all.clone()));
         }
     }
+    // Local faults before global ones: a hypothesis that changes more elements than the fault did could pass where
+    // its extra changes are too small to see, and be named wrongly; one that changes fewer cannot explain a wider
+    // fault.
+    out.extend(
+        dropped_tails(case).into_iter().map(|(name, tail)| {
+            (Hypothesis { dropped_tail: Some(tail), ..base(name, case.spec.clone()) }, all.clone())
+        }),
+    );
+    out.extend(
+        off_by_one_masks(case)
+            .into_iter()
+            .map(|(name, shift)| (base(name, case.spec.clone().with_mask(case.mask.shifted(shift))), all.clone())),
+    );
+    let (hq, hkv) = (case.spec.n_heads_q, case.spec.n_heads_kv);
+    // The two head maps differ only with several KV heads each shared by several query heads.
+    if hkv > 1 && hq > hkv {
+        let name = format!(
+            "GQA head map: the candidate read KV head h % {hkv} for query head h, the case states h / {} \
+             (Hq = {hq}, Hkv = {hkv})",
+            hq / hkv
+        );
+        let spec = AttentionSpec { n_heads_kv: hq, ..case.spec.clone() };
+        let kv = [heads_modulo(&case.k, hq, hkv), heads_modulo(&case.v, hq, hkv)];
+        // dK and dV would have one head per query head: only the outputs shaped by the query heads are judged.
+        out.push((Hypothesis { kv: Some(kv), ..base(name, spec) }, vec!["o", "lse", "dq"]));
+    }
     let flipped_base = match case.lse_base {
         LseBase::E => (LseBase::Two, "LSE base: the candidate's LSE is in base 2, the case states base e"),
         LseBase::Two => (LseBase::E, "LSE base: the candidate's LSE is in base e, the case states base 2"),
     };
+    out.push((Hypothesis { lse_base: flipped_base.0, ..base(flipped_base.1.into(), case.spec.clone()) }, vec!["lse"]));
     out.push((
         Hypothesis {
-            name: flipped_base.1.into(),
-            spec: case.spec.clone(),
-            lse_base: flipped_base.0,
-            normalize_o: false,
-        },
-        vec!["lse"],
-    ));
-    out.push((
-        Hypothesis {
-            name: "unnormalized O: the candidate's O is A = Σ_j exp(s_ij − m_i) v_j, without the division by ℓ_i"
-                .into(),
-            spec: case.spec.clone(),
-            lse_base: case.lse_base,
             normalize_o: true,
+            ..base(
+                "unnormalized O: the candidate's O is A = Σ_j exp(s_ij − m_i) v_j, without the division by ℓ_i".into(),
+                case.spec.clone(),
+            )
         },
         vec!["o"],
     ));
+    // Last: a looser recipe passes any fault small enough for its bound, so it is named only when no structural
+    // hypothesis explains the failure.
+    out.extend(recipe_mismatches(case).into_iter().map(|(name, recipe)| {
+        (Hypothesis { recipe: Some(recipe), ..base(name, case.spec.clone()) }, FORWARD_OUTPUTS.to_vec())
+    }));
     out
 }
 
-/// The MPFR oracle's forward under `spec` and the case's visibility.
-fn oracle_forward_mpfr(case: &CaseFile, spec: &AttentionSpec) -> Result<(ArrayD<f64>, ArrayD<f64>), HarnessError> {
-    let vis = |seq: &Sequence, h: usize| case.visibility(spec, seq, h);
+/// The stated mask with one bound off by one key, each way, named: the causal diagonal, and each bounded side of a
+/// window (a side that would become negative is not tried).
+fn off_by_one_masks(case: &CaseFile) -> Vec<(String, MaskShift)> {
+    let mut out = Vec::new();
+    if case.mask.causal {
+        out.push((
+            "causal off by one: the candidate excluded each query's diagonal key (it sees keys j < i, the case \
+             states j ≤ i)"
+                .to_string(),
+            MaskShift { diagonal: -1, ..MaskShift::default() },
+        ));
+        out.push((
+            "causal off by one: the candidate included one key past the diagonal (it sees keys j ≤ i + 1, the case \
+             states j ≤ i)"
+                .to_string(),
+            MaskShift { diagonal: 1, ..MaskShift::default() },
+        ));
+    }
+    for (side, reach) in [("left", case.mask.window_left), ("right", case.mask.window_right)] {
+        let Some(reach) = reach else { continue };
+        for by in [-1i64, 1] {
+            if reach as i64 + by < 0 {
+                continue;
+            }
+            let name = format!(
+                "window off by one: the candidate's window reaches {} keys to the {side}, the case states {reach}",
+                reach as i64 + by
+            );
+            let shift = match side {
+                "left" => MaskShift { left: by, ..MaskShift::default() },
+                _ => MaskShift { right: by, ..MaskShift::default() },
+            };
+            out.push((name, shift));
+        }
+    }
+    out
+}
+
+/// The key tails a candidate may have left out, named: the last key, then the last KV tile for the stated tile (or
+/// each common one), where that tile holds more than one key of some sequence (a tile as long as the sequence is all
+/// of it: a kernel that skips its last tile writes `O = 0` there). A tile that leaves out the same keys as one tried
+/// before it is not tried again.
+fn dropped_tails(case: &CaseFile) -> Vec<(String, KeyTail)> {
+    let mut out =
+        vec![("dropped keys: the candidate left out the last key of each sequence".to_string(), KeyTail::LastKey)];
+    let tiles = match case.recipe.params.kv_tile {
+        Some(tile) => vec![tile],
+        None => COMMON_KV_TILES.to_vec(),
+    };
+    let lens: Vec<usize> = case.spec.sequences().iter().map(|s| s.len_k).collect();
+    let cuts = |tail: KeyTail| -> Vec<usize> { lens.iter().map(|&len_k| tail.first_dropped(len_k)).collect() };
+    let mut tried = vec![cuts(KeyTail::LastKey)];
+    for tile in tiles {
+        let tail = KeyTail::LastTile(tile);
+        let cut = cuts(tail);
+        if lens.iter().zip(&cut).any(|(&len_k, &from)| len_k >= from + 2) && !tried.contains(&cut) {
+            out.push((
+                format!("dropped keys: the candidate left out the last KV tile ({tile} keys) of each sequence"),
+                tail,
+            ));
+            tried.push(cut);
+        }
+    }
+    out
+}
+
+/// Computations looser than the stated recipe that a candidate may have run instead, named with the recipe to state
+/// if it was meant: f32 products in TF32 for `f32-in/f32-acc`; inputs, scores and probabilities rounded to the
+/// storage type for the bf16 and f16 recipes that keep scores in f32.
+fn recipe_mismatches(case: &CaseFile) -> Vec<(String, FlashRecipe)> {
+    let params = case.recipe.params;
+    let with = |name: &str, storage, kind| Recipe::of(name.to_string(), storage, kind, params).flash;
+    match (case.recipe.storage, case.recipe.kind) {
+        (Dtype::F32, RecipeKind::Fused) => vec![(
+            "recipe mismatch: the candidate's f32 products ran in TF32 (PyTorch's allow_tf32, cuBLAS's TF32 tensor \
+             ops); if that is intended, state recipe f32-in/tf32"
+                .into(),
+            with("f32-in/tf32", Dtype::F32, RecipeKind::Tf32),
+        )],
+        (storage @ (Dtype::Bf16 | Dtype::F16), RecipeKind::Fused | RecipeKind::MathF32) => {
+            let (name, recipe) =
+                if storage == Dtype::Bf16 { ("bf16", "bf16-in/bf16-math") } else { ("f16", "f16-in/f16-math") };
+            vec![(
+                format!(
+                    "recipe mismatch: the candidate rounded its scaled inputs, scores and probabilities to {name} \
+                     before the products (PyTorch's math SDPA with reduced-precision reductions); if that is \
+                     intended, state recipe {recipe}"
+                ),
+                with(recipe, storage, RecipeKind::MathReduced),
+            )]
+        }
+        _ => vec![],
+    }
+}
+
+/// `x` (`[B, Hkv, L, D]` or `[T, Hkv, D]`) with one head per query head, query head `h` holding KV head `h % hkv`.
+fn heads_modulo(x: &ArrayD<f64>, n_heads_q: usize, n_heads_kv: usize) -> ArrayD<f64> {
+    let heads: Vec<_> = (0..n_heads_q).map(|h| x.index_axis(Axis(1), h % n_heads_kv).insert_axis(Axis(1))).collect();
+    ndarray::concatenate(Axis(1), &heads).expect("heads of one tensor share their shape")
+}
+
+/// The MPFR oracle's forward under `hyp`.
+fn oracle_forward_mpfr(case: &CaseFile, hyp: &Hypothesis) -> Result<(ArrayD<f64>, ArrayD<f64>), HarnessError> {
+    let vis = |seq: &Sequence, h: usize| hyp.visibility(case, seq, h);
     let p = Precision::default();
-    let (q, k, v) = (to_mpfr(case.q.view(), p), to_mpfr(case.k.view(), p), to_mpfr(case.v.view(), p));
+    let [k, v] = hyp.keys_values(case);
+    let (q, k, v) = (to_mpfr(case.q.view(), p), to_mpfr(k.view(), p), to_mpfr(v.view(), p));
     let f = forward_with_visibility::<Mp>(
-        spec,
+        &hyp.spec,
         Qkv { q: q.view(), k: k.view(), v: v.view() },
         &vis,
         DenseConfig::default(),
@@ -323,17 +521,19 @@ fn oracle_forward_mpfr(case: &CaseFile, spec: &AttentionSpec) -> Result<(ArrayD<
     Ok((f.o.mapv(|x| x.to_f64()), f.lse.mapv(|x| x.to_f64())))
 }
 
-/// Row sums `ℓ_i = Σ_j exp(s_ij − m_i)` of the exact softmax, shaped like the LSE.
-fn row_sums(case: &CaseFile, spec: &AttentionSpec, lse: &ArrayD<f64>) -> ArrayD<f64> {
+/// Row sums `ℓ_i = Σ_j exp(s_ij − m_i)` of the exact softmax under `hyp`, shaped like the LSE.
+fn row_sums(case: &CaseFile, hyp: &Hypothesis, lse: &ArrayD<f64>) -> ArrayD<f64> {
     let mut out = lse.clone();
+    let spec = &hyp.spec;
     let scale = spec.scale_value::<f64>(());
+    let [k, _] = hyp.keys_values(case);
     for seq in spec.sequences() {
         for h in 0..spec.n_heads_q {
             let kv = spec.kv_head(h);
-            let visible = case.visibility(spec, &seq, h);
+            let visible = hyp.visibility(case, &seq, h);
             let s = scores(
                 spec.head_rows(case.q.view(), &seq, h, false),
-                spec.head_rows(case.k.view(), &seq, kv, true),
+                spec.head_rows(k.view(), &seq, kv, true),
                 &scale,
                 visible.view(),
                 (),
@@ -357,17 +557,18 @@ fn evaluate(
 ) -> BTreeMap<&'static str, Eval> {
     let mut out = BTreeMap::new();
     let spec = &hyp.spec;
-    let vis = |seq: &Sequence, h: usize| case.visibility(spec, seq, h);
-    let flash = case.recipe.flash;
+    let vis = |seq: &Sequence, h: usize| hyp.visibility(case, seq, h);
+    let flash = hyp.recipe.unwrap_or(case.recipe.flash);
+    let [k, v] = hyp.keys_values(case);
     let forward_names: Vec<&'static str> = names.iter().copied().filter(|n| matches!(*n, "o" | "lse")).collect();
     if !forward_names.is_empty() {
-        match problem_forward_bounds_with_visibility(spec, &case.q, &case.k, &case.v, &vis, flash) {
+        match problem_forward_bounds_with_visibility(spec, &case.q, k, v, &vis, flash) {
             Err(e) => forward_names.iter().for_each(|n| {
                 out.insert(*n, Eval::NotVerified(e.to_string()));
             }),
             Ok(truth) => {
                 let (o_true, lse_true) = match oracle {
-                    OracleChoice::Mpfr => match oracle_forward_mpfr(case, spec) {
+                    OracleChoice::Mpfr => match oracle_forward_mpfr(case, hyp) {
                         Ok(t) => t,
                         Err(e) => {
                             forward_names.iter().for_each(|n| {
@@ -380,7 +581,7 @@ fn evaluate(
                 };
                 if let Some(o) = case.outputs.get("o").filter(|_| forward_names.contains(&"o")) {
                     let candidate = if hyp.normalize_o {
-                        let l = row_sums(case, spec, &lse_true);
+                        let l = row_sums(case, hyp, &lse_true);
                         let mut c = o.clone();
                         divide_rows(spec, &mut c, &l);
                         c
@@ -408,7 +609,7 @@ fn evaluate(
             });
             return out;
         }
-        let qkvg = [&case.q, &case.k, &case.v, d_out];
+        let qkvg = [&case.q, k, v, d_out];
         match problem_backward_bounds_with_visibility(spec, qkvg, &vis, flash, case.recipe.q_tile) {
             Err(e) => grads.iter().for_each(|n| {
                 out.insert(*n, Eval::NotVerified(e.to_string()));

@@ -19,10 +19,12 @@ pub enum CaseError {
         reason: String,
     },
     /// A required tensor is absent.
-    #[error("missing required tensor `{name}`")]
+    #[error("missing tensor `{name}`: {why}")]
     MissingTensor {
         /// Its name.
         name: String,
+        /// Why it is needed (every case needs `q`, `k`, `v`; a gradient needs `do`).
+        why: String,
     },
     /// A tensor is malformed or inconsistent with the others or with the metadata.
     #[error("tensor `{name}`: {reason}")]

@@ -13,7 +13,7 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use ndarray::{Array2, Array4, ArrayD, Dimension, IxDyn};
 
 use super::error::CaseError;
-use super::recipe::Recipe;
+use super::recipe::{KernelParams, Recipe};
 use super::safetensors::{self, Dtype, RawTensor, SafeTensors};
 
 /// The format version this loader reads.
@@ -49,6 +49,15 @@ pub enum LseBase {
     Two,
 }
 
+/// What the candidate writes as the LSE of a row that sees no key (`masked_lse`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MaskedLse {
+    /// `−∞`, the log of an empty sum (attnproof, PyTorch's math backend).
+    NegInf,
+    /// `+∞` (FlashAttention 2 and 3, whose `LSE` of an empty row is `+∞` so that `exp(s − LSE)` is 0 in the backward).
+    PosInf,
+}
+
 /// Which keys a query sees, as the metadata states it; [`MaskSpec::mask`] builds the oracle's.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MaskSpec {
@@ -62,24 +71,45 @@ pub struct MaskSpec {
     pub window_right: Option<usize>,
 }
 
+/// How far a hypothesis moves a stated mask's bounds, in keys (a mask off by one).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MaskShift {
+    /// Added to the causal bound: query `i` sees `j ≤ i + diagonal`.
+    pub diagonal: i64,
+    /// Added to the window's left reach.
+    pub left: i64,
+    /// Added to the window's right reach.
+    pub right: i64,
+}
+
 impl MaskSpec {
     /// The oracle mask.
     pub fn mask(self) -> Mask {
+        self.shifted(MaskShift::default())
+    }
+
+    /// The oracle mask with its bounds moved by `shift`.
+    pub fn shifted(self, shift: MaskShift) -> Mask {
         let MaskSpec { causal, align, window_left, window_right } = self;
-        if !causal && window_left.is_none() && window_right.is_none() {
+        let unshifted = shift == MaskShift::default();
+        if unshifted && !causal && window_left.is_none() && window_right.is_none() {
             return Mask::None;
         }
-        if align == CausalAlign::BottomRight && window_left.is_none() && window_right.is_none() {
+        if unshifted && align == CausalAlign::BottomRight && window_left.is_none() && window_right.is_none() {
             return Mask::Causal;
         }
+        let moved = |name: &str, by: i64| if by == 0 { String::new() } else { format!(" {name}{by:+}") };
         let name = format!(
-            "{}{}{}",
+            "{}{}{}{}{}{}",
             if causal { "causal " } else { "" },
             align.name(),
             match (window_left, window_right) {
                 (None, None) => String::new(),
                 (l, r) => format!(" window({},{})", fmt_side(l), fmt_side(r)),
-            }
+            },
+            moved("diagonal", shift.diagonal),
+            moved("left", shift.left),
+            moved("right", shift.right),
         );
         Mask::Predicate(Predicate {
             name,
@@ -89,9 +119,9 @@ impl MaskSpec {
                     CausalAlign::TopLeft => pair.query as i64,
                 };
                 let j = pair.key as i64;
-                (!causal || j <= i)
-                    && window_left.is_none_or(|l| j >= i - l as i64)
-                    && window_right.is_none_or(|r| j <= i + r as i64)
+                (!causal || j <= i + shift.diagonal)
+                    && window_left.is_none_or(|l| j >= i - (l as i64 + shift.left))
+                    && window_right.is_none_or(|r| j <= i + r as i64 + shift.right)
             }),
         })
     }
@@ -115,6 +145,8 @@ pub struct CaseFile {
     pub recipe: Recipe,
     /// The stated LSE base.
     pub lse_base: LseBase,
+    /// The stated LSE of a row that sees no key (a `+∞` there is read as `−∞`).
+    pub masked_lse: MaskedLse,
     /// The `kernel` metadata (free text).
     pub kernel: String,
     /// Storage type of the inputs.
@@ -203,12 +235,18 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
         ));
     }
     let recipe = match meta("recipe") {
-        Some(r) => Recipe::parse(r)?,
+        Some(r) => Recipe::with_params(r, KernelParams::from_metadata(&metadata)?)?,
         None => return Err(key_error("recipe", "missing (it selects the bound; see docs/case-format.md)")),
     };
     let raw = |name: &str| tensors.get(name);
-    let required = |name: &str| raw(name).ok_or_else(|| CaseError::MissingTensor { name: name.into() });
-    let (q_raw, k_raw, v_raw) = (required("q")?, required("k")?, required("v")?);
+    let required = |name: &str, why: &str| {
+        raw(name).ok_or_else(|| CaseError::MissingTensor { name: name.into(), why: why.into() })
+    };
+    let (q_raw, k_raw, v_raw) = (
+        required("q", "every case needs it")?,
+        required("k", "every case needs it")?,
+        required("v", "every case needs it")?,
+    );
     for (name, t) in [("q", q_raw), ("k", k_raw), ("v", v_raw)] {
         if !matches!(t.dtype, Dtype::Bf16 | Dtype::F16 | Dtype::F32) {
             return Err(tensor_error(name, format!("dtype {} is not BF16, F16 or F32", t.dtype.name())));
@@ -263,7 +301,7 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
     }
     let layout = if packed {
         let cu = |name: &str| -> Result<Vec<i32>, CaseError> {
-            let t = required(name)?;
+            let t = required(name, "the thd layout needs it")?;
             if t.dtype != Dtype::I32 || t.shape.len() != 1 {
                 return Err(tensor_error(
                     name,
@@ -280,11 +318,9 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
             if let Some(w) = cu.windows(2).position(|w| w[1] < w[0]) {
                 return Err(tensor_error(name, format!("decreases at index {}", w + 1)));
             }
-            if cu.last().map(|&x| x as usize) != Some(total) {
-                return Err(tensor_error(
-                    name,
-                    format!("ends at {:?}, but the packed tensor has {total} rows", cu.last()),
-                ));
+            let end = cu[cu.len() - 1];
+            if usize::try_from(end).ok() != Some(total) {
+                return Err(tensor_error(name, format!("ends at {end}, but the packed tensor has {total} rows")));
             }
         }
         if cu_q.len() != cu_k.len() {
@@ -332,6 +368,13 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
         Some("2" | "2.0" | "log2" | "base2") => LseBase::Two,
         Some(other) => return Err(key_error("lse_base", format!("expected e or 2, got {other:?}"))),
     };
+    let masked_lse = match meta("masked_lse").map(|m| normalized(m)).as_deref() {
+        None | Some("" | "_inf" | "-inf" | "neg_inf") => MaskedLse::NegInf,
+        Some("+inf" | "inf" | "pos_inf") => MaskedLse::PosInf,
+        Some(other) => {
+            return Err(key_error("masked_lse", format!("expected -inf or +inf, got {other:?}")));
+        }
+    };
     let spec =
         AttentionSpec { layout, n_heads_q: hq, n_heads_kv: hkv, head_dim: d, head_dim_v: dv, scale, mask: mask.mask() };
     spec.validate().map_err(|e| tensor_error("q", e.to_string()))?;
@@ -368,8 +411,13 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
         if !shape_ok {
             return Err(tensor_error(name, format!("shape {:?}, expected {expected:?} for this problem", t.shape)));
         }
-        let a =
+        let mut a =
             widen(name, t)?.into_shape_with_order(IxDyn(&expected)).map_err(|e| tensor_error(name, e.to_string()))?;
+        if name == "lse" && masked_lse == MaskedLse::PosInf {
+            // The stated convention for a row that sees no key (FlashAttention 2 and 3 write +∞ there), read as the
+            // oracle's −∞; a +∞ in a row that sees keys then fails as any wrong value does.
+            a.mapv_inplace(|x| if x == f64::INFINITY { f64::NEG_INFINITY } else { x });
+        }
         outputs.insert(name, a);
     }
     let d_out = match raw("do") {
@@ -388,7 +436,7 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
     if d_out.is_none()
         && let Some(g) = ["dq", "dk", "dv"].into_iter().find(|g| outputs.contains_key(g))
     {
-        return Err(CaseError::MissingTensor { name: format!("do (needed to check `{g}`)") });
+        return Err(CaseError::MissingTensor { name: "do".into(), why: format!("needed to check {g}") });
     }
 
     let blocks = match raw("block_indices") {
@@ -401,6 +449,7 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
         blocks,
         recipe,
         lse_base,
+        masked_lse,
         kernel: meta("kernel").cloned().unwrap_or_default(),
         storage: q_raw.dtype,
         q,

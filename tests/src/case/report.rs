@@ -74,6 +74,7 @@ pub fn text(path: &str, outcome: &CaseOutcome) -> String {
             if let Some(note) = &r.oracle_note {
                 let _ = write!(s, "\n  note: {note}");
             }
+            let _ = write!(s, "\n  bound assumes: {}", r.kernel_params);
             for o in &r.outputs {
                 let _ = write!(s, "\n{}", output_text(o));
             }
@@ -150,12 +151,24 @@ pub fn json(path: &str, outcome: &CaseOutcome) -> String {
                     .collect();
                 format!("{{\"valid\":{},\"canned\":[{}]}}", g.valid(), canned.join(","))
             });
+            let p = &r.kernel_params;
+            let count = |c: Option<usize>| c.map_or("null".into(), |c| c.to_string());
+            let kernel_params = format!(
+                "{{\"kv_tile\":{},\"q_tile\":{},\"mma_k\":{},\"exp\":{},\"split_kv\":{}}}",
+                count(p.kv_tile),
+                count(p.q_tile),
+                count(p.mma_k),
+                p.exp.map_or("null".into(), |e| json_string(e.name())),
+                count(p.split_kv)
+            );
             format!(
-                "{{\"path\":{},\"status\":{},\"recipe\":{},\"kernel\":{},\"oracle\":{},\"oracle_note\":{},\"outputs\":[{}],\"gate\":{}}}",
+                "{{\"path\":{},\"status\":{},\"recipe\":{},\"kernel\":{},\"kernel_params\":{},\"assumptions\":{},\"oracle\":{},\"oracle_note\":{},\"outputs\":[{}],\"gate\":{}}}",
                 json_string(path),
                 json_string(if r.failed() { "fail" } else { "pass" }),
                 json_string(&r.recipe),
                 json_string(&r.kernel),
+                kernel_params,
+                json_string(&p.to_string()),
                 json_string(match r.oracle {
                     OracleChoice::F64 => "f64",
                     OracleChoice::Mpfr => "mpfr",
@@ -171,6 +184,7 @@ pub fn json(path: &str, outcome: &CaseOutcome) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::case::recipe::{ExpForm, KernelParams};
     use crate::verdict::OutputVerdict;
 
     fn output(
@@ -203,6 +217,11 @@ mod tests {
         CaseReport {
             recipe: "bf16-in/f32-acc/p-bf16".into(),
             kernel: "k".into(),
+            kernel_params: KernelParams {
+                kv_tile: Some(128),
+                exp: Some(ExpForm::Exp2Approx),
+                ..KernelParams::default()
+            },
             oracle: OracleChoice::Mpfr,
             oracle_note: Some("MPFR skipped".into()),
             outputs: vec![
@@ -230,6 +249,12 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "case.safetensors: FAIL (recipe bf16-in/f32-acc/p-bf16, oracle MPFR-256, kernel \"k\")");
         assert_eq!(lines[1], "  note: MPFR skipped");
+        assert_eq!(
+            lines[2],
+            "  bound assumes: kv_tile 128 (stated), q_tile 1 (worst case), mma_k 1 (worst case), exp ex2 (stated), \
+             split_kv up to one per KV tile (worst case)"
+        );
+        let lines = [&lines[..2], &lines[3..]].concat();
         assert!(lines[2].starts_with("  O    FAIL         max error/bound 2.500e0 at [0, 1, 2]"), "{}", lines[2]);
         assert!(lines[2].ends_with("(candidate 1.5e0, oracle 1e0, bound 2.000e-1)"), "{}", lines[2]);
         assert_eq!(lines[3], "       no single cause named; failing regions:");
@@ -257,7 +282,10 @@ mod tests {
         });
         let json = json("c", &Ok(r));
         for part in [
-            "{\"path\":\"c\",\"status\":\"fail\",\"recipe\":\"bf16-in/f32-acc/p-bf16\",\"kernel\":\"k\",\"oracle\":\"mpfr\"",
+            "{\"path\":\"c\",\"status\":\"fail\",\"recipe\":\"bf16-in/f32-acc/p-bf16\",\"kernel\":\"k\"",
+            "\"kernel_params\":{\"kv_tile\":128,\"q_tile\":null,\"mma_k\":null,\"exp\":\"ex2\",\"split_kv\":null}",
+            "\"assumptions\":\"kv_tile 128 (stated), q_tile 1 (worst case)",
+            "\"oracle\":\"mpfr\"",
             "\"oracle_note\":\"MPFR skipped\"",
             "{\"output\":\"O\",\"status\":\"fail\",\"max_error_over_bound\":2.5e0,\"worst_index\":[0,1,2]",
             "\"worst_candidate\":1.5e0,\"worst_oracle\":1e0,\"worst_bound\":2e-1,\"cause\":null",

@@ -33,7 +33,23 @@ fn valid() -> CaseBuilder {
 fn error_of(bytes: &[u8]) -> String {
     match format::from_bytes(bytes) {
         Ok(_) => panic!("a bad file loaded"),
-        Err(e) => e.to_string(),
+        Err(e) => {
+            let message = e.to_string();
+            assert_reads_cleanly(&message);
+            message
+        }
+    }
+}
+
+/// A message a person reads: no Rust `Option` printed as `Some(…)` or `None`, and every backquoted span a bare name
+/// (no nested backquotes, no prose inside them).
+fn assert_reads_cleanly(message: &str) {
+    assert!(!message.contains("Some(") && !message.contains("None"), "debug formatting in {message:?}");
+    let spans: Vec<&str> = message.split('`').collect();
+    assert!(spans.len() % 2 == 1, "unbalanced backquotes in {message:?}");
+    for name in spans.iter().skip(1).step_by(2) {
+        let bare = !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || "_.".contains(c));
+        assert!(bare, "backquoted {name:?} is not a name in {message:?}");
     }
 }
 
@@ -234,6 +250,60 @@ fn scales_output_shapes_and_block_lists_are_checked() {
     assert_names(&lists(Dtype::F32, &[1, 2, 2, 1]).bytes(), "block_indices");
     assert_names(&lists(Dtype::I32, &[1, 2, 2, 1]).meta("block_q", "0").bytes(), "block_q");
     assert_names(&lists(Dtype::I32, &[1, 2, 2, 1]).meta("block_k", "-4").bytes(), "block_k");
+}
+
+/// Kernel parameters: positive integers (or for `kernel_exp` a known exponential form), each error naming its key; a
+/// stated one-key tile needs its split count; unset, empty or `unknown` values state nothing.
+#[test]
+fn kernel_parameters_are_checked_and_named() {
+    for key in ["kernel_kv_tile", "kernel_q_tile", "kernel_mma_k", "kernel_split_kv"] {
+        for bad in ["0", "-3", "1.5", "many"] {
+            assert_names(&valid().meta(key, bad).bytes(), key);
+        }
+    }
+    assert_names(&valid().meta("kernel_exp", "exp10").bytes(), "kernel_exp");
+    assert_names(&valid().meta("kernel_kv_tile", "1").bytes(), "kernel_split_kv");
+    let load = |b: CaseBuilder| format::from_bytes(&b.bytes()).expect("valid").recipe.params;
+    use attnproof_harness::case::recipe::{ExpForm, KernelParams};
+    assert_eq!(load(valid().meta("kernel_kv_tile", "unknown").meta("kernel_exp", "")), KernelParams::default());
+    let stated = load(
+        valid()
+            .meta("kernel_kv_tile", "128")
+            .meta("kernel_q_tile", "64")
+            .meta("kernel_mma_k", "16")
+            .meta("kernel_exp", "EX2")
+            .meta("kernel_split_kv", "3"),
+    );
+    let want = KernelParams {
+        kv_tile: Some(128),
+        q_tile: Some(64),
+        mma_k: Some(16),
+        exp: Some(ExpForm::Exp2Approx),
+        split_kv: Some(3),
+    };
+    assert_eq!(stated, want);
+    assert_eq!(load(valid().meta("kernel_kv_tile", "1").meta("kernel_split_kv", "2")).kv_tile, Some(1));
+}
+
+/// `masked_lse = +inf` reads a `+∞` LSE as the oracle's `−∞` (FlashAttention's value for a row that sees no key);
+/// unstated, or `-inf`, a `+∞` stays as written; anything else is an error naming the key.
+#[test]
+fn the_masked_lse_convention_is_read_as_stated() {
+    let mut lse = tensor(&[1, 2, 5], 5);
+    lse[[0, 1, 3]] = f64::INFINITY;
+    let with = |value: Option<&str>| {
+        let b = valid().tensor("lse", Dtype::F32, &lse);
+        let b = match value {
+            Some(v) => b.meta("masked_lse", v),
+            None => b,
+        };
+        format::from_bytes(&b.bytes()).expect("valid").outputs["lse"][[0, 1, 3]]
+    };
+    assert_eq!(with(Some("+inf")), f64::NEG_INFINITY);
+    assert_eq!(with(Some("inf")), f64::NEG_INFINITY);
+    assert_eq!(with(None), f64::INFINITY);
+    assert_eq!(with(Some("-inf")), f64::INFINITY);
+    assert_names(&valid().meta("masked_lse", "nan").bytes(), "masked_lse");
 }
 
 fn packed() -> CaseBuilder {

@@ -393,17 +393,28 @@ fn oracle_candidate(
         .meta("recipe", "bf16-in/f32-acc/p-bf16")
 }
 
-#[test]
-fn block_sparse_case_with_fully_masked_rows_passes_and_a_dropped_block_fails() {
+/// The key-block lists of [`block_sparse_candidate`]: two heads of two 16-row query blocks over two 16-key blocks;
+/// query block 1 of head 0 sees no block, so its rows are fully masked (O = 0, LSE = −∞).
+fn block_lists() -> ndarray::Array4<i32> {
+    ndarray::Array4::from_shape_vec((1, 2, 2, 2), vec![0, 1, -1, -1, 1, -1, 0, 1]).expect("shape")
+}
+
+/// The oracle's block-sparse forward over [`block_lists`] as a case stating those lists.
+fn block_sparse_candidate(seed: u64) -> CaseBuilder {
     let spec = AttentionSpec::dense(1, 2, 2, 32, 32, 8, 8);
-    // Query block 1 of head 0 sees no block: its rows are fully masked (O = 0, LSE = −∞).
-    let lists = ndarray::Array4::from_shape_vec((1, 2, 2, 2), vec![0, 1, -1, -1, 1, -1, 0, 1]).expect("shape");
+    let lists = block_lists();
     let layout = attnproof_oracle::block_sparse::BlockSparseLayout { q_tile: 16, kv_tile: 16, lists: lists.clone() };
     let vis = |seq: &Sequence, h: usize| layout.visibility(&spec, seq, h);
-    let builder = oracle_candidate(&spec, &vis, 21)
+    oracle_candidate(&spec, &vis, seed)
         .tensor("block_indices", Dtype::I32, &lists.mapv(f64::from).into_dyn())
         .meta("block_q", "16")
-        .meta("block_k", "16");
+        .meta("block_k", "16")
+}
+
+#[test]
+fn block_sparse_case_with_fully_masked_rows_passes_and_a_dropped_block_fails() {
+    let builder = block_sparse_candidate(21);
+    let lists = block_lists();
     let r = checked(&builder);
     assert!(r.outputs.iter().all(|o| o.status == Status::Pass), "{r:?}");
     let case = format::from_bytes(&builder.bytes()).expect("loads");
@@ -413,6 +424,22 @@ fn block_sparse_case_with_fully_masked_rows_passes_and_a_dropped_block_fails() {
     wider.slice_mut(s![0, 1, 0, ..]).assign(&ndarray::arr1(&[0.0, 1.0]));
     let r = checked(&builder.tensor("block_indices", Dtype::I32, &wider.into_dyn()));
     assert_eq!(output(&r, "O").status, Status::Fail, "{r:?}");
+}
+
+/// FlashAttention 2 and 3 write `LSE = +∞` for a row that sees no key: stated as `masked_lse = +inf`, such a case
+/// passes; unstated, its LSE fails there; and the convention excuses no `+∞` in a row that sees keys.
+#[test]
+fn a_stated_plus_infinity_lse_for_empty_rows_passes_and_only_there() {
+    let builder = block_sparse_candidate(31);
+    let mut lse = format::from_bytes(&builder.bytes()).expect("loads").outputs["lse"].clone();
+    lse.mapv_inplace(|x| if x == f64::NEG_INFINITY { f64::INFINITY } else { x });
+    let flash_style = builder.tensor("lse", Dtype::F32, &lse);
+    assert!(!checked(&flash_style.clone().meta("masked_lse", "+inf")).failed());
+    assert_eq!(output(&checked(&flash_style.clone()), "LSE").status, Status::Fail);
+    lse[[0, 0, 3]] = f64::INFINITY;
+    let r = checked(&flash_style.tensor("lse", Dtype::F32, &lse).meta("masked_lse", "+inf"));
+    assert_eq!(output(&r, "LSE").status, Status::Fail, "{r:?}");
+    assert_eq!(output(&r, "LSE").verdict.as_ref().map(|v| v.worst_index.clone()), Some(vec![0, 0, 3]));
 }
 
 #[test]
@@ -486,7 +513,7 @@ fn binary_exits_zero_one_and_two() {
     assert!(text.contains("likely cause: wrong scale"), "{text}");
     let (code, text) = run_check(&[good_path.clone(), wrong_path, bad_path], &["--json"]);
     assert_eq!(code, 2, "{text}");
-    assert!(text.contains("missing required tensor `v`"), "{text}");
+    assert!(text.contains("missing tensor `v`"), "{text}");
     assert!(text.trim_start().starts_with('[') && text.contains("\"status\":\"pass\""), "{text}");
     // A recipe without a backward model leaves dQ, dK, dV not verified: a pass by default, a failure when the
     // caller requires every output verified.

@@ -4,6 +4,7 @@
 
 mod check_bad_files;
 mod check_cases;
+mod check_causes;
 mod check_recipes;
 mod flash_backward;
 mod flash_forward;
