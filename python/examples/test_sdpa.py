@@ -63,3 +63,37 @@ def test_a_wrong_scale_is_caught(device):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0 / 32)
     with pytest.raises(AssertionError, match="wrong scale"):
         attnproof.assert_attention_close(q, k, v, o, recipe="bf16-in/f32-math")
+
+
+def tf32_sensitive(len_q, len_k, head_dim, generator):
+    """f32 inputs on which TF32 shows: every query element 1 + 3*2^-12 (TF32 moves it by 2^-12 or more), keys of
+    negative scores, and a last key (the maximum in the last tile) that TF32 moves coherently, carrying most of the
+    weight; Gaussian values."""
+    q = torch.full((1, 2, len_q, head_dim), 1 + 3 * 2.0**-12)
+    k = 0.3 * torch.randn(1, 2, len_k, head_dim, generator=generator) - 0.35
+    k[:, :, -1, :] = 1.5 + 4.5 * 2.0**-12
+    v = torch.randn(1, 2, len_k, head_dim, generator=generator)
+    return q, k, v
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="TF32 is a mode of CUDA's tensor cores")
+@pytest.mark.parametrize("len_k", [1, 64, 65, 300])
+def test_tf32_fails_the_f32_recipe_once_the_kernel_is_stated(len_k):
+    """SDPA's math backend on CUDA f32 tensors, its matmuls in full f32 and then in TF32 (`allow_tf32`): stating the
+    kernel's parameters (one softmax over all keys: one tile of Lk keys, no split), the f32 run passes `f32-in/f32-acc`,
+    the TF32 run fails it with TF32 named, and passes `f32-in/tf32`."""
+    q, k, v = (x.cuda() for x in tf32_sensitive(16, len_k, 32, torch.Generator().manual_seed(len_k)))
+    stated = {"kv_tile": len_k, "split_kv": 1}
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:
+        outputs = {}
+        for tf32 in (False, True):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                outputs[tf32] = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    attnproof.assert_attention_close(q, k, v, outputs[False], recipe="f32-in/f32-acc", kernel_params=stated)
+    with pytest.raises(AssertionError, match="TF32"):
+        attnproof.assert_attention_close(q, k, v, outputs[True], recipe="f32-in/f32-acc", kernel_params=stated)
+    attnproof.assert_attention_close(q, k, v, outputs[True], recipe="f32-in/tf32", kernel_params=stated)
