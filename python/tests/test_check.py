@@ -255,26 +255,74 @@ def test_the_report_reads_cleanly():
     assert json.loads(json.dumps(report.to_dict()))["outputs"][0]["output"] == "O"
 
 
-def test_the_same_report_as_the_cli(tmp_path):
-    """The bytes the Python API checks, written to a file and given to the `check` binary, get the same report."""
+def check_binary():
+    """The `check` binary the CLI comparisons run, or a skip where it is not built (a failure in CI, which builds it
+    and sets ATTNPROOF_REQUIRE_CLI, so that these comparisons cannot silently skip there)."""
     binary = Path(os.environ.get("ATTNPROOF_CHECK_BINARY", REPO / "target" / "release" / "check"))
     if not binary.exists():
-        # CI builds the binary and sets ATTNPROOF_REQUIRE_CLI, so that this comparison cannot silently skip there.
         assert not os.environ.get("ATTNPROOF_REQUIRE_CLI"), f"ATTNPROOF_REQUIRE_CLI is set but {binary} is missing"
         pytest.skip(f"no {binary}: build it with `cargo build --release -p attnproof-harness --bin check`")
+    return binary
+
+
+def assert_same_report_as_the_cli(path: Path):
+    """The in-process report of the case file at `path` equals the `check` binary's, field for field."""
+    cli = subprocess.run([str(check_binary()), "--json", str(path)], capture_output=True, text=True)
+    assert cli.returncode in (0, 1), (path, cli.returncode, cli.stdout, cli.stderr)
+    from_cli = json.loads(cli.stdout)[0]
+    in_process = json.loads(attnproof._native.check_case(path.read_bytes())[0])
+    from_cli.pop("path"), in_process.pop("path")
+    assert in_process == from_cli, path
+    return from_cli
+
+
+def _cases():
+    """Case files of every kind the checker reads, passing and failing: (name, tensors, metadata)."""
     q, k, v = inputs((1, 2, 30, 16), (1, 1, 45, 16), seed=7)
     o, lse = attention(q, k, v, causal=True, scale=0.5)
-    tensors = {"q": q, "k": k, "v": v, "o": o.astype(np.float32), "lse": lse.astype(np.float32)}
-    meta = {"recipe": "f32-in/f32-acc", "causal": "true", "scale": "0.25"}
-    data = attnproof.case_bytes(tensors, meta)
+    f32 = {"q": q, "k": k, "v": v, "o": o.astype(np.float32), "lse": lse.astype(np.float32)}
+    yield "wrong scale", f32, {"recipe": "f32-in/f32-acc", "causal": "true", "scale": "0.25"}
+    yield "stated parameters", f32, {
+        "recipe": "f32-in/f32-acc", "causal": "true", "scale": "0.5", "kernel_kv_tile": "16", "kernel_exp": "ex2"
+    }
+    yield "tf32 recipe", f32, {"recipe": "f32-in/tf32", "causal": "true", "scale": "0.5", "kernel_mma_k": "8"}
+    q, k, v = inputs((1, 4, 24, 16), (1, 2, 24, 8 * 2), seed=8)
+    o, lse = attention(q, k, v, window=(5, 2))
+    yield "window off by one", {"q": q, "k": k, "v": v, "o": o.astype(np.float32)}, {
+        "recipe": "f32-in/f32-acc", "window_left": "4", "window_right": "2"
+    }
+    q, k, v = inputs((1, 1, 12, 8), (1, 1, 6, 8), seed=13)
+    o, lse = attention(q, k, v, causal=True)
+    plus_inf = np.where(np.isneginf(lse), np.inf, lse).astype(np.float32)
+    yield "masked lse", {"q": q, "k": k, "v": v, "o": o.astype(np.float32), "lse": plus_inf}, {
+        "recipe": "f32-in/f32-acc", "causal": "true", "masked_lse": "+inf"
+    }
+    packed = {"q": q[0].transpose(1, 0, 2), "k": k[0].transpose(1, 0, 2), "v": v[0].transpose(1, 0, 2)}
+    cu = {"cu_seqlens_q": np.array([0, 5, 12], np.int32), "cu_seqlens_k": np.array([0, 2, 6], np.int32)}
+    o_varlen = np.zeros((12, 1, 8), np.float32)
+    yield "varlen", {**packed, **cu, "o": o_varlen}, {"recipe": "f32-in/f32-acc", "layout": "thd"}
+
+
+@pytest.mark.parametrize("name, tensors, metadata", list(_cases()), ids=[c[0] for c in _cases()])
+def test_the_same_report_as_the_cli(tmp_path, name, tensors, metadata):
+    """The bytes the Python API checks, written to a file and given to the `check` binary, get the same report."""
     path = tmp_path / "case.safetensors"
-    path.write_bytes(data)
-    cli = subprocess.run([str(binary), "--json", str(path)], capture_output=True, text=True)
-    assert cli.returncode == 1, cli.stderr
-    from_cli = json.loads(cli.stdout)[0]
-    in_process = json.loads(attnproof._native.check_case(data)[0])
-    from_cli.pop("path"), in_process.pop("path")
-    assert in_process == from_cli
+    path.write_bytes(attnproof.case_bytes(tensors, metadata))
+    report = assert_same_report_as_the_cli(path)
+    assert report["status"] in ("pass", "fail"), (name, report)
+
+
+def test_peer_cases_get_the_same_report_as_the_cli():
+    """The case files `python/examples/dump_peers.py` writes from PyTorch's kernels (a directory named by
+    ATTNPROOF_PEER_CASES; the GPU bundle's Python run sets it), each reported alike in-process and by the CLI."""
+    directory = os.environ.get("ATTNPROOF_PEER_CASES")
+    if not directory:
+        assert not os.environ.get("ATTNPROOF_REQUIRE_TORCH"), "the GPU bundle's run must name its peer cases"
+        pytest.skip("ATTNPROOF_PEER_CASES names no directory of peer case files (the GPU bundle sets it)")
+    paths = sorted(Path(directory).glob("*.safetensors"))
+    assert paths, f"no case files in {directory}"
+    for path in paths:
+        assert_same_report_as_the_cli(path)
 
 
 def import_torch():

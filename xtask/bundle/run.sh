@@ -24,6 +24,9 @@
 #                           --only "flex block-sparse" for FlexAttention's BlockMask cases alone), checks them with
 #                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
 #                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
+#   run.sh python [ARGS]    the Python package's pytest suite and python/examples/test_sdpa.py with the machine's
+#                           torch (CPU and CUDA tensors, TF32), after dumping PyTorch's SDPA case files for its
+#                           same-report-as-the-CLI test (ARGS go to pytest)
 # Every mode exits non-zero on any failure.
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -258,9 +261,14 @@ ring)
 python)
     # The Python package's tests with the machine's torch (CPU and CUDA tensors, SDPA): the wheel installed into a
     # scratch directory, the `check` binary beside it for the same-report test; a torch test may not skip here.
+    # PyTorch's SDPA kernels' case files are dumped first, so that the same-report test compares the Python API and
+    # the CLI on them too (FlexAttention's are left to `run.sh peers`: torch.compile takes minutes).
     site="$(mktemp -d)"
+    peer_cases="$(mktemp -d)"
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$here"/python/wheels/*.whl || exit 1
+    python3 "$here"/python/examples/dump_peers.py --out "$peer_cases" --only sdpa >/dev/null || exit 1
     PYTHONPATH="$site" ATTNPROOF_CHECK_BINARY="$here/bin/check" ATTNPROOF_REQUIRE_CLI=1 ATTNPROOF_REQUIRE_TORCH=1 \
+        ATTNPROOF_PEER_CASES="$peer_cases" \
         python3 -m pytest -q -p no:cacheprovider "$here/python/tests" "$here/python/examples" "$@"
     ;;
 peers)

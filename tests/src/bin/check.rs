@@ -3,6 +3,7 @@
 //! passed, 1 an output failed (or, with `--require-verified`, could not be verified), 2 a case file
 //! was unreadable or inconsistent (the other cases are still checked).
 
+use std::io::Write as _;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -42,6 +43,14 @@ fn main() -> ExitCode {
     }
     let mut lines = Vec::new();
     let (mut failed, mut broken, mut not_verified) = (0, 0, 0);
+    // A reader that closed the pipe (`check … | head`) has what it wanted: the checks go on to the exit status,
+    // silently, instead of panicking on the first line it no longer takes.
+    let mut stdout_open = true;
+    let mut emit = |text: &str| {
+        if stdout_open && writeln!(std::io::stdout().lock(), "{text}").is_err() {
+            stdout_open = false;
+        }
+    };
     for path in &paths {
         let outcome: CaseOutcome = load(Path::new(path)).map(|case| check(&case, oracle));
         match &outcome {
@@ -58,17 +67,17 @@ fn main() -> ExitCode {
         if json {
             lines.push(report::json(path, &outcome));
         } else {
-            println!("{}", report::text(path, &outcome));
+            emit(&report::text(path, &outcome));
         }
     }
     if json {
-        println!("[{}]", lines.join(",\n"));
+        emit(&format!("[{}]", lines.join(",\n")));
     } else {
-        println!(
+        emit(&format!(
             "{} case(s): {} passed, {failed} failed, {broken} unreadable; {not_verified} output(s) of passing cases not verified",
             paths.len(),
             paths.len() - failed - broken
-        );
+        ));
     }
     if broken > 0 {
         ExitCode::from(2)

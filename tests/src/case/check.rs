@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use attnproof_oracle::attention::{backward_with_visibility, forward_with_visibility, to_mpfr};
+use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::dense::scores;
 use attnproof_oracle::spec::Sequence;
 use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Mp, Precision, Qkv, Real, Scale};
@@ -214,7 +215,14 @@ pub fn check(case: &CaseFile, oracle: OracleChoice) -> CaseReport {
         .filter(|(_, e)| matches!(e, Eval::Compared { verdict, .. } if !verdict.passed()))
         .map(|(n, _)| *n)
         .collect();
-    let causes = if failing.is_empty() { BTreeMap::new() } else { diagnose(case, oracle, &failing) };
+    let worst_head = HEAD_OUTPUTS.iter().find_map(|name| match evals.get(name) {
+        Some(Eval::Compared { verdict, .. }) if !verdict.passed() => match verdict.worst_index.as_slice() {
+            [b, h, ..] => Some([*b, *h]),
+            _ => None,
+        },
+        _ => None,
+    });
+    let causes = if failing.is_empty() { BTreeMap::new() } else { diagnose(case, oracle, &failing, worst_head) };
     let mut evals: Vec<(&'static str, Eval)> = evals.into_iter().collect();
     // Report order: O, LSE, dQ, dK, dV.
     evals.sort_by_key(|(name, _)| DISPLAY.iter().position(|(n, _)| n == name));
@@ -279,13 +287,33 @@ fn score_count(spec: &AttentionSpec) -> usize {
 
 /// The alternative hypotheses for the failing outputs, tried in order; for each failing output
 /// the first under which it passes (and every other failing output it touches passes too).
-fn diagnose(case: &CaseFile, oracle: OracleChoice, failing: &[&'static str]) -> BTreeMap<&'static str, String> {
+fn diagnose(
+    case: &CaseFile,
+    oracle: OracleChoice,
+    failing: &[&'static str],
+    worst_head: Option<[usize; 2]>,
+) -> BTreeMap<&'static str, String> {
+    // Each hypothesis is first tried on the (batch, head) of the worst failing element alone, where that is a
+    // smaller problem: a hypothesis under which that head's outputs fail cannot make every element pass, so only
+    // those that pass there are tried on the whole case (on a large case most are ruled out at 1/(B·Hq) of the cost).
+    let screen = worst_head.and_then(|[b, h]| one_head(case, b, h));
+    let screened: BTreeMap<String, Hypothesis> = screen
+        .as_ref()
+        .map_or_else(BTreeMap::new, |sub| hypotheses(sub).into_iter().map(|(h, _)| (h.name.clone(), h)).collect());
     let mut causes = BTreeMap::new();
     for (hyp, touches) in hypotheses(case) {
         let targets: Vec<&'static str> =
             failing.iter().copied().filter(|f| touches.contains(f) && !causes.contains_key(f)).collect();
         if targets.is_empty() {
             continue;
+        }
+        // Only the outputs of one query head can be judged on its own: dK and dV sum over a KV head's group.
+        let per_head: Vec<&'static str> = targets.iter().copied().filter(|t| HEAD_OUTPUTS.contains(t)).collect();
+        if let (Some(sub), Some(sub_hyp), false) = (&screen, screened.get(&hyp.name), per_head.is_empty()) {
+            let evals = evaluate(sub, sub_hyp, oracle, &per_head);
+            if !per_head.iter().all(|t| evals.get(t).is_some_and(Eval::passed)) {
+                continue;
+            }
         }
         let evals = evaluate(case, &hyp, oracle, &targets);
         if targets.iter().all(|t| evals.get(t).is_some_and(Eval::passed)) {
@@ -295,6 +323,54 @@ fn diagnose(case: &CaseFile, oracle: OracleChoice, failing: &[&'static str]) -> 
         }
     }
     causes
+}
+
+/// The outputs whose elements of a query head depend on that head's inputs alone.
+const HEAD_OUTPUTS: [&str; 3] = ["o", "lse", "dq"];
+
+/// The case restricted to batch `b` and query head `h` (with its KV head), for a dense layout with more than one
+/// (batch, head) pair; `None` otherwise (a packed layout keeps its sequences together).
+fn one_head(case: &CaseFile, b: usize, h: usize) -> Option<CaseFile> {
+    let Layout::Dense { batch, len_q, len_k } = case.spec.layout else { return None };
+    if batch * case.spec.n_heads_q <= 1 || b >= batch || h >= case.spec.n_heads_q {
+        return None;
+    }
+    let kv = case.spec.kv_head(h);
+    let pick = |x: &ArrayD<f64>, head: usize| {
+        x.slice_axis(Axis(0), ndarray::Slice::from(b..=b))
+            .slice_axis(Axis(1), ndarray::Slice::from(head..=head))
+            .to_owned()
+    };
+    let spec = AttentionSpec {
+        layout: Layout::Dense { batch: 1, len_q, len_k },
+        n_heads_q: 1,
+        n_heads_kv: 1,
+        ..case.spec.clone()
+    };
+    let outputs = case
+        .outputs
+        .iter()
+        .filter(|(name, _)| HEAD_OUTPUTS.contains(name))
+        .map(|(name, x)| (*name, pick(x, h)))
+        .collect();
+    let blocks = case.blocks.as_ref().map(|layout| BlockSparseLayout {
+        lists: layout
+            .lists
+            .slice_axis(Axis(0), ndarray::Slice::from(b..=b))
+            .slice_axis(Axis(1), ndarray::Slice::from(h..=h))
+            .to_owned(),
+        ..layout.clone()
+    });
+    Some(CaseFile {
+        spec,
+        blocks,
+        q: pick(&case.q, h),
+        k: pick(&case.k, kv),
+        v: pick(&case.v, kv),
+        outputs,
+        d_out: case.d_out.as_ref().map(|g| pick(g, h)),
+        ..case.clone()
+    })
 }
 
 /// Every output; the forward's alone, for hypotheses that change the shape of dK and dV or have no backward model.
@@ -786,6 +862,39 @@ mod tests {
             assert!(named[0].starts_with("window alignment"), "{named:?}");
             assert!(alignment_hypotheses(7, 7, &window).is_empty(), "square {window:?}");
         }
+    }
+
+    /// The one-head sub-case behind the diagnosis's screening holds that head's query rows and outputs and its KV
+    /// head's keys and values (head 3 of 4 over 2 KV heads reads KV head 1), and exists only for a dense layout with
+    /// more than one (batch, head) pair.
+    #[test]
+    fn one_head_picks_the_head_and_its_kv_head() {
+        use crate::case::build::CaseBuilder;
+        use crate::case::safetensors::Dtype;
+        let ramp = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            ArrayD::from_shape_vec(shape.to_vec(), (0..n).map(|i| (i % 97) as f64 / 64.0).collect()).unwrap()
+        };
+        let bytes = CaseBuilder::new()
+            .tensor("q", Dtype::F32, &ramp(&[2, 4, 3, 2]))
+            .tensor("k", Dtype::F32, &ramp(&[2, 2, 5, 2]))
+            .tensor("v", Dtype::F32, &ramp(&[2, 2, 5, 3]))
+            .tensor("o", Dtype::F32, &ramp(&[2, 4, 3, 3]))
+            .tensor("lse", Dtype::F32, &ramp(&[2, 4, 3]))
+            .meta("recipe", "f32-in/f32-acc")
+            .bytes();
+        let case = super::super::format::from_bytes(&bytes).expect("a valid case");
+        let sub = one_head(&case, 1, 3).expect("a dense case with eight (batch, head) pairs");
+        assert_eq!(sub.spec.expected_shape(attnproof_oracle::spec::Operand::O), [1, 1, 3, 3]);
+        let at = |x: &ArrayD<f64>, b: usize, h: usize| {
+            x.index_axis(Axis(0), b).index_axis(Axis(0), h).insert_axis(Axis(0)).insert_axis(Axis(0)).to_owned()
+        };
+        assert_eq!(sub.q, at(&case.q, 1, 3));
+        assert_eq!(sub.k, at(&case.k, 1, 1));
+        assert_eq!(sub.v, at(&case.v, 1, 1));
+        assert_eq!(sub.outputs["lse"], at(&case.outputs["lse"], 1, 3));
+        assert!(one_head(&case, 2, 0).is_none() && one_head(&case, 0, 4).is_none(), "out of range");
+        assert!(one_head(&sub, 0, 0).is_none(), "a single head is its own screen");
     }
 
     #[test]

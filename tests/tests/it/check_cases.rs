@@ -511,7 +511,7 @@ fn binary_exits_zero_one_and_two() {
     let (code, text) = run_check(&[good_path.clone(), wrong_path.clone()], &[]);
     assert_eq!(code, 1, "{text}");
     assert!(text.contains("likely cause: wrong scale"), "{text}");
-    let (code, text) = run_check(&[good_path.clone(), wrong_path, bad_path], &["--json"]);
+    let (code, text) = run_check(&[good_path.clone(), wrong_path.clone(), bad_path], &["--json"]);
     assert_eq!(code, 2, "{text}");
     assert!(text.contains("missing tensor `v`"), "{text}");
     assert!(text.trim_start().starts_with('[') && text.contains("\"status\":\"pass\""), "{text}");
@@ -523,5 +523,16 @@ fn binary_exits_zero_one_and_two() {
     assert!(text.contains("not verified"), "{text}");
     let (code, text) = run_check(&[unbounded], &["--require-verified"]);
     assert_eq!(code, 1, "{text}");
+    // A reader that closes the pipe early (`check … | head -1`) gets the exit status of the checks, not a panic.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_check"))
+        .args([&good_path, &wrong_path])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run check");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("check ends");
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
     std::fs::remove_dir_all(&dir).ok();
 }
