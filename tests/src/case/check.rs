@@ -361,15 +361,22 @@ fn one_head(case: &CaseFile, b: usize, h: usize) -> Option<CaseFile> {
             .to_owned(),
         ..layout.clone()
     });
+    // Field by field, so that the whole case's tensors are not copied only to be replaced.
     Some(CaseFile {
         spec,
+        mask: case.mask,
         blocks,
+        recipe: case.recipe.clone(),
+        lse_base: case.lse_base,
+        masked_lse: case.masked_lse,
+        kernel: case.kernel.clone(),
+        storage: case.storage,
         q: pick(&case.q, h),
         k: pick(&case.k, kv),
         v: pick(&case.v, kv),
         outputs,
         d_out: case.d_out.as_ref().map(|g| pick(g, h)),
-        ..case.clone()
+        metadata: case.metadata.clone(),
     })
 }
 
