@@ -131,6 +131,14 @@ __device__ __forceinline__ void red_add_v2(bool add, float* p, float x0, float x
         : "memory");
 }
 
+// If `store`, writes two f32 values to consecutive (8-byte aligned) global addresses with one vector store (predicated
+// inside the asm, as red_add_v2).
+__device__ __forceinline__ void store_v2(bool store, float* p, float x0, float x1) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %3, 0;\n @p st.global.v2.f32 [%0], {%1, %2};\n}\n" ::"l"(p),
+                 "f"(x0), "f"(x1), "r"((int)store)
+                 : "memory");
+}
+
 // The per-sequence view of the problem (dense or varlen).
 struct SeqView {
     int len_q, len_k;
@@ -195,6 +203,8 @@ __device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, in
 #define SPARSE_PARAMS                                                                                               \
     , const int *__restrict__ block_lists, const int *__restrict__ csr_offsets, const int *__restrict__ csr_q_blocks, \
         const BlockListParams lists
+// The arguments SPARSE_PARAMS names, passed on to a helper that takes SPARSE_PARAMS.
+#define SPARSE_ARGS , block_lists, csr_offsets, csr_q_blocks, lists
 // The list of the query block holding row `row0` of query head `head` in sequence `seq`.
 #define QUERY_BLOCK_LIST(seq, head, row0)                                                                            \
     (block_lists + (seq) * lists.seq_stride + (long long)((head) / lists.heads_per_list) * lists.head_stride +       \
@@ -230,6 +240,7 @@ __device__ __forceinline__ int partial_slot(const int* __restrict__ list, int wi
 }
 #else
 #define SPARSE_PARAMS
+#define SPARSE_ARGS
 #endif
 
 #define SEQ_VIEW(seq)                                                                                                \
@@ -259,6 +270,123 @@ bwd_preprocess(const elem_t* __restrict__ o, const elem_t* __restrict__ d_out, f
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
         if (lane == 0) delta[sv.lse_base + head * lse_head + row] = acc;
+    }
+}
+
+// A KV owner's tensors in sequence `sv`: K and V from the KV tile's first key (of query head `head`'s KV head), and
+// Q, dO, LSE and D from query head `head`'s first row.
+struct KvOwnerTensors {
+    const elem_t* k_tile;
+    const elem_t* v_tile;
+    const elem_t* q_g;
+    const elem_t* do_g;
+    const float* lse_g;
+    const float* delta_g;
+
+    // b_L = fl32(LSE · log2 e) and D of the query tile from row `row0` (`rows` valid rows) into `bl` and `dl`
+    // (Q_TILE entries each; a row past the valid ones gets b_L = +∞ and D = 0), by the CTA's N_THREADS threads.
+    template <int N_THREADS>
+    __device__ __forceinline__ void load_row_stats(float* bl, float* dl, int row0, int rows) const {
+#pragma unroll
+        for (int round = 0; round < (Q_TILE + N_THREADS - 1) / N_THREADS; ++round) {
+            const int r = (int)threadIdx.x + round * N_THREADS;
+            if (r >= Q_TILE) break;
+            const float l = r < rows ? lse_g[row0 + r] : NEG_INF;
+            bl[r] = row_bl(l);
+            dl[r] = r < rows ? delta_g[row0 + r] : 0.f;
+        }
+    }
+};
+
+__device__ __forceinline__ KvOwnerTensors kv_owner_tensors(const FlashParams& fp, const SeqView& sv, int head, int key0,
+                                                           const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                                           const elem_t* __restrict__ v,
+                                                           const elem_t* __restrict__ d_out,
+                                                           const float* __restrict__ lse,
+                                                           const float* __restrict__ delta) {
+    UNPACK_FLASH_PARAMS(fp);
+    const int kv_head = head / group;
+    return KvOwnerTensors{k + sv.k_base + kv_head * k_head + (long long)key0 * k_row,
+                          v + sv.v_base + kv_head * v_head + (long long)key0 * v_row,
+                          q + sv.q_base + head * q_head,
+                          d_out + sv.o_base + head * o_head,
+                          lse + sv.lse_base + head * lse_head,
+                          delta + sv.lse_base + head * lse_head};
+}
+
+// The KV owner's walk (bwd_kv and flash_bwd_sm90.cu's): the query tiles that can see KV tile `b` (of KV_TILE keys)
+// of the sequence `sv` (grid z) for query head `head` under the problem `fp`, ascending; BLOCK_SPARSE, only those
+// whose query block lists the tile's key block (a KV tile never straddles two key blocks: the host takes
+// KV_TILE ≤ kv_block), read from the tile's CSR row.
+__device__ __forceinline__ TileCursor kv_owner_cursor(const FlashParams& fp, int b, const SeqView& sv,
+                                                      int head SPARSE_PARAMS) {
+    UNPACK_FLASH_PARAMS(fp);
+    int a_lo = 0, a_hi = -1;
+    if (!kv_tile_rows(b, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi)) {
+        a_lo = 0;
+        a_hi = -1;
+    }
+#if defined(BLOCK_SPARSE)
+    const int key0 = b * KV_TILE;
+    const long long csr_row = ((long long)blockIdx.z * lists.list_heads + head / lists.heads_per_list) * lists.kv_blocks +
+                              key0 / (lists.tiles_per_block * 64);
+    const int csr_lo = csr_offsets[csr_row];
+    return list_cursor(a_lo, a_hi + 1, csr_q_blocks + csr_lo, csr_offsets[csr_row + 1] - csr_lo, lists.q_block / Q_TILE);
+#else
+    return range_cursor(a_lo, a_hi + 1);
+#endif
+}
+
+// Whether every row of query tile `row0` (rows_here valid rows) sees all 16 keys of a warp from `wkey0`: then the
+// warp's P needs no mask.
+__device__ __forceinline__ bool warp_keys_interior(const SeqView& sv, int rows_here, int row0, int wkey0, int shift,
+                                                   int win_left, int win_right) {
+    const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&
+                          wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
+    return interior;
+}
+
+// Where a KV owner puts the dQ of query tile `row0` it computes from KV tile `b`: the f32 accumulator (dq_mode 1) or
+// the tile's partial (dq_mode 2), at the tile's first row of query head `head`.
+__device__ __forceinline__ float* dq_tile_rows(const FlashParams& fp, int dq_mode, float* __restrict__ dq_acc,
+                                               float* __restrict__ dq_part, long long part_stride, const SeqView& sv,
+                                               int head, int b, int row0 SPARSE_PARAMS) {
+#if defined(BLOCK_SPARSE)
+    // The partial's slot: this tile's position in the query block's list (bwd_dq_finalize reads it there).
+    const int slot = dq_mode == 1 ? 0
+                                  : partial_slot(QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width, b,
+                                                 lists.tiles_per_block * 64 / KV_TILE);
+#else
+    const int slot = b;
+#endif
+    return (dq_mode == 1 ? dq_acc : dq_part + (long long)slot * part_stride) + sv.q_base + head * fp.q_head +
+           (long long)row0 * fp.q_row;
+}
+
+// Columns col and col + 1 of key `key` (counted from the sequence's first key) of query head `head`'s dK (V_GRAD
+// false: scaled by α̂) or dV, as a KV owner finishes them: without GQA rounded to T into `out`; under GQA (or KV_ACCUM)
+// the head's f32 sums into the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for
+// bwd_kv_group_sum. One CTA owns each element within a launch; launches on one stream run in order, so the adds of
+// KV_ACCUM need no atomics.
+template <bool V_GRAD>
+__device__ __forceinline__ void store_kv_grad(const FlashParams& fp, elem_t* __restrict__ out,
+                                              float* __restrict__ dkv_part, const SeqView& sv, int head,
+                                              long long n_heads_q, long long total_k, int key, int col, float x0,
+                                              float x1) {
+    UNPACK_FLASH_PARAMS(fp);
+    if (col >= (V_GRAD ? dv : d)) return;
+    const int kv_head = head / group;
+    if (group == 1 && !KV_ACCUMULATE) {
+        elem_t* p = out + (V_GRAD ? sv.v_base + kv_head * v_head + (long long)key * v_row
+                                  : sv.k_base + kv_head * k_head + (long long)key * k_row) + col;
+        *reinterpret_cast<unsigned*>(p) = V_GRAD ? pack_elems(to_elem(x0), to_elem(x1))
+                                                 : pack_elems(to_elem(__fmul_rn(scale, x0)), to_elem(__fmul_rn(scale, x1)));
+    } else {
+        const long long row = head * total_k + sv.k_row0 + key;
+        float2* p = reinterpret_cast<float2*>(V_GRAD ? dkv_part + n_heads_q * total_k * d + row * dv + col
+                                                     : dkv_part + row * d + col);
+        const float2 old = KV_ACCUMULATE ? *p : make_float2(0.f, 0.f);
+        *p = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, x0), __fadd_rn(old.y, x1)) : make_float2(x0, x1);
     }
 }
 
@@ -294,6 +422,15 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const floa
     }
 }
 
+// The A fragment of dSᵀ for k-step kk (queries 16kk … 16kk + 15) from tile_p_ds's packed pairs: the m16k16 layout of
+// n tiles 2kk and 2kk + 1.
+__device__ __forceinline__ void ds_fragment(unsigned (&sa)[4], const unsigned (&dsp)[Q_TILE / 8][2], int kk) {
+    sa[0] = dsp[2 * kk][0];
+    sa[1] = dsp[2 * kk][1];
+    sa[2] = dsp[2 * kk + 1][0];
+    sa[3] = dsp[2 * kk + 1][1];
+}
+
 // dV += round_T(P)ᵀ dO and dK += dSᵀ Q for one warp's 16 keys over the tile's query rows (k = queries): P from `st`
 // (f32, rounded here), dS from `dsp`, dO and Q from shared memory (`.trans`: the reduction runs along their rows).
 // FULL: all Q_TILE rows are valid (no k-step test); otherwise k-steps wholly past `rows_here` are skipped.
@@ -304,9 +441,9 @@ __device__ __forceinline__ void add_dk_dv(float (&acc_k)[CHUNK / 8][4], float (&
 #pragma unroll
     for (int kk = 0; kk < Q_TILE / 16; ++kk) {
         if (!FULL && kk * 16 >= rows_here) break;
-        unsigned pa[4];
+        unsigned pa[4], sa[4];
         pack_a(pa, st[2 * kk], st[2 * kk + 1]);
-        const unsigned sa[4] = {dsp[2 * kk][0], dsp[2 * kk][1], dsp[2 * kk + 1][0], dsp[2 * kk + 1][1]};
+        ds_fragment(sa, dsp, kk);
 #pragma unroll
         for (int np = 0; np < CHUNK / 16; ++np) {
             const int col = c0 + np * 16;
@@ -359,6 +496,8 @@ __device__ __forceinline__ void tile_dq(float (&part)[DQ_MT][DQ_COLS / 8][4], un
     }
 }
 
+// BWD_KV_SM90: flash_bwd_sm90.cu, which follows this text, defines bwd_kv instead.
+#if !defined(BWD_KV_SM90)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, 8 / KV_WARPS)
 bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
        const elem_t* __restrict__ d_out, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -380,7 +519,6 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 
     const int b = blockIdx.x;
     const int head = ONE_CHUNK ? blockIdx.y : blockIdx.y / n_chunks;
-    const int kv_head = head / group;
     const int c0 = ONE_CHUNK ? 0 : (blockIdx.y % n_chunks) * CHUNK;
     const SeqView sv = SEQ_VIEW(blockIdx.z);
     const int key0 = b * KV_TILE;
@@ -392,48 +530,20 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const int g = lane / 4, tig = lane % 4;
     const int wk = warp * 16;
 
-    load_tile_async<KV_TILE, HEAD_DIM_PAD, QK_STRIDE, KV_THREADS>(
-        k_s, k + sv.k_base + kv_head * k_head + (long long)key0 * k_row, k_row, keys_here, d);
-    load_tile_async<KV_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(
-        v_s, v + sv.v_base + kv_head * v_head + (long long)key0 * v_row, v_row, keys_here, dv);
-
-    int a_lo = 0, a_hi = -1;
-    if (!kv_tile_rows(b, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi)) {
-        a_lo = 0;
-        a_hi = -1;
-    }
-    const elem_t* q_g = q + sv.q_base + head * q_head;
-    const elem_t* do_g = d_out + sv.o_base + head * o_head;
-    const float* lse_g = lse + sv.lse_base + head * lse_head;
-    const float* delta_g = delta + sv.lse_base + head * lse_head;
+    const KvOwnerTensors tensors = kv_owner_tensors(params.flash, sv, head, key0, q, k, v, d_out, lse, delta);
+    load_tile_async<KV_TILE, HEAD_DIM_PAD, QK_STRIDE, KV_THREADS>(k_s, tensors.k_tile, k_row, keys_here, d);
+    load_tile_async<KV_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(v_s, tensors.v_tile, v_row, keys_here, dv);
     // Starts loading query tile `a` into `stage`: Q and dO by cp.async, the row statistics by plain loads.
     auto load_q_tile = [&](int a, int stage) {
         const int row0 = a * Q_TILE;
         const int rows = min(Q_TILE, sv.len_q - row0);
         load_tile_async<Q_TILE, HEAD_DIM_PAD, QK_STRIDE, KV_THREADS>(
-            q_s + stage * Q_TILE * QK_STRIDE, q_g + (long long)row0 * q_row, q_row, rows, d);
+            q_s + stage * Q_TILE * QK_STRIDE, tensors.q_g + (long long)row0 * q_row, q_row, rows, d);
         load_tile_async<Q_TILE, HEAD_DIM_V_PAD, V_STRIDE, KV_THREADS>(
-            do_s + stage * Q_TILE * V_STRIDE, do_g + (long long)row0 * o_row, o_row, rows, dv);
-#pragma unroll
-        for (int round = 0; round < (Q_TILE + KV_THREADS - 1) / KV_THREADS; ++round) {
-            const int r = (int)threadIdx.x + round * KV_THREADS;
-            if (r >= Q_TILE) break;
-            const float l = r < rows ? lse_g[row0 + r] : NEG_INF;
-            bl_s[stage * Q_TILE + r] = row_bl(l);
-            delta_s[stage * Q_TILE + r] = r < rows ? delta_g[row0 + r] : 0.f;
-        }
+            do_s + stage * Q_TILE * V_STRIDE, tensors.do_g + (long long)row0 * o_row, o_row, rows, dv);
+        tensors.load_row_stats<KV_THREADS>(bl_s + stage * Q_TILE, delta_s + stage * Q_TILE, row0, rows);
     };
-#if defined(BLOCK_SPARSE)
-    // The query blocks that list this tile's key block (a KV tile never straddles two key blocks: the host takes
-    // KV_TILE ≤ kv_block), as query tiles, inside the rows that can see the tile.
-    const long long csr_row = ((long long)blockIdx.z * lists.list_heads + head / lists.heads_per_list) * lists.kv_blocks +
-                              key0 / (lists.tiles_per_block * 64);
-    const int csr_lo = csr_offsets[csr_row];
-    TileCursor cursor =
-        list_cursor(a_lo, a_hi + 1, csr_q_blocks + csr_lo, csr_offsets[csr_row + 1] - csr_lo, lists.q_block / Q_TILE);
-#else
-    TileCursor cursor = range_cursor(a_lo, a_hi + 1);
-#endif
+    TileCursor cursor = kv_owner_cursor(params.flash, b, sv, head SPARSE_ARGS);
     int a = cursor.next();
     if (a >= 0) load_q_tile(a, 0);
     cp_async_commit();
@@ -499,8 +609,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         // Pᵀ (kept in st, f32) and dSᵀ (in dsp, rounded to T and packed). Only a warp whose 16 keys some row of the
         // tile does not see completely pays for the mask.
         const int wkey0 = key0 + wk;
-        const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&
-                              wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
+        const bool interior = warp_keys_interior(sv, rows_here, row0, wkey0, shift, win_left, win_right);
         unsigned dsp[Q_TILE / 8][2];
         if (interior) {
             tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, 0, 0, 0, 0, 0, 0);
@@ -533,16 +642,8 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
             }
             // The warp's rows of the tile's dQ: added to the f32 accumulator (mode 1) or stored as this KV tile's
             // partial (mode 2); one branch on the mode around all of them, so each row's stores are predicated.
-#if defined(BLOCK_SPARSE)
-            // The partial's slot: this tile's position in the query block's list (bwd_dq_finalize reads it there).
-            const int slot = dq_mode == 1 ? 0
-                                          : partial_slot(QUERY_BLOCK_LIST(blockIdx.z, head, row0), lists.width, b,
-                                                         lists.tiles_per_block * 64 / KV_TILE);
-#else
-            const int slot = b;
-#endif
-            float* dq_tile = (dq_mode == 1 ? dq_acc : dq_part + (long long)slot * part_stride) + sv.q_base +
-                             head * q_head + (long long)row0 * q_row;
+            float* dq_tile =
+                dq_tile_rows(params.flash, dq_mode, dq_acc, dq_part, part_stride, sv, head, b, row0 SPARSE_ARGS);
             if (dq_mode == 1) {
 #pragma unroll
                 for (int rr = 0; rr < 2 * DQ_MT; ++rr) {
@@ -580,8 +681,8 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     // outstanding, so for every other CTA this returns at once.
     cp_async_wait_all();
 
-    // dK = round_T(α̂ · dK), dV = round_T(dV) for the warp's keys and the chunk's columns; under GQA this head's f32
-    // sums go to the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for bwd_kv_group_sum.
+    // dK = round_T(α̂ · dK), dV = round_T(dV) for the warp's keys and the chunk's columns (under GQA this head's f32
+    // sums, for bwd_kv_group_sum).
     const long long n_heads_q = gridDim.y / n_chunks;
 #pragma unroll
     for (int n = 0; n < CHUNK / 8; ++n) {
@@ -590,38 +691,14 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         for (int r = 0; r < 2; ++r) {
             const int key = wk + g + 8 * r;
             if (key >= keys_here) continue;
-            const float* xk = &acc_k[n][2 * r];
-            const float* xv = &acc_v[n][2 * r];
-            if (group == 1 && !KV_ACCUMULATE) {
-                if (col < d) {
-                    elem_t* p = dk_out + sv.k_base + kv_head * k_head + (long long)(key0 + key) * k_row + col;
-                    *reinterpret_cast<unsigned*>(p) =
-                        pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])));
-                }
-                if (col < dv) {
-                    elem_t* p = dv_out + sv.v_base + kv_head * v_head + (long long)(key0 + key) * v_row + col;
-                    *reinterpret_cast<unsigned*>(p) = pack_elems(to_elem(xv[0]), to_elem(xv[1]));
-                }
-            } else {
-                const long long row = head * total_k + sv.k_row0 + key0 + key;
-                // One CTA owns each element within a launch; launches on one stream run in order, so the adds of
-                // KV_ACCUM need no atomics.
-                if (col < d) {
-                    float2* pk = reinterpret_cast<float2*>(dkv_part + row * d + col);
-                    const float2 old = KV_ACCUMULATE ? *pk : make_float2(0.f, 0.f);
-                    *pk = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, xk[0]), __fadd_rn(old.y, xk[1]))
-                                        : make_float2(xk[0], xk[1]);
-                }
-                if (col < dv) {
-                    float2* pv = reinterpret_cast<float2*>(dkv_part + n_heads_q * total_k * d + row * dv + col);
-                    const float2 old = KV_ACCUMULATE ? *pv : make_float2(0.f, 0.f);
-                    *pv = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, xv[0]), __fadd_rn(old.y, xv[1]))
-                                        : make_float2(xv[0], xv[1]);
-                }
-            }
+            store_kv_grad<false>(params.flash, dk_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key, col,
+                                 acc_k[n][2 * r], acc_k[n][2 * r + 1]);
+            store_kv_grad<true>(params.flash, dv_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key, col,
+                                acc_v[n][2 * r], acc_v[n][2 * r + 1]);
         }
     }
 }
+#endif  // !BWD_KV_SM90
 
 // GQA: dK = round_T(α̂ · Σ_h dK_h) and dV = round_T(Σ_h dV_h) over the KV head's query heads, in ascending head order,
 // from bwd_kv's f32 workspace. One CTA per (64 keys, KV head, sequence).

@@ -1,6 +1,6 @@
 // FlashAttention forward with LSE (E2–E5) on Hopper's warpgroup tensor-core instructions (wgmma, sm_90a only),
-// compiled by NVRTC after common.cuh (see gpu/src/compile.rs); the launch wrappers pick it where it applies
-// (gpu/src/flash.rs, gpu/src/block_sparse/mod.rs).
+// compiled by NVRTC after common.cuh and sm90.cuh (see gpu/src/compile.rs); the launch wrappers pick it where it
+// applies (gpu/src/flash.rs, gpu/src/block_sparse/mod.rs).
 //
 // One CTA of two warpgroups (8 warps, 256 threads) per (query tile of BLOCK_M = 128 rows, query head, sequence); each
 // warpgroup owns 64 rows and each warp 16, so that a thread's accumulators have the m16n8 fragment layout of
@@ -11,14 +11,10 @@
 // wgmma.mma_async.m64n{64,128}k16 with P from registers (the accumulators of S rounded to the storage type: two
 // adjacent 8-column blocks of S are the m64k16 A fragment) and V in shared memory, N-major (transposed).
 //
-// Shared memory: Q, two K stages and two V stages, each tile stored as 64-column chunks of 128-byte rows in the
-// tensor cores' 128-byte swizzle (the 16-byte unit u of row r sits at unit u ^ (r % 8)); every chunk starts on a
-// 1024-byte boundary (the kernel aligns the dynamic window itself; the host asks for 1024 more bytes). Matrix
-// descriptors (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits 0–13, leading byte offset >> 4 in
-// 16–29, stride byte offset >> 4 in 32–45, swizzle mode 1 (128 bytes) in 62–63. Q and K are K-major: stride offset
-// 1024 (8 rows of 128 bytes), the leading offset unused, a k-step of 16 columns is 32 bytes further inside a chunk.
-// V is N-major: leading offset = the distance between two 64-column chunks (BLOCK_N · 128 bytes), stride offset 1024
-// (8 keys); a k-step of 16 keys is 2048 bytes further.
+// Shared memory: Q, and K and V in KV_STAGES stages each, every tile in sm90.cuh's 128-byte swizzle (64-column chunks
+// of 128-byte rows, each chunk on a 1024-byte boundary: the kernel aligns the dynamic window itself; the host asks for
+// 1024 more bytes). Q and K are K-major operands; V is N-major (transposed), its leading offset the distance between
+// two 64-column chunks (BLOCK_N · 128 bytes).
 //
 // Loads, two ways, both leaving tail rows and padding columns 0, never garbage (0 · NaN = NaN in a product), so both
 // put the same bytes in shared memory and give the same bits:
@@ -59,8 +55,7 @@
 #define V_CHUNKS (HEAD_DIM_V_PAD / 64)
 #define N_TILES_S (BLOCK_N / 8)
 #define N_TILES_O (HEAD_DIM_V_PAD / 8)
-// Bytes of one swizzled row (64 elements) and of the tiles.
-#define SW_ROW 128
+// Bytes of the tiles (SW_ROW, one swizzled row of 64 elements, is sm90.cuh's).
 #define Q_BYTES (QK_CHUNKS * BLOCK_M * SW_ROW)
 #define K_BYTES (QK_CHUNKS * BLOCK_N * SW_ROW)
 #define V_BYTES (V_CHUNKS * BLOCK_N * SW_ROW)
@@ -70,51 +65,7 @@
 #define KV_STAGES 2
 #endif
 
-// A shared-memory matrix descriptor in the 128-byte swizzle.
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr, unsigned lead_bytes, unsigned stride_bytes) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)((lead_bytes >> 4) & 0x3FFF) << 16) |
-           ((unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
-}
-// Orders this thread's generic-proxy writes to shared memory (cp.async's) before the tensor cores' reads.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
 #if defined(TMA_LOADS)
-// The mbarriers of the TMA pipeline (PTX ISA, "mbarrier"): a phase completes when its pending arrivals and expected
-// transaction bytes reach zero; waits name the parity of the phase they wait for.
-__device__ __forceinline__ void mbarrier_init(unsigned bar, unsigned arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(arrivals) : "memory");
-}
-// Makes the initialised barriers visible to the tensor copy engine's completions.
-__device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(unsigned bar, unsigned parity) {
-    asm volatile("{\n.reg .pred done;\nWAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// The tensor maps were written by the host before the launch; the acquire orders that write before this CTA's copies
-// read them through the tensor-map proxy.
-__device__ __forceinline__ void tensormap_acquire(const void* map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
-}
-// Copies the box at (column `col`, row `row`) of the 2-D tensor map `map` (64 columns × BLOCK_N rows, 128-byte
-// swizzle) to `dst` and signals its bytes on `bar`.
-__device__ __forceinline__ void tma_load_box(unsigned dst, const void* map, int col, int row, unsigned bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-                 ::"r"(dst), "l"(map), "r"(col), "r"(row), "r"(bar) : "memory");
-}
-
 // Thread 0's side of the TMA pipeline: the K and V tiles in the consumers' order, each into the next of KV_STAGES
 // stages once the 8 consumer warps released that stage's previous tile.
 struct KvLoader {
@@ -147,94 +98,13 @@ struct KvLoader {
 };
 #endif
 
-// D (64×128, f32) += A·B: A (64×16) and B (128×16) K-major in shared memory.
-__device__ __forceinline__ void wgmma_ss_m64n128k16(float (&d)[16][4], unsigned long long a, unsigned long long b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_ELEM "." MMA_ELEM " {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
-            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]),
-            "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
-            "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]),
-            "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),
-            "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-                 : "l"(a), "l"(b), "n"(1));
-}
-
-// D (64×128, f32) += A·B: A (64×16) from registers, B (128 columns) N-major in shared memory.
-__device__ __forceinline__ void wgmma_rs_m64n128k16(float (&d)[16][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32." MMA_ELEM "." MMA_ELEM " {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-                 "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]),
-            "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]),
-            "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),
-            "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]),
-            "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]),
-            "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
-
-// D (64×64, f32) += A·B: A (64×16) from registers, B (64 columns) N-major in shared memory.
-__device__ __forceinline__ void wgmma_rs_m64n64k16(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." MMA_ELEM "." MMA_ELEM " {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-                 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-            "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-            "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),
-            "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-            "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(1));
-}
-
 __device__ __forceinline__ void s_product(float (&s)[N_TILES_S][4], unsigned long long a, unsigned long long b) {
     wgmma_ss_m64n128k16(s, a, b);
 }
 __device__ __forceinline__ void pv_product(float (&acc)[N_TILES_O][4], const unsigned (&a)[4], unsigned long long b) {
-#if HEAD_DIM_V_PAD == 128
-    wgmma_rs_m64n128k16(acc, a, b);
-#else
-    wgmma_rs_m64n64k16(acc, a, b);
-#endif
+    wgmma_rs_n<HEAD_DIM_V_PAD>(acc, a, b);
 }
 
-// Starts copying `rows` valid rows of `cols` valid columns (a multiple of 8) of a ROWS-row tile into its swizzled
-// chunks at `smem`, zero-filling everything else.
-template <int ROWS, int CHUNKS>
-__device__ __forceinline__ void load_swizzled_async(unsigned char* smem, const elem_t* __restrict__ g,
-                                                    long long row_stride, int rows, int cols) {
-    constexpr int UNITS = CHUNKS * 8;  // 16-byte units per row
-    const int stride = (int)row_stride;
-#pragma unroll 4
-    for (int idx = threadIdx.x; idx < ROWS * UNITS; idx += THREADS) {
-        const int r = idx / UNITS;
-        const int u = idx % UNITS;
-        const int c = u * 8;
-        const bool valid = r < rows && c < cols;
-        const int offset = valid ? r * stride + c : 0;
-        unsigned char* dst = smem + (u / 8) * (ROWS * SW_ROW) + r * SW_ROW + (((u % 8) ^ (r % 8)) << 4);
-        cp_async_16(reinterpret_cast<elem_t*>(dst), g + offset, valid);
-    }
-}
 
 // O += round_T(P) V for one tile: `a` holds P as the A fragments of the tile's 8 k-steps of 16 keys.
 __device__ __forceinline__ void pv_tile(float (&acc)[N_TILES_O][4], const unsigned (&a)[BLOCK_N / 16][4],
@@ -314,11 +184,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     const int diag0 = (int)(cta.row0 + wrow + g + cta.shift);
 
     if (t >= 0) {
-        load_swizzled_async<BLOCK_M, QK_CHUNKS>(q_s, cta.q_g, q_row, cta.rows_here, d);
+        load_swizzled_async<BLOCK_M, QK_CHUNKS, THREADS>(q_s, cta.q_g, q_row, cta.rows_here, d);
 #if !defined(TMA_LOADS)
         const int key0 = t * BLOCK_N;
-        load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s, cta.k_g + (long long)key0 * k_row, k_row,
-                                                min(BLOCK_N, len_k - key0), d);
+        load_swizzled_async<BLOCK_N, QK_CHUNKS, THREADS>(k_s, cta.k_g + (long long)key0 * k_row, k_row,
+                                                         min(BLOCK_N, len_k - key0), d);
 #endif
         cp_async_commit();
     }
@@ -349,11 +219,12 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
         __syncthreads();  // K_i and V_{i-1} landed for everyone; every warp is done with iteration i − 1
         if (t_next >= 0) {
             const int key1 = t_next * BLOCK_N;
-            load_swizzled_async<BLOCK_N, QK_CHUNKS>(k_s + ((i + 1) & 1) * K_BYTES, cta.k_g + (long long)key1 * k_row,
-                                                    k_row, min(BLOCK_N, len_k - key1), d);
+            load_swizzled_async<BLOCK_N, QK_CHUNKS, THREADS>(k_s + ((i + 1) & 1) * K_BYTES,
+                                                             cta.k_g + (long long)key1 * k_row, k_row,
+                                                             min(BLOCK_N, len_k - key1), d);
         }
-        load_swizzled_async<BLOCK_N, V_CHUNKS>(v_s + (i & 1) * V_BYTES, cta.v_g + (long long)key0 * v_row, v_row,
-                                               min(BLOCK_N, len_k - key0), dv);
+        load_swizzled_async<BLOCK_N, V_CHUNKS, THREADS>(v_s + (i & 1) * V_BYTES, cta.v_g + (long long)key0 * v_row,
+                                                        v_row, min(BLOCK_N, len_k - key0), dv);
         cp_async_commit();
 #endif
         // The stage of V_{i-1}, the tile of the pending PV product.

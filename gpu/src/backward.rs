@@ -20,6 +20,15 @@
 //!    atomics land in, and is within the same bound every time. dK, dV and D come from the same arithmetic in all
 //!    three, so they agree bitwise across strategies.
 //!
+//! [`compile::FLASH_BWD_SM90`] is the same backward with `bwd_kv` on Hopper's warpgroup MMA (`gpu/kernels/
+//! flash_bwd_sm90.cu`, compute capability 9.0 only, [`is_wgmma_backward`]): two warpgroups of 64 keys over the same
+//! 128-key tiles and 64-row query tiles, Sᵀ, dPᵀ and dQ from shared-memory operands, dV and dK with `Pᵀ` and `dSᵀ` from
+//! registers, dSᵀ through swizzled shared memory for dQ; the walk, `P`, `dS` and every store are `flash_bwd.cu`'s
+//! helpers, and its other kernels run unchanged in the same module. It takes the default tiling and head dims up to
+//! 128 ([`wgmma_backward_supports`]; they are padded to 64 or 128 columns of zeros). Every product still adds in f32
+//! on the tensor cores in k-steps of 16 with no more instructions than the model counts, so its recipe is this
+//! module's. The block-sparse wrapper runs it on an H200 (`BlockLists::backward_kernel`).
+//!
 //! The block-sparse backward (`crate::block_sparse::backward`) compiles the same kernels with `BLOCK_SPARSE`: the KV
 //! owner walks the CSR transpose of the lists, the dQ owner and the deterministic dQ sum the query block's list, and
 //! masks still apply inside the visited tiles (`launch_backward` with the lists).
@@ -260,48 +269,88 @@ struct Plan {
 /// The define of `flash_bwd.cu`'s ring mode, which adds a pair's f32 dK/dV sums to a travelling accumulator.
 pub(crate) const KV_ACCUM: &str = "KV_ACCUM";
 
-/// The defines of the backward module a launch for `spec` in `tiling` compiles (after the checks of a launch).
+/// The defines of the backward module a launch of `kernel` (a text of `flash_bwd.cu` or of the `wgmma` backward,
+/// [`is_wgmma_backward`]) for `spec` in `tiling` compiles (after the checks of a launch).
 pub(crate) fn backward_defines<T: GpuElement>(
     spec: &AttentionSpec,
     tiling: BackwardTiling,
+    kernel: compile::KernelSource,
 ) -> Result<Vec<String>, GpuError> {
-    Ok(plan::<T>(spec, tiling)?.defines)
+    Ok(plan::<T>(spec, tiling, kernel)?.defines)
 }
 
-/// The module a plain (dense) backward of `kernel` (a text of `flash_bwd.cu`) for `spec` in `tiling` compiles with
-/// storage type `T` (what a caller compiles ahead of the launch with [`compile::module`]).
+/// The module a plain (dense) backward of `kernel` (a text of `flash_bwd.cu` or of the `wgmma` backward) for `spec`
+/// in `tiling` compiles with storage type `T` (what a caller compiles ahead of the launch with [`compile::module`]).
 pub fn backward_variant<T: GpuElement>(
     spec: &AttentionSpec,
     tiling: BackwardTiling,
     kernel: compile::KernelSource,
 ) -> Result<ModuleVariant, GpuError> {
-    Ok(ModuleVariant { kernel, defines: backward_defines::<T>(spec, tiling)? })
+    Ok(ModuleVariant { kernel, defines: backward_defines::<T>(spec, tiling, kernel)? })
+}
+
+/// Whether `kernel` is a text of the backward with the `wgmma` KV owner ([`compile::FLASH_BWD_SM90`], or a patched copy
+/// of it): its plan differs from `flash_bwd`'s (padding, shared memory, the [`compile::BWD_KV_SM90`] define), not its
+/// arguments.
+pub fn is_wgmma_backward(kernel: compile::KernelSource) -> bool {
+    kernel.name == compile::FLASH_BWD_SM90.name
+}
+
+/// Whether the `wgmma` backward ([`compile::FLASH_BWD_SM90`]) takes `spec` in `tiling`: the default tiling (its KV
+/// tiles of 128 keys, two warpgroups of 64) and head dims up to [`crate::flash::WGMMA_MAX_HEAD_DIM`].
+pub fn wgmma_backward_supports(spec: &AttentionSpec, tiling: BackwardTiling) -> bool {
+    tiling == BackwardTiling::DEFAULT && spec.head_dim.max(spec.head_dim_v) <= crate::flash::WGMMA_MAX_HEAD_DIM
 }
 
 /// Checks that the kernels support `spec` and derives the launch plan.
-fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<Plan, GpuError> {
+fn plan<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: BackwardTiling,
+    kernel: compile::KernelSource,
+) -> Result<Plan, GpuError> {
     if !BackwardTiling::ALL.contains(&tiling) {
         return Err(GpuError::Unsupported {
             argument: "tiling",
             reason: format!("{tiling:?} is not one of {:?}", BackwardTiling::ALL),
         });
     }
+    let wgmma = is_wgmma_backward(kernel);
+    if wgmma && !wgmma_backward_supports(spec, tiling) {
+        return Err(GpuError::Unsupported {
+            argument: if tiling == BackwardTiling::DEFAULT { "head_dim" } else { "tiling" },
+            reason: format!(
+                "the wgmma backward takes the tiling {:?} and head dims up to {}, not {tiling:?} and {}, {}",
+                BackwardTiling::DEFAULT,
+                crate::flash::WGMMA_MAX_HEAD_DIM,
+                spec.head_dim,
+                spec.head_dim_v
+            ),
+        });
+    }
     let kv_tile = tiling.kv_tile();
     let (params, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let (d, dv, hq, hkv) = (spec.head_dim, spec.head_dim_v, spec.n_heads_q, spec.n_heads_kv);
-    // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d.
-    let (d_pad, dv_pad) = (d.div_ceil(16) * 16, dv.div_ceil(16) * 16);
+    // dv is the reduction of dP = dO Vᵀ, so it is padded to the mma's k step of 16, like d; the wgmma backward pads
+    // both to its swizzled chunks of 64 columns.
+    let pad = if wgmma { 64 } else { 16 };
+    let (d_pad, dv_pad) = (d.div_ceil(pad) * pad, dv.div_ceil(pad) * pad);
     // The chunk is a multiple of 32 (bwd_kv's dQ step splits it in two or four parts of whole 16-column pairs).
     let chunk = MAX_CHUNK.min(d_pad.max(dv_pad).next_multiple_of(32));
     // Shared memory of bwd_kv (2-byte elements, rows padded by 8): the K and V tiles of kv_tile rows, Q and dO tiles
     // of Q_TILE rows per stage, the dS tile [Q_TILE][kv_tile + 8], and two f32 row vectors per stage. Two stages
     // (Q and dO of the next query tile loading while this one computes) unless the head dims are too wide for them.
+    // The wgmma KV owner's rows are unpadded (swizzled instead), it always takes two stages, and it aligns its window
+    // to 1024 bytes itself, for which it asks 1024 more.
     let kv_shared = |stages: usize| {
         let rows = kv_tile + stages * Q_TILE;
-        2 * (rows * (d_pad + 8) + rows * (dv_pad + 8) + Q_TILE * (kv_tile + 8)) + 2 * stages * Q_TILE * 4
+        if wgmma {
+            1024 + 2 * (rows * (d_pad + dv_pad) + Q_TILE * kv_tile) + 2 * stages * Q_TILE * 4
+        } else {
+            2 * (rows * (d_pad + 8) + rows * (dv_pad + 8) + Q_TILE * (kv_tile + 8)) + 2 * stages * Q_TILE * 4
+        }
     };
     let q_stages = if kv_shared(2) <= SHARED_OPT_IN { 2 } else { 1 };
-    let defines = vec![
+    let mut defines = vec![
         T::DEFINE.to_owned(),
         format!("HEAD_DIM_PAD={d_pad}"),
         format!("HEAD_DIM_V_PAD={dv_pad}"),
@@ -309,6 +358,9 @@ fn plan<T: GpuElement>(spec: &AttentionSpec, tiling: BackwardTiling) -> Result<P
         format!("Q_STAGES={q_stages}"),
         format!("KV_WARPS={}", tiling.kv_warps),
     ];
+    if wgmma {
+        defines.push(compile::BWD_KV_SM90.to_owned());
+    }
     // bwd_dq: Q, dO tiles of Q_TILE rows and K, V tiles of DQ_KV_TILE rows.
     let dq_shared = 2 * ((Q_TILE + DQ_KV_TILE) * (d_pad + 8) + (Q_TILE + DQ_KV_TILE) * (dv_pad + 8));
     let seqs = spec.sequences();
@@ -482,7 +534,7 @@ pub(crate) fn launch_backward<T: GpuElement>(
     strategy: GpuBackwardStrategy,
     sparse: Option<SparseLists<'_>>,
 ) -> Result<(), GpuError> {
-    let mut plan = plan::<T>(spec, tiling)?;
+    let mut plan = plan::<T>(spec, tiling, kernel)?;
     if let Some(sparse) = &sparse {
         // A KV tile of bwd_kv must lie in one key block, whose CSR row it walks.
         if !sparse.kv_block().is_multiple_of(tiling.kv_tile()) {
@@ -659,7 +711,7 @@ pub(crate) fn ring_launch<T: GpuElement>(
         });
     }
     let tiling = BackwardTiling::DEFAULT;
-    let mut plan = plan::<T>(spec, tiling)?;
+    let mut plan = plan::<T>(spec, tiling, FLASH_BWD)?;
     plan.defines.push(KV_ACCUM.to_owned());
     if let Some(w) = window {
         (plan.params.win_left, plan.params.win_right) = w.kernel_values();
@@ -901,17 +953,17 @@ mod tests {
         let p = Mask::Predicate(Predicate { name: "even".into(), visible: Arc::new(|pair| pair.key % 2 == 0) });
         let spec = AttentionSpec::dense(1, 1, 1, 4, 4, 16, 16).with_mask(p);
         assert!(matches!(
-            plan::<bf16>(&spec, BackwardTiling::DEFAULT),
+            plan::<bf16>(&spec, BackwardTiling::DEFAULT, FLASH_BWD),
             Err(GpuError::Unsupported { argument: "mask", .. })
         ));
         for (d, dv, bad) in [(59, 64, "head_dim"), (64, 12, "head_dim_v"), (264, 64, "head_dim")] {
-            match plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv), BackwardTiling::DEFAULT) {
+            match plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, d, dv), BackwardTiling::DEFAULT, FLASH_BWD) {
                 Err(GpuError::Unsupported { argument, .. }) => assert_eq!(argument, bad),
                 other => panic!("d={d} dv={dv}: {other:?}"),
             }
         }
         assert!(matches!(
-            plan::<bf16>(&AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8), BackwardTiling::DEFAULT),
+            plan::<bf16>(&AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8), BackwardTiling::DEFAULT, FLASH_BWD),
             Err(GpuError::Spec(_))
         ));
     }
@@ -919,7 +971,7 @@ mod tests {
     #[test]
     fn plan_grids_chunks_and_shared_memory() {
         let spec = AttentionSpec::dense(2, 4, 2, 130, 70, 128, 200).with_mask(Mask::Causal);
-        let p = plan::<bf16>(&spec, BackwardTiling::DEFAULT).unwrap();
+        let p = plan::<bf16>(&spec, BackwardTiling::DEFAULT, FLASH_BWD).unwrap();
         assert_eq!((p.q_tiles, p.kv_tiles, p.group_sum_tiles, p.seqs), (3, 1, 2, 2));
         // Chunks of 128 columns: max(d, dv) = 200 takes two, d = 128 one.
         assert_eq!((p.kv_chunks, p.q_chunks), (2, 1));
@@ -935,10 +987,12 @@ mod tests {
         assert_eq!(p.q_elements, 2 * 4 * 130 * 128);
         assert_eq!(p.total_k, 2 * 70);
         // Narrow heads take one chunk of 32 columns.
-        let narrow = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 16, 8), BackwardTiling::DEFAULT).unwrap();
+        let narrow =
+            plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 16, 8), BackwardTiling::DEFAULT, FLASH_BWD).unwrap();
         assert_eq!(narrow.defines[3..], ["CHUNK=32", "Q_STAGES=2", "KV_WARPS=8"]);
         // The largest head dims fit the H200's 227 KiB opt-in shared memory with one stage.
-        let big = plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256), BackwardTiling::DEFAULT).unwrap();
+        let big =
+            plan::<f16>(&AttentionSpec::dense(1, 2, 1, 4, 4, 256, 256), BackwardTiling::DEFAULT, FLASH_BWD).unwrap();
         assert_eq!(big.defines[3..], ["CHUNK=128", "Q_STAGES=1", "KV_WARPS=8"]);
         assert!(big.kv_shared as usize <= SHARED_OPT_IN, "{}", big.kv_shared);
     }
@@ -947,13 +1001,41 @@ mod tests {
     fn four_warp_tiling_halves_the_kv_tile_and_fits_two_ctas_per_sm_at_d_128() {
         let four = BackwardTiling { kv_warps: 4 };
         assert_eq!(BackwardTiling::ALL.map(BackwardTiling::kv_tile), [64, 128]);
-        let p = plan::<bf16>(&AttentionSpec::dense(1, 2, 2, 300, 300, 128, 128), four).unwrap();
+        let p = plan::<bf16>(&AttentionSpec::dense(1, 2, 2, 300, 300, 128, 128), four, FLASH_BWD).unwrap();
         assert_eq!(p.kv_tiles, 5);
         assert_eq!(p.defines[3..], ["CHUNK=128", "Q_STAGES=2", "KV_WARPS=4"]);
         // An SM has 228 KiB of shared memory and reserves 1 KiB per CTA.
         assert!(2 * (p.kv_shared as usize + 1024) <= 228 * 1024, "{}", p.kv_shared);
-        let bad = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 64, 64), BackwardTiling { kv_warps: 6 });
+        let bad = plan::<bf16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 64, 64), BackwardTiling { kv_warps: 6 }, FLASH_BWD);
         assert!(matches!(bad, Err(GpuError::Unsupported { argument: "tiling", .. })));
+    }
+
+    #[test]
+    fn the_wgmma_plan_pads_to_whole_chunks_and_takes_head_dims_up_to_128() {
+        use crate::compile::{BWD_KV_SM90, FLASH_BWD_SM90};
+        assert!(is_wgmma_backward(FLASH_BWD_SM90) && !is_wgmma_backward(FLASH_BWD));
+        let p =
+            plan::<bf16>(&AttentionSpec::dense(1, 2, 1, 300, 300, 40, 128), BackwardTiling::DEFAULT, FLASH_BWD_SM90)
+                .unwrap();
+        for define in ["HEAD_DIM_PAD=64", "HEAD_DIM_V_PAD=128", "KV_WARPS=8", BWD_KV_SM90] {
+            assert!(p.defines.iter().any(|d| d == define), "{define} missing from {:?}", p.defines);
+        }
+        // K and V of 128 keys, Q and dO of 64 rows in two stages, dSᵀ (128 × 64), the row statistics, the alignment.
+        assert_eq!(p.kv_shared as usize, 1024 + 2 * (256 * (64 + 128) + 64 * 128) + 2 * 2 * 64 * 4);
+        assert!(p.kv_shared as usize <= SHARED_OPT_IN);
+        assert_eq!((p.kv_chunks, p.q_chunks), (1, 1));
+        let mma = plan::<bf16>(&AttentionSpec::dense(1, 2, 1, 300, 300, 40, 128), BackwardTiling::DEFAULT, FLASH_BWD)
+            .unwrap();
+        assert!(mma.defines.iter().any(|d| d == "HEAD_DIM_PAD=48") && !mma.defines.iter().any(|d| d == BWD_KV_SM90));
+        for (spec, tiling, argument) in [
+            (AttentionSpec::dense(1, 1, 1, 4, 4, 136, 64), BackwardTiling::DEFAULT, "head_dim"),
+            (AttentionSpec::dense(1, 1, 1, 4, 4, 64, 136), BackwardTiling::DEFAULT, "head_dim"),
+            (AttentionSpec::dense(1, 1, 1, 4, 4, 64, 64), BackwardTiling { kv_warps: 4 }, "tiling"),
+        ] {
+            assert!(!wgmma_backward_supports(&spec, tiling));
+            let err = plan::<bf16>(&spec, tiling, FLASH_BWD_SM90).unwrap_err();
+            assert!(matches!(err, GpuError::Unsupported { argument: a, .. } if a == argument), "{err}");
+        }
     }
 
     #[test]

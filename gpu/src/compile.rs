@@ -21,12 +21,13 @@
 //!   alone, so no later device runs it; the launch wrappers pick it only on 9.0 and run `flash_fwd` elsewhere.
 //! - `flash_bwd` needs 9.0: `bwd_kv` stores dS with `stmatrix` and adds dQ with the vector reduction
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
+//! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
 //! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) do not exist
-//! in later architectures' plain targets. Only `flash_fwd_sm90` uses them; every instruction of the other kernels is in
+//! in later architectures' plain targets. Only `flash_fwd_sm90` and `flash_bwd_sm90` use them; every instruction of the other kernels is in
 //! the plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run them.
 //! `gpu/tests/it/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
 //! accepts exactly the pairs this table admits.
@@ -64,11 +65,15 @@ pub const FLASH_FWD: KernelSource = KernelSource {
     source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_fwd.cu")),
 };
 
-/// `gpu/kernels/flash_fwd_sm90.cu`: the forward on Hopper's `wgmma` (compute capability 9.0 only), with
-/// `flash_fwd`'s arguments.
+/// `gpu/kernels/flash_fwd_sm90.cu` after `gpu/kernels/sm90.cuh`: the forward on Hopper's `wgmma` (compute capability
+/// 9.0 only), with `flash_fwd`'s arguments.
 pub const FLASH_FWD_SM90: KernelSource = KernelSource {
     name: "flash_fwd_sm90",
-    source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_fwd_sm90.cu")),
+    source: concat!(
+        include_str!("../kernels/common.cuh"),
+        include_str!("../kernels/sm90.cuh"),
+        include_str!("../kernels/flash_fwd_sm90.cu")
+    ),
 };
 
 /// `gpu/kernels/flash_bwd.cu`.
@@ -76,6 +81,23 @@ pub const FLASH_BWD: KernelSource = KernelSource {
     name: "flash_bwd",
     source: concat!(include_str!("../kernels/common.cuh"), include_str!("../kernels/flash_bwd.cu")),
 };
+
+/// `gpu/kernels/flash_bwd.cu` followed by `gpu/kernels/flash_bwd_sm90.cu`: the backward whose KV owner (`bwd_kv`) runs
+/// on Hopper's `wgmma` (compute capability 9.0 only), compiled with [`BWD_KV_SM90`]; its other kernels are
+/// `flash_bwd`'s, with the same arguments.
+pub const FLASH_BWD_SM90: KernelSource = KernelSource {
+    name: "flash_bwd_sm90",
+    source: concat!(
+        include_str!("../kernels/common.cuh"),
+        include_str!("../kernels/sm90.cuh"),
+        include_str!("../kernels/flash_bwd.cu"),
+        include_str!("../kernels/flash_bwd_sm90.cu")
+    ),
+};
+
+/// The define every module of [`FLASH_BWD_SM90`] is compiled with: `flash_bwd.cu` then leaves `bwd_kv` to
+/// `flash_bwd_sm90.cu`.
+pub const BWD_KV_SM90: &str = "BWD_KV_SM90";
 
 /// What a kernel needs of the device: the lowest compute capability whose target has every instruction it uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,7 +115,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 5] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 6] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -111,6 +133,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 5] = [
         needs: (9, 0),
         only: false,
         instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
+    },
+    DeviceRequirement {
+        kernel: "flash_bwd_sm90",
+        needs: (9, 0),
+        only: true,
+        instructions: "wgmma.mma_async, which only the sm_90a target has",
     },
     DeviceRequirement {
         kernel: "bsa_select",

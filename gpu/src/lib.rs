@@ -51,8 +51,8 @@ pub use crate::compile::ModuleVariant;
 
 /// Every module the launches for `spec` compile with storage type `T` in the given tilings: the forward (plain, the
 /// ring's `STATE_OUT` mode and the `BLOCK_SPARSE` mode), the block selector, the backward (plain, the ring's
-/// `KV_ACCUM` mode and the `BLOCK_SPARSE` mode), the ring's merge and finalize kernels, and the sm_90a forward (plain
-/// and `BLOCK_SPARSE`) where the head dims suit it. With [`compile::compile_for_arch`] this checks kernel texts on a
+/// `KV_ACCUM` mode and the `BLOCK_SPARSE` mode), the ring's merge and finalize kernels, and the sm_90a forward and
+/// backward (plain and `BLOCK_SPARSE`) where the head dims (and, for the backward, `backward`) suit them. With [`compile::compile_for_arch`] this checks kernel texts on a
 /// machine without a device.
 pub fn module_variants<T: GpuElement>(
     spec: &AttentionSpec,
@@ -60,16 +60,16 @@ pub fn module_variants<T: GpuElement>(
     backward: BackwardTiling,
 ) -> Result<Vec<ModuleVariant>, GpuError> {
     let fwd = flash::forward_defines::<T>(spec, forward, compile::FLASH_FWD)?;
-    let bwd = backward::backward_defines::<T>(spec, backward)?;
+    let bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD)?;
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
     // The sm_90a forward, where the spec's head dims suit it (its block-sparse mode is what the wrappers launch).
     let sm90 = flash::forward_defines::<T>(spec, ForwardTiling::WGMMA, compile::FLASH_FWD_SM90).ok();
-    let sm90_variants = sm90.iter().flat_map(|defines| {
-        [
-            variant(compile::FLASH_FWD_SM90, with(defines, flash::BLOCK_SPARSE)),
-            variant(compile::FLASH_FWD_SM90, defines.clone()),
-        ]
+    let sm90_bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD_SM90).ok();
+    let sm90_variants =
+        sm90.iter().map(|d| (compile::FLASH_FWD_SM90, d)).chain(sm90_bwd.iter().map(|d| (compile::FLASH_BWD_SM90, d)));
+    let sm90_variants = sm90_variants.flat_map(|(kernel, defines)| {
+        [variant(kernel, with(defines, flash::BLOCK_SPARSE)), variant(kernel, defines.clone())]
     });
     Ok([
         variant(compile::FLASH_FWD, with(&fwd, flash::STATE_OUT)),
@@ -211,7 +211,7 @@ mod tests {
                 .unwrap();
         let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
         kernels.dedup();
-        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "flash_fwd_sm90"]);
+        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "flash_fwd_sm90", "flash_bwd_sm90"]);
         for kernel in kernels {
             assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");
         }

@@ -59,6 +59,7 @@ SANITIZE=(
     "attnproof-gpu-it block_sparse::sanitizer_shapes"
     "attnproof-gpu-it block_sparse::wgmma_sanitizer_shapes"
     "attnproof-gpu-it block_sparse_backward::sanitizer_shapes"
+    "attnproof-gpu-it block_sparse_backward::wgmma_sanitizer_shapes"
     "attnproof-gpu-it block_selection::all_tied_blocks_select_the_lowest_indices"
     "attnproof-gpu-it ring_state::one_chunk"
 )

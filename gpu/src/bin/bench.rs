@@ -8,12 +8,14 @@
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
-//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...]`.
+//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
+//! [--wgmma-bwd-source PATH]...]`.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
-//! 2.5 times the forward's. `--fwd-source PATH` and `--bwd-source PATH` (repeatable) also time the forward or the
+//! 2.5 times the forward's; on an H200 also for the backward with the `wgmma` KV owner (`flash_bwd_sm90`, tiling
+//! suffix `/sm90`). `--fwd-source PATH` and `--bwd-source PATH` (repeatable) also time the forward or the
 //! backward compiled from another text of the kernel (a whole NVRTC source: `common.cuh` followed by a
 //! `flash_fwd.cu` or `flash_bwd.cu`), in rows whose tiling ends in `@` and the file's name: one device call can then
 //! compare candidate kernels with the embedded ones on the same inputs.
@@ -28,7 +30,10 @@
 //! full 128×128 block (`4·D·128·128` per visited block and head, the diagonal included), so that the same lists give
 //! the same FLOPs to every peer. It also times the block-sparse backward over the same lists (direction `bsa-bwd`,
 //! tiling `<kind>/<strategy>`, FLOPs 2.5 times the forward's, each launch validating the lists and building their
-//! CSR transpose as a caller's would). `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
+//! CSR transpose as a caller's would): the kernel the wrappers pick (`BlockLists::backward_kernel`: on an H200 the
+//! `wgmma` KV owner), `flash_bwd` beside it in rows `<kind>/mma.sync/<strategy>`, and, with `--wgmma-bwd-source PATH`
+//! (repeatable), other texts of the `wgmma` backward (a whole NVRTC source: `common.cuh`, `sm90.cuh`, `flash_bwd.cu`,
+//! `flash_bwd_sm90.cu`) in rows `<kind>@<stem>/<strategy>`. `--lists-dir DIR` writes each list tensor there (raw little-endian `i32`,
 //! `lists-L<L>-<kind>-1x16x<blocks>x<width>.i32`) for `bench/block_sparse_peers.py` to give FlexAttention.
 //! It also times the block selector (`attnproof_gpu::block_sparse::select`, direction `bsa-select`) at L = 16K, 64K,
 //! 128K and 256K with 16 query heads over 2 KV heads, D = 128, causal, 128×128 blocks, top-8 without forced blocks
@@ -44,11 +49,12 @@ use std::sync::Arc;
 
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
+    is_wgmma_backward, wgmma_backward_supports,
 };
-use attnproof_gpu::block_sparse::backward::block_sparse_backward_device;
+use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -85,6 +91,9 @@ struct Options {
     /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
     /// the file's stem for the CSV.
     wgmma_sources: Vec<(KernelSource, String)>,
+    /// `--wgmma-bwd-source PATH`: other texts of the `wgmma` backward, each timed in the block-sparse backward rows,
+    /// with the file's stem.
+    wgmma_bwd_sources: Vec<(KernelSource, String)>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -115,6 +124,7 @@ fn parse() -> Result<Options, String> {
         select_sources: vec![],
         selection_only: false,
         wgmma_sources: vec![],
+        wgmma_bwd_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -138,6 +148,13 @@ fn parse() -> Result<Options, String> {
                 // Named as the sm_90a kernel, so that its launch plan is that kernel's (`flash::is_wgmma`).
                 let kernel = KernelSource { name: FLASH_FWD_SM90.name, source: text.source };
                 o.wgmma_sources.push((kernel, text.name.to_owned()));
+            }
+            "--wgmma-bwd-source" => {
+                let path = value("--wgmma-bwd-source")?;
+                let text = kernel_from_file("--wgmma-bwd-source", &path, "bwd_kv")?;
+                // Named as the wgmma backward, so that its launch plan is that kernel's (`is_wgmma_backward`).
+                let kernel = KernelSource { name: FLASH_BWD_SM90.name, source: text.source };
+                o.wgmma_bwd_sources.push((kernel, text.name.to_owned()));
             }
             "--fwd-source" => {
                 let path = value("--fwd-source")?;
@@ -166,11 +183,11 @@ fn parse() -> Result<Options, String> {
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
     }
-    if (o.selection_only || !o.select_sources.is_empty() || !o.wgmma_sources.is_empty()) && !o.block_sparse {
-        return Err(
-            "--selection-only, --select-source and --wgmma-source concern the block-sparse rows: add --block-sparse"
-                .into(),
-        );
+    let block_sparse_only = !o.select_sources.is_empty() || !o.wgmma_sources.is_empty();
+    if (o.selection_only || block_sparse_only || !o.wgmma_bwd_sources.is_empty()) && !o.block_sparse {
+        return Err("--selection-only, --select-source, --wgmma-source and --wgmma-bwd-source concern the \
+                    block-sparse rows: add --block-sparse"
+            .into());
     }
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
@@ -465,20 +482,38 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
             let extra = backward_inputs(stream, &fwd, &inputs, n, h * l)?;
             let (mut dq, mut dk, mut dv) = (alloc(stream, n)?, alloc(stream, n)?, alloc(stream, n)?);
             let mut delta = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;
-            for (strategy, name) in TIMED_STRATEGIES {
+            // The production backward, then `flash_bwd` where that is another kernel, then other texts of the wgmma
+            // backward.
+            let production = lists.backward_kernel(&spec, device);
+            let mut kernels = vec![(production, kind.name().to_owned())];
+            if production != FLASH_BWD {
+                kernels.push((FLASH_BWD, format!("{}/mma.sync", kind.name())));
+            }
+            kernels.extend(opts.wgmma_bwd_sources.iter().map(|(k, stem)| (*k, format!("{}@{stem}", kind.name()))));
+            for ((kernel, label), (strategy, name)) in
+                kernels.iter().flat_map(|k| TIMED_STRATEGIES.iter().map(move |s| (k, s)))
+            {
                 // Each launch validates the lists and builds their CSR transpose on the device, as a caller's would.
                 let ms = median_ms(stream, opts, |s| {
                     let inputs = extra.device_inputs(&inputs, s);
                     let outputs = BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
-                    block_sparse_backward_device(stream, &spec, &lists, inputs, outputs, strategy)
-                        .map_err(|e| e.to_string())
+                    block_sparse_backward_device_with(
+                        stream,
+                        &spec,
+                        &lists,
+                        *kernel,
+                        lists.backward_tiling(),
+                        inputs,
+                        outputs,
+                        *strategy,
+                    )
+                    .map_err(|e| e.to_string())
                 })?;
-                let default = u8::from(strategy == GpuBackwardStrategy::KvOwnerAtomic);
+                let default = u8::from(*strategy == GpuBackwardStrategy::KvOwnerAtomic && *kernel == production);
                 emit(
                     out,
                     format!(
-                        "\"(1,{h},{l},{d})\",true,bsa-bwd,{}/{name},{default},{ms:.4},{:.1}\n",
-                        kind.name(),
+                        "\"(1,{h},{l},{d})\",true,bsa-bwd,{label}/{name},{default},{ms:.4},{:.1}\n",
                         2.5 * flops / ms / 1e9
                     ),
                 );
@@ -496,6 +531,7 @@ fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> 
 fn run(opts: &Options) -> Result<(), String> {
     let ctx = cuda_device().map_err(|e| e.to_string())?;
     let stream = ctx.new_stream().map_err(|e| e.to_string())?;
+    let device = compute_capability(&ctx).map_err(|e| e.to_string())?;
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
     if opts.block_sparse {
@@ -554,9 +590,13 @@ fn run(opts: &Options) -> Result<(), String> {
                 // Every tiling with --all-tilings, the default one otherwise; each with both timed strategies.
                 let bwd_tilings: Vec<BackwardTiling> =
                     if opts.all_tilings { BackwardTiling::ALL.to_vec() } else { vec![BackwardTiling::DEFAULT] };
-                let kernels = std::iter::once(FLASH_BWD).chain(opts.bwd_sources.iter().copied());
+                // On 9.0 the wgmma backward beside `flash_bwd` (default tiling only: its KV tile is 128 keys).
+                let sm90 = (device == (9, 0) && wgmma_backward_supports(&spec, BackwardTiling::DEFAULT))
+                    .then_some(FLASH_BWD_SM90);
+                let kernels = std::iter::once(FLASH_BWD).chain(sm90).chain(opts.bwd_sources.iter().copied());
                 let runs = kernels.flat_map(|kernel| {
-                    bwd_tilings.iter().flat_map(move |&t| TIMED_STRATEGIES.map(|(s, name)| (kernel, t, s, name)))
+                    let tilings = if is_wgmma_backward(kernel) { &bwd_tilings[..1] } else { &bwd_tilings[..] };
+                    tilings.iter().flat_map(move |&t| TIMED_STRATEGIES.map(|(s, name)| (kernel, t, s, name)))
                 });
                 for (kernel, tiling, strategy, name) in runs {
                     let embedded = kernel.source == FLASH_BWD.source;
@@ -569,9 +609,10 @@ fn run(opts: &Options) -> Result<(), String> {
                     })?;
                     // Five matrix products to the forward's two: 2.5 times its FLOPs, as the peers count them.
                     let line = format!(
-                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w{},{},{ms:.4},{:.1}\n",
+                        "\"({b},{h},{l},{d})\",{causal},bwd,{name}/{}w{}{},{},{ms:.4},{:.1}\n",
                         tiling.kv_warps,
-                        source_suffix(kernel, embedded),
+                        if kernel == FLASH_BWD_SM90 { "/sm90" } else { "" },
+                        source_suffix(kernel, embedded || kernel == FLASH_BWD_SM90),
                         u8::from(
                             embedded
                                 && strategy == GpuBackwardStrategy::KvOwnerAtomic

@@ -28,6 +28,12 @@
 //! A KV tile must lie in one key block: 64-key blocks take the four-warp tiling (KV tiles of 64 keys), 128-key blocks
 //! the default (128); [`BlockLists::backward_tiling`] chooses, and [`block_sparse_backward_device_with`] refuses a
 //! tiling whose tiles straddle blocks with a typed error.
+//!
+//! On compute capability 9.0 the production wrapper runs the KV owner on Hopper's warpgroup MMA
+//! ([`compile::FLASH_BWD_SM90`], `gpu/kernels/flash_bwd_sm90.cu`) where the lists and head dims suit it
+//! ([`BlockLists::suits_wgmma_backward`]: key blocks of 128 keys, head dims up to 128): the same walk, masks, recipe
+//! and outputs, its products on `wgmma`; the transpose, `D`, the GQA sum and the dQ kernels are `flash_bwd.cu`'s in
+//! the same module. [`BlockLists::backward_kernel`] chooses.
 
 use std::sync::Arc;
 
@@ -42,7 +48,7 @@ use crate::backward::{
     backward_from_host, backward_variant, launch_backward, sparse_csr,
 };
 use crate::common::GpuElement;
-use crate::compile::{self, FLASH_BWD, ModuleVariant};
+use crate::compile::{self, FLASH_BWD, FLASH_BWD_SM90, ModuleVariant};
 use crate::error::GpuError;
 
 impl BlockLists {
@@ -54,6 +60,19 @@ impl BlockLists {
         } else {
             BackwardTiling { kv_warps: 4 }
         }
+    }
+
+    /// Whether the backward with the `wgmma` KV owner ([`compile::FLASH_BWD_SM90`]) serves these lists for `spec`: key
+    /// blocks of whole 128-key tiles (its KV tile) and head dims up to 128, in [`BlockLists::backward_tiling`].
+    pub fn suits_wgmma_backward(&self, spec: &AttentionSpec) -> bool {
+        crate::backward::wgmma_backward_supports(spec, self.backward_tiling())
+    }
+
+    /// The backward kernel the production wrappers run for these lists on a device of compute capability `device`:
+    /// the `wgmma` KV owner on 9.0 when the lists suit it ([`BlockLists::suits_wgmma_backward`]), `flash_bwd`
+    /// otherwise.
+    pub fn backward_kernel(&self, spec: &AttentionSpec, device: (i32, i32)) -> compile::KernelSource {
+        if device == (9, 0) && self.suits_wgmma_backward(spec) { FLASH_BWD_SM90 } else { FLASH_BWD }
     }
 
     /// The module of `kernel` (a text of `flash_bwd.cu`) whose transpose kernels build these lists' CSR for
@@ -76,8 +95,9 @@ impl BlockLists {
 }
 
 /// The block-sparse backward on device buffers (layouts as for [`crate::flash_backward_device`]), in the lists'
-/// [`BlockLists::backward_tiling`]: every `spec` and list check runs before the first launch, which is asynchronous
-/// on `stream`. `inputs.o` and `inputs.lse` are the block-sparse forward's outputs over the same lists.
+/// [`BlockLists::backward_tiling`] with [`BlockLists::backward_kernel`]'s kernel: every `spec` and list check runs
+/// before the first launch, which is asynchronous on `stream`. `inputs.o` and `inputs.lse` are the block-sparse
+/// forward's outputs over the same lists.
 pub fn block_sparse_backward_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
@@ -86,20 +106,12 @@ pub fn block_sparse_backward_device<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    block_sparse_backward_device_with(
-        stream,
-        spec,
-        lists,
-        FLASH_BWD,
-        lists.backward_tiling(),
-        inputs,
-        outputs,
-        strategy,
-    )
+    let kernel = lists.backward_kernel(spec, compile::compute_capability(stream.context())?);
+    block_sparse_backward_device_with(stream, spec, lists, kernel, lists.backward_tiling(), inputs, outputs, strategy)
 }
 
-/// [`block_sparse_backward_device`] with an explicit kernel text (the tests launch patched copies of `flash_bwd.cu`)
-/// and tiling (whose KV tiles must not straddle key blocks).
+/// [`block_sparse_backward_device`] with an explicit kernel text, run as given (the tests launch patched copies of
+/// `flash_bwd.cu` and of the `wgmma` backward) and tiling (whose KV tiles must not straddle key blocks).
 #[allow(clippy::too_many_arguments)]
 pub fn block_sparse_backward_device_with<T: GpuElement>(
     stream: &Arc<CudaStream>,
@@ -194,5 +206,25 @@ mod tests {
         }
         assert_eq!(lists(128).backward_tiling(), BackwardTiling::DEFAULT);
         assert_eq!(lists(64).backward_tiling(), BackwardTiling { kv_warps: 4 });
+    }
+
+    #[test]
+    fn the_wgmma_backward_is_chosen_for_128_key_blocks_head_dims_up_to_128_and_hopper_only() {
+        let lists = |q_block, kv_block| BlockLists {
+            q_block,
+            kv_block,
+            heads: ListHeads::PerQueryHead,
+            lists: Array4::from_elem((1, 1, 1, 1), -1),
+        };
+        let spec = |d, dv| AttentionSpec::dense(1, 1, 1, 256, 256, d, dv);
+        for q_block in crate::block_sparse::BLOCK_SIZES {
+            assert_eq!(lists(q_block, 128).backward_kernel(&spec(128, 128), (9, 0)), FLASH_BWD_SM90);
+            assert_eq!(lists(q_block, 128).backward_kernel(&spec(8, 64), (9, 0)), FLASH_BWD_SM90);
+            assert_eq!(lists(q_block, 64).backward_kernel(&spec(64, 64), (9, 0)), FLASH_BWD);
+            assert_eq!(lists(q_block, 128).backward_kernel(&spec(136, 64), (9, 0)), FLASH_BWD);
+            for device in [(8, 0), (10, 0), (12, 0)] {
+                assert_eq!(lists(q_block, 128).backward_kernel(&spec(64, 64), device), FLASH_BWD);
+            }
+        }
     }
 }

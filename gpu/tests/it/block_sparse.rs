@@ -115,14 +115,25 @@ pub enum DrawShapes {
     /// The kernels' shapes with head dims up to [`WGMMA_MAX_HEAD_DIM`] and 128×128 blocks: what the sm_90a forward
     /// takes (`BlockLists::suits_wgmma`).
     Wgmma,
+    /// The kernels' shapes with head dims up to [`WGMMA_MAX_HEAD_DIM`], query blocks of every size and 128-key
+    /// blocks: what the `wgmma` backward takes (`BlockLists::suits_wgmma_backward`).
+    WgmmaBackward,
 }
 
 impl DrawShapes {
-    /// The block sizes the draws take, on each side.
+    /// The query block sizes the draws take.
     pub fn block_sizes(self) -> Vec<usize> {
         match self {
-            DrawShapes::Kernel | DrawShapes::KernelAndLongKeys => BLOCK_SIZES.to_vec(),
+            DrawShapes::Kernel | DrawShapes::KernelAndLongKeys | DrawShapes::WgmmaBackward => BLOCK_SIZES.to_vec(),
             DrawShapes::Wgmma => vec![WGMMA_KV_TILE],
+        }
+    }
+
+    /// The key block sizes the draws take.
+    pub fn kv_block_sizes(self) -> Vec<usize> {
+        match self {
+            DrawShapes::Kernel | DrawShapes::KernelAndLongKeys => BLOCK_SIZES.to_vec(),
+            DrawShapes::Wgmma | DrawShapes::WgmmaBackward => vec![WGMMA_KV_TILE],
         }
     }
 }
@@ -147,15 +158,16 @@ fn long_key_spec() -> impl Strategy<Value = AttentionSpec> {
 /// What the block-sparse suites draw (dependent shapes through `prop_flat_map`: the picks follow the spec and the
 /// block sizes).
 pub fn block_draws(shapes: DrawShapes) -> impl Strategy<Value = BlockDraw> {
-    let sizes = prop::sample::select(shapes.block_sizes());
+    let q_sizes = prop::sample::select(shapes.block_sizes());
+    let kv_sizes = prop::sample::select(shapes.kv_block_sizes());
     let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
     let density = prop::sample::select(Density::ALL.to_vec());
     let specs = match shapes {
         DrawShapes::Kernel => kernel_spec().boxed(),
         DrawShapes::KernelAndLongKeys => prop_oneof![3 => kernel_spec(), 1 => long_key_spec()].boxed(),
-        DrawShapes::Wgmma => wgmma_spec().boxed(),
+        DrawShapes::Wgmma | DrawShapes::WgmmaBackward => wgmma_spec().boxed(),
     };
-    (specs, sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
+    (specs, q_sizes, kv_sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
         |(spec, q_block, kv_block, heads, density, profile, seed)| {
             let seqs = spec.sequences();
             let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
@@ -301,9 +313,14 @@ impl BlockCoverage {
 
     /// The combinations of `sizes` (each side) no draw reached.
     pub fn unreached(&self, sizes: &[usize]) -> Vec<(usize, usize, bool, Density)> {
+        self.unreached_of(sizes, sizes)
+    }
+
+    /// The combinations of query block sizes `q_sizes` and key block sizes `kv_sizes` no draw reached.
+    pub fn unreached_of(&self, q_sizes: &[usize], kv_sizes: &[usize]) -> Vec<(usize, usize, bool, Density)> {
         let mut missing = vec![];
-        for &q in sizes {
-            for &k in sizes {
+        for &q in q_sizes {
+            for &k in kv_sizes {
                 for per_kv in [false, true] {
                     for density in Density::ALL {
                         if !self.seen.contains_key(&(q, k, per_kv, density)) {
@@ -643,7 +660,7 @@ pub fn sanitizer_draws() -> Vec<BlockDraw> {
 }
 
 /// Draws of uniform lists: each shape is (spec, query block, key block, list heads, the key blocks every list holds).
-fn uniform_draws<const N: usize>(
+pub fn uniform_draws<const N: usize>(
     shapes: [(AttentionSpec, usize, usize, ListHeads, Vec<i32>); N],
     seed: u64,
 ) -> Vec<BlockDraw> {

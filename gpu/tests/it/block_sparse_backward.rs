@@ -12,6 +12,11 @@
 //! and all three agree on dK, dV and D bit for bit; the device's CSR transpose equals the oracle's; and a draw with
 //! every block listed gives the dense backward's bits in the same tiling. Without a device each test prints
 //! `skipped: no CUDA device` and passes.
+//!
+//! The backward with the `wgmma` KV owner (`compile::FLASH_BWD_SM90`, what the production wrapper runs on an H200 for
+//! 128-key blocks) has suites of its own over the same checks ([`WGMMA_BACKWARD_SUITES`]: key blocks of 128, query
+//! blocks of 64 and 128, head dims up to 128), sanitizer shapes and killing cases; they skip unless the device has
+//! compute capability 9.0.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -23,10 +28,13 @@ use crate::block_sparse::{
 use crate::common::*;
 use attnproof_gpu::backward::BackwardOutput;
 use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::backward::is_wgmma_backward;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, KernelSource, ModuleVariant};
-use attnproof_gpu::{BackwardTiling, GpuBackwardStrategy, GpuError, backward_variant, skip_unless_gpu};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, KernelSource, ModuleVariant};
+use attnproof_gpu::{
+    BackwardTiling, GpuBackwardStrategy, GpuError, backward_variant, skip_unless_gpu, skip_unless_hopper,
+};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::adversarial::Worst;
@@ -58,6 +66,24 @@ pub const BACKWARD_SUITES: [BlockSuite; 2] = [
         cases: 48,
         seed: 0x6770_7562_6c6b_6278,
         shapes: DrawShapes::KernelAndLongKeys,
+    },
+];
+
+/// The `wgmma` backward's suites ("gpuwgbwd" in ASCII, plus the dtype).
+pub const WGMMA_BACKWARD_SUITES: [BlockSuite; 2] = [
+    BlockSuite {
+        name: "gpu_block_sparse_wgmma_backward_bf16",
+        bf16: true,
+        cases: 48,
+        seed: 0x6770_7577_6762_7764,
+        shapes: DrawShapes::WgmmaBackward,
+    },
+    BlockSuite {
+        name: "gpu_block_sparse_wgmma_backward_f16",
+        bf16: false,
+        cases: 48,
+        seed: 0x6770_7577_6762_7765,
+        shapes: DrawShapes::WgmmaBackward,
     },
 ];
 
@@ -171,7 +197,7 @@ fn check<T: Storage>(
         }
         if n == 0 && lists_everything(draw) {
             for (strategy, g) in GpuBackwardStrategy::ALL.into_iter().zip(&runs) {
-                let dense = backward_guarded(stream, problem, FLASH_BWD, tiling, strategy)
+                let dense = backward_guarded(stream, problem, dense_backward_of(kernel), tiling, strategy)
                     .map_err(|e| TestCaseError::fail(format!("dense {strategy:?}: {e}")))?;
                 let same = if strategy.is_deterministic() { dense.same(g) } else { dense.same_dk_dv_delta(g) };
                 if !same {
@@ -198,6 +224,12 @@ fn check<T: Storage>(
     Ok(())
 }
 
+/// The dense backward whose bits a block-sparse backward of `kernel` listing every block must give: the same kernel
+/// family, unpatched.
+fn dense_backward_of(kernel: KernelSource) -> KernelSource {
+    if is_wgmma_backward(kernel) { FLASH_BWD_SM90 } else { FLASH_BWD }
+}
+
 /// The modules the backward check of `draw` by `kernel` compiles in `suite`'s dtype: the production block-sparse
 /// forward's, the CSR transpose's, the block-sparse backward's, and the dense backward's when every block is listed.
 pub fn backward_variants(suite: &BlockSuite, kernel: KernelSource, draw: &BlockDraw) -> Vec<ModuleVariant> {
@@ -209,30 +241,92 @@ pub fn backward_variants(suite: &BlockSuite, kernel: KernelSource, draw: &BlockD
             lists.backward_variant::<T>(spec, kernel),
         ];
         if lists_everything(draw) {
-            out.push(backward_variant::<T>(spec, lists.backward_tiling(), FLASH_BWD));
+            out.push(backward_variant::<T>(spec, lists.backward_tiling(), dense_backward_of(kernel)));
         }
         out.into_iter().flatten().collect()
     }
     if suite.bf16 { of::<bf16>(kernel, draw) } else { of::<f16>(kernel, draw) }
 }
 
-/// Runs `suite` with the production kernels.
-fn run_production(suite: &BlockSuite) {
+/// Runs `suite` with the backward `kernel`; the `wgmma` backward only on a device of compute capability 9.0
+/// (elsewhere it is an `UnsupportedDevice` error and the test prints why it skips).
+fn run_suite(suite: &BlockSuite, kernel: KernelSource) {
+    if is_wgmma_backward(kernel) && skip_unless_hopper(suite.name).is_none() {
+        return;
+    }
     run_on_device(
         suite,
-        |draw| backward_variants(suite, FLASH_BWD, draw),
-        |stream, worst, draw| check_draw(suite, stream, FLASH_BWD, worst, draw),
+        |draw| backward_variants(suite, kernel, draw),
+        |stream, worst, draw| check_draw(suite, stream, kernel, worst, draw),
     );
 }
 
 #[test]
 fn block_sparse_backward_is_within_bound_bf16() {
-    run_production(&BACKWARD_SUITES[0]);
+    run_suite(&BACKWARD_SUITES[0], FLASH_BWD);
 }
 
 #[test]
 fn block_sparse_backward_is_within_bound_f16() {
-    run_production(&BACKWARD_SUITES[1]);
+    run_suite(&BACKWARD_SUITES[1], FLASH_BWD);
+}
+
+#[test]
+fn block_sparse_wgmma_backward_is_within_bound_bf16() {
+    run_suite(&WGMMA_BACKWARD_SUITES[0], FLASH_BWD_SM90);
+}
+
+#[test]
+fn block_sparse_wgmma_backward_is_within_bound_f16() {
+    run_suite(&WGMMA_BACKWARD_SUITES[1], FLASH_BWD_SM90);
+}
+
+/// The `wgmma` backward's suites draw every combination of its block sizes (query blocks of 64 and 128 over 128-key
+/// blocks), list heads and density, lists shared by a GQA group, varlen problems, and only problems it takes.
+#[test]
+fn the_wgmma_backward_suites_draw_every_list_feature_at_their_block_sizes() {
+    let union = crate::block_sparse::suites_coverage(&WGMMA_BACKWARD_SUITES);
+    println!("wgmma backward suites: {union:?}");
+    let shapes = DrawShapes::WgmmaBackward;
+    let unreached = union.unreached_of(&shapes.block_sizes(), &shapes.kv_block_sizes());
+    assert!(unreached.is_empty(), "never drawn: {unreached:?}");
+    assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
+    for suite in &WGMMA_BACKWARD_SUITES {
+        let (_, result) = suite.run(suite.default_config(), |draw| {
+            proptest::prop_assert!(draw.lists.suits_wgmma_backward(&draw.spec), "{:?}", draw.spec);
+            Ok(())
+        });
+        result.unwrap_or_else(|e| panic!("{}: {e}", suite.name));
+    }
+}
+
+/// On an H200 the production block-sparse backward of 128-key blocks runs the `wgmma` kernel: its deterministic
+/// outputs are that kernel's bits.
+#[test]
+fn the_production_block_sparse_backward_runs_the_wgmma_kernel_on_hopper() {
+    let Some(ctx) = skip_unless_hopper("the_production_block_sparse_backward_runs_the_wgmma_kernel_on_hopper") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 2, 1, 300, 400, 128, 128, Mask::Causal);
+    let lists = uniform_lists(&spec, 64, 128, ListHeads::PerQueryHead, &[0, 2]);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 51);
+    let d_out = make_d_out::<bf16>(&spec, 51);
+    let fwd = block_sparse_forward_guarded(&stream, &case, &lists, FLASH_FWD).expect("forward");
+    let strategy = GpuBackwardStrategy::KvOwnerDeterministic;
+    let production = backward_after_forward(&stream, &case, &lists, &fwd, &d_out, strategy).expect("production");
+    let problem = BackwardProblem { case: &case, forward: &fwd, d_out: &d_out };
+    let run = |kernel| {
+        block_sparse_backward_guarded(&stream, problem, &lists, kernel, BackwardTiling::DEFAULT, strategy)
+            .unwrap_or_else(|e| panic!("{}: {e}", kernel.name))
+    };
+    let bits = |x: &ndarray::ArrayD<bf16>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    let wgmma = run(FLASH_BWD_SM90);
+    for (name, a, b) in
+        [("dQ", &production.dq, &wgmma.dq), ("dK", &production.dk, &wgmma.dk), ("dV", &production.dv, &wgmma.dv)]
+    {
+        assert!(bits(a) == bits(b), "{name}: the production backward's bits are not the wgmma kernel's");
+    }
 }
 
 /// The backward suites' draws, replayed without a device, reach every combination of block sizes, list heads and
@@ -421,6 +515,70 @@ fn sanitizer_shapes() {
     check_draws(&ctx, "block_sparse_backward::sanitizer_shapes", sanitizer_draws(), |stream, worst, draw| {
         check::<bf16>(stream, FLASH_BWD, worst, draw)
     });
+}
+
+/// Small draws for the `wgmma` backward under `run.sh sanitize`: a GQA group of 3 with dv ≠ d over 64-row query
+/// blocks and a causal tail, varlen with an empty key sequence and tails, a window with head dims below 64 (padded
+/// columns), and a KV tile no query sees.
+pub fn wgmma_backward_sanitizer_draws() -> Vec<BlockDraw> {
+    let shapes = [
+        (dense(1, 3, 1, 130, 300, 128, 64, Mask::Causal), 64, 128, ListHeads::PerKvHead, vec![0, 1, 2]),
+        (
+            varlen(&[0, 60, 60, 200], &[0, 0, 150, 420], 2, 1, 64, 64, Mask::None),
+            128,
+            128,
+            ListHeads::PerQueryHead,
+            vec![0, 1],
+        ),
+        (
+            dense(1, 2, 2, 129, 200, 40, 40, Mask::Window { left: 70, right: 3 }),
+            128,
+            128,
+            ListHeads::PerQueryHead,
+            vec![0, 1],
+        ),
+        (dense(1, 1, 1, 64, 300, 64, 64, Mask::Causal), 64, 128, ListHeads::PerKvHead, vec![0, 1, 2]),
+    ];
+    crate::block_sparse::uniform_draws(shapes, 11)
+}
+
+/// The `wgmma` backward over [`wgmma_backward_sanitizer_draws`], for `run.sh sanitize`.
+#[test]
+fn wgmma_sanitizer_shapes() {
+    let Some(ctx) = skip_unless_hopper("block_sparse_backward::wgmma_sanitizer_shapes") else {
+        return;
+    };
+    let draws = wgmma_backward_sanitizer_draws();
+    check_draws(&ctx, "block_sparse_backward::wgmma_sanitizer_shapes", draws, |stream, worst, draw| {
+        check::<bf16>(stream, FLASH_BWD_SM90, worst, draw)
+    });
+}
+
+/// The killing cases of the catalog's `wgmma` backward mutants: a causal GQA group of 2 sharing lists over 64-row
+/// query blocks with d = 128 ≠ dv = 64 (both warpgroups' dQ columns, the diagonal inside each warp's keys) and a tail
+/// KV tile; a window over 40-column heads (one dQ warpgroup, padded columns) with lists per query head and a 129-row
+/// tail; two varlen sequences with different lists at d = dv = 128.
+pub fn wgmma_killing_cases() -> Vec<(&'static str, BlockDraw)> {
+    let draw = |spec: AttentionSpec, lists: BlockLists, seed| BlockDraw {
+        spec,
+        lists,
+        density: Density::Sparse,
+        profile: gaussian(1.0),
+        seed,
+    };
+    let mut out = vec![];
+    let spec = dense(1, 2, 1, 200, 300, 128, 64, Mask::Causal);
+    let lists = uniform_lists(&spec, 64, 128, ListHeads::PerKvHead, &[0, 1, 2]);
+    out.push(("causal_gqa_d128_dv64", draw(spec, lists, 61)));
+    let spec = dense(1, 2, 2, 129, 260, 40, 40, Mask::Window { left: 100, right: 20 });
+    let picks: Vec<Vec<bool>> = (0..6).map(|r| (0..3).map(|b| (r + b) % 2 == 0).collect()).collect();
+    let lists = lists_from(&spec, 64, 128, ListHeads::PerQueryHead, &picks);
+    out.push(("window_d40_per_query_head", draw(spec, lists, 62)));
+    let spec = varlen(&[0, 150, 300], &[0, 256, 400], 1, 1, 128, 128, Mask::None);
+    let picks: Vec<Vec<bool>> = vec![vec![true, false], vec![false, true], vec![true, true], vec![false, true]];
+    let lists = lists_from(&spec, 128, 128, ListHeads::PerQueryHead, &picks);
+    out.push(("two_varlen_sequences_d128", draw(spec, lists, 63)));
+    out
 }
 
 /// The killing cases of the catalog's `BLOCK_SPARSE` backward mutants: 128-row query blocks (two query tiles each)

@@ -76,8 +76,10 @@ fn every_planned_module_compiles_for_sm_90a() {
     // sm_90a forward with both of its paddings.
     assert!(unique.iter().any(|v| v.defines.iter().any(|d| d == "Q_STAGES=1")), "no single-stage backward variant");
     for pad in ["HEAD_DIM_PAD=64", "HEAD_DIM_PAD=128"] {
-        let sm90 = |v: &&ModuleVariant| v.kernel.name == "flash_fwd_sm90" && v.defines.iter().any(|d| d == pad);
-        assert!(unique.iter().any(|v| sm90(&v)), "no sm_90a forward variant with {pad}");
+        for kernel in ["flash_fwd_sm90", "flash_bwd_sm90"] {
+            let sm90 = |v: &&ModuleVariant| v.kernel.name == kernel && v.defines.iter().any(|d| d == pad);
+            assert!(unique.iter().any(|v| sm90(&v)), "no {kernel} variant with {pad}");
+        }
     }
 }
 

@@ -26,10 +26,10 @@ use crate::block_sparse_backward;
 use crate::common::*;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
-use attnproof_gpu::backward::Q_TILE;
+use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
 use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
-use attnproof_gpu::compile::{FLASH_BWD, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
+use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
@@ -49,7 +49,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 4] = [FLASH_FWD, FLASH_BWD, BSA_SELECT, FLASH_FWD_SM90];
+const KERNELS: [KernelSource; 5] = [FLASH_FWD, FLASH_BWD, BSA_SELECT, FLASH_FWD_SM90, FLASH_BWD_SM90];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
@@ -447,47 +447,92 @@ fn block_sparse_backward_mutants() -> Vec<&'static Mutant> {
     attnproof_catalog::kernel_text_mutants(FLASH_BWD.name, Some(BLOCK_SPARSE)).collect()
 }
 
-#[test]
-fn all_block_sparse_backward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_block_sparse_backward_mutants_are_killed") else {
+/// Hunts `mutants` of the block-sparse backward `base` with the killing `cases`, each judged by the checks of
+/// `suite`'s dtype.
+fn hunt_block_sparse_backward(
+    test: &str,
+    base: KernelSource,
+    mutants: &[&Mutant],
+    suite: &block_sparse::BlockSuite,
+    cases: &[(&str, block_sparse::BlockDraw)],
+) {
+    let Some(ctx) = (if is_wgmma_backward(base) { skip_unless_hopper(test) } else { skip_unless_gpu(test) }) else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let suite = &block_sparse_backward::BACKWARD_SUITES[0];
-    hunt(
+    hunt(test, base, mutants, cases, |kernel, draw| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw).map_err(|e| e.to_string())
+    });
+}
+
+/// Hunts `mutants` of the block-sparse backward `base` with the general `suite` (its default draws).
+fn hunt_block_sparse_backward_in_suite(
+    test: &str,
+    base: KernelSource,
+    mutants: &[&Mutant],
+    suite: &block_sparse::BlockSuite,
+) {
+    let Some(ctx) = (if is_wgmma_backward(base) { skip_unless_hopper(test) } else { skip_unless_gpu(test) }) else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    hunt_in_suite(test, base, mutants, suite.name, |kernel| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        suite
+            .run(suite.default_config(), |draw| block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw))
+            .1
+            .map_err(Box::new)
+    });
+}
+
+#[test]
+fn all_block_sparse_backward_mutants_are_killed() {
+    hunt_block_sparse_backward(
         "all_block_sparse_backward_mutants_are_killed",
         FLASH_BWD,
         &block_sparse_backward_mutants(),
+        &block_sparse_backward::BACKWARD_SUITES[0],
         &block_sparse_backward::killing_cases(),
-        |kernel, draw| {
-            let worst = std::cell::RefCell::new(Worst::default());
-            block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw).map_err(|e| e.to_string())
-        },
     );
 }
 
 /// Every block-sparse backward mutant also fails the general block-sparse backward suite (bf16, its default draws).
 #[test]
 fn all_block_sparse_backward_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_block_sparse_backward_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    let suite = &block_sparse_backward::BACKWARD_SUITES[0];
-    hunt_in_suite(
+    hunt_block_sparse_backward_in_suite(
         "all_block_sparse_backward_mutants_are_killed_by_the_general_suite",
         FLASH_BWD,
         &block_sparse_backward_mutants(),
-        suite.name,
-        |kernel| {
-            let worst = std::cell::RefCell::new(Worst::default());
-            suite
-                .run(suite.default_config(), |draw| {
-                    block_sparse_backward::check_draw(suite, &stream, kernel, &worst, draw)
-                })
-                .1
-                .map_err(Box::new)
-        },
+        &block_sparse_backward::BACKWARD_SUITES[0],
+    );
+}
+
+/// The catalog's mutants of the `wgmma` backward (its block-sparse mode, the one the wrappers launch).
+fn wgmma_backward_mutants() -> Vec<&'static Mutant> {
+    attnproof_catalog::kernel_text_mutants(FLASH_BWD_SM90.name, Some(BLOCK_SPARSE)).collect()
+}
+
+#[test]
+fn all_wgmma_backward_mutants_are_killed() {
+    hunt_block_sparse_backward(
+        "all_wgmma_backward_mutants_are_killed",
+        FLASH_BWD_SM90,
+        &wgmma_backward_mutants(),
+        &block_sparse_backward::WGMMA_BACKWARD_SUITES[0],
+        &block_sparse_backward::wgmma_killing_cases(),
+    );
+}
+
+/// Every `wgmma` backward mutant also fails that kernel's general block-sparse backward suite (bf16, its default
+/// draws).
+#[test]
+fn all_wgmma_backward_mutants_are_killed_by_the_general_suite() {
+    hunt_block_sparse_backward_in_suite(
+        "all_wgmma_backward_mutants_are_killed_by_the_general_suite",
+        FLASH_BWD_SM90,
+        &wgmma_backward_mutants(),
+        &block_sparse_backward::WGMMA_BACKWARD_SUITES[0],
     );
 }
 
@@ -671,10 +716,11 @@ fn every_catalog_kernel_text_mutant_has_cases_and_applies() {
                     m.name
                 )
             });
-            // The shared header is part of every attention kernel's text.
+            // The shared header is part of every attention kernel's text, the Hopper header of every wgmma kernel's.
+            let sm90_header = m.file == attnproof_catalog::SM90_HEADER && kernel.ends_with("_sm90");
             assert!(
-                m.file.ends_with(&format!("{kernel}.cu")) || m.file == attnproof_catalog::COMMON_HEADER,
-                "mutant `{}`: file {} is not {kernel}.cu or the shared header",
+                m.file.ends_with(&format!("{kernel}.cu")) || m.file == attnproof_catalog::COMMON_HEADER || sm90_header,
+                "mutant `{}`: file {} is not {kernel}.cu or a shared header",
                 m.name,
                 m.file
             );

@@ -6,7 +6,7 @@
 //! pass for killed. A mutant that breaks only the compilation of one variant is a [`Runner::Scratch`] mutant killed by
 //! the compile-only test.
 
-use crate::{COMMON_HEADER, Mutant, Runner};
+use crate::{COMMON_HEADER, Mutant, Runner, SM90_HEADER};
 
 /// Base entry for mutants of the FlashAttention forward kernel, launched in-process on a device.
 const FLASH_FWD: Mutant = Mutant {
@@ -40,6 +40,17 @@ const BLOCK_SPARSE_FWD: Mutant =
 const WGMMA_FWD: Mutant = Mutant {
     file: "gpu/kernels/flash_fwd_sm90.cu",
     runner: Runner::KernelText { kernel: "flash_fwd_sm90", mode: Some("BLOCK_SPARSE") },
+    ..FLASH_FWD
+};
+
+/// Base entry for mutants of the Hopper helpers (`gpu/kernels/sm90.cuh`) as the sm_90a forward runs them.
+const SM90_FWD: Mutant = Mutant { file: SM90_HEADER, ..WGMMA_FWD };
+
+/// Base entry for mutants of the backward's `wgmma` KV owner (`gpu/kernels/flash_bwd_sm90.cu`) in its block-sparse
+/// mode, the one the wrappers launch, run on a device of compute capability 9.0 with its own killing cases and suites.
+const WGMMA_BWD: Mutant = Mutant {
+    file: "gpu/kernels/flash_bwd_sm90.cu",
+    runner: Runner::KernelText { kernel: "flash_bwd_sm90", mode: Some("BLOCK_SPARSE") },
     ..FLASH_FWD
 };
 
@@ -243,7 +254,7 @@ pub const MUTANTS: &[Mutant] = &[
         description: "Tiles are stored unswizzled while the descriptors say 128-byte swizzle: the products read the wrong units",
         find: "(((u % 8) ^ (r % 8)) << 4)",
         replace: "((u % 8) << 4)",
-        ..WGMMA_FWD
+        ..SM90_FWD
     },
     Mutant {
         name: "gpu-sm90-last-product-skipped",
@@ -300,6 +311,63 @@ pub const MUTANTS: &[Mutant] = &[
         find: "32ll * ((long long)seq * (gridDim.y / group)",
         replace: "32ll * ((long long)0 * (gridDim.y / group)",
         ..WGMMA_FWD
+    },
+    // --- flash_bwd_sm90.cu (the wgmma KV owner) in its block-sparse mode, launched on a 9.0 device ---
+    Mutant {
+        name: "gpu-sm90-bwd-dq-columns-of-warpgroup-0",
+        description: "Both warpgroups multiply dS by K's first 64 columns: dQ's columns 64 to 127 repeat 0 to 63",
+        find: "const unsigned k_dq_addr = smem_u32(k_s) + wg * (KV_TILE * SW_ROW);",
+        replace: "const unsigned k_dq_addr = smem_u32(k_s) + 0 * (KV_TILE * SW_ROW);",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-keys-of-warpgroup-0",
+        description: "Both warpgroups take the tile's first 64 keys for S and dP: keys 64 to 127 get keys 0 to 63's",
+        find: "const unsigned k_addr = smem_u32(k_s) + wg * 64 * SW_ROW;",
+        replace: "const unsigned k_addr = smem_u32(k_s) + 0 * 64 * SW_ROW;",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-ds-unswizzled",
+        description: "dSᵀ is stored unswizzled while its descriptor says 128-byte swizzle: dQ reads the wrong queries",
+        find: "const unsigned addr = row_addr + ((n ^ g) << 4);",
+        replace: "const unsigned addr = row_addr + (n << 4);",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-do-k-step-half",
+        description: "dO's descriptor for dV advances 8 query rows per k-step instead of 16: dV pairs P with the wrong rows",
+        find: "do_addr + kk * 16 * SW_ROW, Q_TILE * SW_ROW, 1024",
+        replace: "do_addr + kk * 8 * SW_ROW, Q_TILE * SW_ROW, 1024",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-dp-over-d",
+        description: "dPᵀ = V dOᵀ is reduced over d instead of dv: wrong (or past V's tile) when the head dims differ",
+        find: "transposed_scores<HEAD_DIM_V_PAD / 16>(dpt, v_addr, do_addr);",
+        replace: "transposed_scores<HEAD_DIM_PAD / 16>(dpt, v_addr, do_addr);",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-interior-by-warpgroup",
+        description: "A warp decides whether it needs the mask from its warpgroup's first key: the diagonal goes unmasked",
+        find: "warp_keys_interior(sv, rows_here, row0, key0 + wk, shift, win_left, win_right)",
+        replace: "warp_keys_interior(sv, rows_here, row0, key0 + wg * 64, shift, win_left, win_right)",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-warp-keys-of-warpgroup-0",
+        description: "A warp's keys are counted inside warpgroup 0: the mask and dK, dV's rows of warpgroup 1 are wrong",
+        find: "const int wk = wg * 64 + wrow;",
+        replace: "const int wk = wrow;",
+        ..WGMMA_BWD
+    },
+    Mutant {
+        name: "gpu-sm90-bwd-dq-one-warpgroup",
+        description: "One warpgroup computes dQ at every head dim: at d = 128 its columns 64 to 127 stay zero",
+        find: "#define SM90_DQ_GROUPS (HEAD_DIM_PAD / 64)",
+        replace: "#define SM90_DQ_GROUPS 1",
+        ..WGMMA_BWD
     },
     // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
     Mutant {
@@ -489,8 +557,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bwd-dk-missing-scale",
         description: "dK is written without the softmax scale α̂ (dS is the gradient of the scaled scores)",
-        find: "pack_elems(to_elem(__fmul_rn(scale, xk[0])), to_elem(__fmul_rn(scale, xk[1])))",
-        replace: "pack_elems(to_elem(xk[0]), to_elem(xk[1]))",
+        find: "pack_elems(to_elem(__fmul_rn(scale, x0)), to_elem(__fmul_rn(scale, x1)))",
+        replace: "pack_elems(to_elem(x0), to_elem(x1))",
         ..FLASH_BWD
     },
     Mutant {

@@ -27,6 +27,10 @@ use std::fmt;
 /// names the kernel whose launch must kill it.
 pub const COMMON_HEADER: &str = "gpu/kernels/common.cuh";
 
+/// The Hopper helpers placed after `common.cuh` in the text of every `wgmma` kernel (`*_sm90`): a kernel-text mutant of
+/// this file names the `_sm90` kernel whose launch must kill it.
+pub const SM90_HEADER: &str = "gpu/kernels/sm90.cuh";
+
 /// One mutant: a single textual change to one file, and the runner that applies it and must see it killed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Mutant {
@@ -220,10 +224,12 @@ mod tests {
                 Runner::ScratchGpu { package, target, .. } => {
                     assert!(!package.is_empty() && !target.is_empty(), "mutant `{}`: no test binary", m.name);
                 }
-                // `common.cuh` is prepended to every attention kernel's text, so its mutants name the kernel whose
-                // launch must kill them.
+                // `common.cuh` is prepended to every attention kernel's text (and `sm90.cuh` to every wgmma kernel's),
+                // so their mutants name the kernel whose launch must kill them.
                 Runner::KernelText { kernel, .. } => assert!(
-                    Path::new(m.file).file_stem().is_some_and(|stem| stem == kernel) || m.file == COMMON_HEADER,
+                    Path::new(m.file).file_stem().is_some_and(|stem| stem == kernel)
+                        || m.file == COMMON_HEADER
+                        || (m.file == SM90_HEADER && kernel.ends_with("_sm90")),
                     "kernel-text mutant `{}` names kernel `{kernel}` but mutates {}",
                     m.name,
                     m.file
