@@ -671,21 +671,31 @@ fn all_backward_mutants_are_killed_by_the_general_suite() {
     );
 }
 
-/// Every mutant compiles (for sm_90a, with the killing cases' defines): a patch that broke the build would fail every
-/// case and pass for killed without modelling any bug. Needs NVRTC only, not a device.
+/// Every mutant compiles (for sm_90a, with the killing cases' defines at head dims 64 and 128): a patch that broke the
+/// build would fail every case and pass for killed without modelling any bug. Needs NVRTC only, not a device.
 #[test]
 fn every_mutant_compiles_for_sm_90a() {
     if !nvrtc_or_skip("every_mutant_compiles_for_sm_90a") {
         return;
     }
-    let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 64, 64);
-    let variants = module_variants::<bf16>(&spec, ForwardTiling::for_head_dims(64, 64), BackwardTiling::DEFAULT)
+    // Head dims 64 and 128: a patch may break only the wider variant (the wgmma kernels' two column chunks).
+    let mut broken = vec![];
+    for d in [64, 128] {
+        mutants_compile_at(d, &mut broken);
+    }
+    assert!(broken.is_empty(), "mutants that do not compile:\n{}", broken.join("\n\n"));
+}
+
+/// Compiles every kernel-text mutant with the plain module's defines of a problem with head dims `d`, adding a
+/// description of each failure to `broken`.
+fn mutants_compile_at(d: usize, broken: &mut Vec<String>) {
+    let spec = AttentionSpec::dense(1, 2, 1, 64, 64, d, d);
+    let variants = module_variants::<bf16>(&spec, ForwardTiling::for_head_dims(d, d), BackwardTiling::DEFAULT)
         .expect("the cases' modules");
     // The plain module of each kernel (the ring modes add a define to it).
     let plain = |kernel: KernelSource| {
         variants.iter().filter(|v| v.kernel == kernel).min_by_key(|v| v.defines.len()).expect("a variant").clone()
     };
-    let mut broken = vec![];
     for base in KERNELS {
         let defines = plain(base).defines;
         for m in attnproof_catalog::all() {
@@ -695,11 +705,10 @@ fn every_mutant_compiles_for_sm_90a() {
             }
             let defines: Vec<String> = defines.iter().cloned().chain(mode.map(str::to_owned)).collect();
             if let Err(e) = compile_for_arch(patched(base, m), "sm_90a", &defines) {
-                broken.push(format!("{}: {e}", m.name));
+                broken.push(format!("{} (d = {d}): {e}", m.name));
             }
         }
     }
-    assert!(broken.is_empty(), "mutants that do not compile:\n{}", broken.join("\n\n"));
 }
 
 /// The catalog and this test agree: every kernel-text mutant of the catalog patches a kernel that has killing cases

@@ -365,8 +365,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-sm90-bwd-dq-one-warpgroup",
         description: "One warpgroup computes dQ at every head dim: at d = 128 its columns 64 to 127 stay zero",
-        find: "#define SM90_DQ_GROUPS (HEAD_DIM_PAD / 64)",
-        replace: "#define SM90_DQ_GROUPS 1",
+        find: "if (wg < SM90_DQ_GROUPS) {",
+        replace: "if (wg < 1) {",
         ..WGMMA_BWD
     },
     // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
