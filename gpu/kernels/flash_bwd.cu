@@ -363,31 +363,61 @@ __device__ __forceinline__ float* dq_tile_rows(const FlashParams& fp, int dq_mod
            (long long)row0 * fp.q_row;
 }
 
-// Columns col and col + 1 of key `key` (counted from the sequence's first key) of query head `head`'s dK (V_GRAD
-// false: scaled by α̂) or dV, as a KV owner finishes them: without GQA rounded to T into `out`; under GQA (or KV_ACCUM)
-// the head's f32 sums into the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for
-// bwd_kv_group_sum. One CTA owns each element within a launch; launches on one stream run in order, so the adds of
-// KV_ACCUM need no atomics.
+// Where a KV owner's finished row of dK (V_GRAD false: scaled by α̂) or dV for key `key` (counted from the sequence's
+// first key) of query head `head` goes: without GQA the row of `out`, rounded to T; under GQA (or KV_ACCUM) the head's
+// f32 row of the workspace ([n_heads_q][total_k][d], then [n_heads_q][total_k][dv]) for bwd_kv_group_sum. One CTA
+// owns each element within a launch; launches on one stream run in order, so the adds of KV_ACCUM need no atomics.
+// The row's addresses are formed once by kv_grad_row for all the pairs a thread stores in it (flash_bwd_sm90.cu's
+// epilogue: formed per pair, the kernel parameters they read were reloaded after every store).
+template <bool V_GRAD>
+struct KvGradRow {
+    elem_t* out;    // the row of dK or dV (direct)
+    float* part;    // the head's row of the workspace (not direct)
+    int width;      // d or dv
+    float scale;    // α̂, for dK
+    bool direct;
+
+    // Columns col and col + 1 (nothing past the row's width).
+    __device__ __forceinline__ void store(int col, float x0, float x1) const {
+        if (col >= width) return;
+        if (direct) {
+            *reinterpret_cast<unsigned*>(out + col) =
+                V_GRAD ? pack_elems(to_elem(x0), to_elem(x1))
+                       : pack_elems(to_elem(__fmul_rn(scale, x0)), to_elem(__fmul_rn(scale, x1)));
+        } else {
+            float2* p = reinterpret_cast<float2*>(part + col);
+            const float2 old = KV_ACCUMULATE ? *p : make_float2(0.f, 0.f);
+            *p = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, x0), __fadd_rn(old.y, x1)) : make_float2(x0, x1);
+        }
+    }
+};
+
+template <bool V_GRAD>
+__device__ __forceinline__ KvGradRow<V_GRAD> kv_grad_row(const FlashParams& fp, elem_t* __restrict__ out,
+                                                         float* __restrict__ dkv_part, const SeqView& sv, int head,
+                                                         long long n_heads_q, long long total_k, int key) {
+    UNPACK_FLASH_PARAMS(fp);
+    KvGradRow<V_GRAD> row{nullptr, nullptr, V_GRAD ? dv : d, scale, group == 1 && !KV_ACCUMULATE};
+    if (row.direct) {
+        const int kv_head = head / group;
+        row.out = out + (V_GRAD ? sv.v_base + kv_head * v_head + (long long)key * v_row
+                                : sv.k_base + kv_head * k_head + (long long)key * k_row);
+    } else {
+        const long long part_row = head * total_k + sv.k_row0 + key;
+        row.part = V_GRAD ? dkv_part + n_heads_q * total_k * d + part_row * dv : dkv_part + part_row * d;
+    }
+    return row;
+}
+
+// Columns col and col + 1 of key `key`'s row of dK (V_GRAD false) or dV (kv_grad_row), the row formed for this pair
+// alone: flash_bwd.cu's bwd_kv stores this way, which needs fewer live registers than holding rows.
 template <bool V_GRAD>
 __device__ __forceinline__ void store_kv_grad(const FlashParams& fp, elem_t* __restrict__ out,
                                               float* __restrict__ dkv_part, const SeqView& sv, int head,
                                               long long n_heads_q, long long total_k, int key, int col, float x0,
                                               float x1) {
-    UNPACK_FLASH_PARAMS(fp);
-    if (col >= (V_GRAD ? dv : d)) return;
-    const int kv_head = head / group;
-    if (group == 1 && !KV_ACCUMULATE) {
-        elem_t* p = out + (V_GRAD ? sv.v_base + kv_head * v_head + (long long)key * v_row
-                                  : sv.k_base + kv_head * k_head + (long long)key * k_row) + col;
-        *reinterpret_cast<unsigned*>(p) = V_GRAD ? pack_elems(to_elem(x0), to_elem(x1))
-                                                 : pack_elems(to_elem(__fmul_rn(scale, x0)), to_elem(__fmul_rn(scale, x1)));
-    } else {
-        const long long row = head * total_k + sv.k_row0 + key;
-        float2* p = reinterpret_cast<float2*>(V_GRAD ? dkv_part + n_heads_q * total_k * d + row * dv + col
-                                                     : dkv_part + row * d + col);
-        const float2 old = KV_ACCUMULATE ? *p : make_float2(0.f, 0.f);
-        *p = KV_ACCUMULATE ? make_float2(__fadd_rn(old.x, x0), __fadd_rn(old.y, x1)) : make_float2(x0, x1);
-    }
+    if (col >= (V_GRAD ? fp.dv : fp.d)) return;
+    kv_grad_row<V_GRAD>(fp, out, dkv_part, sv, head, n_heads_q, total_k, key).store(col, x0, x1);
 }
 
 // Pᵀ and dSᵀ of one warp's 16 keys × Q_TILE queries: st holds Sᵀ (unscaled dot products) and becomes P (f32, in

@@ -27,7 +27,10 @@
 // once; Q and dO of the query tile in two stages (tile a + 1 loads by cp.async while tile a computes); dSᵀ, 128 keys
 // × 64 queries; the query tile's b_L = fl32(LSE · log2 e) and D, per stage. Tail rows and padding columns are zero.
 // One CTA barrier at the top of each visit (the tile's copies landed for every thread, every warp is done with the
-// previous visit's stage and dSᵀ) and one before the dQ product (both warpgroups' dSᵀ stored).
+// previous visit's stage and dSᵀ) and one before the dQ product (both warpgroups' dSᵀ stored). Each thread waits for
+// its copies of the next tile and fences them for the tensor cores at the end of the visit before, ahead of its dQ
+// atomics: the fence waits for the thread's outstanding memory operations, and at the top of the visit the atomics
+// were among them (docs/gpu-performance.md has the profile; the move gained about 1%).
 //
 // Compile-time parameters: flash_bwd.cu's, with BWD_KV_SM90, KV_WARPS = 8, and HEAD_DIM_PAD, HEAD_DIM_V_PAD each 64
 // or 128. No KV_ACCUM mode: the ring backward runs flash_bwd.cu's bwd_kv.
@@ -114,6 +117,10 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     int a = cursor.next();
     if (a >= 0) load_q_tile(a, 0);
     cp_async_commit();
+    // Each visit ends by waiting for its thread's copies of the next tile (here, of the first) and ordering them before
+    // the tensor cores' reads; the barrier at the top of the visit then shows every thread's to all.
+    cp_async_wait_all();
+    fence_proxy_async();
 
     // The warpgroup's 64 keys of K and V (A operands of Sᵀ and dPᵀ), the KV tile's columns 64·wg … of K (the B operand
     // of dQ), and dSᵀ.
@@ -132,9 +139,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 
     for (int visit = 0; a >= 0; ++visit) {
         const int stage = visit & 1;
-        cp_async_wait_all();
-        fence_proxy_async();  // this thread's copies, now landed, are read next by the tensor cores
-        __syncthreads();      // tile a (and K, V) landed for everyone; every warp is done with the previous visit
+        __syncthreads();  // tile a (and K, V) landed for everyone; every warp is done with the previous visit
         const int a_next = cursor.next();
         if (a_next >= 0) load_q_tile(a_next, stage ^ 1);
         cp_async_commit();
@@ -180,7 +185,11 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         }
         wgmma_commit();
 
-        // dQ of this KV tile: dSᵀ (keys × queries) through shared memory, times K (k = keys), both MN-major.
+        // dQ of this KV tile: dSᵀ (keys × queries) through shared memory, times K (k = keys), both MN-major. The next
+        // tile's copies are waited for and ordered before the tensor cores' reads once per visit (next_landed), before
+        // this visit's dQ atomics where there are any: the fence waits for the thread's outstanding memory operations,
+        // which the atomics would otherwise be among at the top of the next visit.
+        bool next_landed = false;
         if (dq_mode != 0) {
             // dsp[n][h] holds queries 8n + 2·tig, + 1 of key row wk + g + 8h: one 4-byte word of that row's 16-byte
             // unit n, which the swizzle moves to unit n ^ (row % 8) = n ^ g (wk and 8h are multiples of 8). The
@@ -207,32 +216,44 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
                                              smem_desc(k_dq_addr + kk * 16 * SW_ROW, KV_TILE * SW_ROW, 1024), kk > 0);
                 }
                 wgmma_commit();
+                cp_async_wait_all();
+                fence_proxy_async();
+                next_landed = true;
                 wgmma_wait<0>();
                 // The warp's 16 query rows of the tile's dQ, columns 64·wg …: added to the f32 accumulator (mode 1)
                 // or stored as this KV tile's partial (mode 2).
                 float* dq_tile =
                     dq_tile_rows(params.flash, dq_mode, dq_acc, dq_part, part_stride, sv, head, b, row0 SPARSE_ARGS);
                 const int dq_c = wg * 64 + tig * 2;
-                const bool atomic = dq_mode == 1;
+                const int cols_live = (d - dq_c + 7) / 8;  // the thread's 8-column blocks inside d
 #pragma unroll
                 for (int r = 0; r < 2; ++r) {
                     const int row = wrow + g + 8 * r;
                     float* dq_row = dq_tile + (long long)row * q_row + dq_c;
+                    const bool row_live = row < rows_here;
+                    // dq_mode is the same for the whole launch: one loop per mode keeps each free of the other's
+                    // predicates.
+                    if (dq_mode == 1) {
 #pragma unroll
-                    for (int n = 0; n < 8; ++n) {
-                        const bool live = row < rows_here && dq_c + n * 8 < d;
-                        red_add_v2(live && atomic, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
-                        store_v2(live && !atomic, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
+                        for (int n = 0; n < 8; ++n) {
+                            red_add_v2(row_live && n < cols_live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
+                        }
+                    } else {
+#pragma unroll
+                        for (int n = 0; n < 8; ++n) {
+                            store_v2(row_live && n < cols_live, dq_row + n * 8, part[n][2 * r], part[n][2 * r + 1]);
+                        }
                     }
                 }
             }
         }
+        if (!next_landed) {
+            cp_async_wait_all();
+            fence_proxy_async();
+        }
         wgmma_wait<0>();  // dV and dK: the fragments pa, dsp and this stage's Q and dO are free again
         a = a_next;
     }
-    // Drain: a KV tile that no query tile sees skips the loop, and its K, V copies, committed above, were never
-    // waited for; a CTA must not exit with copies into its shared memory in flight.
-    cp_async_wait_all();
 
     // dK = round_T(α̂ · dK), dV = round_T(dV) for the thread's keys (under GQA this head's f32 sums).
     const long long n_heads_q = gridDim.y;
@@ -240,15 +261,11 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     for (int r = 0; r < 2; ++r) {
         const int key = wk + g + 8 * r;
         if (key >= keys_here) continue;
+        const auto dk_row = kv_grad_row<false>(params.flash, dk_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key);
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM_PAD / 8; ++n) {
-            store_kv_grad<false>(params.flash, dk_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key,
-                                 n * 8 + tig * 2, acc_k[n][2 * r], acc_k[n][2 * r + 1]);
-        }
+        for (int n = 0; n < HEAD_DIM_PAD / 8; ++n) dk_row.store(n * 8 + tig * 2, acc_k[n][2 * r], acc_k[n][2 * r + 1]);
+        const auto dv_row = kv_grad_row<true>(params.flash, dv_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key);
 #pragma unroll
-        for (int n = 0; n < HEAD_DIM_V_PAD / 8; ++n) {
-            store_kv_grad<true>(params.flash, dv_out, dkv_part, sv, head, n_heads_q, total_k, key0 + key,
-                                n * 8 + tig * 2, acc_v[n][2 * r], acc_v[n][2 * r + 1]);
-        }
+        for (int n = 0; n < HEAD_DIM_V_PAD / 8; ++n) dv_row.store(n * 8 + tig * 2, acc_v[n][2 * r], acc_v[n][2 * r + 1]);
     }
 }

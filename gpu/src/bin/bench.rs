@@ -490,6 +490,8 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
                 kernels.push((FLASH_BWD, format!("{}/mma.sync", kind.name())));
             }
             kernels.extend(opts.wgmma_bwd_sources.iter().map(|(k, stem)| (*k, format!("{}@{stem}", kind.name()))));
+            // The production kernel's outputs per strategy, for the other texts' to be compared with.
+            let mut production_outputs: Vec<(GpuBackwardStrategy, [Vec<bf16>; 3])> = vec![];
             for ((kernel, label), (strategy, name)) in
                 kernels.iter().flat_map(|k| TIMED_STRATEGIES.iter().map(move |s| (k, s)))
             {
@@ -509,6 +511,27 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
                     )
                     .map_err(|e| e.to_string())
                 })?;
+                // Every timed launch read the same input set last, so the outputs are comparable across kernels: dK
+                // and dV must be bitwise the production kernel's (the same recipe in the same order); dQ too under
+                // two traversals, while the atomic dQ's order of additions may differ (its largest difference is
+                // reported).
+                let outputs = [&dq, &dk, &dv].map(|t| stream.clone_dtoh(t).map_err(|e| e.to_string()));
+                let [got_dq, got_dk, got_dv] = outputs;
+                let got = [got_dq?, got_dk?, got_dv?];
+                if *kernel == production {
+                    production_outputs.push((*strategy, got));
+                } else if let Some((_, want)) = production_outputs.iter().find(|(s, _)| s == strategy) {
+                    let largest = |a: &[bf16], b: &[bf16]| {
+                        a.iter().zip(b).map(|(x, y)| (x.to_f32() - y.to_f32()).abs()).fold(0.0f32, f32::max)
+                    };
+                    eprintln!(
+                        "L = {l}, {label}/{name}: dK bitwise {}, dV bitwise {}, dQ bitwise {} (largest |difference| {:e})",
+                        want[1] == got[1],
+                        want[2] == got[2],
+                        want[0] == got[0],
+                        largest(&want[0], &got[0])
+                    );
+                }
                 let default = u8::from(*strategy == GpuBackwardStrategy::KvOwnerAtomic && *kernel == production);
                 emit(
                     out,
