@@ -369,6 +369,13 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "if (wg < 1) {",
         ..WGMMA_BWD
     },
+    Mutant {
+        name: "gpu-sm90-bwd-dq-last-column-block-dropped",
+        description: "The dQ stores count a thread's 8-column blocks inside d rounding down: its last block is never added",
+        find: "const int cols_live = (d - dq_c + 7) / 8;",
+        replace: "const int cols_live = (d - dq_c) / 8;",
+        ..WGMMA_BWD
+    },
     // --- flash_bwd.cu in its block-sparse mode, launched on a device ---
     Mutant {
         name: "gpu-bsa-bwd-list-off-by-one",
