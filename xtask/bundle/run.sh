@@ -5,6 +5,7 @@
 #                           them), the scratch-built mutants and the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
 #                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
 #                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
+#                           ALL_BENCH=0 runs the verification alone, without the benchmark.
 #   run.sh fuzz [MINUTES] [PROCESSES]
 #                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
 #                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
@@ -130,8 +131,13 @@ all)
     phase1=$(($(date +%s) - start))
     # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
     # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
-    PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
-    echo $? >"$work/bench.rc"
+    # ALL_BENCH=0 leaves it out: the verification alone, when a call's device time is short.
+    if [ "${ALL_BENCH:-1}" = 0 ]; then
+        echo "gpu-bundle all: benchmark left out (ALL_BENCH=0)" >"$work/bench.log"
+    else
+        PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
+        echo $? >"$work/bench.rc"
+    fi
     failed=0
     {
         echo "gpu-bundle all: tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
