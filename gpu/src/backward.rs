@@ -27,7 +27,9 @@
 //! helpers, and its other kernels run unchanged in the same module. It takes the default tiling and head dims up to
 //! 128 ([`wgmma_backward_supports`]; they are padded to 64 or 128 columns of zeros). Every product still adds in f32
 //! on the tensor cores in k-steps of 16 with no more instructions than the model counts, so its recipe is this
-//! module's. The block-sparse wrapper runs it on an H200 (`BlockLists::backward_kernel`).
+//! module's. The block-sparse wrapper runs it on an H200 (`BlockLists::backward_kernel`); the dense wrapper does not
+//! yet: the property suites `gpu_flash_wgmma_backward_{bf16,f16}` (the GPU tests' `property` module) verify its dense
+//! mode first.
 //!
 //! The block-sparse backward (`crate::block_sparse::backward`) compiles the same kernels with `BLOCK_SPARSE`: the KV
 //! owner walks the CSR transpose of the lists, the dQ owner and the deterministic dQ sum the query block's list, and

@@ -54,6 +54,19 @@ fn kernel_backward_is_within_bound_f16() {
     run_production(suite("gpu_flash_backward_f16"));
 }
 
+/// The dense `wgmma` backward's property suites (`SuiteKernel::WgmmaBackward`): the same checks of the `flash_bwd_sm90`
+/// KV owner in its dense mode, every strategy, on compute capability 9.0 (skipped elsewhere). The dense wrapper does
+/// not choose this kernel yet; these suites are what it must pass first.
+#[test]
+fn wgmma_kernel_backward_is_within_bound_bf16() {
+    run_production(suite("gpu_flash_wgmma_backward_bf16"));
+}
+
+#[test]
+fn wgmma_kernel_backward_is_within_bound_f16() {
+    run_production(suite("gpu_flash_wgmma_backward_f16"));
+}
+
 // The adversarial table (`attnproof_harness::adversarial`) in the default tiling: one test per group, the dtype
 // alternating from case to case, every strategy, inputs A, B, A.
 candidate_tests!(GpuCandidate::if_available, [backward]);

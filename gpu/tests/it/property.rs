@@ -1,7 +1,7 @@
 //! The GPU property suites in one place: what they draw (the harness's shapes rounded to the kernels' head dims, value
 //! profiles, seeds, the backward's tilings), how many cases from which seed, the check of one drawn case, and the
 //! coverage of their draws (`attnproof_harness::coverage`). `flash_forward` and `flash_backward` run them on the
-//! production kernels and print their coverage; `mutants` runs every catalog kernel-text mutant through them; the
+//! production kernels, and the dense `wgmma` backward's two suites on that kernel, and print their coverage; `mutants` runs every catalog kernel-text mutant through them; the
 //! test below replays their draws without a device and requires every kernel feature to be drawn.
 
 use std::cell::{Cell, RefCell};
@@ -12,13 +12,14 @@ use std::time::Duration;
 
 use crate::common::kernel_spec;
 use attnproof_gpu::backward::BackwardTiling;
-use attnproof_gpu::compile::{self, ModuleVariant};
-use attnproof_gpu::flash::KV_TILE;
+use attnproof_gpu::compile::{self, FLASH_BWD_SM90, ModuleVariant};
+use attnproof_gpu::flash::{KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM};
+use attnproof_gpu::skip_unless_hopper;
 use attnproof_harness::adversarial::{Direction, Repeat, Worst, backward_verdicts, forward_verdicts};
 use attnproof_harness::candidate::{GpuCandidate, Storage};
 use attnproof_harness::coverage::Coverage;
 use attnproof_harness::generate::{ValueProfile, make_case, make_d_out};
-use attnproof_harness::strategies::{profile, suite_config};
+use attnproof_harness::strategies::{profile, spec, suite_config};
 use attnproof_oracle::AttentionSpec;
 use cudarc::driver::CudaContext;
 use half::{bf16, f16};
@@ -50,6 +51,28 @@ impl Dtype {
     }
 }
 
+/// The kernels a suite runs, which decide what it draws.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SuiteKernel {
+    /// The production kernels (`flash_fwd`, `flash_bwd`) in every backward tiling, over every head dim, with lengths
+    /// around the forward's 64-key tile.
+    Production,
+    /// The backward's KV owner on Hopper's `wgmma` (`flash_bwd_sm90`) in its dense mode, after the production
+    /// forward: head dims up to [`WGMMA_MAX_HEAD_DIM`], its one tiling, lengths around its 128-key tile; on compute
+    /// capability 9.0 only. Its suites verify the dense `wgmma` backward before the dense wrapper may choose it.
+    WgmmaBackward,
+}
+
+impl SuiteKernel {
+    /// The KV tile whose edges the draws' lengths straddle (and the coverage classes them by).
+    pub fn tile(self) -> usize {
+        match self {
+            SuiteKernel::Production => KV_TILE,
+            SuiteKernel::WgmmaBackward => WGMMA_KV_TILE,
+        }
+    }
+}
+
 /// One GPU property suite.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PropertySuite {
@@ -63,17 +86,20 @@ pub struct PropertySuite {
     pub cases: u32,
     /// Its seed, unless `PROPTEST_RNG_SEED` says otherwise.
     pub seed: u64,
+    /// The kernels it runs.
+    pub kernel: SuiteKernel,
 }
 
 /// Every GPU property suite. The backward's cases cost about three times a forward's (one forward, then every dQ
 /// strategy), hence half as many.
-pub const SUITES: [PropertySuite; 4] = [
+pub const SUITES: [PropertySuite; 6] = [
     PropertySuite {
         name: "gpu_flash_forward_bf16",
         direction: Direction::Forward,
         dtype: Dtype::Bf16,
         cases: 64,
         seed: SUITE_SEED,
+        kernel: SuiteKernel::Production,
     },
     PropertySuite {
         name: "gpu_flash_forward_f16",
@@ -81,6 +107,7 @@ pub const SUITES: [PropertySuite; 4] = [
         dtype: Dtype::F16,
         cases: 64,
         seed: SUITE_SEED + 1,
+        kernel: SuiteKernel::Production,
     },
     PropertySuite {
         name: "gpu_flash_backward_bf16",
@@ -88,6 +115,7 @@ pub const SUITES: [PropertySuite; 4] = [
         dtype: Dtype::Bf16,
         cases: 32,
         seed: SUITE_SEED + 2,
+        kernel: SuiteKernel::Production,
     },
     PropertySuite {
         name: "gpu_flash_backward_f16",
@@ -95,6 +123,23 @@ pub const SUITES: [PropertySuite; 4] = [
         dtype: Dtype::F16,
         cases: 32,
         seed: SUITE_SEED + 3,
+        kernel: SuiteKernel::Production,
+    },
+    PropertySuite {
+        name: "gpu_flash_wgmma_backward_bf16",
+        direction: Direction::Backward,
+        dtype: Dtype::Bf16,
+        cases: 32,
+        seed: SUITE_SEED + 4,
+        kernel: SuiteKernel::WgmmaBackward,
+    },
+    PropertySuite {
+        name: "gpu_flash_wgmma_backward_f16",
+        direction: Direction::Backward,
+        dtype: Dtype::F16,
+        cases: 32,
+        seed: SUITE_SEED + 5,
+        kernel: SuiteKernel::WgmmaBackward,
     },
 ];
 
@@ -135,9 +180,27 @@ pub fn default_run_config(name: &str, cases: u32, seed: u64) -> Config {
 /// the forward and backward suites draw from one strategy; the forward ignores it).
 pub type Draw = (AttentionSpec, ValueProfile, u64, BackwardTiling);
 
-/// What every GPU property suite draws.
-pub fn draws() -> impl Strategy<Value = Draw> {
-    (kernel_spec(), profile(), any::<u64>(), proptest::sample::select(BackwardTiling::ALL.to_vec()))
+/// What a suite of `kernel` draws: for the production kernels the harness's problems rounded to the kernels' head
+/// dims, in every backward tiling; for the `wgmma` backward the harness's problems around its 128-key tile, head dims
+/// above [`WGMMA_MAX_HEAD_DIM`] folded below it (d − 128: 256 becomes 128, 136 becomes 8), in its one tiling.
+pub fn draws(kernel: SuiteKernel) -> BoxedStrategy<Draw> {
+    match kernel {
+        SuiteKernel::Production => {
+            (kernel_spec(), profile(), any::<u64>(), proptest::sample::select(BackwardTiling::ALL.to_vec())).boxed()
+        }
+        SuiteKernel::WgmmaBackward => {
+            let spec = spec(WGMMA_KV_TILE).prop_map(|mut s| {
+                for dim in [&mut s.head_dim, &mut s.head_dim_v] {
+                    *dim = dim.div_ceil(8) * 8;
+                    if *dim > WGMMA_MAX_HEAD_DIM {
+                        *dim -= WGMMA_MAX_HEAD_DIM;
+                    }
+                }
+                s
+            });
+            (spec, profile(), any::<u64>(), Just(BackwardTiling::DEFAULT)).boxed()
+        }
+    }
 }
 
 /// Runs `suite` under `config`, calling `check` on each draw and recording the coverage of the draws.
@@ -146,9 +209,9 @@ pub fn run_suite(
     config: Config,
     check: impl Fn(&Draw) -> Result<(), TestCaseError>,
 ) -> (Coverage, Result<(), TestError<Draw>>) {
-    let coverage = RefCell::new(Coverage::new(KV_TILE));
+    let coverage = RefCell::new(Coverage::new(suite.kernel.tile()));
     let mut runner = TestRunner::new(config);
-    let result = runner.run(&draws(), |draw| {
+    let result = runner.run(&draws(suite.kernel), |draw| {
         coverage.borrow_mut().record(&draw.0, suite.dtype.name());
         check(&draw)
     });
@@ -306,10 +369,24 @@ fn run_ahead<R>(
     })
 }
 
-/// Runs `suite` on the production kernels: fails on the first case outside its bound, and prints the worst ratio
-/// and the coverage of the draws. Without a device it reports its skip and returns.
+/// The candidate of `suite`'s kernels on a new stream, or `None` after reporting the skip: without a device, and for
+/// the `wgmma` backward without compute capability 9.0.
+pub fn suite_candidate(suite: &PropertySuite) -> Option<GpuCandidate> {
+    match suite.kernel {
+        SuiteKernel::Production => GpuCandidate::if_available(suite.name),
+        SuiteKernel::WgmmaBackward => {
+            let ctx = skip_unless_hopper(suite.name)?;
+            let stream = ctx.new_stream().expect("create a stream");
+            Some(GpuCandidate { backward_kernel: FLASH_BWD_SM90, ..GpuCandidate::production(stream) })
+        }
+    }
+}
+
+/// Runs `suite` on its kernels ([`suite_candidate`]): fails on the first case outside its bound, and prints the worst
+/// ratio and the coverage of the draws. Without a device (or, for the `wgmma` backward, a Hopper one) it reports its
+/// skip and returns.
 pub fn run_production(suite: &PropertySuite) {
-    let Some(candidate) = GpuCandidate::if_available(suite.name) else {
+    let Some(candidate) = suite_candidate(suite) else {
         return;
     };
     let worst = RefCell::new(Worst::default());
@@ -341,7 +418,7 @@ pub fn run_production(suite: &PropertySuite) {
 #[test]
 fn the_gpu_suites_draw_every_kernel_feature() {
     let mut union = Coverage::new(KV_TILE);
-    for suite in &SUITES {
+    for suite in SUITES.iter().filter(|s| s.kernel == SuiteKernel::Production) {
         let (coverage, result) = run_suite(suite, suite.default_config(), |_| Ok(()));
         assert!(result.is_ok(), "{}: recording alone cannot fail: {result:?}", suite.name);
         assert_eq!(coverage.draws, suite.cases as usize, "{}: one draw per case", suite.name);
@@ -353,16 +430,44 @@ fn the_gpu_suites_draw_every_kernel_feature() {
     assert!(missing.is_empty(), "kernel features no GPU property suite draws: {missing:?}");
 }
 
-/// Both directions and both dtypes have a suite; every suite's name is unique (it names its regression file), and so
-/// is its seed.
+/// The dense `wgmma` backward's suites, replayed without a device, draw every kernel feature of its dense mode
+/// together (lengths classed around its 128-key tile), all but the head dims it does not take, and only problems it
+/// takes: head dims up to 128, multiples of 8, its one tiling.
 #[test]
-fn every_direction_and_dtype_has_one_suite() {
-    for direction in [Direction::Forward, Direction::Backward] {
+fn the_wgmma_backward_suites_draw_every_feature_of_the_kernel() {
+    let mut union = Coverage::new(WGMMA_KV_TILE);
+    for suite in SUITES.iter().filter(|s| s.kernel == SuiteKernel::WgmmaBackward) {
+        let (coverage, result) = run_suite(suite, suite.default_config(), |(spec, _, _, tiling)| {
+            prop_assert!(spec.head_dim <= WGMMA_MAX_HEAD_DIM && spec.head_dim_v <= WGMMA_MAX_HEAD_DIM, "{spec:?}");
+            prop_assert!(spec.head_dim % 8 == 0 && spec.head_dim_v % 8 == 0, "{spec:?}");
+            prop_assert_eq!(*tiling, BackwardTiling::DEFAULT);
+            Ok(())
+        });
+        result.unwrap_or_else(|e| panic!("{}: {e}", suite.name));
+        union.merge(&coverage);
+    }
+    print!("wgmma backward suites: {union}");
+    let wide = ["128 < d < 256", "d = 256"];
+    let missing: Vec<_> = union.unreached().into_iter().filter(|f| !wide.contains(f)).collect();
+    assert!(missing.is_empty(), "features of the wgmma backward its suites never draw: {missing:?}");
+}
+
+/// Each direction, dtype and kernel set has one suite (the forward's on the production kernels alone); every suite's
+/// name is unique (it names its regression file), and so is its seed.
+#[test]
+fn every_direction_dtype_and_kernel_has_one_suite() {
+    for (direction, kernel) in [
+        (Direction::Forward, SuiteKernel::Production),
+        (Direction::Backward, SuiteKernel::Production),
+        (Direction::Backward, SuiteKernel::WgmmaBackward),
+    ] {
         for dtype in [Dtype::Bf16, Dtype::F16] {
-            let n = SUITES.iter().filter(|s| s.direction == direction && s.dtype == dtype).count();
-            assert_eq!(n, 1, "{direction:?} {dtype:?}");
+            let n =
+                SUITES.iter().filter(|s| s.direction == direction && s.dtype == dtype && s.kernel == kernel).count();
+            assert_eq!(n, 1, "{direction:?} {dtype:?} {kernel:?}");
         }
     }
+    assert!(SUITES.iter().all(|s| s.direction == Direction::Backward || s.kernel == SuiteKernel::Production));
     for s in &SUITES {
         assert_eq!(suite(s.name), s);
         assert_eq!(SUITES.iter().filter(|t| t.seed == s.seed).count(), 1, "{}'s seed", s.name);
