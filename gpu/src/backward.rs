@@ -27,9 +27,9 @@
 //! helpers, and its other kernels run unchanged in the same module. It takes the default tiling and head dims up to
 //! 128 ([`wgmma_backward_supports`]; they are padded to 64 or 128 columns of zeros). Every product still adds in f32
 //! on the tensor cores in k-steps of 16 with no more instructions than the model counts, so its recipe is this
-//! module's. The block-sparse wrapper runs it on an H200 (`BlockLists::backward_kernel`); the dense wrapper does not
-//! yet: the property suites `gpu_flash_wgmma_backward_{bf16,f16}` (the GPU tests' `property` module) verify its dense
-//! mode first.
+//! module's. The production wrappers run it on an H200 where it takes the spec ([`production_backward_kernel`], and
+//! `BlockLists::backward_kernel` for block-sparse lists); the property suites `gpu_flash_wgmma_backward_{bf16,f16}`
+//! (the GPU tests' `property` module) verify its dense mode beside `flash_bwd`'s suites.
 //!
 //! The block-sparse backward (`crate::block_sparse::backward`) compiles the same kernels with `BLOCK_SPARSE`: the KV
 //! owner walks the CSR transpose of the lists, the dQ owner and the deterministic dQ sum the query block's list, and
@@ -304,6 +304,17 @@ pub fn wgmma_backward_supports(spec: &AttentionSpec, tiling: BackwardTiling) -> 
     tiling == BackwardTiling::DEFAULT && spec.head_dim.max(spec.head_dim_v) <= crate::flash::WGMMA_MAX_HEAD_DIM
 }
 
+/// The backward kernel the production wrappers run for `spec` in `tiling` on a device of compute capability `device`:
+/// the `wgmma` KV owner ([`compile::FLASH_BWD_SM90`]) on 9.0 where it takes the spec ([`wgmma_backward_supports`]),
+/// `flash_bwd` ([`compile::FLASH_BWD`]) otherwise. Both are verified by the same property suites under the same recipe.
+pub fn production_backward_kernel(
+    spec: &AttentionSpec,
+    tiling: BackwardTiling,
+    device: (i32, i32),
+) -> compile::KernelSource {
+    if device == (9, 0) && wgmma_backward_supports(spec, tiling) { compile::FLASH_BWD_SM90 } else { FLASH_BWD }
+}
+
 /// Checks that the kernels support `spec` and derives the launch plan.
 fn plan<T: GpuElement>(
     spec: &AttentionSpec,
@@ -408,7 +419,9 @@ fn function(
 }
 
 /// Runs the backward on device buffers (asynchronously on `stream`): writes dQ, dK, dV and `D` into the first
-/// elements of `outputs`. Inputs are read only. The f32 workspaces of the KV-owner strategies are allocated here.
+/// elements of `outputs`. Inputs are read only. The f32 workspaces of the KV-owner strategies are allocated here. The
+/// kernel is [`production_backward_kernel`]'s choice for the device (the `wgmma` KV owner on an H200 for head dims up
+/// to 128) in the default tiling.
 pub fn flash_backward_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
@@ -416,7 +429,9 @@ pub fn flash_backward_device<T: GpuElement>(
     outputs: BackwardDeviceOutputs<'_, T>,
     strategy: GpuBackwardStrategy,
 ) -> Result<(), GpuError> {
-    flash_backward_device_with(stream, spec, FLASH_BWD, BackwardTiling::DEFAULT, inputs, outputs, strategy)
+    let tiling = BackwardTiling::DEFAULT;
+    let kernel = production_backward_kernel(spec, tiling, compile::compute_capability(stream.context())?);
+    flash_backward_device_with(stream, spec, kernel, tiling, inputs, outputs, strategy)
 }
 
 /// [`flash_backward_device`] with an explicit kernel source and tiling: the tests compile patched copies of
@@ -1037,6 +1052,23 @@ mod tests {
             assert!(!wgmma_backward_supports(&spec, tiling));
             let err = plan::<bf16>(&spec, tiling, FLASH_BWD_SM90).unwrap_err();
             assert!(matches!(err, GpuError::Unsupported { argument: a, .. } if a == argument), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_production_backward_is_the_wgmma_one_on_hopper_for_head_dims_up_to_128_in_the_default_tiling() {
+        use crate::compile::FLASH_BWD_SM90;
+        let spec = |d, dv| AttentionSpec::dense(1, 4, 2, 300, 200, d, dv);
+        let default = BackwardTiling::DEFAULT;
+        for (d, dv) in [(8, 8), (64, 64), (40, 128), (128, 128)] {
+            assert_eq!(production_backward_kernel(&spec(d, dv), default, (9, 0)), FLASH_BWD_SM90, "{d}, {dv}");
+            for device in [(8, 0), (8, 9), (10, 0), (12, 0)] {
+                assert_eq!(production_backward_kernel(&spec(d, dv), default, device), FLASH_BWD, "{device:?}");
+            }
+            assert_eq!(production_backward_kernel(&spec(d, dv), BackwardTiling { kv_warps: 4 }, (9, 0)), FLASH_BWD);
+        }
+        for (d, dv) in [(136, 128), (128, 136), (256, 256)] {
+            assert_eq!(production_backward_kernel(&spec(d, dv), default, (9, 0)), FLASH_BWD, "{d}, {dv}");
         }
     }
 

@@ -50,7 +50,7 @@ use std::sync::Arc;
 
 use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
-    is_wgmma_backward, wgmma_backward_supports,
+    is_wgmma_backward, production_backward_kernel, wgmma_backward_supports,
 };
 use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
@@ -628,6 +628,7 @@ fn run(opts: &Options) -> Result<(), String> {
                     let tilings = if is_wgmma_backward(kernel) { &bwd_tilings[..1] } else { &bwd_tilings[..] };
                     tilings.iter().flat_map(move |&t| TIMED_STRATEGIES.map(|(s, name)| (kernel, t, s, name)))
                 });
+                let production = production_backward_kernel(&spec, BackwardTiling::DEFAULT, device);
                 for (kernel, tiling, strategy, name) in runs {
                     let embedded = kernel.source == FLASH_BWD.source;
                     let ms = median_ms(&stream, opts, |s| {
@@ -644,7 +645,7 @@ fn run(opts: &Options) -> Result<(), String> {
                         if kernel == FLASH_BWD_SM90 { "/sm90" } else { "" },
                         source_suffix(kernel, embedded || kernel == FLASH_BWD_SM90),
                         u8::from(
-                            embedded
+                            kernel == production
                                 && strategy == GpuBackwardStrategy::KvOwnerAtomic
                                 && tiling == BackwardTiling::DEFAULT
                         ),

@@ -48,7 +48,7 @@ use crate::backward::{
     backward_from_host, backward_variant, launch_backward, sparse_csr,
 };
 use crate::common::GpuElement;
-use crate::compile::{self, FLASH_BWD, FLASH_BWD_SM90, ModuleVariant};
+use crate::compile::{self, FLASH_BWD, ModuleVariant};
 use crate::error::GpuError;
 
 impl BlockLists {
@@ -72,7 +72,7 @@ impl BlockLists {
     /// the `wgmma` KV owner on 9.0 when the lists suit it ([`BlockLists::suits_wgmma_backward`]), `flash_bwd`
     /// otherwise.
     pub fn backward_kernel(&self, spec: &AttentionSpec, device: (i32, i32)) -> compile::KernelSource {
-        if device == (9, 0) && self.suits_wgmma_backward(spec) { FLASH_BWD_SM90 } else { FLASH_BWD }
+        crate::backward::production_backward_kernel(spec, self.backward_tiling(), device)
     }
 
     /// The module of `kernel` (a text of `flash_bwd.cu`) whose transpose kernels build these lists' CSR for
@@ -190,6 +190,7 @@ pub fn block_csr_with(
 mod tests {
     use super::*;
     use crate::block_sparse::ListHeads;
+    use crate::compile::FLASH_BWD_SM90;
     use ndarray::Array4;
 
     #[test]

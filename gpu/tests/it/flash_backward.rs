@@ -55,8 +55,8 @@ fn kernel_backward_is_within_bound_f16() {
 }
 
 /// The dense `wgmma` backward's property suites (`SuiteKernel::WgmmaBackward`): the same checks of the `flash_bwd_sm90`
-/// KV owner in its dense mode, every strategy, on compute capability 9.0 (skipped elsewhere). The dense wrapper does
-/// not choose this kernel yet; these suites are what it must pass first.
+/// KV owner in its dense mode, every strategy, on compute capability 9.0 (skipped elsewhere), where the dense wrapper
+/// runs it for head dims up to 128 (`production_backward_kernel`).
 #[test]
 fn wgmma_kernel_backward_is_within_bound_bf16() {
     run_production(suite("gpu_flash_wgmma_backward_bf16"));

@@ -59,7 +59,7 @@ pub enum SuiteKernel {
     Production,
     /// The backward's KV owner on Hopper's `wgmma` (`flash_bwd_sm90`) in its dense mode, after the production
     /// forward: head dims up to [`WGMMA_MAX_HEAD_DIM`], its one tiling, lengths around its 128-key tile; on compute
-    /// capability 9.0 only. Its suites verify the dense `wgmma` backward before the dense wrapper may choose it.
+    /// capability 9.0 only, where the dense wrapper chooses it for those head dims.
     WgmmaBackward,
 }
 
