@@ -23,6 +23,7 @@
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
+//! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -115,7 +116,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 6] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 7] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -145,6 +146,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 6] = [
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+    },
+    DeviceRequirement {
+        kernel: "nsa_compress",
+        needs: (7, 5),
+        only: false,
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic and 16-byte loads only",
     },
     DeviceRequirement {
         kernel: "ring_state",

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConf
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
-use crate::params::{BackwardParams, BlockListParams, BsaParams, FlashParams, RingStateParams};
+use crate::params::{BackwardParams, BlockListParams, BsaParams, FlashParams, NsaParams, RingStateParams};
 
 /// Whether the CUDA driver library can be loaded.
 pub(crate) fn driver_library_present() -> bool {
@@ -107,6 +107,9 @@ unsafe impl DeviceRepr for BlockListParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64` and eight `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for BsaParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams` and six `i32` fields, no padding), its
+// layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for NsaParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -519,5 +522,34 @@ pub(crate) fn launch_bsa_select(
     // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_compress_keys` or `nsa_compress_values` (gpu/kernels/nsa_compress.cu, `func`) on `stream`: the
+/// compressed rows of every complete window of `x` into `out`.
+///
+/// Preconditions, established by `nsa::compress`: `func` is one of the two, compiled for the element type `T`; `x`
+/// holds the spec's K (for `nsa_compress_keys`) or V (for `nsa_compress_values`), which the strides and lengths of
+/// `params.flash`, or the validated `cu_k`, describe; `cu_windows` holds each sequence's first window in the packed
+/// layout (one entry per sequence and one more) and `params.dense_windows` the windows of a dense problem, none past
+/// the sequence's keys; `out` holds the compressed layout's elements (`nsa::compress::compressed_shape`); `weights`
+/// holds `2 · params.compress_len` f64; `cfg`'s grid is `(window groups, n_heads_kv, B)` with 128 threads per block
+/// and enough window groups for the longest sequence.
+pub(crate) fn launch_nsa_compress<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (x, out): (&CudaSlice<T>, &mut CudaSlice<T>),
+    weights: &CudaSlice<f64>,
+    (cu_k, cu_windows): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(x).arg(out).arg(weights).arg(cu_k).arg(cu_windows).arg(params);
+    // SAFETY: the arguments match `nsa_compress_keys` and `nsa_compress_values` (`const elem_t*, elem_t*, const
+    // double* weights, const int* cu_k, const int* cu_windows, const NsaParams`) in order and type; every index the
+    // kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their
+    // use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_compress_*)", e))?;
     Ok(())
 }

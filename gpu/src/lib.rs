@@ -4,14 +4,15 @@
 //! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query, which device runs which
 //! kernel), [`flash`] (the FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error
 //! recipe), [`backward`] (the backward kernels, likewise), [`block_sparse`] (block lists and the block-sparse
-//! forward, the forward kernel's `BLOCK_SPARSE` mode), [`ring`] (the ring's GPU pieces), [`common`] (what every
+//! forward, the forward kernel's `BLOCK_SPARSE` mode), [`nsa`] (NSA's kernels, as they land), [`ring`] (the ring's
+//! GPU pieces), [`common`] (what every
 //! kernel family shares: storage types, the kernel mask, limits and checks), [`error`] (typed errors). The private
 //! `params` module holds the kernels' parameter structs, one per kernel family, mirrored by `gpu/kernels/common.cuh`.
 //! Every `unsafe` block of the crate is in the private `launch` module, each with a `// SAFETY:` note.
 //!
 //! The modules import each other without a cycle (a test below checks it): `error` imports no module, `common`
 //! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `block_sparse`
-//! (above `flash`), `backward` and `ring`, and the crate root only re-exports and imports.
+//! (above `flash`), `backward`, `nsa` and `ring`, and the crate root only re-exports and imports.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
@@ -26,6 +27,7 @@ pub mod compile;
 pub mod error;
 pub mod flash;
 mod launch;
+pub mod nsa;
 mod params;
 pub mod ring;
 
@@ -80,6 +82,7 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_BWD, bwd),
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
+        variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -211,7 +214,10 @@ mod tests {
                 .unwrap();
         let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
         kernels.dedup();
-        assert_eq!(kernels, ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "flash_fwd_sm90", "flash_bwd_sm90"]);
+        assert_eq!(
+            kernels,
+            ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "nsa_compress", "flash_fwd_sm90", "flash_bwd_sm90"]
+        );
         for kernel in kernels {
             assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");
         }

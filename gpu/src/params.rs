@@ -3,7 +3,8 @@
 //! [`FlashParams`] (the attention problem's scalars: layout, lengths, GQA group, head dims, strides, scale, window
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
-//! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection.
+//! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
+//! kernels.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -151,6 +152,26 @@ pub(crate) struct BsaParams {
     pub n_key_blocks: i32,
     /// Element of the f64 workspace where the pooled queries start.
     pub pooled_queries_at: i64,
+}
+
+/// The NSA kernels' scalars (`struct NsaParams` of `common.cuh`), read by `nsa_compress.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct NsaParams {
+    /// The problem (K and V layout, lengths, head dims).
+    pub flash: FlashParams,
+    /// Tokens per compression window `l`.
+    pub compress_len: i32,
+    /// Tokens between two windows' first tokens `s`.
+    pub compress_stride: i32,
+    /// KV heads.
+    pub n_heads_kv: i32,
+    /// Complete windows of every sequence of a dense problem (0 when varlen).
+    pub dense_windows: i32,
+    /// 1 when φ_K is the caller's weights (row 0 of the weights buffer), 0 for the mean.
+    pub weighted_keys: i32,
+    /// 1 when φ_V is the caller's weights (row 1), 0 for the mean.
+    pub weighted_values: i32,
 }
 
 /// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
@@ -370,6 +391,15 @@ mod tests {
                 q_blocks,
                 kv_blocks,
                 reserved
+            }),
+            rust_layout!(NsaParams {
+                flash,
+                compress_len,
+                compress_stride,
+                n_heads_kv,
+                dense_windows,
+                weighted_keys,
+                weighted_values
             }),
             rust_layout!(BsaParams {
                 flash,

@@ -16,6 +16,7 @@ pub mod f64_oracle_bound;
 pub mod flash_bound;
 pub mod hils;
 pub mod nsa;
+pub mod nsa_bound;
 pub mod online;
 pub mod pisa;
 pub mod pyramid;

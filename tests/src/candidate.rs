@@ -361,7 +361,10 @@ pub fn unguard<X: Copy>(
 }
 
 /// Fails unless every downloaded input equals its original bit for bit.
-fn unchanged<T: Storage>(originals: &[(&'static str, &ArrayD<T>)], back: &[Vec<T>]) -> Result<(), LaunchError> {
+pub(crate) fn unchanged<T: Storage>(
+    originals: &[(&'static str, &ArrayD<T>)],
+    back: &[Vec<T>],
+) -> Result<(), LaunchError> {
     for ((input, original), back) in originals.iter().zip(back) {
         if !original.iter().zip(back.iter()).all(|(a, b)| a.bits() == b.bits()) {
             return Err(LaunchError::InputChanged { input });

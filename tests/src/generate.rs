@@ -56,7 +56,7 @@ pub fn gaussian(seed: u64, n: usize) -> Vec<f64> {
         .collect()
 }
 
-fn draw(seed: u64, n: usize, distribution: Distribution) -> Vec<f64> {
+pub(crate) fn draw(seed: u64, n: usize, distribution: Distribution) -> Vec<f64> {
     let g = gaussian(seed, n);
     match distribution {
         Distribution::HeavyTail => {

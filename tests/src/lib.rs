@@ -13,6 +13,7 @@ pub mod coverage;
 pub mod flash;
 pub mod gate;
 pub mod generate;
+pub mod nsa;
 pub mod recipes;
 pub mod ring_gpu;
 pub mod sparse;

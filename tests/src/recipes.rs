@@ -37,7 +37,7 @@ pub fn reference<T: Element>(kv_tile: usize) -> FlashRecipe {
 
 /// The smallest positive subnormal of `T`: the first power of two, from f32's smallest subnormal upward, that
 /// survives rounding to `T`.
-fn subnormal_of<T: Element>() -> f32 {
+pub(crate) fn subnormal_of<T: Element>() -> f32 {
     let mut x = f32::from_bits(1);
     while T::round(x) == 0.0 {
         x *= 2.0;

@@ -12,5 +12,6 @@ mod device;
 mod flash_backward;
 mod flash_forward;
 mod mutants;
+mod nsa_compress;
 mod property;
 mod ring_state;

@@ -24,6 +24,7 @@ use crate::block_selection;
 use crate::block_sparse;
 use crate::block_sparse_backward;
 use crate::common::*;
+use crate::nsa_compress;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
@@ -31,6 +32,7 @@ use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::flash::ForwardTiling;
+use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -49,7 +51,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 5] = [FLASH_FWD, FLASH_BWD, BSA_SELECT, FLASH_FWD_SM90, FLASH_BWD_SM90];
+const KERNELS: [KernelSource; 6] = [FLASH_FWD, FLASH_BWD, BSA_SELECT, NSA_COMPRESS, FLASH_FWD_SM90, FLASH_BWD_SM90];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
@@ -569,6 +571,45 @@ fn all_block_selection_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+        },
+    );
+}
+
+#[test]
+fn all_nsa_compression_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_compression_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = nsa_compress::killing_cases();
+    hunt(
+        "all_nsa_compression_mutants_are_killed",
+        NSA_COMPRESS,
+        &catalog_mutants(NSA_COMPRESS),
+        &cases,
+        |kernel, c| nsa_compress::check_compression(&stream, kernel, c),
+    );
+}
+
+/// Every compression mutant also fails the general compression suite (bf16, its default draws).
+#[test]
+fn all_nsa_compression_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_compression_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &nsa_compress::COMPRESSION_SUITES[0];
+    hunt_in_suite(
+        "all_nsa_compression_mutants_are_killed_by_the_general_suite",
+        NSA_COMPRESS,
+        &catalog_mutants(NSA_COMPRESS),
+        suite.name,
+        |kernel| {
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, &stream, kernel)
         },
     );
 }

@@ -1,4 +1,5 @@
-//! NSA selection branch (E18–E20) forward and backward, as the NSA kernel shares work across a
+//! NSA's compression (E18, [`compress_head`]: the GPU kernel's recipe, bit for bit) and its selection
+//! branch (E18–E20) forward and backward, as the NSA kernel shares work across a
 //! GQA group: for each (query `t`, KV head), each selected block of `select_block` tokens is
 //! loaded once and all `G` query heads of the group are computed against it (a `[G, block]` score
 //! tile), causal inside the current block (tokens `> t` are masked; a block wholly in the future
@@ -19,7 +20,7 @@
 //! covers); a single accumulator interleaving heads would sum `G·T` terms and need a different
 //! model.
 
-use attnproof_oracle::nsa::transpose_selection_heads;
+use attnproof_oracle::nsa::{Compression, NsaConfig, complete_windows, transpose_selection_heads};
 use attnproof_oracle::spec::Mask;
 use attnproof_oracle::topk::validate_index_row;
 use attnproof_oracle::{OracleError, Scale};
@@ -328,4 +329,68 @@ pub fn nsa_selection_backward<T: Element>(
     }
     delta.assign(&delta32);
     Ok(())
+}
+
+/// E18 compression of one head's rows `x` `[T, d]` into `[W, d]`, one row per complete window
+/// (`W = complete_windows(T, l, s)`), with the map `map` (φ_K or φ_V of `config`), by the recipe of
+/// the GPU kernel `nsa_compress.cu`: each column's `l` values widened exactly to f64 and taken in
+/// ascending window position — added, then divided once by `l`, for the mean; accumulated by one
+/// fused multiply-add per position, `acc = fma(w_i, x_i, acc)`, for weights — then rounded to f32
+/// and to `T`, both to nearest. The kernel performs these operations in this order, so its output
+/// equals this one bit for bit; both are within `attnproof_proofs::nsa_bound::compression_bound`
+/// of the exact value.
+pub fn compress_head<T: Element>(
+    x: ArrayView2<'_, T>,
+    map: &Compression,
+    config: &NsaConfig,
+) -> Result<Array2<T>, ReferenceError> {
+    config.validate()?;
+    let windows = complete_windows(x.nrows(), config.compress_len, config.compress_stride)?;
+    let mut out = Array2::from_elem((windows, x.ncols()), T::from_f32(0.0));
+    for c in 0..windows {
+        let rows = c * config.compress_stride..c * config.compress_stride + config.compress_len;
+        for col in 0..x.ncols() {
+            let values = rows.clone().map(|i| f64::from(x[[i, col]].to_f32()));
+            let y = match map {
+                Compression::Mean => values.sum::<f64>() / config.compress_len as f64,
+                Compression::Weighted(w) => values.zip(w).fold(0.0, |acc, (v, &w)| w.mul_add(v, acc)),
+            };
+            out[[c, col]] = T::from_f32(y as f32);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    /// The recipe on values whose mean and weighted sums are exact in bf16: windows of `l = 4` every `s = 2` over
+    /// 7 rows give 2 windows.
+    #[test]
+    fn compress_head_takes_the_windows_the_oracle_takes() {
+        let config = NsaConfig { compress_len: 4, compress_stride: 2, n_selected: 3, ..NsaConfig::default() };
+        let x = Array2::from_shape_fn((7, 2), |(i, c)| bf16::from_f32((i + 10 * c) as f32));
+        let mean = compress_head(x.view(), &Compression::Mean, &config).unwrap();
+        assert_eq!(mean.dim(), (2, 2));
+        let got: Vec<f32> = mean.iter().map(|v| v.to_f32()).collect();
+        // Window 0: rows 0..4 (mean 1.5, 11.5); window 1: rows 2..6 (mean 3.5, 13.5).
+        assert_eq!(got, [1.5, 11.5, 3.5, 13.5]);
+        let weighted = compress_head(x.view(), &Compression::Weighted(vec![1.0, 0.0, 0.0, -2.0]), &config).unwrap();
+        let got: Vec<f32> = weighted.iter().map(|v| v.to_f32()).collect();
+        // x_0 − 2 x_3 and x_2 − 2 x_5.
+        assert_eq!(got, [-6.0, -16.0, -8.0, -18.0]);
+        let none = compress_head(x.slice_axis(Axis(0), (..3).into()), &Compression::Mean, &config).unwrap();
+        assert_eq!(none.dim(), (0, 2));
+    }
+
+    /// A window of bf16's largest values: the f64 sum does not overflow, so the mean is the value itself.
+    #[test]
+    fn compress_head_does_not_overflow_near_the_largest_value() {
+        let config = NsaConfig::default();
+        let x = Array2::from_elem((32, 1), bf16::MAX);
+        let mean = compress_head(x.view(), &Compression::Mean, &config).unwrap();
+        assert_eq!(mean[[0, 0]], bf16::MAX);
+    }
 }

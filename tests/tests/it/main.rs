@@ -8,6 +8,7 @@ mod check_causes;
 mod check_recipes;
 mod flash_backward;
 mod flash_forward;
+mod nsa_compress;
 mod recipe;
 mod ring;
 mod sparse;

@@ -30,6 +30,14 @@ const BSA_SELECT: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of NSA's compression (`nsa_compress.cu`: compressed keys and values per window), launched
+/// in-process on a device with compression killing cases.
+const NSA_COMPRESS: Mutant = Mutant {
+    file: "gpu/kernels/nsa_compress.cu",
+    runner: Runner::KernelText { kernel: "nsa_compress", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -531,6 +539,63 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int local_from = eligible - min(params.force_local, eligible);",
         replace: "const int local_from = eligible - min(params.force_local, eligible) + 1;",
         ..BSA_SELECT
+    },
+    // --- nsa_compress.cu (NSA's compressed keys and values), launched on a device ---
+    Mutant {
+        name: "gpu-nsa-compress-window-starts-one-token-late",
+        description: "Window c starts at token c·s + 1 instead of c·s (the last window then reads past its sequence)",
+        find: "(long long)c * params.compress_stride * row_stride + chunk * 8;",
+        replace: "((long long)c * params.compress_stride + 1) * row_stride + chunk * 8;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-last-row-dropped",
+        description: "Each window sums its first l − 1 rows only (the mean still divides by l)",
+        find: "for (int i = 0; i < params.compress_len; ++i) {",
+        replace: "for (int i = 0; i < params.compress_len - 1; ++i) {",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-mean-divides-by-stride",
+        description: "The mean divides the window's sum by the stride s instead of the window length l",
+        find: "weighted ? acc[e] : acc[e] / params.compress_len;",
+        replace: "weighted ? acc[e] : acc[e] / params.compress_stride;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-f32-accumulation",
+        description: "The mean's sum is accumulated in f32 (within the bound, off the recipe's bits)",
+        find: "for (int e = 0; e < 8; ++e) acc[e] += (double)to_f32(e8[e]);",
+        replace: "for (int e = 0; e < 8; ++e) acc[e] = (double)((float)acc[e] + to_f32(e8[e]));",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-values-take-key-weights",
+        description: "φ_V reads φ_K's weights (row 0 of the weights) instead of its own",
+        find: "compress_window(v, v_cmp, weights + params.compress_len,",
+        replace: "compress_window(v, v_cmp, weights,",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-varlen-last-window-missing",
+        description: "Each packed sequence's last window is never written",
+        find: "windows = cu_windows[seq + 1] - cu_windows[seq];",
+        replace: "windows = cu_windows[seq + 1] - cu_windows[seq] - 1;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-dense-heads-collide",
+        description: "Every KV head of a dense problem writes head 0's compressed rows",
+        find: "out_at = (((long long)seq * params.n_heads_kv + h) * windows + c) * cols;",
+        replace: "out_at = (((long long)seq * params.n_heads_kv) * windows + c) * cols;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-weighted-flag-of-keys",
+        description: "The values' map is taken as weighted or mean by the keys' flag",
+        find: "params.weighted_values, cu_k, cu_windows, params,",
+        replace: "params.weighted_keys, cu_k, cu_windows, params,",
+        ..NSA_COMPRESS
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {

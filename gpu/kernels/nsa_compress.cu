@@ -1,0 +1,90 @@
+// NSA's compression (E18), compiled by NVRTC (see gpu/src/compile.rs) after common.cuh: the compressed keys
+// k̃_c = φ_K(k_{cs .. cs+l-1}) and values ṽ_c = φ_V(v_{cs .. cs+l-1}) of every complete window c of every sequence and
+// KV head. The rule is the oracle's (oracle/src/nsa.rs, `compress`); the host wrapper is gpu/src/nsa/compress.rs, and
+// the rounding-error bound of this recipe is proofs/src/nsa_bound.rs's `compression_bound`.
+//
+// Two kernels, one per operand, over one helper:
+//   nsa_compress_keys    K [.., Hkv, L, d]  -> k̃ [.., Hkv, W, d]   with φ_K (row 0 of the weights when weighted)
+//   nsa_compress_values  V [.., Hkv, L, dv] -> ṽ [.., Hkv, W, dv]  with φ_V (row 1 of the weights when weighted)
+// Grid (window groups, KV heads, sequences); a thread owns 8 adjacent columns of one window, so a CTA of 128 threads
+// covers 128 / (cols / 8) windows. Windows past a sequence's own are skipped.
+//
+// Recipe (the bound's model; the CPU reference `attnproof_reference::sparse::nsa::compress` is the same operations
+// in the same order, so the two agree bit for bit): each column's l values, widened exactly to f64, are added in
+// ascending window position (the mean: plain additions, then one division by l) or accumulated with one fused
+// multiply-add per position (weighted: acc = fma(w_i, x_i, acc), w_i the caller's f64 weight); the f64 result is
+// rounded to f32 and then to the storage type, both to nearest. f64 keeps the sum of up to l values of the storage
+// type's whole range from overflowing (an f32 sum of 32 bf16 values near the largest one would) and makes the
+// accumulation error negligible beside the storage rounding.
+
+#define CMP_THREADS 128
+
+// One window's 8 columns: rows `cs .. cs + l - 1` of head `h` of the current sequence, from `x` (strides of the
+// operand) into `out` (the compressed layout), with the caller's weights or the mean.
+__device__ __forceinline__ void compress_window(const elem_t* __restrict__ x, elem_t* __restrict__ out,
+                                                const double* __restrict__ weights, const int weighted,
+                                                const int* __restrict__ cu_k, const int* __restrict__ cu_windows,
+                                                const NsaParams& params, const long long batch_stride,
+                                                const long long head_stride, const long long row_stride,
+                                                const int cols) {
+    const FlashParams& fp = params.flash;
+    const int h = blockIdx.y, seq = blockIdx.z;
+    const int chunks = cols / 8;
+    const int per_cta = CMP_THREADS / chunks;
+    const int slot = threadIdx.x / chunks, chunk = threadIdx.x % chunks;
+    // 128 threads need not split into whole windows (d = 40 has 5 chunks): the last few threads idle.
+    if (slot >= per_cta) return;
+    const int c = blockIdx.x * per_cta + slot;
+    int windows;
+    long long in_base, out_at;
+    if (fp.varlen) {
+        windows = cu_windows[seq + 1] - cu_windows[seq];
+        in_base = (long long)cu_k[seq] * row_stride;
+        out_at = (((long long)cu_windows[seq] + c) * params.n_heads_kv + h) * cols;
+    } else {
+        windows = params.dense_windows;
+        in_base = seq * batch_stride;
+        out_at = (((long long)seq * params.n_heads_kv + h) * windows + c) * cols;
+    }
+    if (c >= windows) return;
+    // Rows start 16 bytes aligned: cols is a multiple of 8 (FlashParams::for_spec), so are the strides and offsets.
+    const elem_t* src = x + in_base + h * head_stride + (long long)c * params.compress_stride * row_stride + chunk * 8;
+    double acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0;
+    for (int i = 0; i < params.compress_len; ++i) {
+        const uint4 row = *reinterpret_cast<const uint4*>(src + (long long)i * row_stride);
+        const elem_t* e8 = reinterpret_cast<const elem_t*>(&row);
+        if (weighted) {
+            const double w = weights[i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fma(w, (double)to_f32(e8[e]), acc[e]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += (double)to_f32(e8[e]);
+        }
+    }
+    __align__(16) elem_t result[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const double y = weighted ? acc[e] : acc[e] / params.compress_len;
+        result[e] = to_elem(__double2float_rn(y));
+    }
+    *reinterpret_cast<uint4*>(out + out_at + chunk * 8) = *reinterpret_cast<const uint4*>(result);
+}
+
+extern "C" __global__ void __launch_bounds__(CMP_THREADS)
+nsa_compress_keys(const elem_t* __restrict__ k, elem_t* __restrict__ k_cmp, const double* __restrict__ weights,
+                  const int* __restrict__ cu_k, const int* __restrict__ cu_windows, const NsaParams params) {
+    const FlashParams& fp = params.flash;
+    compress_window(k, k_cmp, weights, params.weighted_keys, cu_k, cu_windows, params, fp.k_batch, fp.k_head,
+                    fp.k_row, fp.d);
+}
+
+extern "C" __global__ void __launch_bounds__(CMP_THREADS)
+nsa_compress_values(const elem_t* __restrict__ v, elem_t* __restrict__ v_cmp, const double* __restrict__ weights,
+                    const int* __restrict__ cu_k, const int* __restrict__ cu_windows, const NsaParams params) {
+    const FlashParams& fp = params.flash;
+    compress_window(v, v_cmp, weights + params.compress_len, params.weighted_values, cu_k, cu_windows, params,
+                    fp.v_batch, fp.v_head, fp.v_row, fp.dv);
+}

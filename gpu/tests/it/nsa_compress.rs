@@ -1,0 +1,264 @@
+//! NSA's compression kernel (`attnproof_gpu::nsa::compress`, `gpu/kernels/nsa_compress.cu`) against the oracle's E18
+//! (`oracle::nsa::compress`) through `attnproof_harness::nsa`: every compressed element within the derived bound of the
+//! oracle's value and equal, bit for bit, to the recipe's CPU reference, with NaN-poisoned and guarded outputs and K,
+//! V checked unchanged on the device; each draw runs twice and must give the same bits.
+//!
+//! The property suites draw the harness's compression problems (`compression_draws`: windows of 1 to 64 tokens with
+//! overlapping, adjacent and gapped strides, lengths with no window, one window and a window or stride ± 1, dense and
+//! varlen with empty sequences, head dims up to 256, the mean and every kind of weights, values over the storage
+//! type's whole range up to results past its largest finite value). Without a device each test prints
+//! `skipped: no CUDA device` and passes.
+
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::property::{default_run_config, run_config};
+use attnproof_gpu::compile::KernelSource;
+use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv, compress_kv_device, compressed_shape};
+use attnproof_gpu::{GpuError, skip_unless_gpu};
+use attnproof_harness::Case;
+use attnproof_harness::generate::make_case;
+use attnproof_harness::nsa::{
+    CompressionDraw, compress_guarded, compression_draws, largest_finite, verify_compression,
+};
+use attnproof_oracle::nsa::{Compression, NsaConfig};
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Mask};
+use cudarc::driver::CudaStream;
+use half::{bf16, f16};
+use ndarray::ArrayD;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+
+/// A compression suite: name (and regression file), storage type, cases, fixed seed.
+#[derive(Clone, Copy, Debug)]
+pub struct CompressionSuite {
+    /// The name.
+    pub name: &'static str,
+    /// bf16 (`true`) or f16.
+    pub bf16: bool,
+    /// Cases per run.
+    pub cases: u32,
+    /// Fixed seed.
+    pub seed: u64,
+}
+
+/// The two suites ("gpunsac" in ASCII, plus the dtype).
+pub const COMPRESSION_SUITES: [CompressionSuite; 2] = [
+    CompressionSuite { name: "gpu_nsa_compress_bf16", bf16: true, cases: 64, seed: 0x6770_756e_7361_6301 },
+    CompressionSuite { name: "gpu_nsa_compress_f16", bf16: false, cases: 64, seed: 0x6770_756e_7361_6302 },
+];
+
+impl CompressionSuite {
+    /// Runs the suite's draws under `config` through the compression kernel text `kernel` on `stream`; a failing
+    /// draw comes back described (spec and configuration), whichever the storage type.
+    pub fn run(
+        &self,
+        config: Config,
+        stream: &Arc<CudaStream>,
+        kernel: KernelSource,
+    ) -> Result<(), Box<TestError<String>>> {
+        fn go<T: Storage>(
+            config: Config,
+            check: impl Fn(&CompressionDraw<T>) -> Result<(), TestCaseError>,
+        ) -> Result<(), Box<TestError<String>>> {
+            TestRunner::new(config).run(&compression_draws::<T>(), |draw| check(&draw)).map_err(|e| {
+                Box::new(match e {
+                    TestError::Fail(why, draw) => {
+                        TestError::Fail(why, format!("{:?} {:?} {:?}", draw.case.spec, draw.config, draw.values))
+                    }
+                    TestError::Abort(why) => TestError::Abort(why),
+                })
+            })
+        }
+        if self.bf16 {
+            go::<bf16>(config, |d| check_draw(stream, kernel, d))
+        } else {
+            go::<f16>(config, |d| check_draw(stream, kernel, d))
+        }
+    }
+}
+
+/// One draw: two guarded launches (the same bits), then the verdict.
+fn check_draw<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    draw: &CompressionDraw<T>,
+) -> Result<(), TestCaseError> {
+    let fail = |e: &dyn std::fmt::Display| TestCaseError::fail(e.to_string());
+    let first = compress_guarded(stream, &draw.case, &draw.config, kernel).map_err(|e| fail(&e))?;
+    let again = compress_guarded(stream, &draw.case, &draw.config, kernel).map_err(|e| fail(&e))?;
+    let bits = |t: &ArrayD<T>| t.iter().map(|x| x.bits()).collect::<Vec<_>>();
+    if bits(&first.k) != bits(&again.k) || bits(&first.v) != bits(&again.v) {
+        return Err(TestCaseError::fail("the same input gave different bits"));
+    }
+    let verdict = verify_compression(&draw.case, &draw.config, &first).map_err(|e| fail(&e))?;
+    if !verdict.passed() {
+        return Err(TestCaseError::fail(format!("{:?} values: {}", draw.values, verdict.failures.join("\n"))));
+    }
+    Ok(())
+}
+
+fn run_production(suite: &CompressionSuite) {
+    let Some(ctx) = skip_unless_gpu(suite.name) else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    if let Err(e) = suite.run(run_config(suite.name, suite.cases, suite.seed), &stream, NSA_COMPRESS) {
+        panic!("{}: {e}", suite.name);
+    }
+}
+
+#[test]
+fn compression_matches_the_recipe_and_the_oracle_bf16() {
+    run_production(&COMPRESSION_SUITES[0]);
+}
+
+#[test]
+fn compression_matches_the_recipe_and_the_oracle_f16() {
+    run_production(&COMPRESSION_SUITES[1]);
+}
+
+/// The suites' fixed seeds reach what the mutants need, replayed without a device: every value kind, weights on the
+/// values, varlen, and a length with no window.
+#[test]
+fn the_compression_suites_draw_every_value_kind_and_layout() {
+    for suite in &COMPRESSION_SUITES {
+        let seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let config = default_run_config(suite.name, suite.cases, suite.seed);
+        TestRunner::new(config)
+            .run(&compression_draws::<bf16>(), |draw| {
+                let mut s = seen.borrow_mut();
+                s.insert(format!("{:?}", draw.values));
+                s.insert(format!(
+                    "varlen {}",
+                    !matches!(draw.case.spec.layout, attnproof_oracle::Layout::Dense { .. })
+                ));
+                s.insert(format!(
+                    "weighted values {}",
+                    matches!(draw.config.compress_values, Compression::Weighted(_))
+                ));
+                if draw.case.spec.sequences().iter().any(|q| q.len_k < draw.config.compress_len) {
+                    s.insert("no window".to_owned());
+                }
+                Ok(())
+            })
+            .expect("replay");
+        let seen = seen.into_inner();
+        for class in ["Gaussian", "Tiny", "NearLargest", "Cancelling", "varlen true", "varlen false"] {
+            assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
+        }
+        for class in ["weighted values true", "weighted values false", "no window"] {
+            assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
+        }
+    }
+}
+
+/// Fixed cases that kill the catalog's `gpu-nsa-compress-*` mutants: two dense heads with the paper's windows and the
+/// mean (a head written to the other's place, a mean divided by the stride, a row dropped, a window one token late);
+/// varlen with an empty sequence and weighted values of awkward head dims (the last packed window, the values' own
+/// weights and flag); and a window of values near bf16's largest with the mean (an f32 sum overflows where the f64
+/// sum does not).
+pub fn killing_cases() -> Vec<(&'static str, (Case<bf16>, NsaConfig))> {
+    let paper = NsaConfig::default();
+    let dense_case = make_case::<bf16>(&dense(2, 4, 2, 100, 100, 64, 32, Mask::Causal), gaussian(1.0), 51);
+    let weights: Vec<f64> = (0..32).map(|i| 1.0 / (i as f64 + 1.5)).collect();
+    let weighted_values = NsaConfig { compress_values: Compression::Weighted(weights), ..NsaConfig::default() };
+    let packed = make_case::<bf16>(
+        &varlen(&[0, 49, 49, 130], &[0, 49, 49, 130], 3, 1, 40, 256, Mask::Causal),
+        gaussian(1.0),
+        52,
+    );
+    let mut large = make_case::<bf16>(&dense(1, 1, 1, 64, 64, 16, 16, Mask::Causal), gaussian(1.0), 53);
+    let largest = largest_finite::<bf16>();
+    for t in [&mut large.k, &mut large.v] {
+        t.mapv_inplace(|x| bf16::from_f32(x.to_f32().clamp(-4.0, 4.0).abs() * largest / 4.0));
+    }
+    vec![
+        ("dense_two_heads_paper_windows", (dense_case, paper.clone())),
+        ("varlen_empty_weighted_values", (packed, weighted_values)),
+        ("mean_near_the_largest_value", (large, paper)),
+    ]
+}
+
+/// Runs the compression kernel `kernel` on a killing case; `Ok(())` when its outputs pass the verification.
+pub fn check_compression(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    case: &(Case<bf16>, NsaConfig),
+) -> Result<(), String> {
+    let (case, config) = case;
+    let out = compress_guarded(stream, case, config, kernel).map_err(|e| e.to_string())?;
+    let verdict = verify_compression(case, config, &out).map_err(|e| e.to_string())?;
+    if verdict.passed() { Ok(()) } else { Err(verdict.failures[0].clone()) }
+}
+
+/// The killing cases under compute-sanitizer (`run.sh sanitize`): tail windows, an empty sequence, odd head dims.
+#[test]
+fn sanitizer_shapes() {
+    let Some(ctx) = skip_unless_gpu("nsa_compress::sanitizer_shapes") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    for (name, case) in killing_cases() {
+        if let Err(why) = check_compression(&stream, NSA_COMPRESS, &case) {
+            panic!("case `{name}`: {why}");
+        }
+    }
+}
+
+/// The host wrapper (copies in and out) gives the bits of the guarded launch through the device wrapper.
+#[test]
+fn the_host_wrapper_equals_the_device_wrapper() {
+    let Some(ctx) = skip_unless_gpu("nsa_compress::the_host_wrapper_equals_the_device_wrapper") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let (_, (case, config)) = killing_cases().swap_remove(1);
+    let host = compress_kv(&stream, &case.spec, &config, case.k.view(), case.v.view()).expect("host wrapper");
+    let guarded = compress_guarded(&stream, &case, &config, NSA_COMPRESS).expect("device wrapper");
+    assert_eq!(host.k, guarded.k);
+    assert_eq!(host.v, guarded.v);
+    assert_eq!(host.k.shape(), compressed_shape(&case.spec, &config, Operand::K).unwrap().as_slice());
+}
+
+/// Bad input is a typed error before any launch: a zero stride, weights of the wrong length or not finite, a head
+/// dim the kernels do not take, host tensors of the wrong shape, device buffers too small.
+#[test]
+fn bad_compression_input_is_a_typed_error_before_any_launch() {
+    let Some(ctx) = skip_unless_gpu("nsa_compress::bad_compression_input_is_a_typed_error_before_any_launch") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 16, 16).with_mask(Mask::Causal);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 7);
+    let host =
+        |config: &NsaConfig, spec: &AttentionSpec| compress_kv(&stream, spec, config, case.k.view(), case.v.view());
+    let paper = NsaConfig::default();
+    for bad in [
+        NsaConfig { compress_stride: 0, ..paper.clone() },
+        NsaConfig { compress_len: 0, ..paper.clone() },
+        NsaConfig { compress_keys: Compression::Weighted(vec![1.0; 31]), ..paper.clone() },
+        NsaConfig { compress_values: Compression::Weighted(vec![f64::INFINITY; 32]), ..paper.clone() },
+    ] {
+        assert!(matches!(host(&bad, &spec), Err(GpuError::Spec(_))), "{bad:?}");
+    }
+    let odd = AttentionSpec::dense(1, 2, 1, 64, 64, 12, 16).with_mask(Mask::Causal);
+    assert!(matches!(host(&paper, &odd), Err(GpuError::Unsupported { argument: "head_dim", .. })));
+    let longer = AttentionSpec::dense(1, 2, 1, 64, 65, 16, 16).with_mask(Mask::Causal);
+    assert!(matches!(host(&paper, &longer), Err(GpuError::Shape { argument: "k", .. })));
+    let k = upload(&stream, &case.k).unwrap();
+    let v = upload(&stream, &case.v).unwrap();
+    let windows = compressed_shape(&spec, &paper, Operand::K).unwrap().iter().product::<usize>();
+    let mut enough = stream.alloc_zeros::<bf16>(windows).unwrap();
+    let mut short = stream.alloc_zeros::<bf16>(windows - 1).unwrap();
+    let err = compress_kv_device(&stream, &spec, &paper, NSA_COMPRESS, &k, &v, &mut short, &mut enough).unwrap_err();
+    assert!(matches!(err, GpuError::BufferTooSmall { argument: "k_cmp", .. }), "{err}");
+    let err = compress_kv_device(&stream, &spec, &paper, NSA_COMPRESS, &v, &k, &mut enough, &mut short).unwrap_err();
+    assert!(matches!(err, GpuError::BufferTooSmall { argument: "v_cmp", .. }), "{err}");
+    let tiny = stream.alloc_zeros::<bf16>(3).unwrap();
+    let mut other = stream.alloc_zeros::<bf16>(windows).unwrap();
+    let err = compress_kv_device(&stream, &spec, &paper, NSA_COMPRESS, &tiny, &v, &mut other, &mut enough).unwrap_err();
+    assert!(matches!(err, GpuError::BufferTooSmall { argument: "k", .. }), "{err}");
+    // Nothing was launched: the outputs are still the zeros they were allocated with.
+    assert!(stream.clone_dtoh(&enough).unwrap().iter().all(|x| x.to_bits() == 0));
+}
