@@ -18,7 +18,7 @@ use attnproof_proofs::nsa_bound::{StorageRounding, compression_bound, f64_evalua
 use attnproof_reference::Element;
 use attnproof_reference::sparse::nsa::compress_head;
 use cudarc::driver::CudaStream;
-use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, IxDyn, Slice};
+use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, Dimension, IxDyn, Slice};
 use proptest::prelude::*;
 
 use crate::candidate::{GUARD_BITS_16, LaunchError, Storage, poisoned, unchanged, unguard, upload};
@@ -97,6 +97,13 @@ pub fn verify_compression<T: Storage>(
     config.validate()?;
     let spec = &case.spec;
     let [_, k_wide, v_wide] = case.widened();
+    // The inputs must be what a caller may give the kernel: finite values of the storage type.
+    for (argument, wide) in [("k", &k_wide), ("v", &v_wide)] {
+        if let Some((index, &value)) = wide.indexed_iter().find(|(_, x)| !x.is_finite()) {
+            let index = index.slice().to_vec();
+            return Err(attnproof_oracle::OracleError::NonFinite { argument, index, value }.into());
+        }
+    }
     let storage = StorageRounding { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<T>()) };
     let dense = matches!(spec.layout, Layout::Dense { .. });
     let mut verdict = CompressionVerdict::default();

@@ -171,7 +171,7 @@ pub fn killing_cases() -> Vec<(&'static str, (Case<bf16>, NsaConfig))> {
     let mut large = make_case::<bf16>(&dense(1, 1, 1, 64, 64, 16, 16, Mask::Causal), gaussian(1.0), 53);
     let largest = largest_finite::<bf16>();
     for t in [&mut large.k, &mut large.v] {
-        t.mapv_inplace(|x| bf16::from_f32(x.to_f32().clamp(-4.0, 4.0).abs() * largest / 4.0));
+        t.mapv_inplace(|x| bf16::from_f32(x.to_f32().clamp(-4.0, 4.0).abs() * (largest / 4.0)));
     }
     vec![
         ("dense_two_heads_paper_windows", (dense_case, paper.clone())),
@@ -202,6 +202,35 @@ fn sanitizer_shapes() {
     for (name, case) in killing_cases() {
         if let Err(why) = check_compression(&stream, NSA_COMPRESS, &case) {
             panic!("case `{name}`: {why}");
+        }
+    }
+}
+
+/// Regression (`gpu_nsa_compress_{bf16,f16}`, their first run on the H200: a window of `l = 1` over a negative zero):
+/// the kernel sums from +0, so windows of negative zeros compress to +0; the recipe's reference had kept −0 and the
+/// bits differed. Both maps, both operands, one window and the paper's.
+#[test]
+fn windows_of_negative_zeros_give_the_recipes_positive_zero() {
+    let Some(ctx) = skip_unless_gpu("nsa_compress::windows_of_negative_zeros_give_the_recipes_positive_zero") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let mut case = make_case::<bf16>(&dense(1, 2, 2, 40, 40, 16, 8, Mask::Causal), gaussian(1.0), 9);
+    case.k.fill(bf16::NEG_ZERO);
+    case.v.fill(bf16::NEG_ZERO);
+    for (l, s) in [(1, 1), (32, 16)] {
+        let weighted = NsaConfig {
+            compress_len: l,
+            compress_stride: s,
+            compress_values: Compression::Weighted(vec![-1.0; l]),
+            ..NsaConfig::default()
+        };
+        let mean = NsaConfig { compress_values: Compression::Mean, ..weighted.clone() };
+        for config in [mean, weighted] {
+            let out = compress_guarded(&stream, &case, &config, NSA_COMPRESS).expect("launch");
+            assert!(out.k.iter().chain(out.v.iter()).all(|x| x.to_bits() == 0), "{config:?}");
+            let verdict = verify_compression(&case, &config, &out).expect("verification");
+            assert!(verdict.passed(), "{config:?}: {:?}", verdict.failures);
         }
     }
 }

@@ -334,7 +334,7 @@ pub fn nsa_selection_backward<T: Element>(
 /// E18 compression of one head's rows `x` `[T, d]` into `[W, d]`, one row per complete window
 /// (`W = complete_windows(T, l, s)`), with the map `map` (φ_K or φ_V of `config`), by the recipe of
 /// the GPU kernel `nsa_compress.cu`: each column's `l` values widened exactly to f64 and taken in
-/// ascending window position — added, then divided once by `l`, for the mean; accumulated by one
+/// ascending window position from an accumulator of +0 — added, then divided once by `l`, for the mean; accumulated by one
 /// fused multiply-add per position, `acc = fma(w_i, x_i, acc)`, for weights — then rounded to f32
 /// and to `T`, both to nearest. The kernel performs these operations in this order, so its output
 /// equals this one bit for bit; both are within `attnproof_proofs::nsa_bound::compression_bound`
@@ -352,7 +352,9 @@ pub fn compress_head<T: Element>(
         for col in 0..x.ncols() {
             let values = rows.clone().map(|i| f64::from(x[[i, col]].to_f32()));
             let y = match map {
-                Compression::Mean => values.sum::<f64>() / config.compress_len as f64,
+                // From +0, as the kernel's accumulator starts: `Sum for f64` starts from −0, which would keep a
+                // window of negative zeros at −0 where the kernel gives +0.
+                Compression::Mean => values.fold(0.0, |acc, v| acc + v) / config.compress_len as f64,
                 Compression::Weighted(w) => values.zip(w).fold(0.0, |acc, (v, &w)| w.mul_add(v, acc)),
             };
             out[[c, col]] = T::from_f32(y as f32);
@@ -383,6 +385,19 @@ mod tests {
         assert_eq!(got, [-6.0, -16.0, -8.0, -18.0]);
         let none = compress_head(x.slice_axis(Axis(0), (..3).into()), &Compression::Mean, &config).unwrap();
         assert_eq!(none.dim(), (0, 2));
+    }
+
+    /// Regression (the GPU suites `gpu_nsa_compress_{bf16,f16}`, first run on the H200): windows of negative zeros.
+    /// The kernel sums from +0, so the mean and the weighted sum of −0 are +0; the reference had summed with
+    /// `Sum for f64`, which starts from −0, and kept −0, so the kernel's bits differed from the recipe's.
+    #[test]
+    fn windows_of_negative_zeros_compress_to_positive_zero() {
+        let config = NsaConfig { compress_len: 2, compress_stride: 1, n_selected: 3, ..NsaConfig::default() };
+        let x = Array2::from_elem((3, 1), bf16::NEG_ZERO);
+        for map in [Compression::Mean, Compression::Weighted(vec![1.0, 2.0])] {
+            let out = compress_head(x.view(), &map, &config).unwrap();
+            assert!(out.iter().all(|v| v.to_bits() == 0), "{map:?}: {out:?}");
+        }
     }
 
     /// A window of bf16's largest values: the f64 sum does not overflow, so the mean is the value itself.

@@ -104,7 +104,7 @@ fn plain_draw() -> CompressionDraw<bf16> {
 }
 
 #[test]
-fn a_flipped_bit_a_short_mean_and_a_wrong_shape_fail_the_verifier() {
+fn a_flipped_bit_a_short_mean_a_nan_and_bad_shapes_or_inputs_fail_the_verifier() {
     let draw = plain_draw();
     let reference = reference_compression(&draw.case, &draw.config).unwrap();
     // One bit of one element: off the recipe's bits (inside the bound or not, it must fail).
@@ -124,6 +124,13 @@ fn a_flipped_bit_a_short_mean_and_a_wrong_shape_fail_the_verifier() {
     let mut nan = reference.clone();
     *nan.k.iter_mut().last().unwrap() = bf16::NAN;
     assert!(!verify_compression(&draw.case, &draw.config, &nan).unwrap().passed());
+    // Inputs a caller may not give the kernel (an infinity in V) are an error, not a verdict.
+    let mut infinite = draw.case.clone();
+    *infinite.v.iter_mut().next().unwrap() = bf16::INFINITY;
+    assert!(matches!(
+        verify_compression(&infinite, &draw.config, &reference),
+        Err(HarnessError::Oracle(attnproof_oracle::OracleError::NonFinite { argument: "v", .. }))
+    ));
     // A candidate of the wrong shape is an error, not a verdict.
     let wrong = attnproof_harness::nsa::Compressed { k: ArrayD::from_elem(IxDyn(&[1]), bf16::ZERO), v: reference.v };
     assert!(matches!(
