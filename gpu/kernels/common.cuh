@@ -1,5 +1,5 @@
 // Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu, ring_state.cu,
-// bsa_select.cu and nsa_compress.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
+// bsa_select.cu, nsa_compress.cu and nsa_gates.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
 // cp.async, the exp2 instruction and the forward's online-softmax step, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
@@ -124,11 +124,12 @@ struct BsaParams {
     long long pooled_queries_at;  // element of the f64 workspace where the pooled queries start (after the keys)
 };
 
-// The scalars of the NSA kernels (nsa_compress.cu): the problem (K and V layout, lengths, head dims) and NSA's
+// The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
 // compression parameters. Compressed keys and values are laid out like K and V with one row per complete window:
 // dense [B, Hkv, W, cols], varlen packed [total W, Hkv, cols] from the windows' cu_seqlens.
 struct NsaParams {
-    FlashParams flash;      // the problem; the query, output and window fields are unused
+    FlashParams flash;      // the problem (the gates read dv); the query and window fields are unused
+    long long rows;         // rows of O: B * Hq * Lq dense, Tq * Hq varlen (the gates' rows)
     int compress_len;       // l: tokens per compression window
     int compress_stride;    // s: tokens between two windows' first tokens
     int n_heads_kv;         // KV heads
@@ -206,14 +207,15 @@ PARAM_AT(BsaParams, n_heads_kv, 184);
 PARAM_AT(BsaParams, n_key_blocks, 188);
 PARAM_AT(BsaParams, pooled_queries_at, 192);
 
-PARAM_SIZE(NsaParams, 176);
+PARAM_SIZE(NsaParams, 184);
 PARAM_AT(NsaParams, flash, 0);
-PARAM_AT(NsaParams, compress_len, 152);
-PARAM_AT(NsaParams, compress_stride, 156);
-PARAM_AT(NsaParams, n_heads_kv, 160);
-PARAM_AT(NsaParams, dense_windows, 164);
-PARAM_AT(NsaParams, weighted_keys, 168);
-PARAM_AT(NsaParams, weighted_values, 172);
+PARAM_AT(NsaParams, rows, 152);
+PARAM_AT(NsaParams, compress_len, 160);
+PARAM_AT(NsaParams, compress_stride, 164);
+PARAM_AT(NsaParams, n_heads_kv, 168);
+PARAM_AT(NsaParams, dense_windows, 172);
+PARAM_AT(NsaParams, weighted_keys, 176);
+PARAM_AT(NsaParams, weighted_values, 180);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);

@@ -24,6 +24,7 @@
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
+//! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -116,7 +117,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 7] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 8] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -152,6 +153,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 7] = [
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic and 16-byte loads only",
+    },
+    DeviceRequirement {
+        kernel: "nsa_gates",
+        needs: (7, 5),
+        only: false,
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f32 arithmetic, expf and warp shuffles only",
     },
     DeviceRequirement {
         kernel: "ring_state",

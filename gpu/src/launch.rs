@@ -107,8 +107,8 @@ unsafe impl DeviceRepr for BlockListParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64` and eight `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for BsaParams {}
-// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams` and six `i32` fields, no padding), its
-// layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and six `i32` fields, no
+// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for NsaParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
@@ -522,6 +522,59 @@ pub(crate) fn launch_bsa_select(
     // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_gate_combine` (gpu/kernels/nsa_gates.cu, `func`) on `stream`: `o = Σ_b σ(x_b) o_b` per row.
+///
+/// Preconditions, established by `nsa::gates`: `func` is `nsa_gate_combine` compiled for the element type `T`; the
+/// three branch outputs and `o` hold `params.rows · params.flash.dv` elements each, `logits` `params.rows · 3`;
+/// `params.flash.dv` is a multiple of 8 up to 256; `cfg`'s grid covers `params.rows` rows at four per block of 128
+/// threads.
+pub(crate) fn launch_nsa_gate_combine<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    branches: [&CudaSlice<T>; 3],
+    logits: &CudaSlice<T>,
+    o: &mut CudaSlice<T>,
+    params: &NsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(branches[0]).arg(branches[1]).arg(branches[2]).arg(logits).arg(o).arg(params);
+    // SAFETY: the arguments match `nsa_gate_combine(const elem_t* o_cmp, const elem_t* o_slc, const elem_t* o_win,
+    // const elem_t* logits, elem_t* o, const NsaParams)` in order and type; every index the kernel forms lies in the
+    // buffers the caller sized (see above); the buffers are borrowed for this call and their use is recorded on
+    // `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_gate_combine)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_gate_backward` (gpu/kernels/nsa_gates.cu, `func`) on `stream`: `dO_b = σ(x_b) dO` and
+/// `dx_b = σ(x_b) σ(−x_b) ⟨dO, o_b⟩` per row.
+///
+/// Preconditions, as for [`launch_nsa_gate_combine`], and: `d_out` and the three `d_branches` hold
+/// `params.rows · params.flash.dv` elements each, `d_logits` `params.rows · 3` f32.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_nsa_gate_backward<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    branches: [&CudaSlice<T>; 3],
+    (logits, d_out): (&CudaSlice<T>, &CudaSlice<T>),
+    d_branches: [&mut CudaSlice<T>; 3],
+    d_logits: &mut CudaSlice<f32>,
+    params: &NsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(branches[0]).arg(branches[1]).arg(branches[2]).arg(logits).arg(d_out);
+    let [d_cmp, d_slc, d_win] = d_branches;
+    builder.arg(d_cmp).arg(d_slc).arg(d_win).arg(d_logits).arg(params);
+    // SAFETY: the arguments match `nsa_gate_backward(const elem_t* o_cmp, const elem_t* o_slc, const elem_t* o_win,
+    // const elem_t* logits, const elem_t* d_out, elem_t* d_cmp, elem_t* d_slc, elem_t* d_win, float* d_logits, const
+    // NsaParams)` in order and type; every index the kernel forms lies in the buffers the caller sized (see above);
+    // the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_gate_backward)", e))?;
     Ok(())
 }
 

@@ -83,6 +83,7 @@ pub fn module_variants<T: GpuElement>(
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
+        variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -216,7 +217,16 @@ mod tests {
         kernels.dedup();
         assert_eq!(
             kernels,
-            ["flash_fwd", "flash_bwd", "ring_state", "bsa_select", "nsa_compress", "flash_fwd_sm90", "flash_bwd_sm90"]
+            [
+                "flash_fwd",
+                "flash_bwd",
+                "ring_state",
+                "bsa_select",
+                "nsa_compress",
+                "nsa_gates",
+                "flash_fwd_sm90",
+                "flash_bwd_sm90"
+            ]
         );
         for kernel in kernels {
             assert!(compile::DEVICE_REQUIREMENTS.iter().any(|r| r.kernel == kernel), "{kernel} is not listed");

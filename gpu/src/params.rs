@@ -154,12 +154,14 @@ pub(crate) struct BsaParams {
     pub pooled_queries_at: i64,
 }
 
-/// The NSA kernels' scalars (`struct NsaParams` of `common.cuh`), read by `nsa_compress.cu`.
+/// The NSA kernels' scalars (`struct NsaParams` of `common.cuh`), read by `nsa_compress.cu` and `nsa_gates.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct NsaParams {
-    /// The problem (K and V layout, lengths, head dims).
+    /// The problem (K and V layout, lengths, head dims; the gates read `dv`).
     pub flash: FlashParams,
+    /// Rows of O (`B · Hq · Lq` dense, `Tq · Hq` varlen): the gates' rows.
+    pub rows: i64,
     /// Tokens per compression window `l`.
     pub compress_len: i32,
     /// Tokens between two windows' first tokens `s`.
@@ -394,6 +396,7 @@ mod tests {
             }),
             rust_layout!(NsaParams {
                 flash,
+                rows,
                 compress_len,
                 compress_stride,
                 n_heads_kv,

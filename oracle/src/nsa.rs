@@ -512,6 +512,91 @@ pub fn sigmoid<S: Real>(x: &S) -> S {
     S::one(ctx) / (S::one(ctx) + (-x.clone()).exp())
 }
 
+/// Checks the shapes and values of a gated sum's operands: branch outputs (and `d_out`) `[T, Hq, dv]` alike and
+/// finite, gate logits `[T, Hq, 3]` without NaN (`±∞` is a gate of exactly 1 or 0).
+fn check_gate_operands<S: Real>(
+    branches: &[ArrayView3<'_, S>; 3],
+    gate_logits: ArrayView3<'_, S>,
+    d_out: Option<ArrayView3<'_, S>>,
+) -> Result<(), OracleError> {
+    let (len, n_heads_q, dv) = branches[0].dim();
+    let named = [("o_cmp", branches[0]), ("o_slc", branches[1]), ("o_win", branches[2])];
+    for (argument, t) in named.into_iter().chain(d_out.map(|d| ("d_out", d))) {
+        if t.dim() != (len, n_heads_q, dv) {
+            return Err(OracleError::ShapeMismatch {
+                argument,
+                expected: vec![len, n_heads_q, dv],
+                actual: t.shape().to_vec(),
+            });
+        }
+        check_finite(argument, &t.into_dyn())?;
+    }
+    if gate_logits.dim() != (len, n_heads_q, 3) {
+        return Err(OracleError::ShapeMismatch {
+            argument: "gate_logits",
+            expected: vec![len, n_heads_q, 3],
+            actual: gate_logits.shape().to_vec(),
+        });
+    }
+    if let Some((index, x)) = gate_logits.into_dyn().indexed_iter().find(|(_, x)| x.is_nan()) {
+        return Err(OracleError::NonFinite {
+            argument: "gate_logits",
+            index: index.slice().to_vec(),
+            value: x.to_f64(),
+        });
+    }
+    Ok(())
+}
+
+/// E18's gated sum: `o = Σ_b σ(x_b) o_b` per `(t, h)`, over the branch outputs `[T, Hq, dv]` in [`Branch`] order and
+/// the gate logits `x` `[T, Hq, 3]` (last axis in [`Branch`] order; `±∞` allowed, no NaN). The gates need not sum
+/// to 1. Returns the gates `σ(x)` and `o`.
+pub fn gate_combine<S: Real>(
+    branches: [ArrayView3<'_, S>; 3],
+    gate_logits: ArrayView3<'_, S>,
+    ctx: S::Ctx,
+) -> Result<(Array3<S>, Array3<S>), OracleError> {
+    check_gate_operands(&branches, gate_logits, None)?;
+    let gates = gate_logits.mapv(|x| sigmoid(&x));
+    let mut o = Array3::from_elem(branches[0].dim(), S::zero(ctx));
+    for ((t, h, e), out) in o.indexed_iter_mut() {
+        let term = |b: usize| gates[[t, h, b]].clone() * branches[b][[t, h, e]].clone();
+        *out = term(0) + term(1) + term(2);
+    }
+    Ok((gates, o))
+}
+
+/// The gradients of E18's gated sum for a loss with upstream gradient `dO` `[T, Hq, dv]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateGradients<S> {
+    /// `dO_b = σ(x_b) dO` per branch, in [`Branch`] order: the upstream gradient of each branch's attention.
+    pub d_branches: [Array3<S>; 3],
+    /// `∂L/∂x_b = σ(x_b) σ(−x_b) ⟨dO, o_b⟩` `[T, Hq, 3]` (σ' written as `σ(x) σ(−x)`, which has no cancellation where
+    /// `σ(x)` is near 1).
+    pub d_gate_logits: Array3<S>,
+}
+
+/// The gradients of [`gate_combine`] (E18): per `(t, h)` and branch `b`, `dO_b = σ(x_b) dO` and
+/// `∂L/∂x_b = σ(x_b) σ(−x_b) Σ_e dO_e o_{b,e}`.
+pub fn gate_combine_backward<S: Real>(
+    branches: [ArrayView3<'_, S>; 3],
+    gate_logits: ArrayView3<'_, S>,
+    d_out: ArrayView3<'_, S>,
+    ctx: S::Ctx,
+) -> Result<GateGradients<S>, OracleError> {
+    check_gate_operands(&branches, gate_logits, Some(d_out))?;
+    let gates = gate_logits.mapv(|x| sigmoid(&x));
+    let d_branches = [0, 1, 2]
+        .map(|b| Array3::from_shape_fn(d_out.dim(), |(t, h, e)| gates[[t, h, b]].clone() * d_out[[t, h, e]].clone()));
+    let d_gate_logits = Array3::from_shape_fn(gate_logits.dim(), |(t, h, b)| {
+        let x = &gate_logits[[t, h, b]];
+        let dot = (0..d_out.dim().2)
+            .fold(S::zero(ctx), |acc, e| acc + d_out[[t, h, e]].clone() * branches[b][[t, h, e]].clone());
+        sigmoid(x) * sigmoid(&-x.clone()) * dot
+    });
+    Ok(GateGradients { d_branches, d_gate_logits })
+}
+
 /// Everything an NSA forward computes, in the order of the data flow.
 #[derive(Clone, Debug, PartialEq)]
 pub struct NsaForward<S> {
@@ -543,33 +628,16 @@ pub fn nsa_forward<S: Real>(
     inputs.validate()?;
     config.validate()?;
     let (len, n_heads_q, _) = inputs.q.dim();
-    if gate_logits.dim() != (len, n_heads_q, 3) {
-        return Err(OracleError::ShapeMismatch {
-            argument: "gate_logits",
-            expected: vec![len, n_heads_q, 3],
-            actual: gate_logits.shape().to_vec(),
-        });
-    }
-    if let Some((index, x)) = gate_logits.into_dyn().indexed_iter().find(|(_, x)| x.is_nan()) {
-        return Err(OracleError::NonFinite {
-            argument: "gate_logits",
-            index: index.slice().to_vec(),
-            value: x.to_f64(),
-        });
-    }
+    // The gates are checked again where they are used; checking them first spares the branches' work on bad ones.
+    let branch_shape = Array3::from_elem((len, n_heads_q, 0), S::zero(ctx));
+    check_gate_operands(&[branch_shape.view(), branch_shape.view(), branch_shape.view()], gate_logits, None)?;
     let compressed = compressed_attention(inputs, config, ctx)?;
     let n_blocks = selection_blocks(len, config.select_block)?;
     let block_scores = block_scores(compressed.p.view(), inputs.n_heads_kv(), n_blocks, config, ctx)?;
     let selection = select_blocks(block_scores.view(), config)?;
     let selected = selected_attention(inputs, selection.view(), config, ctx)?;
     let window = window_attention(inputs, config, ctx)?;
-    let gates = gate_logits.mapv(|x| sigmoid(&x));
-    let mut o = Array3::from_elem(selected.dim(), S::zero(ctx));
-    for ((t, h, e), out) in o.indexed_iter_mut() {
-        *out = gates[[t, h, Branch::Compressed as usize]].clone() * compressed.o[[t, h, e]].clone()
-            + gates[[t, h, Branch::Selected as usize]].clone() * selected[[t, h, e]].clone()
-            + gates[[t, h, Branch::Window as usize]].clone() * window[[t, h, e]].clone();
-    }
+    let (gates, o) = gate_combine([compressed.o.view(), selected.view(), window.view()], gate_logits, ctx)?;
     Ok(NsaForward { compressed, block_scores, selection, selected, window, gates, o })
 }
 

@@ -1,16 +1,17 @@
 //! Theorems of NSA (E18–E20): the complete-window count, the Eq. 9 remap of window
 //! probabilities onto selection blocks (overlap form, brute-force token count, the paper's
 //! re-indexed double sum), the forced and causal top-n selection shared by a GQA group, the
-//! selection branch reducing to dense causal attention when every block is selected, and the CSR
-//! transpose of a selection.
+//! selection branch reducing to dense causal attention when every block is selected, the CSR
+//! transpose of a selection, and the gradients of the gated sum of the three branches against
+//! finite differences.
 //!
 //! Discrete statements (counts, index lists) are checked exactly: the integers found and required
 //! are compared with [`agree`] at [`EXACT`], so a violation reports the first index where they
 //! differ.
 
 use attnproof_oracle::nsa::{
-    BlockQueries, NsaConfig, NsaForward, NsaInputs, block_scores, nsa_forward, remap_to_blocks, select_blocks,
-    selection_blocks,
+    BlockQueries, GateGradients, NsaConfig, NsaForward, NsaInputs, block_scores, gate_combine, gate_combine_backward,
+    nsa_forward, remap_to_blocks, select_blocks, selection_blocks,
 };
 use attnproof_oracle::topk::validate_index_row;
 use attnproof_oracle::{Mp, OracleError, Precision, Real};
@@ -470,4 +471,91 @@ pub fn csr_round_trip(
         agreement.and(exact(T, "queries out of range or order per block", &ints(misplaced), &ints(vec![0; n_blocks]))?);
     let as_i64 = |x: ArrayView2<'_, i32>| x.mapv(i64::from).into_dyn();
     Ok(agreement.and(exact(T, "selection read back", &as_i64(rebuilt.view()), &as_i64(selection))?))
+}
+
+/// A gated sum's backward under test: `(branch outputs, gate logits, dO) ↦` its gradients (E18).
+pub type GateBackwardFn<'a> = &'a dyn Fn(
+    [ArrayView3<'_, Mp>; 3],
+    ArrayView3<'_, Mp>,
+    ArrayView3<'_, Mp>,
+    Precision,
+) -> Result<GateGradients<Mp>, OracleError>;
+
+/// The oracle's gated-sum backward ([`gate_combine_backward`]) as a [`GateBackwardFn`].
+pub fn oracle_gate_backward(
+    branches: [ArrayView3<'_, Mp>; 3],
+    gate_logits: ArrayView3<'_, Mp>,
+    d_out: ArrayView3<'_, Mp>,
+    precision: Precision,
+) -> Result<GateGradients<Mp>, OracleError> {
+    gate_combine_backward(branches, gate_logits, d_out, precision)
+}
+
+/// The inputs of the gates' gradient theorem: branch outputs `[T, Hq, dv]` in [`attnproof_oracle::nsa::Branch`]
+/// order, gate logits `[T, Hq, 3]`, the upstream gradient `dO` `[T, Hq, dv]`, at `precision`.
+#[derive(Clone, Debug)]
+pub struct GateCase {
+    /// `o_cmp`, `o_slc`, `o_win`.
+    pub branches: [Array3<Mp>; 3],
+    /// `x`.
+    pub gate_logits: Array3<Mp>,
+    /// `dO`.
+    pub d_out: Array3<Mp>,
+    /// The precision of every value and evaluation.
+    pub precision: Precision,
+}
+
+/// The three branch outputs as views.
+fn branch_views(b: &[Array3<Mp>; 3]) -> [ArrayView3<'_, Mp>; 3] {
+    [b[0].view(), b[1].view(), b[2].view()]
+}
+
+/// **Theorem (E18, the gates).** For the loss `L = Σ dO ∘ o` with `o = Σ_b σ(x_b) o_b` (the oracle's
+/// [`gate_combine`]), the gradients of the backward under test, `dO_b` with respect to every branch element and
+/// `∂L/∂x_b` with respect to every gate logit, equal the central differences `(L(v + h) − L(v − h)) / 2h` with
+/// `h = 2^-step_bits`. Hypothesis: the precision exceeds `2·step_bits + required` bits, so that the `O(h²)`
+/// truncation (σ's third derivative is below 1) and the `O(2^-prec / h)` cancellation stay below `2^-required`.
+pub fn gate_gradients_match_finite_differences(
+    backward: GateBackwardFn<'_>,
+    case: &GateCase,
+    step_bits: u32,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "gate_gradients_match_finite_differences (E18)";
+    let prec = case.precision;
+    if (prec.0 as f64) < 2.0 * step_bits as f64 + required.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
+    }
+    let grads = backward(branch_views(&case.branches), case.gate_logits.view(), case.d_out.view(), prec)
+        .map_err(|e| refused(T, e))?;
+    let loss = |branches: &[Array3<Mp>; 3], logits: &Array3<Mp>| -> Result<Mp, Violation> {
+        let (_, o) = gate_combine(branch_views(branches), logits.view(), prec).map_err(|e| refused(T, e))?;
+        Ok(o.iter().zip(case.d_out.iter()).fold(Mp::zero(prec), |acc, (o, g)| acc + o.clone() * g.clone()))
+    };
+    let h = Mp(rug::Float::with_val(prec.0, rug::Float::i_exp(1, -(step_bits as i32))));
+    let two_h = h.clone() + h.clone();
+    let central = |eval: &dyn Fn(&Mp) -> Result<Mp, Violation>| -> Result<Mp, Violation> {
+        Ok((eval(&h)? - eval(&-h.clone())?) / two_h.clone())
+    };
+    let mut numeric_logits = Array3::from_elem(case.gate_logits.raw_dim(), Mp::zero(prec));
+    for (idx, x) in case.gate_logits.indexed_iter() {
+        numeric_logits[idx] = central(&|delta| {
+            let mut moved = case.gate_logits.clone();
+            moved[idx] = x.clone() + delta.clone();
+            loss(&case.branches, &moved)
+        })?;
+    }
+    let mut agreement = agree(T, "dx", &grads.d_gate_logits, &numeric_logits, required)?;
+    for (b, name) in [(0, "dO_cmp"), (1, "dO_slc"), (2, "dO_win")] {
+        let mut numeric = Array3::from_elem(case.d_out.raw_dim(), Mp::zero(prec));
+        for (idx, v) in case.branches[b].indexed_iter() {
+            numeric[idx] = central(&|delta| {
+                let mut moved = case.branches.clone();
+                moved[b][idx] = v.clone() + delta.clone();
+                loss(&moved, &case.gate_logits)
+            })?;
+        }
+        agreement = agreement.and(agree(T, name, &grads.d_branches[b], &numeric, required)?);
+    }
+    Ok(agreement)
 }

@@ -1,7 +1,8 @@
-//! The rounding-error bound of NSA's compressed keys and values (E18) as the GPU kernel `nsa_compress.cu` and the CPU
-//! reference `attnproof_reference::sparse::nsa::compress_head` compute them: how far a stored compressed element can
-//! lie from an f64 evaluation of the same window (the oracle's `nsa::compress` in f64), which is what a verifier
-//! holds a kernel to.
+//! The rounding-error bounds of NSA's GPU pieces (E18): the compressed keys and values as the GPU kernel
+//! `nsa_compress.cu` and the CPU reference `attnproof_reference::sparse::nsa::compress_head` compute them (how far a
+//! stored compressed element can lie from an f64 evaluation of the same window, the oracle's `nsa::compress` in f64,
+//! which is what a verifier holds a kernel to), and the gated sum of the three branches and its gradients as
+//! `nsa_gates.cu` computes them (section "The gates" below).
 //!
 //! # The recipe
 //!
@@ -31,6 +32,26 @@
 //! The rounding to `T` dominates: at `l = 32` the f64 term is about `2^-48 M`. A kernel that drops a row (error
 //! about `M/l`) is far outside the bound; one that accumulates in f32 (error about `2^-19 M`) is inside it, and only
 //! the bitwise comparison with the CPU reference, which the GPU tests also make, tells it apart.
+//!
+//! # The gates
+//!
+//! `nsa_gates.cu` computes `σ̂(x) = fl(1 / fl(1 + ê))` with `ê = expf(−x)` (CUDA's `expf`: at most 2 ulp, so
+//! `|ê − e| ≤ 4u_32 e` where `e` is normal). Then `fl(1 + ê) = (1 + e)(1 + θ)` with `|θ| ≤ γ_32(5)` (the `4u_32 e` is
+//! below `4u_32 (1 + e)`, plus the addition's rounding), and the division adds one more rounding and the inverse
+//! of `1 + θ`: `σ̂ = σ(1 + η)`, `|η| ≤ γ_32(7)` ([`SIGMOID_TERMS`]). Where `σ` falls below f32's normal range, or `expf`
+//! overflows to infinity (`x < −88.7`, `σ < 2^-127`), the result is off by at most [`SIGMOID_ABSOLUTE`] = `2^-126`.
+//!
+//! - **Gated sum** `O = Σ_b σ_b o_b`: `acc = fl(σ̂_0 o_0)`, then `fmaf(σ̂_1, o_1, acc)`, `fmaf(σ̂_2, o_2, acc)`: three
+//!   roundings, `γ_32(3)` of `Σ|σ̂_b o_b|`, with `σ̂`'s own `γ_32(7)` of `A = Σ_b σ_b |o_b|` and `2^-126` per branch
+//!   magnitude: `err_32 = γ_32(10) A + 2·2^-126 Σ_b|o_b| + 4τ_32`. One rounding to `T` adds `u_T |acc| + τ_T`. The oracle's
+//!   f64 value is within `γ(12) A` of the exact one. [`gate_combine_bound`].
+//! - **Branch gradients** `dO_b = σ_b dO`: one f32 product of `σ̂_b` and `dO`, `γ_32(8)` relative plus
+//!   `2^-126 |dO|`, then one rounding to `T`. [`gate_branch_gradient_bound`].
+//! - **Logit gradients** `σ(x) σ(−x) ⟨dO, o_b⟩`, kept in f32: each factor `σ̂(±x)` within `γ_32(7)` (and `2^-126`), their
+//!   product and the product with the dot product two roundings, the dot product of `dv` terms in any order
+//!   `γ_32(dv)` of `D = Σ_e |dO_e o_{b,e}|`: `γ_32(dv + 16) σσ' D + 4·2^-126 D` and subnormal terms, plus the oracle's
+//!   f64 error `γ(dv + 20) σσ' D`. Writing `σ'` as `σ(x) σ(−x)` keeps this relative: `1 − σ̂(x)` would lose every digit
+//!   where the gate is near 1. [`gate_logit_gradient_bound`].
 
 use crate::f64_oracle_bound::{SUBNORMAL_UNIT, gamma};
 use crate::flash_bound::{F32_SUBNORMAL, F32_UNIT_ROUNDOFF};
@@ -63,6 +84,49 @@ pub fn compression_bound(reference: f64, magnitude: f64, compress_len: usize, st
     MARGIN * (r * (reference.abs() + 2.0 * e) + 2.0 * e + storage.subnormal + F32_SUBNORMAL)
 }
 
+/// Relative error of the kernels' f32 sigmoid `σ̂(x) = fl(1 / fl(1 + expf(−x)))` (module docs, "The gates"):
+/// `|σ̂ − σ| ≤ γ_32(7) σ + 2^-126`.
+pub const SIGMOID_TERMS: usize = 7;
+
+/// Absolute part of the f32 sigmoid's error: a gate below f32's normal range (or an `expf` that overflowed to
+/// infinity, `σ < 2^-127`) is off by at most `2^-126`.
+pub const SIGMOID_ABSOLUTE: f64 = 1.0 / (1u128 << 126) as f64;
+
+/// `γ(n)` of f32's unit roundoff.
+fn gamma32(n: usize) -> f64 {
+    let nu = n as f64 * F32_UNIT_ROUNDOFF;
+    nu / (1.0 - nu)
+}
+
+/// The bound on `|O − O_ref|` for one element of the gated sum `O = Σ_b σ(x_b) o_b` against the oracle's f64 value
+/// `reference`, with `magnitude = Σ_b σ(x_b) |o_b|` and `branch_sum = Σ_b |o_b|` (module docs, "The gates").
+pub fn gate_combine_bound(reference: f64, magnitude: f64, branch_sum: f64, storage: StorageRounding) -> f64 {
+    let u = storage.unit_roundoff;
+    let e64 = gamma(12) * magnitude;
+    let err32 = gamma32(SIGMOID_TERMS + 3) * magnitude + 2.0 * SIGMOID_ABSOLUTE * branch_sum + 4.0 * F32_SUBNORMAL;
+    MARGIN * (u * (reference.abs() + e64 + err32) + err32 + e64 + storage.subnormal)
+}
+
+/// The bound on `|dO_b − dO_b,ref|` for one element of a branch's upstream gradient `σ(x_b) dO` against the oracle's
+/// f64 value `reference`, with `d_out = |dO|` of that element (module docs, "The gates").
+pub fn gate_branch_gradient_bound(reference: f64, d_out: f64, storage: StorageRounding) -> f64 {
+    let u = storage.unit_roundoff;
+    let e64 = gamma(8) * reference.abs();
+    let err32 = gamma32(SIGMOID_TERMS + 1) * (reference.abs() + e64) + SIGMOID_ABSOLUTE * d_out + F32_SUBNORMAL;
+    MARGIN * (u * (reference.abs() + e64 + err32) + err32 + e64 + storage.subnormal)
+}
+
+/// The bound on `|dx_b − dx_b,ref|` for one gate logit's gradient `σ(x) σ(−x) ⟨dO, o_b⟩` (kept in f32), with
+/// `sigma_product = σ(x) σ(−x)` (at most 1/4), `dot_magnitude = Σ_e |dO_e o_{b,e}|` and `dv` terms in the dot product
+/// (module docs, "The gates").
+pub fn gate_logit_gradient_bound(sigma_product: f64, dot_magnitude: f64, dv: usize) -> f64 {
+    let relative = gamma32(dv + 2 * SIGMOID_TERMS + 2) + gamma(dv + 20);
+    MARGIN
+        * (relative * sigma_product * dot_magnitude
+            + 4.0 * SIGMOID_ABSOLUTE * dot_magnitude
+            + (dv + 2) as f64 * F32_SUBNORMAL)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,6 +148,54 @@ mod tests {
         let zero = compression_bound(0.0, 0.0, 32, BF16);
         assert!(zero > BF16.subnormal && zero < 1e-38, "{zero:e}");
         assert_eq!(f64_evaluation_error(0.0, 3), 6.0 * SUBNORMAL_UNIT);
+    }
+
+    /// A finite f32 rounded to bf16 (nearest, ties to even), as f32.
+    fn round_bf16(x: f32) -> f32 {
+        let bits = x.to_bits();
+        f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+    }
+
+    /// The gates' recipe in f32 (Rust's `f32::exp` standing in for CUDA's `expf`, both within 2 ulp) stays within the
+    /// three bounds of the exact values (256-bit MPFR) over gate logits from −100 to 100, the underflowing and
+    /// overflowing ends of `expf` included.
+    #[test]
+    fn the_gates_f32_recipe_stays_within_its_bounds() {
+        use rug::Float;
+        let exact_sigmoid = |x: f64| {
+            let one = Float::with_val(256, 1);
+            one.clone() / (one + Float::with_val(256, -x).exp())
+        };
+        let sigmoid32 = |x: f32| 1.0f32 / (1.0f32 + (-x).exp());
+        let o = [1.5f32, -0.75, 3.25];
+        let dy = 0.625f32;
+        for i in -200..=200 {
+            let x0 = i as f32 * 0.5;
+            let xs = [x0, -x0 * 0.5, 1.0];
+            let g: Vec<f32> = xs.iter().map(|&x| sigmoid32(x)).collect();
+            let mut acc = g[0] * o[0];
+            acc = g[1].mul_add(o[1], acc);
+            acc = g[2].mul_add(o[2], acc);
+            let out = f64::from(round_bf16(acc));
+            let exact: Float =
+                (0..3).fold(Float::with_val(256, 0), |a, b| a + exact_sigmoid(f64::from(xs[b])) * f64::from(o[b]));
+            let magnitude: f64 = (0..3).map(|b| exact_sigmoid(f64::from(xs[b])).to_f64() * f64::from(o[b].abs())).sum();
+            let branch_sum: f64 = o.iter().map(|v| f64::from(v.abs())).sum();
+            let reference = exact.to_f64();
+            let err = (Float::with_val(256, out) - exact.clone()).abs().to_f64();
+            assert!(err <= gate_combine_bound(reference, magnitude, branch_sum, BF16), "x0 = {x0}: {err:e}");
+            // The branch gradient and the logit gradient of branch 0.
+            let d0 = f64::from(round_bf16(g[0] * dy));
+            let exact_d0 = exact_sigmoid(f64::from(x0)) * f64::from(dy);
+            let err = (Float::with_val(256, d0) - exact_d0.clone()).abs().to_f64();
+            assert!(err <= gate_branch_gradient_bound(exact_d0.to_f64(), f64::from(dy), BF16), "x0 = {x0}: {err:e}");
+            let dx = sigmoid32(x0) * sigmoid32(-x0) * (dy * o[0]);
+            let p = exact_sigmoid(f64::from(x0)) * exact_sigmoid(-f64::from(x0));
+            let exact_dx = p.clone() * (f64::from(dy) * f64::from(o[0]));
+            let err = (Float::with_val(256, dx) - exact_dx).abs().to_f64();
+            let bound = gate_logit_gradient_bound(p.to_f64(), f64::from((dy * o[0]).abs()), 1);
+            assert!(err <= bound, "x0 = {x0}: {err:e} > {bound:e}");
+        }
     }
 
     /// The bound separates the recipe from a dropped row: the mean of 32 ones without one of them is off by 1/32,

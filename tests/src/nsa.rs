@@ -7,14 +7,22 @@
 //! The compressed layout is the verifier's own reading of E18 (the oracle's `complete_windows` per sequence): dense
 //! `[B, Hkv, W, cols]`, varlen `[ΣW_b, Hkv, cols]` with sequence `b` from row `ΣW_{<b}` on. [`compress_guarded`]
 //! launches a kernel text through the GPU wrapper with NaN-poisoned, guarded outputs.
+//!
+//! The gates (E18's sigmoid-gated sum of the three branch outputs, and its gradients) are verified against the
+//! oracle's `gate_combine` and `gate_combine_backward` in f64 under the bounds of `attnproof_proofs::nsa_bound`
+//! ([`verify_gate_combine`], [`verify_gate_backward`]); their kernel's `expf` is not the CPU's, so there is no
+//! bitwise reference. [`gate_draws`] draws their problems, [`gates_guarded`] launches them.
 
 use std::sync::Arc;
 
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::compress::compress_kv_device;
 use attnproof_oracle::nsa::{Compression, NsaConfig, complete_windows, compress};
-use attnproof_oracle::spec::Layout;
-use attnproof_proofs::nsa_bound::{StorageRounding, compression_bound, f64_evaluation_error};
+use attnproof_oracle::spec::{Layout, Operand};
+use attnproof_proofs::nsa_bound::{
+    StorageRounding, compression_bound, f64_evaluation_error, gate_branch_gradient_bound, gate_combine_bound,
+    gate_logit_gradient_bound,
+};
 use attnproof_reference::Element;
 use attnproof_reference::sparse::nsa::compress_head;
 use cudarc::driver::CudaStream;
@@ -416,4 +424,260 @@ fn shape_values<T: Storage>(case: &mut Case<T>, values: CompressionValues) {
             *x = T::from_f32(y as f32);
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// The gates (E18): the gated sum of the three branch outputs and its gradients.
+
+/// A drawn gates problem: the spec (O's layout), the three branch outputs and the upstream gradient in O's shape, and
+/// the gate logits in O's shape with 3 columns, all in the storage type.
+#[derive(Clone, Debug)]
+pub struct GateDraw<T> {
+    /// The problem whose O layout the operands take (dense or varlen, any heads, `dv` a multiple of 8).
+    pub spec: attnproof_oracle::AttentionSpec,
+    /// `o_cmp`, `o_slc`, `o_win`.
+    pub branches: [ArrayD<T>; 3],
+    /// `x` (`[.., 3]`, last axis compressed, selected, window).
+    pub gate_logits: ArrayD<T>,
+    /// `dO`.
+    pub d_out: ArrayD<T>,
+}
+
+/// The outcome of a gates verification: elements compared, the worst ratio to the bound, the first failures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GateVerdict {
+    /// Elements compared.
+    pub elements: usize,
+    /// The largest `|got − reference| / bound`.
+    pub worst_ratio: f64,
+    /// The first failing elements.
+    pub failures: Vec<String>,
+}
+
+impl GateVerdict {
+    /// Every element within its bound.
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty()
+    }
+
+    fn judge(&mut self, name: &str, index: usize, got: f64, reference: f64, bound: f64) {
+        self.elements += 1;
+        let ratio = (got - reference).abs() / bound;
+        if ratio.is_finite() {
+            self.worst_ratio = self.worst_ratio.max(ratio);
+        }
+        // NaN and infinities fail: the reference and the bound are finite for finite inputs.
+        let within = ratio <= 1.0;
+        if !within && self.failures.len() < REPORTED {
+            self.failures.push(format!("{name}[{index}]: {got:e} against {reference:e} (bound {bound:e})"));
+        }
+    }
+}
+
+/// The rows view `[rows, 1, cols]` of a tensor in O's layout (the gates act row by row, so the oracle's one-sequence
+/// functions take every row of every sequence at once).
+fn as_rows(t: &ArrayD<f64>) -> ndarray::Array3<f64> {
+    let cols = t.shape().last().copied().unwrap_or(0);
+    let rows = t.len().checked_div(cols).unwrap_or(0);
+    t.as_standard_layout().to_owned().into_shape_with_order((rows, 1, cols)).expect("rows of a standard layout")
+}
+
+fn widen<T: Storage>(t: &ArrayD<T>) -> ArrayD<f64> {
+    t.mapv(|x| f64::from(x.to_f32()))
+}
+
+fn storage_of<T: Storage>() -> StorageRounding {
+    StorageRounding { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<T>()) }
+}
+
+/// Verifies `o` as the gated sum of `draw`'s branches (the oracle's `gate_combine` in f64, the bound
+/// `gate_combine_bound`).
+pub fn verify_gate_combine<T: Storage>(draw: &GateDraw<T>, o: &ArrayD<T>) -> Result<GateVerdict, HarnessError> {
+    let shape = draw.spec.expected_shape(Operand::O);
+    if o.shape() != shape.as_slice() {
+        return Err(HarnessError::CandidateShape { argument: "o", expected: shape, actual: o.shape().to_vec() });
+    }
+    let b = draw.branches.each_ref().map(|t| as_rows(&widen(t)));
+    let x = as_rows(&widen(&draw.gate_logits));
+    let (gates, truth) = attnproof_oracle::nsa::gate_combine([b[0].view(), b[1].view(), b[2].view()], x.view(), ())?;
+    let got = as_rows(&widen(o));
+    let mut verdict = GateVerdict::default();
+    for ((r, _, e), &reference) in truth.indexed_iter() {
+        let magnitude: f64 = (0..3).map(|k| gates[[r, 0, k]] * b[k][[r, 0, e]].abs()).sum();
+        let branch_sum: f64 = (0..3).map(|k| b[k][[r, 0, e]].abs()).sum();
+        let bound = gate_combine_bound(reference, magnitude, branch_sum, storage_of::<T>());
+        verdict.judge("o", r * truth.dim().2 + e, got[[r, 0, e]], reference, bound);
+    }
+    Ok(verdict)
+}
+
+/// Verifies the gates' gradients (each branch's `dO_b` and the logits' f32 gradients) against the oracle's
+/// `gate_combine_backward` in f64 under `gate_branch_gradient_bound` and `gate_logit_gradient_bound`.
+pub fn verify_gate_backward<T: Storage>(
+    draw: &GateDraw<T>,
+    d_branches: &[ArrayD<T>; 3],
+    d_gate_logits: &ArrayD<f32>,
+) -> Result<GateVerdict, HarnessError> {
+    let shape = draw.spec.expected_shape(Operand::O);
+    for (argument, t) in
+        [("d_compressed", &d_branches[0]), ("d_selected", &d_branches[1]), ("d_window", &d_branches[2])]
+    {
+        if t.shape() != shape.as_slice() {
+            return Err(HarnessError::CandidateShape { argument, expected: shape, actual: t.shape().to_vec() });
+        }
+    }
+    if d_gate_logits.shape() != draw.gate_logits.shape() {
+        return Err(HarnessError::CandidateShape {
+            argument: "d_gate_logits",
+            expected: draw.gate_logits.shape().to_vec(),
+            actual: d_gate_logits.shape().to_vec(),
+        });
+    }
+    let b = draw.branches.each_ref().map(|t| as_rows(&widen(t)));
+    let x = as_rows(&widen(&draw.gate_logits));
+    let dy = as_rows(&widen(&draw.d_out));
+    let truth =
+        attnproof_oracle::nsa::gate_combine_backward([b[0].view(), b[1].view(), b[2].view()], x.view(), dy.view(), ())?;
+    let mut verdict = GateVerdict::default();
+    for (k, name) in ["d_compressed", "d_selected", "d_window"].into_iter().enumerate() {
+        let got = as_rows(&widen(&d_branches[k]));
+        for ((r, _, e), &reference) in truth.d_branches[k].indexed_iter() {
+            let bound = gate_branch_gradient_bound(reference, dy[[r, 0, e]].abs(), storage_of::<T>());
+            verdict.judge(name, r * dy.dim().2 + e, got[[r, 0, e]], reference, bound);
+        }
+    }
+    let got = as_rows(&d_gate_logits.mapv(f64::from));
+    let dv = dy.dim().2;
+    for ((r, _, k), &reference) in truth.d_gate_logits.indexed_iter() {
+        let sigma = |v: f64| 1.0 / (1.0 + (-v).exp());
+        let xv = x[[r, 0, k]];
+        let dot: f64 = (0..dv).map(|e| (dy[[r, 0, e]] * b[k][[r, 0, e]]).abs()).sum();
+        let bound = gate_logit_gradient_bound(sigma(xv) * sigma(-xv), dot, dv);
+        verdict.judge("d_gate_logits", r * 3 + k, got[[r, 0, k]], reference, bound);
+    }
+    Ok(verdict)
+}
+
+/// Gate logits of every range the recipe must survive: small, around ±15 (gates within 1e-7 of 0 and 1), around
+/// ±88 (where `expf` overflows or underflows) and beyond, exact zeros.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRange {
+    /// Standard normal.
+    Unit,
+    /// Normal times 15.
+    Wide,
+    /// Normal times 60, then clipped at ±100: `expf(±x)` over- and underflows.
+    Extreme,
+    /// Zeros (every gate 1/2).
+    Zero,
+}
+
+/// Gates problems: the harness's layouts and heads (dense and varlen with empty sequences), `dv` a multiple of 8 up
+/// to 256, branch outputs and `dO` standard normal times 1 or 1000, logits of every [`LogitRange`].
+pub fn gate_draws<T: Storage>() -> impl Strategy<Value = GateDraw<T>> {
+    let dv = prop_oneof![2 => prop::sample::select(vec![8usize, 16, 64, 128]), 1 => (1usize..=32).prop_map(|m| 8 * m)];
+    let range = prop::sample::select(vec![LogitRange::Unit, LogitRange::Wide, LogitRange::Extreme, LogitRange::Zero]);
+    (
+        crate::strategies::layout(64),
+        crate::strategies::heads(),
+        dv,
+        range,
+        prop::sample::select(vec![1.0f64, 1000.0]),
+        any::<u64>(),
+    )
+        .prop_map(|(layout, (n_heads_q, n_heads_kv), head_dim_v, range, scale, seed)| {
+            let spec = attnproof_oracle::AttentionSpec {
+                layout,
+                n_heads_q,
+                n_heads_kv,
+                head_dim: 8,
+                head_dim_v,
+                scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+                mask: attnproof_oracle::Mask::Causal,
+            };
+            let o_shape = spec.expected_shape(Operand::O);
+            let mut x_shape = o_shape.clone();
+            if let Some(last) = x_shape.last_mut() {
+                *last = 3;
+            }
+            let tensor = |shape: &[usize], salt: u64, f: &dyn Fn(f64) -> f64| {
+                let n = shape.iter().product();
+                let values = crate::generate::draw(seed ^ salt, n, crate::generate::Distribution::Gaussian);
+                ArrayD::from_shape_vec(IxDyn(shape), values.into_iter().map(|v| T::from_f32(f(v) as f32)).collect())
+                    .expect("sizes agree")
+            };
+            let logit = move |v: f64| match range {
+                LogitRange::Unit => v,
+                LogitRange::Wide => 15.0 * v,
+                LogitRange::Extreme => (60.0 * v).clamp(-100.0, 100.0),
+                LogitRange::Zero => 0.0,
+            };
+            GateDraw {
+                branches: [1u64, 2, 3].map(|salt| tensor(&o_shape, salt, &|v| v * scale)),
+                gate_logits: tensor(&x_shape, 4, &logit),
+                d_out: tensor(&o_shape, 5, &|v| v * scale),
+                spec,
+            }
+        })
+}
+
+/// What one guarded run of the gates' kernels returns: `O`, each branch's `dO_b`, the logits' gradients.
+pub type GateRun<T> = (ArrayD<T>, [ArrayD<T>; 3], ArrayD<f32>);
+
+/// Launches of the gates' kernel text `kernel` on `draw` through the GPU wrappers, into NaN-poisoned outputs followed
+/// by guard bands; checks the guards and that the inputs are unchanged on the device. Returns `O`, then the
+/// gradients (`dO_b` and the logits').
+pub fn gates_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    draw: &GateDraw<T>,
+    kernel: KernelSource,
+) -> Result<GateRun<T>, LaunchError> {
+    use attnproof_gpu::nsa::gates::{GateBranches, GateGradientsDevice, gate_backward_device, gate_combine_device};
+    let spec = &draw.spec;
+    let [c, s, w] =
+        [upload(stream, &draw.branches[0])?, upload(stream, &draw.branches[1])?, upload(stream, &draw.branches[2])?];
+    let (x, dy) = (upload(stream, &draw.gate_logits)?, upload(stream, &draw.d_out)?);
+    let o_shape = spec.expected_shape(Operand::O);
+    let (n, nx) = (o_shape.iter().product::<usize>(), draw.gate_logits.len());
+    let (nan, guard) = (<T as Element>::from_f32(f32::NAN), T::from_bits16(GUARD_BITS_16));
+    let branches = GateBranches { compressed: &c, selected: &s, window: &w };
+    let mut o = poisoned(stream, n, nan, guard)?;
+    gate_combine_device(stream, spec, kernel, branches, &x, &mut o)?;
+    let (mut dc, mut ds, mut dw) =
+        (poisoned(stream, n, nan, guard)?, poisoned(stream, n, nan, guard)?, poisoned(stream, n, nan, guard)?);
+    let guard32 = f32::from_bits(crate::candidate::GUARD_BITS_32);
+    let mut dx = poisoned(stream, nx, f32::NAN, guard32)?;
+    let grads =
+        GateGradientsDevice { d_compressed: &mut dc, d_selected: &mut ds, d_window: &mut dw, d_gate_logits: &mut dx };
+    gate_backward_device(stream, spec, kernel, branches, &x, &dy, grads)?;
+    let driver = |e: cudarc::driver::DriverError| LaunchError::Driver(e.to_string());
+    let down = |b: &cudarc::driver::CudaSlice<T>| stream.clone_dtoh(b).map_err(driver);
+    let backs = [down(&o)?, down(&dc)?, down(&ds)?, down(&dw)?];
+    let dx_back = stream.clone_dtoh(&dx).map_err(driver)?;
+    let inputs_back = [down(&c)?, down(&s)?, down(&w)?, down(&x)?, down(&dy)?];
+    stream.synchronize().map_err(driver)?;
+    unchanged(
+        &[
+            ("o_cmp", &draw.branches[0]),
+            ("o_slc", &draw.branches[1]),
+            ("o_win", &draw.branches[2]),
+            ("gate_logits", &draw.gate_logits),
+            ("d_out", &draw.d_out),
+        ],
+        &inputs_back,
+    )?;
+    let intact = |v: T| v.bits() == GUARD_BITS_16;
+    let [o_back, dc_back, ds_back, dw_back] = backs;
+    let d_gate_logits = unguard("d_gate_logits", dx_back, nx, draw.gate_logits.shape(), |v: f32| {
+        v.to_bits() == crate::candidate::GUARD_BITS_32
+    })?;
+    Ok((
+        unguard("o", o_back, n, &o_shape, intact)?,
+        [
+            unguard("d_compressed", dc_back, n, &o_shape, intact)?,
+            unguard("d_selected", ds_back, n, &o_shape, intact)?,
+            unguard("d_window", dw_back, n, &o_shape, intact)?,
+        ],
+        d_gate_logits,
+    ))
 }

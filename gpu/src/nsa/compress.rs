@@ -120,6 +120,7 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
     weights.extend(value_weights);
     let params = NsaParams {
         flash,
+        rows: super::o_rows(spec)?,
         compress_len: to_i32("compress_len", config.compress_len)?,
         compress_stride: to_i32("compress_stride", config.compress_stride)?,
         n_heads_kv: to_i32("n_heads_kv", spec.n_heads_kv)?,

@@ -3,12 +3,29 @@
 //!
 //! Landed: [`compress`], the compression branch's first step (E18): the compressed keys and values of every complete
 //! window (`l` tokens every `s`), by the mean or by caller-given position weights, rounded once to the storage type
-//! for the compressed attention that follows. Still to come, in the plan's order: the compressed attention with its
-//! strided causal mask, the fused block scoring and top-n selection, the selected attention over the union of a
-//! token block's lists, the gates, and the backward.
+//! for the compressed attention that follows; and [`gates`], the gated sum of the three branch outputs (E18, the
+//! sigmoid applied inside, in f32) and its gradients. Still to come, in the plan's order: the compressed attention
+//! with its strided causal mask, the fused block scoring and top-n selection, the selected attention over the union
+//! of a token block's lists, and the branches' backward.
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
 //! definition; a kernel checks that it implements the configuration it is given and refuses the rest with a typed
 //! error before any launch.
 
 pub mod compress;
+pub mod gates;
+
+use attnproof_oracle::{AttentionSpec, Layout};
+
+use crate::error::GpuError;
+
+/// Rows of O for `spec`: `B · Hq · Lq` dense, `Tq · Hq` varlen (what the gates and the branch outputs hold).
+pub(crate) fn o_rows(spec: &AttentionSpec) -> Result<i64, GpuError> {
+    let rows = match &spec.layout {
+        Layout::Dense { batch, len_q, .. } => batch * spec.n_heads_q * len_q,
+        Layout::Varlen { cu_seqlens_q, .. } => {
+            cu_seqlens_q.last().copied().unwrap_or(0).max(0) as usize * spec.n_heads_q
+        }
+    };
+    i64::try_from(rows).map_err(|_| GpuError::TooLarge { argument: "rows of O", value: rows })
+}

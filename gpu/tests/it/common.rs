@@ -210,3 +210,34 @@ fn sanitizer_shapes_reach_every_pipeline_path() {
         assert!(defines.contains(expected), "no sanitizer shape compiles {expected}: {defines:?}");
     }
 }
+
+/// A GPU property suite of one storage type (the NSA suites'): name (and regression file), bf16 or f16, cases per
+/// run, fixed seed.
+#[derive(Clone, Copy, Debug)]
+pub struct TypedSuite {
+    /// The name.
+    pub name: &'static str,
+    /// bf16 (`true`) or f16.
+    pub bf16: bool,
+    /// Cases per run.
+    pub cases: u32,
+    /// Fixed seed.
+    pub seed: u64,
+}
+
+/// Runs `strategy`'s draws under `config` through `check`; a failing draw comes back as `describe` writes it, so that
+/// the suites of either storage type report one error type.
+pub fn run_described<S: Strategy>(
+    config: proptest::test_runner::Config,
+    strategy: S,
+    check: impl Fn(&S::Value) -> Result<(), proptest::test_runner::TestCaseError>,
+    describe: impl Fn(&S::Value) -> String,
+) -> Result<(), Box<proptest::test_runner::TestError<String>>> {
+    use proptest::test_runner::{TestError, TestRunner};
+    TestRunner::new(config).run(&strategy, |draw| check(&draw)).map_err(|e| {
+        Box::new(match e {
+            TestError::Fail(why, draw) => TestError::Fail(why, describe(&draw)),
+            TestError::Abort(why) => TestError::Abort(why),
+        })
+    })
+}

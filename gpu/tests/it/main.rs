@@ -13,5 +13,6 @@ mod flash_backward;
 mod flash_forward;
 mod mutants;
 mod nsa_compress;
+mod nsa_gates;
 mod property;
 mod ring_state;

@@ -29,52 +29,27 @@ use half::{bf16, f16};
 use ndarray::ArrayD;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
-/// A compression suite: name (and regression file), storage type, cases, fixed seed.
-#[derive(Clone, Copy, Debug)]
-pub struct CompressionSuite {
-    /// The name.
-    pub name: &'static str,
-    /// bf16 (`true`) or f16.
-    pub bf16: bool,
-    /// Cases per run.
-    pub cases: u32,
-    /// Fixed seed.
-    pub seed: u64,
-}
-
 /// The two suites ("gpunsac" in ASCII, plus the dtype).
-pub const COMPRESSION_SUITES: [CompressionSuite; 2] = [
-    CompressionSuite { name: "gpu_nsa_compress_bf16", bf16: true, cases: 64, seed: 0x6770_756e_7361_6301 },
-    CompressionSuite { name: "gpu_nsa_compress_f16", bf16: false, cases: 64, seed: 0x6770_756e_7361_6302 },
+pub const COMPRESSION_SUITES: [TypedSuite; 2] = [
+    TypedSuite { name: "gpu_nsa_compress_bf16", bf16: true, cases: 64, seed: 0x6770_756e_7361_6301 },
+    TypedSuite { name: "gpu_nsa_compress_f16", bf16: false, cases: 64, seed: 0x6770_756e_7361_6302 },
 ];
 
-impl CompressionSuite {
-    /// Runs the suite's draws under `config` through the compression kernel text `kernel` on `stream`; a failing
-    /// draw comes back described (spec and configuration), whichever the storage type.
-    pub fn run(
-        &self,
-        config: Config,
-        stream: &Arc<CudaStream>,
-        kernel: KernelSource,
-    ) -> Result<(), Box<TestError<String>>> {
-        fn go<T: Storage>(
-            config: Config,
-            check: impl Fn(&CompressionDraw<T>) -> Result<(), TestCaseError>,
-        ) -> Result<(), Box<TestError<String>>> {
-            TestRunner::new(config).run(&compression_draws::<T>(), |draw| check(&draw)).map_err(|e| {
-                Box::new(match e {
-                    TestError::Fail(why, draw) => {
-                        TestError::Fail(why, format!("{:?} {:?} {:?}", draw.case.spec, draw.config, draw.values))
-                    }
-                    TestError::Abort(why) => TestError::Abort(why),
-                })
-            })
-        }
-        if self.bf16 {
-            go::<bf16>(config, |d| check_draw(stream, kernel, d))
-        } else {
-            go::<f16>(config, |d| check_draw(stream, kernel, d))
-        }
+/// Runs a compression suite's draws under `config` through the compression kernel text `kernel` on `stream`; a
+/// failing draw comes back described (spec, configuration, value kind).
+pub fn run_compression_suite(
+    suite: &TypedSuite,
+    config: Config,
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+) -> Result<(), Box<TestError<String>>> {
+    fn describe<T>(d: &CompressionDraw<T>) -> String {
+        format!("{:?} {:?} {:?}", d.case.spec, d.config, d.values)
+    }
+    if suite.bf16 {
+        run_described(config, compression_draws::<bf16>(), |d| check_draw(stream, kernel, d), describe)
+    } else {
+        run_described(config, compression_draws::<f16>(), |d| check_draw(stream, kernel, d), describe)
     }
 }
 
@@ -98,12 +73,13 @@ fn check_draw<T: Storage>(
     Ok(())
 }
 
-fn run_production(suite: &CompressionSuite) {
+fn run_production(suite: &TypedSuite) {
     let Some(ctx) = skip_unless_gpu(suite.name) else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    if let Err(e) = suite.run(run_config(suite.name, suite.cases, suite.seed), &stream, NSA_COMPRESS) {
+    if let Err(e) = run_compression_suite(suite, run_config(suite.name, suite.cases, suite.seed), &stream, NSA_COMPRESS)
+    {
         panic!("{}: {e}", suite.name);
     }
 }

@@ -9,6 +9,7 @@ mod check_recipes;
 mod flash_backward;
 mod flash_forward;
 mod nsa_compress;
+mod nsa_gates;
 mod recipe;
 mod ring;
 mod sparse;

@@ -38,6 +38,14 @@ const NSA_COMPRESS: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of NSA's gates (`nsa_gates.cu`: the gated sum of the branches and its gradients), launched
+/// in-process on a device with gate killing cases.
+const NSA_GATES: Mutant = Mutant {
+    file: "gpu/kernels/nsa_gates.cu",
+    runner: Runner::KernelText { kernel: "nsa_gates", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -596,6 +604,63 @@ pub const MUTANTS: &[Mutant] = &[
         find: "params.weighted_values, cu_k, cu_windows, params,",
         replace: "params.weighted_keys, cu_k, cu_windows, params,",
         ..NSA_COMPRESS
+    },
+    // --- nsa_gates.cu (NSA's gated sum and its gradients), launched on a device ---
+    Mutant {
+        name: "gpu-nsa-gates-sigmoid-of-the-negated-logit",
+        description: "Every gate is σ(−x) instead of σ(x)",
+        find: "return 1.0f / (1.0f + expf(-x));",
+        replace: "return 1.0f / (1.0f + expf(x));",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-gate-of-the-next-branch",
+        description: "The gated sum weighs each branch by the next branch's gate",
+        find: "const float g = gate_sigmoid(to_f32(logits[row * 3 + b]));\n        float x[8];",
+        replace: "const float g = gate_sigmoid(to_f32(logits[row * 3 + (b + 1) % 3]));\n        float x[8];",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-window-branch-dropped",
+        description: "The gated sum leaves out the window branch",
+        find: "acc[e] = b == 0 ? g * x[e] : fmaf(g, x[e], acc[e]);",
+        replace: "acc[e] = b == 0 ? g * x[e] : (b == 2 ? acc[e] : fmaf(g, x[e], acc[e]));",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-derivative-as-one-minus",
+        description: "σ'(x) as σ(x)(1 − σ(x)): equal in exact arithmetic, every digit lost where the gate rounds to 1",
+        find: "d_logits[row * 3 + b] = g * gate_sigmoid(-x) * dot;",
+        replace: "d_logits[row * 3 + b] = g * (1.0f - g) * dot;",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-branch-gradient-ungated",
+        description: "Each branch receives dO instead of σ(x_b) dO",
+        find: "dob[e] = g * dy[e];",
+        replace: "dob[e] = dy[e];",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-dot-skips-the-last-shuffle",
+        description: "The logit gradient's dot product stops one shuffle short: neighbouring lanes' partial sums only",
+        find: "for (int offset = 16; offset > 0; offset /= 2) dot +=",
+        replace: "for (int offset = 16; offset > 1; offset /= 2) dot +=",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-last-row-skipped",
+        description: "The gated sum's last row of O is never written",
+        find: "if (row >= params.rows || lane >= dv / 8) return;",
+        replace: "if (row >= params.rows - 1 || lane >= dv / 8) return;",
+        ..NSA_GATES
+    },
+    Mutant {
+        name: "gpu-nsa-gates-backward-last-columns-unwritten",
+        description: "The backward's last 8 columns of each row (dO_b and their part of the dot product) are left out",
+        find: "const bool owns = lane < dv / 8;",
+        replace: "const bool owns = lane < dv / 8 - 1;",
+        ..NSA_GATES
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
