@@ -4,7 +4,8 @@
 //! Landed: [`compress`], the compression branch's first step (E18): the compressed keys and values of every complete
 //! window (`l` tokens every `s`), by the mean or by caller-given position weights, rounded once to the storage type
 //! for the compressed attention that follows; and [`gates`], the gated sum of the three branch outputs (E18, the
-//! sigmoid applied inside, in f32) and its gradients. Still to come, in the plan's order: the compressed attention
+//! sigmoid applied inside, in f32) and its gradients; and [`window`], the sliding-window branch as the dense kernels
+//! under a narrowed causal mask. Still to come, in the plan's order: the compressed attention
 //! with its strided causal mask, the fused block scoring and top-n selection, the selected attention over the union
 //! of a token block's lists, and the branches' backward.
 //!
@@ -14,6 +15,7 @@
 
 pub mod compress;
 pub mod gates;
+pub mod window;
 
 use attnproof_oracle::{AttentionSpec, Layout};
 
