@@ -64,8 +64,10 @@ struct FlashParams {
     int d;                  // head dim of Q and K
     int dv;                 // head dim of V and O
     float scale;            // α̂: fl32(1/√d) or the spec's scale rounded to f32
-    int win_left;           // window reaches left and right of the bottom-right diagonal; NO_BOUND is unbounded
+    int win_left;           // window reaches left and right of the row's diagonal; NO_BOUND is unbounded
     int win_right;
+    int diag_stride;        // 0: the diagonal is bottom-right aligned, i + Lk − Lq; s ≥ 1: ⌊(i + diag_offset)/s⌋
+    int diag_offset;        // with diag_stride ≥ 1: 1 − l, NSA's compression window length l (E18); else 0
     int reserved;           // explicit tail padding, always 0
 };
 
@@ -147,7 +149,7 @@ struct NsaParams {
     static_assert(PARAM_OFFSET(type, field) == (offset), \
                   #type "." #field " is not at byte " #offset " as gpu/src/params.rs says")
 
-PARAM_SIZE(FlashParams, 152);
+PARAM_SIZE(FlashParams, 160);
 PARAM_AT(FlashParams, q_batch, 0);
 PARAM_AT(FlashParams, q_head, 8);
 PARAM_AT(FlashParams, q_row, 16);
@@ -171,16 +173,18 @@ PARAM_AT(FlashParams, dv, 132);
 PARAM_AT(FlashParams, scale, 136);
 PARAM_AT(FlashParams, win_left, 140);
 PARAM_AT(FlashParams, win_right, 144);
-PARAM_AT(FlashParams, reserved, 148);
+PARAM_AT(FlashParams, diag_stride, 148);
+PARAM_AT(FlashParams, diag_offset, 152);
+PARAM_AT(FlashParams, reserved, 156);
 
-PARAM_SIZE(BackwardParams, 184);
+PARAM_SIZE(BackwardParams, 192);
 PARAM_AT(BackwardParams, flash, 0);
-PARAM_AT(BackwardParams, part_stride, 152);
-PARAM_AT(BackwardParams, total_k, 160);
-PARAM_AT(BackwardParams, dq_mode, 168);
-PARAM_AT(BackwardParams, n_chunks, 172);
-PARAM_AT(BackwardParams, n_heads_q, 176);
-PARAM_AT(BackwardParams, finalize_mode, 180);
+PARAM_AT(BackwardParams, part_stride, 160);
+PARAM_AT(BackwardParams, total_k, 168);
+PARAM_AT(BackwardParams, dq_mode, 176);
+PARAM_AT(BackwardParams, n_chunks, 180);
+PARAM_AT(BackwardParams, n_heads_q, 184);
+PARAM_AT(BackwardParams, finalize_mode, 188);
 
 PARAM_SIZE(BlockListParams, 48);
 PARAM_AT(BlockListParams, seq_stride, 0);
@@ -194,28 +198,28 @@ PARAM_AT(BlockListParams, q_blocks, 36);
 PARAM_AT(BlockListParams, kv_blocks, 40);
 PARAM_AT(BlockListParams, reserved, 44);
 
-PARAM_SIZE(BsaParams, 200);
+PARAM_SIZE(BsaParams, 208);
 PARAM_AT(BsaParams, flash, 0);
-PARAM_AT(BsaParams, scale, 152);
-PARAM_AT(BsaParams, q_block, 160);
-PARAM_AT(BsaParams, kv_block, 164);
-PARAM_AT(BsaParams, top_k, 168);
-PARAM_AT(BsaParams, force_first, 172);
-PARAM_AT(BsaParams, force_local, 176);
-PARAM_AT(BsaParams, causal, 180);
-PARAM_AT(BsaParams, n_heads_kv, 184);
-PARAM_AT(BsaParams, n_key_blocks, 188);
-PARAM_AT(BsaParams, pooled_queries_at, 192);
+PARAM_AT(BsaParams, scale, 160);
+PARAM_AT(BsaParams, q_block, 168);
+PARAM_AT(BsaParams, kv_block, 172);
+PARAM_AT(BsaParams, top_k, 176);
+PARAM_AT(BsaParams, force_first, 180);
+PARAM_AT(BsaParams, force_local, 184);
+PARAM_AT(BsaParams, causal, 188);
+PARAM_AT(BsaParams, n_heads_kv, 192);
+PARAM_AT(BsaParams, n_key_blocks, 196);
+PARAM_AT(BsaParams, pooled_queries_at, 200);
 
-PARAM_SIZE(NsaParams, 184);
+PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);
-PARAM_AT(NsaParams, rows, 152);
-PARAM_AT(NsaParams, compress_len, 160);
-PARAM_AT(NsaParams, compress_stride, 164);
-PARAM_AT(NsaParams, n_heads_kv, 168);
-PARAM_AT(NsaParams, dense_windows, 172);
-PARAM_AT(NsaParams, weighted_keys, 176);
-PARAM_AT(NsaParams, weighted_values, 180);
+PARAM_AT(NsaParams, rows, 160);
+PARAM_AT(NsaParams, compress_len, 168);
+PARAM_AT(NsaParams, compress_stride, 172);
+PARAM_AT(NsaParams, n_heads_kv, 176);
+PARAM_AT(NsaParams, dense_windows, 180);
+PARAM_AT(NsaParams, weighted_keys, 184);
+PARAM_AT(NsaParams, weighted_values, 188);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);
@@ -269,6 +273,45 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
     return y;
 }
 
+// The row's diagonal: the key position its window bounds (win_left, win_right) are measured from, shared by the forward
+// and backward kernels. Bottom-right masks (E1a) have i + Lk − Lq; NSA's compressed branch (E18) has ⌊(i + 1 − l)/s⌋,
+// the last compression window that has ended at token i, so that causal (right 0) means "windows that have ended".
+// Monotone in i: a tile's first and last rows bound the diagonals of the rows between them. The strided diagonal is a
+// compile-time mode (STRIDED_DIAGONAL, which the host defines exactly when FlashParams.diag_stride is not 0), so that
+// the bottom-right kernels keep their registers: a division per row and a live stride cost the sm_80 forward a fifth
+// of its speed at d = 128 when they were runtime choices.
+struct Diagonal {
+    int shift;   // added to the row (before the division): Lk − Lq, or 1 − l
+#if defined(STRIDED_DIAGONAL)
+    int stride;  // s
+
+    __device__ __forceinline__ int at(int row) const {
+        const int x = row + shift;
+        // Floor division (x is negative for the tokens before the first window ends).
+        return x >= 0 ? x / stride : -((stride - 1 - x) / stride);
+    }
+    // The first row whose diagonal is at least `key`: ⌊(i + shift)/stride⌋ ≥ key ⇔ i ≥ key·stride − shift.
+    __device__ __forceinline__ long long first_row_reaching(long long key) const { return key * stride - shift; }
+    // The last row whose diagonal is at most `key`: ⌊(i + shift)/stride⌋ ≤ key ⇔ i ≤ (key + 1)·stride − 1 − shift.
+    __device__ __forceinline__ long long last_row_within(long long key) const {
+        return (key + 1) * stride - 1 - shift;
+    }
+#else
+    __device__ __forceinline__ int at(int row) const { return row + shift; }
+    __device__ __forceinline__ long long first_row_reaching(long long key) const { return key - shift; }
+    __device__ __forceinline__ long long last_row_within(long long key) const { return key - shift; }
+#endif
+};
+
+// The diagonal of the problem `p` for a sequence of len_q queries and len_k keys.
+__device__ __forceinline__ Diagonal row_diagonal(const FlashParams& p, int len_q, int len_k) {
+#if defined(STRIDED_DIAGONAL)
+    return Diagonal{p.diag_offset, p.diag_stride};
+#else
+    return Diagonal{len_k - len_q};
+#endif
+}
+
 // fl32(log2 e): the same constant for every score and every row max (and for the ring's merges), so that the shift
 // errors telescope.
 #define LOG2E_F 1.44269504088896340736f
@@ -277,13 +320,14 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
 // header spells it out): scale (and, if MASKED, mask) the scores in `s`, update the running max, rescale ℓ, leave p
 // in `s` and the rescale factor of A in `rescale`, which rescale_accumulators applies (the sm_90a kernel applies it
 // only once the previous tile's P V product is done). The warp owns SLICES 16-row slices in the m16n8 accumulator
-// layout (rows g and g + 8 of each slice, columns 2·tig and + 1 of each 8-key block); `diag0` is the aligned key
-// position of the thread's first row, row (mi, r) has diag0 + 16·mi + 8·r.
+// layout (rows g and g + 8 of each slice, columns 2·tig and + 1 of each 8-key block); `row_t` is the sequence
+// position of the thread's first row, row (mi, r) is row_t + 16·mi + 8·r, and `diag` gives each row's diagonal.
 template <bool MASKED, int SLICES, int KEY_TILES>
 __device__ __forceinline__ void softmax_scores(float (&s)[SLICES][KEY_TILES][4], float (&m_run)[SLICES][2],
                                                float (&ml_run)[SLICES][2], float (&l_part)[SLICES][2],
                                                float (&rescale)[SLICES][2], float scale, int key0, int len_k,
-                                               int diag0, int win_left, int win_right, int tig) {
+                                               const Diagonal& diag_of, int row_t, int win_left, int win_right,
+                                               int tig) {
 #pragma unroll
     for (int mi = 0; mi < SLICES; ++mi) {
         float m_new[2] = {m_run[mi][0], m_run[mi][1]};
@@ -295,7 +339,7 @@ __device__ __forceinline__ void softmax_scores(float (&s)[SLICES][KEY_TILES][4],
                 float x = __fmul_rn(s[mi][n][e], scale);
                 if (MASKED) {
                     const int j = key0 + n * 8 + tig * 2 + (e % 2);
-                    const int diag = diag0 + 16 * mi + 8 * r;
+                    const int diag = diag_of.at(row_t + 16 * mi + 8 * r);
                     const bool vis = j < len_k && j <= diag + win_right && j >= diag - win_left;
                     x = vis ? x : NEG_INF;
                 }
@@ -483,8 +527,8 @@ struct ForwardCta {
     int len_q, len_k;                                    // the sequence's lengths
     long long q_base, k_base, v_base, o_base, lse_base;  // the sequence's first element of Q, K, V, O and LSE
     int row0, rows_here;                                 // the CTA's first query row and its rows in the sequence
-    long long shift;                                     // Lk − Lq: the masks are aligned bottom-right
-    long long diag_lo, diag_hi;                          // aligned key positions of the first and the last row
+    Diagonal diag;                                       // each row's diagonal (bottom-right or strided)
+    long long diag_lo, diag_hi;                          // the diagonals of the first and the last row
     int tile_lo, tile_hi;                                // the KV tiles holding a visible key: [tile_lo, tile_hi)
     const elem_t* q_g;                                   // the CTA's first query row, of its query head
     const elem_t* k_g;                                   // the sequence's first key and value, of the KV head
@@ -526,9 +570,9 @@ __device__ __forceinline__ bool forward_cta(ForwardCta& c, const FlashParams& p,
     c.row0 = tile * block_m;
     if (c.row0 >= c.len_q) return false;
     c.rows_here = min(block_m, c.len_q - c.row0);
-    c.shift = (long long)c.len_k - c.len_q;
-    c.diag_lo = c.row0 + c.shift;
-    c.diag_hi = c.row0 + c.rows_here - 1 + c.shift;
+    c.diag = row_diagonal(p, c.len_q, c.len_k);
+    c.diag_lo = c.diag.at(c.row0);
+    c.diag_hi = c.diag.at(c.row0 + c.rows_here - 1);
     long long key_lo = c.diag_lo - p.win_left;
     long long key_hi = c.diag_hi + p.win_right + 1;
     if (key_lo < 0) key_lo = 0;

@@ -177,14 +177,13 @@ __device__ __forceinline__ SeqView seq_view(int seq, const int* __restrict__ cu_
 }
 
 // The query tiles [a_lo, a_hi] (of Q_TILE rows) that can see some key of KV tile `b` of `tile_keys` keys: rows i with
-// i + shift − left ≤ key_end − 1 and i + shift + right ≥ key0. The same predicate decides which partials exist.
-__device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, int len_k, int win_left, int win_right,
-                                             int* a_lo, int* a_hi) {
+// diag(i) − left ≤ key_end − 1 and diag(i) + right ≥ key0. The same predicate decides which partials exist.
+__device__ __forceinline__ bool kv_tile_rows(int b, int tile_keys, int len_q, int len_k, const Diagonal& diag,
+                                             int win_left, int win_right, int* a_lo, int* a_hi) {
     const long long key0 = (long long)b * tile_keys;
     const long long key_end = min((long long)len_k, key0 + tile_keys);
-    const long long shift = (long long)len_k - len_q;
-    long long row_lo = key0 - shift - win_right;
-    long long row_hi = key_end - 1 - shift + win_left;
+    long long row_lo = diag.first_row_reaching(key0 - win_right);
+    long long row_hi = diag.last_row_within(key_end - 1 + win_left);
     if (row_lo < 0) row_lo = 0;
     if (row_hi > (long long)len_q - 1) row_hi = (long long)len_q - 1;
     if (key0 >= key_end || row_lo > row_hi) return false;
@@ -322,7 +321,8 @@ __device__ __forceinline__ TileCursor kv_owner_cursor(const FlashParams& fp, int
                                                       int head SPARSE_PARAMS) {
     UNPACK_FLASH_PARAMS(fp);
     int a_lo = 0, a_hi = -1;
-    if (!kv_tile_rows(b, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi)) {
+    if (!kv_tile_rows(b, KV_TILE, sv.len_q, sv.len_k, row_diagonal(fp, sv.len_q, sv.len_k), win_left, win_right, &a_lo,
+                      &a_hi)) {
         a_lo = 0;
         a_hi = -1;
     }
@@ -339,10 +339,10 @@ __device__ __forceinline__ TileCursor kv_owner_cursor(const FlashParams& fp, int
 
 // Whether every row of query tile `row0` (rows_here valid rows) sees all 16 keys of a warp from `wkey0`: then the
 // warp's P needs no mask.
-__device__ __forceinline__ bool warp_keys_interior(const SeqView& sv, int rows_here, int row0, int wkey0, int shift,
-                                                   int win_left, int win_right) {
+__device__ __forceinline__ bool warp_keys_interior(const SeqView& sv, int rows_here, int row0, int wkey0,
+                                                   const Diagonal& diag, int win_left, int win_right) {
     const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&
-                          wkey0 + 15 <= row0 + shift + win_right && wkey0 >= row0 + Q_TILE - 1 + shift - win_left;
+                          wkey0 + 15 <= diag.at(row0) + win_right && wkey0 >= diag.at(row0 + Q_TILE - 1) - win_left;
     return interior;
 }
 
@@ -425,11 +425,12 @@ __device__ __forceinline__ void store_kv_grad(const FlashParams& fp, elem_t* __r
 // it (dsp[n][h] holds elements e = 2h and 2h + 1 of dpt[n], the first in the low half). If MASKED, element (n, e)
 // (query column n·8 + 2·tig + e % 2, key row g + 8·(e / 2)) is visible iff its query is one of the tile's
 // `rows_left` rows (counted from the thread's first column), its key below len_k, and the key within the window of
-// the query's diagonal `diag0 + n·8 + e % 2`.
+// the query's diagonal `diag.at(row_t + n·8 + e % 2)`, row_t the row of the thread's first column.
 template <bool MASKED>
 __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const float (&dpt)[Q_TILE / 8][4],
                                           unsigned (&dsp)[Q_TILE / 8][2], const float* bl_t, const float* delta_t,
-                                          float cl, int tig, int diag0, int key_t, int rows_left, int len_k,
+                                          float cl, int tig, const Diagonal& diag, int row_t, int key_t,
+                                          int rows_left, int len_k,
                                           int win_left, int win_right) {
 #pragma unroll
     for (int n = 0; n < Q_TILE / 8; ++n) {
@@ -439,7 +440,7 @@ __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const floa
             const int qc = n * 8 + tig * 2 + (e % 2);
             float p = prob(st[n][e], cl, bl_t[qc]);
             if (MASKED) {
-                const int i = diag0 + n * 8 + (e % 2);
+                const int i = diag.at(row_t + n * 8 + (e % 2));
                 const int j = key_t + 8 * (e / 2);
                 const bool vis = n * 8 + (e % 2) < rows_left && j < len_k && j <= i + win_right && j >= i - win_left;
                 p = vis ? p : 0.f;
@@ -554,7 +555,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const int key0 = b * KV_TILE;
     if (key0 >= sv.len_k) return;
     const int keys_here = min(KV_TILE, sv.len_k - key0);
-    const int shift = sv.len_k - sv.len_q;
+    const Diagonal diag = row_diagonal(params.flash, sv.len_q, sv.len_k);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
@@ -639,12 +640,12 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         // Pᵀ (kept in st, f32) and dSᵀ (in dsp, rounded to T and packed). Only a warp whose 16 keys some row of the
         // tile does not see completely pays for the mask.
         const int wkey0 = key0 + wk;
-        const bool interior = warp_keys_interior(sv, rows_here, row0, wkey0, shift, win_left, win_right);
+        const bool interior = warp_keys_interior(sv, rows_here, row0, wkey0, diag, win_left, win_right);
         unsigned dsp[Q_TILE / 8][2];
         if (interior) {
-            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, 0, 0, 0, 0, 0, 0);
+            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, diag, 0, 0, 0, 0, 0, 0);
         } else {
-            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, cl, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
+            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, cl, tig, diag, row0 + tig * 2, key_t, rows_here - tig * 2,
                             sv.len_k, win_left, win_right);
         }
 
@@ -809,7 +810,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const int row0 = tile * Q_TILE;
     if (row0 >= sv.len_q) return;
     const int rows_here = min(Q_TILE, sv.len_q - row0);
-    const int shift = sv.len_k - sv.len_q;
+    const Diagonal diag_of = row_diagonal(params.flash, sv.len_q, sv.len_k);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
@@ -829,7 +830,7 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         live[r] = false;
         bl[r] = 0.f;
         dl[r] = 0.f;
-        diag[r] = row0 + row + shift;
+        diag[r] = diag_of.at(row0 + row);
         if (row < rows_here) {
             const float l = lse[sv.lse_base + head * lse_head + row0 + row];
             live[r] = l != NEG_INF;
@@ -861,8 +862,8 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
 #endif
     for (int t = cursor.next(); t >= 0; t = cursor.next()) {
         int a_lo, a_hi;
-        if (!kv_tile_rows(t, DQ_KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) || tile < a_lo ||
-            tile > a_hi)
+        if (!kv_tile_rows(t, DQ_KV_TILE, sv.len_q, sv.len_k, diag_of, win_left, win_right, &a_lo, &a_hi) ||
+            tile < a_lo || tile > a_hi)
             continue;
         const int key0 = t * DQ_KV_TILE;
         const int keys_here = min(DQ_KV_TILE, sv.len_k - key0);
@@ -886,8 +887,8 @@ bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         // dS = round_T(p·(dP − D)) in place of s. Only a KV tile that some row of the query tile does not see
         // completely (a tail, the diagonal, a window edge, a partial query tile) pays for the mask.
         const bool interior = rows_here == Q_TILE && keys_here == DQ_KV_TILE &&
-                              key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&
-                              key0 >= row0 + Q_TILE - 1 + shift - win_left;
+                              key0 + DQ_KV_TILE - 1 <= diag_of.at(row0) + win_right &&
+                              key0 >= diag_of.at(row0 + Q_TILE - 1) - win_left;
         if (interior) {
 #pragma unroll
             for (int n = 0; n < DQ_KV_TILE / 8; ++n) {
@@ -971,8 +972,9 @@ bwd_dq_finalize(const float* __restrict__ dq_acc, const float* __restrict__ dq_p
 #endif
             for (int t = cursor.next(); t >= 0; t = cursor.next()) {
                 int a_lo, a_hi;
-                if (kv_tile_rows(t, KV_TILE, sv.len_q, sv.len_k, win_left, win_right, &a_lo, &a_hi) && tile >= a_lo &&
-                    tile <= a_hi) {
+                if (kv_tile_rows(t, KV_TILE, sv.len_q, sv.len_k, row_diagonal(params.flash, sv.len_q, sv.len_k),
+                                 win_left, win_right, &a_lo, &a_hi) &&
+                    tile >= a_lo && tile <= a_hi) {
 #if defined(BLOCK_SPARSE)
                     const int slot = cursor.last_position();
 #else

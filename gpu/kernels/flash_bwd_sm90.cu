@@ -92,7 +92,7 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     const int key0 = b * KV_TILE;
     if (key0 >= sv.len_k) return;
     const int keys_here = min(KV_TILE, sv.len_k - key0);
-    const int shift = sv.len_k - sv.len_q;
+    const Diagonal diag = row_diagonal(params.flash, sv.len_q, sv.len_k);
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, tig = lane % 4;
@@ -161,10 +161,10 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
         // Pᵀ (kept in st, f32) and dSᵀ (in dsp, rounded to T and packed). Only a warp whose 16 keys some row of the
         // tile does not see completely pays for the mask.
         unsigned dsp[Q_TILE / 8][2];
-        if (warp_keys_interior(sv, rows_here, row0, key0 + wk, shift, win_left, win_right)) {
-            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, 0, 0, 0, 0, 0, 0);
+        if (warp_keys_interior(sv, rows_here, row0, key0 + wk, diag, win_left, win_right)) {
+            tile_p_ds<false>(st, dpt, dsp, bl_t, delta_t, cl, tig, diag, 0, 0, 0, 0, 0, 0);
         } else {
-            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, cl, tig, row0 + tig * 2 + shift, key_t, rows_here - tig * 2,
+            tile_p_ds<true>(st, dpt, dsp, bl_t, delta_t, cl, tig, diag, row0 + tig * 2, key_t, rows_here - tig * 2,
                             sv.len_k, win_left, win_right);
         }
 

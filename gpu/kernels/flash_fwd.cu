@@ -143,7 +143,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 #pragma unroll
         for (int n = 0; n < N_TILES_O; ++n) acc[mi][n][0] = acc[mi][n][1] = acc[mi][n][2] = acc[mi][n][3] = 0.f;
     }
-    const int diag0 = (int)(row0 + wrow + g + cta.shift);
+    const int row_t = row0 + wrow + g;
 
     // ldmatrix row addresses of this lane: Q is the A operand of S, K its B operand (rows are n), V the B operand of
     // PV (rows are k, transposed).
@@ -185,9 +185,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 
         float rescale[WARP_M][2];
         if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {
-            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, cta.diag, row_t, win_left,
+                                  win_right, tig);
         } else {
-            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, cta.diag, row_t, win_left,
+                                  win_right, tig);
         }
         rescale_accumulators(acc, rescale);
 

@@ -181,7 +181,7 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
     float acc[1][N_TILES_O][4];
 #pragma unroll
     for (int n = 0; n < N_TILES_O; ++n) acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.f;
-    const int diag0 = (int)(cta.row0 + wrow + g + cta.shift);
+    const int row_t = cta.row0 + wrow + g;
 
     if (t >= 0) {
         load_swizzled_async<BLOCK_M, QK_CHUNKS, THREADS>(q_s, cta.q_g, q_row, cta.rows_here, d);
@@ -257,9 +257,11 @@ flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem
 
         float rescale[1][2];
         if (cta.sees_whole_tile(key0, BLOCK_N, win_left, win_right)) {
-            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+            softmax_scores<false>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, cta.diag, row_t, win_left,
+                                  win_right, tig);
         } else {
-            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, diag0, win_left, win_right, tig);
+            softmax_scores<true>(s, m_run, ml_run, l_part, rescale, scale, key0, len_k, cta.diag, row_t, win_left,
+                                  win_right, tig);
         }
         wgmma_wait<0>();  // P_{i-1} V_{i-1} is done: A may be rescaled and the fragments refilled
 #if defined(TMA_LOADS)

@@ -374,6 +374,7 @@ fn plan<T: GpuElement>(
     if wgmma {
         defines.push(compile::BWD_KV_SM90.to_owned());
     }
+    defines.extend(params.diagonal_define());
     // bwd_dq: Q, dO tiles of Q_TILE rows and K, V tiles of DQ_KV_TILE rows.
     let dq_shared = 2 * ((Q_TILE + DQ_KV_TILE) * (d_pad + 8) + (Q_TILE + DQ_KV_TILE) * (dv_pad + 8));
     let seqs = spec.sequences();

@@ -49,18 +49,58 @@ impl GpuElement for f16 {
     }
 }
 
-/// A mask as the kernels evaluate it: key `j` visible to row `i` iff `diag − left ≤ j ≤ diag + right`,
-/// `diag = i + Lk − Lq`, with `None` meaning unbounded on that side.
+/// A mask as the kernels evaluate it: key `j` visible to row `i` iff `diag(i) − left ≤ j ≤ diag(i) + right`, with
+/// `None` meaning unbounded on that side and `diag` the row's [`Diagonal`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KernelMask {
-    /// Keys visible before the aligned position (`None`: all).
+    /// Keys visible before the row's diagonal (`None`: all).
     pub left: Option<usize>,
-    /// Keys visible after the aligned position (`None`: all; causal is `Some(0)`).
+    /// Keys visible after the row's diagonal (`None`: all; causal is `Some(0)`).
     pub right: Option<usize>,
+    /// Which key position each row's diagonal is.
+    pub diagonal: Diagonal,
+}
+
+/// The key position a query row's window is measured from (the kernels' `Diagonal`, `gpu/kernels/common.cuh`).
+/// Monotone in the row, so that a tile's first and last rows bound every row's visible keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Diagonal {
+    /// `i + Lk − Lq`: the causal and window masks, aligned bottom-right (E1a).
+    BottomRight,
+    /// `⌊(i + 1 − len)/stride⌋`: the last compression window of `len` tokens, taken every `stride`, that has ended at
+    /// token `i` (NSA's compressed branch, E18, [`Mask::StridedCausal`] with `right = 0`).
+    Strided {
+        /// Tokens per window.
+        len: usize,
+        /// Tokens between two windows' starts.
+        stride: usize,
+    },
+}
+
+impl Diagonal {
+    /// The kernels' `diag_stride`: 0 for [`Diagonal::BottomRight`], else the stride.
+    pub(crate) fn kernel_stride(self) -> Result<i32, GpuError> {
+        match self {
+            Diagonal::BottomRight => Ok(0),
+            Diagonal::Strided { stride, .. } => to_i32("mask.stride", stride),
+        }
+    }
+
+    /// The kernels' `diag_offset`: `1 − len` for [`Diagonal::Strided`], else 0.
+    pub(crate) fn kernel_offset(self) -> Result<i32, GpuError> {
+        match self {
+            Diagonal::BottomRight => Ok(0),
+            Diagonal::Strided { len, .. } => Ok(1 - to_i32("mask.len", len)?),
+        }
+    }
 }
 
 impl KernelMask {
-    /// Translates a spec mask; `And` intersects (smallest reach on each side), a predicate is unsupported.
+    /// Every key of every row: the identity of [`Mask::And`].
+    const OPEN: KernelMask = KernelMask { left: None, right: None, diagonal: Diagonal::BottomRight };
+
+    /// Translates a spec mask; `And` intersects (smallest reach on each side); a predicate is unsupported, and so is a
+    /// strided causal mask combined with any bound of another diagonal.
     pub fn from_mask(mask: &Mask) -> Result<Self, GpuError> {
         let min = |a: Option<usize>, b: Option<usize>| match (a, b) {
             (Some(x), Some(y)) => Some(x.min(y)),
@@ -68,18 +108,34 @@ impl KernelMask {
             (None, y) => y,
         };
         Ok(match mask {
-            Mask::None => KernelMask { left: None, right: None },
-            Mask::Causal => KernelMask { left: None, right: Some(0) },
-            Mask::Window { left, right } => KernelMask { left: Some(*left), right: Some(*right) },
+            Mask::None => KernelMask::OPEN,
+            Mask::Causal => KernelMask { right: Some(0), ..KernelMask::OPEN },
+            Mask::Window { left, right } => KernelMask { left: Some(*left), right: Some(*right), ..KernelMask::OPEN },
+            Mask::StridedCausal { len, stride } => {
+                KernelMask { left: None, right: Some(0), diagonal: Diagonal::Strided { len: *len, stride: *stride } }
+            }
             Mask::Predicate(p) => {
                 return Err(GpuError::Unsupported {
                     argument: "mask",
                     reason: format!("predicate mask `{}`: the kernel evaluates only causal and window bounds", p.name),
                 });
             }
-            Mask::And(parts) => parts.iter().try_fold(KernelMask { left: None, right: None }, |acc, m| {
+            Mask::And(parts) => parts.iter().try_fold(KernelMask::OPEN, |acc, m| {
                 let k = KernelMask::from_mask(m)?;
-                Ok::<_, GpuError>(KernelMask { left: min(acc.left, k.left), right: min(acc.right, k.right) })
+                let diagonal = if k == KernelMask::OPEN || acc.diagonal == k.diagonal {
+                    acc.diagonal
+                } else if acc == KernelMask::OPEN {
+                    k.diagonal
+                } else {
+                    return Err(GpuError::Unsupported {
+                        argument: "mask",
+                        reason: format!(
+                            "{mask:?}: bounds measured from two different diagonals (a strided causal mask combines \
+                             only with itself and with masks that bound nothing)"
+                        ),
+                    });
+                };
+                Ok::<_, GpuError>(KernelMask { left: min(acc.left, k.left), right: min(acc.right, k.right), diagonal })
             })?,
         })
     }
@@ -122,17 +178,41 @@ mod tests {
     #[test]
     fn masks_translate_to_bounds() {
         let m = |mask: Mask| KernelMask::from_mask(&mask).unwrap();
-        assert_eq!(m(Mask::None), KernelMask { left: None, right: None });
-        assert_eq!(m(Mask::Causal), KernelMask { left: None, right: Some(0) });
-        assert_eq!(m(Mask::Window { left: 3, right: 5 }), KernelMask { left: Some(3), right: Some(5) });
+        let bottom_right =
+            |left: Option<usize>, right: Option<usize>| KernelMask { left, right, diagonal: Diagonal::BottomRight };
+        assert_eq!(m(Mask::None), bottom_right(None, None));
+        assert_eq!(m(Mask::Causal), bottom_right(None, Some(0)));
+        assert_eq!(m(Mask::Window { left: 3, right: 5 }), bottom_right(Some(3), Some(5)));
         assert_eq!(
             m(Mask::And(vec![Mask::Causal, Mask::Window { left: 4, right: 9 }, Mask::And(vec![])])),
-            KernelMask { left: Some(4), right: Some(0) }
+            bottom_right(Some(4), Some(0))
         );
-        assert_eq!(m(Mask::And(vec![])), KernelMask { left: None, right: None });
+        assert_eq!(m(Mask::And(vec![])), bottom_right(None, None));
+        let strided = KernelMask { left: None, right: Some(0), diagonal: Diagonal::Strided { len: 32, stride: 16 } };
+        let nsa = Mask::StridedCausal { len: 32, stride: 16 };
+        assert_eq!(m(nsa.clone()), strided);
+        assert_eq!(m(Mask::And(vec![Mask::None, nsa.clone(), Mask::And(vec![]), nsa.clone()])), strided);
+        assert_eq!((strided.diagonal.kernel_stride().unwrap(), strided.diagonal.kernel_offset().unwrap()), (16, -31));
+        let plain = Diagonal::BottomRight;
+        assert_eq!((plain.kernel_stride().unwrap(), plain.kernel_offset().unwrap()), (0, 0));
         assert_eq!(KernelMask::kernel_value(Some(usize::MAX)), NO_BOUND as i32);
         assert_eq!(KernelMask::kernel_value(None), NO_BOUND as i32);
         assert_eq!(KernelMask::kernel_value(Some(7)), 7);
+    }
+
+    #[test]
+    fn a_strided_causal_mask_refuses_bounds_of_another_diagonal() {
+        // The kernels measure every bound from one diagonal per row; a window or causal bound beside the strided
+        // diagonal, or a second strided mask with other windows, would be measured from the wrong one.
+        let nsa = Mask::StridedCausal { len: 32, stride: 16 };
+        for other in [Mask::Causal, Mask::Window { left: 3, right: 0 }, Mask::StridedCausal { len: 16, stride: 16 }] {
+            for parts in [vec![nsa.clone(), other.clone()], vec![other.clone(), nsa.clone()]] {
+                let err = KernelMask::from_mask(&Mask::And(parts)).unwrap_err();
+                assert!(matches!(err, GpuError::Unsupported { argument: "mask", .. }), "{err}");
+            }
+        }
+        let huge = Diagonal::Strided { len: usize::MAX, stride: 1 };
+        assert!(matches!(huge.kernel_offset(), Err(GpuError::TooLarge { argument: "mask.len", .. })));
     }
 
     #[test]

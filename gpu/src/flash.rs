@@ -241,6 +241,7 @@ fn plan<T: GpuElement>(
         if tma {
             defines.push(TMA_LOADS.to_owned());
         }
+        defines.extend(params.diagonal_define());
         (tiles + WGMMA_SMEM_ALIGN, defines)
     } else {
         if !tiling.supports(d, dv) {
@@ -254,13 +255,14 @@ fn plan<T: GpuElement>(
         let dv_pad = round_up(dv, 16);
         // Row strides of the shared-memory tiles carry 8 elements of padding (see the kernel).
         let shared = 2 * (tiling.rows() + KV_TILE) * (d_pad + 8) + 2 * KV_TILE * (dv_pad + 8);
-        let defines = vec![
+        let mut defines = vec![
             T::DEFINE.to_owned(),
             format!("HEAD_DIM_PAD={d_pad}"),
             format!("HEAD_DIM_V_PAD={dv_pad}"),
             format!("NUM_WARPS={}", tiling.warps),
             format!("WARP_M={}", tiling.slices),
         ];
+        defines.extend(params.diagonal_define());
         (shared, defines)
     };
     let q_tile = tiling.rows();
@@ -765,6 +767,32 @@ mod tests {
     fn bad_specs_are_oracle_errors() {
         let spec = AttentionSpec::dense(1, 3, 2, 4, 4, 8, 8);
         assert!(matches!(plan::<bf16>(&spec, T64, FLASH_FWD), Err(GpuError::Spec(_))));
+    }
+
+    #[test]
+    fn only_the_strided_causal_mask_compiles_the_strided_diagonal() {
+        // The kernels read diag_stride and diag_offset only under STRIDED_DIAGONAL: a strided spec planned without it
+        // would run the bottom-right diagonal, and a plain one planned with it would pay a division per row.
+        let strided = crate::params::STRIDED_DIAGONAL.to_owned();
+        let spec = AttentionSpec::dense(1, 4, 2, 200, 11, 64, 64);
+        for (mask, expected) in [
+            (attnproof_oracle::Mask::StridedCausal { len: 32, stride: 16 }, true),
+            (attnproof_oracle::Mask::Causal, false),
+            (attnproof_oracle::Mask::None, false),
+        ] {
+            let spec = spec.clone().with_mask(mask);
+            for tiling in [ForwardTiling::for_head_dims(64, 64), ForwardTiling::WGMMA] {
+                let kernel = if tiling == ForwardTiling::WGMMA { FLASH_FWD_SM90 } else { FLASH_FWD };
+                let defines = forward_defines::<bf16>(&spec, tiling, kernel).unwrap();
+                assert_eq!(defines.contains(&strided), expected, "{:?} {kernel:?}", spec.mask);
+            }
+            for kernel in [compile::FLASH_BWD, compile::FLASH_BWD_SM90] {
+                let defines =
+                    crate::backward::backward_defines::<bf16>(&spec, crate::backward::BackwardTiling::DEFAULT, kernel)
+                        .unwrap();
+                assert_eq!(defines.contains(&strided), expected, "{:?} {kernel:?}", spec.mask);
+            }
+        }
     }
 
     #[test]

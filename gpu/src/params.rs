@@ -18,6 +18,11 @@ use attnproof_oracle::{AttentionSpec, Layout};
 use crate::common::{KernelMask, MAX_HEAD_DIM, NO_BOUND, kernel_scale, to_i32};
 use crate::error::GpuError;
 
+/// The define the dense kernels (`flash_fwd`, `flash_bwd` and their sm_90a twins) are compiled with for NSA's strided
+/// causal mask (`Diagonal` in `gpu/kernels/common.cuh`): a row's diagonal is then `⌊(i + diag_offset)/diag_stride⌋`.
+/// The launch plans add it exactly when [`FlashParams::diag_stride`] is not 0 ([`FlashParams::diagonal_define`]).
+pub(crate) const STRIDED_DIAGONAL: &str = "STRIDED_DIAGONAL";
+
 /// The attention problem's scalars (`struct FlashParams` of `common.cuh`), read by `flash_fwd` and every backward
 /// kernel. Strides are in elements; the dense layout is `[B, H, L, D]` (LSE `[B, Hq, Lq]`), the varlen layout
 /// `[T, H, D]` with a batch stride of 0 and the rows of all sequences packed (LSE `[Hq, Tq]`).
@@ -66,10 +71,15 @@ pub(crate) struct FlashParams {
     pub dv: i32,
     /// The softmax scale the kernels multiply by ([`kernel_scale`]).
     pub scale: f32,
-    /// Reach left of the bottom-right diagonal ([`NO_BOUND`]: unbounded).
+    /// Reach left of the row's diagonal ([`NO_BOUND`]: unbounded).
     pub win_left: i32,
     /// Reach right of the diagonal ([`NO_BOUND`]: unbounded; causal is 0).
     pub win_right: i32,
+    /// 0: the diagonal of row `i` is bottom-right aligned, `i + Lk − Lq`; `s ≥ 1`: NSA's strided causal diagonal
+    /// `⌊(i + diag_offset)/s⌋` ([`crate::common::Diagonal`]).
+    pub diag_stride: i32,
+    /// With `diag_stride ≥ 1`: `1 − l` for compression windows of `l` tokens; otherwise 0.
+    pub diag_offset: i32,
     /// Explicit tail padding, always 0.
     pub reserved: i32,
 }
@@ -283,9 +293,17 @@ impl FlashParams {
             scale: kernel_scale(spec),
             win_left: KernelMask::kernel_value(mask.left),
             win_right: KernelMask::kernel_value(mask.right),
+            diag_stride: mask.diagonal.kernel_stride()?,
+            diag_offset: mask.diagonal.kernel_offset()?,
             reserved: 0,
         };
         Ok((params, cu_q, cu_k))
+    }
+
+    /// The define that compiles the dense kernels' strided diagonal ([`STRIDED_DIAGONAL`]), exactly when these
+    /// parameters carry one: the kernels read `diag_stride` and `diag_offset` only under it.
+    pub(crate) fn diagonal_define(&self) -> Option<String> {
+        (self.diag_stride != 0).then(|| STRIDED_DIAGONAL.to_owned())
     }
 
     /// The (batch, head, row) strides of Q.
@@ -378,6 +396,8 @@ mod tests {
                 scale,
                 win_left,
                 win_right,
+                diag_stride,
+                diag_offset,
                 reserved,
             }),
             rust_layout!(BackwardParams { flash, part_stride, total_k, dq_mode, n_chunks, n_heads_q, finalize_mode }),
@@ -437,8 +457,8 @@ mod tests {
     fn the_parser_sees_the_header() {
         // A parser that found nothing would make the comparison above vacuous.
         let layouts = header_layouts();
-        assert_eq!(layouts["FlashParams"].0, 152);
-        assert_eq!(layouts["FlashParams"].1.len(), 24);
+        assert_eq!(layouts["FlashParams"].0, 160);
+        assert_eq!(layouts["FlashParams"].1.len(), 26);
         assert_eq!(header_members("RingStateParams"), ["rows", "rows_per_head", "dv", "varlen", "n_heads", "reserved"]);
     }
 

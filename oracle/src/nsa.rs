@@ -124,6 +124,12 @@ impl NsaConfig {
         self.scale.value(head_dim, ctx)
     }
 
+    /// E18: the compressed branch's visibility as a spec mask, window `c` visible to token `t` iff
+    /// `c·s + l − 1 ≤ t`: what the GPU's compressed attention runs under.
+    pub fn compressed_mask(&self) -> crate::spec::Mask {
+        crate::spec::Mask::StridedCausal { len: self.compress_len, stride: self.compress_stride }
+    }
+
     /// Whether selection block `block` is eligible for query `query`: its first token is not in
     /// the query's future (`block·l' ≤ t`).
     pub fn block_eligible(&self, block: usize, query: usize) -> bool {
@@ -162,7 +168,7 @@ pub fn complete_windows_at(position: usize, compress_len: usize, compress_stride
     if compress_stride == 0 {
         return Err(OracleError::ZeroDimension { argument: "compress_stride" });
     }
-    Ok(if position + 1 >= compress_len { (position + 1 - compress_len) / compress_stride + 1 } else { 0 })
+    Ok(crate::spec::strided_causal_keys(position, compress_len, compress_stride))
 }
 
 /// The number of complete compression windows of a sequence of `len` tokens: those visible to
@@ -387,8 +393,7 @@ pub fn compressed_attention<S: Real>(
     let head_dim_v = inputs.v.dim().2;
     let n_windows = complete_windows(len, config.compress_len, config.compress_stride)?;
     let scale = config.scale_value::<S>(head_dim, ctx);
-    let visible =
-        Array2::from_shape_fn((len, n_windows), |(t, c)| c * config.compress_stride + config.compress_len - 1 <= t);
+    let visible = config.compressed_mask().matrix(len, n_windows);
     let mut o = Array3::from_elem((len, n_heads_q, head_dim_v), S::zero(ctx));
     let mut p = Array3::from_elem((n_heads_q, len, n_windows), S::zero(ctx));
     for kv in 0..inputs.n_heads_kv() {

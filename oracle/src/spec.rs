@@ -82,6 +82,16 @@ pub enum Mask {
         /// Keys visible after the aligned query position.
         right: usize,
     },
+    /// NSA's compressed branch (E18): the keys are compression windows of `len` tokens taken every `stride` tokens,
+    /// and key `j` (window `j`) is visible to query `i` iff the window has ended at or before it:
+    /// `j·stride + len − 1 ≤ i`, i.e. `j ≤ ⌊(i + 1 − len)/stride⌋`. Query positions are the sequence's own (no
+    /// bottom-right alignment: the queries are the tokens, the keys their windows, and `Lk ≠ Lq`).
+    StridedCausal {
+        /// Tokens per window `l` (at least 1).
+        len: usize,
+        /// Tokens between two windows' starts `s` (at least 1).
+        stride: usize,
+    },
     /// A caller-given predicate.
     Predicate(Predicate),
     /// All of the given masks at once.
@@ -97,6 +107,7 @@ impl Mask {
             Mask::None => true,
             Mask::Causal => j <= i,
             Mask::Window { left, right } => i - *left as i64 <= j && j <= i + *right as i64,
+            Mask::StridedCausal { len, stride } => pair.key * stride + len <= pair.query + 1,
             Mask::Predicate(p) => (p.visible)(pair),
             Mask::And(parts) => parts.iter().all(|m| m.visible(pair)),
         }
@@ -115,6 +126,7 @@ impl Mask {
             Mask::None | Mask::Predicate(_) => 0..len_k,
             Mask::Causal => clamp(0, i),
             Mask::Window { left, right } => clamp(i - *left as i64, i + *right as i64),
+            Mask::StridedCausal { len, stride } => 0..strided_causal_keys(query, *len, *stride).min(len_k),
             Mask::And(parts) => parts.iter().fold(0..len_k, |acc, m| {
                 let r = m.key_range(query, len_q, len_k);
                 let (lo, hi) = (acc.start.max(r.start), acc.end.min(r.end));
@@ -123,10 +135,20 @@ impl Mask {
         }
     }
 
+    /// A typed error for a [`Mask::StridedCausal`] (anywhere in the mask) with a zero window length or stride.
+    pub fn check(&self) -> Result<(), OracleError> {
+        match self {
+            Mask::StridedCausal { len: 0, .. } => Err(OracleError::ZeroDimension { argument: "mask.len" }),
+            Mask::StridedCausal { stride: 0, .. } => Err(OracleError::ZeroDimension { argument: "mask.stride" }),
+            Mask::And(parts) => parts.iter().try_for_each(Mask::check),
+            _ => Ok(()),
+        }
+    }
+
     /// Whether every row's visible keys are exactly [`Mask::key_range`] (no predicate anywhere in the mask).
     fn is_interval(&self) -> bool {
         match self {
-            Mask::None | Mask::Causal | Mask::Window { .. } => true,
+            Mask::None | Mask::Causal | Mask::Window { .. } | Mask::StridedCausal { .. } => true,
             Mask::Predicate(_) => false,
             Mask::And(parts) => parts.iter().all(Mask::is_interval),
         }
@@ -146,6 +168,16 @@ impl Mask {
             row.slice_mut(ndarray::s![keys]).fill(true);
         }
         m
+    }
+}
+
+/// How many keys [`Mask::StridedCausal`] shows query `query`: the windows `j` with `j·stride + len − 1 ≤ query`,
+/// `⌊(query + 1 − len)/stride⌋ + 1` once `query + 1 ≥ len`, else none. A zero `stride` (which
+/// [`AttentionSpec::validate`] refuses) shows none.
+pub fn strided_causal_keys(query: usize, len: usize, stride: usize) -> usize {
+    match (query + 1).checked_sub(len) {
+        Some(reach) if stride > 0 => reach / stride + 1,
+        _ => 0,
     }
 }
 
@@ -293,6 +325,7 @@ impl AttentionSpec {
             return Err(OracleError::HeadRatio { n_heads_q: self.n_heads_q, n_heads_kv: self.n_heads_kv });
         }
         self.scale.check()?;
+        self.mask.check()?;
         if let Layout::Varlen { cu_seqlens_q, cu_seqlens_k } = &self.layout {
             check_cu_seqlens("cu_seqlens_q", cu_seqlens_q)?;
             check_cu_seqlens("cu_seqlens_k", cu_seqlens_k)?;
@@ -456,15 +489,41 @@ mod tests {
             Mask::And(vec![Mask::Causal, Mask::Window { left: 2, right: 5 }]),
             Mask::And(vec![Mask::Causal, even.clone()]),
             even,
+            Mask::StridedCausal { len: 4, stride: 2 },
+            Mask::StridedCausal { len: 1, stride: 1 },
+            Mask::StridedCausal { len: 3, stride: 5 },
+            Mask::And(vec![Mask::StridedCausal { len: 2, stride: 3 }, Mask::Window { left: 1, right: 1 }]),
         ];
         for mask in &masks {
-            for (len_q, len_k) in [(7, 7), (9, 4), (4, 9), (0, 5), (5, 0), (1, 1)] {
+            for (len_q, len_k) in [(7, 7), (9, 4), (4, 9), (0, 5), (5, 0), (1, 1), (40, 3)] {
                 let by_element = ndarray::Array2::from_shape_fn((len_q, len_k), |(query, key)| {
                     mask.visible(Pair { query, key, len_q, len_k })
                 });
                 assert_eq!(mask.matrix(len_q, len_k), by_element, "{mask:?} {len_q}x{len_k}");
             }
         }
+    }
+
+    #[test]
+    fn a_compression_window_is_visible_from_its_last_token_on() {
+        // E18 with the paper's l = 32, s = 16: window j covers tokens 16j ..= 16j + 31, so query 31 sees window 0
+        // alone, query 46 still only window 0, query 47 windows 0 and 1; query 30 sees nothing.
+        let mask = Mask::StridedCausal { len: 32, stride: 16 };
+        let keys = |query| mask.key_range(query, 100, 10);
+        assert_eq!([keys(30), keys(31), keys(46), keys(47), keys(99)], [0..0, 0..1, 0..1, 0..2, 0..5]);
+        assert_eq!(strided_causal_keys(65535, 32, 16), 4095);
+        assert!(mask.visible(Pair { query: 47, key: 1, len_q: 100, len_k: 10 }));
+        assert!(!mask.visible(Pair { query: 46, key: 1, len_q: 100, len_k: 10 }));
+        // A window never complete in the sequence is outside the key range, whatever the keys' count says.
+        assert_eq!(mask.key_range(99, 100, 3), 0..3);
+        let spec =
+            |len, stride| AttentionSpec::dense(1, 1, 1, 4, 4, 8, 8).with_mask(Mask::StridedCausal { len, stride });
+        assert!(matches!(spec(0, 1).validate(), Err(OracleError::ZeroDimension { argument: "mask.len" })));
+        assert!(matches!(spec(1, 0).validate(), Err(OracleError::ZeroDimension { argument: "mask.stride" })));
+        let nested = AttentionSpec::dense(1, 1, 1, 4, 4, 8, 8)
+            .with_mask(Mask::And(vec![Mask::Causal, Mask::StridedCausal { len: 2, stride: 0 }]));
+        assert!(matches!(nested.validate(), Err(OracleError::ZeroDimension { argument: "mask.stride" })));
+        assert!(spec(1, 1).validate().is_ok());
     }
 
     #[test]

@@ -5,7 +5,8 @@
 use attnproof_oracle::spec::{Mask, Pair};
 
 /// Whether key `key` is visible to query `query` in a sequence of `len_q` queries and `len_k`
-/// keys: causal and windows are aligned bottom-right (`i + Lk − Lq`).
+/// keys: causal and windows are aligned bottom-right (`i + Lk − Lq`); NSA's strided causal mask compares window
+/// ends with the query's own position.
 pub fn visible(mask: &Mask, query: usize, key: usize, len_q: usize, len_k: usize) -> bool {
     let diagonal = query as i64 + len_k as i64 - len_q as i64;
     let key = key as i64;
@@ -13,6 +14,9 @@ pub fn visible(mask: &Mask, query: usize, key: usize, len_q: usize, len_k: usize
         Mask::None => true,
         Mask::Causal => key <= diagonal,
         Mask::Window { left, right } => key >= diagonal - *left as i64 && key <= diagonal + *right as i64,
+        // Window `key` covers tokens key·stride ..= key·stride + len − 1 and is visible once the query has passed its
+        // last token; the query's own position, not the aligned diagonal, since the keys are windows.
+        Mask::StridedCausal { len, stride } => key * (*stride as i64) + *len as i64 - 1 <= query as i64,
         Mask::Predicate(p) => (p.visible)(Pair { query, key: key as usize, len_q, len_k }),
         Mask::And(parts) => parts.iter().all(|m| visible(m, query, key as usize, len_q, len_k)),
     }

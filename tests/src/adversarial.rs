@@ -1,7 +1,8 @@
 //! One table of named adversarial cases, run over every [`Candidate`] by the same runners: `Lq ≠ Lk` both ways,
 //! lengths 1 and tile ± 1 around KV tiles of 64 and 128 keys, fully masked rows, logit scale 100 and the maximum in
 //! the last tile, GQA groups 1–16 (non-powers of two included) and MQA, varlen with empty sequences, every head dim
-//! that is a multiple of 8 from 8 to 256 (with `d ≠ dv`), and sliding windows of every width relative to the tiles.
+//! that is a multiple of 8 from 8 to 256 (with `d ≠ dv`), sliding windows of every width relative to the tiles, and
+//! NSA's strided causal mask over compression windows.
 //!
 //! [`candidate_tests!`](crate::candidate_tests) turns the table into one `#[test]` per [`Group`] and direction for a
 //! candidate. The cases alternate between bf16 and f16 (see [`run_cases`]). A candidate that
@@ -43,11 +44,14 @@ pub enum Group {
     /// Sliding windows narrow (0, 1), one-sided, and wider than a query or key tile on either side, with and without
     /// causal.
     SlidingWindows,
+    /// NSA's compressed-branch mask (`Mask::StridedCausal`, E18): overlapping, adjacent and gapped windows, windows
+    /// longer than a tile, queries before the first window ends, and keys past the last complete window.
+    StridedCausal,
 }
 
 impl Group {
     /// Every group, in table order.
-    pub const ALL: [Group; 8] = [
+    pub const ALL: [Group; 9] = [
         Group::LqNeLk,
         Group::TileEdges,
         Group::FullyMasked,
@@ -56,6 +60,7 @@ impl Group {
         Group::Varlen,
         Group::HeadDims,
         Group::SlidingWindows,
+        Group::StridedCausal,
     ];
 }
 
@@ -219,6 +224,15 @@ pub fn adversarial_cases() -> Vec<AdversarialCase> {
     for (left, right) in windows {
         for mask in [Mask::Window { left, right }, causal_window(left, right)] {
             add(Group::SlidingWindows, dense(1, 1, 1, 200, 200, 32, 32, mask), gaussian(1.0), Both);
+        }
+    }
+    // NSA's compressed branch: the keys are the complete windows of the queries' tokens (Lk = ⌊(Lq − l)/s⌋ + 1), one
+    // more key that never completes, or a sequence too short for any window.
+    for (len, stride) in [(32, 16), (64, 64), (16, 16), (5, 3), (3, 5), (1, 1), (100, 2)] {
+        let windows = |lq: usize| if lq >= len { (lq - len) / stride + 1 } else { 0 };
+        for (lq, extra) in [(200, 0), (130, 1), (len - 1, 0)] {
+            let mask = Mask::StridedCausal { len, stride };
+            add(Group::StridedCausal, dense(1, 4, 2, lq, windows(lq) + extra, 32, 32, mask), gaussian(1.0), Both);
         }
     }
     for (lq, lk) in [(130, 260), (260, 130)] {
@@ -475,6 +489,7 @@ macro_rules! candidate_tests {
             (varlen_with_empty_sequences, Varlen),
             (head_dims_multiples_of_8_up_to_256, HeadDims),
             (sliding_windows, SlidingWindows),
+            (strided_causal_masks, StridedCausal),
         ]);
     };
     (@tests $make:path, $module:ident, $direction:ident, [$(($test:ident, $group:ident)),+ $(,)?]) => {

@@ -16,6 +16,9 @@ pub const FEATURES: &[&str] = &[
     "mask causal",
     "mask window",
     "mask causal + window",
+    "mask strided causal",
+    "strided: windows overlap (len > stride)",
+    "strided: windows apart (len <= stride)",
     "window left 0",
     "window left 1",
     "window left inside a tile",
@@ -71,6 +74,14 @@ pub fn features(spec: &AttentionSpec, dtype: &str, tile: usize) -> Vec<&'static 
             Some(w) if parts.iter().any(|p| matches!(p, Mask::Causal)) => ("mask causal + window", Some(w)),
             w => ("", w),
         },
+        Mask::StridedCausal { len, stride } => {
+            found.push(if len > stride {
+                "strided: windows overlap (len > stride)"
+            } else {
+                "strided: windows apart (len <= stride)"
+            });
+            ("mask strided causal", None)
+        }
         // The kernels take no predicate mask, so the kernel suites never draw one; it shows no mask feature.
         Mask::Predicate(_) => ("", None),
     };

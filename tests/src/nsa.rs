@@ -349,14 +349,6 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
         .prop_flat_map(|(l, extra)| (Just(l), 1..=l + extra))
         .prop_flat_map(move |(l, s)| {
             let length = prop::sample::select(vec![0, 1, l - 1, l, l + 1, l + s - 1, l + s, l + s + 1, l + 3 * s, 4 * l + 3]);
-            let dense = (1usize..=2, length.clone()).prop_map(|(batch, len)| Layout::Dense { batch, len_q: len, len_k: len });
-            let varlen = prop::collection::vec(prop_oneof![Just(0usize), length], 1..=3).prop_map(|lens| {
-                let mut cu = vec![0i32];
-                for len in lens {
-                    cu.push(cu.last().copied().unwrap_or(0) + len as i32);
-                }
-                Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu }
-            });
             let map = prop_oneof![
                 2 => Just(None),
                 1 => prop::sample::select(vec![WeightKind::Gaussian, WeightKind::Large, WeightKind::Small, WeightKind::Mixed]).prop_map(Some),
@@ -369,7 +361,7 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
             ]);
             (
                 Just((l, s)),
-                prop_oneof![3 => dense, 1 => varlen],
+                self_attention_layout(length),
                 crate::strategies::heads(),
                 (dims(), dims()),
                 (map.clone(), map),
@@ -378,15 +370,7 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
             )
         })
         .prop_map(|((l, s), layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v), (key_map, value_map), values, seed)| {
-            let spec = attnproof_oracle::AttentionSpec {
-                layout,
-                n_heads_q,
-                n_heads_kv,
-                head_dim,
-                head_dim_v,
-                scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
-                mask: attnproof_oracle::Mask::Causal,
-            };
+            let spec = causal_layer(layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v));
             let map_of = |kind: Option<WeightKind>, salt| kind.map_or(Compression::Mean, |k| weights(k, l, seed ^ salt));
             let config = NsaConfig {
                 compress_len: l,
@@ -399,6 +383,37 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
             shape_values(&mut case, values);
             CompressionDraw { case, config, values }
         })
+}
+
+/// An NSA layer's spec: causal self-attention with the default scale.
+fn causal_layer(
+    layout: Layout,
+    (n_heads_q, n_heads_kv): (usize, usize),
+    (head_dim, head_dim_v): (usize, usize),
+) -> attnproof_oracle::AttentionSpec {
+    attnproof_oracle::AttentionSpec {
+        layout,
+        n_heads_q,
+        n_heads_kv,
+        head_dim,
+        head_dim_v,
+        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        mask: attnproof_oracle::Mask::Causal,
+    }
+}
+
+/// Self-attention layouts (`Lq = Lk` per sequence) with lengths from `length`: dense with batch 1–2 three times in
+/// four, else varlen of 1–3 sequences, empty ones included.
+fn self_attention_layout(length: impl Strategy<Value = usize> + Clone) -> impl Strategy<Value = Layout> {
+    let dense = (1usize..=2, length.clone()).prop_map(|(batch, len)| Layout::Dense { batch, len_q: len, len_k: len });
+    let varlen = prop::collection::vec(prop_oneof![Just(0usize), length], 1..=3).prop_map(|lens| {
+        let mut cu = vec![0i32];
+        for len in lens {
+            cu.push(cu.last().copied().unwrap_or(0) + len as i32);
+        }
+        Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu }
+    });
+    prop_oneof![3 => dense, 1 => varlen]
 }
 
 /// Rewrites K and V of `case` (drawn standard normal) into the value kind `values`; [`CompressionValues::Cancelling`]
@@ -680,4 +695,50 @@ pub fn gates_guarded<T: Storage>(
         ],
         d_gate_logits,
     ))
+}
+
+/// A drawn NSA layer for the compressed attention (E18): the layer's spec (causal self-attention), NSA's
+/// configuration (window and stride; the mean for both maps), the value profile and seed of its Q, K and V.
+#[derive(Clone, Debug)]
+pub struct CompressedAttentionDraw {
+    /// The layer: causal, `Lq = Lk` per sequence.
+    pub layer: attnproof_oracle::AttentionSpec,
+    /// The window `l` and stride `s`; the other fields are the defaults.
+    pub config: NsaConfig,
+    /// How Q, K and V are made.
+    pub profile: crate::generate::ValueProfile,
+    /// Their seed.
+    pub seed: u64,
+}
+
+/// Layers for the compressed attention: the paper's windows (`l = 32, s = 16`), fla-core's non-overlapping 64-token
+/// blocks, adjacent, gapped and overlapping short ones and stride 1; lengths with no complete window, exactly one, a
+/// stride past it, around the kernels' 64-row tiles, a few hundred tokens, and enough for 66 windows; dense (batch
+/// 1–2) or varlen with empty sequences; GQA groups 1–16, uniformly, over one or two KV heads; the head dims
+/// (64, 128, and 192 with `dv = 128` as in E31) and any multiple of 8; every value profile, logit scales up to 100.
+pub fn compressed_attention_draws() -> impl Strategy<Value = CompressedAttentionDraw> {
+    let windows =
+        prop::sample::select(vec![(32usize, 16usize), (32, 16), (64, 64), (16, 16), (8, 4), (5, 3), (3, 5), (4, 1)]);
+    let dims = prop_oneof![
+        3 => prop::sample::select(vec![(64usize, 64usize), (128, 128), (192, 128)]),
+        1 => ((1usize..=32).prop_map(|m| 8 * m), (1usize..=32).prop_map(|m| 8 * m)),
+    ];
+    (windows, dims)
+        .prop_flat_map(|((l, s), dims)| {
+            // `65·s + l` tokens make 66 windows: compressed keys past one 64-key tile.
+            let length = prop::sample::select(vec![0, 1, l - 1, l, l + s, 63, 64, 65, 129, 4 * l + 3, 300, 65 * s + l]);
+            (
+                Just(((l, s), dims)),
+                self_attention_layout(length),
+                // Every group size equally often: NSA's own is 16, and the kernels must take every other.
+                (1usize..=16, 1usize..=2).prop_map(|(group, n_heads_kv)| (group * n_heads_kv, n_heads_kv)),
+                crate::strategies::profile(),
+                any::<u64>(),
+            )
+        })
+        .prop_map(|(((l, s), (head_dim, head_dim_v)), layout, (n_heads_q, n_heads_kv), profile, seed)| {
+            let layer = causal_layer(layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v));
+            let config = NsaConfig { compress_len: l, compress_stride: s, ..NsaConfig::default() };
+            CompressedAttentionDraw { layer, config, profile, seed }
+        })
 }

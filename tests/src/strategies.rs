@@ -33,15 +33,28 @@ pub fn window_side(tile: usize) -> impl Strategy<Value = usize> {
 }
 
 /// Every mask kind, with windows of every width class relative to tile size `tile` on either side (so one-sided
-/// windows, narrow ones and ones wider than a tile all occur), with and without causal.
+/// windows, narrow ones and ones wider than a tile all occur), with and without causal, and NSA's strided causal
+/// mask ([`strided_causal`]).
 pub fn mask(tile: usize) -> impl Strategy<Value = Mask> {
     let window = || (window_side(tile), window_side(tile));
+    // Causal and windowed masks as often as before the strided one joined (three in four draws), no mask and the
+    // strided one an eighth each.
     prop_oneof![
-        Just(Mask::None),
-        Just(Mask::Causal),
-        window().prop_map(|(left, right)| Mask::Window { left, right }),
-        window().prop_map(|(left, right)| Mask::And(vec![Mask::Causal, Mask::Window { left, right }])),
+        1 => Just(Mask::None),
+        2 => Just(Mask::Causal),
+        2 => window().prop_map(|(left, right)| Mask::Window { left, right }),
+        2 => window().prop_map(|(left, right)| Mask::And(vec![Mask::Causal, Mask::Window { left, right }])),
+        1 => strided_causal(tile),
     ]
+}
+
+/// NSA's compressed-branch mask (E18) with window lengths from 1 to beyond a tile and strides from 1 to a quarter
+/// tile: overlapping windows (the paper's `l = 32, s = 16`), adjacent ones (`l = s`), gaps between them (`l < s`),
+/// and windows wider than a KV tile, so that a query tile's first visible window lies tiles after its rows.
+pub fn strided_causal(tile: usize) -> impl Strategy<Value = Mask> {
+    let len = prop_oneof![1usize..=4, Just(tile / 2), Just(tile), Just(tile + 1)];
+    let stride = prop_oneof![1usize..=3, Just((tile / 4).max(1)), Just(tile / 2)];
+    (len, stride).prop_map(|(len, stride)| Mask::StridedCausal { len: len.max(1), stride: stride.max(1) })
 }
 
 /// `(Hq, Hkv)`: one KV head shared by a group of 1 to 16 query heads (MQA above 1), or two KV heads with groups of 1
@@ -74,19 +87,47 @@ pub fn layout(tile: usize) -> impl Strategy<Value = Layout> {
     prop_oneof![3 => dense, 1 => varlen]
 }
 
-/// A problem spec with lengths drawn around tile size `tile` (at most `2·tile + 1`).
+/// A problem spec with lengths drawn around tile size `tile` (at most `2·tile + 1`). Under NSA's strided causal mask
+/// the keys are the compression windows of the queries, as in NSA's compressed branch: each sequence's key length
+/// becomes its complete windows, plus one key that never completes when the drawn key length was odd.
 pub fn spec(tile: usize) -> impl Strategy<Value = AttentionSpec> {
     (layout(tile), heads(), head_dim(), head_dim(), mask(tile)).prop_map(
-        |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| AttentionSpec {
-            layout,
-            n_heads_q,
-            n_heads_kv,
-            head_dim,
-            head_dim_v,
-            scale: Scale::InverseSqrtHeadDim,
-            mask,
+        |(layout, (n_heads_q, n_heads_kv), head_dim, head_dim_v, mask)| {
+            let layout = match mask {
+                Mask::StridedCausal { len, stride } => windows_as_keys(layout, len, stride),
+                _ => layout,
+            };
+            AttentionSpec {
+                layout,
+                n_heads_q,
+                n_heads_kv,
+                head_dim,
+                head_dim_v,
+                scale: Scale::InverseSqrtHeadDim,
+                mask,
+            }
         },
     )
+}
+
+/// `layout` with each sequence's key length replaced by the complete windows of `len` tokens every `stride` in its
+/// queries, plus one when the key length was odd (a deterministic function of the draw, so shrinking stays simple).
+fn windows_as_keys(layout: Layout, len: usize, stride: usize) -> Layout {
+    let keys = |len_q: usize, len_k: usize| {
+        attnproof_oracle::spec::strided_causal_keys(len_q.saturating_sub(1), len, stride) * usize::from(len_q > 0)
+            + len_k % 2
+    };
+    match layout {
+        Layout::Dense { batch, len_q, len_k } => Layout::Dense { batch, len_q, len_k: keys(len_q, len_k) },
+        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
+            let mut cu_k = vec![0i32];
+            for (q, k) in cu_seqlens_q.windows(2).zip(cu_seqlens_k.windows(2)) {
+                let added = keys((q[1] - q[0]) as usize, (k[1] - k[0]) as usize) as i32;
+                cu_k.push(cu_k.last().copied().unwrap_or(0) + added);
+            }
+            Layout::Varlen { cu_seqlens_q, cu_seqlens_k: cu_k }
+        }
+    }
 }
 
 /// Value profiles: Gaussian, heavy tails, peaked rows, maximum in the last KV tile; logit scales
@@ -168,6 +209,24 @@ mod tests {
         assert!(
             specs.iter().any(|s| matches!(s.mask, Mask::None)) && specs.iter().any(|s| matches!(s.mask, Mask::Causal))
         );
+        let strided: Vec<(usize, usize)> = specs
+            .iter()
+            .filter_map(|s| match s.mask {
+                Mask::StridedCausal { len, stride } => Some((len, stride)),
+                _ => None,
+            })
+            .collect();
+        type StridedClass = (&'static str, fn(usize, usize) -> bool);
+        let strided_classes: [StridedClass; 5] = [
+            ("overlapping windows", |l, s| l > s && s > 1),
+            ("adjacent windows", |l, s| l == s),
+            ("gaps between windows", |l, s| l < s),
+            ("stride 1", |_, s| s == 1),
+            ("a window wider than a tile", |l, _| l > TILE),
+        ];
+        for (name, class) in strided_classes {
+            assert!(strided.iter().any(|&(l, s)| class(l, s)), "strided causal: {name}");
+        }
 
         for d in (8..=256).step_by(8) {
             assert!(specs.iter().any(|s| s.head_dim == d), "head_dim {d}");

@@ -5,8 +5,8 @@
 //! window (`l` tokens every `s`), by the mean or by caller-given position weights, rounded once to the storage type
 //! for the compressed attention that follows; and [`gates`], the gated sum of the three branch outputs (E18, the
 //! sigmoid applied inside, in f32) and its gradients; and [`window`], the sliding-window branch as the dense kernels
-//! under a narrowed causal mask. Still to come, in the plan's order: the compressed attention
-//! with its strided causal mask, the fused block scoring and top-n selection, the selected attention over the union
+//! under a narrowed causal mask; and [`compressed`], the compressed attention as the dense kernels
+//! over the compressed keys under NSA's strided causal mask. Still to come, in the plan's order: the fused block scoring and top-n selection, the selected attention over the union
 //! of a token block's lists, and the branches' backward.
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
@@ -14,10 +14,11 @@
 //! error before any launch.
 
 pub mod compress;
+pub mod compressed;
 pub mod gates;
 pub mod window;
 
-use attnproof_oracle::{AttentionSpec, Layout};
+use attnproof_oracle::{AttentionSpec, Layout, Mask};
 
 use crate::error::GpuError;
 
@@ -30,4 +31,23 @@ pub(crate) fn o_rows(spec: &AttentionSpec) -> Result<i64, GpuError> {
         }
     };
     i64::try_from(rows).map_err(|_| GpuError::TooLarge { argument: "rows of O", value: rows })
+}
+
+/// Checks that `spec` describes an NSA layer: valid, causal (`Mask::Causal`) self-attention, every sequence's query
+/// and key lengths equal. The branches' specs ([`window::window_spec`], [`compressed::compressed_spec`]) start here.
+pub(crate) fn check_layer(spec: &AttentionSpec) -> Result<(), GpuError> {
+    spec.validate()?;
+    if !matches!(spec.mask, Mask::Causal) {
+        return Err(GpuError::Unsupported {
+            argument: "mask",
+            reason: format!("NSA is causal self-attention; the layer's spec has {:?}", spec.mask),
+        });
+    }
+    if let Some(s) = spec.sequences().iter().find(|s| s.len_q != s.len_k) {
+        return Err(GpuError::Unsupported {
+            argument: "layout",
+            reason: format!("NSA is self-attention; sequence {} has {} queries and {} keys", s.index, s.len_q, s.len_k),
+        });
+    }
+    Ok(())
 }

@@ -8,6 +8,7 @@
 use attnproof_oracle::nsa::NsaConfig;
 use attnproof_oracle::{AttentionSpec, Mask};
 
+use super::check_layer;
 use crate::error::GpuError;
 
 /// The spec of NSA's window branch for a layer of spec `spec` (causal self-attention: the mask `Causal`, every
@@ -16,19 +17,7 @@ use crate::error::GpuError;
 /// that is not causal self-attention is a typed error.
 pub fn window_spec(spec: &AttentionSpec, config: &NsaConfig) -> Result<AttentionSpec, GpuError> {
     config.validate()?;
-    spec.validate()?;
-    if !matches!(spec.mask, Mask::Causal) {
-        return Err(GpuError::Unsupported {
-            argument: "mask",
-            reason: format!("NSA is causal self-attention; the layer's spec has {:?}", spec.mask),
-        });
-    }
-    if let Some(s) = spec.sequences().iter().find(|s| s.len_q != s.len_k) {
-        return Err(GpuError::Unsupported {
-            argument: "layout",
-            reason: format!("NSA is self-attention; sequence {} has {} queries and {} keys", s.index, s.len_q, s.len_k),
-        });
-    }
+    check_layer(spec)?;
     if config.window == 0 {
         return Err(GpuError::Unsupported {
             argument: "window",

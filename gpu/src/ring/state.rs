@@ -23,7 +23,7 @@ use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout, Mask};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 
-use crate::common::{GpuElement, KernelMask, NO_BOUND, check_len};
+use crate::common::{Diagonal, GpuElement, KernelMask, NO_BOUND, check_len};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::launch;
@@ -71,6 +71,12 @@ impl ChunkWindow {
             });
         }
         let reach = KernelMask::from_mask(mask)?;
+        if reach.diagonal != Diagonal::BottomRight {
+            return Err(GpuError::Unsupported {
+                argument: "mask",
+                reason: format!("{mask:?}: the ring splits sequences by position, NSA's compressed keys are windows"),
+            });
+        }
         let as_i64 = |x: usize| i64::try_from(x).unwrap_or(i64::MAX / 4);
         // Global: j_g ≤ i_g + s0 + right with i_g = q0 + i, j_g = k0 + j; the chunk's own diagonal is i + (n_k − n_q),
         // so the pair's reach moves by δ = q0 − k0 + s0 − (n_k − n_q).
@@ -293,7 +299,7 @@ mod tests {
     }
 
     #[test]
-    fn chunks_outside_the_sequence_and_predicates_are_typed_errors() {
+    fn chunks_outside_the_sequence_predicates_and_strided_masks_are_typed_errors() {
         let bad = ChunkWindow::for_pair(&Mask::None, (10, 10), (8, 3), (0, 1));
         assert!(matches!(bad, Err(GpuError::Unsupported { argument: "chunk", .. })));
         let p = Mask::Predicate(attnproof_oracle::Predicate {
@@ -301,5 +307,8 @@ mod tests {
             visible: Arc::new(|pair| pair.key % 2 == 0),
         });
         assert!(matches!(ChunkWindow::for_pair(&p, (4, 4), (0, 2), (0, 2)), Err(GpuError::Unsupported { .. })));
+        let nsa = Mask::StridedCausal { len: 4, stride: 2 };
+        let strided = ChunkWindow::for_pair(&nsa, (8, 3), (0, 4), (0, 2));
+        assert!(matches!(strided, Err(GpuError::Unsupported { argument: "mask", .. })), "{strided:?}");
     }
 }

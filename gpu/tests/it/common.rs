@@ -156,6 +156,14 @@ pub fn sanitizer_shapes() -> Vec<AdversarialCase> {
         case(Group::Varlen, "empty sequences", varlen(&[0, 0, 33, 70], &[0, 20, 20, 65], 2, 1, 32, 32, Mask::Causal)),
         // A sliding window wider than a KV tile on the left and narrow on the right: the tile skip on both sides.
         case(Group::SlidingWindows, "window", dense(1, 1, 1, 130, 130, 32, 32, Mask::Window { left: 70, right: 3 })),
+        // NSA's compressed branch: 130 tokens over their 14 windows of 8 every 9 (a gap between windows), plus a key
+        // that never completes; the first 7 rows see nothing, and the strided diagonal's floor division meets
+        // negative positions.
+        case(
+            Group::StridedCausal,
+            "strided causal",
+            dense(1, 2, 1, 130, 15, 64, 64, Mask::StridedCausal { len: 8, stride: 9 }),
+        ),
         // The largest head dim, d = dv = 256: the forward's single-slice tiling (`ForwardTiling::for_head_dims` above
         // 128) and the backward's single-stage Q/dO pipeline (`Q_STAGES = 1`: two stages exceed the shared memory).
         case(Group::HeadDims, "d = dv = 256", dense(1, 1, 1, 65, 129, 256, 256, Mask::Causal)),

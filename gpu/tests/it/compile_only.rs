@@ -24,7 +24,12 @@ const EVERY_TILING_AT: [(usize, usize); 2] = [(64, 64), (128, 128)];
 
 /// The variants of `T` for one spec's head dims, in the given forward tilings and both backward tilings.
 fn variants<T: GpuElement>(d: usize, dv: usize, forward: &[ForwardTiling]) -> Vec<ModuleVariant> {
-    let spec = AttentionSpec::dense(1, 2, 1, 100, 130, d, dv).with_mask(Mask::Causal);
+    variants_under::<T>(Mask::Causal, d, dv, forward)
+}
+
+/// [`variants`] under `mask` (NSA's strided causal mask compiles the kernels' `STRIDED_DIAGONAL` mode).
+fn variants_under<T: GpuElement>(mask: Mask, d: usize, dv: usize, forward: &[ForwardTiling]) -> Vec<ModuleVariant> {
+    let spec = AttentionSpec::dense(1, 2, 1, 100, 130, d, dv).with_mask(mask);
     let pairs = forward.iter().flat_map(|&f| BackwardTiling::ALL.map(|b| (f, b)));
     pairs
         .flat_map(|(fwd, bwd)| {
@@ -43,6 +48,11 @@ fn grid() -> Vec<ModuleVariant> {
         let every: Vec<ForwardTiling> = ForwardTiling::ALL.into_iter().filter(|t| t.supports(d, dv)).collect();
         out.extend(variants::<bf16>(d, dv, &every));
         out.extend(variants::<f16>(d, dv, &every));
+    }
+    // NSA's compressed branch: the strided diagonal at E31's head dims and at the widest.
+    for (d, dv) in [(64, 64), (128, 128), (192, 128), (256, 256)] {
+        let mask = Mask::StridedCausal { len: 32, stride: 16 };
+        out.extend(variants_under::<bf16>(mask, d, dv, &[ForwardTiling::for_head_dims(d, dv)]));
     }
     out
 }
@@ -80,6 +90,10 @@ fn every_planned_module_compiles_for_sm_90a() {
             let sm90 = |v: &&ModuleVariant| v.kernel.name == kernel && v.defines.iter().any(|d| d == pad);
             assert!(unique.iter().any(|v| sm90(&v)), "no {kernel} variant with {pad}");
         }
+    }
+    for kernel in ["flash_fwd", "flash_bwd", "flash_bwd_sm90"] {
+        let strided = |v: &&ModuleVariant| v.kernel.name == kernel && v.defines.iter().any(|d| d == "STRIDED_DIAGONAL");
+        assert!(unique.iter().any(|v| strided(&v)), "no {kernel} variant with the strided diagonal");
     }
 }
 

@@ -13,6 +13,7 @@ mod flash_backward;
 mod flash_forward;
 mod mutants;
 mod nsa_compress;
+mod nsa_compressed;
 mod nsa_gates;
 mod property;
 mod ring_state;

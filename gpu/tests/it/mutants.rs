@@ -69,7 +69,8 @@ fn block_sparse_mutants() -> Vec<&'static Mutant> {
     attnproof_catalog::kernel_text_mutants(FLASH_FWD.name, Some(BLOCK_SPARSE)).collect()
 }
 
-/// The backward's killing cases: Lq ≠ Lk both ways with tails, GQA, a window, causal, and a logit scale of 4.
+/// The backward's killing cases: Lq ≠ Lk both ways with tails, GQA, a window, causal, a logit scale of 4, and NSA's
+/// strided causal mask (the paper's windows over a GQA group, and short overlapping ones).
 fn backward_cases(stream: &Arc<CudaStream>) -> Vec<(&'static str, Problem<bf16>)> {
     let d64 = |b, hq, hkv, lq, lk, mask: Mask| AttentionSpec::dense(b, hq, hkv, lq, lk, 64, 64).with_mask(mask);
     vec![
@@ -77,17 +78,32 @@ fn backward_cases(stream: &Arc<CudaStream>) -> Vec<(&'static str, Problem<bf16>)
         ("none_lq_lt_lk_tail", problem(stream, &d64(1, 2, 1, 70, 140, Mask::None), gaussian(1.0), 14)),
         ("window_7_3", problem(stream, &d64(1, 2, 2, 130, 130, Mask::Window { left: 7, right: 3 }), gaussian(1.0), 15)),
         ("logit_scale_4", problem(stream, &d64(1, 1, 1, 65, 129, Mask::None), gaussian(4.0), 16)),
+        ("nsa_strided_32_16_gqa", problem(stream, &d64(1, 4, 2, 150, 8, paper_windows()), gaussian(1.0), 17)),
+        (
+            "strided_5_3",
+            problem(stream, &d64(1, 2, 1, 100, 32, Mask::StridedCausal { len: 5, stride: 3 }), gaussian(1.0), 18),
+        ),
     ]
 }
 
-/// The killing cases: one head dim (one module per mutant), masks, Lq ≠ Lk both ways, tails, GQA, a window, and a
-/// row max in the last tile at logit scale 100.
+/// NSA's compressed-branch mask with the paper's windows (`l = 32`, `s = 16`).
+fn paper_windows() -> Mask {
+    Mask::StridedCausal { len: 32, stride: 16 }
+}
+
+/// The killing cases: one head dim (one module per mutant), masks, Lq ≠ Lk both ways, tails, GQA, a window, a row
+/// max in the last tile at logit scale 100, and NSA's strided causal mask (keys are the windows complete in Lq).
 fn forward_cases() -> Vec<(&'static str, Case<bf16>)> {
     let dense = |b, hq, hkv, lq, lk, mask: Mask| AttentionSpec::dense(b, hq, hkv, lq, lk, 64, 64).with_mask(mask);
     vec![
         ("causal_lq_gt_lk_gqa", make_case(&dense(1, 4, 2, 200, 130, Mask::Causal), gaussian(1.0), 3)),
         ("none_lq_lt_lk_tail", make_case(&dense(1, 2, 1, 130, 200, Mask::None), gaussian(1.0), 4)),
         ("window_7_3", make_case(&dense(1, 2, 2, 190, 190, Mask::Window { left: 7, right: 3 }), gaussian(1.0), 5)),
+        ("nsa_strided_32_16_gqa", make_case(&dense(1, 4, 2, 200, 11, paper_windows()), gaussian(1.0), 7)),
+        (
+            "strided_5_3",
+            make_case(&dense(1, 2, 1, 130, 42, Mask::StridedCausal { len: 5, stride: 3 }), gaussian(1.0), 8),
+        ),
         (
             "max_in_last_tile_x100",
             make_case(

@@ -236,7 +236,7 @@ pub fn check(
 }
 
 /// The second input's seed, from the first's.
-const SECOND_INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
+pub const SECOND_INPUT: u64 = 0x9e37_79b9_7f4a_7c15;
 
 fn check_forward<T: Storage>(
     candidate: &GpuCandidate,

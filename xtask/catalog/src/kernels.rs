@@ -111,8 +111,29 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-causal-top-left",
         description: "Causal aligned top-left instead of bottom-right: wrong whenever Lq ≠ Lk",
-        find: "c.shift = (long long)c.len_k - c.len_q;",
-        replace: "c.shift = 0;",
+        find: "return Diagonal{len_k - len_q};",
+        replace: "return Diagonal{0};",
+        ..FORWARD_COMMON
+    },
+    Mutant {
+        name: "gpu-fwd-strided-window-visible-early",
+        description: "NSA's compressed branch sees each window one token before it has ended (E18's c·s + l − 1 ≤ t off by one)",
+        find: "Diagonal{p.diag_offset, p.diag_stride}",
+        replace: "Diagonal{p.diag_offset + 1, p.diag_stride}",
+        ..FORWARD_COMMON
+    },
+    Mutant {
+        name: "gpu-fwd-strided-floor-as-truncation",
+        description: "The strided diagonal divides toward zero: tokens in the last stride before the first window ends see window 0",
+        find: "x >= 0 ? x / stride : -((stride - 1 - x) / stride)",
+        replace: "x / stride",
+        ..FORWARD_COMMON
+    },
+    Mutant {
+        name: "gpu-fwd-strided-diagonal-slope-one",
+        description: "The forward's mask steps the diagonal by one key per row, right for bottom-right masks, wrong for strided ones",
+        find: "const int diag = diag_of.at(row_t + 16 * mi + 8 * r);",
+        replace: "const int diag = diag_of.at(row_t) + 16 * mi + 8 * r;",
         ..FORWARD_COMMON
     },
     Mutant {
@@ -367,8 +388,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-sm90-bwd-interior-by-warpgroup",
         description: "A warp decides whether it needs the mask from its warpgroup's first key: the diagonal goes unmasked",
-        find: "warp_keys_interior(sv, rows_here, row0, key0 + wk, shift, win_left, win_right)",
-        replace: "warp_keys_interior(sv, rows_here, row0, key0 + wg * 64, shift, win_left, win_right)",
+        find: "warp_keys_interior(sv, rows_here, row0, key0 + wk, diag, win_left, win_right)",
+        replace: "warp_keys_interior(sv, rows_here, row0, key0 + wg * 64, diag, win_left, win_right)",
         ..WGMMA_BWD
     },
     Mutant {
@@ -736,15 +757,29 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bwd-dq-interior-ignores-diagonal",
         description: "Strategy A takes a KV tile that crosses the diagonal (or a window's right edge) for an interior one: future keys leak into dQ",
-        find: "key0 + DQ_KV_TILE - 1 <= row0 + shift + win_right &&",
+        find: "key0 + DQ_KV_TILE - 1 <= diag_of.at(row0) + win_right &&",
         replace: "",
         ..FLASH_BWD
     },
     Mutant {
         name: "gpu-bwd-interior-ignores-window-right",
         description: "A warp's keys that cross the diagonal (or a window's right edge) are taken as fully visible: future keys leak",
-        find: "wkey0 + 15 <= row0 + shift + win_right && ",
+        find: "wkey0 + 15 <= diag.at(row0) + win_right && ",
         replace: "",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-strided-diagonal-slope-one",
+        description: "The KV owner's mask steps the diagonal by one key per query, wrong for NSA's strided one: dK, dV off",
+        find: "const int i = diag.at(row_t + n * 8 + (e % 2));",
+        replace: "const int i = diag.at(row_t) + n * 8 + (e % 2);",
+        ..FLASH_BWD
+    },
+    Mutant {
+        name: "gpu-bwd-dq-strided-diagonal-slope-one",
+        description: "Strategy A's dQ owner steps the diagonal by one key per row, wrong for NSA's strided one: dQ off",
+        find: "diag[r] = diag_of.at(row0 + row);",
+        replace: "diag[r] = diag_of.at(row0) + row;",
         ..FLASH_BWD
     },
 ];
