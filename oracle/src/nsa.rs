@@ -31,10 +31,15 @@ pub enum Compression {
     Mean,
     /// A caller-given linear map with one weight per position in the window:
     /// `φ(x_{cs..cs+l−1}) = Σ_{i<l} w_i x_{cs+i}`. The weights must number exactly `l` and be
-    /// finite. This is the position-wise special case of the paper's learned `[l·d → d]` map; a
-    /// full `[l·d → d]` matrix is not offered because the theorems and fixtures need only a map
-    /// that mixes positions.
+    /// finite. This is the position-wise special case of [`Compression::Linear`].
     Weighted(Vec<f64>),
+    /// The paper's learned map as a caller-given matrix `W` `[l·d, d]`: the window's `l` rows are
+    /// stacked into one vector of `l·d` (row `i`, column `j` at `i·d + j`) and multiplied by `W`,
+    /// `φ(x)_k = Σ_{i<l} Σ_{j<d} x_{cs+i, j} · W[i·d + j, k]`. The rows must number a multiple of
+    /// `l` (`l·d`, checked against `d` when compressing), the columns `d`, every entry finite. The
+    /// mean is `W = [I/l; …; I/l]` and [`Compression::Weighted`] is `W = [w_0 I; …; w_{l−1} I]`
+    /// (`proofs::nsa::position_maps_are_linear_maps`).
+    Linear(Array2<f64>),
 }
 
 /// The parameters of NSA (E18, E19). [`Default`] gives the paper's values.
@@ -103,16 +108,32 @@ impl NsaConfig {
             });
         }
         for (argument, map) in [("compress_keys", &self.compress_keys), ("compress_values", &self.compress_values)] {
-            if let Compression::Weighted(w) = map {
-                if w.len() != self.compress_len {
-                    return Err(OracleError::ShapeMismatch {
-                        argument,
-                        expected: vec![self.compress_len],
-                        actual: vec![w.len()],
-                    });
+            match map {
+                Compression::Mean => {}
+                Compression::Weighted(w) => {
+                    if w.len() != self.compress_len {
+                        return Err(OracleError::ShapeMismatch {
+                            argument,
+                            expected: vec![self.compress_len],
+                            actual: vec![w.len()],
+                        });
+                    }
+                    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+                        return Err(OracleError::NonFinite { argument, index: vec![i], value: w[i] });
+                    }
                 }
-                if let Some(i) = w.iter().position(|x| !x.is_finite()) {
-                    return Err(OracleError::NonFinite { argument, index: vec![i], value: w[i] });
+                Compression::Linear(w) => {
+                    let (rows, cols) = w.dim();
+                    if cols == 0 || rows != self.compress_len * cols {
+                        return Err(OracleError::ShapeMismatch {
+                            argument,
+                            expected: vec![self.compress_len * cols.max(1), cols.max(1)],
+                            actual: vec![rows, cols],
+                        });
+                    }
+                    if let Some(((i, j), x)) = w.indexed_iter().find(|(_, x)| !x.is_finite()) {
+                        return Err(OracleError::NonFinite { argument, index: vec![i, j], value: *x });
+                    }
                 }
             }
         }
@@ -189,6 +210,24 @@ pub fn selection_blocks(len: usize, select_block: usize) -> Result<usize, Oracle
     Ok(len.div_ceil(select_block))
 }
 
+/// A [`Compression::Linear`] matrix must have `l·d` rows for rows of `d` columns.
+fn check_linear_map(w: &Array2<f64>, head_dim: usize, config: &NsaConfig) -> Result<(), OracleError> {
+    if w.dim() != (config.compress_len * head_dim, head_dim) {
+        return Err(OracleError::ShapeMismatch {
+            argument: "compression map",
+            expected: vec![config.compress_len * head_dim, head_dim],
+            actual: w.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// The window `c`'s rows of `x`: tokens `c·s .. c·s + l`.
+fn window_rows<'a, S>(x: ArrayView2<'a, S>, c: usize, config: &NsaConfig) -> ArrayView2<'a, S> {
+    let start = c * config.compress_stride;
+    x.slice_axis_move(Axis(0), ndarray::Slice::from(start..start + config.compress_len))
+}
+
 /// E18: compress the rows `x` `[T, d]` of one head into `[W, d]`, one row per complete window,
 /// with the map `map` (φ_K or φ_V of `config`).
 pub fn compress<S: Real>(
@@ -200,19 +239,123 @@ pub fn compress<S: Real>(
     config.validate()?;
     let n_windows = complete_windows(x.nrows(), config.compress_len, config.compress_stride)?;
     let mut out = Array2::from_elem((n_windows, x.ncols()), S::zero(ctx));
+    let linear = match map {
+        Compression::Linear(w) => {
+            check_linear_map(w, x.ncols(), config)?;
+            Some(w.mapv(|v| S::from_f64(v, ctx)))
+        }
+        _ => None,
+    };
     for c in 0..n_windows {
-        let start = c * config.compress_stride;
-        let rows = x.slice_axis(Axis(0), ndarray::Slice::from(start..start + config.compress_len));
+        let rows = window_rows(x, c, config);
         let row = match map {
             Compression::Mean => mean_row(rows, ctx).expect("a complete window has compress_len > 0 rows"),
             Compression::Weighted(w) => {
                 let weights: Array1<S> = w.iter().map(|&x| S::from_f64(x, ctx)).collect();
                 rows.t().map_axis(Axis(1), |column| dot(column, weights.view(), ctx))
             }
+            Compression::Linear(_) => {
+                let w = linear.as_ref().expect("converted above");
+                let stacked: Array1<S> = rows.iter().cloned().collect();
+                w.columns().into_iter().map(|column| dot(stacked.view(), column, ctx)).collect()
+            }
         };
         out.row_mut(c).assign(&row);
     }
     Ok(out)
+}
+
+/// The gradient of the loss with respect to the compression map's own parameters (E18).
+#[derive(Clone, Debug, PartialEq)]
+pub enum MapGradient<S> {
+    /// The mean has none.
+    Mean,
+    /// `∂L/∂w_i` for [`Compression::Weighted`], `[l]`.
+    Weighted(Array1<S>),
+    /// `∂L/∂W` for [`Compression::Linear`], `[l·d, d]`.
+    Linear(Array2<S>),
+}
+
+/// The gradients of [`compress`] for a loss with upstream gradient `dx̃` `[W, d]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompressionGradients<S> {
+    /// `∂L/∂x` `[T, d]`: each token collects the gradient of every window it lies in (tokens after
+    /// the last complete window get 0).
+    pub dx: Array2<S>,
+    /// `∂L/∂φ`'s parameters.
+    pub d_map: MapGradient<S>,
+}
+
+/// The backward of [`compress`] (E18): with `x̃_c = φ(x_{c·s .. c·s+l})` and upstream gradient
+/// `d_compressed` `[W, d]`, per window `c` and position `i`: the mean gives `dx_{c·s+i} += dx̃_c / l`;
+/// weights give `dx_{c·s+i} += w_i dx̃_c` and `dw_i += ⟨x_{c·s+i}, dx̃_c⟩`; the matrix gives
+/// `dx_{c·s+i, j} += Σ_k W[i·d+j, k] dx̃_{c,k}` and `dW[i·d+j, k] += x_{c·s+i, j} dx̃_{c,k}`.
+/// Windows are taken in ascending order, so the bits do not depend on anything but the inputs.
+pub fn compress_backward<S: Real>(
+    x: ArrayView2<'_, S>,
+    map: &Compression,
+    d_compressed: ArrayView2<'_, S>,
+    config: &NsaConfig,
+    ctx: S::Ctx,
+) -> Result<CompressionGradients<S>, OracleError> {
+    config.validate()?;
+    let (len, head_dim) = x.dim();
+    let n_windows = complete_windows(len, config.compress_len, config.compress_stride)?;
+    if d_compressed.dim() != (n_windows, head_dim) {
+        return Err(OracleError::ShapeMismatch {
+            argument: "d_compressed",
+            expected: vec![n_windows, head_dim],
+            actual: d_compressed.shape().to_vec(),
+        });
+    }
+    check_finite("x", &x)?;
+    check_finite("d_compressed", &d_compressed)?;
+    let l = config.compress_len;
+    let mut dx = Array2::from_elem((len, head_dim), S::zero(ctx));
+    let d_map = match map {
+        Compression::Mean => {
+            let count = S::from_f64(l as f64, ctx);
+            for (c, g) in d_compressed.rows().into_iter().enumerate() {
+                for i in 0..l {
+                    let mut row = dx.row_mut(c * config.compress_stride + i);
+                    row.zip_mut_with(&g, |a, b| *a = a.clone() + b.clone() / count.clone());
+                }
+            }
+            MapGradient::Mean
+        }
+        Compression::Weighted(w) => {
+            let weights: Vec<S> = w.iter().map(|&v| S::from_f64(v, ctx)).collect();
+            let mut dw = Array1::from_elem(l, S::zero(ctx));
+            for (c, g) in d_compressed.rows().into_iter().enumerate() {
+                let rows = window_rows(x, c, config);
+                for i in 0..l {
+                    let mut row = dx.row_mut(c * config.compress_stride + i);
+                    row.zip_mut_with(&g, |a, b| *a = a.clone() + weights[i].clone() * b.clone());
+                    dw[i] = dw[i].clone() + dot(rows.row(i), g, ctx);
+                }
+            }
+            MapGradient::Weighted(dw)
+        }
+        Compression::Linear(w) => {
+            check_linear_map(w, head_dim, config)?;
+            let w = w.mapv(|v| S::from_f64(v, ctx));
+            let mut dw = Array2::from_elem(w.raw_dim(), S::zero(ctx));
+            for (c, g) in d_compressed.rows().into_iter().enumerate() {
+                let rows = window_rows(x, c, config);
+                for i in 0..l {
+                    for j in 0..head_dim {
+                        let r = i * head_dim + j;
+                        let token = c * config.compress_stride + i;
+                        dx[[token, j]] = dx[[token, j]].clone() + dot(w.row(r), g, ctx);
+                        let xv = rows[[i, j]].clone();
+                        dw.row_mut(r).zip_mut_with(&g, |a, b| *a = a.clone() + xv.clone() * b.clone());
+                    }
+                }
+            }
+            MapGradient::Linear(dw)
+        }
+    };
+    Ok(CompressionGradients { dx, d_map })
 }
 
 /// E19, the **Convention** of `docs/equations.md`: remap window probabilities `p_cmp` `[rows, W]` onto
@@ -855,6 +998,34 @@ mod tests {
         ));
         let scale = NsaConfig { scale: Scale::Value(f64::INFINITY), ..small() };
         assert!(matches!(scale.validate(), Err(OracleError::NonFinite { argument: "scale", .. })));
+        // The learned matrix: l·d rows for d columns (small() has l = 4), finite, and d checked when compressing.
+        let linear =
+            |rows, cols| NsaConfig { compress_keys: Compression::Linear(Array2::zeros((rows, cols))), ..small() };
+        assert!(linear(8, 2).validate().is_ok());
+        for (rows, cols) in [(7, 2), (8, 3), (0, 0), (4, 0)] {
+            assert!(
+                matches!(
+                    linear(rows, cols).validate(),
+                    Err(OracleError::ShapeMismatch { argument: "compress_keys", .. })
+                ),
+                "[{rows}, {cols}]"
+            );
+        }
+        let mut w = Array2::zeros((8, 2));
+        w[[5, 1]] = f64::NAN;
+        let nan = NsaConfig { compress_keys: Compression::Linear(w), ..small() };
+        assert!(matches!(
+            nan.validate(),
+            Err(OracleError::NonFinite { argument: "compress_keys", ref index, .. }) if index == &[5, 1]
+        ));
+        let rows = Array2::from_elem((6, 3), 1.0);
+        let map = Compression::Linear(Array2::zeros((8, 2)));
+        assert!(matches!(
+            compress(rows.view(), &map, &linear(8, 2), ()),
+            Err(OracleError::ShapeMismatch { argument: "compression map", .. })
+        ));
+        let short = compress_backward(rows.view(), &Compression::Mean, Array2::zeros((1, 3)).view(), &small(), ());
+        assert!(matches!(short, Err(OracleError::ShapeMismatch { argument: "d_compressed", .. })));
     }
 
     #[test]

@@ -2,16 +2,18 @@
 //! probabilities onto selection blocks (overlap form, brute-force token count, the paper's
 //! re-indexed double sum), the forced and causal top-n selection shared by a GQA group, the
 //! selection branch reducing to dense causal attention when every block is selected, the CSR
-//! transpose of a selection, and the gradients of the gated sum of the three branches against
-//! finite differences.
+//! transpose of a selection, the gradients of the gated sum of the three branches and of the
+//! compression map against finite differences, and the position-wise maps as special cases of
+//! the learned matrix.
 //!
 //! Discrete statements (counts, index lists) are checked exactly: the integers found and required
 //! are compared with [`agree`] at [`EXACT`], so a violation reports the first index where they
 //! differ.
 
 use attnproof_oracle::nsa::{
-    BlockQueries, GateGradients, NsaConfig, NsaForward, NsaInputs, block_scores, gate_combine, gate_combine_backward,
-    nsa_forward, remap_to_blocks, select_blocks, selection_blocks,
+    BlockQueries, Compression, CompressionGradients, GateGradients, MapGradient, NsaConfig, NsaForward, NsaInputs,
+    block_scores, compress, compress_backward, gate_combine, gate_combine_backward, nsa_forward, remap_to_blocks,
+    select_blocks, selection_blocks,
 };
 use attnproof_oracle::topk::validate_index_row;
 use attnproof_oracle::{Mp, OracleError, Precision, Real};
@@ -558,4 +560,158 @@ pub fn gate_gradients_match_finite_differences(
         agreement = agreement.and(agree(T, name, &grads.d_branches[b], &numeric, required)?);
     }
     Ok(agreement)
+}
+
+/// A compression backward under test: `(x [T, d], φ, dx̃ [W, d], config, precision) ↦ (dx, φ's gradient)`.
+pub type CompressionBackwardFn<'a> = &'a dyn Fn(
+    ArrayView2<'_, Mp>,
+    &Compression,
+    ArrayView2<'_, Mp>,
+    &NsaConfig,
+    Precision,
+) -> Result<CompressionGradients<Mp>, OracleError>;
+
+/// The oracle's compression backward ([`compress_backward`]) as a [`CompressionBackwardFn`].
+pub fn oracle_compress_backward(
+    x: ArrayView2<'_, Mp>,
+    map: &Compression,
+    d_compressed: ArrayView2<'_, Mp>,
+    config: &NsaConfig,
+    precision: Precision,
+) -> Result<CompressionGradients<Mp>, OracleError> {
+    compress_backward(x, map, d_compressed, config, precision)
+}
+
+/// The inputs of the compression's gradient theorem: one head's rows, the map, the upstream gradient of the
+/// compressed rows, the configuration (its `compress_keys` is ignored: the map is `map`), the precision.
+#[derive(Clone, Debug)]
+pub struct CompressionCase {
+    /// `x` `[T, d]`.
+    pub x: Array2<Mp>,
+    /// `φ`. Its weights must leave `w ± 2^-step_bits` exact in f64 (the theorem moves them there).
+    pub map: Compression,
+    /// `dx̃` `[W, d]`.
+    pub d_compressed: Array2<Mp>,
+    /// `l`, `s`.
+    pub config: NsaConfig,
+    /// The precision of every value and evaluation.
+    pub precision: Precision,
+}
+
+/// **Theorem (E18, the compression's gradients).** For the loss `L = Σ dx̃ ∘ φ(x)` with the oracle's [`compress`],
+/// the backward under test's `∂L/∂x` (every token, those of no complete window included) and its gradient of φ's
+/// weights (none for the mean, `[l]` for position weights, `[l·d, d]` for the matrix) equal the central differences
+/// `(L(v + h) − L(v − h)) / 2h`, `h = 2^-step_bits`. `L` is linear in `x` and in the weights, so the difference has no
+/// truncation error; only the `O(2^-prec / h)` cancellation remains. Hypotheses: the precision exceeds
+/// `step_bits + required + 16` bits, and every weight `w` has `w ± h` exact in f64 (the map stores f64).
+pub fn compression_gradients_match_finite_differences(
+    backward: CompressionBackwardFn<'_>,
+    case: &CompressionCase,
+    step_bits: u32,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "compression_gradients_match_finite_differences (E18)";
+    let prec = case.precision;
+    if (prec.0 as f64) < step_bits as f64 + required.0 + 16.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
+    }
+    check_config(T, &case.config)?;
+    let h64 = 2f64.powi(-(step_bits as i32));
+    let weights: Vec<f64> = match &case.map {
+        Compression::Mean => vec![],
+        Compression::Weighted(w) => w.clone(),
+        Compression::Linear(w) => w.iter().copied().collect(),
+    };
+    if let Some(w) = weights.iter().find(|&&w| (w + h64) - w != h64 || w - (w - h64) != h64) {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("weight {w} ± 2^-{step_bits} is not exact") });
+    }
+    let grads =
+        backward(case.x.view(), &case.map, case.d_compressed.view(), &case.config, prec).map_err(|e| refused(T, e))?;
+    let loss = |x: &Array2<Mp>, map: &Compression| -> Result<Mp, Violation> {
+        let y = compress(x.view(), map, &case.config, prec).map_err(|e| refused(T, e))?;
+        Ok(y.iter().zip(case.d_compressed.iter()).fold(Mp::zero(prec), |acc, (y, g)| acc + y.clone() * g.clone()))
+    };
+    let h = Mp::new(h64, prec);
+    let two_h = h.clone() + h.clone();
+    let mut numeric_dx = Array2::from_elem(case.x.raw_dim(), Mp::zero(prec));
+    for (idx, v) in case.x.indexed_iter() {
+        let moved = |delta: &Mp| {
+            let mut x = case.x.clone();
+            x[idx] = v.clone() + delta.clone();
+            loss(&x, &case.map)
+        };
+        numeric_dx[idx] = (moved(&h)? - moved(&-h.clone())?) / two_h.clone();
+    }
+    let mut agreement = agree(T, "dx", &grads.dx, &numeric_dx, required)?;
+    // The weights' differences: each weight moved by ±h in its own f64 (exact by the hypothesis).
+    let weight_difference = |k: usize| -> Result<Mp, Violation> {
+        let moved = |sign: f64| {
+            let map = match &case.map {
+                Compression::Mean => unreachable!("the mean has no weights"),
+                Compression::Weighted(w) => {
+                    let mut w = w.clone();
+                    w[k] += sign * h64;
+                    Compression::Weighted(w)
+                }
+                Compression::Linear(w) => {
+                    let mut w = w.clone();
+                    let cols = w.ncols();
+                    w[[k / cols, k % cols]] += sign * h64;
+                    Compression::Linear(w)
+                }
+            };
+            loss(&case.x, &map)
+        };
+        Ok((moved(1.0)? - moved(-1.0)?) / two_h.clone())
+    };
+    let numeric_map: Vec<Mp> = (0..weights.len()).map(weight_difference).collect::<Result<_, _>>()?;
+    let found_map: Vec<Mp> = match (&grads.d_map, &case.map) {
+        (MapGradient::Mean, Compression::Mean) => vec![],
+        (MapGradient::Weighted(d), Compression::Weighted(_)) => d.to_vec(),
+        (MapGradient::Linear(d), Compression::Linear(w)) if d.dim() == w.dim() => d.iter().cloned().collect(),
+        (found, _) => {
+            return Err(Violation::Hypothesis {
+                theorem: T,
+                reason: format!("the map's gradient has the wrong kind or shape: {found:?}"),
+            });
+        }
+    };
+    if !numeric_map.is_empty() {
+        let as_array = |v: Vec<Mp>| ArrayD::from_shape_vec(IxDyn(&[v.len()]), v).expect("length matches");
+        agreement = agreement.and(agree(T, "d_map", &as_array(found_map), &as_array(numeric_map), required)?);
+    }
+    Ok(agreement)
+}
+
+/// **Theorem (E18, the learned map generalizes the position-wise ones).** With `W` the `l` blocks `w_i I_d` stacked,
+/// [`Compression::Linear`]`(W)` compresses `x` as [`Compression::Weighted`]`(w)` does, and with the blocks `I_d / l`
+/// as [`Compression::Mean`] does, to `required` bits. Hypothesis for the mean: `l` is a power of two, so that `1/l`
+/// is exact in the f64 of the matrix.
+pub fn position_maps_are_linear_maps(
+    x: ArrayView2<'_, Mp>,
+    weights: &[f64],
+    config: &NsaConfig,
+    precision: Precision,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "position_maps_are_linear_maps (E18)";
+    check_config(T, config)?;
+    let (l, d) = (config.compress_len, x.ncols());
+    if weights.len() != l || !l.is_power_of_two() {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("{} weights for l = {l}", weights.len()) });
+    }
+    let stacked =
+        |w: &dyn Fn(usize) -> f64| Array2::from_shape_fn((l * d, d), |(r, k)| if r % d == k { w(r / d) } else { 0.0 });
+    let run = |map: &Compression| compress(x, map, config, precision).map_err(|e| refused(T, e));
+    let weighted = run(&Compression::Weighted(weights.to_vec()))?;
+    let as_linear = run(&Compression::Linear(stacked(&|i| weights[i])))?;
+    let mean = run(&Compression::Mean)?;
+    let mean_as_linear = run(&Compression::Linear(stacked(&|_| 1.0 / l as f64)))?;
+    Ok(agree(T, "weighted", &weighted.into_dyn(), &as_linear.into_dyn(), required)?.and(agree(
+        T,
+        "mean",
+        &mean.into_dyn(),
+        &mean_as_linear.into_dyn(),
+        required,
+    )?))
 }

@@ -179,13 +179,19 @@ pub fn verify_compression<T: Storage>(
     Ok(verdict)
 }
 
-/// The bound's magnitude per element: `Σ|x_i| / l` for the mean, `Σ|w_i x_i|` for weights.
-fn magnitudes(x: ArrayView2<'_, f64>, map: &Compression, config: &NsaConfig, windows: usize) -> Array2<f64> {
+/// The bound's magnitude per element: `Σ|x_i| / l` for the mean, `Σ|w_i x_i|` for weights, `Σ_{i,j} |x_{i,j} W[i·d+j,
+/// col]|` for a matrix.
+pub fn magnitudes(x: ArrayView2<'_, f64>, map: &Compression, config: &NsaConfig, windows: usize) -> Array2<f64> {
     Array2::from_shape_fn((windows, x.ncols()), |(c, col)| {
         let rows = c * config.compress_stride..c * config.compress_stride + config.compress_len;
         match map {
             Compression::Mean => rows.map(|i| x[[i, col]].abs()).sum::<f64>() / config.compress_len as f64,
             Compression::Weighted(w) => rows.zip(w).map(|(i, w)| (w * x[[i, col]]).abs()).sum(),
+            Compression::Linear(w) => rows
+                .enumerate()
+                .flat_map(|(p, i)| (0..x.ncols()).map(move |j| (p * x.ncols() + j, i, j)))
+                .map(|(r, i, j)| (x[[i, j]] * w[[r, col]]).abs())
+                .sum(),
         }
     })
 }

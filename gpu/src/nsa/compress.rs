@@ -103,10 +103,16 @@ pub fn compressed_shape(spec: &AttentionSpec, config: &NsaConfig, operand: Opera
     })
 }
 
-fn weights_of(map: &Compression, len: usize) -> (i32, Vec<f64>) {
+fn weights_of(map: &Compression, len: usize) -> Result<(i32, Vec<f64>), GpuError> {
     match map {
-        Compression::Mean => (0, vec![0.0; len]),
-        Compression::Weighted(w) => (1, w.clone()),
+        Compression::Mean => Ok((0, vec![0.0; len])),
+        Compression::Weighted(w) => Ok((1, w.clone())),
+        Compression::Linear(_) => Err(GpuError::Unsupported {
+            argument: "compression map",
+            reason: "the learned [l·d, d] matrix is a GEMM per window, a later kernel; the mean and position weights \
+                     run here"
+                .into(),
+        }),
     }
 }
 
@@ -115,8 +121,8 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
     let (flash, _, cu_k) = FlashParams::for_spec(spec)?;
     let cu_windows = window_offsets(spec, config)?;
     let dense = matches!(spec.layout, Layout::Dense { .. });
-    let (weighted_keys, mut weights) = weights_of(&config.compress_keys, config.compress_len);
-    let (weighted_values, value_weights) = weights_of(&config.compress_values, config.compress_len);
+    let (weighted_keys, mut weights) = weights_of(&config.compress_keys, config.compress_len)?;
+    let (weighted_values, value_weights) = weights_of(&config.compress_values, config.compress_len)?;
     weights.extend(value_weights);
     let params = NsaParams {
         flash,
@@ -278,6 +284,9 @@ mod tests {
         assert!(matches!(plan(&spec, &short), Err(GpuError::Spec(_))));
         let nan = NsaConfig { compress_values: Compression::Weighted(vec![f64::NAN; 32]), ..config() };
         assert!(matches!(plan(&spec, &nan), Err(GpuError::Spec(_))));
+        let learned =
+            NsaConfig { compress_keys: Compression::Linear(ndarray::Array2::zeros((32 * 64, 64))), ..config() };
+        assert!(matches!(plan(&spec, &learned), Err(GpuError::Unsupported { argument: "compression map", .. })));
         let odd = AttentionSpec::dense(1, 2, 1, 64, 64, 12, 64);
         assert!(matches!(plan(&odd, &config()), Err(GpuError::Unsupported { argument: "head_dim", .. })));
         assert!(matches!(

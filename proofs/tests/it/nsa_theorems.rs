@@ -3,16 +3,17 @@
 
 use crate::common::{PREC, REQUIRED, fail, mp_matrix, pseudo_random, values};
 use attnproof_oracle::nsa::{
-    BlockQueries, NsaConfig, complete_windows, complete_windows_at, remap_to_blocks, selected_attention,
-    selection_blocks, transpose_selection,
+    BlockQueries, Compression, NsaConfig, complete_windows, complete_windows_at, compress, remap_to_blocks,
+    selected_attention, selection_blocks, transpose_selection,
 };
 use attnproof_oracle::topk::{padded_ascending, top_k};
 use attnproof_oracle::{Mp, OracleError, Real};
 use attnproof_proofs::nsa::{
-    GateCase, NsaCase, SelectionCase, complete_window_count, csr_round_trip, gate_gradients_match_finite_differences,
-    measured_remap_weights, oracle_gate_backward, oracle_nsa_forward, oracle_remap, oracle_selector,
-    paper_double_sum_reindexed, remap_matches_token_count, remap_weights_are_overlaps,
-    selection_alone_is_dense_when_all_selected, selection_invariants,
+    CompressionCase, GateCase, NsaCase, SelectionCase, complete_window_count,
+    compression_gradients_match_finite_differences, csr_round_trip, gate_gradients_match_finite_differences,
+    measured_remap_weights, oracle_compress_backward, oracle_gate_backward, oracle_nsa_forward, oracle_remap,
+    oracle_selector, paper_double_sum_reindexed, position_maps_are_linear_maps, remap_matches_token_count,
+    remap_weights_are_overlaps, selection_alone_is_dense_when_all_selected, selection_invariants,
 };
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
 use proptest::prelude::*;
@@ -424,4 +425,126 @@ fn gate_theorem_rejects_a_wrong_derivative_and_a_shifted_gate() {
     assert!(gate_gradients_match_finite_differences(&shifted, &case, GATE_STEP_BITS, GATE_REQUIRED).is_err());
     gate_gradients_match_finite_differences(&oracle_gate_backward, &case, GATE_STEP_BITS, GATE_REQUIRED)
         .expect("the oracle's backward holds");
+}
+
+const COMPRESSION_STEP_BITS: u32 = 20;
+const COMPRESSION_REQUIRED: attnproof_proofs::Bits = attnproof_proofs::Bits(200.0);
+
+/// Weights on the dyadic grid of 2^-10 in ±8: `w ± 2^-20` stays exact in f64, as the theorem's hypothesis asks.
+fn dyadic(n: usize) -> impl Strategy<Value = Vec<f64>> {
+    prop::collection::vec(-8192i32..=8192, n).prop_map(|v| v.into_iter().map(|k| f64::from(k) / 1024.0).collect())
+}
+
+/// One head's compression problem: windows of 1–4 tokens every 1–3 (overlapping, adjacent and gapped), 0–12 tokens
+/// (none, part of a window, several windows and a tail no window covers), `d` 1–3, rows and `dx̃` in ±4, and each map:
+/// the mean, dyadic position weights, a dyadic `[l·d, d]` matrix.
+fn compression_case() -> impl Strategy<Value = CompressionCase> {
+    (1usize..=4, 1usize..=3, 0usize..=12, 1usize..=3, 0usize..3).prop_flat_map(|(l, s, len, d, kind)| {
+        let config =
+            NsaConfig { compress_len: l, compress_stride: s, select_block: 4, n_selected: 4, ..NsaConfig::default() };
+        let windows = complete_windows(len, l, s).expect("valid");
+        let map = match kind {
+            0 => Just(Compression::Mean).boxed(),
+            1 => dyadic(l).prop_map(Compression::Weighted).boxed(),
+            _ => dyadic(l * d * d)
+                .prop_map(move |w| Compression::Linear(Array2::from_shape_vec((l * d, d), w).expect("sizes agree")))
+                .boxed(),
+        };
+        (values(len * d, 4.0), values(windows * d, 4.0), map).prop_map(move |(x, g, map)| CompressionCase {
+            x: mp_matrix(len, d, &x),
+            map,
+            d_compressed: mp_matrix(windows, d, &g),
+            config: config.clone(),
+            precision: PREC,
+        })
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn compression_gradients_equal_finite_differences(case in compression_case()) {
+        compression_gradients_match_finite_differences(
+            &oracle_compress_backward, &case, COMPRESSION_STEP_BITS, COMPRESSION_REQUIRED,
+        ).map_err(fail)?;
+    }
+
+    #[test]
+    fn position_maps_equal_their_linear_maps(
+        (l, len, d) in (0u32..=2, 0usize..=10, 1usize..=3).prop_map(|(e, len, d)| (1usize << e, len, d)),
+        seed in any::<u64>(),
+    ) {
+        let config = NsaConfig { compress_len: l, compress_stride: 1, select_block: 4, n_selected: 4, ..NsaConfig::default() };
+        let x = mp_matrix(len, d, &pseudo_random(seed, len * d));
+        let weights: Vec<f64> = pseudo_random(seed ^ 1, l);
+        position_maps_are_linear_maps(x.view(), &weights, &config, PREC, REQUIRED).map_err(fail)?;
+    }
+}
+
+/// The gradient theorem rejects a mean's backward that forgets to divide by `l`, and a matrix's backward whose
+/// `dW` misses the last window; the map theorem rejects a matrix stacked column-major (`W[j·l + i]` for position `i`).
+#[test]
+fn compression_theorems_reject_a_missing_division_a_dropped_window_and_a_transposed_stack() {
+    let config =
+        NsaConfig { compress_len: 2, compress_stride: 1, select_block: 4, n_selected: 4, ..NsaConfig::default() };
+    let (len, d) = (5, 2);
+    let windows = complete_windows(len, 2, 1).unwrap();
+    let case = |map| CompressionCase {
+        x: mp_matrix(len, d, &pseudo_random(3, len * d)),
+        map,
+        d_compressed: mp_matrix(windows, d, &pseudo_random(4, windows * d)),
+        config: config.clone(),
+        precision: PREC,
+    };
+    let undivided = |x: ArrayView2<'_, Mp>, map: &Compression, g: ArrayView2<'_, Mp>, c: &NsaConfig, p| {
+        let mut grads = oracle_compress_backward(x, map, g, c, p)?;
+        grads.dx.mapv_inplace(|v| v * Mp::new(2.0, p));
+        Ok::<_, OracleError>(grads)
+    };
+    let mean = case(Compression::Mean);
+    assert!(
+        compression_gradients_match_finite_differences(&oracle_compress_backward, &mean, 20, COMPRESSION_REQUIRED)
+            .is_ok()
+    );
+    assert!(compression_gradients_match_finite_differences(&undivided, &mean, 20, COMPRESSION_REQUIRED).is_err());
+    let matrix = Array2::from_shape_fn((2 * d, d), |(r, k)| ((r * d + k) as f64 - 3.0) / 4.0);
+    let linear = case(Compression::Linear(matrix));
+    let dropped = |x: ArrayView2<'_, Mp>, map: &Compression, g: ArrayView2<'_, Mp>, c: &NsaConfig, p| {
+        let mut short = g.to_owned();
+        short.row_mut(g.nrows() - 1).fill(Mp::zero(p));
+        let mut grads = oracle_compress_backward(x, map, g, c, p)?;
+        grads.d_map = oracle_compress_backward(x, map, short.view(), c, p)?.d_map;
+        Ok::<_, OracleError>(grads)
+    };
+    assert!(
+        compression_gradients_match_finite_differences(&oracle_compress_backward, &linear, 20, COMPRESSION_REQUIRED)
+            .is_ok()
+    );
+    assert!(compression_gradients_match_finite_differences(&dropped, &linear, 20, COMPRESSION_REQUIRED).is_err());
+    // A weight that moves off the f64 grid breaks the hypothesis, which the theorem says rather than mismeasuring.
+    let off_grid = case(Compression::Weighted(vec![2f64.powi(40), 0.5]));
+    assert!(matches!(
+        compression_gradients_match_finite_differences(&oracle_compress_backward, &off_grid, 20, COMPRESSION_REQUIRED),
+        Err(attnproof_proofs::Violation::Hypothesis { .. })
+    ));
+    // Column-major stacking: position i's block read from the rows j·l + i. Compared through the oracle directly,
+    // since the map theorem builds its own stack.
+    let x = mp_matrix(len, d, &pseudo_random(5, len * d));
+    let w = [0.75, -1.5];
+    let stacked = |row_of: &dyn Fn(usize, usize) -> usize| {
+        let mut m = Array2::zeros((2 * d, d));
+        for i in 0..2 {
+            for j in 0..d {
+                m[[row_of(i, j), j]] = w[i];
+            }
+        }
+        Compression::Linear(m)
+    };
+    let right = compress(x.view(), &stacked(&|i, j| i * d + j), &config, PREC).unwrap();
+    let wrong = compress(x.view(), &stacked(&|i, j| j * 2 + i), &config, PREC).unwrap();
+    let weighted = compress(x.view(), &Compression::Weighted(w.to_vec()), &config, PREC).unwrap();
+    assert_eq!(right, weighted);
+    assert_ne!(wrong, weighted);
+    assert!(position_maps_are_linear_maps(x.view(), &w, &config, PREC, REQUIRED).is_ok());
 }

@@ -345,6 +345,13 @@ pub fn compress_head<T: Element>(
     config: &NsaConfig,
 ) -> Result<Array2<T>, ReferenceError> {
     config.validate()?;
+    if let Compression::Linear(_) = map {
+        // The learned matrix is a GEMM per window; its kernel, and so its recipe, is a later piece of issue 20.
+        return Err(ReferenceError::Problem(attnproof_oracle::OracleError::InvalidParameter {
+            argument: "compression map",
+            reason: "the learned [l·d, d] matrix has no GPU recipe yet (the mean and position weights have)".into(),
+        }));
+    }
     let windows = complete_windows(x.nrows(), config.compress_len, config.compress_stride)?;
     let mut out = Array2::from_elem((windows, x.ncols()), T::from_f32(0.0));
     for c in 0..windows {
@@ -356,6 +363,7 @@ pub fn compress_head<T: Element>(
                 // window of negative zeros at −0 where the kernel gives +0.
                 Compression::Mean => values.fold(0.0, |acc, v| acc + v) / config.compress_len as f64,
                 Compression::Weighted(w) => values.zip(w).fold(0.0, |acc, (v, &w)| w.mul_add(v, acc)),
+                Compression::Linear(_) => unreachable!("refused above"),
             };
             out[[c, col]] = T::from_f32(y as f32);
         }

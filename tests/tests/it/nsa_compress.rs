@@ -6,7 +6,7 @@
 use attnproof_harness::HarnessError;
 use attnproof_harness::candidate::Storage;
 use attnproof_harness::nsa::{
-    CompressionDraw, CompressionValues, compression_draws, reference_compression, verify_compression,
+    CompressionDraw, CompressionValues, compression_draws, magnitudes, reference_compression, verify_compression,
 };
 use attnproof_harness::strategies::suite_config;
 use attnproof_oracle::nsa::{Compression, compress};
@@ -60,16 +60,13 @@ fn check_exact<T: Storage>(draw: &CompressionDraw<T>, unit_roundoff: f64, subnor
     let f64_value = compress(wide.view(), &draw.config.compress_keys, &draw.config, ())
         .map_err(|e| TestCaseError::fail(e.to_string()))?;
     let l = draw.config.compress_len;
+    let magnitudes = magnitudes(wide.view(), &draw.config.compress_keys, &draw.config, reference.nrows());
     for ((c, col), got) in reference.indexed_iter() {
         let got = f64::from(got.to_f32());
         if !got.is_finite() {
             continue; // overflow beyond the largest finite value: the verifier's infinite branch, checked above
         }
-        let rows = c * draw.config.compress_stride..c * draw.config.compress_stride + l;
-        let magnitude = match &draw.config.compress_keys {
-            Compression::Mean => rows.map(|i| wide[[i, col]].abs()).sum::<f64>() / l as f64,
-            Compression::Weighted(w) => rows.zip(w).map(|(i, w)| (w * wide[[i, col]]).abs()).sum(),
-        };
+        let magnitude = magnitudes[[c, col]];
         let bound = compression_bound(f64_value[[c, col]], magnitude, l, storage);
         let error = (exact[[c, col]].clone() - Mp::new(got, precision)).abs().to_f64();
         prop_assert!(error <= bound, "window {c} column {col}: |{got:e} − exact| = {error:e} > {bound:e}");
