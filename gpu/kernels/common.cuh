@@ -1,5 +1,5 @@
 // Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu, ring_state.cu,
-// bsa_select.cu, nsa_compress.cu and nsa_gates.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
+// bsa_select.cu, nsa_compress.cu, nsa_gates.cu and nsa_select.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
 // cp.async, the exp2 instruction and the forward's online-softmax step, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
@@ -140,6 +140,25 @@ struct NsaParams {
     int weighted_values;    // 1: phi_V is the caller's weights (row 1 of the weights), 0: the mean
 };
 
+// The scalars of nsa_select.cu's block scoring and top-n (NSA's selection, E19): the compressed attention's problem
+// (Q as the layer's, K the compressed keys with one row per complete window, its LSE and scale) and the selection's
+// parameters. Scores [token rows, Hkv, n_blocks] f32 and lists [token rows, Hkv, n_selected] i32 have one token row
+// per token of every sequence (B·L dense, the packed total varlen).
+struct NsaSelectParams {
+    FlashParams flash;      // the compressed attention's problem; the value and output fields are unused
+    long long token_rows;   // token rows of the scores and lists
+    int compress_len;       // l: tokens per compression window
+    int compress_stride;    // s: tokens between two windows' first tokens
+    int select_block;       // l': tokens per selection block
+    int n_blocks;           // selection blocks of the longest sequence: the scores' columns
+    int n_selected;         // n: entries per list, forced blocks included (at most TOPN_MAX)
+    int n_forced_initial;   // the first blocks every token keeps
+    int n_forced_local;     // the most recent blocks every token keeps (its current block and those before it)
+    int n_heads_kv;         // KV heads (scores and lists are per KV head)
+    int tokens_per_cta;     // nsa_block_scores: ⌊64 / G⌋ tokens of G rows each
+    int reserved;           // explicit tail padding, always 0
+};
+
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
 // builtin, is a constant expression, which is all a static_assert needs.
 #define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
@@ -220,6 +239,20 @@ PARAM_AT(NsaParams, n_heads_kv, 176);
 PARAM_AT(NsaParams, dense_windows, 180);
 PARAM_AT(NsaParams, weighted_keys, 184);
 PARAM_AT(NsaParams, weighted_values, 188);
+
+PARAM_SIZE(NsaSelectParams, 208);
+PARAM_AT(NsaSelectParams, flash, 0);
+PARAM_AT(NsaSelectParams, token_rows, 160);
+PARAM_AT(NsaSelectParams, compress_len, 168);
+PARAM_AT(NsaSelectParams, compress_stride, 172);
+PARAM_AT(NsaSelectParams, select_block, 176);
+PARAM_AT(NsaSelectParams, n_blocks, 180);
+PARAM_AT(NsaSelectParams, n_selected, 184);
+PARAM_AT(NsaSelectParams, n_forced_initial, 188);
+PARAM_AT(NsaSelectParams, n_forced_local, 192);
+PARAM_AT(NsaSelectParams, n_heads_kv, 196);
+PARAM_AT(NsaSelectParams, tokens_per_cta, 200);
+PARAM_AT(NsaSelectParams, reserved, 204);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);

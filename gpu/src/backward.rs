@@ -841,7 +841,7 @@ impl<T> Default for RingBuffers<'_, T> {
 }
 
 /// Checks a host tensor's shape and layout and returns it as a row-major slice; `finite` rejects non-finite values.
-fn host_tensor<'a, X: Copy>(
+pub(crate) fn host_tensor<'a, X: Copy>(
     spec: &AttentionSpec,
     argument: &'static str,
     operand: Operand,

@@ -25,6 +25,8 @@
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
+//! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
+//!   products of `cp.async`-loaded tiles.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -117,7 +119,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 8] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 9] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -159,6 +161,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 8] = [
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f32 arithmetic, expf and warp shuffles only",
+    },
+    DeviceRequirement {
+        kernel: "nsa_select",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the recomputed scores, as flash_fwd",
     },
     DeviceRequirement {
         kernel: "ring_state",

@@ -8,7 +8,9 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DeviceRepr, LaunchConf
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
-use crate::params::{BackwardParams, BlockListParams, BsaParams, FlashParams, NsaParams, RingStateParams};
+use crate::params::{
+    BackwardParams, BlockListParams, BsaParams, FlashParams, NsaParams, NsaSelectParams, RingStateParams,
+};
 
 /// Whether the CUDA driver library can be loaded.
 pub(crate) fn driver_library_present() -> bool {
@@ -110,6 +112,10 @@ unsafe impl DeviceRepr for BsaParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and six `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for NsaParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and ten `i32` fields, the last
+// an explicit `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
+// and `params::tests`.
+unsafe impl DeviceRepr for NsaSelectParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -604,5 +610,58 @@ pub(crate) fn launch_nsa_compress<T>(
     // kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their
     // use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_compress_*)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_block_scores` (gpu/kernels/nsa_select.cu, `func`) on `stream`: each token's selection block scores
+/// of every KV head, added into `scores`.
+///
+/// Preconditions, established by `nsa::select`: `func` is `nsa_block_scores` compiled for the element type `T` and
+/// the padded head dim `NSA_D_PAD ≥ params.flash.d`; `q` holds the layer's Q, `k_cmp` the compressed keys and `lse`
+/// the compressed attention's LSE, all as `params.flash` (or the validated `cu_q`, `cu_k`) describes them; `scores`
+/// holds `params.token_rows · n_heads_kv · n_blocks` f32 set to 0, `n_blocks` at least every sequence's selection
+/// blocks; `cfg`'s grid is `(token groups of tokens_per_cta, n_heads_kv, B)` with 128 threads and the shared memory
+/// the kernel's tiles need.
+pub(crate) fn launch_nsa_block_scores<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k_cmp, lse): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<f32>),
+    scores: &mut CudaSlice<f32>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaSelectParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k_cmp).arg(lse).arg(scores).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `nsa_block_scores(const elem_t* q, const elem_t* k_cmp, const float* lse, float*
+    // scores, const int* cu_q, const int* cu_k, const NsaSelectParams)` in order and type; every index the kernel
+    // forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_block_scores)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_top_n` (gpu/kernels/nsa_select.cu, `func`) on `stream`: each token's list of every KV head from the
+/// block scores.
+///
+/// Preconditions, established by `nsa::select`: `func` is `nsa_top_n`; `scores` holds `params.token_rows ·
+/// n_heads_kv · n_blocks` f32, `lists` `params.token_rows · n_heads_kv · n_selected` i32 with `n_selected ≤ 32`;
+/// `cu_q`, `cu_k` are the validated offsets of `params.flash` (or unused when dense); `cfg`'s grid is `(token groups
+/// of 4, n_heads_kv, B)` with 128 threads.
+pub(crate) fn launch_nsa_top_n(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    scores: &CudaSlice<f32>,
+    lists: &mut CudaSlice<i32>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaSelectParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(scores).arg(lists).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `nsa_top_n(const float* scores, int* lists, const int* cu_q, const int* cu_k, const
+    // NsaSelectParams)` in order and type; every index the kernel forms lies in the buffers the caller sized (see
+    // above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_top_n)", e))?;
     Ok(())
 }

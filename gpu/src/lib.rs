@@ -84,6 +84,7 @@ pub fn module_variants<T: GpuElement>(
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
+        variant(nsa::select::NSA_SELECT, nsa::select::select_defines::<T>(spec.head_dim)),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -224,6 +225,7 @@ mod tests {
                 "bsa_select",
                 "nsa_compress",
                 "nsa_gates",
+                "nsa_select",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

@@ -4,7 +4,7 @@
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
-//! kernels.
+//! compression and gates; [`NsaSelectParams`] for NSA's block selection.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -184,6 +184,36 @@ pub(crate) struct NsaParams {
     pub weighted_keys: i32,
     /// 1 when φ_V is the caller's weights (row 1), 0 for the mean.
     pub weighted_values: i32,
+}
+
+/// The scalars of `nsa_select.cu`'s block scoring and top-n (`struct NsaSelectParams` of `common.cuh`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct NsaSelectParams {
+    /// The compressed attention's problem (Q as the layer's, K the compressed keys, its LSE and scale).
+    pub flash: FlashParams,
+    /// Token rows of the scores and lists (`B · L` dense, the packed total varlen).
+    pub token_rows: i64,
+    /// Tokens per compression window `l`.
+    pub compress_len: i32,
+    /// Tokens between two windows' first tokens `s`.
+    pub compress_stride: i32,
+    /// Tokens per selection block `l'`.
+    pub select_block: i32,
+    /// Selection blocks of the longest sequence: the scores' columns.
+    pub n_blocks: i32,
+    /// Entries per list `n`, forced blocks included.
+    pub n_selected: i32,
+    /// The first blocks every token keeps.
+    pub n_forced_initial: i32,
+    /// The most recent blocks every token keeps.
+    pub n_forced_local: i32,
+    /// KV heads.
+    pub n_heads_kv: i32,
+    /// Tokens per `nsa_block_scores` CTA, `⌊64 / G⌋`.
+    pub tokens_per_cta: i32,
+    /// Explicit tail padding, always 0.
+    pub reserved: i32,
 }
 
 /// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
@@ -423,6 +453,20 @@ mod tests {
                 dense_windows,
                 weighted_keys,
                 weighted_values
+            }),
+            rust_layout!(NsaSelectParams {
+                flash,
+                token_rows,
+                compress_len,
+                compress_stride,
+                select_block,
+                n_blocks,
+                n_selected,
+                n_forced_initial,
+                n_forced_local,
+                n_heads_kv,
+                tokens_per_cta,
+                reserved
             }),
             rust_layout!(BsaParams {
                 flash,

@@ -512,6 +512,8 @@ mod tests {
         let keys = |query| mask.key_range(query, 100, 10);
         assert_eq!([keys(30), keys(31), keys(46), keys(47), keys(99)], [0..0, 0..1, 0..1, 0..2, 0..5]);
         assert_eq!(strided_causal_keys(65535, 32, 16), 4095);
+        // A zero stride shows nothing (and divides by nothing), as its doc says.
+        assert_eq!([strided_causal_keys(5, 2, 0), strided_causal_keys(1, 2, 0)], [0, 0]);
         assert!(mask.visible(Pair { query: 47, key: 1, len_q: 100, len_k: 10 }));
         assert!(!mask.visible(Pair { query: 46, key: 1, len_q: 100, len_k: 10 }));
         // A window never complete in the sequence is outside the key range, whatever the keys' count says.

@@ -53,6 +53,32 @@
 //!   f64 error `γ(dv + 20) σσ' D`. Writing `σ'` as `σ(x) σ(−x)` keeps this relative: `1 − σ̂(x)` would lose every digit
 //!   where the gate is near 1. [`gate_logit_gradient_bound`].
 
+//!
+//! # The block scores
+//!
+//! `nsa_select.cu` ranks each (token, KV head)'s selection blocks by `S_j = Σ_c w_cj Σ_h p_hc` (E19), with
+//! `w_cj = |window c ∩ block j| / s` and `p_hc = exp(x_hc)`, `x_hc = α q_h·k̃_c − LSE_h`, from the layer's queries,
+//! the compressed keys and the compressed attention's LSE as stored (the bound is for those inputs). The kernel:
+//! `ŝ` = the dot product by tensor-core MMAs (`|ŝ − s| ≤ γ'(d) Σ_e |q_e k̃_e|`); `x̂ = fl(ŝ α̂)` with `α̂ = fl32(α)`;
+//! the argument `fl(x̂ L̂ − fl(LSE · L̂))` with `L̂ = fl32(log2 e)`; `p̂ = ex2.approx.ftz` of it; `q̂_c` the f32 sum of the
+//! group's `p̂` in ascending head order; `Ŝ` one `fmaf(q̂_c, fl(overlap / s), acc)` per window in ascending order.
+//!
+//! - In natural-log units the argument is `(x̂(1 + θ_3) − LSE(1 + θ_3)(1 + θ_4))(1 + θ_5)` with `|θ_i| ≤ u`, so with
+//!   `m = |α| Σ_e |q_e k̃_e|` its distance from `x` is at most `ε = (γ'(d) + 5u) m + 3u|LSE| + 2u|x|` (the scale's
+//!   and the product's roundings `2u m`, `L̂`'s `u|x̂|` and the shift's `2u|LSE|`, the difference's `u|x̂ − LSE|`,
+//!   each second-order term rounded up into the next `u`).
+//! - `ex2.approx` adds a relative error `e` (5u) and flushes results below `2^-126` (`τ_e`) to zero:
+//!   `p̂ ∈ [p e^{−ε}(1 − e) − τ_e, p e^{ε}(1 + e)]`, so `|p̂ − p| ≤ p (e^{ε}(1 + e) − 1) + τ_e`.
+//! - The group sum (`G − 1` additions), the weight's rounding (`u`) and the `n_c` fused multiply-adds of the block's
+//!   windows act on sums of non-negative terms: a factor `(1 + γ_32(G − 1 + n_c))(1 + u)` on the sum of `ŵ p̂`.
+//! - Hence `|Ŝ − S| ≤ Σ_{c,h} w_cj [p_hc ((e^{ε_hc}(1 + e))(1 + γ_32(G − 1 + n_c))(1 + u) − 1) + τ_e (…)]`, exact
+//!   (no first-order truncation: the deviation below is smaller than the one above by convexity). The f64 truth's
+//!   own error, `γ(64)` of the exponent's magnitudes, is added to `ε`, and the whole takes the margin `2^-10`.
+//!
+//! A kernel that drops a head of the group, a window of the remap or shifts a window by one block is off by a whole
+//! term `w p`, far outside; the integer lists are compared exactly on the kernel's own scores (the harness), so the
+//! bound only has to explain swaps against the lists of the exact scores.
+
 use crate::f64_oracle_bound::{SUBNORMAL_UNIT, gamma};
 use crate::flash_bound::{F32_SUBNORMAL, F32_UNIT_ROUNDOFF};
 
@@ -127,11 +153,89 @@ pub fn gate_logit_gradient_bound(sigma_product: f64, dot_magnitude: f64, dv: usi
             + (dv + 2) as f64 * F32_SUBNORMAL)
 }
 
+/// One window's share of a selection block score (module docs, "The block scores"), from exact (f64) values: the
+/// window's weight in the block `|window ∩ block| / s`, and for one query head of the group the probability
+/// `p = exp(x)` with exponent `x = α q·k̃ − LSE` (the LSE the kernel read), the score magnitude `|α| Σ_e |q_e k̃_e|`
+/// and that LSE.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WindowTerm {
+    /// `|window ∩ block| / s`.
+    pub weight: f64,
+    /// `p = exp(x)`.
+    pub probability: f64,
+    /// `x = α q·k̃ − LSE`.
+    pub exponent: f64,
+    /// `|α| Σ_e |q_e k̃_e|`.
+    pub magnitude: f64,
+    /// The LSE the kernel read (finite: a row whose LSE is `−∞` sees no window and contributes no term).
+    pub lse: f64,
+}
+
+/// How the selection kernel's arithmetic rounds, as the bound needs it: the dot product's accumulation error factor
+/// over `head_dim` terms (the tensor cores' `γ'`), the `exp`'s relative error and what its flush to zero loses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SelectionRecipe {
+    /// `γ'(d)` of the score's dot product (`flash_bound::Accumulation::gamma` of the head dim).
+    pub dot_gamma: f64,
+    /// Relative error of the `exp` (`ex2.approx`: `5u`).
+    pub exp_error: f64,
+    /// Largest absolute loss of a flushed `exp` result (`2^-126` for `ex2.approx.ftz`).
+    pub exp_underflow: f64,
+}
+
+/// The bound on `|Ŝ − S|` for one block score `S = Σ_terms w p` of a (token, KV head, block), whose `terms` are its
+/// windows' shares for every head of the group (`group` heads summed per window) over `windows` windows, computed
+/// by `recipe` (module docs, "The block scores").
+pub fn block_score_bound(terms: &[WindowTerm], group: usize, windows: usize, recipe: SelectionRecipe) -> f64 {
+    let u = F32_UNIT_ROUNDOFF;
+    // The group sum, the weights' rounding and the fused multiply-adds, on sums of non-negative terms.
+    let sums = (1.0 + gamma32(group.saturating_sub(1) + windows)) * (1.0 + u);
+    let total: f64 = terms
+        .iter()
+        .map(|t| {
+            let epsilon =
+                (recipe.dot_gamma + 5.0 * u) * t.magnitude + 3.0 * u * t.lse.abs() + 2.0 * u * t.exponent.abs();
+            // The f64 truth's own error: its dot product, exponent and sums.
+            let truth = gamma(64) * (t.magnitude + t.lse.abs() + t.exponent.abs() + 1.0);
+            let relative = (epsilon + truth).exp() * (1.0 + recipe.exp_error) * sums - 1.0;
+            t.weight * (t.probability * relative + recipe.exp_underflow * sums)
+        })
+        .sum();
+    MARGIN * total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     const BF16: StorageRounding = StorageRounding { unit_roundoff: 1.0 / 256.0, subnormal: 9.183_549_615_799_121e-41 };
+
+    #[test]
+    fn block_score_bounds_grow_with_every_source_and_vanish_without_terms() {
+        let recipe =
+            SelectionRecipe { dot_gamma: 1e-6, exp_error: 5.0 * F32_UNIT_ROUNDOFF, exp_underflow: 2f64.powi(-126) };
+        let term = WindowTerm { weight: 2.0, probability: 0.25, exponent: 0.25f64.ln(), magnitude: 3.0, lse: 4.0 };
+        let base = block_score_bound(&[term], 4, 5, recipe);
+        assert_eq!(block_score_bound(&[], 4, 5, recipe), 0.0);
+        // To first order: w p (γ' m + 5u m + 3u|LSE| + 2u|x| + e + γ_32(G − 1 + n_c) + u).
+        let u = F32_UNIT_ROUNDOFF;
+        let first = 3e-6 + 5.0 * u * 3.0 + 3.0 * u * 4.0 + 2.0 * u * 0.25f64.ln().abs() + 5.0 * u + gamma32(8) + u;
+        assert!(base > 0.5 * first && base < 0.5 * first * 1.01, "{base:e} against {:e}", 0.5 * first);
+        for (name, bigger) in [
+            ("magnitude", block_score_bound(&[WindowTerm { magnitude: 30.0, ..term }], 4, 5, recipe)),
+            ("lse", block_score_bound(&[WindowTerm { lse: 4e3, ..term }], 4, 5, recipe)),
+            ("exponent", block_score_bound(&[WindowTerm { exponent: -4e3, ..term }], 4, 5, recipe)),
+            ("group", block_score_bound(&[term], 40, 5, recipe)),
+            ("windows", block_score_bound(&[term], 4, 50, recipe)),
+            ("two terms", block_score_bound(&[term, term], 4, 5, recipe)),
+            ("weight", block_score_bound(&[WindowTerm { weight: 3.0, ..term }], 4, 5, recipe)),
+        ] {
+            assert!(bigger > base, "{name}: {bigger:e} ≤ {base:e}");
+        }
+        // A flushed probability still carries the underflow term.
+        let flushed = block_score_bound(&[WindowTerm { probability: 0.0, ..term }], 1, 1, recipe);
+        assert!(flushed >= 2.0 * 2f64.powi(-126), "{flushed:e}");
+    }
 
     #[test]
     fn the_storage_rounding_dominates_and_every_term_counts() {

@@ -22,6 +22,10 @@ pub enum HarnessError {
     /// The rounding-error model does not apply to this case (its hypothesis fails).
     #[error(transparent)]
     Model(#[from] attnproof_proofs::Violation),
+    /// The GPU crate's reading of the problem refused it (a layer that is not NSA's, a configuration its kernels do
+    /// not take).
+    #[error(transparent)]
+    Gpu(#[from] attnproof_gpu::GpuError),
     /// The candidate's outputs have the wrong shape.
     #[error("candidate `{argument}` has shape {actual:?}, expected {expected:?}")]
     CandidateShape {

@@ -14,6 +14,7 @@ pub mod flash;
 pub mod gate;
 pub mod generate;
 pub mod nsa;
+pub mod nsa_select;
 pub mod recipes;
 pub mod ring_gpu;
 pub mod sparse;

@@ -392,7 +392,7 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
 }
 
 /// An NSA layer's spec: causal self-attention with the default scale.
-fn causal_layer(
+pub(crate) fn causal_layer(
     layout: Layout,
     (n_heads_q, n_heads_kv): (usize, usize),
     (head_dim, head_dim_v): (usize, usize),
@@ -410,7 +410,7 @@ fn causal_layer(
 
 /// Self-attention layouts (`Lq = Lk` per sequence) with lengths from `length`: dense with batch 1–2 three times in
 /// four, else varlen of 1–3 sequences, empty ones included.
-fn self_attention_layout(length: impl Strategy<Value = usize> + Clone) -> impl Strategy<Value = Layout> {
+pub(crate) fn self_attention_layout(length: impl Strategy<Value = usize> + Clone) -> impl Strategy<Value = Layout> {
     let dense = (1usize..=2, length.clone()).prop_map(|(batch, len)| Layout::Dense { batch, len_q: len, len_k: len });
     let varlen = prop::collection::vec(prop_oneof![Just(0usize), length], 1..=3).prop_map(|lens| {
         let mut cu = vec![0i32];

@@ -9,7 +9,7 @@
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
-//! [--wgmma-bwd-source PATH]...]`.
+//! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]...]`.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
@@ -43,6 +43,15 @@
 //! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
 //! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
 //! out the block-sparse forward and backward rows.
+//!
+//! `--nsa` times NSA's pieces instead (`attnproof_gpu::nsa`, the paper's configuration: windows of 32 every 16
+//! tokens, 64-token blocks, 16 per list with the first and two local ones forced) at B = 1, T = 16K and 64K, D = 128,
+//! 64 query heads over 4 KV heads (group 16, fla-core's benchmark) and 16 over 4 (group 4): the compression of K and V
+//! (direction `nsa-compress`), the compressed attention's forward (`nsa-cmp-fwd`, the dense forward under the strided
+//! causal mask; FLOPs `4·d·Hq·Σ_t W(t)` over the windows each token sees) and the selection (`nsa-select`: block
+//! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
+//! products only). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on
+//! stderr whether its lists equal the embedded kernel's.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -56,8 +65,14 @@ use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
+use attnproof_gpu::flash::flash_forward_device;
+use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv_device};
+use attnproof_gpu::nsa::compressed::compressed_spec;
+use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
+use attnproof_oracle::nsa::NsaConfig;
+use attnproof_oracle::spec::{Operand, strided_causal_keys};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -95,6 +110,10 @@ struct Options {
     /// `--wgmma-bwd-source PATH`: other texts of the `wgmma` backward, each timed in the block-sparse backward rows,
     /// with the file's stem.
     wgmma_bwd_sources: Vec<(KernelSource, String)>,
+    /// `--nsa`: NSA's rows (instead of the dense ones).
+    nsa: bool,
+    /// `--nsa-select-source PATH`: other texts of NSA's selection, each timed beside the embedded one.
+    nsa_select_sources: Vec<KernelSource>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -126,6 +145,8 @@ fn parse() -> Result<Options, String> {
         selection_only: false,
         wgmma_sources: vec![],
         wgmma_bwd_sources: vec![],
+        nsa: false,
+        nsa_select_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -139,6 +160,11 @@ fn parse() -> Result<Options, String> {
             "--block-sparse" => o.block_sparse = true,
             "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
             "--selection-only" => o.selection_only = true,
+            "--nsa" => o.nsa = true,
+            "--nsa-select-source" => {
+                let path = value("--nsa-select-source")?;
+                o.nsa_select_sources.push(kernel_from_file("--nsa-select-source", &path, "nsa_block_scores")?);
+            }
             "--select-source" => {
                 let path = value("--select-source")?;
                 o.select_sources.push(kernel_from_file("--select-source", &path, "bsa_select")?);
@@ -192,6 +218,12 @@ fn parse() -> Result<Options, String> {
     }
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
+    }
+    if !o.nsa_select_sources.is_empty() && !o.nsa {
+        return Err("--nsa-select-source times NSA's selection: add --nsa".into());
+    }
+    if o.nsa && (o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
+        return Err("--nsa times its own shapes, forward only".into());
     }
     if o.block_sparse && (o.backward || o.shape.is_some() || o.all_tilings) {
         return Err("--block-sparse times its own shapes, forward only".into());
@@ -554,6 +586,67 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
 }
 
 /// A zeroed bf16 device buffer of `n` elements.
+/// NSA's rows (see the module docs): (T, Hq, Hkv) at D = 128.
+const NSA_SHAPES: [(usize, usize, usize); 4] = [(16384, 64, 4), (65536, 64, 4), (16384, 16, 4), (65536, 16, 4)];
+
+fn run_nsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    let config = NsaConfig::default();
+    let d = BLOCK_SPARSE_DIM;
+    let e = |e: attnproof_gpu::GpuError| e.to_string();
+    for (l, hq, hkv) in NSA_SHAPES {
+        let layer = AttentionSpec::dense(1, hq, hkv, l, l, d, d).with_mask(Mask::Causal);
+        let compressed = compressed_spec(&layer, &config).map_err(e)?;
+        let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
+        for s in 0..SETS as u64 {
+            q.push(upload(stream, hq * l * d, 3 * s + 1)?);
+            k.push(upload(stream, hkv * l * d, 3 * s + 2)?);
+            v.push(upload(stream, hkv * l * d, 3 * s + 3)?);
+        }
+        let count = |op: Operand| compressed.expected_shape(op).iter().product::<usize>();
+        let (mut k_cmp, mut v_cmp) = (alloc(stream, count(Operand::K))?, alloc(stream, count(Operand::V))?);
+        let mut o_cmp = alloc(stream, count(Operand::O))?;
+        let mut lse = stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?;
+        let shape = format!("\"(1,{hq},{l},{d})\",true");
+        let ms = median_ms(stream, opts, |s| {
+            compress_kv_device(stream, &layer, &config, NSA_COMPRESS, &k[s], &v[s], &mut k_cmp, &mut v_cmp).map_err(e)
+        })?;
+        emit(out, format!("{shape},nsa-compress,hkv{hkv},1,{ms:.4},0.0\n"));
+        // The windows each token sees, summed: the compressed products' length.
+        let seen: f64 =
+            (0..l).map(|t| strided_causal_keys(t, config.compress_len, config.compress_stride) as f64).sum();
+        let score_flops = 2.0 * (d * hq) as f64 * seen;
+        let ms = median_ms(stream, opts, |s| {
+            flash_forward_device(stream, &compressed, &q[s], &k_cmp, &v_cmp, &mut o_cmp, &mut lse).map_err(e)
+        })?;
+        emit(out, format!("{shape},nsa-cmp-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.0 * score_flops / ms / 1e9));
+        let mut scores = stream
+            .alloc_zeros::<f32>(nsa_select::scores_shape(&layer, &config).map_err(e)?.iter().product())
+            .map_err(|e| e.to_string())?;
+        let mut lists = stream
+            .alloc_zeros::<i32>(nsa_select::lists_shape(&layer, &config).iter().product())
+            .map_err(|e| e.to_string())?;
+        let mut embedded_lists = None;
+        for kernel in std::iter::once(NSA_SELECT).chain(opts.nsa_select_sources.iter().copied()) {
+            let ms = median_ms(stream, opts, |s| {
+                nsa_select::select_device(stream, &layer, &config, kernel, &q[s], &k_cmp, &lse, &mut scores, &mut lists)
+                    .map_err(e)
+            })?;
+            let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+            let suffix = source_suffix(kernel, embedded_lists.is_none());
+            match &embedded_lists {
+                None => embedded_lists = Some(got),
+                Some(want) => eprintln!(
+                    "T = {l}, Hq = {hq}, selection{suffix}: lists equal the embedded kernel's: {}",
+                    *want == got
+                ),
+            }
+            let default = u8::from(suffix.is_empty());
+            emit(out, format!("{shape},nsa-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9));
+        }
+    }
+    Ok(())
+}
+
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
 }
@@ -564,13 +657,16 @@ fn run(opts: &Options) -> Result<(), String> {
     let device = compute_capability(&ctx).map_err(|e| e.to_string())?;
     let mut out = String::from("shape,causal,direction,tiling,default,ms,tflops\n");
     print!("{out}");
+    if opts.nsa {
+        run_nsa(opts, &stream, &mut out)?;
+    }
     if opts.block_sparse {
         if !opts.selection_only {
             run_block_sparse(opts, &stream, &mut out)?;
         }
         run_selection(opts, &stream, &mut out)?;
     }
-    let dense_shapes = if opts.block_sparse { &[][..] } else { &SHAPES[..] };
+    let dense_shapes = if opts.block_sparse || opts.nsa { &[][..] } else { &SHAPES[..] };
     for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };

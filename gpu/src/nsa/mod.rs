@@ -6,8 +6,10 @@
 //! for the compressed attention that follows; and [`gates`], the gated sum of the three branch outputs (E18, the
 //! sigmoid applied inside, in f32) and its gradients; and [`window`], the sliding-window branch as the dense kernels
 //! under a narrowed causal mask; and [`compressed`], the compressed attention as the dense kernels
-//! over the compressed keys under NSA's strided causal mask. Still to come, in the plan's order: the fused block scoring and top-n selection, the selected attention over the union
-//! of a token block's lists, and the branches' backward.
+//! over the compressed keys under NSA's strided causal mask; and [`select`], the block scores (recomputed from the
+//! compressed attention's LSE, summed over the group and remapped onto blocks without writing per-head
+//! probabilities) and the top-n lists with forced blocks. Still to come, in the plan's order: the selected attention
+//! over the union of a token block's lists, and the branches' backward.
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
 //! definition; a kernel checks that it implements the configuration it is given and refuses the rest with a typed
@@ -16,6 +18,7 @@
 pub mod compress;
 pub mod compressed;
 pub mod gates;
+pub mod select;
 pub mod window;
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask};

@@ -116,7 +116,8 @@ pub enum DrawShapes {
     /// takes (`BlockLists::suits_wgmma`).
     Wgmma,
     /// The kernels' shapes with head dims up to [`WGMMA_MAX_HEAD_DIM`], query blocks of every size and 128-key
-    /// blocks: what the `wgmma` backward takes (`BlockLists::suits_wgmma_backward`).
+    /// blocks: what the `wgmma` backward takes (`BlockLists::suits_wgmma_backward`); one draw in four is causal with
+    /// its diagonal inside a warpgroup's 64 keys ([`wgmma_diagonal_spec`]).
     WgmmaBackward,
 }
 
@@ -147,6 +148,20 @@ fn wgmma_spec() -> impl Strategy<Value = AttentionSpec> {
     })
 }
 
+/// Causal problems whose diagonal crosses a warpgroup's 64 keys past its first warp's 16: `(Lk − Lq) mod 64` in
+/// 15 ..= 62, over two to four 128-key tiles. There one warp of a warpgroup sees whole key slices while the next
+/// needs the mask, so a kernel that decides the mask per warpgroup instead of per warp leaves keys past the diagonal
+/// visible (the catalog's `gpu-sm90-bwd-interior-by-warpgroup`, which the plain kernel shapes reach too rarely).
+pub fn wgmma_diagonal_spec() -> impl Strategy<Value = AttentionSpec> {
+    let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 4)]);
+    let dims = prop::sample::select(vec![32usize, 64, 96, 128]);
+    (1usize..=2, heads, 1usize..=300, 15usize..=62, 0usize..=2, dims).prop_map(
+        |(b, (hq, hkv), lq, residue, laps, d)| {
+            AttentionSpec::dense(b, hq, hkv, lq, lq + residue + 64 * laps, d, d).with_mask(Mask::Causal)
+        },
+    )
+}
+
 /// Few heads and queries over many keys, dense, no mask or causal.
 fn long_key_spec() -> impl Strategy<Value = AttentionSpec> {
     let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 3), (4, 2)]);
@@ -165,7 +180,8 @@ pub fn block_draws(shapes: DrawShapes) -> impl Strategy<Value = BlockDraw> {
     let specs = match shapes {
         DrawShapes::Kernel => kernel_spec().boxed(),
         DrawShapes::KernelAndLongKeys => prop_oneof![3 => kernel_spec(), 1 => long_key_spec()].boxed(),
-        DrawShapes::Wgmma | DrawShapes::WgmmaBackward => wgmma_spec().boxed(),
+        DrawShapes::Wgmma => wgmma_spec().boxed(),
+        DrawShapes::WgmmaBackward => prop_oneof![3 => wgmma_spec(), 1 => wgmma_diagonal_spec()].boxed(),
     };
     (specs, q_sizes, kv_sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
         |(spec, q_block, kv_block, heads, density, profile, seed)| {

@@ -32,6 +32,7 @@ use attnproof_gpu::backward::is_wgmma_backward;
 use attnproof_gpu::block_sparse::backward::{block_csr_with, block_sparse_backward};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, KernelSource, ModuleVariant};
+use attnproof_gpu::flash::WGMMA_KV_TILE;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, GpuError, backward_variant, skip_unless_gpu, skip_unless_hopper,
 };
@@ -292,11 +293,25 @@ fn the_wgmma_backward_suites_draw_every_list_feature_at_their_block_sizes() {
     assert!(unreached.is_empty(), "never drawn: {unreached:?}");
     assert!(union.shared_group_lists > 0 && union.varlen > 0, "{union:?}");
     for suite in &WGMMA_BACKWARD_SUITES {
+        let mid_warpgroup_diagonals = std::cell::Cell::new(0);
         let (_, result) = suite.run(suite.default_config(), |draw| {
             proptest::prop_assert!(draw.lists.suits_wgmma_backward(&draw.spec), "{:?}", draw.spec);
+            let crosses = matches!(draw.spec.mask, Mask::Causal)
+                && draw.spec.sequences().iter().any(|s| {
+                    s.len_k > WGMMA_KV_TILE && s.len_k >= s.len_q && (15..=62).contains(&((s.len_k - s.len_q) % 64))
+                });
+            mid_warpgroup_diagonals.set(mid_warpgroup_diagonals.get() + usize::from(crosses));
             Ok(())
         });
         result.unwrap_or_else(|e| panic!("{}: {e}", suite.name));
+        // Every such draw whose lists hold a diagonal block catches a per-warpgroup mask decision; a handful per
+        // suite makes that nearly certain.
+        assert!(
+            mid_warpgroup_diagonals.get() >= 6,
+            "{}: {} causal draws with a mid-warpgroup diagonal",
+            suite.name,
+            mid_warpgroup_diagonals.get()
+        );
     }
 }
 

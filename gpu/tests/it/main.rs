@@ -15,5 +15,6 @@ mod mutants;
 mod nsa_compress;
 mod nsa_compressed;
 mod nsa_gates;
+mod nsa_select;
 mod property;
 mod ring_state;

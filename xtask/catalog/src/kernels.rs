@@ -46,6 +46,14 @@ const NSA_GATES: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of NSA's block selection (`nsa_select.cu`: block scores and top-n lists), launched in-process
+/// on a device with selection killing cases.
+const NSA_SELECT: Mutant = Mutant {
+    file: "gpu/kernels/nsa_select.cu",
+    runner: Runner::KernelText { kernel: "nsa_select", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -682,6 +690,64 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const bool owns = lane < dv / 8;",
         replace: "const bool owns = lane < dv / 8 - 1;",
         ..NSA_GATES
+    },
+    // --- nsa_select.cu (NSA's block scores and top-n lists), launched on a device ---
+    Mutant {
+        name: "gpu-nsa-select-remap-window-shifted",
+        description: "The remap starts each block's windows l'/s − 1 later (the paper's indexing trap, E19): the windows \
+                      reaching into a block from before it are lost",
+        find: "const int c_lo = max(w0, first);",
+        replace: "const int c_lo = max(w0, first + lb / s - 1);",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-group-sum-one-head",
+        description: "The group sum keeps the group's first head only",
+        find: "for (int h = 1; h < group; ++h) summed",
+        replace: "for (int h = 1; h < 1; ++h) summed",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-window-visible-early",
+        description: "A compression window counts for a token one step before it ends",
+        find: "const int x = t + 1 - p.compress_len;",
+        replace: "const int x = t + 2 - p.compress_len;",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-lse-of-the-first-head",
+        description: "Every head of the group normalizes by the group's first head's LSE_cmp",
+        find: "lse[sq.lse_base + (long long)(kv * group + r % group) * fp.lse_head",
+        replace: "lse[sq.lse_base + (long long)(kv * group) * fp.lse_head",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-tie-to-the-higher-block",
+        description: "Equal block scores go to the higher block",
+        find: "return s > t || (s == t && i < j);",
+        replace: "return s > t || (s == t && i > j);",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-forced-initial-missing",
+        description: "The first blocks are no longer forced (they compete by score)",
+        find: "const int n_initial = min(params.n_forced_initial, current + 1);",
+        replace: "const int n_initial = min(0, current + 1);",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-keeps-one-fewer",
+        description: "The top-n keeps one scored block fewer than the list has room for",
+        find: "const int want = max(0, min(params.n_selected - n_forced, cand_hi - cand_lo));",
+        replace: "const int want = max(0, min(params.n_selected - n_forced - 1, cand_hi - cand_lo));",
+        ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-select-last-window-tile-skipped",
+        description: "The scoring stops one tile of 64 compressed keys short",
+        find: "const int n_tiles = (visible + SEL_WINDOWS - 1) / SEL_WINDOWS;",
+        replace: "const int n_tiles = visible / SEL_WINDOWS;",
+        ..NSA_SELECT
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
