@@ -1,5 +1,5 @@
 // Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu, ring_state.cu,
-// bsa_select.cu, nsa_compress.cu, nsa_gates.cu and nsa_select.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
+// bsa_select.cu, nsa_compress.cu, nsa_gates.cu, nsa_select.cu and nsa_selected.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
 // cp.async, the exp2 instruction and the forward's online-softmax step, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
@@ -140,8 +140,9 @@ struct NsaParams {
     int weighted_values;    // 1: phi_V is the caller's weights (row 1 of the weights), 0: the mean
 };
 
-// The scalars of nsa_select.cu's block scoring and top-n (NSA's selection, E19): the compressed attention's problem
-// (Q as the layer's, K the compressed keys with one row per complete window, its LSE and scale) and the selection's
+// The scalars of NSA's selection branch (E19, E31): nsa_select.cu's block scoring and top-n read the compressed
+// attention's problem (Q as the layer's, K the compressed keys with one row per complete window, its LSE and scale),
+// nsa_selected.cu's attention the layer's (Q, K, V, O, LSE, the configuration's scale); both the selection's
 // parameters. Scores [token rows, Hkv, n_blocks] f32 and lists [token rows, Hkv, n_selected] i32 have one token row
 // per token of every sequence (B·L dense, the packed total varlen).
 struct NsaSelectParams {
@@ -151,12 +152,12 @@ struct NsaSelectParams {
     int compress_stride;    // s: tokens between two windows' first tokens
     int select_block;       // l': tokens per selection block
     int n_blocks;           // selection blocks of the longest sequence: the scores' columns
-    int n_selected;         // n: entries per list, forced blocks included (at most TOPN_MAX)
+    int n_selected;         // n: entries per list, forced blocks included (nsa_top_n: at most TOPN_MAX)
     int n_forced_initial;   // the first blocks every token keeps
     int n_forced_local;     // the most recent blocks every token keeps (its current block and those before it)
     int n_heads_kv;         // KV heads (scores and lists are per KV head)
-    int tokens_per_cta;     // nsa_block_scores: ⌊64 / G⌋ tokens of G rows each
-    int reserved;           // explicit tail padding, always 0
+    int tokens_per_cta;     // nsa_block_scores, nsa_selected_fwd: ⌊64 / G⌋ tokens of G rows each
+    int tile_blocks;        // nsa_block_scores: the most selection blocks one tile of 64 windows touches
 };
 
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
@@ -252,7 +253,7 @@ PARAM_AT(NsaSelectParams, n_forced_initial, 188);
 PARAM_AT(NsaSelectParams, n_forced_local, 192);
 PARAM_AT(NsaSelectParams, n_heads_kv, 196);
 PARAM_AT(NsaSelectParams, tokens_per_cta, 200);
-PARAM_AT(NsaSelectParams, reserved, 204);
+PARAM_AT(NsaSelectParams, tile_blocks, 204);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);
@@ -354,12 +355,13 @@ __device__ __forceinline__ Diagonal row_diagonal(const FlashParams& p, int len_q
 // in `s` and the rescale factor of A in `rescale`, which rescale_accumulators applies (the sm_90a kernel applies it
 // only once the previous tile's P V product is done). The warp owns SLICES 16-row slices in the m16n8 accumulator
 // layout (rows g and g + 8 of each slice, columns 2·tig and + 1 of each 8-key block); `row_t` is the sequence
-// position of the thread's first row, row (mi, r) is row_t + 16·mi + 8·r, and `diag` gives each row's diagonal.
-template <bool MASKED, int SLICES, int KEY_TILES>
+// position of the thread's first row, row (mi, r) is row_t + 16·mi + 8·r, and `diag_of.at(row)` gives each row's
+// diagonal (a Diagonal, or nsa_selected.cu's per-tile diagonals of its (token, head) rows).
+template <bool MASKED, int SLICES, int KEY_TILES, class Diag>
 __device__ __forceinline__ void softmax_scores(float (&s)[SLICES][KEY_TILES][4], float (&m_run)[SLICES][2],
                                                float (&ml_run)[SLICES][2], float (&l_part)[SLICES][2],
                                                float (&rescale)[SLICES][2], float scale, int key0, int len_k,
-                                               const Diagonal& diag_of, int row_t, int win_left, int win_right,
+                                               const Diag& diag_of, int row_t, int win_left, int win_right,
                                                int tig) {
 #pragma unroll
     for (int mi = 0; mi < SLICES; ++mi) {
@@ -515,6 +517,26 @@ __device__ __forceinline__ void warp_mma_nt(float (&acc)[2 * N_PAIRS][4], unsign
     }
 }
 
+// acc += round_T(P) · V for one warp's 16 rows: P in the m16n8 accumulator layout of KEY_TILES tiles of 8 keys (the
+// layout of tiles 2kk and 2kk + 1 is the A operand of k-step kk), V at the lane address `v_lane` (lane_b_trans) of a
+// [keys][V_STRIDE] tile, COL_TILES output tiles of 8 columns.
+template <int KEY_TILES, int COL_TILES, int V_STRIDE>
+__device__ __forceinline__ void warp_mma_pv(float (&acc)[COL_TILES][4], const float (&p)[KEY_TILES][4],
+                                            unsigned v_lane) {
+#pragma unroll
+    for (int kk = 0; kk < KEY_TILES / 2; ++kk) {
+        unsigned a[4];
+        pack_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < COL_TILES / 2; ++np) {
+            unsigned b[4];
+            ldsm_x4_trans(b, v_lane + (kk * 16 * V_STRIDE + np * 16) * ESZ);
+            mma_16816(acc[2 * np], a, b[0], b[1]);
+            mma_16816(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
 // 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
     const int bytes = valid ? 16 : 0;
@@ -548,6 +570,25 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __re
         const bool valid = r < rows && c < cols;
         const int offset = valid ? r * stride + c : 0;
         cp_async_16(smem + r * STRIDE + c, g + offset, valid);
+    }
+}
+
+// Starts copying the (token, head) rows of NSA's grouped kernels into a [ROWS][STRIDE] smem tile: row r is token
+// t0 + r / group of query head first_head + r % group (token-major, so that one token's heads are consecutive rows),
+// `rows` of them valid with `cols` valid columns (a multiple of 8); the rest is zero-filled, as in load_tile_async.
+// `g` is the sequence's first element (its batch or packed offset).
+template <int ROWS, int COLS_PAD, int STRIDE, int N_THREADS>
+__device__ __forceinline__ void load_group_rows_async(elem_t* smem, const elem_t* __restrict__ g, long long head_stride,
+                                                      long long row_stride, int first_head, int t0, int group,
+                                                      int rows, int cols) {
+    constexpr int CHUNKS = COLS_PAD / 8;
+    for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += N_THREADS) {
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+        const bool valid = r < rows && c < cols;
+        const long long at =
+            valid ? (long long)(first_head + r % group) * head_stride + (long long)(t0 + r / group) * row_stride + c
+                  : 0;
+        cp_async_16(smem + r * STRIDE + c, g + at, valid);
     }
 }
 
@@ -626,23 +667,39 @@ __device__ __forceinline__ float quad_sum(float l) {
     return l;
 }
 
+// Where a forward CTA's row `row` goes: query head `head` at sequence position `position`, or nowhere (false).
+struct OutputRow {
+    int head, position;
+};
+
+// The dense forward's rows: one query head, rows row0 .. row0 + rows_here − 1.
+struct HeadRows {
+    int head, row0, rows_here;
+    __device__ __forceinline__ bool place(int row, OutputRow& out) const {
+        out.head = head;
+        out.position = row0 + row;
+        return row < rows_here;
+    }
+};
+
 // E5 for the thread's rows of a forward CTA: O = round_T(A / ℓ) (IEEE division), LSE = m + ln ℓ (natural log); a row
-// that saw no key gets O = 0 and LSE = −∞. Rows are the m16n8 accumulator layout of SLICES 16-row slices from `wrow`.
-template <int SLICES, int COL_TILES>
-__device__ __forceinline__ void write_output_rows(elem_t* __restrict__ o, float* __restrict__ lse,
-                                                  const ForwardCta& cta, const FlashParams& p, int head, int wrow,
-                                                  int g, int tig, const float (&m_run)[SLICES][2],
-                                                  const float (&l_part)[SLICES][2],
-                                                  const float (&acc)[SLICES][COL_TILES][4]) {
+// that saw no key gets O = 0 and LSE = −∞. Rows are the m16n8 accumulator layout of SLICES 16-row slices from `wrow`;
+// `rows.place(row, out)` says where each goes (HeadRows, or nsa_selected.cu's (token, head) rows).
+template <int SLICES, int COL_TILES, class Rows>
+__device__ __forceinline__ void write_rows(elem_t* __restrict__ o, float* __restrict__ lse, const ForwardCta& cta,
+                                           const FlashParams& p, const Rows& rows, int wrow, int g, int tig,
+                                           const float (&m_run)[SLICES][2], const float (&l_part)[SLICES][2],
+                                           const float (&acc)[SLICES][COL_TILES][4]) {
 #pragma unroll
     for (int mi = 0; mi < SLICES; ++mi) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const float l = quad_sum(l_part[mi][r]);
             const int row = wrow + 16 * mi + g + 8 * r;
-            if (row >= cta.rows_here) continue;
+            OutputRow at;
+            if (!rows.place(row, at)) continue;
             const bool empty = !(l > 0.f);
-            elem_t* o_g = o + cta.o_base + head * p.o_head + (long long)(cta.row0 + row) * p.o_row;
+            elem_t* o_g = o + cta.o_base + at.head * p.o_head + (long long)at.position * p.o_row;
 #pragma unroll
             for (int n = 0; n < COL_TILES; ++n) {
                 const int c = n * 8 + tig * 2;
@@ -653,11 +710,20 @@ __device__ __forceinline__ void write_output_rows(elem_t* __restrict__ o, float*
                 }
             }
             if (tig == 0) {
-                lse[cta.lse_base + head * p.lse_head + cta.row0 + row] =
-                    empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
+                lse[cta.lse_base + at.head * p.lse_head + at.position] = empty ? NEG_INF : __fadd_rn(m_run[mi][r], logf(l));
             }
         }
     }
+}
+
+// write_rows for the dense forward's CTA of query head `head`.
+template <int SLICES, int COL_TILES>
+__device__ __forceinline__ void write_output_rows(elem_t* __restrict__ o, float* __restrict__ lse,
+                                                  const ForwardCta& cta, const FlashParams& p, int head, int wrow,
+                                                  int g, int tig, const float (&m_run)[SLICES][2],
+                                                  const float (&l_part)[SLICES][2],
+                                                  const float (&acc)[SLICES][COL_TILES][4]) {
+    write_rows(o, lse, cta, p, HeadRows{head, cta.row0, cta.rows_here}, wrow, g, tig, m_run, l_part, acc);
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@
 //                     cores (E32's first tensor, p_cmp = exp(α q·k̃_c − LSE_cmp), from the compressed attention's LSE;
 //                     never written to device memory), adds the group's heads in ascending order (E32's second
 //                     tensor, in shared memory for one tile), and adds each window into the selection blocks it
-//                     overlaps with weight |window ∩ block| / s (E32's third tensor), reading the block's running
+//                     overlaps with weight |window ∩ block| / s (E32's third tensor; a warp per token, a lane per
+//                     block, each block's windows from a table built once per tile, each weight from a table of every
+//                     overlap built once per CTA), reading the block's running
 //                     score from the output and writing it back: scores [token rows, Hkv, n_blocks] f32, zeroed by the
 //                     host before the launch. The CTA owns its tokens' rows of the output, so the read-modify-write
 //                     needs no atomics, and a block's windows are added in ascending order whichever tile holds them:
@@ -90,19 +92,17 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);                         // [SEL_ROWS][SEL_K_STRIDE]
     elem_t* k_s = q_s + SEL_ROWS * SEL_K_STRIDE;                               // [2][SEL_WINDOWS][SEL_K_STRIDE]
     float* p_s = reinterpret_cast<float*>(k_s + 2 * SEL_WINDOWS * SEL_K_STRIDE);  // [SEL_ROWS][SEL_P_STRIDE]
+    // Per tile, for each block it touches, its first and last window (unclipped): params.tile_blocks entries each.
+    int* first_window = reinterpret_cast<int*>(p_s + SEL_ROWS * SEL_P_STRIDE);
+    int* last_window = first_window + params.tile_blocks;
+    // fl(o / s) for every overlap o = 0 ..= min(l, l'): the only weights a window can have in a block.
+    float* weight_of = reinterpret_cast<float*>(last_window + params.tile_blocks);
     __shared__ float lse_l2[SEL_ROWS];
     __shared__ int seen[SEL_ROWS];  // windows each row's token sees
 
     // The rows (token t0 + r / G, head kv·G + r % G): Q rows and their LSE·log2 e.
-    constexpr int CHUNKS = NSA_D_PAD / 8;
-    for (int idx = threadIdx.x; idx < SEL_ROWS * CHUNKS; idx += SEL_SCORE_THREADS) {
-        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-        const bool valid = r < rows && c < fp.d;
-        const long long at =
-            valid ? sq.q_base + (long long)(kv * group + r % group) * fp.q_head + (long long)(t0 + r / group) * fp.q_row + c
-                  : 0;
-        cp_async_16(q_s + r * SEL_K_STRIDE + c, q + at, valid);
-    }
+    load_group_rows_async<SEL_ROWS, NSA_D_PAD, SEL_K_STRIDE, SEL_SCORE_THREADS>(q_s, q + sq.q_base, fp.q_head, fp.q_row,
+                                                                             kv * group, t0, group, rows, fp.d);
     for (int r = threadIdx.x; r < SEL_ROWS; r += SEL_SCORE_THREADS) {
         float l2 = NEG_INF;
         if (r < rows) {
@@ -111,6 +111,9 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
         }
         lse_l2[r] = l2;
         seen[r] = r < rows ? windows_seen(params, t0 + r / group, sq.windows) : 0;
+    }
+    for (int o = threadIdx.x; o <= min(params.compress_len, params.select_block); o += SEL_SCORE_THREADS) {
+        weight_of[o] = __fdiv_rn((float)o, (float)params.compress_stride);
     }
     const elem_t* k_g = k_cmp + sq.k_base + (long long)kv * fp.k_head;
     const int n_tiles = (visible + SEL_WINDOWS - 1) / SEL_WINDOWS;
@@ -162,6 +165,15 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
                 p_s[(warp * 16 + g + 8 * half) * SEL_P_STRIDE + col] = p;
             }
         }
+        // The tile's blocks j_lo ..= j_hi (at most params.tile_blocks) and the windows of each: those with
+        // c·s < (j + 1)·l' and c·s + l > j·l'.
+        const int j_lo = w0 * s / lb;
+        const int n_blocks_here = ((w0 + nw - 1) * s + l - 1) / lb - j_lo + 1;
+        for (int jj = threadIdx.x; jj < n_blocks_here; jj += SEL_SCORE_THREADS) {
+            const int block_start = (j_lo + jj) * lb;
+            first_window[jj] = block_start - l + 1 <= 0 ? 0 : (block_start - l + s) / s;
+            last_window[jj] = (block_start + lb - 1) / s;
+        }
         __syncthreads();
 
         // The group sum of every window, in ascending head order, into the token's first row.
@@ -175,11 +187,10 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
             __syncthreads();
         }
 
-        // A warp per token, a lane per block the token's seen windows of the tile touch: the block's windows c (those
-        // with c·s < (j + 1)·l' and c·s + l > j·l') in ascending order, each with weight fl(overlap / s), onto the
+        // A warp per token, a lane per block the token's seen windows of the tile touch: the block's windows (from
+        // the tile's table) in ascending order, each with weight fl(overlap / s) (from the weight table), onto the
         // block's running score, which a previous tile left in the output when the block's first window lies before
         // this tile.
-        const int j_lo = w0 * s / lb;
         for (int tl = warp; tl < tokens; tl += SEL_SCORE_THREADS / 32) {
             const int c_end = min(w0 + nw, seen[tl * group]);
             if (c_end <= w0) continue;
@@ -187,16 +198,16 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
             float* out_row = scores + (row_out0 + (long long)tl * params.n_heads_kv) * params.n_blocks;
             const int j_end = ((c_end - 1) * s + l - 1) / lb;
             for (int j = j_lo + lane; j <= j_end; j += 32) {
-                const int block_start = j * lb, block_end = block_start + lb;
-                const int first = block_start - l + 1 <= 0 ? 0 : (block_start - l + s) / s;
+                const int first = first_window[j - j_lo];
                 const int c_lo = max(w0, first);
-                const int c_hi = min(c_end - 1, (block_end - 1) / s);
+                const int c_hi = min(c_end - 1, last_window[j - j_lo]);
                 if (c_lo > c_hi) continue;
+                const int block_start = j * lb, block_end = block_start + lb;
                 float block_score = first < w0 ? out_row[j] : 0.f;
                 for (int c = c_lo; c <= c_hi; ++c) {
                     const int w_start = c * s;
                     const int overlap = min(w_start + l, block_end) - max(w_start, block_start);
-                    block_score = __fmaf_rn(sums[c], __fdiv_rn((float)overlap, (float)s), block_score);
+                    block_score = __fmaf_rn(sums[c], weight_of[overlap], block_score);
                 }
                 out_row[j] = block_score;
             }

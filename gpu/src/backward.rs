@@ -112,7 +112,7 @@ use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, Dimension, IxDyn};
 
-use crate::common::{GpuElement, check_len, to_i32};
+use crate::common::{GpuElement, check_len, grid_dim, to_i32};
 use crate::compile::{self, FLASH_BWD, ModuleVariant};
 use crate::error::GpuError;
 use crate::launch::{self, BackwardBuffers, BackwardKernel, SparseBuffers};
@@ -238,10 +238,6 @@ pub struct BackwardOutput<T> {
     pub dv: ArrayD<T>,
     /// `D` (f32), laid out like LSE.
     pub delta: ArrayD<f32>,
-}
-
-fn grid_dim(argument: &'static str, value: usize, max: usize) -> Result<u32, GpuError> {
-    u32::try_from(value).ok().filter(|&x| x as usize <= max).ok_or(GpuError::TooLarge { argument, value })
 }
 
 /// Everything the launches need, derived from a validated spec.

@@ -1,7 +1,7 @@
 //! Helpers every kernel family of the crate shares: the storage types the kernels read and write ([`GpuElement`]),
 //! the mask as the kernels evaluate it ([`KernelMask`]) with its unbounded-reach sentinel ([`NO_BOUND`]), the softmax
-//! scale the kernels multiply by ([`kernel_scale`]), the kernels' limits and the buffer-length and 32-bit checks of
-//! every launch wrapper. They live in one module that imports no other module of the crate but the errors, so that
+//! scale the kernels multiply by ([`kernel_scale`]), the kernels' limits, the buffer-length and 32-bit checks of
+//! every launch wrapper and the launch grids' extents ([`grid_3d`]). They live in one module that imports no other module of the crate but the errors, so that
 //! the launch modules (`flash`, `backward`, `ring`) can share them without importing each other.
 
 use attnproof_oracle::{AttentionSpec, Mask, Scale};
@@ -166,6 +166,21 @@ pub(crate) fn check_len<X>(argument: &'static str, buffer: &CudaSlice<X>, needed
         return Err(GpuError::BufferTooSmall { argument, needed, actual: buffer.len() });
     }
     Ok(())
+}
+
+/// One extent of a launch grid, `value` CTAs along an axis that holds at most `max` (CUDA: 2^31 − 1 along x, 65 535
+/// along y and z), or [`GpuError::TooLarge`] naming `argument`.
+pub(crate) fn grid_dim(argument: &'static str, value: usize, max: usize) -> Result<u32, GpuError> {
+    u32::try_from(value).ok().filter(|&x| x as usize <= max).ok_or(GpuError::TooLarge { argument, value })
+}
+
+/// A launch grid of `(name, CTAs)` along x, y and z within CUDA's limits ([`grid_dim`]).
+pub(crate) fn grid_3d(
+    (x_name, x): (&'static str, usize),
+    (y_name, y): (&'static str, usize),
+    (z_name, z): (&'static str, usize),
+) -> Result<(u32, u32, u32), GpuError> {
+    Ok((grid_dim(x_name, x, i32::MAX as usize)?, grid_dim(y_name, y, 65535)?, grid_dim(z_name, z, 65535)?))
 }
 
 #[cfg(test)]

@@ -27,6 +27,8 @@
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
 //!   products of `cp.async`-loaded tiles.
+//! - `nsa_selected` (NSA's selected attention) needs 8.0 like `flash_fwd`, whose products it shares; its union walk
+//!   takes minima with `redux.sync`, also from `sm_80` on.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -119,7 +121,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 9] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 10] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -167,6 +169,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 9] = [
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the recomputed scores, as flash_fwd",
+    },
+    DeviceRequirement {
+        kernel: "nsa_selected",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, and redux.sync for the union walk",
     },
     DeviceRequirement {
         kernel: "ring_state",

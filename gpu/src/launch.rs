@@ -112,8 +112,8 @@ unsafe impl DeviceRepr for BsaParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and six `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for NsaParams {}
-// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and ten `i32` fields, the last
-// an explicit `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and ten `i32` fields, no
+// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
 // and `params::tests`.
 unsafe impl DeviceRepr for NsaSelectParams {}
 
@@ -663,5 +663,36 @@ pub(crate) fn launch_nsa_top_n(
     // NsaSelectParams)` in order and type; every index the kernel forms lies in the buffers the caller sized (see
     // above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_top_n)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_selected_fwd` (gpu/kernels/nsa_selected.cu, `func`) on `stream`: the selection branch's output and
+/// LSE of every token and query head from the token's block list.
+///
+/// Preconditions, established by `nsa::selected`: `func` is `nsa_selected_fwd` compiled for the element type `T` and
+/// padded head dims `HEAD_DIM_PAD ≥ params.flash.d`, `HEAD_DIM_V_PAD ≥ params.flash.dv`; `q`, `k`, `v`, `o` and `lse`
+/// hold the layer's Q, K, V, O and LSE as `params.flash` (or the validated `cu_q`, `cu_k`) describes them; `lists`
+/// holds `params.token_rows · n_heads_kv · n_selected` i32 (any values: the kernel ends a list at its first entry
+/// that does not rise or lies outside the sequence's blocks); `cfg`'s grid is `(token groups of tokens_per_cta,
+/// n_heads_kv, B)` with 128 threads and the shared memory of the tiles and of `tokens_per_cta · (n_selected + 1)`
+/// list entries.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_nsa_selected_fwd<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    (o, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    lists: &CudaSlice<i32>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaSelectParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(v).arg(o).arg(lse).arg(lists).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `nsa_selected_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o,
+    // float* lse, const int* lists, const int* cu_q, const int* cu_k, const NsaSelectParams)` in order and type; every
+    // index the kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call
+    // and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_selected_fwd)", e))?;
     Ok(())
 }

@@ -85,6 +85,7 @@ pub fn module_variants<T: GpuElement>(
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
         variant(nsa::select::NSA_SELECT, nsa::select::select_defines::<T>(spec.head_dim)),
+        variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec)),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -226,6 +227,7 @@ mod tests {
                 "nsa_compress",
                 "nsa_gates",
                 "nsa_select",
+                "nsa_selected",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

@@ -186,11 +186,13 @@ pub(crate) struct NsaParams {
     pub weighted_values: i32,
 }
 
-/// The scalars of `nsa_select.cu`'s block scoring and top-n (`struct NsaSelectParams` of `common.cuh`).
+/// The scalars of NSA's selection branch: `nsa_select.cu`'s block scoring and top-n and `nsa_selected.cu`'s
+/// attention (`struct NsaSelectParams` of `common.cuh`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct NsaSelectParams {
-    /// The compressed attention's problem (Q as the layer's, K the compressed keys, its LSE and scale).
+    /// The scoring's and top-n's compressed attention problem (Q as the layer's, K the compressed keys, its LSE and
+    /// scale), or the selected attention's layer problem (Q, K, V, O, LSE, the configuration's scale).
     pub flash: FlashParams,
     /// Token rows of the scores and lists (`B · L` dense, the packed total varlen).
     pub token_rows: i64,
@@ -210,10 +212,11 @@ pub(crate) struct NsaSelectParams {
     pub n_forced_local: i32,
     /// KV heads.
     pub n_heads_kv: i32,
-    /// Tokens per `nsa_block_scores` CTA, `⌊64 / G⌋`.
+    /// Tokens per `nsa_block_scores` and `nsa_selected_fwd` CTA, `⌊64 / G⌋`.
     pub tokens_per_cta: i32,
-    /// Explicit tail padding, always 0.
-    pub reserved: i32,
+    /// The most selection blocks one tile of 64 windows touches, `⌊(63·s + l − 1)/l'⌋ + 2`: the length of the
+    /// kernel's per-tile tables of each block's windows (0 for `nsa_selected_fwd`, which has none).
+    pub tile_blocks: i32,
 }
 
 /// The scalars of `ring_state.cu`'s `state_merge` (which reads `rows` and `dv`) and `state_finalize` (all of them):
@@ -466,7 +469,7 @@ mod tests {
                 n_forced_local,
                 n_heads_kv,
                 tokens_per_cta,
-                reserved
+                tile_blocks
             }),
             rust_layout!(BsaParams {
                 flash,

@@ -72,8 +72,10 @@
 //! - The group sum (`G − 1` additions), the weight's rounding (`u`) and the `n_c` fused multiply-adds of the block's
 //!   windows act on sums of non-negative terms: a factor `(1 + γ_32(G − 1 + n_c))(1 + u)` on the sum of `ŵ p̂`.
 //! - Hence `|Ŝ − S| ≤ Σ_{c,h} w_cj [p_hc ((e^{ε_hc}(1 + e))(1 + γ_32(G − 1 + n_c))(1 + u) − 1) + τ_e (…)]`, exact
-//!   (no first-order truncation: the deviation below is smaller than the one above by convexity). The f64 truth's
-//!   own error, `γ(64)` of the exponent's magnitudes, is added to `ε`, and the whole takes the margin `2^-10`.
+//!   (no first-order truncation: the deviation below is smaller than the one above by convexity). The whole takes the
+//!   margin `2^-10`, which also covers the f64 truth's own error: its exponent is off by at most `γ_64(d + 2)` times
+//!   `m + |LSE|` and its sums by `γ_64(G + n_c)`, below `2^-20` of the terms `5u m + 3u|LSE|` and `e` the bound
+//!   already charges per term.
 //!
 //! A kernel that drops a head of the group, a window of the remap or shifts a window by one block is off by a whole
 //! term `w p`, far outside; the integer lists are compared exactly on the kernel's own scores (the harness), so the
@@ -195,9 +197,7 @@ pub fn block_score_bound(terms: &[WindowTerm], group: usize, windows: usize, rec
         .map(|t| {
             let epsilon =
                 (recipe.dot_gamma + 5.0 * u) * t.magnitude + 3.0 * u * t.lse.abs() + 2.0 * u * t.exponent.abs();
-            // The f64 truth's own error: its dot product, exponent and sums.
-            let truth = gamma(64) * (t.magnitude + t.lse.abs() + t.exponent.abs() + 1.0);
-            let relative = (epsilon + truth).exp() * (1.0 + recipe.exp_error) * sums - 1.0;
+            let relative = epsilon.exp() * (1.0 + recipe.exp_error) * sums - 1.0;
             t.weight * (t.probability * relative + recipe.exp_underflow * sums)
         })
         .sum();

@@ -400,7 +400,7 @@ pub fn block_sparse_forward_guarded<T: Storage>(
 
 /// Uploads the case, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that the device inputs
 /// are unchanged, and returns `O` and `LSE`.
-fn forward_guarded_with<T: Storage>(
+pub fn forward_guarded_with<T: Storage>(
     stream: &Arc<CudaStream>,
     case: &Case<T>,
     launch: impl FnOnce(

@@ -15,6 +15,7 @@ pub mod gate;
 pub mod generate;
 pub mod nsa;
 pub mod nsa_select;
+pub mod nsa_selected;
 pub mod recipes;
 pub mod ring_gpu;
 pub mod sparse;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::spec::{Operand, Sequence};
-use attnproof_oracle::{AttentionSpec, Layout, Mask, Pair, Predicate};
+use attnproof_oracle::{AttentionSpec, Layout, Mask, Pair, Predicate, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use ndarray::{ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
@@ -333,7 +333,7 @@ fn nsa_mask(selection: ArrayView3<'_, i32>, kv: usize, select_block: usize, list
 }
 
 /// The NSA sub-case of KV head `kv`: query heads `kv·G .. (kv+1)·G` of `q [T, Hq, d]` over KV
-/// head `kv` of `k`, `v`, as a single-sequence varlen case with `Hkv = 1`.
+/// head `kv` of `k`, `v`, as a single-sequence varlen case with `Hkv = 1`, under `scale`.
 pub fn nsa_group_case<T: Element>(
     q: ArrayView3<'_, T>,
     k: ArrayView3<'_, T>,
@@ -341,6 +341,7 @@ pub fn nsa_group_case<T: Element>(
     selection: ArrayView3<'_, i32>,
     kv: usize,
     select_block: usize,
+    scale: Scale,
 ) -> Case<T> {
     let (len, n_heads_q, head_dim) = q.dim();
     let group = n_heads_q / k.dim().1;
@@ -351,7 +352,7 @@ pub fn nsa_group_case<T: Element>(
         n_heads_kv: 1,
         head_dim,
         head_dim_v: v.dim().2,
-        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        scale,
         mask: selected_blocks_mask(selection, kv, select_block),
     };
     let one = Slice::from(kv..kv + 1);
@@ -378,6 +379,54 @@ pub fn verify_nsa_group_forward<T: Element>(
     let dropped = nsa_mask(selection, kv, select_block, Listing::DropLastPerQueryTile);
     score_dropped_block(&mut verdict, case, dropped, recipe)?;
     Ok(verdict)
+}
+
+/// Verifies an NSA selection-branch forward candidate `(O, LSE)` of any layout (dense `[B, H, L, ·]` or varlen
+/// `[T, H, ·]`, as `spec` says; `spec` is the branch's problem, causal self-attention under the branch's scale) with
+/// token lists `[token rows, Hkv, n]` (row `b·L + t` dense, `cu_seqlens_q[b] + t` varlen): one verdict per
+/// (sequence, KV head) from [`verify_nsa_group_forward`] on the sequence's group case.
+pub fn verify_nsa_selected_forward<T: Element>(
+    case: &Case<T>,
+    lists: ArrayView3<'_, i32>,
+    select_block: usize,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    check_candidate_shape(spec, "o", Operand::O, o.shape())?;
+    check_candidate_shape(spec, "lse", Operand::RowStat, lse.shape())?;
+    let (hq, hkv) = (spec.n_heads_q, spec.n_heads_kv);
+    let group = spec.group_size();
+    let three = |a: ArrayD<T>| a.into_dimensionality::<ndarray::Ix3>().expect("[L, H, D]");
+    let mut verdicts = Vec::new();
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        let rows = Slice::from(row0..row0 + seq.len_q);
+        row0 += seq.len_q;
+        let q = three(stack_heads(spec, case.q.view(), &seq, 0..hq, false));
+        let k = three(stack_heads(spec, case.k.view(), &seq, 0..hkv, true));
+        let v = three(stack_heads(spec, case.v.view(), &seq, 0..hkv, true));
+        let o_seq = stack_heads(spec, o.view(), &seq, 0..hq, false);
+        let lse_seq = stack_row_stats(spec, lse.view(), &seq, 0..hq);
+        let selection = lists.slice_axis(Axis(0), rows);
+        for kv in 0..hkv {
+            let heads = kv * group..(kv + 1) * group;
+            let sub = nsa_group_case(q.view(), k.view(), v.view(), selection, kv, select_block, spec.scale);
+            let o_sub = heads_of(o_seq.view(), 1, heads.clone());
+            let lse_sub = heads_of(lse_seq.view(), 0, heads);
+            verdicts.push(verify_nsa_group_forward(
+                &sub,
+                selection,
+                kv,
+                select_block,
+                recipe,
+                o_sub.view(),
+                lse_sub.view(),
+            )?);
+        }
+    }
+    Ok(verdicts)
 }
 
 /// Heads `heads` (axis 1) of a `[T, H, ·]` tensor, or of a `[H, T]` row statistic (axis 0).

@@ -9,7 +9,7 @@
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
-//! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]...]`.
+//! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]`.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
@@ -50,8 +50,11 @@
 //! (direction `nsa-compress`), the compressed attention's forward (`nsa-cmp-fwd`, the dense forward under the strided
 //! causal mask; FLOPs `4·d·Hq·Σ_t W(t)` over the windows each token sees) and the selection (`nsa-select`: block
 //! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
-//! products only). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on
-//! stderr whether its lists equal the embedded kernel's.
+//! products only), and the selected attention's forward over those lists (`nsa-selected-fwd`; FLOPs `4·d·Hq` times
+//! the keys the lists show each token, up to its own: the visible work, not the masked products the kernel also
+//! does). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
+//! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu`,
+//! and whether its output equals the embedded kernel's bit for bit.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -69,6 +72,7 @@ use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv_device};
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
+use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::NsaConfig;
@@ -114,6 +118,8 @@ struct Options {
     nsa: bool,
     /// `--nsa-select-source PATH`: other texts of NSA's selection, each timed beside the embedded one.
     nsa_select_sources: Vec<KernelSource>,
+    /// `--nsa-selected-source PATH`: other texts of NSA's selected attention, each timed beside the embedded one.
+    nsa_selected_sources: Vec<KernelSource>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -147,6 +153,7 @@ fn parse() -> Result<Options, String> {
         wgmma_bwd_sources: vec![],
         nsa: false,
         nsa_select_sources: vec![],
+        nsa_selected_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -164,6 +171,10 @@ fn parse() -> Result<Options, String> {
             "--nsa-select-source" => {
                 let path = value("--nsa-select-source")?;
                 o.nsa_select_sources.push(kernel_from_file("--nsa-select-source", &path, "nsa_block_scores")?);
+            }
+            "--nsa-selected-source" => {
+                let path = value("--nsa-selected-source")?;
+                o.nsa_selected_sources.push(kernel_from_file("--nsa-selected-source", &path, "nsa_selected_fwd")?);
             }
             "--select-source" => {
                 let path = value("--select-source")?;
@@ -219,8 +230,8 @@ fn parse() -> Result<Options, String> {
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
     }
-    if !o.nsa_select_sources.is_empty() && !o.nsa {
-        return Err("--nsa-select-source times NSA's selection: add --nsa".into());
+    if (!o.nsa_select_sources.is_empty() || !o.nsa_selected_sources.is_empty()) && !o.nsa {
+        return Err("--nsa-select-source and --nsa-selected-source time NSA's pieces: add --nsa".into());
     }
     if o.nsa && (o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
         return Err("--nsa times its own shapes, forward only".into());
@@ -585,7 +596,6 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
     Ok(())
 }
 
-/// A zeroed bf16 device buffer of `n` elements.
 /// NSA's rows (see the module docs): (T, Hq, Hkv) at D = 128.
 const NSA_SHAPES: [(usize, usize, usize); 4] = [(16384, 64, 4), (65536, 64, 4), (16384, 16, 4), (65536, 16, 4)];
 
@@ -643,10 +653,71 @@ fn run_nsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
             let default = u8::from(suffix.is_empty());
             emit(out, format!("{shape},nsa-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9));
         }
+        // The selected attention over the embedded selection's lists, with the FLOPs of the keys the lists show each
+        // row (the work fla-core's kernel does too); the output stays in its own buffers, so `LSE_cmp` stays intact.
+        let lists_host = embedded_lists.expect("the embedded selection ran first");
+        let lists = stream.clone_htod(&lists_host).map_err(|e| e.to_string())?;
+        let selected_flops = 4.0 * (d * hq / hkv) as f64 * selected_keys(&lists_host, &config, l, hkv) as f64;
+        let (mut o_slc, mut lse_slc) = (
+            alloc(stream, count(Operand::O))?,
+            stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?,
+        );
+        let mut embedded_out = None;
+        for kernel in std::iter::once(NSA_SELECTED).chain(opts.nsa_selected_sources.iter().copied()) {
+            let ms = median_ms(stream, opts, |s| {
+                nsa_selected::selected_device(
+                    stream,
+                    &layer,
+                    &config,
+                    kernel,
+                    (&q[s], &k[s], &v[s]),
+                    &lists,
+                    &mut o_slc,
+                    &mut lse_slc,
+                )
+                .map_err(e)
+            })?;
+            // Every text ran the same sets in the same order, so the last outputs are of the same inputs.
+            let got = stream.clone_dtoh(&o_slc).map_err(|e| e.to_string())?;
+            let suffix = source_suffix(kernel, embedded_out.is_none());
+            match &embedded_out {
+                None => embedded_out = Some(got),
+                Some(want) => eprintln!(
+                    "T = {l}, Hq = {hq}, selected attention{suffix}: output equals the embedded kernel's bit for bit: {}",
+                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits())
+                ),
+            }
+            let default = u8::from(suffix.is_empty());
+            emit(
+                out,
+                format!(
+                    "{shape},nsa-selected-fwd,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n",
+                    selected_flops / ms / 1e9
+                ),
+            );
+        }
     }
     Ok(())
 }
 
+/// The (query token, key) pairs the lists `[T, Hkv, n]` show one query head of each KV head, summed over the KV
+/// heads: per listed block, its keys up to the token's own (`−1` entries end a list).
+fn selected_keys(lists: &[i32], config: &NsaConfig, len: usize, n_heads_kv: usize) -> usize {
+    let (n, block) = (config.n_selected, config.select_block);
+    let mut pairs = 0;
+    for t in 0..len {
+        for h in 0..n_heads_kv {
+            let list = &lists[(t * n_heads_kv + h) * n..][..n];
+            for &b in list.iter().take_while(|&&b| b >= 0) {
+                let start = b as usize * block;
+                pairs += (start + block).min(t + 1).saturating_sub(start);
+            }
+        }
+    }
+    pairs
+}
+
+/// A zeroed bf16 device buffer of `n` elements.
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
 }

@@ -141,29 +141,10 @@ impl BlockLists {
                 for (block, list) in per_head.outer_iter().enumerate() {
                     // Query blocks past the sequence's own may list nothing: no key block is in range there.
                     let bound = if block < own_blocks { key_blocks } else { 0 };
-                    let fault =
-                        |slot: usize, fault| GpuError::BlockList { position: [seq.index, head, block, slot], fault };
-                    let mut previous: Option<i32> = None;
-                    let mut padded = false;
-                    for (slot, &index) in list.iter().enumerate() {
-                        if index == -1 {
-                            padded = true;
-                            continue;
-                        }
-                        if padded {
-                            return Err(fault(slot, BlockListFault::AfterPad { index }));
-                        }
-                        if index < 0 || index as usize >= bound {
-                            return Err(fault(slot, BlockListFault::OutOfRange { index, key_blocks: bound }));
-                        }
-                        match previous {
-                            Some(p) if p == index => return Err(fault(slot, BlockListFault::Duplicate { index })),
-                            Some(p) if p > index => {
-                                return Err(fault(slot, BlockListFault::NotAscending { index, previous: p }));
-                            }
-                            _ => previous = Some(index),
-                        }
-                    }
+                    check_block_list(list.iter().copied(), bound).map_err(|(slot, fault)| GpuError::BlockList {
+                        position: [seq.index, head, block, slot],
+                        fault,
+                    })?;
                 }
             }
         }
@@ -344,6 +325,35 @@ pub fn block_sparse_forward<T: GpuElement>(
     forward_from_host(stream, spec, [q, k, v], |[dq, dk, dv], o, lse| {
         block_sparse_forward_device(stream, spec, lists, dq, dk, dv, o, lse)
     })
+}
+
+/// Checks one list against E14's convention: an ascending prefix of distinct indices in `0..bound`, then only `−1`
+/// pads. The first offending entry comes back as its slot and fault. The block-sparse lists and NSA's selections
+/// (one list per token) share it.
+pub(crate) fn check_block_list(
+    list: impl IntoIterator<Item = i32>,
+    bound: usize,
+) -> Result<(), (usize, BlockListFault)> {
+    let mut previous: Option<i32> = None;
+    let mut padded = false;
+    for (slot, index) in list.into_iter().enumerate() {
+        if index == -1 {
+            padded = true;
+            continue;
+        }
+        if padded {
+            return Err((slot, BlockListFault::AfterPad { index }));
+        }
+        if index < 0 || index as usize >= bound {
+            return Err((slot, BlockListFault::OutOfRange { index, key_blocks: bound }));
+        }
+        match previous {
+            Some(p) if p == index => return Err((slot, BlockListFault::Duplicate { index })),
+            Some(p) if p > index => return Err((slot, BlockListFault::NotAscending { index, previous: p })),
+            _ => previous = Some(index),
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -30,7 +30,7 @@ use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{Array4, ArrayViewD};
 
 use super::{BLOCK_SIZES, BlockLists, ListHeads};
-use crate::common::{GpuElement, check_len, to_i32};
+use crate::common::{GpuElement, check_len, grid_3d, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::flash::host_input;
@@ -131,10 +131,7 @@ pub fn lists_shape(spec: &AttentionSpec, config: &BsaConfig) -> [usize; 4] {
 }
 
 fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
-    let dim = |argument, v: usize, max: usize| {
-        u32::try_from(v).ok().filter(|&u| u as usize <= max).ok_or(GpuError::TooLarge { argument, value: v })
-    };
-    Ok((dim("blocks", x, i32::MAX as usize)?, dim("heads", y, 65535)?, dim("sequences", z, 65535)?))
+    grid_3d(("blocks", x), ("heads", y), ("sequences", z))
 }
 
 /// Selects the blocks of `spec` under `config` on device buffers: `q`, `k` hold Q and K in the spec's layout,

@@ -33,7 +33,7 @@ use attnproof_oracle::spec::Operand;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayD, ArrayViewD, IxDyn};
 
-use crate::common::{GpuElement, check_len, to_i32};
+use crate::common::{GpuElement, check_len, grid_3d, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::flash::host_input;
@@ -142,14 +142,7 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
 /// windows per CTA, the KV heads along y, the sequences along z.
 fn grid(max_windows: usize, cols: usize, heads: usize, batch: usize) -> Result<(u32, u32, u32), GpuError> {
     let per_cta = THREADS / (cols / 8);
-    let dim = |argument, v: usize, max: usize| {
-        u32::try_from(v).ok().filter(|&u| u as usize <= max).ok_or(GpuError::TooLarge { argument, value: v })
-    };
-    Ok((
-        dim("compressed windows", max_windows.div_ceil(per_cta), i32::MAX as usize)?,
-        dim("n_heads_kv", heads, 65535)?,
-        dim("sequences", batch, 65535)?,
-    ))
+    grid_3d(("compressed windows", max_windows.div_ceil(per_cta)), ("n_heads_kv", heads), ("sequences", batch))
 }
 
 /// Compresses K and V of `spec` under `config` on device buffers: `k`, `v` in the spec's layout, `k_cmp` and `v_cmp`

@@ -8,8 +8,9 @@
 //! under a narrowed causal mask; and [`compressed`], the compressed attention as the dense kernels
 //! over the compressed keys under NSA's strided causal mask; and [`select`], the block scores (recomputed from the
 //! compressed attention's LSE, summed over the group and remapped onto blocks without writing per-head
-//! probabilities) and the top-n lists with forced blocks. Still to come, in the plan's order: the selected attention
-//! over the union of a token block's lists, and the branches' backward.
+//! probabilities) and the top-n lists with forced blocks; and [`selected`], the selected attention's forward over the
+//! union of a token group's lists, each block's K/V tile shared by the group's heads. Still to come, in the plan's
+//! order: the branches' backward.
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
 //! definition; a kernel checks that it implements the configuration it is given and refuses the rest with a typed
@@ -19,6 +20,7 @@ pub mod compress;
 pub mod compressed;
 pub mod gates;
 pub mod select;
+pub mod selected;
 pub mod window;
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask};

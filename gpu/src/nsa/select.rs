@@ -21,7 +21,7 @@
 //!   scores are equal go to the lower index in both. Blocks whose windows are bitwise equal score bitwise equal (a
 //!   block's windows are added in ascending order whichever tile of the kernel holds them), so the adversarial draws
 //!   of the tests produce such ties on purpose;
-//! - where the lists differ from the oracle's lists on the exact scores, every swapped pair's exact scores lie within
+//! - hence, where the lists differ from the oracle's lists on the exact scores, every swapped pair's exact scores lie within
 //!   the two bounds of each other.
 //!
 //! # Memory
@@ -46,7 +46,7 @@ use ndarray::{Array3, ArrayViewD};
 
 use super::compressed::compressed_spec;
 use crate::backward::host_tensor;
-use crate::common::{GpuElement, check_len, to_i32};
+use crate::common::{GpuElement, check_len, grid_3d, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::flash::host_input;
@@ -147,10 +147,13 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
         n_forced_local: to_i32("n_forced_local", config.n_forced_local)?,
         n_heads_kv: to_i32("n_heads_kv", spec.n_heads_kv)?,
         tokens_per_cta: to_i32("tokens per CTA", ROWS / group.max(1))?,
-        reserved: 0,
+        tile_blocks: to_i32("blocks per tile of windows", tile_blocks(config))?,
     };
     let stride = d_pad + 8;
-    let shared_bytes = 3 * ROWS * stride * 2 + ROWS * (WINDOWS + 4) * 4;
+    // Q and two K̃ tiles, the probabilities, the per-tile tables of each block's first and last window, and the
+    // weight of every overlap 0 ..= min(l, l').
+    let tables = 2 * tile_blocks(config) * 4 + (config.compress_len.min(config.select_block) + 1) * 4;
+    let shared_bytes = (3 * ROWS * stride * 2 + ROWS * (WINDOWS + 4) * 4 + tables).div_ceil(16) * 16;
     let seqs = spec.sequences();
     let max_len = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
     Ok(Plan { compressed, params, cu_q, cu_k, batch: seqs.len(), max_len, shared_bytes })
@@ -162,16 +165,19 @@ pub fn select_defines<T: GpuElement>(head_dim: usize) -> Vec<String> {
     vec![T::DEFINE.to_owned(), format!("NSA_D_PAD={}", padded_head_dim(head_dim))]
 }
 
+/// The most selection blocks one tile of 64 windows touches: its tokens span `63·s + l` positions, so at most
+/// `⌊(63·s + l − 1)/l'⌋ + 2` blocks (a floor of a sum exceeds the sum of floors by at most one).
+fn tile_blocks(config: &NsaConfig) -> usize {
+    ((WINDOWS - 1) * config.compress_stride + config.compress_len - 1) / config.select_block + 2
+}
+
 /// `NSA_D_PAD`: the head dim rounded up to a multiple of 64 (the tiles' columns).
 fn padded_head_dim(head_dim: usize) -> usize {
     head_dim.div_ceil(64).max(1) * 64
 }
 
 fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
-    let dim = |argument, v: usize, max: usize| {
-        u32::try_from(v).ok().filter(|&u| u as usize <= max).ok_or(GpuError::TooLarge { argument, value: v })
-    };
-    Ok((dim("token groups", x, i32::MAX as usize)?, dim("n_heads_kv", y, 65535)?, dim("sequences", z, 65535)?))
+    grid_3d(("token groups", x), ("n_heads_kv", y), ("sequences", z))
 }
 
 /// The selection of the layer `spec` (causal self-attention) under `config` on device buffers: `q` the layer's
@@ -209,7 +215,7 @@ pub fn select_device<T: GpuElement>(
         module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(nsa_select.cu)", e))
     };
     let (score_fn, top_n_fn) = (load("nsa_block_scores")?, load("nsa_top_n")?);
-    compile::allow_shared_memory(ctx, &score_fn, plan.shared_bytes, "head_dim")?;
+    compile::allow_shared_memory(ctx, &score_fn, plan.shared_bytes, "head_dim, or blocks per tile of windows")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
     if n_scores > 0 {
@@ -299,7 +305,9 @@ mod tests {
         assert_eq!(lists_shape(&spec, &config), [400, 4, 16]);
         assert_eq!((p.params.n_blocks, p.params.tokens_per_cta, p.params.token_rows), (4, 21, 400));
         assert_eq!(p.params.flash.dense_len_k, 11);
-        assert_eq!(p.shared_bytes, 3 * 64 * 136 * 2 + 64 * 68 * 4);
+        // (63·16 + 31)/64 + 2 = 18 blocks per tile; overlaps 0 ..= 32.
+        assert_eq!(p.params.tile_blocks, 18);
+        assert_eq!(p.shared_bytes, (3 * 64 * 136 * 2 + 64 * 68 * 4 + 2 * 18 * 4 + 33 * 4usize).div_ceil(16) * 16);
         assert_eq!([padded_head_dim(72), padded_head_dim(8), padded_head_dim(192)], [128, 64, 192]);
         assert_eq!(select_defines::<half::bf16>(72)[1], "NSA_D_PAD=128");
         let varlen = AttentionSpec {
@@ -310,6 +318,26 @@ mod tests {
         let p = plan(&varlen, &config).unwrap();
         assert_eq!((p.max_len, p.batch, p.params.tokens_per_cta), (65, 3, 4));
         assert_eq!(p.cu_k, [0, 0, 3, 3]);
+    }
+
+    /// The kernel's per-tile tables hold every block a tile of 64 windows touches: for tiles starting at every window
+    /// position, the blocks from the first window's first token to the last window's last token never outnumber
+    /// `tile_blocks`, and some tile comes within one block of it (the bound wastes at most one table entry here).
+    #[test]
+    fn the_tile_tables_hold_every_block_a_tile_touches() {
+        for (l, s, lb) in [(32, 16, 64), (64, 64, 64), (5, 3, 8), (8, 4, 16), (1, 1, 1), (100, 1, 7), (3, 50, 2)] {
+            let config = NsaConfig { compress_len: l, compress_stride: s, select_block: lb, ..NsaConfig::default() };
+            let bound = tile_blocks(&config);
+            let mut most = 0;
+            for w0 in (0..2000).step_by(64) {
+                for nw in [1, 63, 64] {
+                    let (first, last) = (w0 * s / lb, ((w0 + nw - 1) * s + l - 1) / lb);
+                    most = most.max(last - first + 1);
+                }
+            }
+            assert!(most <= bound, "l = {l}, s = {s}, l' = {lb}: {most} blocks, tables of {bound}");
+            assert!(most + 1 >= bound, "l = {l}, s = {s}, l' = {lb}: {most} blocks, tables of {bound}");
+        }
     }
 
     #[test]

@@ -16,5 +16,6 @@ mod nsa_compress;
 mod nsa_compressed;
 mod nsa_gates;
 mod nsa_select;
+mod nsa_selected;
 mod property;
 mod ring_state;

@@ -27,6 +27,7 @@ use crate::common::*;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
+use crate::nsa_selected;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
@@ -37,6 +38,7 @@ use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
+use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -55,8 +57,17 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 8] =
-    [FLASH_FWD, FLASH_BWD, BSA_SELECT, NSA_COMPRESS, NSA_GATES, NSA_SELECT, FLASH_FWD_SM90, FLASH_BWD_SM90];
+const KERNELS: [KernelSource; 9] = [
+    FLASH_FWD,
+    FLASH_BWD,
+    BSA_SELECT,
+    NSA_COMPRESS,
+    NSA_GATES,
+    NSA_SELECT,
+    NSA_SELECTED,
+    FLASH_FWD_SM90,
+    FLASH_BWD_SM90,
+];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
@@ -701,6 +712,41 @@ fn all_nsa_selection_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             nsa_select::run_select_suite(suite, config, &stream, kernel)
+        },
+    );
+}
+
+#[test]
+fn all_nsa_selected_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_selected_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = nsa_selected::killing_cases();
+    hunt("all_nsa_selected_mutants_are_killed", NSA_SELECTED, &catalog_mutants(NSA_SELECTED), &cases, |kernel, c| {
+        nsa_selected::check_selected_case(&stream, kernel, c)
+    });
+}
+
+/// Every selected-attention mutant also fails the general suite (bf16, its default draws).
+#[test]
+fn all_nsa_selected_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_selected_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &nsa_selected::SELECTED_SUITES[0];
+    hunt_in_suite(
+        "all_nsa_selected_mutants_are_killed_by_the_general_suite",
+        NSA_SELECTED,
+        &catalog_mutants(NSA_SELECTED),
+        suite.name,
+        |kernel| {
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            nsa_selected::run_selected_suite(suite, config, &stream, kernel)
         },
     );
 }

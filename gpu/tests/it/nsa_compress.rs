@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{default_run_config, run_config};
+use crate::property::{default_run_config, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv, compress_kv_device, compressed_shape};
 use attnproof_gpu::{GpuError, skip_unless_gpu};
@@ -74,14 +74,7 @@ fn check_draw<T: Storage>(
 }
 
 fn run_production(suite: &TypedSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    if let Err(e) = run_compression_suite(suite, run_config(suite.name, suite.cases, suite.seed), &stream, NSA_COMPRESS)
-    {
-        panic!("{}: {e}", suite.name);
-    }
+    run_typed_production(suite, NSA_COMPRESS, run_compression_suite);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{default_run_config, run_config};
+use crate::property::{default_run_config, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::gates::{
     GateBranches, GateGradientsDevice, NSA_GATES, gate_backward, gate_backward_device, gate_combine,
@@ -79,13 +79,7 @@ fn check_gates<T: Storage>(stream: &Arc<CudaStream>, kernel: KernelSource, draw:
 }
 
 fn run_production(suite: &TypedSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    if let Err(e) = run_gate_suite(suite, run_config(suite.name, suite.cases, suite.seed), &stream, NSA_GATES) {
-        panic!("{}: {e}", suite.name);
-    }
+    run_typed_production(suite, NSA_GATES, run_gate_suite);
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! NSA's block selection (`attnproof_gpu::nsa::select`, E19, E32) on the device, end to end from the layer: the
 //! compression kernel makes `k̃` and `ṽ`, the dense forward over them (the compressed attention) gives `LSE_cmp`, and
 //! the selection kernels score the blocks and write the lists. The harness (`attnproof_harness::nsa_select`) holds the
-//! f32 scores to the derived bound of the exact scores of those inputs, the lists to the oracle's `select_blocks` on
-//! the kernel's own scores entry for entry, and every difference from the oracle's lists on the exact scores to the
-//! bound; outputs are poisoned and guarded, inputs checked unchanged, and the same input runs twice (A, B, A) for the
+//! f32 scores to the derived bound of the exact scores of those inputs and the lists to the oracle's `select_blocks` on
+//! the kernel's own scores entry for entry (the two together explain every difference from the oracle's lists on the
+//! exact scores by the bound); outputs are poisoned and guarded, inputs checked unchanged, and the same input runs twice (A, B, A) for the
 //! same bits.
 //!
 //! The suites draw [`selection_draws`]: the paper's configuration and fla-core's, short windows and blocks that do not
@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{SECOND_INPUT, default_run_config, run_config};
+use crate::property::{SECOND_INPUT, default_run_config, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
@@ -68,12 +68,13 @@ fn run_guarded<T: Storage>(
         .map_err(|e| e.to_string())
 }
 
-/// One draw: inputs A and B, the selection on A, B, A (A's two runs the same bits), both verdicts passing.
+/// One draw: inputs A and B, the selection on A, B, A (A's two runs the same bits), both verdicts passing; returns
+/// how many lists of the two verdicts end on a tie of the kernel's scores.
 fn check_selection<T: Storage>(
     stream: &Arc<CudaStream>,
     kernel: KernelSource,
     draw: &SelectionDraw,
-) -> Result<(), String> {
+) -> Result<usize, String> {
     let inputs = [
         selection_inputs::<T>(stream, draw, draw.seed)?,
         selection_inputs::<T>(stream, draw, draw.seed ^ SECOND_INPUT)?,
@@ -85,6 +86,7 @@ fn check_selection<T: Storage>(
     if bits(&first) != bits(&again) || first.lists != again.lists {
         return Err("the same input gave different scores or lists".into());
     }
+    let mut ties = 0;
     for (input, selection) in inputs.iter().zip([&first, &second]) {
         let verdict = verify_selection(
             &draw.layer,
@@ -98,8 +100,9 @@ fn check_selection<T: Storage>(
         if !verdict.passed() {
             return Err(verdict.failures.join("\n"));
         }
+        ties += verdict.boundary_ties;
     }
-    Ok(())
+    Ok(ties)
 }
 
 /// Runs a selection suite's draws under `config` through the kernel text `kernel` on `stream`; a failing draw comes
@@ -115,20 +118,24 @@ pub fn run_select_suite(
     };
     let fail = |e: String| TestCaseError::fail(e);
     if suite.bf16 {
-        run_described(config, selection_draws(), |d| check_selection::<bf16>(stream, kernel, d).map_err(fail), describe)
+        run_described(
+            config,
+            selection_draws(),
+            |d| check_selection::<bf16>(stream, kernel, d).map(drop).map_err(fail),
+            describe,
+        )
     } else {
-        run_described(config, selection_draws(), |d| check_selection::<f16>(stream, kernel, d).map_err(fail), describe)
+        run_described(
+            config,
+            selection_draws(),
+            |d| check_selection::<f16>(stream, kernel, d).map(drop).map_err(fail),
+            describe,
+        )
     }
 }
 
 fn run_production(suite: &TypedSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    if let Err(e) = run_select_suite(suite, run_config(suite.name, suite.cases, suite.seed), &stream, NSA_SELECT) {
-        panic!("{}: {e}", suite.name);
-    }
+    run_typed_production(suite, NSA_SELECT, run_select_suite);
 }
 
 #[test]
@@ -159,7 +166,11 @@ fn the_paper_layer_at_2048_tokens_selects_exactly() {
             seed: 0x006e_7361_7365_6c31,
             periodic_keys,
         };
-        check_selection::<bf16>(&stream, NSA_SELECT, &draw).unwrap_or_else(|e| panic!("{:?}: {e}", draw.layer));
+        let ties =
+            check_selection::<bf16>(&stream, NSA_SELECT, &draw).unwrap_or_else(|e| panic!("{:?}: {e}", draw.layer));
+        // Periodic keys make every block past the first score alike: the lists' boundaries are ties, resolved to
+        // the lower block (the verdict's list comparison), and the draw must really produce them.
+        assert!(!periodic_keys || ties > 0, "{:?}: periodic keys gave no tie at a list's boundary", draw.layer);
     }
 }
 
@@ -257,7 +268,7 @@ pub fn killing_cases() -> Vec<(&'static str, SelectionDraw)> {
 
 /// Runs the selection's kernel text `kernel` on a killing case; `Ok(())` when it passes.
 pub fn check_select_case(stream: &Arc<CudaStream>, kernel: KernelSource, case: &SelectionDraw) -> Result<(), String> {
-    check_selection::<bf16>(stream, kernel, case)
+    check_selection::<bf16>(stream, kernel, case).map(drop)
 }
 
 /// Small draws under compute-sanitizer (`run.sh sanitize`): a group of 3 at 130 tokens (tails of a 64-row CTA and

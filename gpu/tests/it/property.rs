@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
-use crate::common::kernel_spec;
+use crate::common::{TypedSuite, kernel_spec};
 use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::compile::{self, FLASH_BWD_SM90, ModuleVariant};
 use attnproof_gpu::flash::{KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM};
@@ -168,6 +168,27 @@ pub fn run_config(name: &str, cases: u32, seed: u64) -> Config {
         config.rng_seed = RngSeed::Fixed(seed);
     }
     config
+}
+
+/// Runs the production kernel `kernel` through `runner`, a typed suite's runner (the NSA suites'), on a fresh stream
+/// under the suite's [`run_config`]: skips without a device and panics with the failing draw.
+pub fn run_typed_production<E: std::fmt::Display>(
+    suite: &TypedSuite,
+    kernel: attnproof_gpu::compile::KernelSource,
+    runner: impl FnOnce(
+        &TypedSuite,
+        Config,
+        &std::sync::Arc<cudarc::driver::CudaStream>,
+        attnproof_gpu::compile::KernelSource,
+    ) -> Result<(), E>,
+) {
+    let Some(ctx) = attnproof_gpu::skip_unless_gpu(suite.name) else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    if let Err(e) = runner(suite, run_config(suite.name, suite.cases, suite.seed), &stream, kernel) {
+        panic!("{}: {e}", suite.name);
+    }
 }
 
 /// The draws of a GPU suite's run without any `PROPTEST_*` override (as CI and `run.sh` run it): the suite's own case

@@ -371,7 +371,7 @@ fn check_nsa<T: Element>(x: &[Array3<T>; 4], sel: &Array3<i32>, block: usize) ->
     let r = recipe::<T>(block);
     for kv in 0..hkv {
         let heads = kv * g..(kv + 1) * g;
-        let case = nsa_group_case(q.view(), k.view(), v.view(), sel.view(), kv, block);
+        let case = nsa_group_case(q.view(), k.view(), v.view(), sel.view(), kv, block, Scale::InverseSqrtHeadDim);
         let o_sub = heads_of(o.view().into_dyn(), 1, heads.clone());
         let lse_sub = heads_of(lse.view().into_dyn(), 0, heads.clone());
         let verdict = verify_nsa_group_forward(&case, sel.view(), kv, block, r, o_sub.view(), lse_sub.view());
@@ -785,7 +785,8 @@ fn the_predicate_encodings_match_the_oracles_sparse_functions() {
     )
     .expect("valid");
     for kv in 0..hkv {
-        let case = nsa_group_case(x[0].view(), x[1].view(), x[2].view(), sel.view(), kv, block);
+        let case =
+            nsa_group_case(x[0].view(), x[1].view(), x[2].view(), sel.view(), kv, block, Scale::InverseSqrtHeadDim);
         let [cq, ck, cv] = case.widened().map(|t| mp(&t));
         let f = forward(&case.spec, Qkv { q: cq.view(), k: ck.view(), v: cv.view() }, DenseConfig::default(), prec)
             .expect("valid");

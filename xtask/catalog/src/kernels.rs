@@ -54,6 +54,14 @@ const NSA_SELECT: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of NSA's selected attention (`nsa_selected.cu`: the union walk over the CTA's tokens'
+/// block lists), launched in-process on a device with selected-attention killing cases.
+const NSA_SELECTED: Mutant = Mutant {
+    file: "gpu/kernels/nsa_selected.cu",
+    runner: Runner::KernelText { kernel: "nsa_selected", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -204,8 +212,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-fwd-only-first-warp-writes",
         description: "Only warp 0 stores its rows (the others' stay NaN-poisoned)",
-        find: "if (row >= cta.rows_here) continue;",
-        replace: "if (row >= cta.rows_here || wrow > 0) continue;",
+        find: "if (!rows.place(row, at)) continue;",
+        replace: "if (!rows.place(row, at) || wrow > 0) continue;",
         ..FORWARD_COMMON
     },
     Mutant {
@@ -748,6 +756,71 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int n_tiles = (visible + SEL_WINDOWS - 1) / SEL_WINDOWS;",
         replace: "const int n_tiles = visible / SEL_WINDOWS;",
         ..NSA_SELECT
+    },
+    // --- nsa_selected.cu (NSA's selected attention), launched on a device ---
+    Mutant {
+        name: "gpu-nsa-selected-list-entry-skipped",
+        description: "After a block its listing rows step two entries on: every other listed block is lost",
+        find: "if (member_a) after_a = list_a[ptr_a + 1];",
+        replace: "if (member_a) after_a = list_a[min(ptr_a + 2, n)];",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-unlisted-rows-attend",
+        description: "Every row attends to every block of the union, listed by its token or not (a neighbour's block leaks)",
+        find: "const ListedDiagonals diag{member_a ? token_a : -1, member_b ? token_b : -1};",
+        replace: "const ListedDiagonals diag{token_a, token_b};",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-sees-the-next-token",
+        description: "The causal mask inside a listed block lets each token see the token after it",
+        find: "const ListedDiagonals diag{member_a ? token_a : -1, member_b ? token_b : -1};",
+        replace: "const ListedDiagonals diag{member_a ? token_a + 1 : -1, member_b ? token_b + 1 : -1};",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-block-end-ignored",
+        description: "A tile runs to the sequence's end instead of its block's: a short block's tile takes in the next \
+                      block's keys",
+        find: "const int key_end = min(block * lb + lb, len);",
+        replace: "const int key_end = len;",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-last-tile-of-block-skipped",
+        description: "A block of several tiles ends one tile early",
+        find: "const bool last_of_block = key0 + SLC_KEYS >= key_end;",
+        replace: "const bool last_of_block = key0 + 2 * SLC_KEYS >= key_end;",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-second-rows-ignored-by-the-skip",
+        description: "A warp skips a tile unless one of its first eight rows lists the block",
+        find: "const bool warp_attends = __any_sync(0xffffffffu, member_a || member_b);",
+        replace: "const bool warp_attends = __any_sync(0xffffffffu, member_a);",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-union-of-warp-zero",
+        description: "The union's next block is the first warp's alone: blocks only other warps' tokens list are lost",
+        find: "for (int w = 1; w < SLC_THREADS / 32; ++w) next_block = min(next_block, warp_next[parity][w]);",
+        replace: "",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-diagonal-tile-unmasked",
+        description: "The mask-free path also takes the tile that holds a row's own token (its future keys leak)",
+        find: "const bool sees_all_a = !valid_a || (member_a && key0 + SLC_KEYS - 1 <= token_a);",
+        replace: "const bool sees_all_a = !valid_a || (member_a && key0 <= token_a);",
+        ..NSA_SELECTED
+    },
+    Mutant {
+        name: "gpu-nsa-selected-output-head-of-the-token-index",
+        description: "Rows are written to the head of their token index in the CTA instead of their head in the group",
+        find: "out.head = first_head + row % group;",
+        replace: "out.head = first_head + (row / group) % group;",
+        ..NSA_SELECTED
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
