@@ -12,9 +12,15 @@ dO, the forward inside the timed region).
 
 Ours: the rows of `bench --nsa` (compression, the compressed attention's forward, the selection, the selected
 attention's forward), summed: the forward of the same two branches without the gates (a row-wise pass over O that
-costs well under a millisecond). Our backward is not on the GPU yet, so only the forward has a ratio.
+costs well under a millisecond), at fla-core's configuration (`nsa64-*` rows: windows of 64 every 64 tokens, the
+comparison at equal work, and the ratio) and at the paper's (`nsa-*`: windows of 32 every 16, four times the
+compressed keys). Our backward is not on the GPU yet, so only the forward has a ratio.
 
-Usage: python3 bench/nsa_peers.py --ours nsa.csv [--reps 20] [--warmup 3] [--csv peers.csv]
+With --window, fla-core's missing window branch is timed through FlexAttention (window 512, GQA), and the whole
+layer's forward (fla-core + Flex) is compared with ours (compression, selection and window branches and the gates,
+`bench --nsa`'s rows at fla's configuration).
+
+Usage: python3 bench/nsa_peers.py --ours nsa.csv [--window] [--reps 20] [--warmup 3] [--csv peers.csv]
 """
 
 import argparse
@@ -27,7 +33,30 @@ import torch
 from peers import SETS, median_ms
 
 SHAPES = [(16384, 64, 4), (65536, 64, 4)]
+WINDOW = 512
 D = 128
+
+
+def window_through_flex(t, hq, hkv, sets, args):
+    """FlexAttention's sliding-window causal attention (window 512, GQA) on the sets' q, k, v, `[B, H, T, D]` copies
+    made before timing: forward and forward + backward ms."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mask = create_block_mask(lambda b, h, q, k: (q >= k) & (q - k < WINDOW), None, None, t, t, device="cuda")
+    heads_first = [tuple(x.transpose(1, 2).contiguous() for x in s[:3]) + (s[5].transpose(1, 2).contiguous(),)
+                   for s in sets]
+
+    def forward(q, k, v, _d_out):
+        return compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+    def forward_backward(q, k, v, d_out):
+        leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        return torch.autograd.grad(forward(*leaves, d_out), leaves, d_out)
+
+    with torch.no_grad():
+        fwd = median_ms(forward, heads_first, args.reps, args.warmup)
+    return fwd, median_ms(forward_backward, heads_first, args.reps, args.warmup)
 
 
 def read_ours(path):
@@ -45,6 +74,8 @@ def main():
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--csv")
+    parser.add_argument("--window", action="store_true",
+                        help="also time the window branch through FlexAttention (torch.compile: a minute per shape)")
     args = parser.parse_args()
     ours = read_ours(args.ours)
     try:
@@ -53,7 +84,8 @@ def main():
         print(f"fla-core did not load: {e}", file=sys.stderr)
         return 1
     rows = []
-    print("T,Hq,Hkv,fla fwd ms,fla fwd+bwd ms,ours fwd ms (compress+cmp-fwd+select+selected-fwd),fla/ours fwd")
+    print("T,Hq,Hkv,fla fwd ms,fla fwd+bwd ms,ours fwd ms at fla's l=s=64,fla/ours fwd,ours fwd ms at the paper's l=32 s=16,"
+          "Flex window fwd ms,Flex window fwd+bwd ms,ours window+gates fwd ms,layer fwd fla+Flex / ours")
     for t, hq, hkv in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(t)
 
@@ -79,16 +111,25 @@ def main():
             fwd = median_ms(forward, sets, args.reps, args.warmup)
         both = median_ms(forward_backward, sets, args.reps, args.warmup)
         shape = f"(1,{hq},{t},{D})"
-        parts = [ours.get((shape, d)) for d in ("nsa-compress", "nsa-cmp-fwd", "nsa-select", "nsa-selected-fwd")]
-        total = sum(parts) if all(p is not None for p in parts) else float("nan")
-        line = [t, hq, hkv, round(fwd, 3), round(both, 3), round(total, 3), round(fwd / total, 2)]
+        def forward_total(prefix):
+            parts = [ours.get((shape, f"{prefix}-{piece}")) for piece in ("compress", "cmp-fwd", "select", "selected-fwd")]
+            return sum(parts) if all(p is not None for p in parts) else float("nan")
+
+        equal_work, paper = forward_total("nsa64"), forward_total("nsa")
+        # The window branch fla-core would take from flash-attn (not installed): FlexAttention, window 512, GQA.
+        win_fwd, win_both = window_through_flex(t, hq, hkv, sets, args) if args.window else (float("nan"),) * 2
+        window_gates = sum(ours.get((shape, d), float("nan")) for d in ("nsa-window-fwd", "nsa-gates"))
+        layer_ratio = (fwd + win_fwd) / (equal_work + window_gates)
+        line = [t, hq, hkv, round(fwd, 3), round(both, 3), round(equal_work, 3), round(fwd / equal_work, 2), round(paper, 3),
+                round(win_fwd, 3), round(win_both, 3), round(window_gates, 3), round(layer_ratio, 2)]
         rows.append(line)
         print(",".join(str(x) for x in line))
         del sets
         torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
-            f.write("T,Hq,Hkv,fla_fwd_ms,fla_fwd_bwd_ms,ours_fwd_ms,fla_over_ours_fwd\n")
+            f.write("T,Hq,Hkv,fla_fwd_ms,fla_fwd_bwd_ms,ours_fwd_ms_l64,fla_over_ours_fwd,ours_fwd_ms_paper,"
+                    "flex_window_fwd_ms,flex_window_fwd_bwd_ms,ours_window_gates_fwd_ms,layer_fwd_ratio\n")
             for line in rows:
                 f.write(",".join(str(x) for x in line) + "\n")
     return 0

@@ -44,15 +44,17 @@
 //! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
 //! out the block-sparse forward and backward rows.
 //!
-//! `--nsa` times NSA's pieces instead (`attnproof_gpu::nsa`, the paper's configuration: windows of 32 every 16
-//! tokens, 64-token blocks, 16 per list with the first and two local ones forced) at B = 1, T = 16K and 64K, D = 128,
+//! `--nsa` times NSA's pieces instead (`attnproof_gpu::nsa`) at two configurations, the paper's (directions `nsa-*`:
+//! windows of 32 every 16 tokens) and fla-core's (`nsa64-*`: non-overlapping windows of 64), both with 64-token
+//! blocks, 16 per list with the first and two local ones forced, at B = 1, T = 16K and 64K, D = 128,
 //! 64 query heads over 4 KV heads (group 16, fla-core's benchmark) and 16 over 4 (group 4): the compression of K and V
 //! (direction `nsa-compress`), the compressed attention's forward (`nsa-cmp-fwd`, the dense forward under the strided
 //! causal mask; FLOPs `4·d·Hq·Σ_t W(t)` over the windows each token sees) and the selection (`nsa-select`: block
 //! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
 //! products only), and the selected attention's forward over those lists (`nsa-selected-fwd`; FLOPs `4·d·Hq` times
 //! the keys the lists show each token, up to its own: the visible work, not the masked products the kernel also
-//! does). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
+//! does), then once per shape the sliding-window branch (`nsa-window-fwd`, the dense forward under
+//! `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
 //! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu`,
 //! and whether its output equals the embedded kernel's bit for bit.
 
@@ -71,8 +73,10 @@ use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM9
 use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv_device};
 use attnproof_gpu::nsa::compressed::compressed_spec;
+use attnproof_gpu::nsa::gates::{GateBranches, NSA_GATES, gate_combine_device, gate_logits_shape};
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED};
+use attnproof_gpu::nsa::window::window_spec;
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::NsaConfig;
@@ -599,103 +603,164 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
 /// NSA's rows (see the module docs): (T, Hq, Hkv) at D = 128.
 const NSA_SHAPES: [(usize, usize, usize); 4] = [(16384, 64, 4), (65536, 64, 4), (16384, 16, 4), (65536, 16, 4)];
 
+/// NSA's configurations the rows are timed at, with their rows' direction prefix: the paper's (windows of 32 every
+/// 16 tokens) and fla-core's (non-overlapping windows of 64, so a block's score is one window's), both with 64-token
+/// blocks, 16 per list, the first and two local ones forced.
+fn nsa_configs() -> [(&'static str, NsaConfig); 2] {
+    let paper = NsaConfig::default();
+    let fla = NsaConfig { compress_len: 64, compress_stride: 64, ..NsaConfig::default() };
+    [("nsa", paper), ("nsa64", fla)]
+}
+
 fn run_nsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
-    let config = NsaConfig::default();
     let d = BLOCK_SPARSE_DIM;
-    let e = |e: attnproof_gpu::GpuError| e.to_string();
     for (l, hq, hkv) in NSA_SHAPES {
         let layer = AttentionSpec::dense(1, hq, hkv, l, l, d, d).with_mask(Mask::Causal);
-        let compressed = compressed_spec(&layer, &config).map_err(e)?;
         let (mut q, mut k, mut v) = (vec![], vec![], vec![]);
         for s in 0..SETS as u64 {
             q.push(upload(stream, hq * l * d, 3 * s + 1)?);
             k.push(upload(stream, hkv * l * d, 3 * s + 2)?);
             v.push(upload(stream, hkv * l * d, 3 * s + 3)?);
         }
-        let count = |op: Operand| compressed.expected_shape(op).iter().product::<usize>();
-        let (mut k_cmp, mut v_cmp) = (alloc(stream, count(Operand::K))?, alloc(stream, count(Operand::V))?);
-        let mut o_cmp = alloc(stream, count(Operand::O))?;
-        let mut lse = stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?;
-        let shape = format!("\"(1,{hq},{l},{d})\",true");
-        let ms = median_ms(stream, opts, |s| {
-            compress_kv_device(stream, &layer, &config, NSA_COMPRESS, &k[s], &v[s], &mut k_cmp, &mut v_cmp).map_err(e)
-        })?;
-        emit(out, format!("{shape},nsa-compress,hkv{hkv},1,{ms:.4},0.0\n"));
-        // The windows each token sees, summed: the compressed products' length.
-        let seen: f64 =
-            (0..l).map(|t| strided_causal_keys(t, config.compress_len, config.compress_stride) as f64).sum();
-        let score_flops = 2.0 * (d * hq) as f64 * seen;
-        let ms = median_ms(stream, opts, |s| {
-            flash_forward_device(stream, &compressed, &q[s], &k_cmp, &v_cmp, &mut o_cmp, &mut lse).map_err(e)
-        })?;
-        emit(out, format!("{shape},nsa-cmp-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.0 * score_flops / ms / 1e9));
-        let mut scores = stream
-            .alloc_zeros::<f32>(nsa_select::scores_shape(&layer, &config).map_err(e)?.iter().product())
-            .map_err(|e| e.to_string())?;
-        let mut lists = stream
-            .alloc_zeros::<i32>(nsa_select::lists_shape(&layer, &config).iter().product())
-            .map_err(|e| e.to_string())?;
-        let mut embedded_lists = None;
-        for kernel in std::iter::once(NSA_SELECT).chain(opts.nsa_select_sources.iter().copied()) {
-            let ms = median_ms(stream, opts, |s| {
-                nsa_select::select_device(stream, &layer, &config, kernel, &q[s], &k_cmp, &lse, &mut scores, &mut lists)
-                    .map_err(e)
-            })?;
-            let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
-            let suffix = source_suffix(kernel, embedded_lists.is_none());
-            match &embedded_lists {
-                None => embedded_lists = Some(got),
-                Some(want) => eprintln!(
-                    "T = {l}, Hq = {hq}, selection{suffix}: lists equal the embedded kernel's: {}",
-                    *want == got
-                ),
-            }
-            let default = u8::from(suffix.is_empty());
-            emit(out, format!("{shape},nsa-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9));
+        for (prefix, config) in nsa_configs() {
+            run_nsa_config(opts, stream, out, &layer, (prefix, &config), [&q, &k, &v])?;
         }
-        // The selected attention over the embedded selection's lists, with the FLOPs of the keys the lists show each
-        // row (the work fla-core's kernel does too); the output stays in its own buffers, so `LSE_cmp` stays intact.
-        let lists_host = embedded_lists.expect("the embedded selection ran first");
-        let lists = stream.clone_htod(&lists_host).map_err(|e| e.to_string())?;
-        let selected_flops = 4.0 * (d * hq / hkv) as f64 * selected_keys(&lists_host, &config, l, hkv) as f64;
-        let (mut o_slc, mut lse_slc) = (
-            alloc(stream, count(Operand::O))?,
-            stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?,
-        );
-        let mut embedded_out = None;
-        for kernel in std::iter::once(NSA_SELECTED).chain(opts.nsa_selected_sources.iter().copied()) {
-            let ms = median_ms(stream, opts, |s| {
-                nsa_selected::selected_device(
-                    stream,
-                    &layer,
-                    &config,
-                    kernel,
-                    (&q[s], &k[s], &v[s]),
-                    &lists,
-                    &mut o_slc,
-                    &mut lse_slc,
-                )
+        run_nsa_window_and_gates(opts, stream, out, &layer, [&q, &k, &v])?;
+    }
+    Ok(())
+}
+
+/// The rows every configuration shares: the sliding-window branch (`nsa-window-fwd`: the dense forward under
+/// `window_spec`, window 512; FLOPs `4·d·Hq` per visible pair) and the gated sum of the three branch outputs
+/// (`nsa-gates`: one pass over four `[T, Hq, dv]` tensors).
+fn run_nsa_window_and_gates(
+    opts: &Options,
+    stream: &Arc<CudaStream>,
+    out: &mut String,
+    layer: &AttentionSpec,
+    [q, k, v]: [&Vec<CudaSlice<bf16>>; 3],
+) -> Result<(), String> {
+    let e = |e: attnproof_gpu::GpuError| e.to_string();
+    let config = NsaConfig::default();
+    let (d, hq, hkv, l) = (layer.head_dim, layer.n_heads_q, layer.n_heads_kv, layer.sequences()[0].len_q);
+    let shape = format!("\"(1,{hq},{l},{d})\",true");
+    let window = window_spec(layer, &config).map_err(e)?;
+    let count = |op: Operand| layer.expected_shape(op).iter().product::<usize>();
+    let mut o_win = alloc(stream, count(Operand::O))?;
+    let mut lse = stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?;
+    let ms = median_ms(stream, opts, |s| {
+        flash_forward_device(stream, &window, &q[s], &k[s], &v[s], &mut o_win, &mut lse).map_err(e)
+    })?;
+    let pairs: f64 = (0..l).map(|t| (t + 1).min(config.window) as f64).sum();
+    emit(out, format!("{shape},nsa-window-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 4.0 * (d * hq) as f64 * pairs / ms / 1e9));
+    // The branch outputs are the window output three times (their values do not change the time).
+    let logits = alloc(stream, gate_logits_shape(layer).iter().product())?;
+    let mut o = alloc(stream, count(Operand::O))?;
+    let branches = GateBranches { compressed: &o_win, selected: &o_win, window: &o_win };
+    let ms = median_ms(stream, opts, |_| {
+        gate_combine_device(stream, layer, NSA_GATES, branches, &logits, &mut o).map_err(e)
+    })?;
+    emit(out, format!("{shape},nsa-gates,hkv{hkv},1,{ms:.4},0.0\n"));
+    Ok(())
+}
+
+/// NSA's rows of one layer under one configuration (directions `{prefix}-compress`, ...), on the input sets `q`, `k`,
+/// `v`.
+fn run_nsa_config(
+    opts: &Options,
+    stream: &Arc<CudaStream>,
+    out: &mut String,
+    layer: &AttentionSpec,
+    (prefix, config): (&str, &NsaConfig),
+    [q, k, v]: [&Vec<CudaSlice<bf16>>; 3],
+) -> Result<(), String> {
+    let e = |e: attnproof_gpu::GpuError| e.to_string();
+    let (d, hq, hkv, l) = (layer.head_dim, layer.n_heads_q, layer.n_heads_kv, layer.sequences()[0].len_q);
+    let compressed = compressed_spec(layer, config).map_err(e)?;
+    let count = |op: Operand| compressed.expected_shape(op).iter().product::<usize>();
+    let (mut k_cmp, mut v_cmp) = (alloc(stream, count(Operand::K))?, alloc(stream, count(Operand::V))?);
+    let mut o_cmp = alloc(stream, count(Operand::O))?;
+    let mut lse = stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?;
+    let shape = format!("\"(1,{hq},{l},{d})\",true");
+    let ms = median_ms(stream, opts, |s| {
+        compress_kv_device(stream, layer, config, NSA_COMPRESS, &k[s], &v[s], &mut k_cmp, &mut v_cmp).map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-compress,hkv{hkv},1,{ms:.4},0.0\n"));
+    // The windows each token sees, summed: the compressed products' length.
+    let seen: f64 = (0..l).map(|t| strided_causal_keys(t, config.compress_len, config.compress_stride) as f64).sum();
+    let score_flops = 2.0 * (d * hq) as f64 * seen;
+    let ms = median_ms(stream, opts, |s| {
+        flash_forward_device(stream, &compressed, &q[s], &k_cmp, &v_cmp, &mut o_cmp, &mut lse).map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-cmp-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.0 * score_flops / ms / 1e9));
+    let mut scores = stream
+        .alloc_zeros::<f32>(nsa_select::scores_shape(layer, config).map_err(e)?.iter().product())
+        .map_err(|e| e.to_string())?;
+    let mut lists = stream
+        .alloc_zeros::<i32>(nsa_select::lists_shape(layer, config).iter().product())
+        .map_err(|e| e.to_string())?;
+    let mut embedded_lists = None;
+    for kernel in std::iter::once(NSA_SELECT).chain(opts.nsa_select_sources.iter().copied()) {
+        let ms = median_ms(stream, opts, |s| {
+            nsa_select::select_device(stream, layer, config, kernel, &q[s], &k_cmp, &lse, &mut scores, &mut lists)
                 .map_err(e)
-            })?;
-            // Every text ran the same sets in the same order, so the last outputs are of the same inputs.
-            let got = stream.clone_dtoh(&o_slc).map_err(|e| e.to_string())?;
-            let suffix = source_suffix(kernel, embedded_out.is_none());
-            match &embedded_out {
-                None => embedded_out = Some(got),
-                Some(want) => eprintln!(
-                    "T = {l}, Hq = {hq}, selected attention{suffix}: output equals the embedded kernel's bit for bit: {}",
-                    want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits())
-                ),
+        })?;
+        let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+        let suffix = source_suffix(kernel, embedded_lists.is_none());
+        match &embedded_lists {
+            None => embedded_lists = Some(got),
+            Some(want) => {
+                eprintln!("T = {l}, Hq = {hq}, selection{suffix}: lists equal the embedded kernel's: {}", *want == got)
             }
-            let default = u8::from(suffix.is_empty());
-            emit(
-                out,
-                format!(
-                    "{shape},nsa-selected-fwd,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n",
-                    selected_flops / ms / 1e9
-                ),
-            );
         }
+        let default = u8::from(suffix.is_empty());
+        emit(
+            out,
+            format!("{shape},{prefix}-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9),
+        );
+    }
+    // The selected attention over the embedded selection's lists, with the FLOPs of the keys the lists show each
+    // row (the work fla-core's kernel does too); the output stays in its own buffers, so `LSE_cmp` stays intact.
+    let lists_host = embedded_lists.expect("the embedded selection ran first");
+    let lists = stream.clone_htod(&lists_host).map_err(|e| e.to_string())?;
+    let selected_flops = 4.0 * (d * hq / hkv) as f64 * selected_keys(&lists_host, config, l, hkv) as f64;
+    let (mut o_slc, mut lse_slc) = (
+        alloc(stream, count(Operand::O))?,
+        stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?,
+    );
+    let mut embedded_out = None;
+    for kernel in std::iter::once(NSA_SELECTED).chain(opts.nsa_selected_sources.iter().copied()) {
+        let ms = median_ms(stream, opts, |s| {
+            nsa_selected::selected_device(
+                stream,
+                layer,
+                config,
+                kernel,
+                (&q[s], &k[s], &v[s]),
+                &lists,
+                &mut o_slc,
+                &mut lse_slc,
+            )
+            .map_err(e)
+        })?;
+        // Every text ran the same sets in the same order, so the last outputs are of the same inputs.
+        let got = stream.clone_dtoh(&o_slc).map_err(|e| e.to_string())?;
+        let suffix = source_suffix(kernel, embedded_out.is_none());
+        match &embedded_out {
+            None => embedded_out = Some(got),
+            Some(want) => eprintln!(
+                "T = {l}, Hq = {hq}, selected attention{suffix}: output equals the embedded kernel's bit for bit: {}",
+                want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits())
+            ),
+        }
+        let default = u8::from(suffix.is_empty());
+        emit(
+            out,
+            format!(
+                "{shape},{prefix}-selected-fwd,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n",
+                selected_flops / ms / 1e9
+            ),
+        );
     }
     Ok(())
 }
