@@ -2,8 +2,9 @@
 """Times fla-core's NSA (`fla.ops.nsa.parallel_nsa`, pure Triton) and prints it beside our NSA pieces from
 `bench --nsa`.
 
-fla-core 0.6.0 is carried to the GPU machine as a wheel (with einops; see /work/.library/device/README.md for how);
-its window branch imports `flash-attn`, which is not installed, so it runs with `g_swa=None, window_size=0`: the
+fla-core 0.6.0 must be importable (a machine without network takes it and einops as wheels:
+`pip download fla-core==0.6.0 einops` where there is network, `pip install --no-index --target DIR *.whl` and
+`PYTHONPATH=DIR` there); its window branch imports `flash-attn`, which is not installed, so it runs with `g_swa=None, window_size=0`: the
 compressed and selected branches, with its own compression (non-overlapping 64-token blocks) and its own selection
 (top-16 of 64-token blocks). It needs the query-head group to be a power of two of at least 16, so only the group-16
 rows have a peer. Method as bench/peers.py: bf16 inputs at random, three input sets cycled, untimed warm-up, the

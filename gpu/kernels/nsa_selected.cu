@@ -5,9 +5,10 @@
 // list names (lists [token rows, Hkv, n] i32 from nsa_select.cu's nsa_top_n or from the caller: ascending, −1-padded),
 // with one softmax over all of them; outputs O (the layer's layout) and LSE.
 //
-// One CTA of four warps per (⌊64/G⌋ consecutive tokens, KV head, sequence), whose 64 rows are the pairs (token, query
-// head of the group), token-major as in nsa_select.cu: a warp's 16 rows are one token's heads at G = 16, four tokens'
-// at G = 4, and every group size from 1 to 64 fits (G ∤ 64 leaves the remainder rows idle). The CTA walks the union of
+// One CTA of SLC_ROWS / 16 warps per (⌊SLC_ROWS/G⌋ consecutive tokens, KV head, sequence), whose SLC_ROWS rows are the
+// pairs (token, query head of the group), token-major as in nsa_select.cu: with 64 rows a warp's 16 rows are one
+// token's heads at G = 16, four tokens' at G = 4, and every group size from 1 to 64 fits (G ∤ 64 leaves the remainder
+// rows idle); with SLC_ROWS = G (16, 32, 48 or 64) a CTA owns one token and its walk is that token's list. The CTA walks the union of
 // its tokens' lists in ascending block order, each block in tiles of 64 keys starting at the block's first token, so
 // each K and V tile is loaded once for all the group's heads and all the CTA's tokens (E31's shared block tile). A
 // row attends to a tile only if its token lists the block: for the others the tile is fully masked, which leaves
@@ -25,7 +26,7 @@
 // not below the sequence's block count, so no list can send the kernel out of its sequence's keys or into a loop.
 //
 // Compile-time parameters: ELEM_BF16 or ELEM_F16; HEAD_DIM_PAD and HEAD_DIM_V_PAD, d and dv rounded up to a multiple
-// of 16, as in flash_fwd.cu.
+// of 16, as in flash_fwd.cu; SLC_ROWS, the rows per CTA (default 64).
 //
 // Arguments: Q, K, V, O, LSE, the lists, cu_seqlens of the queries and keys, and NsaSelectParams (common.cuh) whose
 // FlashParams is the layer's problem (causal self-attention) and whose select_block, n_selected, n_heads_kv,
@@ -38,14 +39,17 @@
 #error "define HEAD_DIM_V_PAD"
 #endif
 
-#define SLC_ROWS 64                          // (token, head) rows per CTA
-#define SLC_THREADS 128                      // four warps of 16 rows
+#ifndef SLC_ROWS
+#define SLC_ROWS 64                          // (token, head) rows per CTA: 16, 32, 48 or 64
+#endif
+#define SLC_THREADS (2 * SLC_ROWS)           // a warp per 16 rows
 #define SLC_KEYS 64                          // keys per tile
 #define SLC_QK_STRIDE (HEAD_DIM_PAD + 8)     // shared row strides in elements (the padding spreads banks)
 #define SLC_V_STRIDE (HEAD_DIM_V_PAD + 8)
 #define SLC_N_TILES_O (HEAD_DIM_V_PAD / 8)
 #define LIST_END 0x7fffffff                  // past a list's last entry: above every block
 
+static_assert(SLC_ROWS % 16 == 0 && SLC_ROWS >= 16 && SLC_ROWS <= 64, "SLC_ROWS must be 16, 32, 48 or 64");
 static_assert(HEAD_DIM_PAD % 16 == 0 && HEAD_DIM_PAD <= 256, "HEAD_DIM_PAD must be a multiple of 16 up to 256");
 static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 16 up to 256");
 

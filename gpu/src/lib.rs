@@ -65,6 +65,7 @@ pub fn module_variants<T: GpuElement>(
     let bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD)?;
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
+    let selected_rows = |rows_per_cta| nsa::selected::SelectedTiling { rows_per_cta };
     // The sm_90a forward, where the spec's head dims suit it (its block-sparse mode is what the wrappers launch).
     let sm90 = flash::forward_defines::<T>(spec, ForwardTiling::WGMMA, compile::FLASH_FWD_SM90).ok();
     let sm90_bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD_SM90).ok();
@@ -85,7 +86,9 @@ pub fn module_variants<T: GpuElement>(
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
         variant(nsa::select::NSA_SELECT, nsa::select::select_defines::<T>(spec.head_dim)),
-        variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec)),
+        // The default CTAs of 48 rows and the 64 rows of groups above 48.
+        variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(48))),
+        variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(64))),
     ]
     .into_iter()
     .chain(sm90_variants)

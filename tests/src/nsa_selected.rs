@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::select::lists_shape;
-use attnproof_gpu::nsa::selected::{selected_device, selected_spec, tile_keys, visited_tiles};
+use attnproof_gpu::nsa::selected::{SelectedTiling, selected_device_with, selected_spec, tile_keys, visited_tiles};
 use attnproof_oracle::nsa::{NsaConfig, selection_blocks};
 use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
@@ -61,6 +61,8 @@ pub struct SelectedDraw {
     pub seed: u64,
     /// How the lists are made.
     pub lists: ListMix,
+    /// The CTAs' rows (`None`: the group's default, [`SelectedTiling::for_group`]).
+    pub tiling: Option<SelectedTiling>,
 }
 
 /// A small xorshift64 stream for the lists (no random-number dependency).
@@ -142,7 +144,8 @@ pub fn selected_lists(draw: &SelectedDraw) -> Array3<i32> {
 /// (several tiles); lists of 1 to 32 (16 often, up to 4 now and then); lengths from none through a tile and a block ± 1
 /// to 700 (more blocks than a list holds);
 /// GQA groups 1–16 over one or two KV heads, and 24, 32 or 64 now and then (one token per CTA at 64); E31's head dims
-/// and others; the configuration's scale `1/√d` or another; every list kind, and now and then every block listed.
+/// and others; the configuration's scale `1/√d` or another; every list kind, and now and then every block listed;
+/// the group's default tiling half the time, else any tiling that holds the group (unions of 1 to 64 tokens).
 pub fn selected_draws() -> impl Strategy<Value = SelectedDraw> {
     let block = prop_oneof![4 => Just(64usize), 1 => prop::sample::select(vec![8usize, 16, 32, 48, 128, 192])];
     let width = prop_oneof![2 => Just(16usize), 1 => 1usize..=4, 3 => 1usize..=32];
@@ -165,9 +168,10 @@ pub fn selected_draws() -> impl Strategy<Value = SelectedDraw> {
                 self_attention_layout(length),
                 crate::strategies::profile(),
                 any::<u64>(),
+                prop::option::weighted(0.5, any::<prop::sample::Index>()),
             )
         })
-        .prop_map(|((block, width, dims, heads, scale, mix), layout, profile, seed)| {
+        .prop_map(|((block, width, dims, heads, scale, mix), layout, profile, seed, tiling)| {
             let layer = causal_layer(layout, heads, dims);
             // Every list names every block when the width covers the longest sequence's blocks.
             let most_blocks = layer.sequences().iter().map(|s| s.len_q.div_ceil(block)).max().unwrap_or(0);
@@ -180,7 +184,8 @@ pub fn selected_draws() -> impl Strategy<Value = SelectedDraw> {
                 scale,
                 ..NsaConfig::default()
             };
-            SelectedDraw { layer, config, profile, seed, lists: mix }
+            let tiling = tiling.map(|i| *i.get(&SelectedTiling::for_group_all(heads.0 / heads.1)));
+            SelectedDraw { layer, config, profile, seed, lists: mix, tiling }
         })
 }
 
@@ -191,18 +196,18 @@ pub fn selected_case<T: Storage>(draw: &SelectedDraw, seed: u64) -> Case<T> {
     crate::generate::make_case::<T>(&spec, draw.profile, seed)
 }
 
-/// One launch of the selected attention's kernel text `kernel` on `case` (its spec the branch's) with `lists`,
+/// One launch of the selected attention's kernel text and tiling `launch` on `case` (its spec the branch's) with `lists`,
 /// outputs NaN-poisoned and guarded, inputs (lists included) checked unchanged.
 pub fn selected_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     config: &NsaConfig,
-    kernel: KernelSource,
+    launch: (KernelSource, Option<SelectedTiling>),
     case: &Case<T>,
     lists: &Array3<i32>,
 ) -> Result<ForwardRun<T>, LaunchError> {
     let device_lists = upload(stream, &lists.clone().into_dyn())?;
     let run = forward_guarded_with(stream, case, |q, k, v, o, lse| {
-        selected_device(stream, &case.spec, config, kernel, (q, k, v), &device_lists, o, lse)
+        selected_device_with(stream, &case.spec, config, launch, (q, k, v), &device_lists, o, lse)
     })?;
     let back = stream.clone_dtoh(&device_lists).map_err(|e| LaunchError::Driver(e.to_string()))?;
     stream.synchronize().map_err(|e| LaunchError::Driver(e.to_string()))?;
@@ -244,6 +249,7 @@ mod tests {
             profile: crate::generate::ValueProfile::GAUSSIAN,
             seed: 11,
             lists,
+            tiling: None,
         }
     }
 

@@ -53,10 +53,11 @@
 //! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
 //! products only), and the selected attention's forward over those lists (`nsa-selected-fwd`; FLOPs `4·d·Hq` times
 //! the keys the lists show each token, up to its own: the visible work, not the masked products the kernel also
-//! does), then once per shape the sliding-window branch (`nsa-window-fwd`, the dense forward under
+//! does; at every tiling that holds the group, `-r16` ... `-r64` in the tiling column, the default one marked), then
+//! once per shape the sliding-window branch (`nsa-window-fwd`, the dense forward under
 //! `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
-//! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu`,
-//! and whether its output equals the embedded kernel's bit for bit.
+//! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu` (at
+//! the default tiling), and whether its output equals the embedded kernel's bit for bit.
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -75,7 +76,7 @@ use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv_device};
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::gates::{GateBranches, NSA_GATES, gate_combine_device, gate_logits_shape};
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
-use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED};
+use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED, SelectedTiling};
 use attnproof_gpu::nsa::window::window_spec;
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
@@ -728,14 +729,22 @@ fn run_nsa_config(
         alloc(stream, count(Operand::O))?,
         stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?,
     );
-    let mut embedded_out = None;
-    for kernel in std::iter::once(NSA_SELECTED).chain(opts.nsa_selected_sources.iter().copied()) {
+    // The embedded text at every tiling that holds the group (the default one is the row the peers compare), then
+    // each other text at the default tiling; every run's output must equal the first's bit for bit.
+    let group = hq / hkv;
+    let default_tiling = SelectedTiling::for_group(group);
+    let runs = SelectedTiling::for_group_all(group)
+        .into_iter()
+        .map(|t| (NSA_SELECTED, t))
+        .chain(opts.nsa_selected_sources.iter().map(|&kernel| (kernel, default_tiling)));
+    let mut first_out = None;
+    for (kernel, tiling) in runs {
         let ms = median_ms(stream, opts, |s| {
-            nsa_selected::selected_device(
+            nsa_selected::selected_device_with(
                 stream,
                 layer,
                 config,
-                kernel,
+                (kernel, Some(tiling)),
                 (&q[s], &k[s], &v[s]),
                 &lists,
                 &mut o_slc,
@@ -743,17 +752,17 @@ fn run_nsa_config(
             )
             .map_err(e)
         })?;
-        // Every text ran the same sets in the same order, so the last outputs are of the same inputs.
+        // Every run used the same sets in the same order, so the last outputs are of the same inputs.
         let got = stream.clone_dtoh(&o_slc).map_err(|e| e.to_string())?;
-        let suffix = source_suffix(kernel, embedded_out.is_none());
-        match &embedded_out {
-            None => embedded_out = Some(got),
+        let suffix = format!("-r{}{}", tiling.rows_per_cta, source_suffix(kernel, kernel.name == NSA_SELECTED.name));
+        match &first_out {
+            None => first_out = Some(got),
             Some(want) => eprintln!(
-                "T = {l}, Hq = {hq}, selected attention{suffix}: output equals the embedded kernel's bit for bit: {}",
+                "T = {l}, Hq = {hq}, selected attention{suffix}: output equals the first run's bit for bit: {}",
                 want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits())
             ),
         }
-        let default = u8::from(suffix.is_empty());
+        let default = u8::from(kernel.name == NSA_SELECTED.name && tiling == default_tiling);
         emit(
             out,
             format!(

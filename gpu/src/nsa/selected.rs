@@ -8,9 +8,10 @@
 //!
 //! # Schedule, and why the dense bound holds
 //!
-//! One CTA per (`⌊64/G⌋` consecutive tokens, KV head, sequence); its 64 rows are the (token, query head) pairs, so
-//! a block's K and V tiles are loaded once for every head of the group and every token of the CTA (E31's shared
-//! `[G heads, l' tokens]` tile, for any group size up to 64). The CTA walks the union of its tokens' lists in
+//! One CTA per (`⌊R/G⌋` consecutive tokens, KV head, sequence); its `R` rows ([`SelectedTiling`]: 16, 32, 48 or 64;
+//! 48 by default where they hold the group) are the (token, query head) pairs, so a block's K and V tiles are loaded
+//! once for every head of the group and every token of the CTA (E31's shared `[G heads, l' tokens]` tile, for any
+//! group size up to 64). The CTA walks the union of its tokens' lists in
 //! ascending block order, each block in tiles of [`KV_TILE`] keys from the block's first token; a row whose token does
 //! not list the block sees the tile fully masked, which leaves its online-softmax state bit for bit unchanged. So each
 //! row performs exactly the dense forward's operations (`gpu/kernels/flash_fwd.cu`'s recipe) over the tiles of its own
@@ -53,9 +54,48 @@ pub const NSA_SELECTED: KernelSource = KernelSource {
 /// Keys per tile of the kernel (`SLC_KEYS`): a block is visited in `⌈l'/64⌉` tiles from its first token.
 pub const KV_TILE: usize = 64;
 
-/// Threads per CTA and (token, head) rows per CTA.
-const THREADS: u32 = 128;
-const ROWS: usize = 64;
+/// How many (token, head) rows a CTA owns (`SLC_ROWS`; a warp per 16 rows): the CTA walks the union of its
+/// `⌊R/G⌋` tokens' lists, sharing each K/V tile among them. More rows share more loads but leave more warps waiting
+/// through blocks their rows did not list; `R = G` (a multiple of 16) walks one token's list alone. Every tiling
+/// computes each row with the same operations in the same order (a row's arithmetic does not depend on its
+/// neighbours), so all have the same bits and the same bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SelectedTiling {
+    /// Rows per CTA: 16, 32, 48 or 64, at least the group size.
+    pub rows_per_cta: usize,
+}
+
+impl SelectedTiling {
+    /// Every row count the kernel compiles for.
+    pub const ROW_COUNTS: [usize; 4] = [16, 32, 48, 64];
+
+    /// The default for a GQA group of `group` heads: 48 rows when they hold the group, else 64. Measured on the
+    /// H200 (`bench --nsa`, bf16, top-16 of 64-token blocks, T = 64K): at G = 16, 24.8 / 20.7 / 20.2 / 22.2 ms with
+    /// 16 / 32 / 48 / 64 rows, at G = 4 18.8 / 16.5 / 16.3 / 17.9 ms: one token per CTA loads every tile for 16 rows
+    /// only, 64 rows wait through the widest unions.
+    pub fn for_group(group: usize) -> Self {
+        Self { rows_per_cta: if group <= 48 { 48 } else { 64 } }
+    }
+
+    /// The tilings that hold a group of `group` heads.
+    pub fn for_group_all(group: usize) -> Vec<Self> {
+        Self::ROW_COUNTS.iter().filter(|&&r| r >= group).map(|&rows_per_cta| Self { rows_per_cta }).collect()
+    }
+
+    fn check(self, group: usize) -> Result<(), GpuError> {
+        if !Self::ROW_COUNTS.contains(&self.rows_per_cta) || self.rows_per_cta < group {
+            return Err(GpuError::Unsupported {
+                argument: "rows_per_cta",
+                reason: format!(
+                    "{} rows per CTA for a group of {group}: one of {:?}, at least the group",
+                    self.rows_per_cta,
+                    Self::ROW_COUNTS
+                ),
+            });
+        }
+        Ok(())
+    }
+}
 
 /// The most tiles a row visits: `⌈l'/64⌉` per listed block, `n_selected` blocks.
 pub fn visited_tiles(config: &NsaConfig) -> usize {
@@ -74,13 +114,15 @@ pub fn selected_spec(spec: &AttentionSpec, config: &NsaConfig) -> Result<Attenti
     Ok(AttentionSpec { scale: config.scale, ..spec.clone() })
 }
 
-/// The defines `nsa_selected.cu` is compiled with: the storage type and the head dims rounded up to a multiple of 16.
-pub fn selected_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
+/// The defines `nsa_selected.cu` is compiled with: the storage type, the head dims rounded up to a multiple of 16
+/// and the rows per CTA.
+pub fn selected_defines<T: GpuElement>(spec: &AttentionSpec, tiling: SelectedTiling) -> Vec<String> {
     let pad = |d: usize| d.div_ceil(16).max(1) * 16;
     vec![
         T::DEFINE.to_owned(),
         format!("HEAD_DIM_PAD={}", pad(spec.head_dim)),
         format!("HEAD_DIM_V_PAD={}", pad(spec.head_dim_v)),
+        format!("SLC_ROWS={}", tiling.rows_per_cta),
     ]
 }
 
@@ -93,9 +135,10 @@ struct Plan {
     batch: usize,
     max_len: usize,
     shared_bytes: usize,
+    tiling: SelectedTiling,
 }
 
-fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
+fn plan(spec: &AttentionSpec, config: &NsaConfig, tiling: Option<SelectedTiling>) -> Result<Plan, GpuError> {
     let spec = selected_spec(spec, config)?;
     let group = spec.group_size();
     if group > MAX_GROUP {
@@ -126,7 +169,9 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
     }
     let seqs = spec.sequences();
     let max_len = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
-    let tokens_per_cta = ROWS / group.max(1);
+    let tiling = tiling.unwrap_or(SelectedTiling::for_group(group));
+    tiling.check(group)?;
+    let tokens_per_cta = tiling.rows_per_cta / group.max(1);
     let params = NsaSelectParams {
         flash,
         token_rows: rows as i64,
@@ -143,10 +188,10 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
     };
     let pad = |d: usize| d.div_ceil(16).max(1) * 16;
     // Q and K tiles, the V tile (2-byte elements, rows padded by 8), and each token's list with its end marker.
-    let tiles = 2 * ((ROWS + KV_TILE) * (pad(spec.head_dim) + 8) + KV_TILE * (pad(spec.head_dim_v) + 8));
+    let tiles = 2 * ((tiling.rows_per_cta + KV_TILE) * (pad(spec.head_dim) + 8) + KV_TILE * (pad(spec.head_dim_v) + 8));
     let lists = tokens_per_cta.checked_mul(width + 1).and_then(|n| n.checked_mul(4)).unwrap_or(usize::MAX);
     let shared_bytes = tiles.saturating_add(lists);
-    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, shared_bytes, spec })
+    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, shared_bytes, spec, tiling })
 }
 
 fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
@@ -157,19 +202,35 @@ fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
 /// the layer's, `lists` `[token rows, Hkv, n_selected]` ([`super::select::lists_shape`]; not validated, see the
 /// module docs); `o` (O's layout) and `lse` (dense `[B, Hq, L]`, varlen `[Hq, T]`) are written in full. `kernel` is
 /// [`NSA_SELECTED`] or a patched copy of it (the tests launch mutants through this path). Every check runs before
-/// the launch; the work is asynchronous on `stream`.
+/// the launch; the work is asynchronous on `stream`. The CTAs take [`SelectedTiling::for_group`]'s rows.
 #[allow(clippy::too_many_arguments)]
 pub fn selected_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
     config: &NsaConfig,
     kernel: KernelSource,
+    qkv: (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    lists: &CudaSlice<i32>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    selected_device_with(stream, spec, config, (kernel, None), qkv, lists, o, lse)
+}
+
+/// [`selected_device`] with an explicit tiling (`None`: the group's default); a tiling that does not hold the group
+/// is [`GpuError::Unsupported`] before any launch.
+#[allow(clippy::too_many_arguments)]
+pub fn selected_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &NsaConfig,
+    (kernel, tiling): (KernelSource, Option<SelectedTiling>),
     (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
     lists: &CudaSlice<i32>,
     o: &mut CudaSlice<T>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), GpuError> {
-    let plan = plan(spec, config)?;
+    let plan = plan(spec, config, tiling)?;
     let size = |op: Operand| plan.spec.expected_shape(op).iter().product::<usize>();
     check_len("q", q, size(Operand::Q))?;
     check_len("k", k, size(Operand::K))?;
@@ -181,7 +242,7 @@ pub fn selected_device<T: GpuElement>(
         return Ok(());
     }
     let ctx = stream.context();
-    let module = compile::module(ctx, kernel, &selected_defines::<T>(&plan.spec))?;
+    let module = compile::module(ctx, kernel, &selected_defines::<T>(&plan.spec, plan.tiling))?;
     let func = module
         .load_function("nsa_selected_fwd")
         .map_err(|e| GpuError::driver("cuModuleGetFunction(nsa_selected.cu)", e))?;
@@ -191,7 +252,7 @@ pub fn selected_device<T: GpuElement>(
     let tokens_per_cta = plan.params.tokens_per_cta as usize;
     let cfg = LaunchConfig {
         grid_dim: grid(plan.max_len.div_ceil(tokens_per_cta), spec.n_heads_kv, plan.batch)?,
-        block_dim: (THREADS, 1, 1),
+        block_dim: (2 * plan.tiling.rows_per_cta as u32, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
     launch::launch_nsa_selected_fwd(stream, &func, cfg, (q, k, v), (o, lse), lists, (&cu_q, &cu_k), &plan.params)
@@ -232,7 +293,7 @@ pub fn selected<T: GpuElement>(
     v: ndarray::ArrayViewD<'_, T>,
     lists: ArrayView3<'_, i32>,
 ) -> Result<ForwardOutput<T>, GpuError> {
-    let plan = plan(spec, config)?;
+    let plan = plan(spec, config, None)?;
     let hq = host_input(&plan.spec, "q", Operand::Q, &q)?;
     let hk = host_input(&plan.spec, "k", Operand::K, &k)?;
     let hv = host_input(&plan.spec, "v", Operand::V, &v)?;
@@ -273,17 +334,27 @@ mod tests {
     #[test]
     fn the_plan_sizes_tiles_lists_and_grid() {
         let config = NsaConfig { n_selected: 5, scale: Scale::Value(0.5), ..NsaConfig::default() };
-        let p = plan(&layer(2, 12, 4, 130, 192, 128), &config).unwrap();
+        let p = plan(&layer(2, 12, 4, 130, 192, 128), &config, Some(SelectedTiling { rows_per_cta: 64 })).unwrap();
         assert_eq!(p.spec.scale, Scale::Value(0.5));
         assert_eq!((p.params.tokens_per_cta, p.params.n_selected, p.params.n_blocks), (21, 5, 3));
         assert_eq!(p.params.token_rows, 260);
         // Q and K tiles of 64 rows of 192 + 8, V of 64 rows of 128 + 8, 21 lists of 6 entries.
         assert_eq!(p.shared_bytes, 2 * 64 * 200 * 2 + 64 * 136 * 2 + 21 * 6 * 4);
-        assert_eq!(selected_defines::<half::f16>(&p.spec), ["ELEM_F16", "HEAD_DIM_PAD=192", "HEAD_DIM_V_PAD=128"]);
         assert_eq!(
-            selected_defines::<half::bf16>(&layer(1, 1, 1, 1, 72, 8)),
-            ["ELEM_BF16", "HEAD_DIM_PAD=80", "HEAD_DIM_V_PAD=16"]
+            selected_defines::<half::f16>(&p.spec, p.tiling),
+            ["ELEM_F16", "HEAD_DIM_PAD=192", "HEAD_DIM_V_PAD=128", "SLC_ROWS=64"]
         );
+        assert_eq!(
+            selected_defines::<half::bf16>(&layer(1, 1, 1, 1, 72, 8), SelectedTiling { rows_per_cta: 16 }),
+            ["ELEM_BF16", "HEAD_DIM_PAD=80", "HEAD_DIM_V_PAD=16", "SLC_ROWS=16"]
+        );
+        assert_eq!(plan(&layer(2, 12, 4, 130, 192, 128), &config, None).unwrap().params.tokens_per_cta, 16);
+        // A group of 16 takes three tokens per CTA of 48 rows by default, one token in a CTA of 16 rows on request.
+        let p = plan(&layer(1, 16, 1, 130, 128, 128), &config, None).unwrap();
+        assert_eq!((p.tiling.rows_per_cta, p.params.tokens_per_cta), (48, 3));
+        let p = plan(&layer(1, 16, 1, 130, 128, 128), &config, Some(SelectedTiling { rows_per_cta: 16 })).unwrap();
+        assert_eq!((p.tiling.rows_per_cta, p.params.tokens_per_cta), (16, 1));
+        assert_eq!(p.shared_bytes, 2 * (16 + 64) * 136 + 2 * 64 * 136 + 6 * 4);
         let config = NsaConfig { select_block: 192, ..NsaConfig::default() };
         assert_eq!((visited_tiles(&config), tile_keys(&config)), (48, 64));
         let config = NsaConfig { select_block: 16, ..NsaConfig::default() };
@@ -294,30 +365,48 @@ mod tests {
     fn unsupported_layers_are_typed_errors() {
         let config = NsaConfig::default();
         let not_causal = AttentionSpec::dense(1, 2, 1, 64, 64, 64, 64);
-        assert!(matches!(plan(&not_causal, &config), Err(GpuError::Unsupported { argument: "mask", .. })));
+        assert!(matches!(plan(&not_causal, &config, None), Err(GpuError::Unsupported { argument: "mask", .. })));
         let cross = AttentionSpec::dense(1, 2, 1, 64, 65, 64, 64).with_mask(Mask::Causal);
-        assert!(matches!(plan(&cross, &config), Err(GpuError::Unsupported { argument: "layout", .. })));
+        assert!(matches!(plan(&cross, &config, None), Err(GpuError::Unsupported { argument: "layout", .. })));
         assert!(matches!(
-            plan(&layer(1, 65, 1, 64, 64, 64), &config),
+            plan(&layer(1, 65, 1, 64, 64, 64), &config, None),
             Err(GpuError::Unsupported { argument: "n_heads_q / n_heads_kv", .. })
         ));
         assert!(matches!(
-            plan(&layer(1, 2, 1, 64, 60, 64), &config),
+            plan(&layer(1, 2, 1, 64, 60, 64), &config, None),
             Err(GpuError::Unsupported { argument: "head_dim", .. })
         ));
         let huge = NsaConfig { select_block: (1 << 30) + 1, ..NsaConfig::default() };
-        assert!(matches!(plan(&layer(1, 2, 1, 64, 64, 64), &huge), Err(GpuError::TooLarge { .. })));
+        assert!(matches!(plan(&layer(1, 2, 1, 64, 64, 64), &huge, None), Err(GpuError::TooLarge { .. })));
         let split = NsaConfig { select_block: 100, ..NsaConfig::default() };
         assert!(matches!(
-            plan(&layer(1, 2, 1, 64, 64, 64), &split),
+            plan(&layer(1, 2, 1, 64, 64, 64), &split, None),
             Err(GpuError::Unsupported { argument: "select_block", .. })
         ));
         for fine in [1, 48, 64, 128] {
             let config = NsaConfig { select_block: fine, ..NsaConfig::default() };
-            assert!(plan(&layer(1, 2, 1, 64, 64, 64), &config).is_ok(), "select_block {fine}");
+            assert!(plan(&layer(1, 2, 1, 64, 64, 64), &config, None).is_ok(), "select_block {fine}");
         }
         let bad = NsaConfig { n_selected: 2, ..NsaConfig::default() };
-        assert!(matches!(plan(&layer(1, 2, 1, 64, 64, 64), &bad), Err(GpuError::Spec(_))));
+        assert!(matches!(plan(&layer(1, 2, 1, 64, 64, 64), &bad, None), Err(GpuError::Spec(_))));
+        // A tiling must hold the group and be one the kernel compiles for.
+        for rows_per_cta in [16, 20, 0, 128] {
+            assert!(matches!(
+                plan(&layer(1, 17, 1, 64, 64, 64), &config, Some(SelectedTiling { rows_per_cta })),
+                Err(GpuError::Unsupported { argument: "rows_per_cta", .. })
+            ));
+        }
+        assert_eq!(
+            SelectedTiling::for_group_all(17),
+            [
+                SelectedTiling { rows_per_cta: 32 },
+                SelectedTiling { rows_per_cta: 48 },
+                SelectedTiling { rows_per_cta: 64 }
+            ]
+        );
+        for (group, rows) in [(1, 48), (3, 48), (16, 48), (17, 48), (48, 48), (49, 64), (64, 64)] {
+            assert_eq!(SelectedTiling::for_group(group).rows_per_cta, rows, "group {group}");
+        }
     }
 
     /// Every way a list can break the convention is named with its (sequence, KV head, token, slot), per sequence of

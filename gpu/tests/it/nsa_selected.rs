@@ -20,7 +20,7 @@ use attnproof_gpu::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::select::{NSA_SELECT, select};
-use attnproof_gpu::nsa::selected::{NSA_SELECTED, selected, selected_device};
+use attnproof_gpu::nsa::selected::{NSA_SELECTED, SelectedTiling, selected, selected_device};
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::candidate::forward_guarded;
 use attnproof_harness::flash::HarnessError;
@@ -58,7 +58,9 @@ fn check_selected<T: Storage>(
     let fail = |e: String| TestCaseError::fail(e);
     let lists = selected_lists(draw);
     let cases = [selected_case::<T>(draw, draw.seed), selected_case::<T>(draw, draw.seed ^ SECOND_INPUT)];
-    let run = |case| selected_guarded(stream, &draw.config, kernel, case, &lists).map_err(|e| fail(e.to_string()));
+    let run = |case| {
+        selected_guarded(stream, &draw.config, (kernel, draw.tiling), case, &lists).map_err(|e| fail(e.to_string()))
+    };
     let (first, second, again) = (run(&cases[0])?, run(&cases[1])?, run(&cases[0])?);
     let bits = |o: &ArrayD<T>, lse: &ArrayD<f32>| {
         (o.iter().map(|x| x.bits()).collect::<Vec<_>>(), lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
@@ -127,11 +129,15 @@ fn classes(draw: &SelectedDraw) -> Vec<&'static str> {
     let group = layer.group_size();
     let seqs = layer.sequences();
     let block = draw.config.select_block;
+    let tiling = draw.tiling.unwrap_or(SelectedTiling::for_group(group));
     [
         ("group > 8", group > 8 && group <= 16),
         ("group not a power of two", !group.is_power_of_two()),
         ("group 64", group == 64),
         ("rows left over", 64 % group != 0),
+        ("one token per CTA", tiling.rows_per_cta / group == 1),
+        ("a union of many tokens", tiling.rows_per_cta / group >= 8),
+        ("a tiling other than the default", draw.tiling.is_some_and(|t| t != SelectedTiling::for_group(group))),
         ("d 192", layer.head_dim == 192),
         ("block shorter than a tile", block < 64),
         ("block of several tiles", block > 64),
@@ -159,6 +165,9 @@ fn the_selected_suites_draw_every_class() {
         "group not a power of two",
         "group 64",
         "rows left over",
+        "one token per CTA",
+        "a union of many tokens",
+        "a tiling other than the default",
         "d 192",
         "block shorter than a tile",
         "block of several tiles",
@@ -200,6 +209,7 @@ fn the_paper_layer_at_2048_tokens_attends_to_its_selection() {
             profile: gaussian(1.0),
             seed: 0x006e_7361_736c_6431,
             lists: ListMix::Mixed,
+            tiling: None,
         };
         let case = selected_case::<bf16>(&draw, draw.seed);
         let config = &draw.config;
@@ -211,7 +221,7 @@ fn the_paper_layer_at_2048_tokens_attends_to_its_selection() {
         let lists = select(&stream, layer, config, NSA_SELECT, case.q.view(), kv.k.view(), lse.view())
             .expect("selection")
             .lists;
-        let run = selected_guarded(&stream, config, NSA_SELECTED, &case, &lists).expect("selected attention");
+        let run = selected_guarded(&stream, config, (NSA_SELECTED, None), &case, &lists).expect("selected attention");
         let verdicts = verify_selected(&case, config, &lists, run.o.view(), run.lse.view()).expect("verdicts");
         for v in &verdicts {
             assert!(v.passed() && v.valid(), "{:?}:\n{v}", draw.layer);
@@ -241,6 +251,8 @@ pub fn killing_cases() -> Vec<(&'static str, SelectedDraw)> {
                 profile: gaussian(2.0),
                 seed: 0x006b_696c_6c73_6c64,
                 lists,
+                // The cases were built for CTAs of 64 rows (21 tokens at a group of 3, 64 at a group of 1).
+                tiling: Some(SelectedTiling { rows_per_cta: 64 }),
             },
         )
     };
@@ -270,8 +282,10 @@ pub fn check_selected_case(stream: &Arc<CudaStream>, kernel: KernelSource, case:
     check_selected::<bf16>(stream, kernel, case).map_err(|e| e.to_string())
 }
 
-/// Small draws under compute-sanitizer (`run.sh sanitize`): a group of 3 at 130 tokens with 16-token blocks, varlen
-/// with an empty sequence, a group of 16 at `d = 192` with 128-token blocks, and a group of 64 at `d = 256`.
+/// Small draws under compute-sanitizer (`run.sh sanitize`): a group of 3 at 130 tokens with 16-token blocks (the
+/// default 48 rows), varlen with an empty sequence in CTAs of 16 rows, a group of 16 at `d = 192` with 128-token
+/// blocks (one token per CTA of 16 rows), groups of 24 and 5 in CTAs of 48 and 32 rows, and a group of 64 at
+/// `d = 256` (64 rows).
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("nsa_selected::sanitizer_shapes") else {
@@ -284,11 +298,14 @@ fn sanitizer_shapes() {
     let dense = |len| Layout::Dense { batch: 1, len_q: len, len_k: len };
     let cu = vec![0, 0, 90, 130];
     let varlen = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
-    for (spec, block) in [
-        (layer(dense(130), 3, 64, 64), 16),
-        (layer(varlen, 2, 64, 64), 64),
-        (layer(dense(200), 16, 192, 128), 128),
-        (layer(dense(70), 64, 256, 256), 64),
+    let rows = |rows_per_cta| Some(SelectedTiling { rows_per_cta });
+    for (spec, block, tiling) in [
+        (layer(dense(130), 3, 64, 64), 16, None),
+        (layer(varlen, 2, 64, 64), 64, rows(16)),
+        (layer(dense(200), 16, 192, 128), 128, rows(16)),
+        (layer(dense(100), 24, 128, 128), 64, rows(48)),
+        (layer(dense(100), 5, 128, 128), 64, rows(32)),
+        (layer(dense(70), 64, 256, 256), 64, None),
     ] {
         let draw = SelectedDraw {
             layer: spec,
@@ -302,6 +319,7 @@ fn sanitizer_shapes() {
             profile: gaussian(1.0),
             seed: 5,
             lists: ListMix::Mixed,
+            tiling,
         };
         check_selected_case(&stream, NSA_SELECTED, &draw).unwrap_or_else(|e| panic!("{:?}: {e}", draw.layer));
     }
@@ -328,7 +346,8 @@ fn the_host_wrapper_equals_the_device_wrapper() {
         lists.view(),
     )
     .expect("host run");
-    let device = selected_guarded(&stream, &draw.config, NSA_SELECTED, &case, &lists).expect("device run");
+    let device =
+        selected_guarded(&stream, &draw.config, (NSA_SELECTED, draw.tiling), &case, &lists).expect("device run");
     assert!(host.o.iter().zip(device.o.iter()).all(|(a, b)| a.to_bits() == b.to_bits()));
     assert!(host.lse.iter().zip(device.lse.iter()).all(|(a, b)| a.to_bits() == b.to_bits()));
 }
@@ -390,5 +409,5 @@ fn bad_selected_input_is_a_typed_error_before_any_launch() {
     // Garbage device lists (every entry a large, negative or repeated value) run and stay inside the guards.
     let case = attnproof_harness::flash::Case { spec: layer.clone(), q: q.clone(), k: kv.clone(), v: kv.clone() };
     let garbage = Array3::from_shape_fn((100, 1, 3), |(t, _, e)| [i32::MAX, -7, 1, 0][(t + e) % 4]);
-    selected_guarded(&stream, &config, NSA_SELECTED, &case, &garbage).expect("garbage lists run guarded");
+    selected_guarded(&stream, &config, (NSA_SELECTED, None), &case, &garbage).expect("garbage lists run guarded");
 }
