@@ -9,7 +9,8 @@
 //! - [`attention`]: whole problems with batch, heads, GQA and varlen, validated;
 //! - [`spec`]: shapes, masks, scale; [`error`]: typed errors; [`cost`]: the cost model (E1d, E31, E32);
 //! - sparse attention: [`selection`] (E12, E13, E17), [`block_sparse`] (E14), [`block_scores`] (E15), [`dsa`] (E16),
-//!   [`bsa`] (E15 block selection for E14 lists), [`nsa`] (E18–E20), [`hils`] (E21), [`pisa`] (E22–E24),
+//!   [`bsa`] (E15 block selection for E14 lists), [`nsa`] (E18–E20), [`nsa_backward`] (E18's layer gradients, the selection held
+//!   fixed), [`hils`] (E21), [`pisa`] (E22–E24),
 //!   [`pyramid`] (E25–E30);
 //! - shared helpers: [`vector`] (dot, log-sum-exp, softmax, block means), [`topk`] (top-k with
 //!   the tie and padding conventions, index-list validation), [`inputs`] (deterministic inputs).
@@ -28,6 +29,7 @@ pub mod error;
 pub mod hils;
 pub mod inputs;
 pub mod nsa;
+pub mod nsa_backward;
 pub mod online;
 pub mod pisa;
 pub mod pyramid;

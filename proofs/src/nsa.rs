@@ -2,9 +2,9 @@
 //! probabilities onto selection blocks (overlap form, brute-force token count, the paper's
 //! re-indexed double sum), the forced and causal top-n selection shared by a GQA group, the
 //! selection branch reducing to dense causal attention when every block is selected, the CSR
-//! transpose of a selection, the gradients of the gated sum of the three branches and of the
-//! compression map against finite differences, and the position-wise maps as special cases of
-//! the learned matrix.
+//! transpose of a selection, the gradients of the gated sum of the three branches, of the
+//! compression map and of the whole layer (selection held fixed) against finite differences, and
+//! the position-wise maps as special cases of the learned matrix.
 //!
 //! Discrete statements (counts, index lists) are checked exactly: the integers found and required
 //! are compared with [`agree`] at [`EXACT`], so a violation reports the first index where they
@@ -15,6 +15,7 @@ use attnproof_oracle::nsa::{
     block_scores, compress, compress_backward, gate_combine, gate_combine_backward, nsa_forward, remap_to_blocks,
     select_blocks, selection_blocks,
 };
+use attnproof_oracle::nsa_backward::{NsaGradients, nsa_backward, nsa_forward_with_selection};
 use attnproof_oracle::topk::validate_index_row;
 use attnproof_oracle::{Mp, OracleError, Precision, Real};
 use ndarray::{Array2, Array3, ArrayD, ArrayView2, ArrayView3, Axis, IxDyn};
@@ -714,4 +715,101 @@ pub fn position_maps_are_linear_maps(
         &mean_as_linear.into_dyn(),
         required,
     )?))
+}
+
+/// A layer backward under test: `(Q, K, V, gate logits, selection, dO, config, precision) ↦` the gradients with
+/// respect to Q, K, V and the gate logits (the compression maps' parameters are [`compression_gradients_match_finite_differences`]'s).
+pub type LayerBackwardFn<'a> = &'a dyn Fn(
+    NsaInputs<'_, Mp>,
+    ArrayView3<'_, Mp>,
+    ArrayView3<'_, i32>,
+    ArrayView3<'_, Mp>,
+    &NsaConfig,
+    Precision,
+) -> Result<NsaGradients<Mp>, OracleError>;
+
+/// The oracle's layer backward ([`nsa_backward`]) as a [`LayerBackwardFn`].
+pub fn oracle_layer_backward(
+    inputs: NsaInputs<'_, Mp>,
+    gate_logits: ArrayView3<'_, Mp>,
+    selection: ArrayView3<'_, i32>,
+    d_out: ArrayView3<'_, Mp>,
+    config: &NsaConfig,
+    precision: Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    nsa_backward(inputs, gate_logits, selection, d_out, config, precision)
+}
+
+/// The inputs of the layer's gradient theorem: the layer's tensors, gate logits `[T, Hq, 3]`, the selection held
+/// fixed `[T, Hkv, n]`, the upstream gradient `[T, Hq, dv]`.
+#[derive(Clone, Debug)]
+pub struct LayerCase {
+    /// Q, K, V and the configuration (its precision is every value's).
+    pub layer: NsaCase,
+    /// `x`.
+    pub gate_logits: Array3<Mp>,
+    /// The lists the selected branch attends to.
+    pub selection: Array3<i32>,
+    /// `dO`.
+    pub d_out: Array3<Mp>,
+}
+
+/// **Theorem (E18, the layer's gradients with the selection held fixed).** For the loss `L = Σ dO ∘ o` with `o` the
+/// gated sum of the compressed, selected (over `selection`) and window branches
+/// ([`nsa_forward_with_selection`]), the backward under test's `∂L/∂Q`, `∂L/∂K`, `∂L/∂V` and `∂L/∂x` equal the
+/// central differences `(L(v + h) − L(v − h)) / 2h`, `h = 2^-step_bits`, for every element. Hypotheses: the precision
+/// exceeds `2·step_bits + required` bits (the cancellation `2^-prec / h` stays below `2^-required`), and every input
+/// has magnitude at most 4 with head dims at most 8 and the scale at most 1, so that each score is at most 128 in
+/// magnitude and `L`'s third derivative along one element, a sum of products of softmax and sigmoid derivatives of
+/// such scores, stays far below `2^(2·step_bits − required)`, the truncation `h²/6 · L'''` then below `2^-required`.
+pub fn layer_gradients_match_finite_differences(
+    backward: LayerBackwardFn<'_>,
+    case: &LayerCase,
+    step_bits: u32,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "layer_gradients_match_finite_differences (E18)";
+    let prec = case.layer.ctx();
+    let config = &case.layer.config;
+    if (prec.0 as f64) < 2.0 * step_bits as f64 + required.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
+    }
+    let large = [&case.layer.q, &case.layer.k, &case.layer.v, &case.gate_logits]
+        .iter()
+        .any(|x| x.iter().any(|v| v.abs() > Mp::new(4.0, prec)));
+    let scale = config.scale_value::<Mp>(case.layer.q.dim().2, prec);
+    if large || case.layer.q.dim().2 > 8 || case.layer.v.dim().2 > 8 || scale.abs() > Mp::one(prec) {
+        return Err(Violation::Hypothesis {
+            theorem: T,
+            reason: "inputs above 4, head dims above 8 or a scale above 1".to_owned(),
+        });
+    }
+    let grads =
+        backward(case.layer.inputs(), case.gate_logits.view(), case.selection.view(), case.d_out.view(), config, prec)
+            .map_err(|e| refused(T, e))?;
+    let loss = |q: &Array3<Mp>, k: &Array3<Mp>, v: &Array3<Mp>, x: &Array3<Mp>| -> Result<Mp, Violation> {
+        let inputs = NsaInputs { q: q.view(), k: k.view(), v: v.view() };
+        let o = nsa_forward_with_selection(inputs, x.view(), case.selection.view(), config, prec)
+            .map_err(|e| refused(T, e))?;
+        Ok(o.iter().zip(case.d_out.iter()).fold(Mp::zero(prec), |acc, (o, g)| acc + o.clone() * g.clone()))
+    };
+    let h = Mp(rug::Float::with_val(prec.0, rug::Float::i_exp(1, -(step_bits as i32))));
+    let two_h = h.clone() + h.clone();
+    let operands = [&case.layer.q, &case.layer.k, &case.layer.v, &case.gate_logits];
+    let mut agreement = Agreement::exact();
+    for (which, (name, analytic)) in
+        [("dq", &grads.dq), ("dk", &grads.dk), ("dv", &grads.dv), ("dx", &grads.d_gate_logits)].into_iter().enumerate()
+    {
+        let mut numeric = Array3::from_elem(operands[which].raw_dim(), Mp::zero(prec));
+        for (idx, value) in operands[which].indexed_iter() {
+            let at = |delta: &Mp| {
+                let mut moved = operands.map(|x| x.clone());
+                moved[which][idx] = value.clone() + delta.clone();
+                loss(&moved[0], &moved[1], &moved[2], &moved[3])
+            };
+            numeric[idx] = (at(&h)? - at(&-h.clone())?) / two_h.clone();
+        }
+        agreement = agreement.and(agree(T, name, analytic, &numeric, required)?);
+    }
+    Ok(agreement)
 }

@@ -3,17 +3,19 @@
 
 use crate::common::{PREC, REQUIRED, fail, mp_matrix, pseudo_random, values};
 use attnproof_oracle::nsa::{
-    BlockQueries, Compression, NsaConfig, complete_windows, complete_windows_at, compress, remap_to_blocks,
+    BlockQueries, Compression, NsaConfig, NsaInputs, complete_windows, complete_windows_at, compress, remap_to_blocks,
     selected_attention, selection_blocks, transpose_selection,
 };
+use attnproof_oracle::nsa_backward::NsaGradients;
 use attnproof_oracle::topk::{padded_ascending, top_k};
 use attnproof_oracle::{Mp, OracleError, Real};
 use attnproof_proofs::nsa::{
-    CompressionCase, GateCase, NsaCase, SelectionCase, complete_window_count,
+    CompressionCase, GateCase, LayerCase, NsaCase, SelectionCase, complete_window_count,
     compression_gradients_match_finite_differences, csr_round_trip, gate_gradients_match_finite_differences,
-    measured_remap_weights, oracle_compress_backward, oracle_gate_backward, oracle_nsa_forward, oracle_remap,
-    oracle_selector, paper_double_sum_reindexed, position_maps_are_linear_maps, remap_matches_token_count,
-    remap_weights_are_overlaps, selection_alone_is_dense_when_all_selected, selection_invariants,
+    layer_gradients_match_finite_differences, measured_remap_weights, oracle_compress_backward, oracle_gate_backward,
+    oracle_layer_backward, oracle_nsa_forward, oracle_remap, oracle_selector, paper_double_sum_reindexed,
+    position_maps_are_linear_maps, remap_matches_token_count, remap_weights_are_overlaps,
+    selection_alone_is_dense_when_all_selected, selection_invariants,
 };
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
 use proptest::prelude::*;
@@ -547,4 +549,89 @@ fn compression_theorems_reject_a_missing_division_a_dropped_window_and_a_transpo
     assert_eq!(right, weighted);
     assert_ne!(wrong, weighted);
     assert!(position_maps_are_linear_maps(x.view(), &w, &config, PREC, REQUIRED).is_ok());
+}
+
+const LAYER_STEP_BITS: u32 = 64;
+const LAYER_REQUIRED: attnproof_proofs::Bits = attnproof_proofs::Bits(80.0);
+
+/// The paper's layer in miniature: 11 tokens, a GQA group of 2 over two KV heads, d = dv = 4, windows of 4 every 2,
+/// blocks of 2 (six of them, the last partial), lists of 3 with the first and the local block forced (so tokens from
+/// 6 on leave blocks out), a window of 3; inputs in [−2, 2], the selection the oracle's own on these inputs.
+fn layer_case() -> LayerCase {
+    let (len, hq, hkv, d) = (11, 4, 2, 4);
+    let tensor = |seed: u64, heads: usize, cols: usize| {
+        let v = pseudo_random(seed, len * heads * cols);
+        Array3::from_shape_fn((len, heads, cols), |(t, h, e)| Mp::new(2.0 * v[(t * heads + h) * cols + e], PREC))
+    };
+    let config = NsaConfig {
+        compress_len: 4,
+        compress_stride: 2,
+        select_block: 2,
+        n_selected: 3,
+        n_forced_initial: 1,
+        n_forced_local: 1,
+        window: 3,
+        ..NsaConfig::default()
+    };
+    let layer = NsaCase { q: tensor(1, hq, d), k: tensor(2, hkv, d), v: tensor(3, hkv, d), config };
+    let gate_logits = tensor(4, hq, 3);
+    let selection = oracle_nsa_forward(&layer, gate_logits.view()).expect("the oracle's forward").selection;
+    LayerCase { layer, gate_logits, selection, d_out: tensor(5, hq, d) }
+}
+
+/// The layer's gradients equal central differences (E18, selection held fixed), and the theorem rejects a backward
+/// that ignores the selection (every block attended), one whose window is one token narrower, and one that hands
+/// each branch the next branch's gate.
+#[test]
+fn layer_gradients_equal_finite_differences_and_broken_backwards_are_rejected() {
+    let case = layer_case();
+    // Some token leaves an eligible block out, so attending to every block is a different function.
+    let last = |t: usize| t / case.layer.config.select_block;
+    assert!(
+        (0..11).any(|t| last(t) + 1 > case.selection.index_axis(Axis(0), t).row(0).iter().filter(|&&b| b >= 0).count())
+    );
+    layer_gradients_match_finite_differences(&oracle_layer_backward, &case, LAYER_STEP_BITS, LAYER_REQUIRED)
+        .expect("the oracle's layer backward holds");
+    fn every_block(
+        i: NsaInputs<'_, Mp>,
+        x: ArrayView3<'_, Mp>,
+        s: ArrayView3<'_, i32>,
+        g: ArrayView3<'_, Mp>,
+        c: &NsaConfig,
+        p: attnproof_oracle::Precision,
+    ) -> Result<NsaGradients<Mp>, OracleError> {
+        let all = Array3::from_shape_fn(s.raw_dim(), |(_, _, e)| e as i32);
+        oracle_layer_backward(i, x, all.view(), g, c, p)
+    }
+    fn narrow(
+        i: NsaInputs<'_, Mp>,
+        x: ArrayView3<'_, Mp>,
+        s: ArrayView3<'_, i32>,
+        g: ArrayView3<'_, Mp>,
+        c: &NsaConfig,
+        p: attnproof_oracle::Precision,
+    ) -> Result<NsaGradients<Mp>, OracleError> {
+        oracle_layer_backward(i, x, s, g, &NsaConfig { window: c.window - 1, ..c.clone() }, p)
+    }
+    fn shifted_gates(
+        i: NsaInputs<'_, Mp>,
+        x: ArrayView3<'_, Mp>,
+        s: ArrayView3<'_, i32>,
+        g: ArrayView3<'_, Mp>,
+        c: &NsaConfig,
+        p: attnproof_oracle::Precision,
+    ) -> Result<NsaGradients<Mp>, OracleError> {
+        let rotated = Array3::from_shape_fn(x.raw_dim(), |(t, h, b)| x[[t, h, (b + 1) % 3]].clone());
+        oracle_layer_backward(i, rotated.view(), s, g, c, p)
+    }
+    for (name, broken) in [
+        ("every block attended", &every_block as attnproof_proofs::nsa::LayerBackwardFn<'_>),
+        ("a narrower window", &narrow),
+        ("the next branch's gate", &shifted_gates),
+    ] {
+        assert!(
+            layer_gradients_match_finite_differences(broken, &case, LAYER_STEP_BITS, LAYER_REQUIRED).is_err(),
+            "{name} passed"
+        );
+    }
 }
