@@ -176,10 +176,6 @@ fn padded_head_dim(head_dim: usize) -> usize {
     head_dim.div_ceil(64).max(1) * 64
 }
 
-fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
-    grid_3d(("token groups", x), ("n_heads_kv", y), ("sequences", z))
-}
-
 /// The selection of the layer `spec` (causal self-attention) under `config` on device buffers: `q` the layer's
 /// queries, `k_cmp` the compressed keys ([`super::compress::compressed_shape`]), `lse` the compressed attention's
 /// LSE (dense `[B, Hq, L]`, varlen `[Hq, T]`); the block scores go to the first [`scores_shape`] elements of
@@ -225,13 +221,21 @@ pub fn select_device<T: GpuElement>(
     }
     let tokens_per_cta = plan.params.tokens_per_cta as usize;
     let cfg = LaunchConfig {
-        grid_dim: grid(plan.max_len.div_ceil(tokens_per_cta), spec.n_heads_kv, plan.batch)?,
+        grid_dim: grid_3d(
+            ("token groups", plan.max_len.div_ceil(tokens_per_cta)),
+            ("n_heads_kv", spec.n_heads_kv),
+            ("sequences", plan.batch),
+        )?,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };
     launch::launch_nsa_block_scores(stream, &score_fn, cfg, (q, k_cmp, lse), scores, (&cu_q, &cu_k), &plan.params)?;
     let cfg = LaunchConfig {
-        grid_dim: grid(plan.max_len.div_ceil(TOPN_TOKENS_PER_CTA), spec.n_heads_kv, plan.batch)?,
+        grid_dim: grid_3d(
+            ("token groups", plan.max_len.div_ceil(TOPN_TOKENS_PER_CTA)),
+            ("n_heads_kv", spec.n_heads_kv),
+            ("sequences", plan.batch),
+        )?,
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };

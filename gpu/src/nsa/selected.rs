@@ -194,10 +194,6 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig, tiling: Option<SelectedTiling>
     Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, shared_bytes, spec, tiling })
 }
 
-fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
-    grid_3d(("token groups", x), ("n_heads_kv", y), ("sequences", z))
-}
-
 /// The selection branch of the layer `spec` (causal self-attention) under `config` on device buffers: `q`, `k`, `v`
 /// the layer's, `lists` `[token rows, Hkv, n_selected]` ([`super::select::lists_shape`]; not validated, see the
 /// module docs); `o` (O's layout) and `lse` (dense `[B, Hq, L]`, varlen `[Hq, T]`) are written in full. `kernel` is
@@ -251,7 +247,11 @@ pub fn selected_device_with<T: GpuElement>(
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
     let tokens_per_cta = plan.params.tokens_per_cta as usize;
     let cfg = LaunchConfig {
-        grid_dim: grid(plan.max_len.div_ceil(tokens_per_cta), spec.n_heads_kv, plan.batch)?,
+        grid_dim: grid_3d(
+            ("token groups", plan.max_len.div_ceil(tokens_per_cta)),
+            ("n_heads_kv", spec.n_heads_kv),
+            ("sequences", plan.batch),
+        )?,
         block_dim: (2 * plan.tiling.rows_per_cta as u32, 1, 1),
         shared_mem_bytes: plan.shared_bytes as u32,
     };

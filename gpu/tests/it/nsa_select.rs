@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{SECOND_INPUT, default_run_config, run_typed_production};
+use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
@@ -28,7 +28,7 @@ use attnproof_oracle::{AttentionSpec, Layout, Mask};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
 use ndarray::{ArrayD, IxDyn};
-use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+use proptest::test_runner::{Config, TestCaseError, TestError};
 
 /// The two suites ("gpunsase" in ASCII, plus the dtype).
 pub const SELECT_SUITES: [TypedSuite; 2] = [
@@ -219,19 +219,7 @@ fn the_selection_suites_draw_every_class() {
         "more blocks than the list holds",
         "periodic keys",
     ];
-    for suite in &SELECT_SUITES {
-        let seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
-        TestRunner::new(default_run_config(suite.name, suite.cases, suite.seed))
-            .run(&selection_draws(), |draw| {
-                seen.borrow_mut().extend(classes(&draw));
-                Ok(())
-            })
-            .expect("replay");
-        let seen = seen.into_inner();
-        for class in all {
-            assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
-        }
-    }
+    assert_typed_suites_reach(&SELECT_SUITES, selection_draws, classes, &all);
 }
 
 /// Fixed draws that kill the catalog's `gpu-nsa-select-*` mutants: the paper's configuration over a GQA group of 3

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::property::{SECOND_INPUT, default_run_config, run_typed_production};
+use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
 use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::flash_forward;
@@ -33,7 +33,7 @@ use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
 use ndarray::{Array3, ArrayD, IxDyn};
-use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+use proptest::test_runner::{Config, TestCaseError, TestError};
 
 /// The two suites ("gpunsasl" in ASCII, plus the dtype).
 pub const SELECTED_SUITES: [TypedSuite; 2] = [
@@ -178,19 +178,7 @@ fn the_selected_suites_draw_every_class() {
         "another scale",
         "large logits",
     ];
-    for suite in &SELECTED_SUITES {
-        let seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
-        TestRunner::new(default_run_config(suite.name, suite.cases, suite.seed))
-            .run(&selected_draws(), |draw| {
-                seen.borrow_mut().extend(classes(&draw));
-                Ok(())
-            })
-            .expect("replay");
-        let seen = seen.into_inner();
-        for class in all {
-            assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
-        }
-    }
+    assert_typed_suites_reach(&SELECTED_SUITES, selected_draws, classes, &all);
 }
 
 /// The paper's layer at 2048 tokens end to end on the device: compression, compressed attention, block selection

@@ -191,6 +191,29 @@ pub fn run_typed_production<E: std::fmt::Display>(
     }
 }
 
+/// Replays each typed suite's draws of `strategy` as CI runs them ([`default_run_config`], no device needed) and
+/// asserts that together they reach every class in `all`, as `classes` names a draw's.
+pub fn assert_typed_suites_reach<S: proptest::strategy::Strategy>(
+    suites: &[TypedSuite],
+    strategy: impl Fn() -> S,
+    classes: impl Fn(&S::Value) -> Vec<&'static str>,
+    all: &[&str],
+) {
+    for suite in suites {
+        let seen = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        proptest::test_runner::TestRunner::new(default_run_config(suite.name, suite.cases, suite.seed))
+            .run(&strategy(), |draw| {
+                seen.borrow_mut().extend(classes(&draw));
+                Ok(())
+            })
+            .expect("replay");
+        let seen = seen.into_inner();
+        for class in all {
+            assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
+        }
+    }
+}
+
 /// The draws of a GPU suite's run without any `PROPTEST_*` override (as CI and `run.sh` run it): the suite's own case
 /// count from its own seed, nothing replayed from a regression file.
 pub fn default_run_config(name: &str, cases: u32, seed: u64) -> Config {
