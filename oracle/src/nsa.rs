@@ -622,14 +622,26 @@ pub fn selected_attention<S: Real>(
             actual: vec![sel_len, sel_heads, width],
         });
     }
-    branch_output(inputs, config, ctx, |t, kv| {
-        let row = selection.index_axis(Axis(0), t).row(kv).to_vec();
-        let blocks = validate_index_row("selection", t * sel_heads + kv, &row, n_blocks)?;
-        Ok(blocks
-            .into_iter()
-            .flat_map(|j| j * config.select_block..((j + 1) * config.select_block).min(t + 1))
-            .collect())
-    })
+    branch_output(inputs, config, ctx, |t, kv| selected_tokens(selection, t, kv, n_blocks, config))
+}
+
+/// The tokens query `t` of KV head `kv` attends to in the selection branch: those `≤ t` of the blocks its row of
+/// `selection` lists (validated against `n_blocks`), ascending.
+pub(crate) fn selected_tokens(
+    selection: ArrayView3<'_, i32>,
+    t: usize,
+    kv: usize,
+    n_blocks: usize,
+    config: &NsaConfig,
+) -> Result<Vec<usize>, OracleError> {
+    let row = selection.index_axis(Axis(0), t).row(kv).to_vec();
+    let blocks = validate_index_row("selection", t * selection.dim().1 + kv, &row, n_blocks)?;
+    Ok(blocks.into_iter().flat_map(|j| j * config.select_block..((j + 1) * config.select_block).min(t + 1)).collect())
+}
+
+/// The tokens query `t` attends to in the sliding-window branch: `max(0, t + 1 − window) ..= t`.
+pub(crate) fn window_tokens(t: usize, config: &NsaConfig) -> std::ops::Range<usize> {
+    (t + 1).saturating_sub(config.window)..t + 1
 }
 
 /// E18 sliding-window branch: query `t` attends to tokens `max(0, t+1−window) ..= t`.
@@ -640,7 +652,7 @@ pub fn window_attention<S: Real>(
 ) -> Result<Array3<S>, OracleError> {
     inputs.validate()?;
     config.validate()?;
-    branch_output(inputs, config, ctx, |t, _| Ok(((t + 1).saturating_sub(config.window)..t + 1).collect()))
+    branch_output(inputs, config, ctx, |t, _| Ok(window_tokens(t, config).collect()))
 }
 
 /// The three NSA branches, in the order of the last axis of the gate logits.

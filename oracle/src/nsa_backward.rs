@@ -16,11 +16,10 @@ use crate::dense::DenseConfig;
 use crate::error::OracleError;
 use crate::nsa::{
     Compression, MapGradient, NsaConfig, NsaInputs, compress, compress_backward, compressed_attention,
-    gate_combine_backward, selected_attention, selection_blocks, window_attention,
+    gate_combine_backward, selected_attention, selected_tokens, selection_blocks, window_attention, window_tokens,
 };
 use crate::real::Real;
 use crate::spec::{AttentionSpec, Layout, Mask, Sequence};
-use crate::topk::validate_index_row;
 
 /// The gradients of the NSA layer for an upstream gradient `dO` `[T, Hq, dv]`.
 #[derive(Clone, Debug, PartialEq)]
@@ -134,7 +133,7 @@ pub fn nsa_backward<S: Real>(
         }
     }
 
-    // The selected branch: token t sees key j iff j ≤ t and j's block is in t's list of its KV head.
+    // The selected and window branches see the tokens their forwards attend to (`selected_tokens`, `window_tokens`).
     let n_blocks = selection_blocks(len, config.select_block)?;
     let (sel_len, sel_heads, _) = selection.dim();
     if (sel_len, sel_heads) != (len, n_heads_kv) {
@@ -145,14 +144,14 @@ pub fn nsa_backward<S: Real>(
         });
     }
     let mut listed = vec![Array2::from_elem((len, len), false); n_heads_kv];
+    let mut window = Array2::from_elem((len, len), false);
     for t in 0..len {
         for (kv, visible) in listed.iter_mut().enumerate() {
-            let row = selection.index_axis(Axis(0), t).row(kv).to_vec();
-            for block in validate_index_row("selection", t * n_heads_kv + kv, &row, n_blocks)? {
-                let keys = block * config.select_block..((block + 1) * config.select_block).min(t + 1);
-                keys.for_each(|j| visible[[t, j]] = true);
+            for j in selected_tokens(selection, t, kv, n_blocks, config)? {
+                visible[[t, j]] = true;
             }
         }
+        window_tokens(t, config).for_each(|j| window[[t, j]] = true);
     }
     let tokens = |visibility: &(dyn Fn(&Sequence, usize) -> Array2<bool> + Sync), d_branch: &Array3<S>| {
         backward_with_visibility(
@@ -165,8 +164,6 @@ pub fn nsa_backward<S: Real>(
         )
     };
     let selected = tokens(&|_: &Sequence, h| listed[h / group].clone(), &gates.d_branches[1])?;
-    // The window branch: token t sees keys max(0, t + 1 − w) ..= t.
-    let window = Array2::from_shape_fn((len, len), |(t, j)| j <= t && j + config.window > t);
     let windowed = tokens(&|_: &Sequence, _| window.clone(), &gates.d_branches[2])?;
     for g in [selected, windowed] {
         add(&mut dq, g.dq);
