@@ -1,6 +1,7 @@
 //! The NSA layer's backward (E18, each branch by E6–E10): the gradients of the gated sum of the compressed, selected
-//! and sliding-window branches with respect to Q, K, V, the gate logits and the compression maps' parameters, with
-//! the selection held fixed (top-n is piecewise constant in its inputs, so it has no gradient).
+//! and sliding-window branches with respect to Q, K, V and the gate logits, with the selection held fixed (top-n is
+//! piecewise constant in its inputs, so it has no gradient). The gradient of a learned compression map's own
+//! parameters is [`compress_backward`]'s per KV head; the layer does not sum it yet (no theorem checks that sum).
 //!
 //! Each branch is dense attention under its own visibility, so its backward is [`backward_with_visibility`] on a
 //! one-sequence problem whose keys are the branch's: the compressed keys and values `[W, Hkv, ·]` under the strided
@@ -15,8 +16,8 @@ use crate::attention::{Qkv, backward_with_visibility};
 use crate::dense::DenseConfig;
 use crate::error::OracleError;
 use crate::nsa::{
-    Compression, MapGradient, NsaConfig, NsaInputs, compress, compress_backward, compressed_attention,
-    gate_combine_backward, selected_attention, selected_tokens, selection_blocks, window_attention, window_tokens,
+    Compression, NsaConfig, NsaInputs, compress, compress_backward, compressed_attention, gate_combine_backward,
+    selected_attention, selected_tokens, selection_blocks, window_attention, window_tokens,
 };
 use crate::real::Real;
 use crate::spec::{AttentionSpec, Layout, Mask, Sequence};
@@ -32,10 +33,6 @@ pub struct NsaGradients<S> {
     pub dv: Array3<S>,
     /// `∂L/∂x` of the gate logits `[T, Hq, 3]`.
     pub d_gate_logits: Array3<S>,
-    /// The gradient of the keys' compression map's parameters, summed over the KV heads (the map is shared).
-    pub d_key_map: MapGradient<S>,
-    /// The same for the values' map.
-    pub d_value_map: MapGradient<S>,
 }
 
 /// E18's output with the selection `selection` `[T, Hkv, n]` given instead of chosen: the gated sum of the three
@@ -119,17 +116,14 @@ pub fn nsa_backward<S: Real>(
     add(&mut dq, compressed.dq);
     let d_k_cmp = compressed.dk.into_dimensionality::<ndarray::Ix3>().expect("[W, Hkv, d]");
     let d_v_cmp = compressed.dv.into_dimensionality::<ndarray::Ix3>().expect("[W, Hkv, dv]");
-    let mut d_key_map = MapGradient::Mean;
-    let mut d_value_map = MapGradient::Mean;
     for kv in 0..n_heads_kv {
-        for (x, map, d_cmp, d_x, d_map) in [
-            (inputs.k, &config.compress_keys, &d_k_cmp, &mut dk, &mut d_key_map),
-            (inputs.v, &config.compress_values, &d_v_cmp, &mut dv, &mut d_value_map),
+        for (x, map, d_cmp, d_x) in [
+            (inputs.k, &config.compress_keys, &d_k_cmp, &mut dk),
+            (inputs.v, &config.compress_values, &d_v_cmp, &mut dv),
         ] {
             let g = compress_backward(x.index_axis(Axis(1), kv), map, d_cmp.index_axis(Axis(1), kv), config, ctx)?;
             let mut rows = d_x.index_axis_mut(Axis(1), kv);
             rows.zip_mut_with(&g.dx, |a, b| *a = a.clone() + b.clone());
-            accumulate_map_gradient(d_map, g.d_map, kv == 0);
         }
     }
 
@@ -170,20 +164,5 @@ pub fn nsa_backward<S: Real>(
         add(&mut dk, g.dk);
         add(&mut dv, g.dv);
     }
-    Ok(NsaGradients { dq, dk, dv, d_gate_logits: gates.d_gate_logits, d_key_map, d_value_map })
-}
-
-/// Adds one KV head's map gradient to the running sum (`first`: the sum starts here).
-fn accumulate_map_gradient<S: Real>(sum: &mut MapGradient<S>, g: MapGradient<S>, first: bool) {
-    if first {
-        *sum = g;
-        return;
-    }
-    match (sum, g) {
-        (MapGradient::Weighted(acc), MapGradient::Weighted(x)) => {
-            acc.zip_mut_with(&x, |a, b| *a = a.clone() + b.clone())
-        }
-        (MapGradient::Linear(acc), MapGradient::Linear(x)) => acc.zip_mut_with(&x, |a, b| *a = a.clone() + b.clone()),
-        _ => {}
-    }
+    Ok(NsaGradients { dq, dk, dv, d_gate_logits: gates.d_gate_logits })
 }

@@ -718,7 +718,7 @@ pub fn position_maps_are_linear_maps(
 }
 
 /// A layer backward under test: `(Q, K, V, gate logits, selection, dO, config, precision) ↦` the gradients with
-/// respect to Q, K, V and the gate logits (the compression maps' parameters are [`compression_gradients_match_finite_differences`]'s).
+/// respect to Q, K, V and the gate logits.
 pub type LayerBackwardFn<'a> = &'a dyn Fn(
     NsaInputs<'_, Mp>,
     ArrayView3<'_, Mp>,
