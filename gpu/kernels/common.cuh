@@ -573,23 +573,44 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* __re
     }
 }
 
+// The tokens of consecutive rows of NSA's grouped kernels: token index i of a CTA is t0 + i.
+struct ConsecutiveTokens {
+    int t0;
+    __device__ __forceinline__ int operator()(int i) const { return t0 + i; }
+};
+
+// The tokens of a gathered tile (nsa_selected_bwd.cu's KV owner): token index i is entry i of a CSR row's segment, in
+// device memory.
+struct ListedTokens {
+    const int* __restrict__ tokens;
+    __device__ __forceinline__ int operator()(int i) const { return tokens[i]; }
+};
+
 // Starts copying the (token, head) rows of NSA's grouped kernels into a [ROWS][STRIDE] smem tile: row r is token
-// t0 + r / group of query head first_head + r % group (token-major, so that one token's heads are consecutive rows),
-// `rows` of them valid with `cols` valid columns (a multiple of 8); the rest is zero-filled, as in load_tile_async.
-// `g` is the sequence's first element (its batch or packed offset).
-template <int ROWS, int COLS_PAD, int STRIDE, int N_THREADS>
+// token_of(r / group) of query head first_head + r % group (token-major, so that one token's heads are consecutive
+// rows), `rows` of them valid with `cols` valid columns (a multiple of 8); the rest is zero-filled, as in
+// load_tile_async. `g` is the sequence's first element (its batch or packed offset).
+template <int ROWS, int COLS_PAD, int STRIDE, int N_THREADS, typename TokenOf>
 __device__ __forceinline__ void load_group_rows_async(elem_t* smem, const elem_t* __restrict__ g, long long head_stride,
-                                                      long long row_stride, int first_head, int t0, int group,
-                                                      int rows, int cols) {
+                                                      long long row_stride, int first_head, TokenOf token_of,
+                                                      int group, int rows, int cols) {
     constexpr int CHUNKS = COLS_PAD / 8;
     for (int idx = threadIdx.x; idx < ROWS * CHUNKS; idx += N_THREADS) {
         const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
         const bool valid = r < rows && c < cols;
-        const long long at =
-            valid ? (long long)(first_head + r % group) * head_stride + (long long)(t0 + r / group) * row_stride + c
-                  : 0;
+        const long long at = valid ? (long long)(first_head + r % group) * head_stride +
+                                         (long long)token_of(r / group) * row_stride + c
+                                   : 0;
         cp_async_16(smem + r * STRIDE + c, g + at, valid);
     }
+}
+
+// Whether entry `block` continues a device list whose previous entry was `previous` (−1 before the first) in a
+// sequence of `seq_blocks` selection blocks: NSA's kernels end a list at its first entry that does not rise or lies
+// past the sequence's blocks (−1 padding among them), the rule the host's validation demands of host lists, so that
+// no list on the device can send a kernel outside its sequence or into a loop.
+__device__ __forceinline__ bool list_entry_continues(int block, int previous, int seq_blocks) {
+    return block > previous && block < seq_blocks;
 }
 
 // ---------------------------------------------------------------------------------------------------------------------

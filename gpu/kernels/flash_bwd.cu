@@ -425,11 +425,12 @@ __device__ __forceinline__ void store_kv_grad(const FlashParams& fp, elem_t* __r
 // it (dsp[n][h] holds elements e = 2h and 2h + 1 of dpt[n], the first in the low half). If MASKED, element (n, e)
 // (query column n·8 + 2·tig + e % 2, key row g + 8·(e / 2)) is visible iff its query is one of the tile's
 // `rows_left` rows (counted from the thread's first column), its key below len_k, and the key within the window of
-// the query's diagonal `diag.at(row_t + n·8 + e % 2)`, row_t the row of the thread's first column.
-template <bool MASKED>
+// the query's diagonal `diag.at(row_t + n·8 + e % 2)`, row_t the row of the thread's first column. `RowDiagonals` is
+// Diagonal for the dense kernels, and any type with `int at(int row)` (nsa_selected_bwd.cu's gathered rows: the token).
+template <bool MASKED, typename RowDiagonals>
 __device__ __forceinline__ void tile_p_ds(float (&st)[Q_TILE / 8][4], const float (&dpt)[Q_TILE / 8][4],
                                           unsigned (&dsp)[Q_TILE / 8][2], const float* bl_t, const float* delta_t,
-                                          float cl, int tig, const Diagonal& diag, int row_t, int key_t,
+                                          float cl, int tig, const RowDiagonals& diag, int row_t, int key_t,
                                           int rows_left, int len_k,
                                           int win_left, int win_right) {
 #pragma unroll
@@ -527,6 +528,40 @@ __device__ __forceinline__ void tile_dq(float (&part)[DQ_MT][DQ_COLS / 8][4], un
     }
 }
 
+// The shared-memory lane addresses of a KV owner's warp `warp` over bwd_kv's layout (nsa_selected_bwd.cu's KV owner
+// shares it), for the column chunk from c0.
+struct KvOwnerLanes {
+    // ldmatrix lane addresses: K and V are the A operands of Sᵀ and dPᵀ (the warp's 16 keys); Q and dO their B
+    // operands (rows are n), and the B operands of dK and dV (rows are k: transposed).
+    unsigned k_a, v_a, q_b, do_b, q_bt, do_bt;
+    // The dQ step's dS (A operand, from row wq) and its stmatrix rows, and K transposed (B operand).
+    unsigned ds_a, ds_st, k_bt;
+    // The dQ step: warp w computes the 16·DQ_MT query rows of row group w % DQ_ROW_GROUPS from wq and DQ_COLS of the
+    // chunk's columns from dq_c.
+    int wq, dq_c;
+};
+
+__device__ __forceinline__ KvOwnerLanes kv_owner_lanes(const elem_t* k_s, const elem_t* v_s, const elem_t* q_s,
+                                                       const elem_t* do_s, const elem_t* ds_s, int warp, int lane,
+                                                       int c0) {
+    const int wk = warp * 16;
+    const int wq = (warp % DQ_ROW_GROUPS) * 16 * DQ_MT;
+    const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;
+    // stmatrix row addresses: lane l writes row l % 8 (a query) of block l / 8: keys wk + 8·(l/8 % 2), queries
+    // 8·(l / 16) further down.
+    return KvOwnerLanes{smem_u32(k_s + wk * QK_STRIDE + lane_a(lane, QK_STRIDE)),
+                        smem_u32(v_s + wk * V_STRIDE + lane_a(lane, V_STRIDE)),
+                        smem_u32(q_s + lane_b(lane, QK_STRIDE)),
+                        smem_u32(do_s + lane_b(lane, V_STRIDE)),
+                        smem_u32(q_s + lane_b_trans(lane, QK_STRIDE)),
+                        smem_u32(do_s + lane_b_trans(lane, V_STRIDE)),
+                        smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE)),
+                        smem_u32(ds_s + ((lane % 8) + (lane / 16) * 8) * DS_STRIDE + wk + ((lane / 8) % 2) * 8),
+                        smem_u32(k_s + lane_b_trans(lane, QK_STRIDE)),
+                        wq,
+                        dq_c};
+}
+
 // BWD_KV_SM90: flash_bwd_sm90.cu, which follows this text, defines bwd_kv instead.
 #if !defined(BWD_KV_SM90)
 extern "C" __global__ void __launch_bounds__(KV_THREADS, 8 / KV_WARPS)
@@ -579,23 +614,8 @@ bwd_kv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t*
     if (a >= 0) load_q_tile(a, 0);
     cp_async_commit();
 
-    // ldmatrix lane addresses: K and V are the A operands of Sᵀ and dPᵀ (the warp's 16 keys); Q and dO their B
-    // operands (rows are n), and the B operands of dK and dV (rows are k: transposed).
-    const unsigned k_a = smem_u32(k_s + wk * QK_STRIDE + lane_a(lane, QK_STRIDE));
-    const unsigned v_a = smem_u32(v_s + wk * V_STRIDE + lane_a(lane, V_STRIDE));
-    const unsigned q_b = smem_u32(q_s + lane_b(lane, QK_STRIDE));
-    const unsigned do_b = smem_u32(do_s + lane_b(lane, V_STRIDE));
-    const unsigned q_bt = smem_u32(q_s + lane_b_trans(lane, QK_STRIDE));
-    const unsigned do_bt = smem_u32(do_s + lane_b_trans(lane, V_STRIDE));
-    // The dQ step: warp w computes the 16·DQ_MT query rows of row group w % DQ_ROW_GROUPS and DQ_COLS of the chunk's
-    // columns.
-    const int wq = (warp % DQ_ROW_GROUPS) * 16 * DQ_MT;
-    const int dq_c = c0 + (warp / DQ_ROW_GROUPS) * DQ_COLS;
-    const unsigned ds_a = smem_u32(ds_s + wq * DS_STRIDE + lane_a(lane, DS_STRIDE));
-    // stmatrix row addresses: lane l writes row l % 8 (a query) of block l / 8: keys wk + 8·(l/8 % 2), queries
-    // 8·(l / 16) further down.
-    const unsigned ds_st = smem_u32(ds_s + ((lane % 8) + (lane / 16) * 8) * DS_STRIDE + wk + ((lane / 8) % 2) * 8);
-    const unsigned k_bt = smem_u32(k_s + lane_b_trans(lane, QK_STRIDE));
+    const auto [k_a, v_a, q_b, do_b, q_bt, do_bt, ds_a, ds_st, k_bt, wq, dq_c] =
+        kv_owner_lanes(k_s, v_s, q_s, do_s, ds_s, warp, lane, c0);
     const int key_t = key0 + wk + g;  // the key of the thread's accumulator rows g (and key_t + 8: row g + 8)
     const float cl = scale_log2(scale);
 
@@ -1030,6 +1050,10 @@ bwd_csr_fill(const int* __restrict__ block_lists, const int* __restrict__ csr_of
     csr_row<true>(block_lists, csr_offsets, nullptr, csr_q_blocks, lists);
 }
 
+#endif
+
+// The CSR transposes (BLOCK_SPARSE above, and nsa_selected_bwd.cu's of NSA's token lists, compiled after this text)
+// share the scan.
 // Exclusive prefix sum of the `rows` counts in csr_offsets, in place, by one CTA of SCAN_THREADS threads (a warp scan,
 // then a scan of the warp totals, chunk after chunk with a running carry); csr_offsets[rows] gets the total.
 #define SCAN_THREADS 1024
@@ -1064,4 +1088,3 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) bwd_csr_scan(int* __r
     }
     if (threadIdx.x == 0) csr_offsets[rows] = carry;
 }
-#endif

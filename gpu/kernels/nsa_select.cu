@@ -102,7 +102,8 @@ nsa_block_scores(const elem_t* __restrict__ q, const elem_t* __restrict__ k_cmp,
 
     // The rows (token t0 + r / G, head kv·G + r % G): Q rows and their LSE·log2 e.
     load_group_rows_async<SEL_ROWS, NSA_D_PAD, SEL_K_STRIDE, SEL_SCORE_THREADS>(q_s, q + sq.q_base, fp.q_head, fp.q_row,
-                                                                             kv * group, t0, group, rows, fp.d);
+                                                                             kv * group, ConsecutiveTokens{t0}, group, rows,
+                                                                             fp.d);
     for (int r = threadIdx.x; r < SEL_ROWS; r += SEL_SCORE_THREADS) {
         float l2 = NEG_INF;
         if (r < rows) {

@@ -103,7 +103,7 @@ nsa_selected_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, con
     __shared__ int warp_next[2][SLC_THREADS / 32];  // each warp's smallest next entry, by iteration parity
 
     load_group_rows_async<SLC_ROWS, HEAD_DIM_PAD, SLC_QK_STRIDE, SLC_THREADS>(q_s, q + cta.q_base, fp.q_head,
-                                                                            fp.q_row, kv * group, t0, group, rows,
+                                                                            fp.q_row, kv * group, ConsecutiveTokens{t0}, group, rows,
                                                                             fp.d);
     cp_async_commit();
     for (int idx = threadIdx.x; idx < tokens * n; idx += SLC_THREADS) {
@@ -118,7 +118,7 @@ nsa_selected_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, con
         bool open = true;
         for (int e = 0; e < n; ++e) {
             const int block = list[e];
-            open = open && block > previous && block < seq_blocks;
+            open = open && list_entry_continues(block, previous, seq_blocks);
             list[e] = open ? block : LIST_END;
             previous = block;
         }

@@ -397,6 +397,24 @@ fn plan<T: GpuElement>(
     })
 }
 
+/// What a KV owner built on `flash_bwd.cu`'s helpers in `tiling` needs for `spec` (NSA's selected backward compiles
+/// them with its own KV owner): the defines, the dynamic shared memory of `bwd_kv`'s layout, and the column chunks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct KvOwnerShape {
+    pub defines: Vec<String>,
+    pub shared_bytes: u32,
+    pub chunks: u32,
+}
+
+/// [`KvOwnerShape`] of `flash_bwd.cu` for `spec` in `tiling` with storage type `T` (the checks of a launch first).
+pub(crate) fn kv_owner_shape<T: GpuElement>(
+    spec: &AttentionSpec,
+    tiling: BackwardTiling,
+) -> Result<KvOwnerShape, GpuError> {
+    let plan = plan::<T>(spec, tiling, FLASH_BWD)?;
+    Ok(KvOwnerShape { defines: plan.defines, shared_bytes: plan.kv_shared, chunks: plan.kv_chunks })
+}
+
 /// Loads `kernel` from `module`, allowing it `shared` bytes of dynamic shared memory.
 fn function(
     ctx: &Arc<CudaContext>,
@@ -404,7 +422,17 @@ fn function(
     kernel: BackwardKernel,
     shared: u32,
 ) -> Result<CudaFunction, GpuError> {
-    let name = kernel.name();
+    load_kernel(ctx, module, kernel.name(), shared)
+}
+
+/// Loads the kernel `name` from a backward module, allowing it `shared` bytes of dynamic shared memory and, above the
+/// default 48 KiB, all of the SM's unified L1/shared storage as shared memory.
+pub(crate) fn load_kernel(
+    ctx: &Arc<CudaContext>,
+    module: &Arc<CudaModule>,
+    name: &str,
+    shared: u32,
+) -> Result<CudaFunction, GpuError> {
     let func = module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(flash_bwd)", e))?;
     if shared > 48 * 1024 {
         compile::allow_shared_memory(ctx, &func, shared as usize, "head_dim")?;

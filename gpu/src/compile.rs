@@ -121,7 +121,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 10] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 11] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -175,6 +175,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 10] = [
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, and redux.sync for the union walk",
+    },
+    DeviceRequirement {
+        kernel: "nsa_selected_bwd",
+        needs: (9, 0),
+        only: false,
+        instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
     },
     DeviceRequirement {
         kernel: "ring_state",

@@ -696,3 +696,181 @@ pub(crate) fn launch_nsa_selected_fwd<T>(
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_selected_fwd)", e))?;
     Ok(())
 }
+
+/// Launches `nsa_csr_count` (`tokens` is `None`: adds each list entry to its CSR row's count in `offsets`, which the
+/// caller zeroed) or `nsa_csr_fill` (reads the scanned offsets, writes every row's tokens) of
+/// `gpu/kernels/nsa_selected_bwd.cu`.
+///
+/// Preconditions, established by `nsa::selected_backward`: `func` is the kernel the arm names; `lists` holds the
+/// `[token rows, Hkv, n]` i32 lists `params` describes; `offsets` holds `B · Hkv · n_blocks + 1` i32; `tokens` holds
+/// `token rows · Hkv · n` i32 (the most entries the count can reach); `cu_q` the validated offsets of a varlen layout;
+/// `cfg`'s grid is `(⌈max len / 128⌉, Hkv, B)` (count) or `(⌈n_blocks / 4⌉, Hkv, B)` (fill) of 128 threads.
+pub(crate) fn launch_nsa_csr(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lists: &CudaSlice<i32>,
+    offsets: &mut CudaSlice<i32>,
+    tokens: Option<&mut CudaSlice<i32>>,
+    cu_q: &CudaSlice<i32>,
+    params: &NsaSelectParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(lists);
+    let call = match tokens {
+        None => {
+            builder.arg(offsets);
+            "cuLaunchKernel(nsa_csr_count)"
+        }
+        Some(tokens) => {
+            builder.arg(&*offsets).arg(tokens);
+            "cuLaunchKernel(nsa_csr_fill)"
+        }
+    };
+    builder.arg(cu_q).arg(params);
+    // SAFETY: the arguments match `nsa_csr_count(const int*, int*, const int* cu_q, const NsaSelectParams)` and
+    // `nsa_csr_fill(const int*, const int*, int*, const int* cu_q, const NsaSelectParams)` in order and type; every
+    // index the kernels form lies in the buffers the caller sized (see above: the fill writes exactly the counted
+    // entries, both kernels reading the same prefix of each list); the buffers are borrowed for this call and their
+    // use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(call, e))?;
+    Ok(())
+}
+
+/// The device operands of `nsa_selected_bwd_kv` (`gpu/kernels/nsa_selected_bwd.cu`): the layer's inputs, the
+/// forward's LSE and the preprocess's `D`, the outputs dK and dV, the dQ workspaces (`dq_acc` zeroed f32 of Q's size
+/// for dq_mode 1, `dq_part` zeroed f32 of Q's size per slot for dq_mode 2; a one-element placeholder when unused),
+/// the lists and their CSR transpose.
+pub(crate) struct NsaSelectedBwdBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub d_out: &'a CudaSlice<T>,
+    pub lse: &'a CudaSlice<f32>,
+    pub delta: &'a CudaSlice<f32>,
+    pub dk: &'a mut CudaSlice<T>,
+    pub dv: &'a mut CudaSlice<T>,
+    pub dq_acc: &'a mut CudaSlice<f32>,
+    pub dq_part: &'a mut CudaSlice<f32>,
+    pub dkv_part: &'a mut CudaSlice<f32>,
+    pub lists: &'a CudaSlice<i32>,
+    pub csr_offsets: &'a CudaSlice<i32>,
+    pub csr_tokens: &'a CudaSlice<i32>,
+    pub seg_offsets: &'a CudaSlice<i32>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// The scalars of `nsa_selected_bwd_kv` beside `NsaSelectParams`: the dQ partials' stride and mode (1 atomic,
+/// 2 partials), the column chunks per KV head, the tokens per segment of a CSR row, and the dK/dV workspace's slots.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct NsaSelectedBwdScalars {
+    pub part_stride: i64,
+    pub dq_mode: i32,
+    pub n_chunks: i32,
+    pub seg_tokens: i32,
+    pub dkv_slots: i64,
+}
+
+/// Launches `nsa_selected_bwd_kv` with `dq_mode` (1 atomic, 2 partials `part_stride` elements apart) and `n_chunks`
+/// column chunks per KV head.
+///
+/// Preconditions, established by `nsa::selected_backward`: `func` is the kernel, compiled from `common.cuh`,
+/// `flash_bwd.cu` and `nsa_selected_bwd.cu` for `T` and the padded head dims of `params.flash`; every buffer holds its
+/// spec shape (Q, K, V, O-shaped `d_out`, LSE-shaped `lse` and `delta`), the workspaces as
+/// [`NsaSelectedBwdBuffers`] says (`⌈l'/64⌉ · n` slots for mode 2), the CSR as `launch_nsa_csr` built it and its
+/// segment offsets as `launch_nsa_csr_segments` and the scan built them; `cfg`'s grid is `(most segments per (sequence,
+/// KV head) · ⌈l'/64⌉, Hkv · n_chunks, B)` of 128 threads with the dynamic shared memory of `bwd_kv`'s layout, which
+/// the function attribute allows.
+pub(crate) fn launch_nsa_selected_bwd_kv<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    b: NsaSelectedBwdBuffers<'_, T>,
+    params: &NsaSelectParams,
+    x: NsaSelectedBwdScalars,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(b.delta);
+    builder.arg(b.dk).arg(b.dv).arg(b.dq_acc).arg(b.dq_part).arg(b.dkv_part);
+    builder.arg(b.lists).arg(b.csr_offsets).arg(b.csr_tokens).arg(b.seg_offsets).arg(b.cu_q).arg(b.cu_k);
+    builder.arg(params).arg(&x.part_stride).arg(&x.dq_mode).arg(&x.n_chunks).arg(&x.seg_tokens).arg(&x.dkv_slots);
+    // SAFETY: the arguments match `nsa_selected_bwd_kv(const elem_t* q, k, v, d_out, const float* lse, delta,
+    // elem_t* dk, dv, float* dq_acc, dq_part, dkv_part, const int* lists, csr_offsets, csr_tokens, seg_offsets, cu_q,
+    // cu_k, const NsaSelectParams, long long part_stride, int dq_mode, int n_chunks, int seg_tokens, long long
+    // dkv_slots)` in order and type (`T` for `elem_t`); every index the kernel forms lies in the buffers the caller
+    // sized (see above: `dkv_part` holds `dkv_slots · 64 · (d + dv)` f32 and the grid covers at most `dkv_slots`
+    // slots); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_selected_bwd_kv)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_dq_finalize_partials`: dQ from `slots` partials `part_stride` elements apart.
+///
+/// Preconditions, established by `nsa::selected_backward`: `func` is the kernel of the module above; `dq_part` holds
+/// `slots · part_stride` f32, `dq` Q's elements (`part_stride`); `cfg`'s grid is `(⌈max len · d/2 / 128⌉, Hq, B)` of
+/// 128 threads.
+pub(crate) fn launch_nsa_dq_finalize_partials<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (dq_part, dq): (&CudaSlice<f32>, &mut CudaSlice<T>),
+    cu_q: &CudaSlice<i32>,
+    params: &NsaSelectParams,
+    (part_stride, slots): (i64, i32),
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(dq_part).arg(dq).arg(cu_q).arg(params).arg(&part_stride).arg(&slots);
+    // SAFETY: the arguments match `nsa_dq_finalize_partials(const float*, elem_t*, const int* cu_q, const
+    // NsaSelectParams, long long part_stride, int slots)` in order and type; every index lies in the buffers the
+    // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_dq_finalize_partials)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_csr_segments`: each CSR row's segment count (of at most `seg_tokens` tokens) into `seg_offsets`.
+///
+/// Preconditions, established by `nsa::selected_backward`: `func` is the kernel; `csr_offsets` holds the scanned
+/// offsets of `B · Hkv · n_blocks` rows, `seg_offsets` as many entries plus one; `cfg`'s grid is
+/// `(⌈n_blocks / 128⌉, Hkv, B)` of 128 threads.
+pub(crate) fn launch_nsa_csr_segments(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (csr_offsets, seg_offsets): (&CudaSlice<i32>, &mut CudaSlice<i32>),
+    cu_q: &CudaSlice<i32>,
+    params: &NsaSelectParams,
+    seg_tokens: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(csr_offsets).arg(seg_offsets).arg(cu_q).arg(params).arg(&seg_tokens);
+    // SAFETY: the arguments match `nsa_csr_segments(const int*, int*, const int* cu_q, const NsaSelectParams, int)` in
+    // order and type; every index lies in the buffers the caller sized (see above); the buffers are borrowed for this
+    // call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_csr_segments)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_dkv_finalize`: dK and dV of the blocks of several segments from the workspace's slots.
+///
+/// Preconditions, established by `nsa::selected_backward`: `func` is the kernel of the module of
+/// `launch_nsa_selected_bwd_kv`, which filled `dkv_part` (`dkv_slots · 64 · (d + dv)` f32) for the segment offsets
+/// `seg_offsets`; `dk`, `dv` hold K's and V's elements; `cfg`'s grid is `(n_blocks · ⌈l'/64⌉, Hkv, B)` of 128 threads.
+pub(crate) fn launch_nsa_dkv_finalize<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (dkv_part, dk, dv): (&CudaSlice<f32>, &mut CudaSlice<T>, &mut CudaSlice<T>),
+    (seg_offsets, cu_q): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaSelectParams,
+    dkv_slots: i64,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(dkv_part).arg(dk).arg(dv).arg(seg_offsets).arg(cu_q).arg(params).arg(&dkv_slots);
+    // SAFETY: the arguments match `nsa_dkv_finalize(const float*, elem_t* dk, elem_t* dv, const int* seg_offsets,
+    // const int* cu_q, const NsaSelectParams, long long dkv_slots)` in order and type (`T` for `elem_t`); every index
+    // lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_dkv_finalize)", e))?;
+    Ok(())
+}

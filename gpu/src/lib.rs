@@ -63,6 +63,8 @@ pub fn module_variants<T: GpuElement>(
 ) -> Result<Vec<ModuleVariant>, GpuError> {
     let fwd = flash::forward_defines::<T>(spec, forward, compile::FLASH_FWD)?;
     let bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD)?;
+    // NSA's selected backward: flash_bwd.cu's helpers in the four-warp tiling (its own plan).
+    let nsa_bwd = backward::backward_defines::<T>(spec, nsa::selected_backward::TILING, compile::FLASH_BWD)?;
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
     let selected_rows = |rows_per_cta| nsa::selected::SelectedTiling { rows_per_cta };
@@ -89,6 +91,7 @@ pub fn module_variants<T: GpuElement>(
         // The default CTAs of 48 rows and the 64 rows of groups above 48.
         variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(48))),
         variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(64))),
+        variant(nsa::selected_backward::NSA_SELECTED_BWD, nsa_bwd),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -231,6 +234,7 @@ mod tests {
                 "nsa_gates",
                 "nsa_select",
                 "nsa_selected",
+                "nsa_selected_bwd",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

@@ -474,7 +474,7 @@ pub fn block_sparse_backward_guarded<T: Storage>(
 
 /// Uploads the problem, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that no device input
 /// changed, and returns the gradients.
-fn backward_guarded_with<T: Storage>(
+pub fn backward_guarded_with<T: Storage>(
     stream: &Arc<CudaStream>,
     problem: BackwardProblem<'_, T>,
     launch: impl FnOnce(BackwardDeviceInputs<'_, T>, BackwardDeviceOutputs<'_, T>) -> Result<(), GpuError>,

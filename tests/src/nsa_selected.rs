@@ -12,21 +12,26 @@
 
 use std::sync::Arc;
 
+use attnproof_gpu::GpuBackwardStrategy;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::select::lists_shape;
 use attnproof_gpu::nsa::selected::{SelectedTiling, selected_device_with, selected_spec, tile_keys, visited_tiles};
+use attnproof_gpu::nsa::selected_backward::{BackwardSegments, TILING, selected_backward_device_with};
 use attnproof_oracle::nsa::{NsaConfig, selection_blocks};
 use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use cudarc::driver::CudaStream;
-use ndarray::{Array3, ArrayViewD};
+use ndarray::{Array2, Array3, ArrayD, ArrayViewD, Axis, IxDyn};
 use proptest::prelude::*;
 
-use crate::candidate::{ForwardRun, LaunchError, Storage, forward_guarded_with, upload};
+use crate::backward::{BackwardCandidate, BackwardExpectation};
+use crate::candidate::{
+    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with, forward_guarded_with, upload,
+};
 use crate::flash::Case;
 use crate::nsa::{causal_layer, self_attention_layout};
-use crate::sparse::{SparseHarnessError, verify_nsa_selected_forward};
+use crate::sparse::{SparseHarnessError, stack_heads, stack_row_stats, verify_nsa_selected_forward};
 use crate::verdict::Verdict;
 
 /// The selected attention's recipe for `T` under `config`: the dense forward kernel's (`recipes::gpu_forward`) with
@@ -228,6 +233,125 @@ pub fn verify_selected<T: Element>(
     verify_nsa_selected_forward(case, lists.view(), config.select_block, selected_recipe::<T>(config), o, lse)
 }
 
+/// The selected backward's recipe for `T` under `config`: the backward kernels' (`recipes::gpu_backward` in the NSA
+/// KV owner's four-warp tiling) with KV tiles of `min(l', 64)` keys (the dQ partials a row collects) and the forward's
+/// visited tiles (its LSE's merge count).
+pub fn selected_backward_recipe<T: Element>(config: &NsaConfig) -> FlashRecipe {
+    FlashRecipe {
+        kv_tile: tile_keys(config),
+        visited_tiles: Some(visited_tiles(config)),
+        ..crate::recipes::gpu_backward::<T>(TILING).recipe
+    }
+}
+
+/// One launch of the selected backward's kernel text and CSR split `kernel` with `strategy` on `problem` (its spec the branch's)
+/// with `lists`, outputs NaN-poisoned and guarded, inputs (lists included) checked unchanged.
+pub fn selected_backward_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    config: &NsaConfig,
+    kernel: (KernelSource, BackwardSegments),
+    problem: BackwardProblem<'_, T>,
+    lists: &Array3<i32>,
+    strategy: GpuBackwardStrategy,
+) -> Result<Gradients<T>, LaunchError> {
+    let device_lists = upload(stream, &lists.clone().into_dyn())?;
+    let spec = &problem.case.spec;
+    let grads = backward_guarded_with(stream, problem, |inputs, outputs| {
+        selected_backward_device_with(stream, spec, config, kernel, inputs, &device_lists, outputs, strategy)
+    })?;
+    let back = stream.clone_dtoh(&device_lists).map_err(|e| LaunchError::Driver(e.to_string()))?;
+    stream.synchronize().map_err(|e| LaunchError::Driver(e.to_string()))?;
+    if lists.iter().zip(back.iter()).any(|(a, b)| a != b) {
+        return Err(LaunchError::InputChanged { input: "lists" });
+    }
+    Ok(grads)
+}
+
+/// A `[L, G, ·]` stack of one KV head's query heads as one head of `L·G` rows, token-major (row `t·G + h`): the order
+/// in which the KV owner's tiles gather them.
+fn as_one_head<T: Clone>(heads: ArrayD<T>) -> ArrayD<T> {
+    let (len, group, width) = (heads.shape()[0], heads.shape()[1], heads.shape()[2]);
+    heads.as_standard_layout().into_owned().into_shape_with_order(IxDyn(&[len * group, 1, width])).expect("sizes agree")
+}
+
+/// Verifies a selected-backward candidate: one verdict per (sequence, KV head). Each is the dense backward verdict of
+/// the group's rows stacked as one head of `L·G` rows token-major over the KV head's keys, under the visibility
+/// `key ≤ token ∧ block(key) listed for (token, KV head)`, with the recipe [`selected_backward_recipe`] and query tiles
+/// of `⌊64/G⌋·G` rows: the KV owner adds a key's terms from every (token, head) row in that order, in tiles of that
+/// many rows, into one chain per key (no per-head sums to add afterwards), which is the dense model's chain for one
+/// head, and each row's dQ collects at most one partial per visited tile.
+pub fn verify_selected_backward<T: Element>(
+    case: &Case<T>,
+    config: &NsaConfig,
+    lists: &Array3<i32>,
+    d_out: &ArrayD<T>,
+    candidate: BackwardCandidate<'_, T>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    let (group, hkv, lb) = (spec.group_size(), spec.n_heads_kv, config.select_block);
+    let q_tile = (64 / group).max(1) * group;
+    let recipe = selected_backward_recipe::<T>(config);
+    let mut verdicts = Vec::new();
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        let len = seq.len_q;
+        let rows = row0..row0 + len;
+        row0 += len;
+        if len == 0 {
+            continue;
+        }
+        for kv in 0..hkv {
+            let heads = kv * group..(kv + 1) * group;
+            let stacked = |t: ArrayViewD<'_, T>, keys: bool| {
+                let h = if keys { kv..kv + 1 } else { heads.clone() };
+                as_one_head(stack_heads(spec, t, &seq, h, keys))
+            };
+            let sub_spec = AttentionSpec {
+                layout: attnproof_oracle::Layout::Varlen {
+                    cu_seqlens_q: vec![0, (len * group) as i32],
+                    cu_seqlens_k: vec![0, len as i32],
+                },
+                n_heads_q: 1,
+                n_heads_kv: 1,
+                mask: attnproof_oracle::Mask::None,
+                ..spec.clone()
+            };
+            let sub = Case {
+                spec: sub_spec,
+                q: stacked(case.q.view(), false),
+                k: stacked(case.k.view(), true),
+                v: stacked(case.v.view(), true),
+            };
+            let listed: Vec<Vec<usize>> = rows
+                .clone()
+                .map(|r| {
+                    let list = lists.index_axis(Axis(0), r);
+                    list.index_axis(Axis(0), kv).iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect()
+                })
+                .collect();
+            let visible = Array2::from_shape_fn((len * group, len), |(row, key)| {
+                let t = row / group;
+                key <= t && listed[t].contains(&(key / lb))
+            });
+            let sub_d_out = stacked(d_out.view(), false);
+            let expectation =
+                BackwardExpectation::with_visibility(&sub, &sub_d_out, q_tile, recipe, &|_, _| visible.clone())?;
+            let delta = stack_row_stats(spec, candidate.delta.view(), &seq, heads.clone());
+            // [G, L] → token-major [1, L·G].
+            let delta = delta.view().reversed_axes().as_standard_layout().into_owned();
+            let delta = delta.into_shape_with_order(IxDyn(&[1, len * group])).expect("sizes agree");
+            let (dq, dk, dv) = (
+                stacked(candidate.dq.view(), false),
+                stacked(candidate.dk.view(), true),
+                stacked(candidate.dv.view(), true),
+            );
+            let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+            verdicts.push(expectation.verify(candidate)?);
+        }
+    }
+    Ok(verdicts)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -330,5 +454,65 @@ mod tests {
         dropped[[t, 0, slot]] = -1;
         assert!(verdicts(run(&dropped, d.config.scale)).iter().any(|v| !v.passed()), "a dropped block passed");
         assert!(verdicts(run(&lists, Scale::InverseSqrtHeadDim)).iter().any(|v| !v.passed()), "the wrong scale passed");
+    }
+
+    /// The backward verifier accepts the oracle's gradients of the layer (per query head, under the head's own
+    /// visibility, not stacked: an independent path to the same numbers) rounded to bf16, for a group of 3 in a
+    /// varlen layout, and rejects them computed with one listed block dropped from one token, and with dK of the
+    /// group's first head only.
+    #[test]
+    fn the_backward_verifier_accepts_the_oracle_and_rejects_a_dropped_block() {
+        use attnproof_oracle::attention::backward_with_visibility;
+        use attnproof_oracle::spec::Sequence;
+        use attnproof_oracle::{DenseConfig, Qkv};
+        let cu = vec![0, 50, 50, 110];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let mut d = draw(layout, (6, 2), 8, 3, ListMix::Mixed);
+        d.layer.head_dim = 16;
+        let case = selected_case::<bf16>(&d, 3);
+        let lists = selected_lists(&d);
+        let d_out = crate::generate::make_d_out::<bf16>(&case.spec, 4);
+        let [q, k, v] = case.widened();
+        let g = d_out.mapv(|x| x.to_f32() as f64);
+        let spec = case.spec.clone();
+        let offsets = [0, 50, 50];
+        // The oracle's gradients with the lists `lists`, dK from the heads `h % 3 < dk_heads` of each group only.
+        let grads = |lists: &Array3<i32>, dk_heads: usize| {
+            let visibility = |seq: &Sequence, h: usize, heads: usize| {
+                Array2::from_shape_fn((seq.len_q, seq.len_k), |(t, j)| {
+                    let list = lists.index_axis(Axis(0), offsets[seq.index] + t);
+                    let listed = list.index_axis(Axis(0), h / 3).iter().any(|&b| b >= 0 && b as usize == j / 8);
+                    h % 3 < heads && j <= t && listed
+                })
+            };
+            let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+            let all = |seq: &Sequence, h: usize| visibility(seq, h, 3);
+            let mut out =
+                backward_with_visibility(&spec, qkv.clone(), g.view(), &all, DenseConfig::default(), ()).unwrap();
+            let some = |seq: &Sequence, h: usize| visibility(seq, h, dk_heads);
+            out.dk = backward_with_visibility(&spec, qkv, g.view(), &some, DenseConfig::default(), ()).unwrap().dk;
+            let round = |a: &ArrayD<f64>| a.mapv(bf16::from_f64);
+            (round(&out.dq), round(&out.dk), round(&out.dv), out.delta.mapv(|x| x as f32))
+        };
+        let verdicts = |(dq, dk, dv, delta): (ArrayD<bf16>, ArrayD<bf16>, ArrayD<bf16>, ArrayD<f32>)| {
+            let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+            verify_selected_backward(&case, &d.config, &lists, &d_out, candidate).unwrap()
+        };
+        let good = verdicts(grads(&lists, 3));
+        assert_eq!(good.len(), 4, "two sequences with tokens, two KV heads");
+        assert!(
+            good.iter().all(|v| v.passed() && v.valid()),
+            "{}",
+            good.iter().map(|v| v.to_string()).collect::<String>()
+        );
+        let mut dropped = lists.clone();
+        let (t, slot) = (50..110)
+            .find_map(|t| {
+                (0..3).rev().find(|&e| lists[[t, 1, e]] >= 0 && lists[[t, 1, e]] as usize * 8 + 50 <= t).map(|e| (t, e))
+            })
+            .expect("a token lists a block it sees");
+        dropped[[t, 1, slot]] = -1;
+        assert!(verdicts(grads(&dropped, 3)).iter().any(|v| !v.passed()), "a dropped block passed");
+        assert!(verdicts(grads(&lists, 1)).iter().any(|v| !v.passed()), "dK of one head of the group passed");
     }
 }

@@ -53,9 +53,11 @@
 //! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
 //! products only), and the selected attention's forward over those lists (`nsa-selected-fwd`; FLOPs `4·d·Hq` times
 //! the keys the lists show each token, up to its own: the visible work, not the masked products the kernel also
-//! does; at every tiling that holds the group, `-r16` ... `-r64` in the tiling column, the default one marked), then
-//! once per shape the sliding-window branch (`nsa-window-fwd`, the dense forward under
-//! `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
+//! does; at every tiling that holds the group, `-r16` ... `-r64` in the tiling column, the default one marked), its
+//! backward with atomic dQ (`nsa-selected-bwd`; FLOPs 2.5 times the forward's) and the compressed attention's
+//! backward (`nsa-cmp-bwd`, the dense backward under the strided causal mask, without the pooling's transpose), then
+//! once per shape the sliding-window branch (`nsa-window-fwd` and `nsa-window-bwd`, the dense forward and backward
+//! under `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
 //! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu` (at
 //! the default tiling), and whether its output equals the embedded kernel's bit for bit.
 
@@ -64,8 +66,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use attnproof_gpu::backward::{
-    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device_with,
-    is_wgmma_backward, production_backward_kernel, wgmma_backward_supports,
+    BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device,
+    flash_backward_device_with, is_wgmma_backward, production_backward_kernel, wgmma_backward_supports,
 };
 use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
@@ -77,6 +79,7 @@ use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::gates::{GateBranches, NSA_GATES, gate_combine_device, gate_logits_shape};
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED, SelectedTiling};
+use attnproof_gpu::nsa::selected_backward::{NSA_SELECTED_BWD, selected_backward_device};
 use attnproof_gpu::nsa::window::window_spec;
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
@@ -239,7 +242,7 @@ fn parse() -> Result<Options, String> {
         return Err("--nsa-select-source and --nsa-selected-source time NSA's pieces: add --nsa".into());
     }
     if o.nsa && (o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
-        return Err("--nsa times its own shapes, forward only".into());
+        return Err("--nsa times its own shapes and directions".into());
     }
     if o.block_sparse && (o.backward || o.shape.is_some() || o.all_tilings) {
         return Err("--block-sparse times its own shapes, forward only".into());
@@ -654,6 +657,14 @@ fn run_nsa_window_and_gates(
     })?;
     let pairs: f64 = (0..l).map(|t| (t + 1).min(config.window) as f64).sum();
     emit(out, format!("{shape},nsa-window-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 4.0 * (d * hq) as f64 * pairs / ms / 1e9));
+    let grads = BackwardGrads::new(stream, &window)?;
+    let ms = median_ms(stream, opts, |s| {
+        let mut g = grads.borrow();
+        let inputs =
+            BackwardDeviceInputs { q: &q[s], k: &k[s], v: &v[s], o: &o_win, lse: &lse, d_out: &q[(s + 1) % SETS] };
+        flash_backward_device(stream, &window, inputs, g.outputs(), GpuBackwardStrategy::KvOwnerAtomic).map_err(e)
+    })?;
+    emit(out, format!("{shape},nsa-window-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 10.0 * (d * hq) as f64 * pairs / ms / 1e9));
     // The branch outputs are the window output three times (their values do not change the time).
     let logits = alloc(stream, gate_logits_shape(layer).iter().product())?;
     let mut o = alloc(stream, count(Operand::O))?;
@@ -771,7 +782,78 @@ fn run_nsa_config(
             ),
         );
     }
+    // The selected attention's backward over the same lists (atomic dQ; FLOPs 2.5 times the forward's: five products
+    // of the recomputed tile instead of two), from the last forward's O and LSE and a dO of another input set.
+    let grads = BackwardGrads::new(stream, layer)?;
+    let ms = median_ms(stream, opts, |s| {
+        let mut g = grads.borrow();
+        selected_backward_device(
+            stream,
+            layer,
+            config,
+            NSA_SELECTED_BWD,
+            BackwardDeviceInputs { q: &q[s], k: &k[s], v: &v[s], o: &o_slc, lse: &lse_slc, d_out: &q[(s + 1) % SETS] },
+            &lists,
+            g.outputs(),
+            GpuBackwardStrategy::KvOwnerAtomic,
+        )
+        .map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-selected-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.5 * selected_flops / ms / 1e9));
+    // The compressed attention's backward (the dense backward under the strided causal mask; the pooling's transpose
+    // onto the tokens is not on the GPU yet).
+    let cmp_grads = BackwardGrads::new(stream, &compressed)?;
+    let ms = median_ms(stream, opts, |s| {
+        let mut g = cmp_grads.borrow();
+        let inputs =
+            BackwardDeviceInputs { q: &q[s], k: &k_cmp, v: &v_cmp, o: &o_cmp, lse: &lse, d_out: &q[(s + 1) % SETS] };
+        flash_backward_device(stream, &compressed, inputs, g.outputs(), GpuBackwardStrategy::KvOwnerAtomic).map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-cmp-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.5 * 2.0 * score_flops / ms / 1e9));
     Ok(())
+}
+
+/// Gradient buffers of one backward problem, reused by every timed call.
+struct BackwardGrads {
+    dq: std::cell::RefCell<CudaSlice<bf16>>,
+    dk: std::cell::RefCell<CudaSlice<bf16>>,
+    dv: std::cell::RefCell<CudaSlice<bf16>>,
+    delta: std::cell::RefCell<CudaSlice<f32>>,
+}
+
+/// The borrowed buffers of [`BackwardGrads`] for one call.
+struct BorrowedGrads<'a> {
+    dq: std::cell::RefMut<'a, CudaSlice<bf16>>,
+    dk: std::cell::RefMut<'a, CudaSlice<bf16>>,
+    dv: std::cell::RefMut<'a, CudaSlice<bf16>>,
+    delta: std::cell::RefMut<'a, CudaSlice<f32>>,
+}
+
+impl BackwardGrads {
+    fn new(stream: &Arc<CudaStream>, spec: &AttentionSpec) -> Result<Self, String> {
+        let count = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+        Ok(Self {
+            dq: alloc(stream, count(Operand::Q))?.into(),
+            dk: alloc(stream, count(Operand::K))?.into(),
+            dv: alloc(stream, count(Operand::V))?.into(),
+            delta: stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?.into(),
+        })
+    }
+
+    fn borrow(&self) -> BorrowedGrads<'_> {
+        BorrowedGrads {
+            dq: self.dq.borrow_mut(),
+            dk: self.dk.borrow_mut(),
+            dv: self.dv.borrow_mut(),
+            delta: self.delta.borrow_mut(),
+        }
+    }
+}
+
+impl BorrowedGrads<'_> {
+    fn outputs(&mut self) -> BackwardDeviceOutputs<'_, bf16> {
+        BackwardDeviceOutputs { dq: &mut self.dq, dk: &mut self.dk, dv: &mut self.dv, delta: &mut self.delta }
+    }
 }
 
 /// The (query token, key) pairs the lists `[T, Hkv, n]` show one query head of each KV head, summed over the KV

@@ -9,8 +9,10 @@
 //! over the compressed keys under NSA's strided causal mask; and [`select`], the block scores (recomputed from the
 //! compressed attention's LSE, summed over the group and remapped onto blocks without writing per-head
 //! probabilities) and the top-n lists with forced blocks; and [`selected`], the selected attention's forward over the
-//! union of a token group's lists, each block's K/V tile shared by the group's heads. Still to come, in the plan's
-//! order: the branches' backward.
+//! union of a token group's lists, each block's K/V tile shared by the group's heads; and [`selected_backward`], its
+//! backward through the device-built block → token transpose (E20) with a KV owner per block tile. Still to come, in
+//! the plan's order: the compressed branch's backward through the pooling, the learned compression map on the GPU,
+//! and one layer wrapper.
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
 //! definition; a kernel checks that it implements the configuration it is given and refuses the rest with a typed
@@ -21,6 +23,7 @@ pub mod compressed;
 pub mod gates;
 pub mod select;
 pub mod selected;
+pub mod selected_backward;
 pub mod window;
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask};

@@ -127,18 +127,19 @@ pub fn selected_defines<T: GpuElement>(spec: &AttentionSpec, tiling: SelectedTil
 }
 
 /// Everything a launch needs, derived from a validated layer spec and configuration.
-struct Plan {
-    spec: AttentionSpec,
-    params: NsaSelectParams,
-    cu_q: Vec<i32>,
-    cu_k: Vec<i32>,
-    batch: usize,
-    max_len: usize,
+pub(super) struct Plan {
+    pub spec: AttentionSpec,
+    pub params: NsaSelectParams,
+    pub cu_q: Vec<i32>,
+    pub cu_k: Vec<i32>,
+    pub batch: usize,
+    pub max_len: usize,
     shared_bytes: usize,
     tiling: SelectedTiling,
 }
 
-fn plan(spec: &AttentionSpec, config: &NsaConfig, tiling: Option<SelectedTiling>) -> Result<Plan, GpuError> {
+/// The checks of a selected-attention launch (forward or backward) and what it needs.
+pub(super) fn plan(spec: &AttentionSpec, config: &NsaConfig, tiling: Option<SelectedTiling>) -> Result<Plan, GpuError> {
     let spec = selected_spec(spec, config)?;
     let group = spec.group_size();
     if group > MAX_GROUP {

@@ -17,5 +17,6 @@ mod nsa_compressed;
 mod nsa_gates;
 mod nsa_select;
 mod nsa_selected;
+mod nsa_selected_backward;
 mod property;
 mod ring_state;

@@ -28,6 +28,7 @@ use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
 use crate::nsa_selected;
+use crate::nsa_selected_backward;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
@@ -39,6 +40,7 @@ use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
 use attnproof_gpu::nsa::selected::NSA_SELECTED;
+use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -57,7 +59,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 9] = [
+const KERNELS: [KernelSource; 10] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
@@ -65,6 +67,7 @@ const KERNELS: [KernelSource; 9] = [
     NSA_GATES,
     NSA_SELECT,
     NSA_SELECTED,
+    NSA_SELECTED_BWD,
     FLASH_FWD_SM90,
     FLASH_BWD_SM90,
 ];
@@ -747,6 +750,45 @@ fn all_nsa_selected_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             nsa_selected::run_selected_suite(suite, config, &stream, kernel)
+        },
+    );
+}
+
+#[test]
+fn all_nsa_selected_backward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_selected_backward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = nsa_selected_backward::backward_killing_cases();
+    hunt(
+        "all_nsa_selected_backward_mutants_are_killed",
+        NSA_SELECTED_BWD,
+        &catalog_mutants(NSA_SELECTED_BWD),
+        &cases,
+        |kernel, c| nsa_selected_backward::check_backward_case(&stream, kernel, c),
+    );
+}
+
+/// Every selected-backward mutant also fails the general suite (bf16, its default draws).
+#[test]
+fn all_nsa_selected_backward_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_nsa_selected_backward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &nsa_selected_backward::BACKWARD_SUITES[0];
+    hunt_in_suite(
+        "all_nsa_selected_backward_mutants_are_killed_by_the_general_suite",
+        NSA_SELECTED_BWD,
+        &catalog_mutants(NSA_SELECTED_BWD),
+        suite.name,
+        |kernel| {
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            nsa_selected_backward::run_backward_suite(suite, config, &stream, kernel)
         },
     );
 }

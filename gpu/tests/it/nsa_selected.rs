@@ -124,7 +124,7 @@ fn selected_attention_is_within_bound_f16() {
 }
 
 /// What a draw reaches, by name.
-fn classes(draw: &SelectedDraw) -> Vec<&'static str> {
+pub fn classes(draw: &SelectedDraw) -> Vec<&'static str> {
     let layer = &draw.layer;
     let group = layer.group_size();
     let seqs = layer.sequences();
@@ -140,6 +140,7 @@ fn classes(draw: &SelectedDraw) -> Vec<&'static str> {
         ("a tiling other than the default", draw.tiling.is_some_and(|t| t != SelectedTiling::for_group(group))),
         ("d 192", layer.head_dim == 192),
         ("block shorter than a tile", block < 64),
+        ("short blocks, a tile holding several", block < 64 && seqs.iter().any(|s| s.len_q > 2 * block)),
         ("block of several tiles", block > 64),
         (
             "varlen with an empty sequence",
@@ -160,26 +161,29 @@ fn classes(draw: &SelectedDraw) -> Vec<&'static str> {
 /// The suites' fixed seeds, replayed without a device, reach every class of [`classes`].
 #[test]
 fn the_selected_suites_draw_every_class() {
-    let all = [
-        "group > 8",
-        "group not a power of two",
-        "group 64",
-        "rows left over",
-        "one token per CTA",
-        "a union of many tokens",
-        "a tiling other than the default",
-        "d 192",
-        "block shorter than a tile",
-        "block of several tiles",
-        "varlen with an empty sequence",
-        "past a tile",
-        "more blocks than the list holds",
-        "every block, dense bits",
-        "another scale",
-        "large logits",
-    ];
-    assert_typed_suites_reach(&SELECTED_SUITES, selected_draws, classes, &all);
+    assert_typed_suites_reach(&SELECTED_SUITES, selected_draws, classes, &ALL_CLASSES);
 }
+
+/// Every class of [`classes`].
+pub const ALL_CLASSES: [&str; 17] = [
+    "group > 8",
+    "group not a power of two",
+    "group 64",
+    "rows left over",
+    "one token per CTA",
+    "a union of many tokens",
+    "a tiling other than the default",
+    "d 192",
+    "block shorter than a tile",
+    "short blocks, a tile holding several",
+    "block of several tiles",
+    "varlen with an empty sequence",
+    "past a tile",
+    "more blocks than the list holds",
+    "every block, dense bits",
+    "another scale",
+    "large logits",
+];
 
 /// The paper's layer at 2048 tokens end to end on the device: compression, compressed attention, block selection
 /// (top-16 with the first and two local blocks forced), then the selected attention over those lists, for a GQA

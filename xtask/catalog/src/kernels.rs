@@ -62,6 +62,14 @@ const NSA_SELECTED: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of NSA's selected attention backward (`nsa_selected_bwd.cu`: the device-built block → token
+/// transpose and the KV owner over it), launched in-process on a device with the forward's killing cases.
+const NSA_SELECTED_BWD: Mutant = Mutant {
+    file: "gpu/kernels/nsa_selected_bwd.cu",
+    runner: Runner::KernelText { kernel: "nsa_selected_bwd", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -821,6 +829,77 @@ pub const MUTANTS: &[Mutant] = &[
         find: "out.head = first_head + row % group;",
         replace: "out.head = first_head + (row / group) % group;",
         ..NSA_SELECTED
+    },
+    // --- nsa_selected_bwd.cu (NSA's selected attention backward), launched on a device ---
+    Mutant {
+        name: "gpu-nsa-selected-bwd-csr-row-drops-its-last-token",
+        description: "The KV owner stops one token short of its block's CSR row (E20's transpose missing a query)",
+        find: "const int csr_hi = min(csr_offsets[csr_row + 1], csr_lo + seg_tokens);",
+        replace: "const int csr_hi = min(csr_offsets[csr_row + 1] - 1, csr_lo + seg_tokens);",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-first-segment-dropped",
+        description: "dK and dV of a block split into segments leave out the first segment's sums",
+        find: "for (int s = 0; s < n_segments; ++s) {",
+        replace: "for (int s = 1; s < n_segments; ++s) {",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-diagonal-tile-unmasked",
+        description: "The mask-free path also takes a warp whose keys reach past the tile's first token (future keys leak)",
+        find: "if (wkey0 + 16 <= key_end && wkey0 + 15 <= tok_t[0]) {",
+        replace: "if (wkey0 + 16 <= key_end && wkey0 <= tok_t[0]) {",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-sees-the-next-token",
+        description: "Each gathered row's diagonal is its token plus one: every row sees the key after its token",
+        find: "__device__ __forceinline__ int at(int row) const { return tokens[row / group]; }",
+        replace: "__device__ __forceinline__ int at(int row) const { return tokens[row / group] + 1; }",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-tile-drops-its-last-row",
+        description: "A row tile loads one (token, head) row fewer: the last head of its last token is left out of dK, dV, dQ",
+        find: "const int rows = tokens_here * group;",
+        replace: "const int rows = tokens_here * group - 1;",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-dq-to-the-head-of-the-token-index",
+        description: "A row's dQ goes to the head of its token index in the tile instead of its head in the group",
+        find: "sv.q_base + (long long)(first_head + row % group) * q_head + (long long)token * q_row;",
+        replace: "sv.q_base + (long long)(first_head + (row / group) % group) * q_head + (long long)token * q_row;",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-block-end-ignored",
+        description: "A KV tile runs to the sequence's end instead of its block's: a short block's tile takes in the next block's keys",
+        find: "__device__ __forceinline__ int block_end(int block, int lb, int len) { return min(block * lb + lb, len); }",
+        replace: "__device__ __forceinline__ int block_end(int block, int lb, int len) { return len; }",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-partial-slot-ignores-the-tile",
+        description: "The deterministic dQ partial of a block's tiles shares one slot: a block of several tiles keeps its last",
+        find: "block, lb, t) * tiles_per_block + sub",
+        replace: "block, lb, t) * tiles_per_block",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-dk-unscaled",
+        description: "dK of a block of one segment is written without the score scale α̂",
+        find: "part_k + key * d, d, scale, direct};",
+        replace: "part_k + key * d, d, 1.0f, direct};",
+        ..NSA_SELECTED_BWD
+    },
+    Mutant {
+        name: "gpu-nsa-selected-bwd-delta-of-the-first-head",
+        description: "Every gathered row takes D of its token's first head (E9's rank-one term of the wrong row)",
+        find: "dl = delta[at];",
+        replace: "dl = delta[at - (long long)(r % group) * lse_head];",
+        ..NSA_SELECTED_BWD
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
