@@ -6,6 +6,11 @@
 // Two kernels, one per operand, over one helper:
 //   nsa_compress_keys    K [.., Hkv, L, d]  -> k̃ [.., Hkv, W, d]   with φ_K (row 0 of the weights when weighted)
 //   nsa_compress_values  V [.., Hkv, L, dv] -> ṽ [.., Hkv, W, dv]  with φ_V (row 1 of the weights when weighted)
+// and their transposes, the backward of the pooling (the oracle's `compress_backward`, its dx), over a second helper:
+//   nsa_compress_keys_backward    dk̃ [.., Hkv, W, d]  -> dK [.., Hkv, L, d]:  dK_t = Σ_c w_{t−c·s} dk̃_c (mean: Σ_c dk̃_c / l)
+//   nsa_compress_values_backward  dṽ [.., Hkv, W, dv] -> dV [.., Hkv, L, dv], over the windows c that hold token t
+// whose grid runs over token groups instead of window groups (every token of the sequence is written: a token no
+// complete window holds gets zero).
 // Grid (window groups, KV heads, sequences); a thread owns 8 adjacent columns of one window, so a CTA of 128 threads
 // covers 128 / (cols / 8) windows. Windows past a sequence's own are skipped.
 //
@@ -13,11 +18,39 @@
 // in the same order, so the two agree bit for bit): each column's l values, widened exactly to f64, are added in
 // ascending window position (the mean: plain additions, then one division by l) or accumulated with one fused
 // multiply-add per position (weighted: acc = fma(w_i, x_i, acc), w_i the caller's f64 weight); the f64 result is
-// rounded to f32 and then to the storage type, both to nearest. f64 keeps the sum of up to l values of the storage
+// rounded to f32 and then to the storage type, both to nearest. The transposes take a token's windows in ascending
+// order the same way (plain additions then one division by l, or one fused multiply-add per window with the weight of
+// the token's position in it), then the same two roundings. f64 keeps the sum of up to l values of the storage
 // type's whole range from overflowing (an f32 sum of 32 bf16 values near the largest one would) and makes the
 // accumulation error negligible beside the storage rounding.
 
 #define CMP_THREADS 128
+
+// The thread's row (a window forward, a token backward) and its chunk of 8 of the `cols` columns: a CTA covers
+// 128 / (cols / 8) rows. 128 threads need not split into whole rows (d = 40 has 5 chunks): false for the idle tail.
+__device__ __forceinline__ bool thread_row(const int cols, int& row, int& chunk) {
+    const int chunks = cols / 8;
+    const int per_cta = CMP_THREADS / chunks;
+    const int slot = threadIdx.x / chunks;
+    chunk = threadIdx.x % chunks;
+    row = blockIdx.x * per_cta + slot;
+    return slot < per_cta;
+}
+
+// Adds one row's 8 columns at `p` (16-byte aligned) to `acc`, widened exactly to f64: a plain addition (the mean) or
+// one fused multiply-add with the weight `w` (weighted maps).
+__device__ __forceinline__ void add_row(double (&acc)[8], const elem_t* __restrict__ p, const int weighted,
+                                        const double w) {
+    const uint4 row = *reinterpret_cast<const uint4*>(p);
+    const elem_t* e8 = reinterpret_cast<const elem_t*>(&row);
+    if (weighted) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = fma(w, (double)to_f32(e8[e]), acc[e]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += (double)to_f32(e8[e]);
+    }
+}
 
 // One window's 8 columns: rows `cs .. cs + l - 1` of head `h` of the current sequence, from `x` (strides of the
 // operand) into `out` (the compressed layout), with the caller's weights or the mean.
@@ -29,12 +62,8 @@ __device__ __forceinline__ void compress_window(const elem_t* __restrict__ x, el
                                                 const int cols) {
     const FlashParams& fp = params.flash;
     const int h = blockIdx.y, seq = blockIdx.z;
-    const int chunks = cols / 8;
-    const int per_cta = CMP_THREADS / chunks;
-    const int slot = threadIdx.x / chunks, chunk = threadIdx.x % chunks;
-    // 128 threads need not split into whole windows (d = 40 has 5 chunks): the last few threads idle.
-    if (slot >= per_cta) return;
-    const int c = blockIdx.x * per_cta + slot;
+    int c, chunk;
+    if (!thread_row(cols, c, chunk)) return;
     int windows;
     long long in_base, out_at;
     if (fp.varlen) {
@@ -52,18 +81,7 @@ __device__ __forceinline__ void compress_window(const elem_t* __restrict__ x, el
     double acc[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = 0.0;
-    for (int i = 0; i < params.compress_len; ++i) {
-        const uint4 row = *reinterpret_cast<const uint4*>(src + (long long)i * row_stride);
-        const elem_t* e8 = reinterpret_cast<const elem_t*>(&row);
-        if (weighted) {
-            const double w = weights[i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fma(w, (double)to_f32(e8[e]), acc[e]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += (double)to_f32(e8[e]);
-        }
-    }
+    for (int i = 0; i < params.compress_len; ++i) add_row(acc, src + (long long)i * row_stride, weighted, weights[i]);
     __align__(16) elem_t result[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -87,4 +105,73 @@ nsa_compress_values(const elem_t* __restrict__ v, elem_t* __restrict__ v_cmp, co
     const FlashParams& fp = params.flash;
     compress_window(v, v_cmp, weights + params.compress_len, params.weighted_values, cu_k, cu_windows, params,
                     fp.v_batch, fp.v_head, fp.v_row, fp.dv);
+}
+
+// The transpose of compress_window for one token's 8 columns: row t of head h of the current sequence in `dx` (the
+// operand's layout) from the windows that hold it in `dx_cmp` (the compressed layout).
+__device__ __forceinline__ void compress_transpose_row(const elem_t* __restrict__ dx_cmp, elem_t* __restrict__ dx,
+                                                       const double* __restrict__ weights, const int weighted,
+                                                       const int* __restrict__ cu_k,
+                                                       const int* __restrict__ cu_windows, const NsaParams& params,
+                                                       const long long batch_stride, const long long head_stride,
+                                                       const long long row_stride, const int cols) {
+    const FlashParams& fp = params.flash;
+    const int h = blockIdx.y, seq = blockIdx.z;
+    int t, chunk;
+    if (!thread_row(cols, t, chunk)) return;
+    int windows, len;
+    long long out_base, cmp_row0;
+    if (fp.varlen) {
+        cmp_row0 = cu_windows[seq];
+        windows = cu_windows[seq + 1] - (int)cmp_row0;
+        len = cu_k[seq + 1] - cu_k[seq];
+        out_base = (long long)cu_k[seq] * row_stride;
+    } else {
+        windows = params.dense_windows;
+        len = fp.dense_len_k;
+        out_base = seq * batch_stride;
+        cmp_row0 = (long long)seq * windows;
+    }
+    if (t >= len) return;
+    const int l = params.compress_len, s = params.compress_stride;
+    // The windows c with c·s ≤ t ≤ c·s + l − 1 among the sequence's complete ones.
+    const int c_lo = t >= l ? (t - l + s) / s : 0;
+    const int c_hi = min(t / s, windows - 1);
+    double acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.0;
+    for (int c = c_lo; c <= c_hi; ++c) {
+        // Varlen windows are packed [ΣW, Hkv, cols]; dense ones [B, Hkv, W, cols].
+        const long long at = fp.varlen ? ((cmp_row0 + c) * params.n_heads_kv + h) * cols
+                                       : (((long long)seq * params.n_heads_kv + h) * windows + c) * cols;
+        const double w = weights[t - c * s];
+        add_row(acc, dx_cmp + at + chunk * 8, weighted, w);
+    }
+    __align__(16) elem_t result[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const double y = weighted ? acc[e] : acc[e] / l;
+        result[e] = to_elem(__double2float_rn(y));
+    }
+    *reinterpret_cast<uint4*>(dx + out_base + h * head_stride + (long long)t * row_stride + chunk * 8) =
+        *reinterpret_cast<const uint4*>(result);
+}
+
+extern "C" __global__ void __launch_bounds__(CMP_THREADS)
+nsa_compress_keys_backward(const elem_t* __restrict__ dk_cmp, elem_t* __restrict__ dk,
+                           const double* __restrict__ weights, const int* __restrict__ cu_k,
+                           const int* __restrict__ cu_windows, const NsaParams params) {
+    const FlashParams& fp = params.flash;
+    compress_transpose_row(dk_cmp, dk, weights, params.weighted_keys, cu_k, cu_windows, params, fp.k_batch, fp.k_head,
+                           fp.k_row, fp.d);
+}
+
+extern "C" __global__ void __launch_bounds__(CMP_THREADS)
+nsa_compress_values_backward(const elem_t* __restrict__ dv_cmp, elem_t* __restrict__ dv,
+                             const double* __restrict__ weights, const int* __restrict__ cu_k,
+                             const int* __restrict__ cu_windows, const NsaParams params) {
+    const FlashParams& fp = params.flash;
+    // The values' weights and flag (the forward's call spells the same arguments on one line).
+    compress_transpose_row(dv_cmp, dv, weights + params.compress_len, params.weighted_values,
+                           cu_k, cu_windows, params, fp.v_batch, fp.v_head, fp.v_row, fp.dv);
 }

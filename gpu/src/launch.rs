@@ -585,15 +585,17 @@ pub(crate) fn launch_nsa_gate_backward<T>(
 }
 
 /// Launches `nsa_compress_keys` or `nsa_compress_values` (gpu/kernels/nsa_compress.cu, `func`) on `stream`: the
-/// compressed rows of every complete window of `x` into `out`.
+/// compressed rows of every complete window of `x` into `out`; or their transposes `nsa_compress_keys_backward` and
+/// `nsa_compress_values_backward`: every token row of `out` from the windows of `x` that hold it.
 ///
-/// Preconditions, established by `nsa::compress`: `func` is one of the two, compiled for the element type `T`; `x`
-/// holds the spec's K (for `nsa_compress_keys`) or V (for `nsa_compress_values`), which the strides and lengths of
-/// `params.flash`, or the validated `cu_k`, describe; `cu_windows` holds each sequence's first window in the packed
-/// layout (one entry per sequence and one more) and `params.dense_windows` the windows of a dense problem, none past
-/// the sequence's keys; `out` holds the compressed layout's elements (`nsa::compress::compressed_shape`); `weights`
-/// holds `2 · params.compress_len` f64; `cfg`'s grid is `(window groups, n_heads_kv, B)` with 128 threads per block
-/// and enough window groups for the longest sequence.
+/// Preconditions, established by `nsa::compress`: `func` is one of the four, compiled for the element type `T`; the
+/// token-side buffer (`x` forward, `out` backward) holds the spec's K (the keys' kernels) or V (the values'), which the
+/// strides and lengths of `params.flash`, or the validated `cu_k`, describe; `cu_windows` holds each sequence's first
+/// window in the packed layout (one entry per sequence and one more) and `params.dense_windows` the windows of a dense
+/// problem, none past the sequence's keys; the window-side buffer (`out` forward, `x` backward) holds the compressed
+/// layout's elements (`nsa::compress::compressed_shape`); `weights` holds `2 · params.compress_len` f64; `cfg`'s grid
+/// is `(window groups, n_heads_kv, B)` forward or `(token groups, n_heads_kv, B)` backward, with 128 threads per block
+/// and enough groups for the longest sequence.
 pub(crate) fn launch_nsa_compress<T>(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -605,8 +607,8 @@ pub(crate) fn launch_nsa_compress<T>(
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
     builder.arg(x).arg(out).arg(weights).arg(cu_k).arg(cu_windows).arg(params);
-    // SAFETY: the arguments match `nsa_compress_keys` and `nsa_compress_values` (`const elem_t*, elem_t*, const
-    // double* weights, const int* cu_k, const int* cu_windows, const NsaParams`) in order and type; every index the
+    // SAFETY: the arguments match the four kernels (`const elem_t*, elem_t*, const double* weights, const int* cu_k,
+    // const int* cu_windows, const NsaParams`) in order and type; every index the
     // kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their
     // use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_compress_*)", e))?;

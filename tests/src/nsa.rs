@@ -16,8 +16,8 @@
 use std::sync::Arc;
 
 use attnproof_gpu::compile::KernelSource;
-use attnproof_gpu::nsa::compress::compress_kv_device;
-use attnproof_oracle::nsa::{Compression, NsaConfig, complete_windows, compress};
+use attnproof_gpu::nsa::compress::{compress_kv_backward_device, compress_kv_device};
+use attnproof_oracle::nsa::{Compression, NsaConfig, complete_windows, compress, compress_backward};
 use attnproof_oracle::spec::{Layout, Operand};
 use attnproof_proofs::nsa_bound::{
     StorageRounding, compression_bound, f64_evaluation_error, gate_branch_gradient_bound, gate_combine_bound,
@@ -53,6 +53,34 @@ impl CompressionVerdict {
     /// Every element within the bound and equal to the reference's bits.
     pub fn passed(&self) -> bool {
         self.failures.is_empty()
+    }
+
+    /// Holds one stored element `value` to `compression_bound` of the exact `y` (magnitude `m`, `terms` f64 terms),
+    /// recording its ratio and, outside the bound, a failure named by `where_`. An infinite `value` is right only where
+    /// every value the exact result may have (the oracle's within its f64 evaluation error of it) rounds through f32
+    /// to the same infinity.
+    fn judge<T: Storage>(
+        &mut self,
+        value: T,
+        (y, m, terms): (f64, f64, usize),
+        storage: StorageRounding,
+        where_: impl Fn() -> String,
+    ) {
+        let bound = compression_bound(y, m, terms, storage);
+        let v = f64::from(value.to_f32());
+        let within = if v.is_infinite() {
+            let least = (y.abs() - 2.0 * f64_evaluation_error(m, terms)).max(0.0).copysign(y);
+            T::from_f32(least as f32).to_f32() == value.to_f32()
+        } else {
+            let ratio = (v - y).abs() / bound;
+            if ratio.is_finite() {
+                self.worst_ratio = self.worst_ratio.max(ratio);
+            }
+            ratio <= 1.0
+        };
+        if !within && self.failures.len() < REPORTED {
+            self.failures.push(format!("{}: {v:e} against {y:e} (bound {bound:e})", where_()));
+        }
     }
 }
 
@@ -137,24 +165,8 @@ pub fn verify_compression<T: Storage>(
                 for ((c, col), &value) in out.indexed_iter() {
                     verdict.elements += 1;
                     let (y, m) = (truth[[c, col]], magnitudes[[c, col]]);
-                    let bound = compression_bound(y, m, config.compress_len, storage);
-                    let v = f64::from(value.to_f32());
                     let where_ = || format!("{name}[sequence {}, head {head}, window {c}, column {col}]", seq.index);
-                    let within = if v.is_infinite() {
-                        // Right only where every value the exact result may have (the oracle's within its f64
-                        // evaluation error of it) rounds through f32 to the same infinity.
-                        let least = (y.abs() - 2.0 * f64_evaluation_error(m, config.compress_len)).max(0.0).copysign(y);
-                        T::from_f32(least as f32).to_f32() == value.to_f32()
-                    } else {
-                        let ratio = (v - y).abs() / bound;
-                        if ratio.is_finite() {
-                            verdict.worst_ratio = verdict.worst_ratio.max(ratio);
-                        }
-                        ratio <= 1.0
-                    };
-                    if !within && verdict.failures.len() < REPORTED {
-                        verdict.failures.push(format!("{}: {v:e} against {y:e} (bound {bound:e})", where_()));
-                    }
+                    verdict.judge(value, (y, m, config.compress_len), storage, where_);
                     let want = reference[[c, col]];
                     if want.bits() != value.bits() {
                         verdict.reference_mismatches += 1;
@@ -255,24 +267,148 @@ pub fn compress_guarded<T: Storage>(
     kernel: KernelSource,
 ) -> Result<Compressed<T>, LaunchError> {
     let spec = &case.spec;
-    let (k, v) = (upload(stream, &case.k)?, upload(stream, &case.v)?);
-    let (_, k_shape) = layout(spec, config, spec.head_dim);
-    let (_, v_shape) = layout(spec, config, spec.head_dim_v);
-    let (k_len, v_len) = (k_shape.iter().product::<usize>(), v_shape.iter().product::<usize>());
+    let shapes = [("k_cmp", layout(spec, config, spec.head_dim).1), ("v_cmp", layout(spec, config, spec.head_dim_v).1)];
+    let [k, v] = guarded_pair(stream, [("k", &case.k), ("v", &case.v)], shapes, |[k, v], [k_cmp, v_cmp]| {
+        compress_kv_device(stream, spec, config, kernel, k, v, k_cmp, v_cmp)
+    })?;
+    Ok(Compressed { k, v })
+}
+
+/// Uploads the two `inputs`, runs `launch` from them into two NaN-poisoned outputs of `shapes` followed by guard
+/// bands, checks the guards and that the inputs are unchanged on the device, and returns the outputs.
+fn guarded_pair<T: Storage>(
+    stream: &Arc<CudaStream>,
+    inputs: [(&'static str, &ArrayD<T>); 2],
+    shapes: [(&'static str, Vec<usize>); 2],
+    launch: impl FnOnce(
+        [&cudarc::driver::CudaSlice<T>; 2],
+        [&mut cudarc::driver::CudaSlice<T>; 2],
+    ) -> Result<(), attnproof_gpu::GpuError>,
+) -> Result<[ArrayD<T>; 2], LaunchError> {
+    let (a, b) = (upload(stream, inputs[0].1)?, upload(stream, inputs[1].1)?);
+    let lens = shapes.each_ref().map(|(_, shape)| shape.iter().product::<usize>());
     let (nan, guard) = (<T as Element>::from_f32(f32::NAN), T::from_bits16(GUARD_BITS_16));
-    let mut k_cmp = poisoned(stream, k_len, nan, guard)?;
-    let mut v_cmp = poisoned(stream, v_len, nan, guard)?;
-    compress_kv_device(stream, spec, config, kernel, &k, &v, &mut k_cmp, &mut v_cmp)?;
+    let mut out_a = poisoned(stream, lens[0], nan, guard)?;
+    let mut out_b = poisoned(stream, lens[1], nan, guard)?;
+    launch([&a, &b], [&mut out_a, &mut out_b])?;
     let driver = |e: cudarc::driver::DriverError| LaunchError::Driver(e.to_string());
-    let (k_back, v_back) = (stream.clone_dtoh(&k_cmp).map_err(driver)?, stream.clone_dtoh(&v_cmp).map_err(driver)?);
-    let inputs_back = [stream.clone_dtoh(&k).map_err(driver)?, stream.clone_dtoh(&v).map_err(driver)?];
+    let backs = [stream.clone_dtoh(&out_a).map_err(driver)?, stream.clone_dtoh(&out_b).map_err(driver)?];
+    let inputs_back = [stream.clone_dtoh(&a).map_err(driver)?, stream.clone_dtoh(&b).map_err(driver)?];
     stream.synchronize().map_err(driver)?;
-    unchanged(&[("k", &case.k), ("v", &case.v)], &inputs_back)?;
+    unchanged(&inputs, &inputs_back)?;
     let intact = |x: T| x.bits() == GUARD_BITS_16;
-    Ok(Compressed {
-        k: unguard("k_cmp", k_back, k_len, &k_shape, intact)?,
-        v: unguard("v_cmp", v_back, v_len, &v_shape, intact)?,
-    })
+    let [back_a, back_b] = backs;
+    Ok([
+        unguard(shapes[0].0, back_a, lens[0], &shapes[0].1, intact)?,
+        unguard(shapes[1].0, back_b, lens[1], &shapes[1].1, intact)?,
+    ])
+}
+
+/// The compressed operands' gradients the pooling's transpose is checked with: the forward's own outputs (realistic
+/// magnitudes, the storage type's whole range included), with every non-finite element (a large weight over values
+/// near the largest one) set to zero, since an upstream gradient is finite.
+pub fn upstream_of<T: Storage>(forward: &Compressed<T>) -> Compressed<T> {
+    let finite = |t: &ArrayD<T>| t.mapv(|x| if x.to_f32().is_finite() { x } else { T::from_f32(0.0) });
+    Compressed { k: finite(&forward.k), v: finite(&forward.v) }
+}
+
+/// The token-side gradients of the pooling's transpose: `∂L/∂K` and `∂L/∂V` in the spec's K and V layouts.
+#[derive(Clone, Debug)]
+pub struct TokenGradients<T> {
+    /// `dK`.
+    pub dk: ArrayD<T>,
+    /// `dV`.
+    pub dv: ArrayD<T>,
+}
+
+/// One launch of the pooling's transpose (`attnproof_gpu::nsa::compress::compress_kv_backward_device`) of the kernel
+/// text `kernel` for `case`'s spec under `config`, from `upstream` (the compressed layout), into NaN-poisoned outputs
+/// followed by guard bands; checks the guards and that the upstream gradients are unchanged on the device.
+pub fn compress_backward_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    config: &NsaConfig,
+    kernel: KernelSource,
+    upstream: &Compressed<T>,
+) -> Result<TokenGradients<T>, LaunchError> {
+    let spec = &case.spec;
+    let shapes = [("dk", spec.expected_shape(Operand::K)), ("dv", spec.expected_shape(Operand::V))];
+    let inputs = [("dk_cmp", &upstream.k), ("dv_cmp", &upstream.v)];
+    let [dk, dv] = guarded_pair(stream, inputs, shapes, |[dk_cmp, dv_cmp], [dk, dv]| {
+        compress_kv_backward_device(stream, spec, config, kernel, dk_cmp, dv_cmp, dk, dv)
+    })?;
+    Ok(TokenGradients { dk, dv })
+}
+
+/// Verifies `candidate` as the pooling's transpose of `upstream` (the compressed keys' and values' gradients of
+/// `case`'s spec under `config`): every token element within `compression_bound` of the oracle's `compress_backward`
+/// (its `∂L/∂x`), the magnitude `Σ_c |w_{t−c·s}| |dx̃_c|` over the windows that hold the token (`1/l` for the mean),
+/// the f64 evaluation over at most `⌈l/s⌉` windows and the mean's division. No CPU reference: the bound alone.
+pub fn verify_compression_backward<T: Storage>(
+    case: &Case<T>,
+    config: &NsaConfig,
+    upstream: &Compressed<T>,
+    candidate: &TokenGradients<T>,
+) -> Result<CompressionVerdict, HarnessError> {
+    config.validate()?;
+    let spec = &case.spec;
+    let storage = StorageRounding { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<T>()) };
+    let dense = matches!(spec.layout, Layout::Dense { .. });
+    let (l, s) = (config.compress_len, config.compress_stride);
+    let terms = l.div_ceil(s) + 1;
+    let mut verdict = CompressionVerdict::default();
+    let [_, k_wide, v_wide] = case.widened();
+    let operands = [
+        ("dk", &k_wide, &upstream.k, &candidate.dk, &config.compress_keys, spec.head_dim, Operand::K),
+        ("dv", &v_wide, &upstream.v, &candidate.dv, &config.compress_values, spec.head_dim_v, Operand::V),
+    ];
+    for (name, wide, up, got, map, cols, operand) in operands {
+        let (windows, up_shape) = layout(spec, config, cols);
+        if up.shape() != up_shape.as_slice() {
+            return Err(HarnessError::CandidateShape {
+                argument: "upstream",
+                expected: up_shape,
+                actual: up.shape().to_vec(),
+            });
+        }
+        let expected = spec.expected_shape(operand);
+        if got.shape() != expected.as_slice() {
+            return Err(HarnessError::CandidateShape { argument: name, expected, actual: got.shape().to_vec() });
+        }
+        let up_wide = up.mapv(|x| f64::from(x.to_f32()));
+        let up_view = up_wide.view();
+        let mut first = 0;
+        for (seq, &w) in spec.sequences().iter().zip(&windows) {
+            for head in 0..spec.n_heads_kv {
+                let x = spec.head_rows(wide.view(), seq, head, true);
+                let d_cmp = compressed_rows(&up_view, dense, seq.index, first, w, head);
+                let truth = compress_backward(x, map, d_cmp, config, ())?.dx;
+                let out = spec.head_rows(got.view(), seq, head, true);
+                for ((t, col), &value) in out.indexed_iter() {
+                    verdict.elements += 1;
+                    let (lo, hi) = (if t >= l { (t - l + s) / s } else { 0 }, (t / s).min(w.saturating_sub(1)));
+                    let m: f64 = if w == 0 {
+                        0.0
+                    } else {
+                        (lo..=hi)
+                            .map(|c| {
+                                let weight = match map {
+                                    Compression::Weighted(ws) => ws[t - c * s].abs(),
+                                    _ => 1.0 / l as f64,
+                                };
+                                weight * d_cmp[[c, col]].abs()
+                            })
+                            .sum()
+                    };
+                    let y = truth[[t, col]];
+                    let where_ = || format!("{name}[sequence {}, head {head}, token {t}, column {col}]", seq.index);
+                    verdict.judge(value, (y, m, terms), storage, where_);
+                }
+            }
+            first += w;
+        }
+    }
+    Ok(verdict)
 }
 
 /// How a drawn compression problem's keys and values are made: the storage type's whole range, since E18's sums
@@ -747,4 +883,52 @@ pub fn compressed_attention_draws() -> impl Strategy<Value = CompressedAttention
             let config = NsaConfig { compress_len: l, compress_stride: s, ..NsaConfig::default() };
             CompressedAttentionDraw { layer, config, profile, seed }
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::{AttentionSpec, Mask};
+    use half::bf16;
+
+    /// The transpose's verifier accepts the oracle's `∂L/∂x` rounded to bf16 (mean keys, weighted values, the paper's
+    /// overlapping windows and a tail no window holds), and rejects it shifted by one token, with the mean divided by
+    /// the stride instead of the window, and with a window's weight taken from the other end.
+    #[test]
+    fn the_transpose_verifier_accepts_the_oracle_and_rejects_shifted_scaled_or_mirrored_sums() {
+        let spec = AttentionSpec::dense(1, 2, 2, 100, 100, 16, 8).with_mask(Mask::Causal);
+        let case = crate::generate::make_case::<bf16>(&spec, crate::generate::ValueProfile::GAUSSIAN, 7);
+        let weights: Vec<f64> = (0..32).map(|i| 0.25 + i as f64 / 7.0).collect();
+        let config = NsaConfig { compress_values: Compression::Weighted(weights.clone()), ..NsaConfig::default() };
+        let upstream = upstream_of(&reference_compression(&case, &config).unwrap());
+        let up_k = upstream.k.mapv(|x| f64::from(x.to_f32()));
+        let up_v = upstream.v.mapv(|x| f64::from(x.to_f32()));
+        // The oracle's transpose of both operands with the maps `maps`, then `edit` on each token row, rounded.
+        let candidate = |maps: [&Compression; 2], edit: &dyn Fn(usize, usize) -> usize, scale: f64| {
+            let mut out = TokenGradients { dk: case.k.mapv(|_| bf16::ZERO), dv: case.v.mapv(|_| bf16::ZERO) };
+            for (up, map, target) in [(&up_k, maps[0], &mut out.dk), (&up_v, maps[1], &mut out.dv)] {
+                for head in 0..2 {
+                    let d_cmp = up.index_axis(Axis(0), 0).index_axis_move(Axis(0), head);
+                    let d_cmp = d_cmp.into_dimensionality::<ndarray::Ix2>().unwrap();
+                    let x = Array2::<f64>::zeros((100, d_cmp.ncols()));
+                    let dx = compress_backward(x.view(), map, d_cmp, &config, ()).unwrap().dx;
+                    let mut rows = target.index_axis_mut(Axis(0), 0);
+                    let mut rows = rows.index_axis_mut(Axis(0), head);
+                    for t in 0..100 {
+                        for c in 0..dx.ncols() {
+                            rows[[t, c]] = bf16::from_f64(scale * dx[[edit(t, 100), c]]);
+                        }
+                    }
+                }
+            }
+            verify_compression_backward(&case, &config, &upstream, &out).unwrap()
+        };
+        let maps = [&config.compress_keys, &config.compress_values];
+        let exact = candidate(maps, &|t, _| t, 1.0);
+        assert!(exact.passed() && exact.elements == 2 * 100 * (16 + 8), "{:?}", exact.failures);
+        assert!(!candidate(maps, &|t, len| (t + 1).min(len - 1), 1.0).passed(), "shifted by a token");
+        assert!(!candidate(maps, &|t, _| t, 2.0).passed(), "the mean over s = 16 instead of l = 32");
+        let mirrored = Compression::Weighted(weights.iter().rev().copied().collect());
+        assert!(!candidate([maps[0], &mirrored], &|t, _| t, 1.0).passed(), "weights from the window's other end");
+    }
 }

@@ -1,5 +1,6 @@
 //! NSA's compression (E18) on the GPU: `gpu/kernels/nsa_compress.cu` behind typed wrappers, from device buffers
-//! ([`compress_kv_device`]) or host tensors ([`compress_kv`]).
+//! ([`compress_kv_device`]) or host tensors ([`compress_kv`]); and its backward onto the tokens
+//! ([`compress_kv_backward_device`], the transpose of the pooling: the oracle's `compress_backward`'s `∂L/∂x`).
 //!
 //! For every sequence, KV head and complete window `c` (tokens `c·s ..= c·s + l − 1`, all inside the sequence: the
 //! oracle's `complete_windows`), the compressed key is `k̃_c = φ_K(k_{c·s}, …, k_{c·s+l−1})` and the compressed value
@@ -182,6 +183,55 @@ pub fn compress_kv_device<T: GpuElement>(
     for (func, x, out, cols) in [(&keys, k, k_cmp, spec.head_dim), (&values, v, v_cmp, spec.head_dim_v)] {
         let cfg = LaunchConfig {
             grid_dim: grid(plan.max_windows, cols, spec.n_heads_kv, batch)?,
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::launch_nsa_compress(stream, func, cfg, (x, out), &weights, (&cu_k, &cu_windows), &plan.params)?;
+    }
+    Ok(())
+}
+
+/// The backward of the pooling (the oracle's `compress_backward`, its `∂L/∂x`) on device buffers: from the compressed
+/// keys' and values' gradients `dk_cmp`, `dv_cmp` ([`compressed_shape`]'s layout) writes every token row of `dk` and
+/// `dv` (the spec's K and V layouts): each token collects the gradient of every complete window that holds it, times
+/// its weight in the window (`1/l` for the mean), in ascending window order in f64, rounded once to f32 and once to the
+/// storage type; a token no complete window holds gets zero. What a layer adds to the compressed attention's backward
+/// (its dK̃, dṼ) to reach the tokens. Checks, kernel and asynchrony as in [`compress_kv_device`].
+#[allow(clippy::too_many_arguments)]
+pub fn compress_kv_backward_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &NsaConfig,
+    kernel: KernelSource,
+    dk_cmp: &CudaSlice<T>,
+    dv_cmp: &CudaSlice<T>,
+    dk: &mut CudaSlice<T>,
+    dv: &mut CudaSlice<T>,
+) -> Result<(), GpuError> {
+    let plan = plan(spec, config)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("dk_cmp", dk_cmp, compressed_shape(spec, config, Operand::K)?.iter().product())?;
+    check_len("dv_cmp", dv_cmp, compressed_shape(spec, config, Operand::V)?.iter().product())?;
+    check_len("dk", dk, size(Operand::K))?;
+    check_len("dv", dv, size(Operand::V))?;
+    let batch = spec.sequences().len();
+    let max_len = spec.sequences().iter().map(|s| s.len_k).max().unwrap_or(0);
+    if max_len == 0 || batch == 0 || spec.n_heads_kv == 0 {
+        return Ok(());
+    }
+    let module = compile::module(stream.context(), kernel, &[T::DEFINE.to_owned()])?;
+    let load = |name: &'static str| {
+        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(nsa_compress.cu)", e))
+    };
+    let (keys, values) = (load("nsa_compress_keys_backward")?, load("nsa_compress_values_backward")?);
+    let up_err = |e| GpuError::driver("cuMemcpyHtoD(nsa_compress)", e);
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(up_err)?;
+    let cu_windows = stream.clone_htod(&plan.cu_windows).map_err(up_err)?;
+    let weights = stream.clone_htod(&plan.weights).map_err(up_err)?;
+    for (func, x, out, cols) in [(&keys, dk_cmp, dk, spec.head_dim), (&values, dv_cmp, dv, spec.head_dim_v)] {
+        let cfg = LaunchConfig {
+            // One thread per 8 columns of one token: the forward's grid with tokens for windows.
+            grid_dim: grid(max_len, cols, spec.n_heads_kv, batch)?,
             block_dim: (THREADS as u32, 1, 1),
             shared_mem_bytes: 0,
         };

@@ -1,7 +1,9 @@
 //! NSA's compression kernel (`attnproof_gpu::nsa::compress`, `gpu/kernels/nsa_compress.cu`) against the oracle's E18
 //! (`oracle::nsa::compress`) through `attnproof_harness::nsa`: every compressed element within the derived bound of the
 //! oracle's value and equal, bit for bit, to the recipe's CPU reference, with NaN-poisoned and guarded outputs and K,
-//! V checked unchanged on the device; each draw runs twice and must give the same bits.
+//! V checked unchanged on the device; each draw runs twice and must give the same bits. Every draw and killing case
+//! then runs the pooling's transpose (the backward's `∂L/∂x`, `compress_kv_backward_device`) on the forward's own
+//! outputs made finite, twice, within the bound of the oracle's `compress_backward`.
 //!
 //! The property suites draw the harness's compression problems (`compression_draws`: windows of 1 to 64 tokens with
 //! overlapping, adjacent and gapped strides, lengths with no window, one window and a window or stride ± 1, dense and
@@ -19,7 +21,8 @@ use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::nsa::{
-    CompressionDraw, compress_guarded, compression_draws, largest_finite, verify_compression,
+    Compressed, CompressionDraw, compress_backward_guarded, compress_guarded, compression_draws, largest_finite,
+    upstream_of, verify_compression, verify_compression_backward,
 };
 use attnproof_oracle::nsa::{Compression, NsaConfig};
 use attnproof_oracle::spec::Operand;
@@ -70,7 +73,28 @@ fn check_draw<T: Storage>(
     if !verdict.passed() {
         return Err(TestCaseError::fail(format!("{:?} values: {}", draw.values, verdict.failures.join("\n"))));
     }
-    Ok(())
+    let why = check_transpose(stream, kernel, &draw.case, &draw.config, &first);
+    why.map_err(|e| TestCaseError::fail(format!("{:?} values, the pooling's transpose: {e}", draw.values)))
+}
+
+/// The pooling's transpose of `forward`'s outputs (made finite, `upstream_of`) through `kernel`: twice the same bits,
+/// and within the bound of the oracle's `compress_backward`.
+fn check_transpose<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    case: &Case<T>,
+    config: &NsaConfig,
+    forward: &Compressed<T>,
+) -> Result<(), String> {
+    let upstream = upstream_of(forward);
+    let run = || compress_backward_guarded(stream, case, config, kernel, &upstream).map_err(|e| e.to_string());
+    let (first, again) = (run()?, run()?);
+    let bits = |t: &ArrayD<T>| t.iter().map(|x| x.bits()).collect::<Vec<_>>();
+    if bits(&first.dk) != bits(&again.dk) || bits(&first.dv) != bits(&again.dv) {
+        return Err("the same input gave different bits".into());
+    }
+    let verdict = verify_compression_backward(case, config, &upstream, &first).map_err(|e| e.to_string())?;
+    if verdict.passed() { Ok(()) } else { Err(verdict.failures.join("\n")) }
 }
 
 fn run_production(suite: &TypedSuite) {
@@ -158,7 +182,10 @@ pub fn check_compression(
     let (case, config) = case;
     let out = compress_guarded(stream, case, config, kernel).map_err(|e| e.to_string())?;
     let verdict = verify_compression(case, config, &out).map_err(|e| e.to_string())?;
-    if verdict.passed() { Ok(()) } else { Err(verdict.failures[0].clone()) }
+    if !verdict.passed() {
+        return Err(verdict.failures[0].clone());
+    }
+    check_transpose(stream, kernel, case, config, &out)
 }
 
 /// The killing cases under compute-sanitizer (`run.sh sanitize`): tail windows, an empty sequence, odd head dims.

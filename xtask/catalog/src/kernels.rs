@@ -604,8 +604,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-nsa-compress-last-row-dropped",
         description: "Each window sums its first l − 1 rows only (the mean still divides by l)",
-        find: "for (int i = 0; i < params.compress_len; ++i) {",
-        replace: "for (int i = 0; i < params.compress_len - 1; ++i) {",
+        find: "for (int i = 0; i < params.compress_len; ++i) add_row(",
+        replace: "for (int i = 0; i < params.compress_len - 1; ++i) add_row(",
         ..NSA_COMPRESS
     },
     Mutant {
@@ -617,7 +617,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-nsa-compress-f32-accumulation",
-        description: "The mean's sum is accumulated in f32 (within the bound, off the recipe's bits)",
+        description: "The mean's sum is accumulated in f32 (within the bound, off the recipe's bits; the transpose's too)",
         find: "for (int e = 0; e < 8; ++e) acc[e] += (double)to_f32(e8[e]);",
         replace: "for (int e = 0; e < 8; ++e) acc[e] = (double)((float)acc[e] + to_f32(e8[e]));",
         ..NSA_COMPRESS
@@ -764,6 +764,34 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int n_tiles = (visible + SEL_WINDOWS - 1) / SEL_WINDOWS;",
         replace: "const int n_tiles = visible / SEL_WINDOWS;",
         ..NSA_SELECT
+    },
+    Mutant {
+        name: "gpu-nsa-compress-transpose-first-window-skipped",
+        description: "A token's transpose starts one window late: the earliest window that holds it adds nothing",
+        find: "const int c_lo = t >= l ? (t - l + s) / s : 0;",
+        replace: "const int c_lo = t >= l ? (t - l + 2 * s) / s : 1;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-transpose-last-window-dropped",
+        description: "The sequence's last complete window gives its tokens nothing in the transpose",
+        find: "const int c_hi = min(t / s, windows - 1);",
+        replace: "const int c_hi = min(t / s, windows - 2);",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-transpose-weight-mirrored",
+        description: "The transpose weighs a token by its position counted from the window's other end",
+        find: "const double w = weights[t - c * s];",
+        replace: "const double w = weights[l - 1 - (t - c * s)];",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-transpose-mean-over-the-stride",
+        description: "The mean's transpose divides by the stride s instead of the window length l",
+        find: "const double y = weighted ? acc[e] : acc[e] / l;",
+        replace: "const double y = weighted ? acc[e] : acc[e] / s;",
+        ..NSA_COMPRESS
     },
     // --- nsa_selected.cu (NSA's selected attention), launched on a device ---
     Mutant {
