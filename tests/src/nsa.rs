@@ -931,4 +931,34 @@ mod tests {
         let mirrored = Compression::Weighted(weights.iter().rev().copied().collect());
         assert!(!candidate([maps[0], &mirrored], &|t, _| t, 1.0).passed(), "weights from the window's other end");
     }
+
+    /// `judge` holds a finite value to the bound as a ratio (an error of half the bound passes, of twice the bound
+    /// fails, at magnitudes where the bound is far from 1; a storage rounding of 5 % makes the bound wider than
+    /// bf16's spacing), reports at most `REPORTED` failures, and takes an infinity only where the exact value rounds
+    /// to it.
+    #[test]
+    fn judge_compares_error_over_bound_caps_its_report_and_reads_infinities() {
+        let storage = StorageRounding { unit_roundoff: 0.05, subnormal: 0.0 };
+        let judged = |value: bf16, y: f64| {
+            let mut verdict = CompressionVerdict::default();
+            verdict.judge(value, (y, y, 3), storage, || "x".into());
+            verdict
+        };
+        for y in [1e-3, 1e3] {
+            let b = compression_bound(y, y, 3, storage);
+            let near = bf16::from_f64(y + 0.5 * b);
+            let verdict = judged(near, y);
+            let ratio = (near.to_f64() - y).abs() / b;
+            assert!(verdict.passed() && (verdict.worst_ratio - ratio).abs() < 1e-9, "half the bound at {y}");
+            assert!(ratio > 0.3 && ratio < 0.7, "the test's value at {y}: ratio {ratio}");
+            assert!(!judged(bf16::from_f64(y + 2.0 * b), y).passed(), "twice the bound at {y}");
+        }
+        let mut verdict = CompressionVerdict::default();
+        for _ in 0..REPORTED + 3 {
+            verdict.judge(bf16::from_f32(2.0), (1.0, 1.0, 3), storage, || "x".into());
+        }
+        assert_eq!(verdict.failures.len(), REPORTED);
+        assert!(judged(bf16::INFINITY, 1e39).passed(), "an exact value past the storage type's range");
+        assert!(!judged(bf16::INFINITY, 1e30).passed(), "an exact value bf16 holds");
+    }
 }

@@ -31,7 +31,9 @@ use crate::candidate::{
 };
 use crate::flash::Case;
 use crate::nsa::{causal_layer, self_attention_layout};
-use crate::sparse::{SparseHarnessError, stack_heads, stack_row_stats, verify_nsa_selected_forward};
+use crate::sparse::{
+    SparseHarnessError, selected_blocks_mask, stack_heads, stack_row_stats, verify_nsa_selected_forward,
+};
 use crate::verdict::Verdict;
 
 /// The selected attention's recipe for `T` under `config`: the dense forward kernel's (`recipes::gpu_forward`) with
@@ -322,17 +324,10 @@ pub fn verify_selected_backward<T: Element>(
                 k: stacked(case.k.view(), true),
                 v: stacked(case.v.view(), true),
             };
-            let listed: Vec<Vec<usize>> = rows
-                .clone()
-                .map(|r| {
-                    let list = lists.index_axis(Axis(0), r);
-                    list.index_axis(Axis(0), kv).iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect()
-                })
-                .collect();
-            let visible = Array2::from_shape_fn((len * group, len), |(row, key)| {
-                let t = row / group;
-                key <= t && listed[t].contains(&(key / lb))
-            });
+            // The forward verifier's mask (`causal ∧ block listed`, per token), one row per (token, head).
+            let selection = lists.slice_axis(Axis(0), ndarray::Slice::from(rows.clone()));
+            let per_token = selected_blocks_mask(selection, kv, lb).matrix(len, len);
+            let visible = Array2::from_shape_fn((len * group, len), |(row, key)| per_token[[row / group, key]]);
             let sub_d_out = stacked(d_out.view(), false);
             let expectation =
                 BackwardExpectation::with_visibility(&sub, &sub_d_out, q_tile, recipe, &|_, _| visible.clone())?;

@@ -657,12 +657,11 @@ fn run_nsa_window_and_gates(
     })?;
     let pairs: f64 = (0..l).map(|t| (t + 1).min(config.window) as f64).sum();
     emit(out, format!("{shape},nsa-window-fwd,hkv{hkv},1,{ms:.4},{:.1}\n", 4.0 * (d * hq) as f64 * pairs / ms / 1e9));
-    let grads = BackwardGrads::new(stream, &window)?;
+    let mut grads = BackwardGrads::new(stream, &window)?;
     let ms = median_ms(stream, opts, |s| {
-        let mut g = grads.borrow();
         let inputs =
             BackwardDeviceInputs { q: &q[s], k: &k[s], v: &v[s], o: &o_win, lse: &lse, d_out: &q[(s + 1) % SETS] };
-        flash_backward_device(stream, &window, inputs, g.outputs(), GpuBackwardStrategy::KvOwnerAtomic).map_err(e)
+        flash_backward_device(stream, &window, inputs, grads.outputs(), GpuBackwardStrategy::KvOwnerAtomic).map_err(e)
     })?;
     emit(out, format!("{shape},nsa-window-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 10.0 * (d * hq) as f64 * pairs / ms / 1e9));
     // The branch outputs are the window output three times (their values do not change the time).
@@ -784,9 +783,8 @@ fn run_nsa_config(
     }
     // The selected attention's backward over the same lists (atomic dQ; FLOPs 2.5 times the forward's: five products
     // of the recomputed tile instead of two), from the last forward's O and LSE and a dO of another input set.
-    let grads = BackwardGrads::new(stream, layer)?;
+    let mut grads = BackwardGrads::new(stream, layer)?;
     let ms = median_ms(stream, opts, |s| {
-        let mut g = grads.borrow();
         selected_backward_device(
             stream,
             layer,
@@ -794,7 +792,7 @@ fn run_nsa_config(
             NSA_SELECTED_BWD,
             BackwardDeviceInputs { q: &q[s], k: &k[s], v: &v[s], o: &o_slc, lse: &lse_slc, d_out: &q[(s + 1) % SETS] },
             &lists,
-            g.outputs(),
+            grads.outputs(),
             GpuBackwardStrategy::KvOwnerAtomic,
         )
         .map_err(e)
@@ -802,12 +800,12 @@ fn run_nsa_config(
     emit(out, format!("{shape},{prefix}-selected-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.5 * selected_flops / ms / 1e9));
     // The compressed attention's backward (the dense backward under the strided causal mask; the pooling's transpose
     // onto the tokens is not on the GPU yet).
-    let cmp_grads = BackwardGrads::new(stream, &compressed)?;
+    let mut cmp_grads = BackwardGrads::new(stream, &compressed)?;
     let ms = median_ms(stream, opts, |s| {
-        let mut g = cmp_grads.borrow();
         let inputs =
             BackwardDeviceInputs { q: &q[s], k: &k_cmp, v: &v_cmp, o: &o_cmp, lse: &lse, d_out: &q[(s + 1) % SETS] };
-        flash_backward_device(stream, &compressed, inputs, g.outputs(), GpuBackwardStrategy::KvOwnerAtomic).map_err(e)
+        flash_backward_device(stream, &compressed, inputs, cmp_grads.outputs(), GpuBackwardStrategy::KvOwnerAtomic)
+            .map_err(e)
     })?;
     emit(out, format!("{shape},{prefix}-cmp-bwd,hkv{hkv},1,{ms:.4},{:.1}\n", 2.5 * 2.0 * score_flops / ms / 1e9));
     Ok(())
@@ -815,42 +813,23 @@ fn run_nsa_config(
 
 /// Gradient buffers of one backward problem, reused by every timed call.
 struct BackwardGrads {
-    dq: std::cell::RefCell<CudaSlice<bf16>>,
-    dk: std::cell::RefCell<CudaSlice<bf16>>,
-    dv: std::cell::RefCell<CudaSlice<bf16>>,
-    delta: std::cell::RefCell<CudaSlice<f32>>,
-}
-
-/// The borrowed buffers of [`BackwardGrads`] for one call.
-struct BorrowedGrads<'a> {
-    dq: std::cell::RefMut<'a, CudaSlice<bf16>>,
-    dk: std::cell::RefMut<'a, CudaSlice<bf16>>,
-    dv: std::cell::RefMut<'a, CudaSlice<bf16>>,
-    delta: std::cell::RefMut<'a, CudaSlice<f32>>,
+    dq: CudaSlice<bf16>,
+    dk: CudaSlice<bf16>,
+    dv: CudaSlice<bf16>,
+    delta: CudaSlice<f32>,
 }
 
 impl BackwardGrads {
     fn new(stream: &Arc<CudaStream>, spec: &AttentionSpec) -> Result<Self, String> {
         let count = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
         Ok(Self {
-            dq: alloc(stream, count(Operand::Q))?.into(),
-            dk: alloc(stream, count(Operand::K))?.into(),
-            dv: alloc(stream, count(Operand::V))?.into(),
-            delta: stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?.into(),
+            dq: alloc(stream, count(Operand::Q))?,
+            dk: alloc(stream, count(Operand::K))?,
+            dv: alloc(stream, count(Operand::V))?,
+            delta: stream.alloc_zeros::<f32>(count(Operand::RowStat)).map_err(|e| e.to_string())?,
         })
     }
 
-    fn borrow(&self) -> BorrowedGrads<'_> {
-        BorrowedGrads {
-            dq: self.dq.borrow_mut(),
-            dk: self.dk.borrow_mut(),
-            dv: self.dv.borrow_mut(),
-            delta: self.delta.borrow_mut(),
-        }
-    }
-}
-
-impl BorrowedGrads<'_> {
     fn outputs(&mut self) -> BackwardDeviceOutputs<'_, bf16> {
         BackwardDeviceOutputs { dq: &mut self.dq, dk: &mut self.dk, dv: &mut self.dv, delta: &mut self.delta }
     }
