@@ -1,7 +1,8 @@
-//! NSA (E18–E20): compression windows and compressed attention, the Eq. 9 remap of window
-//! probabilities onto selection blocks, the GQA group sum, forced top-n block selection, the
-//! selection and sliding-window branches, the sigmoid gates, and the CSR transpose of a selection
-//! (block → selecting queries) that the backward pass of dK/dV needs.
+//! NSA (E18–E20): compression windows and compressed attention, the compression's backward (the
+//! tokens' gradient and the map's own, which [`MapGradient::add`] sums over the heads sharing the
+//! map), the Eq. 9 remap of window probabilities onto selection blocks, the GQA group sum, forced
+//! top-n block selection, the selection and sliding-window branches, the sigmoid gates, and the CSR
+//! transpose of a selection (block → selecting queries) that the backward pass of dK/dV needs.
 //!
 //! Tensors of one sequence of length `T` are packed `[T, H, D]`: queries `[T, Hq, d]`, keys
 //! `[T, Hkv, d]`, values `[T, Hkv, dv]`. Query head `h` reads KV head `h / (Hq/Hkv)` (E1b).
@@ -274,6 +275,58 @@ pub enum MapGradient<S> {
     Weighted(Array1<S>),
     /// `∂L/∂W` for [`Compression::Linear`], `[l·d, d]`.
     Linear(Array2<S>),
+}
+
+impl<S: Real> MapGradient<S> {
+    /// The gradient of no head yet: zero, shaped like `map`'s parameters (`[l]` for position weights, `[l·d, d]` for
+    /// the matrix), so that adding every head's gradient to it gives their sum.
+    pub fn zeros(map: &Compression, ctx: S::Ctx) -> Self {
+        match map {
+            Compression::Mean => MapGradient::Mean,
+            Compression::Weighted(w) => MapGradient::Weighted(Array1::from_elem(w.len(), S::zero(ctx))),
+            Compression::Linear(w) => MapGradient::Linear(Array2::from_elem(w.raw_dim(), S::zero(ctx))),
+        }
+    }
+
+    /// Adds `other` element by element. A map shared by several heads (E18: φ_K and φ_V are one parameter of the
+    /// layer, whatever the number of KV heads) has the sum of every head's gradient as its own. Two gradients of
+    /// different kinds or shapes belong to different maps, so adding them is refused.
+    pub fn add(&mut self, other: &MapGradient<S>) -> Result<(), OracleError> {
+        match (self, other) {
+            (MapGradient::Mean, MapGradient::Mean) => Ok(()),
+            (MapGradient::Weighted(sum), MapGradient::Weighted(g)) => add_same_shape(sum, g),
+            (MapGradient::Linear(sum), MapGradient::Linear(g)) => add_same_shape(sum, g),
+            (sum, other) => Err(OracleError::InvalidParameter {
+                argument: "map gradient",
+                reason: format!("a {} gradient cannot be added to a {} one", other.kind(), sum.kind()),
+            }),
+        }
+    }
+
+    /// The name of the map the gradient belongs to, for error messages.
+    fn kind(&self) -> &'static str {
+        match self {
+            MapGradient::Mean => "mean",
+            MapGradient::Weighted(_) => "position-weight",
+            MapGradient::Linear(_) => "matrix",
+        }
+    }
+}
+
+/// `sum += g` for two arrays of one shape; a different shape is a typed error (ndarray would broadcast or panic).
+fn add_same_shape<S: Real, D: Dimension>(
+    sum: &mut ndarray::Array<S, D>,
+    g: &ndarray::Array<S, D>,
+) -> Result<(), OracleError> {
+    if sum.shape() != g.shape() {
+        return Err(OracleError::ShapeMismatch {
+            argument: "map gradient",
+            expected: sum.shape().to_vec(),
+            actual: g.shape().to_vec(),
+        });
+    }
+    sum.zip_mut_with(g, |a, b| *a = a.clone() + b.clone());
+    Ok(())
 }
 
 /// The gradients of [`compress`] for a loss with upstream gradient `dx̃` `[W, d]`.
@@ -1339,6 +1392,42 @@ mod tests {
         let weighted = NsaConfig { compress_keys: Compression::Weighted(vec![1.0, 0.0, 0.0, 2.0]), ..small() };
         let compressed = compress(x.view(), &weighted.compress_keys, &weighted, ()).unwrap();
         assert_eq!(compressed.row(1).to_vec(), vec![2.0 + 2.0 * 5.0, -4.0 - 4.0 * 5.0]);
+    }
+
+    #[test]
+    fn map_gradients_sum_per_kind_and_refuse_another_map() {
+        // Zero is shaped like the map's parameters, so the first head's gradient added to it is that gradient.
+        let linear = Compression::Linear(Array2::zeros((4, 2)));
+        let mut sum = MapGradient::<f64>::zeros(&linear, ());
+        assert_eq!(sum, MapGradient::Linear(Array2::zeros((4, 2))));
+        let head = |base: f64| MapGradient::Linear(Array2::from_shape_fn((4, 2), |(r, k)| base + (2 * r + k) as f64));
+        sum.add(&head(1.0)).unwrap();
+        sum.add(&head(-0.5)).unwrap();
+        assert_eq!(sum, MapGradient::Linear(Array2::from_shape_fn((4, 2), |(r, k)| 0.5 + 2.0 * (2 * r + k) as f64)));
+        let mut weighted = MapGradient::<f64>::zeros(&Compression::Weighted(vec![1.0, 2.0, 3.0]), ());
+        weighted.add(&MapGradient::Weighted(ndarray::array![1.0, -2.0, 4.0])).unwrap();
+        weighted.add(&MapGradient::Weighted(ndarray::array![0.5, 0.5, 0.5])).unwrap();
+        assert_eq!(weighted, MapGradient::Weighted(ndarray::array![1.5, -1.5, 4.5]));
+        let mut mean = MapGradient::<f64>::zeros(&Compression::Mean, ());
+        assert_eq!(mean.add(&MapGradient::Mean), Ok(()));
+        assert_eq!(mean, MapGradient::Mean);
+        // Another map's gradient (another kind or another shape) is refused, naming both maps, and the sum is left as
+        // it was.
+        let refused = |reason: &str| OracleError::InvalidParameter { argument: "map gradient", reason: reason.into() };
+        assert_eq!(
+            mean.add(&MapGradient::Weighted(ndarray::array![1.0])),
+            Err(refused("a position-weight gradient cannot be added to a mean one"))
+        );
+        assert_eq!(sum.add(&MapGradient::Mean), Err(refused("a mean gradient cannot be added to a matrix one")));
+        assert_eq!(
+            weighted.add(&MapGradient::Weighted(ndarray::array![1.0, 2.0])),
+            Err(OracleError::ShapeMismatch { argument: "map gradient", expected: vec![3], actual: vec![2] })
+        );
+        assert_eq!(weighted, MapGradient::Weighted(ndarray::array![1.5, -1.5, 4.5]));
+        assert!(matches!(
+            sum.add(&MapGradient::Linear(Array2::zeros((2, 4)))),
+            Err(OracleError::ShapeMismatch { expected, actual, .. }) if expected == [4, 2] && actual == [2, 4]
+        ));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The NSA layer's backward (E18, each branch by E6–E10): the gradients of the gated sum of the compressed, selected
-//! and sliding-window branches with respect to Q, K, V and the gate logits, with the selection held fixed (top-n is
-//! piecewise constant in its inputs, so it has no gradient). The gradient of a learned compression map's own
-//! parameters is [`compress_backward`]'s per KV head; the layer does not sum it yet (no theorem checks that sum).
+//! and sliding-window branches with respect to Q, K, V, the gate logits and the parameters of the compression maps
+//! φ_K and φ_V, with the selection held fixed (top-n is piecewise constant in its inputs, so it has no gradient).
+//! Each map is one parameter shared by every KV head, so its gradient is the sum over the KV heads, in ascending
+//! order, of [`compress_backward`]'s per-head gradient ([`MapGradient::add`]); the mean has none
+//! ([`MapGradient::Mean`]). `proofs::nsa::layer_map_gradients_match_finite_differences` checks that sum.
 //!
 //! Each branch is dense attention under its own visibility, so its backward is [`backward_with_visibility`] on a
 //! one-sequence problem whose keys are the branch's: the compressed keys and values `[W, Hkv, ·]` under the strided
@@ -16,8 +18,8 @@ use crate::attention::{Qkv, backward_with_visibility};
 use crate::dense::DenseConfig;
 use crate::error::OracleError;
 use crate::nsa::{
-    Compression, NsaConfig, NsaInputs, compress, compress_backward, compressed_attention, gate_combine_backward,
-    selected_attention, selected_tokens, selection_blocks, window_attention, window_tokens,
+    Compression, MapGradient, NsaConfig, NsaInputs, compress, compress_backward, compressed_attention,
+    gate_combine_backward, selected_attention, selected_tokens, selection_blocks, window_attention, window_tokens,
 };
 use crate::real::Real;
 use crate::spec::{AttentionSpec, Layout, Mask, Sequence};
@@ -33,6 +35,11 @@ pub struct NsaGradients<S> {
     pub dv: Array3<S>,
     /// `∂L/∂x` of the gate logits `[T, Hq, 3]`.
     pub d_gate_logits: Array3<S>,
+    /// `∂L/∂φ_K`: the gradient of the keys' compression map's parameters (`config.compress_keys`), summed over the KV
+    /// heads in ascending order; [`MapGradient::Mean`] for the mean.
+    pub d_map_keys: MapGradient<S>,
+    /// `∂L/∂φ_V`: the same for the values' map (`config.compress_values`).
+    pub d_map_values: MapGradient<S>,
 }
 
 /// E18's output with the selection `selection` `[T, Hkv, n]` given instead of chosen: the gated sum of the three
@@ -116,14 +123,18 @@ pub fn nsa_backward<S: Real>(
     add(&mut dq, compressed.dq);
     let d_k_cmp = compressed.dk.into_dimensionality::<ndarray::Ix3>().expect("[W, Hkv, d]");
     let d_v_cmp = compressed.dv.into_dimensionality::<ndarray::Ix3>().expect("[W, Hkv, dv]");
+    let mut d_map_keys = MapGradient::zeros(&config.compress_keys, ctx);
+    let mut d_map_values = MapGradient::zeros(&config.compress_values, ctx);
     for kv in 0..n_heads_kv {
-        for (x, map, d_cmp, d_x) in [
-            (inputs.k, &config.compress_keys, &d_k_cmp, &mut dk),
-            (inputs.v, &config.compress_values, &d_v_cmp, &mut dv),
+        for (x, map, d_cmp, d_x, d_map) in [
+            (inputs.k, &config.compress_keys, &d_k_cmp, &mut dk, &mut d_map_keys),
+            (inputs.v, &config.compress_values, &d_v_cmp, &mut dv, &mut d_map_values),
         ] {
             let g = compress_backward(x.index_axis(Axis(1), kv), map, d_cmp.index_axis(Axis(1), kv), config, ctx)?;
             let mut rows = d_x.index_axis_mut(Axis(1), kv);
             rows.zip_mut_with(&g.dx, |a, b| *a = a.clone() + b.clone());
+            // Every KV head compresses with the same map, so the map's gradient collects each head's share.
+            d_map.add(&g.d_map)?;
         }
     }
 
@@ -164,5 +175,5 @@ pub fn nsa_backward<S: Real>(
         add(&mut dk, g.dk);
         add(&mut dv, g.dv);
     }
-    Ok(NsaGradients { dq, dk, dv, d_gate_logits: gates.d_gate_logits })
+    Ok(NsaGradients { dq, dk, dv, d_gate_logits: gates.d_gate_logits, d_map_keys, d_map_values })
 }

@@ -3,7 +3,8 @@
 //! re-indexed double sum), the forced and causal top-n selection shared by a GQA group, the
 //! selection branch reducing to dense causal attention when every block is selected, the CSR
 //! transpose of a selection, the gradients of the gated sum of the three branches, of the
-//! compression map and of the whole layer (selection held fixed) against finite differences, and
+//! compression map and of the whole layer (selection held fixed, its compression maps' own
+//! parameters included, summed over the KV heads that share them) against finite differences, and
 //! the position-wise maps as special cases of the learned matrix.
 //!
 //! Discrete statements (counts, index lists) are checked exactly: the integers found and required
@@ -618,14 +619,7 @@ pub fn compression_gradients_match_finite_differences(
     }
     check_config(T, &case.config)?;
     let h64 = 2f64.powi(-(step_bits as i32));
-    let weights: Vec<f64> = match &case.map {
-        Compression::Mean => vec![],
-        Compression::Weighted(w) => w.clone(),
-        Compression::Linear(w) => w.iter().copied().collect(),
-    };
-    if let Some(w) = weights.iter().find(|&&w| (w + h64) - w != h64 || w - (w - h64) != h64) {
-        return Err(Violation::Hypothesis { theorem: T, reason: format!("weight {w} ± 2^-{step_bits} is not exact") });
-    }
+    check_weight_steps(T, &case.map, &[h64])?;
     let grads =
         backward(case.x.view(), &case.map, case.d_compressed.view(), &case.config, prec).map_err(|e| refused(T, e))?;
     let loss = |x: &Array2<Mp>, map: &Compression| -> Result<Mp, Violation> {
@@ -645,43 +639,96 @@ pub fn compression_gradients_match_finite_differences(
     }
     let mut agreement = agree(T, "dx", &grads.dx, &numeric_dx, required)?;
     // The weights' differences: each weight moved by ±h in its own f64 (exact by the hypothesis).
+    let found_map = flat_map_gradient(T, "d_map", &grads.d_map, &case.map, required)?;
     let weight_difference = |k: usize| -> Result<Mp, Violation> {
-        let moved = |sign: f64| {
-            let map = match &case.map {
-                Compression::Mean => unreachable!("the mean has no weights"),
-                Compression::Weighted(w) => {
-                    let mut w = w.clone();
-                    w[k] += sign * h64;
-                    Compression::Weighted(w)
-                }
-                Compression::Linear(w) => {
-                    let mut w = w.clone();
-                    let cols = w.ncols();
-                    w[[k / cols, k % cols]] += sign * h64;
-                    Compression::Linear(w)
-                }
-            };
-            loss(&case.x, &map)
-        };
-        Ok((moved(1.0)? - moved(-1.0)?) / two_h.clone())
+        Ok((loss(&case.x, &moved_map(&case.map, k, h64))? - loss(&case.x, &moved_map(&case.map, k, -h64))?)
+            / two_h.clone())
     };
-    let numeric_map: Vec<Mp> = (0..weights.len()).map(weight_difference).collect::<Result<_, _>>()?;
-    let found_map: Vec<Mp> = match (&grads.d_map, &case.map) {
-        (MapGradient::Mean, Compression::Mean) => vec![],
-        (MapGradient::Weighted(d), Compression::Weighted(_)) => d.to_vec(),
-        (MapGradient::Linear(d), Compression::Linear(w)) if d.dim() == w.dim() => d.iter().cloned().collect(),
-        (found, _) => {
-            return Err(Violation::Hypothesis {
-                theorem: T,
-                reason: format!("the map's gradient has the wrong kind or shape: {found:?}"),
-            });
-        }
-    };
+    let numeric_map: Vec<Mp> = (0..found_map.len()).map(weight_difference).collect::<Result<_, _>>()?;
     if !numeric_map.is_empty() {
-        let as_array = |v: Vec<Mp>| ArrayD::from_shape_vec(IxDyn(&[v.len()]), v).expect("length matches");
-        agreement = agreement.and(agree(T, "d_map", &as_array(found_map), &as_array(numeric_map), required)?);
+        agreement = agreement.and(agree(T, "d_map", &flat(found_map), &flat(numeric_map), required)?);
     }
     Ok(agreement)
+}
+
+/// The f64 weights of `map` in the order of its gradient's entries: `w_i` for position weights, `W` row-major
+/// (`W[r, k]` at `r·d + k`) for the matrix, none for the mean.
+fn map_weights(map: &Compression) -> Vec<f64> {
+    match map {
+        Compression::Mean => vec![],
+        Compression::Weighted(w) => w.clone(),
+        Compression::Linear(w) => w.iter().copied().collect(),
+    }
+}
+
+/// `map` with its weight number `k` (in [`map_weights`] order) moved by `delta` in f64; the mean has no weight and
+/// comes back as it is.
+fn moved_map(map: &Compression, k: usize, delta: f64) -> Compression {
+    let mut moved = map.clone();
+    match &mut moved {
+        Compression::Mean => {}
+        Compression::Weighted(w) => w[k] += delta,
+        Compression::Linear(w) => {
+            let cols = w.ncols();
+            w[[k / cols, k % cols]] += delta;
+        }
+    }
+    moved
+}
+
+/// The hypothesis of a difference in a map's weights: the map stores f64, so every weight `w` must have `w ± h` exact
+/// in f64 for each step `h`, or the difference would divide a rounded move by the unrounded step.
+fn check_weight_steps(theorem: &'static str, map: &Compression, steps: &[f64]) -> Result<(), Violation> {
+    for w in map_weights(map) {
+        if let Some(h) = steps.iter().find(|&&h| !sum_is_exact(w, h) || !sum_is_exact(w, -h)) {
+            return Err(Violation::Hypothesis {
+                theorem,
+                reason: format!("weight {w} ± 2^{} is not exact in f64", h.log2()),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Whether `a + b` is exact in f64: Knuth's TwoSum recovers the rounding error of the sum exactly (barring overflow).
+/// Comparing `(a + b) − a` with `b` alone is not enough: for `|a|` far below `b`'s last bit the sum rounds to `b`, and
+/// the difference gives `b` back although `a` was lost.
+fn sum_is_exact(a: f64, b: f64) -> bool {
+    let sum = a + b;
+    let b_part = sum - a;
+    sum.is_finite() && (a - (sum - b_part)) + (b - b_part) == 0.0
+}
+
+/// The map gradient under test in [`map_weights`] order. A gradient of another kind or shape than `map`'s
+/// parameters is the implementation's fault, reported as a residual that no threshold accepts, at the found shape.
+fn flat_map_gradient(
+    theorem: &'static str,
+    quantity: &'static str,
+    found: &MapGradient<Mp>,
+    map: &Compression,
+    required: Bits,
+) -> Result<Vec<Mp>, Violation> {
+    match (found, map) {
+        (MapGradient::Mean, Compression::Mean) => Ok(vec![]),
+        (MapGradient::Weighted(d), Compression::Weighted(w)) if d.len() == w.len() => Ok(d.to_vec()),
+        (MapGradient::Linear(d), Compression::Linear(w)) if d.dim() == w.dim() => Ok(d.iter().cloned().collect()),
+        (found, _) => Err(Violation::Residual {
+            theorem,
+            quantity,
+            found: Bits(f64::NEG_INFINITY),
+            required,
+            index: match found {
+                MapGradient::Mean => vec![],
+                MapGradient::Weighted(d) => d.shape().to_vec(),
+                MapGradient::Linear(d) => d.shape().to_vec(),
+            },
+        }),
+    }
+}
+
+/// A vector of values as a 1-D [`ArrayD`], the shape [`agree`] compares.
+fn flat(values: Vec<Mp>) -> ArrayD<Mp> {
+    ArrayD::from_shape_vec(IxDyn(&[values.len()]), values).expect("length matches")
 }
 
 /// **Theorem (E18, the learned map generalizes the position-wise ones).** With `W` the `l` blocks `w_i I_d` stacked,
@@ -762,6 +809,8 @@ pub struct LayerCase {
 /// has magnitude at most 4 with head dims at most 8 and the scale at most 1, so that each score is at most 128 in
 /// magnitude and `L`'s third derivative along one element, a sum of products of softmax and sigmoid derivatives of
 /// such scores, stays far below `2^(2·step_bits − required)`, the truncation `h²/6 · L'''` then below `2^-required`.
+/// The gradients of the compression maps' own parameters are
+/// [`layer_map_gradients_match_finite_differences`]'s (their f64 weights cannot be moved by so fine a step).
 pub fn layer_gradients_match_finite_differences(
     backward: LayerBackwardFn<'_>,
     case: &LayerCase,
@@ -774,24 +823,12 @@ pub fn layer_gradients_match_finite_differences(
     if (prec.0 as f64) < 2.0 * step_bits as f64 + required.0 {
         return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
     }
-    let large = [&case.layer.q, &case.layer.k, &case.layer.v, &case.gate_logits]
-        .iter()
-        .any(|x| x.iter().any(|v| v.abs() > Mp::new(4.0, prec)));
-    let scale = config.scale_value::<Mp>(case.layer.q.dim().2, prec);
-    if large || case.layer.q.dim().2 > 8 || case.layer.v.dim().2 > 8 || scale.abs() > Mp::one(prec) {
-        return Err(Violation::Hypothesis {
-            theorem: T,
-            reason: "inputs above 4, head dims above 8 or a scale above 1".to_owned(),
-        });
-    }
+    check_layer_bounds(T, case)?;
     let grads =
         backward(case.layer.inputs(), case.gate_logits.view(), case.selection.view(), case.d_out.view(), config, prec)
             .map_err(|e| refused(T, e))?;
-    let loss = |q: &Array3<Mp>, k: &Array3<Mp>, v: &Array3<Mp>, x: &Array3<Mp>| -> Result<Mp, Violation> {
-        let inputs = NsaInputs { q: q.view(), k: k.view(), v: v.view() };
-        let o = nsa_forward_with_selection(inputs, x.view(), case.selection.view(), config, prec)
-            .map_err(|e| refused(T, e))?;
-        Ok(o.iter().zip(case.d_out.iter()).fold(Mp::zero(prec), |acc, (o, g)| acc + o.clone() * g.clone()))
+    let loss = |q: &Array3<Mp>, k: &Array3<Mp>, v: &Array3<Mp>, x: &Array3<Mp>| {
+        layer_loss(T, case, NsaInputs { q: q.view(), k: k.view(), v: v.view() }, x.view(), config)
     };
     let h = Mp(rug::Float::with_val(prec.0, rug::Float::i_exp(1, -(step_bits as i32))));
     let two_h = h.clone() + h.clone();
@@ -810,6 +847,124 @@ pub fn layer_gradients_match_finite_differences(
             numeric[idx] = (at(&h)? - at(&-h.clone())?) / two_h.clone();
         }
         agreement = agreement.and(agree(T, name, analytic, &numeric, required)?);
+    }
+    Ok(agreement)
+}
+
+/// The layer theorems' hypothesis on magnitudes: Q, K, V and the gate logits at most 4, head dims at most 8 and the
+/// scale at most 1, so that each score is at most 128 in magnitude.
+fn check_layer_bounds(theorem: &'static str, case: &LayerCase) -> Result<(), Violation> {
+    let prec = case.layer.ctx();
+    let large = [&case.layer.q, &case.layer.k, &case.layer.v, &case.gate_logits]
+        .iter()
+        .any(|x| x.iter().any(|v| v.abs() > Mp::new(4.0, prec)));
+    let scale = case.layer.config.scale_value::<Mp>(case.layer.q.dim().2, prec);
+    if large || case.layer.q.dim().2 > 8 || case.layer.v.dim().2 > 8 || scale.abs() > Mp::one(prec) {
+        return Err(Violation::Hypothesis {
+            theorem,
+            reason: "inputs above 4, head dims above 8 or a scale above 1".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// The layer theorems' loss `L = Σ dO ∘ o`, `o` the oracle's [`nsa_forward_with_selection`] of `inputs` and
+/// `gate_logits` over the case's selection under `config` (the case's own, or one with a moved map weight).
+fn layer_loss(
+    theorem: &'static str,
+    case: &LayerCase,
+    inputs: NsaInputs<'_, Mp>,
+    gate_logits: ArrayView3<'_, Mp>,
+    config: &NsaConfig,
+) -> Result<Mp, Violation> {
+    let prec = case.layer.ctx();
+    let o = nsa_forward_with_selection(inputs, gate_logits, case.selection.view(), config, prec)
+        .map_err(|e| refused(theorem, e))?;
+    Ok(o.iter().zip(case.d_out.iter()).fold(Mp::zero(prec), |acc, (o, g)| acc + o.clone() * g.clone()))
+}
+
+/// The hypothesis that a map keeps each compressed row within the bound of its input rows: position weights with
+/// `Σ_i |w_i| ≤ 1`, a matrix whose every column has `Σ_r |W[r, k]| ≤ 1` (the mean has both).
+fn check_map_contracts(theorem: &'static str, map: &Compression) -> Result<(), Violation> {
+    let column_sums: Vec<f64> = match map {
+        Compression::Mean => vec![],
+        Compression::Weighted(w) => vec![w.iter().map(|x| x.abs()).sum()],
+        Compression::Linear(w) => w.columns().into_iter().map(|c| c.iter().map(|x| x.abs()).sum()).collect(),
+    };
+    match column_sums.iter().find(|&&sum| sum > 1.0) {
+        Some(sum) => Err(Violation::Hypothesis {
+            theorem,
+            reason: format!("a compression map's weights sum to {sum} in magnitude, above 1"),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// **Theorem (E18, the layer's gradients of the compression maps' own parameters, the selection held fixed).** For
+/// the loss `L = Σ dO ∘ o` of [`layer_gradients_match_finite_differences`], the backward under test's `d_map_keys`
+/// and `d_map_values` equal, for every weight `w` of φ_K (`config.compress_keys`) and of φ_V
+/// (`config.compress_values`), the Richardson extrapolation `(4·D(h/2) − D(h)) / 3` of the central differences
+/// `D(h) = (L(w + h) − L(w − h)) / 2h`, `h = 2^-step_bits`, each `L` a run of [`nsa_forward_with_selection`] with
+/// that one weight moved in the config. Every KV head compresses with the one map, so each difference measures the
+/// sum of the heads' gradients. A mean map has no weight, and its gradient must be [`MapGradient::Mean`]; a gradient
+/// of another kind or shape than the map's weights is a violation.
+///
+/// Hypotheses: those of the layer theorem on magnitudes (Q, K, V and the gate logits at most 4, head dims at most
+/// 8, the scale at most 1); each map keeps compressed rows within 4 as well (`Σ|w_i| ≤ 1`, or `Σ_r |W[r, k]| ≤ 1`
+/// per column), so that scores stay at most 128 and moving one weight by `δ` moves each score by at most `16·δ`;
+/// every weight `w` has `w ± h` and `w ± h/2` exact in f64 (the config stores f64, so the step cannot be as fine as
+/// the layer theorem's); the precision exceeds `step_bits + required + 16` bits, so that the cancellation
+/// `2^-prec / h` of the differences stays below `2^-required`; and `4·step_bits ≥ required + 64`. The extrapolation
+/// cancels the `h²·L'''/6` term of `D`, leaving `h⁴·L⁽⁵⁾/480`; the fifth derivative along one weight, a sum over the
+/// outputs of softmax derivatives whose score moves are at most 16, stays far below `2^64`, so the truncation is below
+/// `2^-required`. The values' map enters `o` linearly, so its differences have no truncation at all.
+pub fn layer_map_gradients_match_finite_differences(
+    backward: LayerBackwardFn<'_>,
+    case: &LayerCase,
+    step_bits: u32,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "layer_map_gradients_match_finite_differences (E18)";
+    let prec = case.layer.ctx();
+    let config = &case.layer.config;
+    if (prec.0 as f64) < step_bits as f64 + required.0 + 16.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
+    }
+    if 4.0 * (step_bits as f64) < required.0 + 64.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("the step 2^-{step_bits} is too coarse") });
+    }
+    check_config(T, config)?;
+    check_layer_bounds(T, case)?;
+    let h64 = 2f64.powi(-(step_bits as i32));
+    for map in [&config.compress_keys, &config.compress_values] {
+        check_map_contracts(T, map)?;
+        check_weight_steps(T, map, &[h64, h64 / 2.0])?;
+    }
+    let grads =
+        backward(case.layer.inputs(), case.gate_logits.view(), case.selection.view(), case.d_out.view(), config, prec)
+            .map_err(|e| refused(T, e))?;
+    let with_keys = |map: Compression| NsaConfig { compress_keys: map, ..config.clone() };
+    let with_values = |map: Compression| NsaConfig { compress_values: map, ..config.clone() };
+    let mut agreement = Agreement::exact();
+    for (name, found, map, with_map) in [
+        ("d_map_keys", &grads.d_map_keys, &config.compress_keys, &with_keys as &dyn Fn(Compression) -> NsaConfig),
+        ("d_map_values", &grads.d_map_values, &config.compress_values, &with_values),
+    ] {
+        let found = flat_map_gradient(T, name, found, map, required)?;
+        let central = |k: usize, step: f64| -> Result<Mp, Violation> {
+            let at = |delta: f64| {
+                layer_loss(T, case, case.layer.inputs(), case.gate_logits.view(), &with_map(moved_map(map, k, delta)))
+            };
+            Ok((at(step)? - at(-step)?) / Mp::new(2.0 * step, prec))
+        };
+        let extrapolated = |k: usize| -> Result<Mp, Violation> {
+            let (coarse, fine) = (central(k, h64)?, central(k, h64 / 2.0)?);
+            Ok((Mp::new(4.0, prec) * fine - coarse) / Mp::new(3.0, prec))
+        };
+        let numeric: Vec<Mp> = (0..found.len()).map(extrapolated).collect::<Result<_, _>>()?;
+        if !numeric.is_empty() {
+            agreement = agreement.and(agree(T, name, &flat(found), &flat(numeric), required)?);
+        }
     }
     Ok(agreement)
 }

@@ -3,8 +3,8 @@
 
 use crate::common::{PREC, REQUIRED, fail, mp_matrix, pseudo_random, values};
 use attnproof_oracle::nsa::{
-    BlockQueries, Compression, NsaConfig, NsaInputs, complete_windows, complete_windows_at, compress, remap_to_blocks,
-    selected_attention, selection_blocks, transpose_selection,
+    BlockQueries, Compression, MapGradient, NsaConfig, NsaInputs, complete_windows, complete_windows_at, compress,
+    remap_to_blocks, selected_attention, selection_blocks, transpose_selection,
 };
 use attnproof_oracle::nsa_backward::NsaGradients;
 use attnproof_oracle::topk::{padded_ascending, top_k};
@@ -12,10 +12,10 @@ use attnproof_oracle::{Mp, OracleError, Real};
 use attnproof_proofs::nsa::{
     CompressionCase, GateCase, LayerCase, NsaCase, SelectionCase, complete_window_count,
     compression_gradients_match_finite_differences, csr_round_trip, gate_gradients_match_finite_differences,
-    layer_gradients_match_finite_differences, measured_remap_weights, oracle_compress_backward, oracle_gate_backward,
-    oracle_layer_backward, oracle_nsa_forward, oracle_remap, oracle_selector, paper_double_sum_reindexed,
-    position_maps_are_linear_maps, remap_matches_token_count, remap_weights_are_overlaps,
-    selection_alone_is_dense_when_all_selected, selection_invariants,
+    layer_gradients_match_finite_differences, layer_map_gradients_match_finite_differences, measured_remap_weights,
+    oracle_compress_backward, oracle_gate_backward, oracle_layer_backward, oracle_nsa_forward, oracle_remap,
+    oracle_selector, paper_double_sum_reindexed, position_maps_are_linear_maps, remap_matches_token_count,
+    remap_weights_are_overlaps, selection_alone_is_dense_when_all_selected, selection_invariants,
 };
 use ndarray::{Array2, Array3, ArrayView2, ArrayView3, Axis};
 use proptest::prelude::*;
@@ -558,11 +558,6 @@ const LAYER_REQUIRED: attnproof_proofs::Bits = attnproof_proofs::Bits(80.0);
 /// blocks of 2 (six of them, the last partial), lists of 3 with the first and the local block forced (so tokens from
 /// 6 on leave blocks out), a window of 3; inputs in [−2, 2], the selection the oracle's own on these inputs.
 fn layer_case() -> LayerCase {
-    let (len, hq, hkv, d) = (11, 4, 2, 4);
-    let tensor = |seed: u64, heads: usize, cols: usize| {
-        let v = pseudo_random(seed, len * heads * cols);
-        Array3::from_shape_fn((len, heads, cols), |(t, h, e)| Mp::new(2.0 * v[(t * heads + h) * cols + e], PREC))
-    };
     let config = NsaConfig {
         compress_len: 4,
         compress_stride: 2,
@@ -572,6 +567,16 @@ fn layer_case() -> LayerCase {
         n_forced_local: 1,
         window: 3,
         ..NsaConfig::default()
+    };
+    layer_case_of(11, 4, 2, 4, config)
+}
+
+/// A layer of `len` tokens, `hq` query heads over `hkv` KV heads, `d = dv`, under `config`: Q, K, V, the gate logits
+/// and `dO` pseudo-random in [−2, 2], the selection the oracle's own on these inputs.
+fn layer_case_of(len: usize, hq: usize, hkv: usize, d: usize, config: NsaConfig) -> LayerCase {
+    let tensor = |seed: u64, heads: usize, cols: usize| {
+        let v = pseudo_random(seed, len * heads * cols);
+        Array3::from_shape_fn((len, heads, cols), |(t, h, e)| Mp::new(2.0 * v[(t * heads + h) * cols + e], PREC))
     };
     let layer = NsaCase { q: tensor(1, hq, d), k: tensor(2, hkv, d), v: tensor(3, hkv, d), config };
     let gate_logits = tensor(4, hq, 3);
@@ -634,4 +639,266 @@ fn layer_gradients_equal_finite_differences_and_broken_backwards_are_rejected() 
             "{name} passed"
         );
     }
+}
+
+const MAP_STEP_BITS: u32 = 40;
+
+/// A layer whose compression maps are learned: 8 tokens, a GQA group of 2 over two KV heads, d = dv = 2,
+/// windows of 2 every token (7 of them), blocks of 2 with lists of 2 (the first and the local block forced), a window
+/// of 3. The maps' weights are dyadic (so that `w ± 2^-40` is exact in f64) and their magnitudes sum to at most 1 per
+/// column, as the theorem asks.
+fn learned_map_case(compress_keys: Compression, compress_values: Compression) -> LayerCase {
+    let config = NsaConfig {
+        compress_len: 2,
+        compress_stride: 1,
+        select_block: 2,
+        n_selected: 2,
+        n_forced_initial: 1,
+        n_forced_local: 1,
+        window: 3,
+        compress_keys,
+        compress_values,
+        ..NsaConfig::default()
+    };
+    layer_case_of(8, 4, 2, 2, config)
+}
+
+/// A `[l·d, d] = [4, 2]` matrix of multiples of 2^-5 in ±7/32 (so each column's magnitudes sum to at most 7/8), its
+/// rows 1 and 2 different so that swapping positions and columns changes it.
+fn learned_matrix(seed: i32) -> Compression {
+    Compression::Linear(Array2::from_shape_fn((4, 2), |(r, k)| {
+        f64::from((7 * seed + 5 * r as i32 + 3 * k as i32) % 15 - 7) / 32.0
+    }))
+}
+
+/// The oracle's map gradients with `dO` zeroed outside the query heads of the KV heads `heads`. Query head `h` reads
+/// only KV head `h / G`, so this is the share of those KV heads alone in the sum over heads.
+fn map_gradients_of_heads(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+    heads: std::ops::Range<usize>,
+) -> Result<(MapGradient<Mp>, MapGradient<Mp>), OracleError> {
+    let group = i.group();
+    let masked = Array3::from_shape_fn(g.raw_dim(), |(t, h, e)| {
+        if heads.contains(&(h / group)) { g[[t, h, e]].clone() } else { Mp::zero(p) }
+    });
+    let grads = oracle_layer_backward(i, x, s, masked.view(), c, p)?;
+    Ok((grads.d_map_keys, grads.d_map_values))
+}
+
+/// The map gradients of KV head 0 alone, not summed over the heads.
+fn first_head_only(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    let (d_map_keys, d_map_values) = map_gradients_of_heads(i, x, s, g, c, p, 0..1)?;
+    Ok(NsaGradients { d_map_keys, d_map_values, ..oracle_layer_backward(i, x, s, g, c, p)? })
+}
+
+/// The sum over the heads with the last KV head's share counted twice.
+fn last_head_twice(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    let mut grads = oracle_layer_backward(i, x, s, g, c, p)?;
+    let (keys, values) = map_gradients_of_heads(i, x, s, g, c, p, i.n_heads_kv() - 1..i.n_heads_kv())?;
+    grads.d_map_keys.add(&keys)?;
+    grads.d_map_values.add(&values)?;
+    Ok(grads)
+}
+
+/// φ_K's gradient reported as φ_V's and the other way round (the two maps have the same shape here).
+fn maps_swapped(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    let grads = oracle_layer_backward(i, x, s, g, c, p)?;
+    Ok(NsaGradients { d_map_keys: grads.d_map_values.clone(), d_map_values: grads.d_map_keys.clone(), ..grads })
+}
+
+/// φ_K's matrix gradient with the window stacked column-major: the entry of position `i`, column `j` written to row
+/// `j·l + i` instead of `i·d + j`.
+fn transposed_stack(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    let mut grads = oracle_layer_backward(i, x, s, g, c, p)?;
+    let (l, d) = (c.compress_len, i.k.dim().2);
+    if let MapGradient::Linear(dw) = &grads.d_map_keys {
+        let moved = Array2::from_shape_fn(dw.raw_dim(), |(r, k)| dw[[(r % l) * d + r / l, k]].clone());
+        grads.d_map_keys = MapGradient::Linear(moved);
+    }
+    Ok(grads)
+}
+
+/// φ_K's matrix gradient transposed to `[d, l·d]`: the wrong shape for the map's parameters.
+fn transposed_matrix(
+    i: NsaInputs<'_, Mp>,
+    x: ArrayView3<'_, Mp>,
+    s: ArrayView3<'_, i32>,
+    g: ArrayView3<'_, Mp>,
+    c: &NsaConfig,
+    p: attnproof_oracle::Precision,
+) -> Result<NsaGradients<Mp>, OracleError> {
+    let mut grads = oracle_layer_backward(i, x, s, g, c, p)?;
+    if let MapGradient::Linear(dw) = &grads.d_map_keys {
+        grads.d_map_keys = MapGradient::Linear(dw.t().to_owned());
+    }
+    Ok(grads)
+}
+
+/// The layer's learned maps: the summed gradients of φ_K's and φ_V's matrices equal the extrapolated central
+/// differences in each weight, and so do dQ, dK, dV and the gate logits' (through the matrices' pooling
+/// transpose); the map theorem rejects the gradient of KV head 0 alone, the last head counted twice, the two maps
+/// swapped, a column-major stack of the window and the matrix's gradient transposed.
+#[test]
+fn learned_map_gradients_are_summed_over_kv_heads_and_broken_sums_are_rejected() {
+    let case = learned_map_case(learned_matrix(1), learned_matrix(2));
+    let oracle = oracle_layer_backward(
+        case.layer.inputs(),
+        case.gate_logits.view(),
+        case.selection.view(),
+        case.d_out.view(),
+        &case.layer.config,
+        PREC,
+    )
+    .expect("the oracle's layer backward");
+    // Both KV heads contribute: the first head's share alone is not the sum.
+    let p = PREC;
+    let (first_keys, _) = map_gradients_of_heads(
+        case.layer.inputs(),
+        case.gate_logits.view(),
+        case.selection.view(),
+        case.d_out.view(),
+        &case.layer.config,
+        p,
+        0..1,
+    )
+    .unwrap();
+    assert_ne!(first_keys, oracle.d_map_keys);
+    assert!(matches!(&oracle.d_map_values, MapGradient::Linear(dw) if dw.dim() == (4, 2)));
+    layer_map_gradients_match_finite_differences(&oracle_layer_backward, &case, MAP_STEP_BITS, LAYER_REQUIRED)
+        .expect("the oracle's map gradients hold");
+    layer_gradients_match_finite_differences(&oracle_layer_backward, &case, LAYER_STEP_BITS, LAYER_REQUIRED)
+        .expect("the oracle's layer backward holds with learned maps");
+    for (name, broken, quantity) in [
+        ("KV head 0 alone", &first_head_only as attnproof_proofs::nsa::LayerBackwardFn<'_>, "d_map_keys"),
+        ("the last head twice", &last_head_twice, "d_map_keys"),
+        ("the maps swapped", &maps_swapped, "d_map_keys"),
+        ("a column-major stack", &transposed_stack, "d_map_keys"),
+        ("the matrix transposed", &transposed_matrix, "d_map_keys"),
+    ] {
+        let verdict = layer_map_gradients_match_finite_differences(broken, &case, MAP_STEP_BITS, LAYER_REQUIRED);
+        assert!(
+            matches!(&verdict, Err(attnproof_proofs::Violation::Residual { quantity: q, .. }) if *q == quantity),
+            "{name}: {verdict:?}"
+        );
+    }
+}
+
+/// Position weights on both maps: the oracle's summed gradients hold (also at the coarsest step the theorem allows,
+/// with φ_V's magnitudes summing to exactly 1) and KV head 0's share alone, or a gradient missing a position, is
+/// rejected; a mean map must come back as [`MapGradient::Mean`].
+#[test]
+fn position_weight_gradients_are_summed_over_kv_heads_and_broken_sums_are_rejected() {
+    let weighted =
+        learned_map_case(Compression::Weighted(vec![0.375, -0.5]), Compression::Weighted(vec![0.375, 0.625]));
+    layer_map_gradients_match_finite_differences(&oracle_layer_backward, &weighted, MAP_STEP_BITS, LAYER_REQUIRED)
+        .expect("the oracle's position-weight gradients hold");
+    // 4 · 36 = 80 + 64: the coarsest step the hypothesis allows at this requirement.
+    layer_map_gradients_match_finite_differences(&oracle_layer_backward, &weighted, 36, LAYER_REQUIRED)
+        .expect("the oracle's position-weight gradients hold at the coarsest step");
+    fn dropped_position(
+        i: NsaInputs<'_, Mp>,
+        x: ArrayView3<'_, Mp>,
+        s: ArrayView3<'_, i32>,
+        g: ArrayView3<'_, Mp>,
+        c: &NsaConfig,
+        p: attnproof_oracle::Precision,
+    ) -> Result<NsaGradients<Mp>, OracleError> {
+        let mut grads = oracle_layer_backward(i, x, s, g, c, p)?;
+        if let MapGradient::Weighted(dw) = &grads.d_map_values {
+            grads.d_map_values = MapGradient::Weighted(dw.slice(ndarray::s![..dw.len() - 1]).to_owned());
+        }
+        Ok(grads)
+    }
+    for (name, broken, quantity) in [
+        ("KV head 0 alone", &first_head_only as attnproof_proofs::nsa::LayerBackwardFn<'_>, "d_map_keys"),
+        ("a dropped position", &dropped_position, "d_map_values"),
+    ] {
+        let verdict = layer_map_gradients_match_finite_differences(broken, &weighted, MAP_STEP_BITS, LAYER_REQUIRED);
+        assert!(
+            matches!(&verdict, Err(attnproof_proofs::Violation::Residual { quantity: q, .. }) if *q == quantity),
+            "{name}: {verdict:?}"
+        );
+    }
+    // The mean has no weight: the oracle passes, a backward that invents a gradient for it does not.
+    let mean = learned_map_case(Compression::Mean, Compression::Weighted(vec![0.25, 0.625]));
+    layer_map_gradients_match_finite_differences(&oracle_layer_backward, &mean, MAP_STEP_BITS, LAYER_REQUIRED)
+        .expect("the mean's gradient is MapGradient::Mean");
+    fn invented(
+        i: NsaInputs<'_, Mp>,
+        x: ArrayView3<'_, Mp>,
+        s: ArrayView3<'_, i32>,
+        g: ArrayView3<'_, Mp>,
+        c: &NsaConfig,
+        p: attnproof_oracle::Precision,
+    ) -> Result<NsaGradients<Mp>, OracleError> {
+        let grads = oracle_layer_backward(i, x, s, g, c, p)?;
+        Ok(NsaGradients { d_map_keys: grads.d_map_values.clone(), ..grads })
+    }
+    assert!(matches!(
+        layer_map_gradients_match_finite_differences(&invented, &mean, MAP_STEP_BITS, LAYER_REQUIRED),
+        Err(attnproof_proofs::Violation::Residual { quantity: "d_map_keys", .. })
+    ));
+}
+
+/// The map theorem refuses, as a failed hypothesis naming the reason rather than a mismeasured gradient: a weight the
+/// f64 config cannot move by the step, weights that grow the compressed rows (position weights or a matrix column),
+/// a step too coarse for the extrapolation, and a precision too low for the cancellation.
+#[test]
+fn map_theorem_refuses_cases_outside_its_hypotheses() {
+    let reason = |keys: Compression, values: Compression, step_bits: u32, required: f64| {
+        let case = learned_map_case(keys, values);
+        match layer_map_gradients_match_finite_differences(
+            &oracle_layer_backward,
+            &case,
+            step_bits,
+            attnproof_proofs::Bits(required),
+        ) {
+            Err(attnproof_proofs::Violation::Hypothesis { reason, .. }) => reason,
+            other => panic!("expected a refused hypothesis, got {other:?}"),
+        }
+    };
+    let fine = || Compression::Weighted(vec![0.25, 0.5]);
+    // The last bit of 1e-30 lies far below 2^-41, so 1e-30 ± 2^-41 rounds in f64 although (1e-30 + 2^-41) − 1e-30
+    // gives 2^-41 back.
+    assert!(reason(fine(), Compression::Weighted(vec![1e-30, 0.5]), MAP_STEP_BITS, 80.0).contains("not exact"));
+    assert!(reason(Compression::Weighted(vec![0.75, 0.5]), fine(), MAP_STEP_BITS, 80.0).contains("above 1"));
+    let wide_column = Compression::Linear(Array2::from_shape_fn((4, 2), |(_, k)| if k == 1 { 0.5 } else { 0.0 }));
+    assert!(reason(fine(), wide_column, MAP_STEP_BITS, 80.0).contains("above 1"));
+    // 4 · 35 < 80 + 64.
+    assert!(reason(fine(), fine(), 35, 80.0).contains("too coarse"));
+    // 100 + 150 + 16 > 256 bits, although 4 · 100 ≥ 150 + 64.
+    assert!(reason(fine(), fine(), 100, 150.0).contains("precision"));
 }
