@@ -136,8 +136,8 @@ struct NsaParams {
     int compress_stride;    // s: tokens between two windows' first tokens
     int n_heads_kv;         // KV heads
     int dense_windows;      // W: complete windows of every sequence of a dense problem (0 when varlen)
-    int weighted_keys;      // 1: phi_K is the caller's weights (row 0 of the weights), 0: the mean
-    int weighted_values;    // 1: phi_V is the caller's weights (row 1 of the weights), 0: the mean
+    int weighted_keys;      // phi_K: 0 the mean, 1 position weights, 2 the learned matrix (first in the weights)
+    int weighted_values;    // phi_V: as weighted_keys; its weights follow phi_K's
 };
 
 // The scalars of NSA's selection branch (E19, E31): nsa_select.cu's block scoring and top-n read the compressed

@@ -87,3 +87,22 @@ nsa_gate_backward(const elem_t* __restrict__ o_cmp, const elem_t* __restrict__ o
         if (lane == 0) d_logits[row * 3 + b] = g * gate_sigmoid(-x) * dot;
     }
 }
+
+// The layer's gradient sum (gpu/src/nsa/layer.rs): dQ, dK and dV of the layer are each the sum of the three branches'
+// gradients, which meet here as they meet in the forward's gated sum. `nsa_branch_sum` adds three tensors of `n`
+// storage-type elements, element by element, in the fixed order compressed, selected, window: f32 additions
+// fl32(fl32(a + b) + c) (round to nearest, never contracted: __fadd_rn), rounded once to the storage type. Every
+// element is independent, so any thread layout gives the same bits; the bound is proofs/src/nsa_bound.rs's
+// `branch_sum_bound`. A grid-stride loop over 64-bit indices, so that one launch covers any `n`.
+
+#define BRANCH_SUM_THREADS 256
+
+extern "C" __global__ void __launch_bounds__(BRANCH_SUM_THREADS)
+nsa_branch_sum(const elem_t* __restrict__ cmp, const elem_t* __restrict__ slc, const elem_t* __restrict__ win,
+               elem_t* __restrict__ out, const long long n) {
+    const long long stride = (long long)gridDim.x * BRANCH_SUM_THREADS;
+    for (long long i = (long long)blockIdx.x * BRANCH_SUM_THREADS + threadIdx.x; i < n; i += stride) {
+        const float partial = __fadd_rn(to_f32(cmp[i]), to_f32(slc[i]));
+        out[i] = to_elem(__fadd_rn(partial, to_f32(win[i])));
+    }
+}

@@ -615,6 +615,35 @@ pub(crate) fn launch_nsa_compress<T>(
     Ok(())
 }
 
+/// Launches `nsa_compress_{keys,values}_map_backward` (gpu/kernels/nsa_compress.cu, `func`) on `stream`: the learned
+/// compression matrix's gradient `[l·cols, cols]` f32 into `d_map`, summed over `n_sequences` sequences and every KV
+/// head.
+///
+/// Preconditions, established by `nsa::compress::compress_map_gradient_device`: `func` is compiled for the element
+/// type `T`; `x` holds the operand (K or V) and `dx_cmp` its compressed gradient as `params` and the validated
+/// `cu_k`, `cu_windows` describe them; `d_map` holds at least `l·cols²` f32; the grid covers the `l·cols` rows at
+/// `128 / (cols / 8)` rows per CTA.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_nsa_compress_map_gradient<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (x, dx_cmp): (&CudaSlice<T>, &CudaSlice<T>),
+    d_map: &mut CudaSlice<f32>,
+    (cu_k, cu_windows): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &NsaParams,
+    n_sequences: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(x).arg(dx_cmp).arg(d_map).arg(cu_k).arg(cu_windows).arg(params).arg(&n_sequences);
+    // SAFETY: the arguments match the two kernels (`const elem_t* x, const elem_t* dx_cmp, float* dw, const int* cu_k,
+    // const int* cu_windows, const NsaParams, const int n_sequences`) in order and type; every index the kernel forms
+    // lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_compress_*_map_backward)", e))?;
+    Ok(())
+}
+
 /// Launches `nsa_block_scores` (gpu/kernels/nsa_select.cu, `func`) on `stream`: each token's selection block scores
 /// of every KV head, added into `scores`.
 ///
@@ -874,5 +903,28 @@ pub(crate) fn launch_nsa_dkv_finalize<T>(
     // lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
     // recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_dkv_finalize)", e))?;
+    Ok(())
+}
+
+/// Launches `nsa_branch_sum` (gpu/kernels/nsa_gates.cu, `func`) on `stream`: `out[i] = fl_T(fl32(fl32(cmp[i] +
+/// slc[i]) + win[i]))` for `i < n`, the layer's sum of its three branches' gradients.
+///
+/// Preconditions, established by `nsa::layer`: `func` is the kernel of a module compiled with `T`'s define; `cmp`,
+/// `slc`, `win` and `out` hold at least `n` elements each; `cfg`'s block is 256 threads (the kernel's
+/// `BRANCH_SUM_THREADS`; its grid-stride loop covers `n` with any grid).
+pub(crate) fn launch_nsa_branch_sum<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    [cmp, slc, win]: [&CudaSlice<T>; 3],
+    out: &mut CudaSlice<T>,
+    n: i64,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(cmp).arg(slc).arg(win).arg(out).arg(&n);
+    // SAFETY: the arguments match `nsa_branch_sum(const elem_t* cmp, const elem_t* slc, const elem_t* win, elem_t* out,
+    // long long n)` in order and type (`T` for `elem_t`); the kernel reads and writes indices below `n` only, which
+    // every buffer holds (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(nsa_branch_sum)", e))?;
     Ok(())
 }

@@ -180,9 +180,10 @@ pub(crate) struct NsaParams {
     pub n_heads_kv: i32,
     /// Complete windows of every sequence of a dense problem (0 when varlen).
     pub dense_windows: i32,
-    /// 1 when φ_K is the caller's weights (row 0 of the weights buffer), 0 for the mean.
+    /// φ_K's kind (`nsa_compress.cu`'s `MAP_*`): 0 the mean, 1 position weights, 2 the learned matrix; its weights
+    /// come first in the weights buffer.
     pub weighted_keys: i32,
-    /// 1 when φ_V is the caller's weights (row 1), 0 for the mean.
+    /// φ_V's kind, as `weighted_keys`; its weights follow φ_K's (`l` of them, or `l·d²` for φ_K's matrix).
     pub weighted_values: i32,
 }
 

@@ -355,7 +355,10 @@ pub struct BackwardBounds {
 /// - `ρ_ij = g(dv) Σ_c |dO_ic||v_jc|` (`dP`);
 /// - `ζ_ij = (π_ij + 2u + u_T)|dS_ij| + p_ij(ρ_ij + ν_i) + τ_e|dP_ij − D_i| + τ_T` (`dS` after its
 ///   rounding to `T`);
-/// - `dQ_ic`: `|α| Σ_j (ζ_ij + g(Lk + n_k)|dS_ij|) |k_jc| + (3u + u_T)|dQ_ic| + τ_T`;
+/// - `dQ_ic`: `|α| (Σ_j (ζ_ij + g(Lk + n_k)|dS_ij|) |k_jc| + n_k 2^-126) + (3u + u_T)|dQ_ic| + τ_T`, where
+///   `n_k 2^-126` covers dQ's per-KV-tile partials added by f32 atomics (`atom.add.f32` flushes subnormal inputs
+///   and results to zero, so each of a row's at most `n_k` adds may lose a value below `2^-126`; a dQ of subnormal
+///   f32 magnitude, from a `dO` near bf16's smallest values, then comes back as 0);
 /// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`.
 ///
 /// `n_q = ⌈Lq/q_tile⌉ + extra_query_partials`, `n_k = ⌈Lk/kv_tile⌉ + extra_merges` are the query
@@ -455,7 +458,8 @@ pub fn backward_bounds(
     let mut b = BackwardBounds {
         delta: nu,
         dq: Array2::from_shape_fn((len_q, d), |(i, c)| {
-            f.scale * dq_sums[[i, c]] + (3.0 * u + ut) * x.dq[[i, c]].abs() + tiny
+            let atomic_flush = n_k as f64 * F32_MIN_NORMAL;
+            f.scale * (dq_sums[[i, c]] + atomic_flush) + (3.0 * u + ut) * x.dq[[i, c]].abs() + tiny
         }),
         dk: Array2::from_shape_fn((len_k, d), |(j, c)| {
             f.scale * dk_sums[[j, c]] + (3.0 * u + ut) * x.dk[[j, c]].abs() + tiny

@@ -80,6 +80,26 @@
 //! A kernel that drops a head of the group, a window of the remap or shifts a window by one block is off by a whole
 //! term `w p`, far outside; the integer lists are compared exactly on the kernel's own scores (the harness), so the
 //! bound only has to explain swaps against the lists of the exact scores.
+//!
+//! # The layer's gradient sum
+//!
+//! A layer's dQ, dK and dV are each the sum of its three branches' gradients (compressed, selected, window), each
+//! branch's stored in the storage type `T`. `nsa_branch_sum` (in `nsa_gates.cu`) widens the three to f32, adds them in
+//! that fixed order, `ŝ = fl32(fl32(a + b) + c)`, and rounds once to `T`. With `M = |a| + |b| + |c|`, `y = a + b + c`
+//! exact and `y_ref` its f64 evaluation (the verifier's reference):
+//!
+//! - each f32 addition is exact where its result is subnormal (both operands are multiples of f32's smallest
+//!   subnormal), so two additions give `|ŝ − y| ≤ u_32|a + b| + u_32(|fl(a + b)| + |c|) ≤ γ_32(2) M`;
+//! - the f64 reference obeys the same with `u = 2^-53`: `|y_ref − y| ≤ γ(2) M`;
+//! - rounding to `T`: `|out − ŝ| ≤ u_T|ŝ| + τ_T/2` with `|ŝ| ≤ |y_ref| + γ(2) M + γ_32(2) M`.
+//!
+//! Hence `|out − y_ref| ≤ u_T(|y_ref| + γ(2)M + γ_32(2)M) + γ_32(2)M + γ(2)M + τ_T`, with the file's margin
+//! ([`branch_sum_bound`]). The standard model needs no overflow: the bound holds for every finite output (an f32
+//! partial sum that overflowed leaves the output infinite or NaN). bf16's largest values lie so close to f32's that
+//! two of them overflow the first f32 addition; an infinite output is right only where the exact sum itself rounds to
+//! that infinity in `T`, which the verifier checks, so a cancelling sum of such values (never met by gradients) is
+//! reported rather than hidden. A sum rounded to `T` between the two additions loses a term below half an ulp of the
+//! partial sum, far outside the bound under cancellation (the unit test shows it).
 
 use crate::f64_oracle_bound::{SUBNORMAL_UNIT, gamma};
 use crate::flash_bound::{F32_SUBNORMAL, F32_UNIT_ROUNDOFF};
@@ -204,6 +224,17 @@ pub fn block_score_bound(terms: &[WindowTerm], group: usize, windows: usize, rec
     MARGIN * total
 }
 
+/// The bound on `|out − y_ref|` for one element of the layer's gradient sum `out = fl_T(fl32(fl32(a + b) + c))` of the
+/// branches' gradients `a` (compressed), `b` (selected), `c` (window) against the f64 sum `reference`, with
+/// `magnitude = |a| + |b| + |c|` and the result stored in a type of rounding `storage` (module docs, "The layer's
+/// gradient sum"). It holds for every finite output.
+pub fn branch_sum_bound(reference: f64, magnitude: f64, storage: StorageRounding) -> f64 {
+    let u = storage.unit_roundoff;
+    let e64 = gamma(2) * magnitude;
+    let err32 = gamma32(2) * magnitude;
+    MARGIN * (u * (reference.abs() + e64 + err32) + err32 + e64 + storage.subnormal)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -309,5 +340,99 @@ mod tests {
         let f16 = StorageRounding { unit_roundoff: 1.0 / 2048.0, subnormal: 5.960_464_477_539_063e-8 };
         assert!(compression_bound(1.0, 1.0, 32, f16) < 1.0 / 32.0);
         assert!(compression_bound(1.0, 1.0, 32, BF16) < 1.0 / 32.0);
+    }
+
+    /// `x` rounded to nearest (ties to even) in a binary format of `precision` significand bits, smallest normal
+    /// exponent `min_exponent` and largest finite value `largest`; beyond it, infinity.
+    fn round_to(x: f64, precision: i32, min_exponent: i32, largest: f64) -> f64 {
+        if x == 0.0 || !x.is_finite() {
+            return x;
+        }
+        let exponent = x.abs().log2().floor() as i32;
+        let quantum = 2f64.powi(exponent.max(min_exponent) - (precision - 1));
+        let rounded = (x / quantum).round_ties_even() * quantum;
+        if rounded.abs() > largest { f64::INFINITY.copysign(x) } else { rounded }
+    }
+
+    /// The branch sum's recipe, `fl_T(fl32(fl32(a + b) + c))` (Rust's f32 addition rounds to nearest, as `__fadd_rn`
+    /// does), stays within `branch_sum_bound` of the exact sum (512-bit MPFR) in bf16 and f16 over adversarial
+    /// triples: exact and near cancellation, values near the storage type's largest (sums that overflow it, which the
+    /// recipe and the exact sum both round to infinity), subnormals of the storage type alone and beside normal
+    /// values, and mixed scales; a recipe that rounds the partial sum to the storage type fails the bound, and the one
+    /// way the f32 recipe itself leaves it, two of bf16's largest values cancelled by a third, overflows to infinity
+    /// (an output the verifier rejects, module docs).
+    #[test]
+    fn the_branch_sum_recipe_stays_within_its_bound() {
+        use rug::Float;
+        /// A storage format: its name, significand bits, smallest normal exponent, largest finite value, rounding.
+        struct Format {
+            name: &'static str,
+            precision: i32,
+            min_exponent: i32,
+            largest: f64,
+            storage: StorageRounding,
+        }
+        let bf16_largest = f64::from(f32::from_bits(0x7f7f_0000));
+        let f16_rounding = StorageRounding { unit_roundoff: 1.0 / 2048.0, subnormal: 2f64.powi(-24) };
+        let formats = [
+            Format { name: "bf16", precision: 8, min_exponent: -126, largest: bf16_largest, storage: BF16 },
+            Format { name: "f16", precision: 11, min_exponent: -14, largest: 65504.0, storage: f16_rounding },
+        ];
+        for format in &formats {
+            let Format { name, storage, largest, .. } = *format;
+            let round = |x: f64| round_to(x, format.precision, format.min_exponent, format.largest);
+            let tiny = storage.subnormal;
+            let ulp1 = 2.0 * storage.unit_roundoff;
+            let mut triples: Vec<[f64; 3]> = vec![
+                [1.0, -1.0, ulp1],
+                [1.0, ulp1 / 2.0, -1.0],
+                [1.0 + ulp1, -1.0, -ulp1],
+                [3.0, -3.0 + 2.0 * ulp1, 0.0],
+                [largest, -largest, largest],
+                [largest, largest / 2.0, 0.0],
+                [largest, -largest / 2.0, largest / 4.0],
+                [tiny, tiny, tiny],
+                [tiny, -2.0 * tiny, 3.0 * tiny],
+                [1.0, tiny, -1.0],
+                [tiny, 1.0, -tiny],
+                [2f64.powi(-10), -2f64.powi(-10), tiny],
+                [0.0, 0.0, 0.0],
+            ];
+            if name == "f16" {
+                // Cancellation of sums that only f32's range holds (bf16's would overflow it: the end of the test).
+                triples.push([largest, largest / 2.0, -largest]);
+            }
+            for i in 0..200 {
+                let x = |k: i32| round((f64::from(i * 37 + k * 11) * 0.7).sin() * 2f64.powi((i % 17 + k) - 8));
+                triples.push([x(0), x(1), -x(0) + x(2)]);
+                triples.push([x(1), -x(1) * (1.0 + ulp1), x(3)]);
+            }
+            for t in triples {
+                let [a, b, c] = t.map(round);
+                let partial = (a as f32) + (b as f32);
+                let out = round(f64::from(partial + (c as f32)));
+                let exact = Float::with_val(512, a) + Float::with_val(512, b) + Float::with_val(512, c);
+                let reference = a + b + c;
+                let magnitude = a.abs() + b.abs() + c.abs();
+                let bound = branch_sum_bound(reference, magnitude, storage);
+                if out.is_infinite() {
+                    // Only where the exact sum rounds to that infinity in the storage type.
+                    assert_eq!(round(exact.to_f64()), out, "{name} {t:?}");
+                    continue;
+                }
+                let err = (Float::with_val(512, out) - exact.clone()).abs().to_f64();
+                assert!(err <= bound, "{name} {t:?}: {err:e} > {bound:e}");
+                // Cancelling sums: the partial sum rounded to the storage type loses the small term.
+                if t == [1.0, ulp1 / 2.0, -1.0] {
+                    let twice = round(round(a + b) + c);
+                    assert!((twice - reference).abs() > bound, "{name}: a partial sum in the storage type passed");
+                }
+            }
+        }
+        // bf16's largest value twice overflows f32's first addition although the exact sum with a third cancelling it
+        // is finite: the recipe's only escape from its bound, an infinity the verifier rejects.
+        let partial = (bf16_largest as f32) + (bf16_largest as f32);
+        assert!(partial.is_infinite() && (partial - bf16_largest as f32).is_infinite());
+        assert!(round_to(bf16_largest + bf16_largest - bf16_largest, 8, -126, bf16_largest).is_finite());
     }
 }

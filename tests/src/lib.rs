@@ -14,6 +14,7 @@ pub mod flash;
 pub mod gate;
 pub mod generate;
 pub mod nsa;
+pub mod nsa_layer;
 pub mod nsa_select;
 pub mod nsa_selected;
 pub mod recipes;

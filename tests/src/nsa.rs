@@ -16,9 +16,10 @@
 use std::sync::Arc;
 
 use attnproof_gpu::compile::KernelSource;
-use attnproof_gpu::nsa::compress::{compress_kv_backward_device, compress_kv_device};
-use attnproof_oracle::nsa::{Compression, NsaConfig, complete_windows, compress, compress_backward};
+use attnproof_gpu::nsa::compress::{compress_kv_backward_device, compress_kv_device, compress_map_gradient_device};
+use attnproof_oracle::nsa::{Compression, MapGradient, NsaConfig, complete_windows, compress, compress_backward};
 use attnproof_oracle::spec::{Layout, Operand};
+use attnproof_proofs::flash_bound::{F32_SUBNORMAL, F32_UNIT_ROUNDOFF};
 use attnproof_proofs::nsa_bound::{
     StorageRounding, compression_bound, f64_evaluation_error, gate_branch_gradient_bound, gate_combine_bound,
     gate_logit_gradient_bound,
@@ -29,7 +30,7 @@ use cudarc::driver::CudaStream;
 use ndarray::{Array2, ArrayD, ArrayView2, ArrayViewD, Axis, Dimension, IxDyn, Slice};
 use proptest::prelude::*;
 
-use crate::candidate::{GUARD_BITS_16, LaunchError, Storage, poisoned, unchanged, unguard, upload};
+use crate::candidate::{GUARD_BITS_16, GUARD_BITS_32, LaunchError, Storage, poisoned, unchanged, unguard, upload};
 use crate::flash::{Case, HarnessError};
 use crate::recipes::subnormal_of;
 
@@ -62,15 +63,28 @@ impl CompressionVerdict {
     fn judge<T: Storage>(
         &mut self,
         value: T,
+        exact: (f64, f64, usize),
+        storage: StorageRounding,
+        where_: impl Fn() -> String,
+    ) {
+        self.judge_rounded(value.to_f32(), |x| T::from_f32(x).to_f32(), exact, storage, where_);
+    }
+
+    /// [`Self::judge`] for a value already widened to f32, with `round` the storage type's rounding of an f32 (the
+    /// identity for an f32 output).
+    fn judge_rounded(
+        &mut self,
+        value: f32,
+        round: impl Fn(f32) -> f32,
         (y, m, terms): (f64, f64, usize),
         storage: StorageRounding,
         where_: impl Fn() -> String,
     ) {
         let bound = compression_bound(y, m, terms, storage);
-        let v = f64::from(value.to_f32());
+        let v = f64::from(value);
         let within = if v.is_infinite() {
             let least = (y.abs() - 2.0 * f64_evaluation_error(m, terms)).max(0.0).copysign(y);
-            T::from_f32(least as f32).to_f32() == value.to_f32()
+            round(least as f32) == value
         } else {
             let ratio = (v - y).abs() / bound;
             if ratio.is_finite() {
@@ -166,7 +180,7 @@ pub fn verify_compression<T: Storage>(
                     verdict.elements += 1;
                     let (y, m) = (truth[[c, col]], magnitudes[[c, col]]);
                     let where_ = || format!("{name}[sequence {}, head {head}, window {c}, column {col}]", seq.index);
-                    verdict.judge(value, (y, m, config.compress_len), storage, where_);
+                    verdict.judge(value, (y, m, chain_terms(map, config.compress_len, cols)), storage, where_);
                     let want = reference[[c, col]];
                     if want.bits() != value.bits() {
                         verdict.reference_mismatches += 1;
@@ -189,6 +203,15 @@ pub fn verify_compression<T: Storage>(
         verdict.failures.push(format!("{} elements off the recipe's bits", verdict.reference_mismatches));
     }
     Ok(verdict)
+}
+
+/// The f64 terms of one element's chain: one per position (`l`) for the mean and weights, one per stacked index
+/// (`l·cols`) for a matrix.
+fn chain_terms(map: &Compression, positions: usize, cols: usize) -> usize {
+    match map {
+        Compression::Linear(_) => positions * cols,
+        _ => positions,
+    }
 }
 
 /// The bound's magnitude per element: `Σ|x_i| / l` for the mean, `Σ|w_i x_i|` for weights, `Σ_{i,j} |x_{i,j} W[i·d+j,
@@ -342,8 +365,9 @@ pub fn compress_backward_guarded<T: Storage>(
 
 /// Verifies `candidate` as the pooling's transpose of `upstream` (the compressed keys' and values' gradients of
 /// `case`'s spec under `config`): every token element within `compression_bound` of the oracle's `compress_backward`
-/// (its `∂L/∂x`), the magnitude `Σ_c |w_{t−c·s}| |dx̃_c|` over the windows that hold the token (`1/l` for the mean),
-/// the f64 evaluation over at most `⌈l/s⌉` windows and the mean's division. No CPU reference: the bound alone.
+/// (its `∂L/∂x`), the magnitude `Σ_c |w_{t−c·s}| |dx̃_c|` over the windows that hold the token (`1/l` for the mean;
+/// `Σ_c Σ_k |W[(t−c·s)·d + j, k]| |dx̃_{c,k}|` for a matrix), the f64 evaluation over at most `⌈l/s⌉` windows (times
+/// `d` for a matrix) and the mean's division. No CPU reference: the bound alone.
 pub fn verify_compression_backward<T: Storage>(
     case: &Case<T>,
     config: &NsaConfig,
@@ -355,7 +379,6 @@ pub fn verify_compression_backward<T: Storage>(
     let storage = StorageRounding { unit_roundoff: T::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<T>()) };
     let dense = matches!(spec.layout, Layout::Dense { .. });
     let (l, s) = (config.compress_len, config.compress_stride);
-    let terms = l.div_ceil(s) + 1;
     let mut verdict = CompressionVerdict::default();
     let [_, k_wide, v_wide] = case.widened();
     let operands = [
@@ -377,6 +400,8 @@ pub fn verify_compression_backward<T: Storage>(
         }
         let up_wide = up.mapv(|x| f64::from(x.to_f32()));
         let up_view = up_wide.view();
+        // At most ⌈l/s⌉ windows per token, each one term (`cols` terms for a matrix), and the mean's division.
+        let terms = chain_terms(map, l.div_ceil(s), cols) + 1;
         let mut first = 0;
         for (seq, &w) in spec.sequences().iter().zip(&windows) {
             for head in 0..spec.n_heads_kv {
@@ -391,12 +416,13 @@ pub fn verify_compression_backward<T: Storage>(
                         0.0
                     } else {
                         (lo..=hi)
-                            .map(|c| {
-                                let weight = match map {
-                                    Compression::Weighted(ws) => ws[t - c * s].abs(),
-                                    _ => 1.0 / l as f64,
-                                };
-                                weight * d_cmp[[c, col]].abs()
+                            .map(|c| match map {
+                                Compression::Weighted(ws) => ws[t - c * s].abs() * d_cmp[[c, col]].abs(),
+                                Compression::Linear(wm) => {
+                                    let r = (t - c * s) * cols + col;
+                                    (0..cols).map(|k| (wm[[r, k]] * d_cmp[[c, k]]).abs()).sum()
+                                }
+                                Compression::Mean => d_cmp[[c, col]].abs() / l as f64,
                             })
                             .sum()
                     };
@@ -406,6 +432,134 @@ pub fn verify_compression_backward<T: Storage>(
                 }
             }
             first += w;
+        }
+    }
+    Ok(verdict)
+}
+
+/// The learned matrices' own gradients, f32 `[l·cols, cols]` (`attnproof_gpu::nsa::compress::compress_map_gradient_device`):
+/// `None` for an operand whose map is not a matrix.
+#[derive(Clone, Debug, Default)]
+pub struct MapGradients {
+    /// `∂L/∂W_K`.
+    pub keys: Option<Array2<f32>>,
+    /// `∂L/∂W_V`.
+    pub values: Option<Array2<f32>>,
+}
+
+/// The operands whose map is a learned matrix, with the matrix's shape `[l·cols, cols]`.
+fn matrix_operands(spec: &attnproof_oracle::AttentionSpec, config: &NsaConfig) -> Vec<(Operand, [usize; 2])> {
+    let l = config.compress_len;
+    [(Operand::K, &config.compress_keys, spec.head_dim), (Operand::V, &config.compress_values, spec.head_dim_v)]
+        .into_iter()
+        .filter(|(_, map, _)| matches!(map, Compression::Linear(_)))
+        .map(|(operand, _, cols)| (operand, [l * cols, cols]))
+        .collect()
+}
+
+/// The learned matrices' gradients of `case` under `config` from `upstream` through the kernel text `kernel`: K, V
+/// and the upstream gradients uploaded, each gradient NaN-poisoned with a guard band, guards and inputs checked after
+/// the launch. An operand whose map is not a matrix is not launched (`None`).
+pub fn map_gradients_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    config: &NsaConfig,
+    kernel: KernelSource,
+    upstream: &Compressed<T>,
+) -> Result<MapGradients, LaunchError> {
+    let driver = |e: cudarc::driver::DriverError| LaunchError::Driver(e.to_string());
+    let mut out = MapGradients::default();
+    for (operand, shape) in matrix_operands(&case.spec, config) {
+        let (x, up) = if operand == Operand::K { (&case.k, &upstream.k) } else { (&case.v, &upstream.v) };
+        let (dx, dup) = (upload(stream, x)?, upload(stream, up)?);
+        let n = shape[0] * shape[1];
+        let mut grad = poisoned(stream, n, f32::NAN, f32::from_bits(GUARD_BITS_32))?;
+        compress_map_gradient_device(stream, &case.spec, config, kernel, operand, &dx, &dup, &mut grad)?;
+        let back = stream.clone_dtoh(&grad).map_err(driver)?;
+        let inputs_back = [stream.clone_dtoh(&dx).map_err(driver)?, stream.clone_dtoh(&dup).map_err(driver)?];
+        stream.synchronize().map_err(driver)?;
+        unchanged(&[("x", x), ("dx_cmp", up)], &inputs_back)?;
+        let got = unguard("d_map", back, n, &shape, |v: f32| v.to_bits() == GUARD_BITS_32)?;
+        let got = got.into_dimensionality().expect("rank 2");
+        if operand == Operand::K {
+            out.keys = Some(got);
+        } else {
+            out.values = Some(got);
+        }
+    }
+    Ok(out)
+}
+
+/// Verifies `candidate` as the learned matrices' gradients of `case` under `config` for the compressed gradients
+/// `upstream`: for each operand whose map is a matrix, every element within `compression_bound` (storage f32: the
+/// kernel rounds its f64 chain once to f32) of the oracle's `compress_backward` `∂L/∂W` summed over every sequence and
+/// KV head, with the magnitude `Σ |x_{c·s+i, j}| |dx̃_{c,k}|` over the same terms and one f64 term per (sequence, head,
+/// window). A matrix without a candidate, or a candidate without a matrix, is a shape error.
+pub fn verify_map_gradients<T: Storage>(
+    case: &Case<T>,
+    config: &NsaConfig,
+    upstream: &Compressed<T>,
+    candidate: &MapGradients,
+) -> Result<CompressionVerdict, HarnessError> {
+    config.validate()?;
+    let spec = &case.spec;
+    let f32_rounding = StorageRounding { unit_roundoff: F32_UNIT_ROUNDOFF, subnormal: F32_SUBNORMAL };
+    let dense = matches!(spec.layout, Layout::Dense { .. });
+    let (l, s) = (config.compress_len, config.compress_stride);
+    let mut verdict = CompressionVerdict::default();
+    let [_, k_wide, v_wide] = case.widened();
+    let operands = [
+        ("d_map_keys", &k_wide, &upstream.k, &candidate.keys, &config.compress_keys, spec.head_dim),
+        ("d_map_values", &v_wide, &upstream.v, &candidate.values, &config.compress_values, spec.head_dim_v),
+    ];
+    for (name, wide, up, got, map, cols) in operands {
+        let got = match (map, got) {
+            (Compression::Linear(_), Some(got)) => got,
+            (Compression::Linear(_), None) | (_, Some(_)) => {
+                let expected = if matches!(map, Compression::Linear(_)) { vec![l * cols, cols] } else { vec![] };
+                let actual = got.as_ref().map_or(vec![], |g| g.shape().to_vec());
+                return Err(HarnessError::CandidateShape { argument: name, expected, actual });
+            }
+            (_, None) => continue,
+        };
+        if got.dim() != (l * cols, cols) {
+            let expected = vec![l * cols, cols];
+            return Err(HarnessError::CandidateShape { argument: name, expected, actual: got.shape().to_vec() });
+        }
+        let (windows, up_shape) = layout(spec, config, cols);
+        if up.shape() != up_shape.as_slice() {
+            return Err(HarnessError::CandidateShape {
+                argument: "upstream",
+                expected: up_shape,
+                actual: up.shape().to_vec(),
+            });
+        }
+        let up_wide = up.mapv(|x| f64::from(x.to_f32()));
+        let up_view = up_wide.view();
+        let mut truth = Array2::<f64>::zeros((l * cols, cols));
+        let mut magnitude = Array2::<f64>::zeros((l * cols, cols));
+        let mut first = 0;
+        for (seq, &w) in spec.sequences().iter().zip(&windows) {
+            for head in 0..spec.n_heads_kv {
+                let x = spec.head_rows(wide.view(), seq, head, true);
+                let d_cmp = compressed_rows(&up_view, dense, seq.index, first, w, head);
+                if let MapGradient::Linear(dw) = compress_backward(x, map, d_cmp, config, ())?.d_map {
+                    truth += &dw;
+                }
+                for c in 0..w {
+                    for ((r, k), m) in magnitude.indexed_iter_mut() {
+                        *m += (x[[c * s + r / cols, r % cols]] * d_cmp[[c, k]]).abs();
+                    }
+                }
+            }
+            first += w;
+        }
+        let terms = windows.iter().sum::<usize>() * spec.n_heads_kv;
+        for ((r, k), &value) in got.indexed_iter() {
+            verdict.elements += 1;
+            let where_ = || format!("{name}[{r}, {k}]");
+            let exact = (truth[[r, k]], magnitude[[r, k]], terms);
+            verdict.judge_rounded(value, |x| x, exact, f32_rounding, where_);
         }
     }
     Ok(verdict)
@@ -455,34 +609,60 @@ pub fn largest_finite<T: Storage>() -> f32 {
     T::from_bits16(<T as Element>::from_f32(f32::INFINITY).bits() - 1).to_f32()
 }
 
-fn weights(kind: WeightKind, len: usize, seed: u64) -> Compression {
+/// `len` weights of `kind`.
+fn weight_values(kind: WeightKind, len: usize, seed: u64) -> Vec<f64> {
     let normal = crate::generate::draw(seed, len, crate::generate::Distribution::Gaussian);
-    Compression::Weighted(
-        normal
-            .iter()
-            .enumerate()
-            .map(|(i, &x)| match kind {
-                WeightKind::Gaussian => x,
-                WeightKind::Large => x * 2f64.powi(20),
-                WeightKind::Small => x * 2f64.powi(-30),
-                WeightKind::Mixed if i % 3 == 0 => 0.0,
-                WeightKind::Mixed => {
-                    if i % 2 == 0 {
-                        -x
-                    } else {
-                        x
-                    }
+    normal
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| match kind {
+            WeightKind::Gaussian => x,
+            WeightKind::Large => x * 2f64.powi(20),
+            WeightKind::Small => x * 2f64.powi(-30),
+            WeightKind::Mixed if i % 3 == 0 => 0.0,
+            WeightKind::Mixed => {
+                if i % 2 == 0 {
+                    -x
+                } else {
+                    x
                 }
-            })
-            .collect(),
-    )
+            }
+        })
+        .collect()
+}
+
+/// A drawn map's shape: E18's mean, position weights, or the learned matrix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapDraw {
+    /// The mean.
+    Mean,
+    /// `l` position weights of a kind.
+    Weights(WeightKind),
+    /// A `[l·cols, cols]` matrix of a kind (weights instead where `l·cols²` exceeds [`LARGEST_DRAWN_MATRIX`]).
+    Matrix(WeightKind),
+}
+
+/// The most entries a drawn matrix has: the paper's `l = 32` at `d = 128`. Larger ones would make the f64 oracle's
+/// per-window products the suites' cost; they are drawn as position weights of the same kind instead.
+pub const LARGEST_DRAWN_MATRIX: usize = 32 * 128 * 128;
+
+/// The map `draw` for windows of `l` rows of `cols` columns.
+pub(crate) fn map_of(draw: MapDraw, l: usize, cols: usize, seed: u64) -> Compression {
+    match draw {
+        MapDraw::Mean => Compression::Mean,
+        MapDraw::Matrix(kind) if l * cols * cols <= LARGEST_DRAWN_MATRIX => {
+            let values = weight_values(kind, l * cols * cols, seed);
+            Compression::Linear(Array2::from_shape_vec((l * cols, cols), values).expect("l·cols² values"))
+        }
+        MapDraw::Weights(kind) | MapDraw::Matrix(kind) => Compression::Weighted(weight_values(kind, l, seed)),
+    }
 }
 
 /// Compression problems: windows `l` of 1, 2, 3, 5, 8, 16, 32 (the paper's) and 64, strides from 1 to `l + 2`
 /// (overlapping, adjacent and gapped windows), key lengths of no window, one window exactly, a window ± 1 and a
 /// stride ± 1 past it, and a few windows; dense (batch 1–2) or varlen with empty sequences; the GQA heads of
-/// [`crate::strategies::heads`]; head dims multiples of 8 up to 256 (small ones often); the mean or weights of every
-/// [`WeightKind`] for each of K and V; values of every [`CompressionValues`] kind. Dependent sizes through
+/// [`crate::strategies::heads`]; head dims multiples of 8 up to 256 (small ones often); the mean, weights or a learned
+/// matrix ([`MapDraw`]) of every [`WeightKind`] for each of K and V; values of every [`CompressionValues`] kind. Dependent sizes through
 /// `prop_flat_map`.
 pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<T>> {
     let dims =
@@ -490,10 +670,20 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
     (prop::sample::select(vec![1usize, 2, 3, 5, 8, 16, 32, 32, 64]), 0usize..=2)
         .prop_flat_map(|(l, extra)| (Just(l), 1..=l + extra))
         .prop_flat_map(move |(l, s)| {
-            let length = prop::sample::select(vec![0, 1, l - 1, l, l + 1, l + s - 1, l + s, l + s + 1, l + 3 * s, 4 * l + 3]);
+            let length =
+                prop::sample::select(vec![0, 1, l - 1, l, l + 1, l + s - 1, l + s, l + s + 1, l + 3 * s, 4 * l + 3]);
+            let kind = || {
+                prop::sample::select(vec![
+                    WeightKind::Gaussian,
+                    WeightKind::Large,
+                    WeightKind::Small,
+                    WeightKind::Mixed,
+                ])
+            };
             let map = prop_oneof![
-                2 => Just(None),
-                1 => prop::sample::select(vec![WeightKind::Gaussian, WeightKind::Large, WeightKind::Small, WeightKind::Mixed]).prop_map(Some),
+                2 => Just(MapDraw::Mean),
+                1 => kind().prop_map(MapDraw::Weights),
+                1 => kind().prop_map(MapDraw::Matrix),
             ];
             let values = prop::sample::select(vec![
                 CompressionValues::Gaussian,
@@ -511,20 +701,21 @@ pub fn compression_draws<T: Storage>() -> impl Strategy<Value = CompressionDraw<
                 any::<u64>(),
             )
         })
-        .prop_map(|((l, s), layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v), (key_map, value_map), values, seed)| {
-            let spec = causal_layer(layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v));
-            let map_of = |kind: Option<WeightKind>, salt| kind.map_or(Compression::Mean, |k| weights(k, l, seed ^ salt));
-            let config = NsaConfig {
-                compress_len: l,
-                compress_stride: s,
-                compress_keys: map_of(key_map, 0x6b),
-                compress_values: map_of(value_map, 0x76),
-                ..NsaConfig::default()
-            };
-            let mut case = crate::generate::make_case::<T>(&spec, crate::generate::ValueProfile::GAUSSIAN, seed);
-            shape_values(&mut case, values);
-            CompressionDraw { case, config, values }
-        })
+        .prop_map(
+            |((l, s), layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v), (key_map, value_map), values, seed)| {
+                let spec = causal_layer(layout, (n_heads_q, n_heads_kv), (head_dim, head_dim_v));
+                let config = NsaConfig {
+                    compress_len: l,
+                    compress_stride: s,
+                    compress_keys: map_of(key_map, l, head_dim, seed ^ 0x6b),
+                    compress_values: map_of(value_map, l, head_dim_v, seed ^ 0x76),
+                    ..NsaConfig::default()
+                };
+                let mut case = crate::generate::make_case::<T>(&spec, crate::generate::ValueProfile::GAUSSIAN, seed);
+                shape_values(&mut case, values);
+                CompressionDraw { case, config, values }
+            },
+        )
 }
 
 /// An NSA layer's spec: causal self-attention with the default scale.
@@ -930,6 +1121,102 @@ mod tests {
         assert!(!candidate(maps, &|t, _| t, 2.0).passed(), "the mean over s = 16 instead of l = 32");
         let mirrored = Compression::Weighted(weights.iter().rev().copied().collect());
         assert!(!candidate([maps[0], &mirrored], &|t, _| t, 1.0).passed(), "weights from the window's other end");
+    }
+
+    /// The transpose's verifier applies exactly the documented bound where cancellation makes the magnitude term
+    /// dominate: with `l = 4`, `s = 2` and upstream windows `+A, −A, +A` (`A = 2^100`), tokens 2 and 3 sum to 0 over
+    /// a magnitude of `2A/l`, so `compression_bound(0, A/2, ⌈l/s⌉ + 1 = 3, bf16)` is all f64 evaluation error; an
+    /// error of 0.98 of it passes and 1.02 of it fails (a verifier that counted one more term, or weighed the
+    /// windows by 1 instead of `1/l`, would let the second pass).
+    #[test]
+    fn the_transpose_verifier_holds_cancelling_sums_to_the_documented_bound() {
+        let spec = AttentionSpec::dense(1, 1, 1, 8, 8, 8, 8).with_mask(Mask::Causal);
+        let case = crate::generate::make_case::<bf16>(&spec, crate::generate::ValueProfile::GAUSSIAN, 3);
+        let config = NsaConfig { compress_len: 4, compress_stride: 2, ..NsaConfig::default() };
+        let a = 2f32.powi(100);
+        let k = ArrayD::from_shape_fn(IxDyn(&[1, 1, 3, 8]), |i| bf16::from_f32(if i[2] == 1 { -a } else { a }));
+        let upstream = Compressed { k, v: ArrayD::from_elem(IxDyn(&[1, 1, 3, 8]), bf16::ZERO) };
+        // Tokens 0, 1 and 6, 7 lie in one window (+A/4); tokens 2 to 5 in two that cancel.
+        let truth = |t: usize| if (2..6).contains(&t) { 0.0 } else { a / 4.0 };
+        let storage =
+            StorageRounding { unit_roundoff: bf16::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<bf16>()) };
+        let bound = compression_bound(0.0, f64::from(a) / 2.0, 3, storage);
+        assert!(bound > 2f64.powi(40), "the f64 term dominates: {bound:e}");
+        let verify = |error: f64| {
+            let mut dk = ArrayD::from_shape_fn(IxDyn(&[1, 1, 8, 8]), |i| bf16::from_f32(truth(i[2])));
+            dk[[0, 0, 2, 0]] = bf16::from_f64(error);
+            let candidate = TokenGradients { dk, dv: ArrayD::from_elem(IxDyn(&[1, 1, 8, 8]), bf16::ZERO) };
+            verify_compression_backward(&case, &config, &upstream, &candidate).unwrap()
+        };
+        let within = verify(0.98 * bound);
+        assert!(within.passed(), "{:?}", within.failures);
+        assert!(within.worst_ratio > 0.97 && within.worst_ratio < 1.0, "{}", within.worst_ratio);
+        assert!(!verify(1.02 * bound).passed());
+        assert!(!verify(-1.02 * bound).passed());
+    }
+
+    /// The matrix gradient's verifier accepts the oracle's `∂L/∂W` summed over sequences and heads, rounded to f32
+    /// (varlen, two KV heads, matrices on both operands), and rejects the sum over the first head only, the last
+    /// sequence dropped, a transposed matrix, a missing candidate and a candidate for the mean.
+    #[test]
+    fn the_map_gradient_verifier_accepts_the_oracle_and_rejects_partial_sums() {
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 13, 13, 30], cu_seqlens_k: vec![0, 13, 13, 30] },
+            ..AttentionSpec::dense(1, 4, 2, 1, 1, 8, 8).with_mask(Mask::Causal)
+        };
+        let case = crate::generate::make_case::<bf16>(&spec, crate::generate::ValueProfile::GAUSSIAN, 11);
+        let matrix = |seed| map_of(MapDraw::Matrix(WeightKind::Gaussian), 4, 8, seed);
+        let config = NsaConfig {
+            compress_len: 4,
+            compress_stride: 2,
+            compress_keys: matrix(1),
+            compress_values: matrix(2),
+            ..NsaConfig::default()
+        };
+        let upstream = upstream_of(&reference_compression(&case, &config).unwrap());
+        let [_, k_wide, v_wide] = case.widened();
+        let (up_k, up_v) = (upstream.k.mapv(|x| f64::from(x.to_f32())), upstream.v.mapv(|x| f64::from(x.to_f32())));
+        // The oracle's gradient over the sequences in `seqs` and the heads in `heads`, as f32.
+        let sum = |wide: &ArrayD<f64>, up: &ArrayD<f64>, map: &Compression, seqs: usize, heads: usize| {
+            let mut total = Array2::<f64>::zeros((32, 8));
+            let (windows, _) = layout(&spec, &config, 8);
+            let (mut first, up) = (0, up.view());
+            for (seq, &w) in spec.sequences().iter().zip(&windows).take(seqs) {
+                for head in 0..heads {
+                    let x = spec.head_rows(wide.view(), seq, head, true);
+                    let d_cmp = compressed_rows(&up, false, seq.index, first, w, head);
+                    if let MapGradient::Linear(dw) = compress_backward(x, map, d_cmp, &config, ()).unwrap().d_map {
+                        total += &dw;
+                    }
+                }
+                first += w;
+            }
+            total.mapv(|x| x as f32)
+        };
+        let of = |seqs, heads| MapGradients {
+            keys: Some(sum(&k_wide, &up_k, &config.compress_keys, seqs, heads)),
+            values: Some(sum(&v_wide, &up_v, &config.compress_values, seqs, heads)),
+        };
+        let verify = |candidate: &MapGradients| verify_map_gradients(&case, &config, &upstream, candidate);
+        let exact = verify(&of(3, 2)).unwrap();
+        assert!(exact.passed() && exact.elements == 2 * 32 * 8, "{:?}", exact.failures);
+        assert!(!verify(&of(3, 1)).unwrap().passed(), "the first head only");
+        assert!(!verify(&of(2, 2)).unwrap().passed(), "the last sequence dropped");
+        let mut transposed = of(3, 2);
+        let keys = transposed.keys.as_mut().unwrap();
+        for r in 0..8 {
+            for k in 0..r {
+                let (a, b) = (keys[[r, k]], keys[[k, r]]);
+                keys[[r, k]] = b;
+                keys[[k, r]] = a;
+            }
+        }
+        assert!(!verify(&transposed).unwrap().passed(), "the first 8 rows transposed");
+        let missing = MapGradients { values: None, ..of(3, 2) };
+        assert!(matches!(verify(&missing), Err(HarnessError::CandidateShape { argument: "d_map_values", .. })));
+        let mean = NsaConfig { compress_keys: Compression::Mean, ..config.clone() };
+        let err = verify_map_gradients(&case, &mean, &upstream, &of(3, 2));
+        assert!(matches!(err, Err(HarnessError::CandidateShape { argument: "d_map_keys", .. })), "{err:?}");
     }
 
     /// `judge` holds a finite value to the bound as a ratio (an error of half the bound passes, of twice the bound

@@ -89,7 +89,7 @@ fn token_row0(spec: &AttentionSpec, seq: &Sequence) -> usize {
 }
 
 /// The exact block scores of one sequence `[T, Hkv, M]` and their bounds, from the widened inputs.
-fn exact_scores(
+pub fn exact_scores(
     compressed: &AttentionSpec,
     config: &NsaConfig,
     seq: &Sequence,

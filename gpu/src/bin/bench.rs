@@ -48,7 +48,9 @@
 //! windows of 32 every 16 tokens) and fla-core's (`nsa64-*`: non-overlapping windows of 64), both with 64-token
 //! blocks, 16 per list with the first and two local ones forced, at B = 1, T = 16K and 64K, D = 128,
 //! 64 query heads over 4 KV heads (group 16, fla-core's benchmark) and 16 over 4 (group 4): the compression of K and V
-//! (direction `nsa-compress`), the compressed attention's forward (`nsa-cmp-fwd`, the dense forward under the strided
+//! (direction `nsa-compress`; at the paper's windows also with learned `[l·d, d]` matrices: `nsa-compress-matrix`, its
+//! transpose onto the tokens `nsa-compress-matrix-transpose` and the matrices' gradients `nsa-compress-matrix-grad`,
+//! FLOPs `2·l·d²` per window, KV head and operand each), the compressed attention's forward (`nsa-cmp-fwd`, the dense forward under the strided
 //! causal mask; FLOPs `4·d·Hq·Σ_t W(t)` over the windows each token sees) and the selection (`nsa-select`: block
 //! scores from the compressed keys and `LSE_cmp`, and top-n lists; FLOPs `2·d·Hq·Σ_t W(t)`, the recomputed score
 //! products only), and the selected attention's forward over those lists (`nsa-selected-fwd`; FLOPs `4·d·Hq` times
@@ -74,7 +76,9 @@ use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::flash::flash_forward_device;
-use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv_device};
+use attnproof_gpu::nsa::compress::{
+    NSA_COMPRESS, compress_kv_backward_device, compress_kv_device, compress_map_gradient_device, compressed_shape,
+};
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::gates::{GateBranches, NSA_GATES, gate_combine_device, gate_logits_shape};
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
@@ -83,7 +87,7 @@ use attnproof_gpu::nsa::selected_backward::{NSA_SELECTED_BWD, selected_backward_
 use attnproof_gpu::nsa::window::window_spec;
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
-use attnproof_oracle::nsa::NsaConfig;
+use attnproof_oracle::nsa::{Compression, NsaConfig};
 use attnproof_oracle::spec::{Operand, strided_causal_keys};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
@@ -677,6 +681,56 @@ fn run_nsa_window_and_gates(
 
 /// NSA's rows of one layer under one configuration (directions `{prefix}-compress`, ...), on the input sets `q`, `k`,
 /// `v`.
+/// The learned compression matrices (`Compression::Linear`, `[l·d, d]` for K and V) at `config`'s windows: the
+/// compression (`nsa-compress-matrix`, FLOPs `2·l·d²` per window, KV head and operand), the pooling's transpose onto the
+/// tokens (`nsa-compress-matrix-transpose`, the same FLOPs) and the matrices' own gradients
+/// (`nsa-compress-matrix-grad`, the same FLOPs), the last two from the compressed operands as upstream gradients.
+fn run_nsa_matrix(
+    opts: &Options,
+    stream: &Arc<CudaStream>,
+    out: &mut String,
+    layer: &AttentionSpec,
+    config: &NsaConfig,
+    [k, v]: [&CudaSlice<bf16>; 2],
+    [up_k, up_v]: [&CudaSlice<bf16>; 2],
+) -> Result<(), String> {
+    let e = |e: attnproof_gpu::GpuError| e.to_string();
+    let (d, dv, hq, hkv, len) =
+        (layer.head_dim, layer.head_dim_v, layer.n_heads_q, layer.n_heads_kv, layer.sequences()[0].len_q);
+    let l = config.compress_len;
+    let matrix = |cols: usize| {
+        Compression::Linear(ndarray::Array2::from_shape_fn((l * cols, cols), |(r, c)| {
+            (((r * 7 + c * 3) % 11) as f64 / 5.0 - 1.0) / (l * cols) as f64
+        }))
+    };
+    let config = NsaConfig { compress_keys: matrix(d), compress_values: matrix(dv), ..config.clone() };
+    let windows = attnproof_oracle::nsa::complete_windows(len, l, config.compress_stride).map_err(|e| e.to_string())?;
+    let flops = 2.0 * (l * (d * d + dv * dv) * windows * hkv) as f64;
+    let shape = format!("\"(1,{hq},{len},{d})\",true");
+    let count = |op: Operand| layer.expected_shape(op).iter().product::<usize>();
+    let cmp = |op: Operand| compressed_shape(layer, &config, op).map(|s| s.iter().product::<usize>()).map_err(e);
+    let (mut k_cmp, mut v_cmp) = (alloc(stream, cmp(Operand::K)?)?, alloc(stream, cmp(Operand::V)?)?);
+    let ms = median_ms(stream, opts, |_| {
+        compress_kv_device(stream, layer, &config, NSA_COMPRESS, k, v, &mut k_cmp, &mut v_cmp).map_err(e)
+    })?;
+    emit(out, format!("{shape},nsa-compress-matrix,hkv{hkv},1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    let (mut dk, mut dv_tokens) = (alloc(stream, count(Operand::K))?, alloc(stream, count(Operand::V))?);
+    let ms = median_ms(stream, opts, |_| {
+        compress_kv_backward_device(stream, layer, &config, NSA_COMPRESS, up_k, up_v, &mut dk, &mut dv_tokens)
+            .map_err(e)
+    })?;
+    emit(out, format!("{shape},nsa-compress-matrix-transpose,hkv{hkv},1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    let grad = |cols: usize| stream.alloc_zeros::<f32>(l * cols * cols).map_err(|e| e.to_string());
+    let (mut dw_k, mut dw_v) = (grad(d)?, grad(dv)?);
+    let ms = median_ms(stream, opts, |_| {
+        compress_map_gradient_device(stream, layer, &config, NSA_COMPRESS, Operand::K, k, up_k, &mut dw_k)
+            .map_err(e)?;
+        compress_map_gradient_device(stream, layer, &config, NSA_COMPRESS, Operand::V, v, up_v, &mut dw_v).map_err(e)
+    })?;
+    emit(out, format!("{shape},nsa-compress-matrix-grad,hkv{hkv},1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    Ok(())
+}
+
 fn run_nsa_config(
     opts: &Options,
     stream: &Arc<CudaStream>,
@@ -697,6 +751,9 @@ fn run_nsa_config(
         compress_kv_device(stream, layer, config, NSA_COMPRESS, &k[s], &v[s], &mut k_cmp, &mut v_cmp).map_err(e)
     })?;
     emit(out, format!("{shape},{prefix}-compress,hkv{hkv},1,{ms:.4},0.0\n"));
+    if prefix == "nsa" {
+        run_nsa_matrix(opts, stream, out, layer, config, [&k[0], &v[0]], [&k_cmp, &v_cmp])?;
+    }
     // The windows each token sees, summed: the compressed products' length.
     let seen: f64 = (0..l).map(|t| strided_causal_keys(t, config.compress_len, config.compress_stride) as f64).sum();
     let score_flops = 2.0 * (d * hq) as f64 * seen;

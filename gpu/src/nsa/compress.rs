@@ -1,10 +1,12 @@
 //! NSA's compression (E18) on the GPU: `gpu/kernels/nsa_compress.cu` behind typed wrappers, from device buffers
 //! ([`compress_kv_device`]) or host tensors ([`compress_kv`]); and its backward onto the tokens
-//! ([`compress_kv_backward_device`], the transpose of the pooling: the oracle's `compress_backward`'s `∂L/∂x`).
+//! ([`compress_kv_backward_device`], the transpose of the pooling: the oracle's `compress_backward`'s `∂L/∂x`); and the
+//! learned matrix's own gradient ([`compress_map_gradient_device`], its `∂L/∂W` summed over sequences and KV heads).
 //!
 //! For every sequence, KV head and complete window `c` (tokens `c·s ..= c·s + l − 1`, all inside the sequence: the
 //! oracle's `complete_windows`), the compressed key is `k̃_c = φ_K(k_{c·s}, …, k_{c·s+l−1})` and the compressed value
-//! `ṽ_c = φ_V(…)`, with φ the mean (the default of E18) or the caller's position weights `Σ_i w_i x_{c·s+i}`
+//! `ṽ_c = φ_V(…)`, with φ the mean (the default of E18), the caller's position weights `Σ_i w_i x_{c·s+i}`, or the
+//! paper's learned map as a caller's matrix `W` `[l·d, d]` applied to the window's `l` rows stacked into one vector
 //! ([`Compression`]). The compressed operands are laid out like K and V with one row per window
 //! ([`compressed_shape`]): dense `[B, Hkv, W, d]` with `W` the windows of the common key length, varlen packed
 //! `[ΣW_b, Hkv, d]` whose sequence `b` starts at row [`window_offsets`]`[b]` — the `cu_seqlens_k` of the compressed
@@ -13,7 +15,9 @@
 //! # Recipe and bound
 //!
 //! Each output element is an f64 evaluation in ascending window position (plain additions and one division by `l`
-//! for the mean, one fused multiply-add per position for weights), rounded to f32 and then to the storage type. The
+//! for the mean, one fused multiply-add per position for weights, one per stacked index `i·d + j` for the matrix),
+//! rounded to f32 and then to the storage type. The matrix runs as f64 loops on the CUDA cores, not as a tensor-core
+//! GEMM: its recipe stays exact enough to be followed bit for bit by the CPU reference. The
 //! CPU reference `attnproof_reference::sparse::nsa::compress_head` performs the same operations in the same order,
 //! so the GPU's bits must equal it; both lie within `attnproof_proofs::nsa_bound::compression_bound` of the oracle's
 //! value (the storage rounding plus a negligible f64 term). f64 accumulation also keeps a sum of `l` values near the
@@ -57,7 +61,7 @@ struct Plan {
     cu_windows: Vec<i32>,
     /// The windows of the sequence with the most.
     max_windows: usize,
-    /// `[2, l]`: φ_K's weights, then φ_V's (zeros for a mean, which the kernel does not read).
+    /// φ_K's weights, then φ_V's ([`weights_of`]: `l` each, or `l·cols²` for a matrix).
     weights: Vec<f64>,
 }
 
@@ -104,16 +108,19 @@ pub fn compressed_shape(spec: &AttentionSpec, config: &NsaConfig, operand: Opera
     })
 }
 
-fn weights_of(map: &Compression, len: usize) -> Result<(i32, Vec<f64>), GpuError> {
+/// The map flag of `nsa_compress.cu` (`MAP_MEAN`, `MAP_WEIGHTS`, `MAP_MATRIX`) and the map's weights as the kernel reads
+/// them: none for the mean (`l` zeros, never read), the `l` position weights, or the learned matrix row-major
+/// `[l·cols, cols]`, whose shape is checked against the operand's `cols` here (the configuration cannot know it).
+fn weights_of(map: &Compression, len: usize, cols: usize, argument: &'static str) -> Result<(i32, Vec<f64>), GpuError> {
     match map {
         Compression::Mean => Ok((0, vec![0.0; len])),
         Compression::Weighted(w) => Ok((1, w.clone())),
-        Compression::Linear(_) => Err(GpuError::Unsupported {
-            argument: "compression map",
-            reason: "the learned [l·d, d] matrix is a GEMM per window, a later kernel; the mean and position weights \
-                     run here"
-                .into(),
-        }),
+        Compression::Linear(w) => {
+            if w.dim() != (len * cols, cols) {
+                return Err(GpuError::Shape { argument, expected: vec![len * cols, cols], actual: w.shape().to_vec() });
+            }
+            Ok((2, w.iter().copied().collect()))
+        }
     }
 }
 
@@ -122,8 +129,9 @@ fn plan(spec: &AttentionSpec, config: &NsaConfig) -> Result<Plan, GpuError> {
     let (flash, _, cu_k) = FlashParams::for_spec(spec)?;
     let cu_windows = window_offsets(spec, config)?;
     let dense = matches!(spec.layout, Layout::Dense { .. });
-    let (weighted_keys, mut weights) = weights_of(&config.compress_keys, config.compress_len)?;
-    let (weighted_values, value_weights) = weights_of(&config.compress_values, config.compress_len)?;
+    let l = config.compress_len;
+    let (weighted_keys, mut weights) = weights_of(&config.compress_keys, l, spec.head_dim, "compress_keys")?;
+    let (weighted_values, value_weights) = weights_of(&config.compress_values, l, spec.head_dim_v, "compress_values")?;
     weights.extend(value_weights);
     let params = NsaParams {
         flash,
@@ -240,6 +248,69 @@ pub fn compress_kv_backward_device<T: GpuElement>(
     Ok(())
 }
 
+/// The learned matrix's own gradient for `operand` (K or V) on device buffers: the oracle's `compress_backward`'s
+/// `∂L/∂W` `[l·cols, cols]`, summed over every sequence and KV head (one matrix serves them all), from the operand
+/// `x` (the spec's K or V layout) and its compressed gradient `dx_cmp` ([`compressed_shape`]'s layout); written to the
+/// first `l·cols²` elements of `d_map` in f32, row-major. Each element is an f64 chain over the sequences, then the
+/// KV heads, then the windows, in ascending order, rounded once to f32 (zero where no window exists). Only
+/// [`Compression::Linear`] has parameters here; another map for `operand` is [`GpuError::Unsupported`]. Checks,
+/// kernel and asynchrony as in [`compress_kv_device`].
+#[allow(clippy::too_many_arguments)]
+pub fn compress_map_gradient_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &NsaConfig,
+    kernel: KernelSource,
+    operand: Operand,
+    x: &CudaSlice<T>,
+    dx_cmp: &CudaSlice<T>,
+    d_map: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let plan = plan(spec, config)?;
+    let (map, cols, name) = match operand {
+        Operand::K => (&config.compress_keys, spec.head_dim, "nsa_compress_keys_map_backward"),
+        Operand::V => (&config.compress_values, spec.head_dim_v, "nsa_compress_values_map_backward"),
+        other => {
+            return Err(GpuError::Unsupported {
+                argument: "operand",
+                reason: format!("a compression map belongs to K or V, not {other:?}"),
+            });
+        }
+    };
+    if !matches!(map, Compression::Linear(_)) {
+        return Err(GpuError::Unsupported {
+            argument: "compression map",
+            reason: format!("only the learned matrix has parameters to differentiate; {operand:?}'s map is {map:?}"),
+        });
+    }
+    let rows = config.compress_len * cols;
+    check_len("x", x, spec.expected_shape(operand).iter().product())?;
+    check_len("dx_cmp", dx_cmp, compressed_shape(spec, config, operand)?.iter().product())?;
+    check_len("d_map", d_map, rows * cols)?;
+    let batch = spec.sequences().len();
+    let n_sequences = to_i32("sequences", batch)?;
+    if plan.max_windows == 0 || batch == 0 || spec.n_heads_kv == 0 {
+        // No window: the loss does not depend on the matrix.
+        return stream
+            .memset_zeros(&mut d_map.slice_mut(..rows * cols))
+            .map_err(|e| GpuError::driver("cuMemsetD8Async(d_map)", e));
+    }
+    let module = compile::module(stream.context(), kernel, &[T::DEFINE.to_owned()])?;
+    let func = module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(nsa_compress.cu)", e))?;
+    let up_err = |e| GpuError::driver("cuMemcpyHtoD(nsa_compress)", e);
+    let cu_k = stream.clone_htod(&plan.cu_k).map_err(up_err)?;
+    let cu_windows = stream.clone_htod(&plan.cu_windows).map_err(up_err)?;
+    let cfg = LaunchConfig {
+        // One thread per 8 columns of one row of W: the forward's grid with rows of W for windows, no heads or
+        // sequences (the kernel sums over them).
+        grid_dim: grid(rows, cols, 1, 1)?,
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let seqs = (&cu_k, &cu_windows);
+    launch::launch_nsa_compress_map_gradient(stream, &func, cfg, (x, dx_cmp), d_map, seqs, &plan.params, n_sequences)
+}
+
 /// The compressed keys and values, host side, in [`compressed_shape`]'s layout.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompressedKv<T> {
@@ -327,15 +398,46 @@ mod tests {
         assert!(matches!(plan(&spec, &short), Err(GpuError::Spec(_))));
         let nan = NsaConfig { compress_values: Compression::Weighted(vec![f64::NAN; 32]), ..config() };
         assert!(matches!(plan(&spec, &nan), Err(GpuError::Spec(_))));
-        let learned =
-            NsaConfig { compress_keys: Compression::Linear(ndarray::Array2::zeros((32 * 64, 64))), ..config() };
-        assert!(matches!(plan(&spec, &learned), Err(GpuError::Unsupported { argument: "compression map", .. })));
+        // A learned matrix must be [l·cols, cols] for its operand's columns (here d = dv = 64).
+        let learned = |rows, cols| NsaConfig {
+            compress_values: Compression::Linear(ndarray::Array2::zeros((rows, cols))),
+            ..config()
+        };
+        assert!(plan(&spec, &learned(32 * 64, 64)).is_ok());
+        assert!(matches!(
+            plan(&spec, &learned(32 * 64, 32)),
+            Err(GpuError::Shape { argument: "compress_values", .. }) | Err(GpuError::Spec(_))
+        ));
+        assert!(matches!(
+            plan(&spec, &learned(31 * 64, 64)),
+            Err(GpuError::Shape { argument: "compress_values", .. }) | Err(GpuError::Spec(_))
+        ));
         let odd = AttentionSpec::dense(1, 2, 1, 64, 64, 12, 64);
         assert!(matches!(plan(&odd, &config()), Err(GpuError::Unsupported { argument: "head_dim", .. })));
         assert!(matches!(
             compressed_shape(&spec, &config(), Operand::Q),
             Err(GpuError::Unsupported { argument: "operand", .. })
         ));
+    }
+
+    #[test]
+    fn a_learned_key_matrix_moves_the_value_weights_past_it() {
+        // d = 8, dv = 16, l = 2: φ_K's matrix has 2·8·8 = 128 entries, φ_V's 2·16·16 = 512, row-major.
+        let spec = AttentionSpec::dense(1, 2, 1, 40, 40, 8, 16);
+        let keys = ndarray::Array2::from_shape_fn((16, 8), |(r, c)| (r * 8 + c) as f64);
+        let values = ndarray::Array2::from_shape_fn((32, 16), |(r, c)| -((r * 16 + c) as f64));
+        let cfg = NsaConfig {
+            compress_len: 2,
+            compress_stride: 2,
+            compress_keys: Compression::Linear(keys),
+            compress_values: Compression::Linear(values),
+            ..config()
+        };
+        let p = plan(&spec, &cfg).unwrap();
+        assert_eq!((p.params.weighted_keys, p.params.weighted_values), (2, 2));
+        assert_eq!(p.weights.len(), 128 + 512);
+        assert_eq!(p.weights[..128], (0..128).map(|i| i as f64).collect::<Vec<_>>()[..]);
+        assert_eq!(p.weights[128..], (0..512).map(|i| -(i as f64)).collect::<Vec<_>>()[..]);
     }
 
     #[test]

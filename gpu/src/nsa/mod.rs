@@ -10,9 +10,10 @@
 //! compressed attention's LSE, summed over the group and remapped onto blocks without writing per-head
 //! probabilities) and the top-n lists with forced blocks; and [`selected`], the selected attention's forward over the
 //! union of a token group's lists, each block's K/V tile shared by the group's heads; and [`selected_backward`], its
-//! backward through the device-built block → token transpose (E20) with a KV owner per block tile. Still to come, in
-//! the plan's order: the compressed branch's backward through the pooling, the learned compression map on the GPU,
-//! and one layer wrapper.
+//! backward through the device-built block → token transpose (E20) with a KV owner per block tile; and [`layer`], one
+//! layer's forward and backward chaining every piece on caller-owned device buffers, each stage's intermediates kept
+//! for a stage-wise verifier, the three branches' gradients summed by one more kernel. The compression takes the
+//! paper's learned `[l·d, d]` matrix as well, with its own gradient ([`compress::compress_map_gradient_device`]).
 //!
 //! NSA's parameters are the oracle's [`attnproof_oracle::nsa::NsaConfig`], so that the kernels and the oracle read one
 //! definition; a kernel checks that it implements the configuration it is given and refuses the rest with a typed
@@ -21,6 +22,7 @@
 pub mod compress;
 pub mod compressed;
 pub mod gates;
+pub mod layer;
 pub mod select;
 pub mod selected;
 pub mod selected_backward;

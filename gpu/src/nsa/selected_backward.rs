@@ -179,8 +179,6 @@ pub fn selected_backward_device_with<T: GpuElement>(
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
-    let mut offsets = stream.alloc_zeros::<i32>(csr_rows + 1).map_err(alloc_err)?;
-    let mut tokens = stream.alloc_zeros::<i32>(list_entries.max(1)).map_err(alloc_err)?;
     let accumulator = if dq_mode == 1 { q_elements } else { 0 };
     let mut dq_acc = stream.alloc_zeros::<f32>(accumulator.max(1)).map_err(alloc_err)?;
     let mut dq_part = stream.alloc_zeros::<f32>(partials.max(1)).map_err(alloc_err)?;
@@ -240,24 +238,8 @@ pub fn selected_backward_device_with<T: GpuElement>(
 
     // E20's transpose: count, scan, fill.
     let heads_seqs = |x: usize, what| grid_3d((what, x), ("n_heads_kv", hkv), ("sequences", plan.batch));
-    let count = load_kernel(ctx, &module, "nsa_csr_count", 0)?;
-    let count_grid = heads_seqs(plan.max_len.div_ceil(128), "tokens")?;
-    launch::launch_nsa_csr(stream, &count, cfg(count_grid, 128, 0), lists, &mut offsets, None, &cu_q, &plan.params)?;
+    let BlockTokensDevice { offsets, tokens } = build_transpose(stream, &module, &plan, (lists, list_entries), &cu_q)?;
     let scan = load_kernel(ctx, &module, "bwd_csr_scan", 0)?;
-    launch::launch_csr_scan(stream, &scan, cfg((1, 1, 1), 1024, 0), &mut offsets, to_i32("CSR rows", csr_rows)?)?;
-    let fill = load_kernel(ctx, &module, "nsa_csr_fill", 0)?;
-    let fill_grid = heads_seqs(n_blocks.div_ceil(4), "selection blocks")?;
-    let tokens_out = Some(&mut tokens);
-    launch::launch_nsa_csr(
-        stream,
-        &fill,
-        cfg(fill_grid, 128, 0),
-        lists,
-        &mut offsets,
-        tokens_out,
-        &cu_q,
-        &plan.params,
-    )?;
 
     // The rows' segments.
     let segments = load_kernel(ctx, &module, "nsa_csr_segments", 0)?;
@@ -348,6 +330,71 @@ pub fn selected_backward_device_with<T: GpuElement>(
         )?;
     }
     Ok(())
+}
+
+/// E20's transpose of NSA lists as the backward builds it on the device: per CSR row (sequence, KV head, block of the
+/// longest sequence, in that order: row `(seq·Hkv + kv)·n_blocks + block`), the sequence's tokens that list the block
+/// and do not precede it, ascending (sequence-local positions). `offsets` has one entry per row and one more, from 0;
+/// `tokens` holds at least `offsets[rows]` entries.
+#[derive(Debug)]
+pub struct BlockTokensDevice {
+    /// `[rows + 1]`, non-decreasing from 0.
+    pub offsets: CudaSlice<i32>,
+    /// The rows' tokens, row after row.
+    pub tokens: CudaSlice<i32>,
+}
+
+/// The transpose alone (what the backward's KV owner walks), so that a test can hold it to the oracle's
+/// `transpose_selection` entry for entry: the lists `[token rows, Hkv, n]` on the device are read with the forward's
+/// rule (module docs). `kernel` is [`NSA_SELECTED_BWD`] or a patched copy. Checks as in [`selected_backward_device`].
+pub fn selected_transpose_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &NsaConfig,
+    kernel: KernelSource,
+    lists: &CudaSlice<i32>,
+) -> Result<BlockTokensDevice, GpuError> {
+    let plan = plan(spec, config, None)?;
+    let shape = kv_owner_shape::<T>(&plan.spec, TILING)?;
+    let list_entries: usize = lists_shape(&plan.spec, config).iter().product();
+    check_len("lists", lists, list_entries)?;
+    let module = compile::module(stream.context(), kernel, &shape.defines)?;
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
+    build_transpose(stream, &module, &plan, (lists, list_entries), &up(&plan.cu_q)?)
+}
+
+/// Count, scan and fill of E20's transpose of `lists` (`list_entries` of them) into fresh buffers
+/// ([`BlockTokensDevice`]); nothing is launched for a problem without tokens or KV heads (the offsets stay 0).
+fn build_transpose(
+    stream: &Arc<CudaStream>,
+    module: &Arc<cudarc::driver::CudaModule>,
+    plan: &super::selected::Plan,
+    (lists, list_entries): (&CudaSlice<i32>, usize),
+    cu_q: &CudaSlice<i32>,
+) -> Result<BlockTokensDevice, GpuError> {
+    let ctx = stream.context();
+    let hkv = plan.spec.n_heads_kv;
+    let n_blocks = plan.params.n_blocks as usize;
+    let csr_rows = plan.batch * hkv * n_blocks;
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let mut offsets = stream.alloc_zeros::<i32>(csr_rows + 1).map_err(alloc_err)?;
+    let mut tokens = stream.alloc_zeros::<i32>(list_entries.max(1)).map_err(alloc_err)?;
+    if plan.max_len == 0 || plan.batch == 0 || hkv == 0 {
+        return Ok(BlockTokensDevice { offsets, tokens });
+    }
+    let cfg = |grid: (u32, u32, u32)| LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let heads_seqs = |x: usize, what| grid_3d((what, x), ("n_heads_kv", hkv), ("sequences", plan.batch));
+    let count = load_kernel(ctx, module, "nsa_csr_count", 0)?;
+    let count_grid = heads_seqs(plan.max_len.div_ceil(128), "tokens")?;
+    launch::launch_nsa_csr(stream, &count, cfg(count_grid), lists, &mut offsets, None, cu_q, &plan.params)?;
+    let scan = load_kernel(ctx, module, "bwd_csr_scan", 0)?;
+    let scan_cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    launch::launch_csr_scan(stream, &scan, scan_cfg, &mut offsets, to_i32("CSR rows", csr_rows)?)?;
+    let fill = load_kernel(ctx, module, "nsa_csr_fill", 0)?;
+    let fill_grid = heads_seqs(n_blocks.div_ceil(4), "selection blocks")?;
+    let tokens_out = Some(&mut tokens);
+    launch::launch_nsa_csr(stream, &fill, cfg(fill_grid), lists, &mut offsets, tokens_out, cu_q, &plan.params)?;
+    Ok(BlockTokensDevice { offsets, tokens })
 }
 
 /// The selected branch's backward from host tensors (validates the lists, copies in, launches, copies out,

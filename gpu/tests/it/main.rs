@@ -15,6 +15,7 @@ mod mutants;
 mod nsa_compress;
 mod nsa_compressed;
 mod nsa_gates;
+mod nsa_layer;
 mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;

@@ -3,11 +3,12 @@
 //! oracle's value and equal, bit for bit, to the recipe's CPU reference, with NaN-poisoned and guarded outputs and K,
 //! V checked unchanged on the device; each draw runs twice and must give the same bits. Every draw and killing case
 //! then runs the pooling's transpose (the backward's `∂L/∂x`, `compress_kv_backward_device`) on the forward's own
-//! outputs made finite, twice, within the bound of the oracle's `compress_backward`.
+//! outputs made finite, twice, within the bound of the oracle's `compress_backward`, and, for a learned matrix, its own
+//! gradient (`compress_map_gradient_device`) within the bound of the oracle's `∂L/∂W` summed over sequences and heads.
 //!
 //! The property suites draw the harness's compression problems (`compression_draws`: windows of 1 to 64 tokens with
 //! overlapping, adjacent and gapped strides, lengths with no window, one window and a window or stride ± 1, dense and
-//! varlen with empty sequences, head dims up to 256, the mean and every kind of weights, values over the storage
+//! varlen with empty sequences, head dims up to 256, the mean, every kind of weights and learned matrices, values over the storage
 //! type's whole range up to results past its largest finite value). Without a device each test prints
 //! `skipped: no CUDA device` and passes.
 
@@ -16,13 +17,15 @@ use std::sync::Arc;
 use crate::common::*;
 use crate::property::{default_run_config, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
-use attnproof_gpu::nsa::compress::{NSA_COMPRESS, compress_kv, compress_kv_device, compressed_shape};
+use attnproof_gpu::nsa::compress::{
+    NSA_COMPRESS, compress_kv, compress_kv_device, compress_map_gradient_device, compressed_shape,
+};
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::nsa::{
     Compressed, CompressionDraw, compress_backward_guarded, compress_guarded, compression_draws, largest_finite,
-    upstream_of, verify_compression, verify_compression_backward,
+    map_gradients_guarded, upstream_of, verify_compression, verify_compression_backward, verify_map_gradients,
 };
 use attnproof_oracle::nsa::{Compression, NsaConfig};
 use attnproof_oracle::spec::Operand;
@@ -94,7 +97,29 @@ fn check_transpose<T: Storage>(
         return Err("the same input gave different bits".into());
     }
     let verdict = verify_compression_backward(case, config, &upstream, &first).map_err(|e| e.to_string())?;
-    if verdict.passed() { Ok(()) } else { Err(verdict.failures.join("\n")) }
+    if !verdict.passed() {
+        return Err(verdict.failures.join("\n"));
+    }
+    check_map_gradients(stream, kernel, case, config, &upstream)
+}
+
+/// The learned matrices' gradients (for the operands whose map is a matrix) from `upstream` through `kernel`: twice
+/// the same bits, and within the bound of the oracle's `∂L/∂W` summed over sequences and KV heads.
+fn check_map_gradients<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    case: &Case<T>,
+    config: &NsaConfig,
+    upstream: &Compressed<T>,
+) -> Result<(), String> {
+    let run = || map_gradients_guarded(stream, case, config, kernel, upstream).map_err(|e| e.to_string());
+    let (first, again) = (run()?, run()?);
+    let bits = |t: &Option<ndarray::Array2<f32>>| t.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    if bits(&first.keys) != bits(&again.keys) || bits(&first.values) != bits(&again.values) {
+        return Err("the matrix gradient: the same input gave different bits".into());
+    }
+    let verdict = verify_map_gradients(case, config, upstream, &first).map_err(|e| e.to_string())?;
+    if verdict.passed() { Ok(()) } else { Err(format!("the matrix gradient: {}", verdict.failures.join("\n"))) }
 }
 
 fn run_production(suite: &TypedSuite) {
@@ -130,6 +155,14 @@ fn the_compression_suites_draw_every_value_kind_and_layout() {
                     "weighted values {}",
                     matches!(draw.config.compress_values, Compression::Weighted(_))
                 ));
+                for (name, map) in [("keys", &draw.config.compress_keys), ("values", &draw.config.compress_values)] {
+                    if matches!(map, Compression::Linear(_)) {
+                        s.insert(format!("matrix {name}"));
+                        if draw.case.spec.n_heads_kv > 1 && draw.case.spec.sequences().len() > 1 {
+                            s.insert(format!("matrix {name} over heads and sequences"));
+                        }
+                    }
+                }
                 if draw.case.spec.sequences().iter().any(|q| q.len_k < draw.config.compress_len) {
                     s.insert("no window".to_owned());
                 }
@@ -140,7 +173,15 @@ fn the_compression_suites_draw_every_value_kind_and_layout() {
         for class in ["Gaussian", "Tiny", "NearLargest", "Cancelling", "varlen true", "varlen false"] {
             assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
         }
-        for class in ["weighted values true", "weighted values false", "no window"] {
+        for class in [
+            "weighted values true",
+            "weighted values false",
+            "no window",
+            "matrix keys",
+            "matrix values",
+            "matrix keys over heads and sequences",
+            "matrix values over heads and sequences",
+        ] {
             assert!(seen.contains(class), "{}: no draw of {class}: {seen:?}", suite.name);
         }
     }
@@ -149,8 +190,10 @@ fn the_compression_suites_draw_every_value_kind_and_layout() {
 /// Fixed cases that kill the catalog's `gpu-nsa-compress-*` mutants: two dense heads with the paper's windows and the
 /// mean (a head written to the other's place, a mean divided by the stride, a row dropped, a window one token late);
 /// varlen with an empty sequence and weighted values of awkward head dims (the last packed window, the values' own
-/// weights and flag); and a window of values near bf16's largest with the mean (an f32 sum overflows where the f64
-/// sum does not).
+/// weights and flag); a window of values near bf16's largest with the mean (an f32 sum overflows where the f64
+/// sum does not); and learned matrices of different shapes on both operands over two KV heads and three sequences, the
+/// last one with windows (the stacking, the transpose's index, the values' matrix after the keys', the gradient's sum
+/// over heads and sequences).
 pub fn killing_cases() -> Vec<(&'static str, (Case<bf16>, NsaConfig))> {
     let paper = NsaConfig::default();
     let dense_case = make_case::<bf16>(&dense(2, 4, 2, 100, 100, 64, 32, Mask::Causal), gaussian(1.0), 51);
@@ -166,10 +209,24 @@ pub fn killing_cases() -> Vec<(&'static str, (Case<bf16>, NsaConfig))> {
     for t in [&mut large.k, &mut large.v] {
         t.mapv_inplace(|x| bf16::from_f32(x.to_f32().clamp(-4.0, 4.0).abs() * (largest / 4.0)));
     }
+    let matrices =
+        make_case::<bf16>(&varlen(&[0, 23, 23, 61], &[0, 23, 23, 61], 4, 2, 16, 8, Mask::Causal), gaussian(1.0), 54);
+    let matrix = |rows: usize, cols: usize, salt: usize| {
+        let w = ndarray::Array2::from_shape_fn((rows, cols), |(r, c)| ((r * 7 + c * 3 + salt) % 11) as f64 / 5.0 - 1.0);
+        Compression::Linear(w)
+    };
+    let learned = NsaConfig {
+        compress_len: 4,
+        compress_stride: 2,
+        compress_keys: matrix(4 * 16, 16, 0),
+        compress_values: matrix(4 * 8, 8, 5),
+        ..NsaConfig::default()
+    };
     vec![
         ("dense_two_heads_paper_windows", (dense_case, paper.clone())),
         ("varlen_empty_weighted_values", (packed, weighted_values)),
         ("mean_near_the_largest_value", (large, paper)),
+        ("varlen_two_heads_learned_matrices", (matrices, learned)),
     ]
 }
 
@@ -286,4 +343,26 @@ fn bad_compression_input_is_a_typed_error_before_any_launch() {
     assert!(matches!(err, GpuError::BufferTooSmall { argument: "k", .. }), "{err}");
     // Nothing was launched: the outputs are still the zeros they were allocated with.
     assert!(stream.clone_dtoh(&enough).unwrap().iter().all(|x| x.to_bits() == 0));
+    // A learned matrix of the wrong shape; the gradient of a map without parameters, of Q, into too small a buffer.
+    let wrong = NsaConfig { compress_keys: Compression::Linear(ndarray::Array2::zeros((32 * 16, 8))), ..paper.clone() };
+    // (The configuration's own check sees rows that are not `l` times the columns; a matrix of the right form for
+    // other columns passes it and meets the kernel's shape check.)
+    assert!(matches!(host(&wrong, &spec), Err(GpuError::Spec(_))));
+    let other_cols =
+        NsaConfig { compress_keys: Compression::Linear(ndarray::Array2::zeros((32 * 8, 8))), ..paper.clone() };
+    assert!(matches!(host(&other_cols, &spec), Err(GpuError::Shape { argument: "compress_keys", .. })));
+    let learned =
+        NsaConfig { compress_keys: Compression::Linear(ndarray::Array2::zeros((32 * 16, 16))), ..paper.clone() };
+    let mut grad = stream.alloc_zeros::<f32>(32 * 16 * 16).unwrap();
+    let mut small = stream.alloc_zeros::<f32>(32 * 16 * 16 - 1).unwrap();
+    let gradient = |config: &NsaConfig, operand, out: &mut cudarc::driver::CudaSlice<f32>| {
+        compress_map_gradient_device(&stream, &spec, config, NSA_COMPRESS, operand, &k, &enough, out)
+    };
+    let err = gradient(&learned, Operand::V, &mut grad).unwrap_err();
+    assert!(matches!(err, GpuError::Unsupported { argument: "compression map", .. }), "{err}");
+    let err = gradient(&learned, Operand::Q, &mut grad).unwrap_err();
+    assert!(matches!(err, GpuError::Unsupported { argument: "operand", .. }), "{err}");
+    let err = gradient(&learned, Operand::K, &mut small).unwrap_err();
+    assert!(matches!(err, GpuError::BufferTooSmall { argument: "d_map", .. }), "{err}");
+    assert!(stream.clone_dtoh(&grad).unwrap().iter().all(|x| x.to_bits() == 0));
 }

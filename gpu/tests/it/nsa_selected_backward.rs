@@ -4,7 +4,8 @@
 //! inputs and lists checked unchanged. Each (sequence, KV head) is held by the harness
 //! (`attnproof_harness::nsa_selected::verify_selected_backward`) to the dense backward's derived bound for the group's
 //! rows stacked token-major under `key ≤ token ∧ listed`; the deterministic mode repeats its bits, and both modes give
-//! the same bits for dK, dV and `D` (only dQ's summation differs).
+//! the same bits for dK, dV and `D` (only dQ's summation differs). The device-built transpose itself is compared
+//! exactly with the oracle's `transpose_selection` of the same lists on every draw.
 //!
 //! The suites draw what the forward's draw ([`selected_draws`]: blocks of 8 to 192 tokens, lists of every kind, lengths
 //! from none past a tile and a block, dense and varlen with empty sequences, GQA groups 1–16 and 24, 32, 64, E31's
@@ -20,6 +21,7 @@ use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::nsa::selected_backward::{
     BackwardSegments, NSA_SELECTED_BWD, SEGMENT_TILES, selected_backward, selected_backward_device,
+    selected_transpose_device,
 };
 use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, skip_unless_gpu};
 use attnproof_harness::backward::BackwardCandidate;
@@ -31,11 +33,11 @@ use attnproof_harness::nsa_selected::{
     verify_selected_backward,
 };
 use attnproof_harness::sparse::SparseHarnessError;
-use attnproof_oracle::nsa::NsaConfig;
+use attnproof_oracle::nsa::{NsaConfig, transpose_selection};
 use attnproof_oracle::{AttentionSpec, Layout, Mask};
 use cudarc::driver::CudaStream;
 use half::{bf16, f16};
-use ndarray::{Array3, ArrayD};
+use ndarray::{Array2, Array3, ArrayD};
 use proptest::test_runner::{Config, TestCaseError, TestError};
 
 /// The two suites ("gpunsabw" in ASCII, plus the dtype).
@@ -124,6 +126,72 @@ fn check_backward_values<T: Storage>(
     }
     if !same(&atomic[0], &deterministic[0], false) || !same(&atomic[0], &atomic_again, false) {
         return Err(fail("dK, dV or D differ between runs or dQ modes on the same input".into()));
+    }
+    check_transpose::<T>(stream, kernel, &cases[0].spec, &draw.config, &lists).map_err(fail)
+}
+
+/// E20's transpose as the backward builds it on the device (`selected_transpose_device`) equals the oracle's
+/// `transpose_selection` entry for entry, per (sequence, KV head): integers, compared exactly. The oracle is given
+/// each token's list as the device reads it (up to its first entry that does not rise or lies past the sequence's
+/// blocks) without the blocks that start after the token (it sees none of their keys, so the device leaves it out of
+/// their rows); the rows of blocks past a shorter sequence's must be empty.
+fn check_transpose<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    spec: &AttentionSpec,
+    config: &NsaConfig,
+    lists: &Array3<i32>,
+) -> Result<(), String> {
+    let driver = |e: cudarc::driver::DriverError| e.to_string();
+    let on_device = upload(stream, &lists.clone().into_dyn()).map_err(|e| e.to_string())?;
+    let csr = selected_transpose_device::<T>(stream, spec, config, kernel, &on_device).map_err(|e| e.to_string())?;
+    let (offsets, tokens) =
+        (stream.clone_dtoh(&csr.offsets).map_err(driver)?, stream.clone_dtoh(&csr.tokens).map_err(driver)?);
+    stream.synchronize().map_err(driver)?;
+    let (hkv, width, lb) = (spec.n_heads_kv, config.n_selected, config.select_block);
+    let n_blocks = spec.sequences().iter().map(|s| s.len_q.div_ceil(lb)).max().unwrap_or(0);
+    let mut row0 = 0;
+    for (seq, sequence) in spec.sequences().iter().enumerate() {
+        let len = sequence.len_q;
+        let seq_blocks = len.div_ceil(lb);
+        for kv in 0..hkv {
+            let visible = Array2::from_shape_fn((len, width), |_| -1);
+            let mut visible = visible;
+            for t in 0..len {
+                let mut previous = -1;
+                let mut slot = 0;
+                for &b in lists.slice(ndarray::s![row0 + t, kv, ..]) {
+                    if b <= previous || b as usize >= seq_blocks {
+                        break;
+                    }
+                    previous = b;
+                    if b as usize * lb <= t {
+                        visible[[t, slot]] = b;
+                        slot += 1;
+                    }
+                }
+            }
+            let want = transpose_selection(visible.view(), seq_blocks).map_err(|e| e.to_string())?;
+            let row = (seq * hkv + kv) * n_blocks;
+            for block in 0..n_blocks {
+                let got = &tokens[offsets[row + block] as usize..offsets[row + block + 1] as usize];
+                let expected: &[i32] = if block < seq_blocks {
+                    &want.indices[want.offsets[block] as usize..want.offsets[block + 1] as usize]
+                } else {
+                    &[]
+                };
+                if got != expected {
+                    return Err(format!(
+                        "the transpose of sequence {seq}, KV head {kv}, block {block}: tokens {got:?}, the oracle's \
+                         {expected:?}"
+                    ));
+                }
+            }
+        }
+        row0 += len;
+    }
+    if offsets.first() != Some(&0) {
+        return Err(format!("the transpose's offsets start at {:?}", offsets.first()));
     }
     Ok(())
 }

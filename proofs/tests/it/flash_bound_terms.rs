@@ -9,7 +9,7 @@
 
 use attnproof_proofs::Violation;
 use attnproof_proofs::flash_bound::{
-    Accumulation, BackwardBounds, FlashRecipe, ForwardBounds, HeadBackwardExact, HeadExact, ScoreReuse,
+    Accumulation, BackwardBounds, F32_MIN_NORMAL, FlashRecipe, ForwardBounds, HeadBackwardExact, HeadExact, ScoreReuse,
     backward_bounds, forward_bounds, gqa_sum_term,
 };
 use ndarray::{Array1, Array2, array};
@@ -232,7 +232,9 @@ fn backward_by_hand(h: &Head, r: &FlashRecipe, fwd: &ForwardBounds) -> BackwardB
             + tiny
     });
     let dq = Array2::from_shape_fn((1, 2), |(_, c)| {
-        h.alpha * (0..2).map(|j| (zeta[j] + gk * h.ds[[0, j]].abs()) * h.k[[j, c]].abs()).sum::<f64>()
+        h.alpha
+            * ((0..2).map(|j| (zeta[j] + gk * h.ds[[0, j]].abs()) * h.k[[j, c]].abs()).sum::<f64>()
+                + n_k as f64 * F32_MIN_NORMAL)
             + (3.0 * U + ut) * h.dq[[0, c]].abs()
             + tiny
     });
@@ -326,7 +328,8 @@ fn underflow_terms() {
     // ζ of the visible key: p ν + τ_T with p = 1 and ν = |dO| b^O (the forward bound, already scaled by F).
     let zeta = b_o * F + tiny;
     close("dK of the visible key", b.dk[[0, 0]], (zeta + tiny) * F);
-    close("dQ", b.dq[[0, 0]], (zeta + tiny) * F);
+    // dQ also carries the atomic flush of its n_k = ⌈2/1⌉ + 1 = 3 partials (α = 1).
+    close("dQ", b.dq[[0, 0]], (zeta + 3.0 * F32_MIN_NORMAL + tiny) * F);
 }
 
 #[test]

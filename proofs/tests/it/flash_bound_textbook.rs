@@ -2,8 +2,8 @@
 //! textbook loops over their formulas, kept here as the reference: the same numbers, bit for bit.
 
 use attnproof_proofs::flash_bound::{
-    Accumulation, F32_UNIT_ROUNDOFF, FIRST_ORDER_LIMIT, FlashRecipe, ForwardBounds, HeadBackwardExact, HeadExact,
-    SECOND_ORDER_FACTOR, ScoreReuse, backward_bounds, forward_bounds,
+    Accumulation, F32_MIN_NORMAL, F32_UNIT_ROUNDOFF, FIRST_ORDER_LIMIT, FlashRecipe, ForwardBounds, HeadBackwardExact,
+    HeadExact, SECOND_ORDER_FACTOR, ScoreReuse, backward_bounds, forward_bounds,
 };
 use attnproof_proofs::residual::Violation;
 use ndarray::{Array1, Array2, ArrayView2};
@@ -152,10 +152,10 @@ mod textbook {
         };
         for i in 0..len_q {
             for c in 0..d {
-                b.dq[[i, c]] = f.scale
-                    * (0..len_k).map(|j| (zeta[[i, j]] + gk * x.ds[[i, j]].abs()) * f.k[[j, c]].abs()).sum::<f64>()
-                    + (3.0 * u + ut) * x.dq[[i, c]].abs()
-                    + tiny;
+                // The atomic adds of dQ's n_k partials may each flush a value below 2^-126.
+                let sum: f64 = (0..len_k).map(|j| (zeta[[i, j]] + gk * x.ds[[i, j]].abs()) * f.k[[j, c]].abs()).sum();
+                b.dq[[i, c]] =
+                    f.scale * (sum + n_k as f64 * F32_MIN_NORMAL) + (3.0 * u + ut) * x.dq[[i, c]].abs() + tiny;
             }
         }
         for j in 0..len_k {

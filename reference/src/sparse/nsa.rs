@@ -335,8 +335,9 @@ pub fn nsa_selection_backward<T: Element>(
 /// (`W = complete_windows(T, l, s)`), with the map `map` (φ_K or φ_V of `config`), by the recipe of
 /// the GPU kernel `nsa_compress.cu`: each column's `l` values widened exactly to f64 and taken in
 /// ascending window position from an accumulator of +0 — added, then divided once by `l`, for the mean; accumulated by one
-/// fused multiply-add per position, `acc = fma(w_i, x_i, acc)`, for weights — then rounded to f32
-/// and to `T`, both to nearest. The kernel performs these operations in this order, so its output
+/// fused multiply-add per position, `acc = fma(w_i, x_i, acc)`, for weights; for the learned matrix `W`
+/// `[l·d, d]`, one fused multiply-add per stacked index `r = i·d + j` ascending, `acc = fma(W[r, col],
+/// x_{c·s+i, j}, acc)` — then rounded to f32 and to `T`, both to nearest. The kernel performs these operations in this order, so its output
 /// equals this one bit for bit; both are within `attnproof_proofs::nsa_bound::compression_bound`
 /// of the exact value.
 pub fn compress_head<T: Element>(
@@ -345,25 +346,33 @@ pub fn compress_head<T: Element>(
     config: &NsaConfig,
 ) -> Result<Array2<T>, ReferenceError> {
     config.validate()?;
-    if let Compression::Linear(_) = map {
-        // The learned matrix is a GEMM per window; its kernel, and so its recipe, is a later piece of issue 20.
-        return Err(ReferenceError::Problem(attnproof_oracle::OracleError::InvalidParameter {
+    let cols = x.ncols();
+    if let Compression::Linear(w) = map
+        && w.dim() != (config.compress_len * cols, cols)
+    {
+        return Err(ReferenceError::Problem(attnproof_oracle::OracleError::ShapeMismatch {
             argument: "compression map",
-            reason: "the learned [l·d, d] matrix has no GPU recipe yet (the mean and position weights have)".into(),
+            expected: vec![config.compress_len * cols, cols],
+            actual: w.shape().to_vec(),
         }));
     }
     let windows = complete_windows(x.nrows(), config.compress_len, config.compress_stride)?;
-    let mut out = Array2::from_elem((windows, x.ncols()), T::from_f32(0.0));
+    let mut out = Array2::from_elem((windows, cols), T::from_f32(0.0));
     for c in 0..windows {
         let rows = c * config.compress_stride..c * config.compress_stride + config.compress_len;
-        for col in 0..x.ncols() {
+        for col in 0..cols {
             let values = rows.clone().map(|i| f64::from(x[[i, col]].to_f32()));
             let y = match map {
                 // From +0, as the kernel's accumulator starts: `Sum for f64` starts from −0, which would keep a
                 // window of negative zeros at −0 where the kernel gives +0.
                 Compression::Mean => values.fold(0.0, |acc, v| acc + v) / config.compress_len as f64,
                 Compression::Weighted(w) => values.zip(w).fold(0.0, |acc, (v, &w)| w.mul_add(v, acc)),
-                Compression::Linear(_) => unreachable!("refused above"),
+                // The window's rows stacked, `r = i·cols + j` ascending, one fused multiply-add each.
+                Compression::Linear(w) => rows
+                    .clone()
+                    .enumerate()
+                    .flat_map(|(i, t)| (0..cols).map(move |j| (i * cols + j, t, j)))
+                    .fold(0.0, |acc, (r, t, j)| w[[r, col]].mul_add(f64::from(x[[t, j]].to_f32()), acc)),
             };
             out[[c, col]] = T::from_f32(y as f32);
         }
@@ -406,6 +415,24 @@ mod tests {
             let out = compress_head(x.view(), &map, &config).unwrap();
             assert!(out.iter().all(|v| v.to_bits() == 0), "{map:?}: {out:?}");
         }
+    }
+
+    /// The learned matrix stacks the window's rows (`r = i·d + j`): with `W` picking row 1's column 0 for output
+    /// column 0 and twice row 0's column 1 for output column 1, each window gives `(x_{cs+1,0}, 2 x_{cs,1})`; a
+    /// matrix of the wrong shape is refused.
+    #[test]
+    fn compress_head_stacks_the_window_for_a_learned_matrix() {
+        let config = NsaConfig { compress_len: 2, compress_stride: 2, n_selected: 3, ..NsaConfig::default() };
+        let x = Array2::from_shape_fn((5, 2), |(i, c)| bf16::from_f32((i + 10 * c) as f32));
+        let mut w = Array2::zeros((4, 2));
+        w[[2, 0]] = 1.0; // r = 1·2 + 0: row 1, column 0.
+        w[[1, 1]] = 2.0; // r = 0·2 + 1: row 0, column 1.
+        let out = compress_head(x.view(), &Compression::Linear(w), &config).unwrap();
+        let got: Vec<f32> = out.iter().map(|v| v.to_f32()).collect();
+        // Window 0: rows 0, 1 → (x_{1,0}, 2 x_{0,1}) = (1, 20); window 1: rows 2, 3 → (3, 24).
+        assert_eq!(got, [1.0, 20.0, 3.0, 24.0]);
+        let wrong = Compression::Linear(Array2::zeros((4, 3)));
+        assert!(matches!(compress_head(x.view(), &wrong, &config), Err(ReferenceError::Problem(_))));
     }
 
     /// A window of bf16's largest values: the f64 sum does not overflow, so the mean is the value itself.

@@ -624,8 +624,8 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-nsa-compress-values-take-key-weights",
-        description: "φ_V reads φ_K's weights (row 0 of the weights) instead of its own",
-        find: "compress_window(v, v_cmp, weights + params.compress_len,",
+        description: "φ_V reads φ_K's weights (the start of the weights) instead of its own",
+        find: "compress_window(v, v_cmp, value_weights(weights, params),",
         replace: "compress_window(v, v_cmp, weights,",
         ..NSA_COMPRESS
     },
@@ -791,6 +791,43 @@ pub const MUTANTS: &[Mutant] = &[
         description: "The mean's transpose divides by the stride s instead of the window length l",
         find: "const double y = weighted ? acc[e] : acc[e] / l;",
         replace: "const double y = weighted ? acc[e] : acc[e] / s;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-matrix-rows-unstacked",
+        description: "The learned matrix reads the window's rows column-major (row j·l + i of W for token i, column j) \
+                      instead of stacking them row after row (i·d + j)",
+        find: "const double* w = weights + ((long long)i * cols + j) * cols + chunk * 8;",
+        replace: "const double* w = weights + ((long long)j * params.compress_len + i) * cols + chunk * 8;",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-matrix-transpose-not-transposed",
+        description: "The matrix's transpose onto the tokens multiplies by W[i·d + k, j] instead of W[i·d + j, k]",
+        find: "acc[e] = fma(w_rows[(long long)e * cols + k], g, acc[e]);",
+        replace: "acc[e] = fma(weights[((long long)(t - c * s) * cols + k) * cols + chunk * 8 + e], g, acc[e]);",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-values-matrix-at-the-keys-offset",
+        description: "φ_V's weights are looked up l entries on even when φ_K is a matrix: the values read the keys' \
+                      matrix",
+        find: "return weights + (params.weighted_keys == MAP_MATRIX ?",
+        replace: "return weights + (params.weighted_keys == MAP_WEIGHTS ?",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-map-gradient-first-head-only",
+        description: "The learned matrix's gradient sums the first KV head's windows only",
+        find: "for (int h = 0; h < n_heads; ++h) {",
+        replace: "for (int h = 0; h < 1; ++h) {",
+        ..NSA_COMPRESS
+    },
+    Mutant {
+        name: "gpu-nsa-compress-map-gradient-last-sequence-dropped",
+        description: "The learned matrix's gradient leaves out the batch's last sequence",
+        find: "for (int seq = 0; seq < n_sequences; ++seq) {",
+        replace: "for (int seq = 0; seq < n_sequences - 1; ++seq) {",
         ..NSA_COMPRESS
     },
     // --- nsa_selected.cu (NSA's selected attention), launched on a device ---
