@@ -15,11 +15,12 @@ Ours: the rows of `bench --nsa` (compression, the compressed attention's forward
 attention's forward), summed: the forward of the same two branches without the gates (a row-wise pass over O that
 costs well under a millisecond), at fla-core's configuration (`nsa64-*` rows: windows of 64 every 64 tokens, the
 comparison at equal work, and the ratio) and at the paper's (`nsa-*`: windows of 32 every 16, four times the
-compressed keys). Our backward is not on the GPU yet, so only the forward has a ratio.
+compressed keys); forward + backward adds the compressed and selected attentions' backward rows.
 
 With --window, fla-core's missing window branch is timed through FlexAttention (window 512, GQA), and the whole
-layer's forward (fla-core + Flex) is compared with ours (compression, selection and window branches and the gates,
-`bench --nsa`'s rows at fla's configuration).
+layer (fla-core + Flex) is compared with ours through the layer wrapper (`nsa64-layer-fwd`, `nsa64-layer-bwd`: all
+three branches, the gates, the pooling's transpose and the branch sums), forward and forward + backward. Last, the
+group-4 rows (Hq = 16, Hkv = 4, no fla peer) give our layer's time per query head over the group-16 row's.
 
 Usage: python3 bench/nsa_peers.py --ours nsa.csv [--window] [--reps 20] [--warmup 3] [--csv peers.csv]
 """
@@ -87,7 +88,8 @@ def main():
     rows = []
     print("T,Hq,Hkv,fla fwd ms,fla fwd+bwd ms,ours fwd ms at fla's l=s=64,fla/ours fwd,ours fwd ms at the paper's l=32 s=16,"
           "Flex window fwd ms,Flex window fwd+bwd ms,ours window+gates fwd ms,layer fwd fla+Flex / ours,"
-          "ours fwd+bwd ms at l=s=64,fla/ours fwd+bwd")
+          "ours fwd+bwd ms at l=s=64,fla/ours fwd+bwd,ours layer fwd ms,ours layer fwd+bwd ms,"
+          "layer fwd+bwd fla+Flex / ours")
     for t, hq, hkv in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(t)
 
@@ -128,10 +130,13 @@ def main():
         # The window branch fla-core would take from flash-attn (not installed): FlexAttention, window 512, GQA.
         win_fwd, win_both = window_through_flex(t, hq, hkv, sets, args) if args.window else (float("nan"),) * 2
         window_gates = sum(ours.get((shape, d), float("nan")) for d in ("nsa-window-fwd", "nsa-gates"))
-        layer_ratio = (fwd + win_fwd) / (equal_work + window_gates)
+        layer_fwd = total("nsa64", ("layer-fwd",))
+        layer_both = total("nsa64", ("layer-fwd", "layer-bwd"))
+        layer_ratio = (fwd + win_fwd) / layer_fwd
         line = [t, hq, hkv, round(fwd, 3), round(both, 3), round(equal_work, 3), round(fwd / equal_work, 2), round(paper, 3),
                 round(win_fwd, 3), round(win_both, 3), round(window_gates, 3), round(layer_ratio, 2),
-                round(equal_work_both, 3), round(both / equal_work_both, 2)]
+                round(equal_work_both, 3), round(both / equal_work_both, 2), round(layer_fwd, 3), round(layer_both, 3),
+                round((both + win_both) / layer_both, 2)]
         rows.append(line)
         print(",".join(str(x) for x in line))
         del sets
@@ -140,10 +145,26 @@ def main():
         with open(args.csv, "w") as f:
             f.write("T,Hq,Hkv,fla_fwd_ms,fla_fwd_bwd_ms,ours_fwd_ms_l64,fla_over_ours_fwd,ours_fwd_ms_paper,"
                     "flex_window_fwd_ms,flex_window_fwd_bwd_ms,ours_window_gates_fwd_ms,layer_fwd_ratio,"
-                    "ours_fwd_bwd_ms_l64,fla_over_ours_fwd_bwd\n")
+                    "ours_fwd_bwd_ms_l64,fla_over_ours_fwd_bwd,ours_layer_fwd_ms,ours_layer_fwd_bwd_ms,"
+                    "layer_fwd_bwd_ratio\n")
             for line in rows:
                 f.write(",".join(str(x) for x in line) + "\n")
+    group_four(ours)
     return 0
+
+
+def group_four(ours):
+    """Our layer's time per query head at group 4 (Hq = 16) over group 16 (Hq = 64), both with Hkv = 4, from the
+    `nsa64-layer-*` and `nsa-layer-*` rows of `bench --nsa`: forward and forward + backward."""
+    print("T,config,G16 fwd ms/head,G4 fwd ms/head,G4/G16 fwd,G16 fwd+bwd ms/head,G4 fwd+bwd ms/head,G4/G16 fwd+bwd")
+    for t, _, _ in SHAPES:
+        for prefix in ("nsa64", "nsa"):
+            def per_head(hq, pieces):
+                parts = [ours.get((f"(1,{hq},{t},{D})", f"{prefix}-{p}")) for p in pieces]
+                return sum(parts) / hq if all(p is not None for p in parts) else float("nan")
+            g16f, g4f = per_head(64, ("layer-fwd",)), per_head(16, ("layer-fwd",))
+            g16b, g4b = per_head(64, ("layer-fwd", "layer-bwd")), per_head(16, ("layer-fwd", "layer-bwd"))
+            print(f"{t},{prefix},{g16f:.4f},{g4f:.4f},{g4f / g16f:.2f},{g16b:.4f},{g4b:.4f},{g4b / g16b:.2f}")
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ SANITIZE=(
     "attnproof-gpu-it nsa_select::sanitizer_shapes"
     "attnproof-gpu-it nsa_selected::sanitizer_shapes"
     "attnproof-gpu-it nsa_selected_backward::sanitizer_shapes"
+    "attnproof-gpu-it nsa_layer::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary

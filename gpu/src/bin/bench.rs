@@ -59,7 +59,9 @@
 //! backward with atomic dQ (`nsa-selected-bwd`; FLOPs 2.5 times the forward's) and the compressed attention's
 //! backward (`nsa-cmp-bwd`, the dense backward under the strided causal mask, without the pooling's transpose), then
 //! once per shape the sliding-window branch (`nsa-window-fwd` and `nsa-window-bwd`, the dense forward and backward
-//! under `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
+//! under `nsa::window::window_spec`, window 512) and the gated sum of the branches (`nsa-gates`), and last the whole
+//! layer through `nsa::layer` at both configurations (`nsa-layer-fwd`, `nsa-layer-bwd`, `nsa64-layer-*`: all three
+//! branches, the gates, the pooling's transpose and the branch sums). `--nsa-select-source PATH` (repeatable) also times another text of `nsa_select.cu` and says on stderr
 //! whether its lists equal the embedded kernel's; `--nsa-selected-source PATH` another text of `nsa_selected.cu` (at
 //! the default tiling), and whether its output equals the embedded kernel's bit for bit.
 
@@ -81,6 +83,10 @@ use attnproof_gpu::nsa::compress::{
 };
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::gates::{GateBranches, NSA_GATES, gate_combine_device, gate_logits_shape};
+use attnproof_gpu::nsa::layer::{
+    NsaLayerBackwardDevice, NsaLayerBackwardInputs, NsaLayerForwardDevice, NsaLayerInputs, NsaLayerKernels,
+    nsa_layer_backward_device, nsa_layer_forward_device,
+};
 use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED, SelectedTiling};
 use attnproof_gpu::nsa::selected_backward::{NSA_SELECTED_BWD, selected_backward_device};
@@ -634,6 +640,9 @@ fn run_nsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
             run_nsa_config(opts, stream, out, &layer, (prefix, &config), [&q, &k, &v])?;
         }
         run_nsa_window_and_gates(opts, stream, out, &layer, [&q, &k, &v])?;
+        for (prefix, config) in nsa_configs() {
+            run_nsa_layer(opts, stream, out, &layer, (prefix, &config), [&q, &k, &v])?;
+        }
     }
     Ok(())
 }
@@ -676,6 +685,41 @@ fn run_nsa_window_and_gates(
         gate_combine_device(stream, layer, NSA_GATES, branches, &logits, &mut o).map_err(e)
     })?;
     emit(out, format!("{shape},nsa-gates,hkv{hkv},1,{ms:.4},0.0\n"));
+    Ok(())
+}
+
+/// The whole layer through `nsa::layer` (all three branches, window 512, the gates, gate logits 0) under one
+/// configuration: `{prefix}-layer-fwd` (compression, compressed attention, selection, selected attention, window,
+/// gates) and `{prefix}-layer-bwd` (the gates' backward, the three attention backwards with atomic dQ, the pooling's
+/// transpose, the branch sums), each timed on its own after an untimed forward; FLOPs not stated (0.0).
+fn run_nsa_layer(
+    opts: &Options,
+    stream: &Arc<CudaStream>,
+    out: &mut String,
+    layer: &AttentionSpec,
+    (prefix, config): (&str, &NsaConfig),
+    [q, k, v]: [&Vec<CudaSlice<bf16>>; 3],
+) -> Result<(), String> {
+    let e = |e: attnproof_gpu::GpuError| e.to_string();
+    let (d, hq, hkv, l) = (layer.head_dim, layer.n_heads_q, layer.n_heads_kv, layer.sequences()[0].len_q);
+    let shape = format!("\"(1,{hq},{l},{d})\",true");
+    let kernels = NsaLayerKernels::default();
+    let logits = alloc(stream, gate_logits_shape(layer).iter().product())?;
+    let mut forward = NsaLayerForwardDevice::alloc(stream, layer, config).map_err(e)?;
+    let inputs = |s: usize| NsaLayerInputs { q: &q[s], k: &k[s], v: &v[s], gate_logits: &logits };
+    let ms = median_ms(stream, opts, |s| {
+        nsa_layer_forward_device(stream, layer, config, &kernels, inputs(s), &mut forward).map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-layer-fwd,hkv{hkv},1,{ms:.4},0.0\n"));
+    nsa_layer_forward_device(stream, layer, config, &kernels, inputs(0), &mut forward).map_err(e)?;
+    let mut grads = NsaLayerBackwardDevice::alloc(stream, layer, config).map_err(e)?;
+    let ms = median_ms(stream, opts, |s| {
+        // The forward of set 0 with the upstream gradient of another set (its values do not change the time).
+        let backward = NsaLayerBackwardInputs { layer: inputs(0), forward: &forward, d_out: &q[(s + 1) % SETS] };
+        let strategy = GpuBackwardStrategy::KvOwnerAtomic;
+        nsa_layer_backward_device(stream, layer, config, &kernels, backward, strategy, &mut grads).map_err(e)
+    })?;
+    emit(out, format!("{shape},{prefix}-layer-bwd,hkv{hkv},1,{ms:.4},0.0\n"));
     Ok(())
 }
 

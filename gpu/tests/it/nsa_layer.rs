@@ -197,6 +197,38 @@ fn subnormal_branch_gradients_through_atomic_dq() {
     check_draw::<bf16>(&stream, NSA_GATES, &draw).expect("within every stage's bound");
 }
 
+/// Tiny layers for compute-sanitizer (`run.sh sanitize`): varlen with an empty sequence and a GQA group of 3, a
+/// learned key matrix and weighted values, the window and the selection blocks shorter than the sequences; every piece
+/// of the chain, the branch sums and the matrix gradient run under memcheck.
+#[test]
+fn sanitizer_shapes() {
+    let Some(ctx) = skip_unless_gpu("nsa_layer::sanitizer_shapes") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let (l, d) = (8, 16);
+    let matrix = ndarray::Array2::from_shape_fn((l * d, d), |(r, c)| ((r * 5 + c * 3) % 7) as f64 / 8.0 - 0.375);
+    let draw = LayerDraw {
+        layer: varlen(&[0, 37, 37, 70], &[0, 37, 37, 70], 3, 1, d, 16, Mask::Causal),
+        config: NsaConfig {
+            compress_len: l,
+            compress_stride: 4,
+            select_block: 16,
+            n_selected: 3,
+            n_forced_initial: 1,
+            n_forced_local: 1,
+            window: 16,
+            compress_keys: Compression::Linear(matrix),
+            compress_values: Compression::Weighted((0..l).map(|i| 1.0 / (i as f64 + 2.0)).collect()),
+            ..NsaConfig::default()
+        },
+        profile: ValueProfile::GAUSSIAN,
+        logits: LogitRange::Unit,
+        seed: 0x5a11,
+    };
+    check_draw::<bf16>(&stream, NSA_GATES, &draw).expect("within every stage's bound");
+}
+
 /// The classes a draw reaches.
 fn classes(d: &LayerDraw) -> Vec<&'static str> {
     let group = d.layer.group_size();
