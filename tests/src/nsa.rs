@@ -1124,32 +1124,97 @@ mod tests {
     }
 
     /// The transpose's verifier applies exactly the documented bound where cancellation makes the magnitude term
-    /// dominate: with `l = 4`, `s = 2` and upstream windows `+A, −A, +A` (`A = 2^100`), tokens 2 and 3 sum to 0 over
-    /// a magnitude of `2A/l`, so `compression_bound(0, A/2, ⌈l/s⌉ + 1 = 3, bf16)` is all f64 evaluation error; an
-    /// error of 0.98 of it passes and 1.02 of it fails (a verifier that counted one more term, or weighed the
-    /// windows by 1 instead of `1/l`, would let the second pass).
+    /// dominate. Two sequences of 8 tokens, `l = 4`, `s = 2` (three windows each); the upstream gradient of window `c`
+    /// is `±A·2^j` in column `j` (`A = 2^100`), its sign alternating by window and flipped in the second sequence, so
+    /// every token in two windows sums to 0 under each map drawn here: the mean, position weights `w_0 = w_2`,
+    /// `w_1 = w_3`, and the stacked identity `[I; I; I; I]`. The bound at such a token is then all f64 evaluation
+    /// error, `compression_bound(0, m, terms, bf16)` with `m = (w_0 + w_2)·8A` in column 3 and `terms = ⌈l/s⌉ + 1 = 3`
+    /// (`⌈l/s⌉·d + 1 = 17` for the matrix, `d` products per window). An error of 0.98 of it passes and 1.02 of it
+    /// fails, at token 2 (first window 0) and token 4 (first window `(t − l + s)/s = 1`) of both sequences: a verifier
+    /// that counted other terms, took other windows, weighed them otherwise, read another row of the matrix or
+    /// another sequence's windows would let the second pass or fail the first.
     #[test]
     fn the_transpose_verifier_holds_cancelling_sums_to_the_documented_bound() {
-        let spec = AttentionSpec::dense(1, 1, 1, 8, 8, 8, 8).with_mask(Mask::Causal);
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 8, 16], cu_seqlens_k: vec![0, 8, 16] },
+            ..AttentionSpec::dense(1, 1, 1, 1, 1, 8, 8).with_mask(Mask::Causal)
+        };
         let case = crate::generate::make_case::<bf16>(&spec, crate::generate::ValueProfile::GAUSSIAN, 3);
-        let config = NsaConfig { compress_len: 4, compress_stride: 2, ..NsaConfig::default() };
-        let a = 2f32.powi(100);
-        let k = ArrayD::from_shape_fn(IxDyn(&[1, 1, 3, 8]), |i| bf16::from_f32(if i[2] == 1 { -a } else { a }));
-        let upstream = Compressed { k, v: ArrayD::from_elem(IxDyn(&[1, 1, 3, 8]), bf16::ZERO) };
-        // Tokens 0, 1 and 6, 7 lie in one window (+A/4); tokens 2 to 5 in two that cancel.
-        let truth = |t: usize| if (2..6).contains(&t) { 0.0 } else { a / 4.0 };
+        let a = f64::from(2f32.powi(100));
+        // Packed windows [6, 1, 8]: rows 0..3 the first sequence's, 3..6 the second's.
+        let sign = |c: usize| if (c % 3 == 1) != (c >= 3) { -1.0 } else { 1.0 };
+        let k = ArrayD::from_shape_fn(IxDyn(&[6, 1, 8]), |i| bf16::from_f64(sign(i[0]) * a * 2f64.powi(i[2] as i32)));
+        let upstream = Compressed { k, v: ArrayD::from_elem(IxDyn(&[6, 1, 8]), bf16::ZERO) };
+        let up = upstream.k.mapv(|x| f64::from(x.to_f32()));
         let storage =
             StorageRounding { unit_roundoff: bf16::UNIT_ROUNDOFF, subnormal: f64::from(subnormal_of::<bf16>()) };
-        let bound = compression_bound(0.0, f64::from(a) / 2.0, 3, storage);
-        assert!(bound > 2f64.powi(40), "the f64 term dominates: {bound:e}");
+        let identity = Array2::from_shape_fn((4 * 8, 8), |(r, c)| if r % 8 == c { 1.0 } else { 0.0 });
+        let maps = [
+            (Compression::Mean, 0.25, 3),
+            (Compression::Weighted(vec![0.5, 1.5, 0.5, 1.5]), 0.5, 3),
+            (Compression::Linear(identity), 1.0, 2 * 8 + 1),
+        ];
+        for (map, w0, terms) in maps {
+            let config = NsaConfig { compress_len: 4, compress_stride: 2, compress_keys: map, ..NsaConfig::default() };
+            // The oracle's transpose of each sequence, rounded: exact but for the perturbed element.
+            let mut truth = ArrayD::from_elem(IxDyn(&[16, 1, 8]), bf16::ZERO);
+            for seq in 0..2 {
+                let rows = up.slice_axis(Axis(0), Slice::from(3 * seq..3 * seq + 3)).index_axis_move(Axis(1), 0);
+                let d_cmp = rows.into_dimensionality::<ndarray::Ix2>().unwrap();
+                let x = Array2::<f64>::zeros((8, 8));
+                let dx = compress_backward(x.view(), &config.compress_keys, d_cmp, &config, ()).unwrap().dx;
+                for ((t, j), &v) in dx.indexed_iter() {
+                    truth[[8 * seq + t, 0, j]] = bf16::from_f64(v);
+                }
+            }
+            let bound = compression_bound(0.0, 2.0 * w0 * 8.0 * a, terms, storage);
+            assert!(bound > 2f64.powi(40), "the f64 term dominates: {bound:e}");
+            for (seq, token) in [(0, 2), (0, 4), (1, 2), (1, 4)] {
+                let verify = |error: f64| {
+                    let mut dk = truth.clone();
+                    dk[[8 * seq + token, 0, 3]] = bf16::from_f64(error);
+                    let candidate = TokenGradients { dk, dv: ArrayD::from_elem(IxDyn(&[16, 1, 8]), bf16::ZERO) };
+                    verify_compression_backward(&case, &config, &upstream, &candidate).unwrap()
+                };
+                let what = format!("sequence {seq}, token {token}, {terms} terms");
+                let within = verify(0.98 * bound);
+                assert!(within.passed(), "{what}: {:?}", within.failures);
+                assert!(within.worst_ratio > 0.97 && within.worst_ratio < 1.0, "{what}: {}", within.worst_ratio);
+                assert!(within.elements == 2 * 16 * 8, "{what}: {} elements", within.elements);
+                assert!(!verify(1.02 * bound).passed(), "{what}");
+                assert!(!verify(-1.02 * bound).passed(), "{what}");
+            }
+        }
+    }
+
+    /// The matrix gradient's verifier applies exactly the documented bound where the gradient cancels: `l = 4`,
+    /// `s = 2`, six tokens (two windows), keys `+A, +A, −A, −A, +A, +A` by token and upstream gradients `A` (`A = 2^40`),
+    /// so `∂L/∂W[i·d + j, k] = x_{i,j} A + x_{2+i,j} A = 0` over a magnitude of `2A²` and two terms; an error of 0.98
+    /// of `compression_bound(0, 2A², 2, f32)` passes and 1.02 of it fails.
+    #[test]
+    fn the_map_gradient_verifier_holds_cancelling_sums_to_the_documented_bound() {
+        let spec = AttentionSpec::dense(1, 1, 1, 6, 6, 8, 8).with_mask(Mask::Causal);
+        let mut case = crate::generate::make_case::<bf16>(&spec, crate::generate::ValueProfile::GAUSSIAN, 5);
+        let a = 2f64.powi(40);
+        case.k = ArrayD::from_shape_fn(IxDyn(&[1, 1, 6, 8]), |i| {
+            bf16::from_f64(if (2..4).contains(&i[2]) { -a } else { a })
+        });
+        let matrix = Compression::Linear(Array2::from_elem((4 * 8, 8), 0.5));
+        let config = NsaConfig { compress_len: 4, compress_stride: 2, compress_keys: matrix, ..NsaConfig::default() };
+        let upstream = Compressed {
+            k: ArrayD::from_elem(IxDyn(&[1, 1, 2, 8]), bf16::from_f64(a)),
+            v: ArrayD::from_elem(IxDyn(&[1, 1, 2, 8]), bf16::ZERO),
+        };
+        let f32_rounding = StorageRounding { unit_roundoff: F32_UNIT_ROUNDOFF, subnormal: F32_SUBNORMAL };
+        let bound = compression_bound(0.0, 2.0 * a * a, 2, f32_rounding);
+        assert!(bound > 1.0 && bound < f64::from(f32::MAX), "the f64 term dominates, in f32's range: {bound:e}");
         let verify = |error: f64| {
-            let mut dk = ArrayD::from_shape_fn(IxDyn(&[1, 1, 8, 8]), |i| bf16::from_f32(truth(i[2])));
-            dk[[0, 0, 2, 0]] = bf16::from_f64(error);
-            let candidate = TokenGradients { dk, dv: ArrayD::from_elem(IxDyn(&[1, 1, 8, 8]), bf16::ZERO) };
-            verify_compression_backward(&case, &config, &upstream, &candidate).unwrap()
+            let mut keys = Array2::<f32>::zeros((32, 8));
+            keys[[11, 5]] = error as f32;
+            verify_map_gradients(&case, &config, &upstream, &MapGradients { keys: Some(keys), values: None }).unwrap()
         };
         let within = verify(0.98 * bound);
-        assert!(within.passed(), "{:?}", within.failures);
+        assert!(within.passed() && within.elements == 32 * 8, "{:?}", within.failures);
         assert!(within.worst_ratio > 0.97 && within.worst_ratio < 1.0, "{}", within.worst_ratio);
         assert!(!verify(1.02 * bound).passed());
         assert!(!verify(-1.02 * bound).passed());
