@@ -723,8 +723,6 @@ fn run_nsa_layer(
     Ok(())
 }
 
-/// NSA's rows of one layer under one configuration (directions `{prefix}-compress`, ...), on the input sets `q`, `k`,
-/// `v`.
 /// The learned compression matrices (`Compression::Linear`, `[l·d, d]` for K and V) at `config`'s windows: the
 /// compression (`nsa-compress-matrix`, FLOPs `2·l·d²` per window, KV head and operand), the pooling's transpose onto the
 /// tokens (`nsa-compress-matrix-transpose`, the same FLOPs) and the matrices' own gradients
@@ -775,6 +773,8 @@ fn run_nsa_matrix(
     Ok(())
 }
 
+/// NSA's rows of one layer under one configuration (directions `{prefix}-compress`, ...), on the input sets `q`, `k`,
+/// `v`.
 fn run_nsa_config(
     opts: &Options,
     stream: &Arc<CudaStream>,
