@@ -160,6 +160,17 @@ struct NsaSelectParams {
     int tile_blocks;        // nsa_block_scores: the most selection blocks one tile of 64 windows touches
 };
 
+// The scalars of dsa_index.cu's lightning indexer with its exact top-k (DSA, E16): one sequence of T tokens.
+struct DsaIndexParams {
+    long long scratch_stride;  // f32 elements between two score rows of the scratch (a multiple of 4, at least T)
+    int seq_len;               // T: tokens (queries and keys)
+    int n_heads;               // H_I: indexer heads per token, at most 64
+    int top_k;                 // entries per selection row
+    int full_scores;           // 1: scratch row t holds query t's scores ([T, stride]); 0: rows per resident CTA
+    int n_groups;              // query groups of IDX_QUERIES consecutive tokens: ceil(T / IDX_QUERIES)
+    int reserved;              // explicit tail padding, always 0
+};
+
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
 // builtin, is a constant expression, which is all a static_assert needs.
 #define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
@@ -254,6 +265,15 @@ PARAM_AT(NsaSelectParams, n_forced_local, 192);
 PARAM_AT(NsaSelectParams, n_heads_kv, 196);
 PARAM_AT(NsaSelectParams, tokens_per_cta, 200);
 PARAM_AT(NsaSelectParams, tile_blocks, 204);
+
+PARAM_SIZE(DsaIndexParams, 32);
+PARAM_AT(DsaIndexParams, scratch_stride, 0);
+PARAM_AT(DsaIndexParams, seq_len, 8);
+PARAM_AT(DsaIndexParams, n_heads, 12);
+PARAM_AT(DsaIndexParams, top_k, 16);
+PARAM_AT(DsaIndexParams, full_scores, 20);
+PARAM_AT(DsaIndexParams, n_groups, 24);
+PARAM_AT(DsaIndexParams, reserved, 28);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);
@@ -435,6 +455,17 @@ __device__ __forceinline__ void rescale_accumulators(float (&acc)[SLICES][COL_TI
             }
         }
     }
+}
+
+// The inclusive prefix sum of x over the warp's lanes in lane order; every lane of the warp must call it.
+__device__ __forceinline__ int warp_inclusive_sum(int x) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, off);
+        if (lane >= off) x += y;
+    }
+    return x;
 }
 
 // C += A·B for one m16n8k16 tile: A row-major 16×16, B column-major 16×8, f32 accumulators.

@@ -1064,21 +1064,11 @@ extern "C" __global__ void __launch_bounds__(SCAN_THREADS) bwd_csr_scan(int* __r
     for (int base = 0; base < rows; base += SCAN_THREADS) {
         const int i = base + threadIdx.x;
         const int x = i < rows ? csr_offsets[i] : 0;
-        int incl = x;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-            const int y = __shfl_up_sync(0xffffffffu, incl, off);
-            if (lane >= off) incl += y;
-        }
+        const int incl = warp_inclusive_sum(x);
         if (lane == 31) warp_totals[warp] = incl;
         __syncthreads();
         if (warp == 0) {
-            int w = warp_totals[lane];
-#pragma unroll
-            for (int off = 1; off < 32; off <<= 1) {
-                const int y = __shfl_up_sync(0xffffffffu, w, off);
-                if (lane >= off) w += y;
-            }
+            const int w = warp_inclusive_sum(warp_totals[lane]);
             warp_totals[lane] = w;  // inclusive over the warps
         }
         __syncthreads();

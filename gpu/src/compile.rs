@@ -29,6 +29,8 @@
 //!   products of `cp.async`-loaded tiles.
 //! - `nsa_selected` (NSA's selected attention) needs 8.0 like `flash_fwd`, whose products it shares; its union walk
 //!   takes minima with `redux.sync`, also from `sm_80` on.
+//! - `dsa_index` (DSA's lightning indexer and exact top-k) needs 8.0 like `flash_fwd`: its logits are
+//!   `mma.sync.m16n8k16` products of `cp.async`-loaded tiles.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -121,7 +123,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 11] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 12] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -181,6 +183,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 11] = [
         needs: (9, 0),
         only: false,
         instructions: "stmatrix and red.global.add.v2.f32, beside the forward's cp.async and mma.sync",
+    },
+    DeviceRequirement {
+        kernel: "dsa_index",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the indexer's logits, as flash_fwd",
     },
     DeviceRequirement {
         kernel: "ring_state",

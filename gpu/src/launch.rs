@@ -9,7 +9,8 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
 use crate::params::{
-    BackwardParams, BlockListParams, BsaParams, FlashParams, NsaParams, NsaSelectParams, RingStateParams,
+    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, FlashParams, NsaParams, NsaSelectParams,
+    RingStateParams,
 };
 
 /// Whether the CUDA driver library can be loaded.
@@ -116,6 +117,10 @@ unsafe impl DeviceRepr for NsaParams {}
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
 // and `params::tests`.
 unsafe impl DeviceRepr for NsaSelectParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (an `i64` and six `i32` fields, the last an explicit
+// `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and
+// `params::tests`.
+unsafe impl DeviceRepr for DsaIndexParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -528,6 +533,31 @@ pub(crate) fn launch_bsa_select(
     // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
+    Ok(())
+}
+
+/// Launches `dsa_index_topk` (gpu/kernels/dsa_index.cu, `func`) on `stream`: the lightning indexer's scores and the
+/// exact top-k of every token.
+///
+/// Preconditions, established by `dsa::index`: `func` is `dsa_index_topk` compiled for the element type `T` and
+/// `INDEX_DIM = d_I`; `q` holds `T · H_I · d_I` elements, `k` `T · d_I`, `w` `T · H_I`, `lists` `T · top_k`;
+/// `scratch` holds `params.scratch_stride` f32 for every row the kernel writes (`T` rows, rounded up to the group of
+/// four, with `full_scores`, else four per CTA of `cfg`'s grid), with `scratch_stride ≥ T`; `H_I ≤ 64`; `cfg` has
+/// 256 threads and the dynamic shared memory of `dsa::index::shared_bytes`, which the function attribute allows.
+pub(crate) fn launch_dsa_index<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k, w): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<f32>),
+    (lists, scratch): (&mut CudaSlice<i32>, &mut CudaSlice<f32>),
+    params: &DsaIndexParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(w).arg(lists).arg(scratch).arg(params);
+    // SAFETY: the arguments match `dsa_index_topk(const elem_t* q, const elem_t* k, const float* w, int* lists,
+    // float* scratch, const DsaIndexParams)` in order and type; every index the kernel forms lies in the buffers the
+    // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_index_topk)", e))?;
     Ok(())
 }
 

@@ -4,7 +4,8 @@
 //! Modules: [`compile`] (pinned NVRTC options, per-process module cache, capability query, which device runs which
 //! kernel), [`flash`] (the FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error
 //! recipe), [`backward`] (the backward kernels, likewise), [`block_sparse`] (block lists and the block-sparse
-//! forward, the forward kernel's `BLOCK_SPARSE` mode), [`nsa`] (NSA's kernels, as they land), [`ring`] (the ring's
+//! forward, the forward kernel's `BLOCK_SPARSE` mode), [`nsa`] (NSA's kernels, as they land), [`dsa`] (DSA's lightning
+//! indexer with its exact top-k), [`ring`] (the ring's
 //! GPU pieces), [`common`] (what every
 //! kernel family shares: storage types, the kernel mask, limits and checks), [`error`] (typed errors). The private
 //! `params` module holds the kernels' parameter structs, one per kernel family, mirrored by `gpu/kernels/common.cuh`.
@@ -12,7 +13,7 @@
 //!
 //! The modules import each other without a cycle (a test below checks it): `error` imports no module, `common`
 //! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `block_sparse`
-//! (above `flash`), `backward`, `nsa` and `ring`, and the crate root only re-exports and imports.
+//! (above `flash`), `backward`, `nsa`, `dsa` and `ring`, and the crate root only re-exports and imports.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
@@ -24,6 +25,7 @@ pub mod backward;
 pub mod block_sparse;
 pub mod common;
 pub mod compile;
+pub mod dsa;
 pub mod error;
 pub mod flash;
 mod launch;
@@ -92,6 +94,8 @@ pub fn module_variants<T: GpuElement>(
         variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(48))),
         variant(nsa::selected::NSA_SELECTED, nsa::selected::selected_defines::<T>(spec, selected_rows(64))),
         variant(nsa::selected_backward::NSA_SELECTED_BWD, nsa_bwd),
+        variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(64)),
+        variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(128)),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -235,6 +239,7 @@ mod tests {
                 "nsa_select",
                 "nsa_selected",
                 "nsa_selected_bwd",
+                "dsa_index",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

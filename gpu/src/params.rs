@@ -4,7 +4,8 @@
 //! reaches) for `flash_fwd` and, inside [`BackwardParams`], for every kernel of `flash_bwd.cu`; [`RingStateParams`]
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
-//! compression and gates; [`NsaSelectParams`] for NSA's block selection.
+//! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
+//! indexer.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -162,6 +163,26 @@ pub(crate) struct BsaParams {
     pub n_key_blocks: i32,
     /// Element of the f64 workspace where the pooled queries start.
     pub pooled_queries_at: i64,
+}
+
+/// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DsaIndexParams {
+    /// f32 elements between two score rows of the scratch (a multiple of 4, at least `seq_len`).
+    pub scratch_stride: i64,
+    /// Tokens `T`.
+    pub seq_len: i32,
+    /// Indexer heads `H_I`.
+    pub n_heads: i32,
+    /// Entries per selection row.
+    pub top_k: i32,
+    /// 1: the scratch holds one row per token (the caller's score matrix); 0: rows per resident CTA.
+    pub full_scores: i32,
+    /// Query groups of four tokens, `⌈T / 4⌉`.
+    pub n_groups: i32,
+    /// Tail padding, always 0.
+    pub reserved: i32,
 }
 
 /// The NSA kernels' scalars (`struct NsaParams` of `common.cuh`), read by `nsa_compress.cu` and `nsa_gates.cu`.
@@ -472,6 +493,7 @@ mod tests {
                 tokens_per_cta,
                 tile_blocks
             }),
+            rust_layout!(DsaIndexParams { scratch_stride, seq_len, n_heads, top_k, full_scores, n_groups, reserved }),
             rust_layout!(BsaParams {
                 flash,
                 scale,

@@ -12,6 +12,7 @@ pub mod block_scores;
 pub mod bsa_bound;
 pub mod definition;
 pub mod dsa;
+pub mod dsa_bound;
 pub mod f64_oracle_bound;
 pub mod flash_bound;
 pub mod hils;

@@ -10,6 +10,7 @@ pub mod block_selection;
 pub mod candidate;
 pub mod case;
 pub mod coverage;
+pub mod dsa_index;
 pub mod flash;
 pub mod gate;
 pub mod generate;

@@ -19,6 +19,8 @@
 #                           cuDNN, FlexAttention) in the same call; extra peers.py arguments in $PEERS_ARGS
 #   run.sh bsa-bench [ARGS] bin/bench --block-sparse (the block-sparse forward on causal 128x128-block lists at 16K,
 #                           64K, 128K), then block_sparse_peers.py (FlexAttention on the same lists) in the same call
+#   run.sh dsa-bench [ARGS] bin/bench --dsa (DSA's indexer with its exact top-k at 16K, 64K, 128K), then
+#                           dsa_peers.py (the PyTorch baseline: chunked scores and torch.topk) in the same call
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers [ARGS]     dumps PyTorch's kernels' case files (python/examples/dump_peers.py ARGS, e.g.
@@ -68,6 +70,7 @@ SANITIZE=(
     "attnproof-gpu-it nsa_selected::sanitizer_shapes"
     "attnproof-gpu-it nsa_selected_backward::sanitizer_shapes"
     "attnproof-gpu-it nsa_layer::sanitizer_shapes"
+    "attnproof-gpu-it dsa_index::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
@@ -104,7 +107,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | ring | peers | python) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | ring | peers | python) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -265,6 +268,13 @@ bsa-bench)
     "$here"/bin/bench --block-sparse --lists-dir "$dir" --csv "$dir/ours.csv" "$@" || exit 1
     python3 "$here"/block_sparse_peers.py --ours "$dir/ours.csv" --lists "$dir" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$dir/ours.csv" "$OUT/bsa-ours.csv"; fi
+    ;;
+dsa-bench)
+    csv="$(mktemp -d)/dsa.csv"
+    "$here"/bin/bench --dsa --csv "$csv" "$@" || exit 1
+    read -r -a peers_args <<<"${PEERS_ARGS:-}"
+    python3 "$here"/dsa_peers.py --ours "$csv" "${peers_args[@]}" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/dsa-ours.csv"; fi
     ;;
 ring)
     csv="$(mktemp -d)/ring.csv"

@@ -9,7 +9,14 @@
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
-//! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]`.
+//! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
+//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]]`.
+//! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
+//! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
+//! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
+//! counts the causal indexer's products, `2·H_I·d_I·T(T+1)/2`. `--dsa-source PATH` (repeatable) also times another
+//! text of `dsa_index.cu` (after `common.cuh`) and says on stderr whether its lists equal the embedded kernel's.
+//! `bench/dsa_peers.py` puts the rows beside the PyTorch baseline.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
@@ -77,6 +84,9 @@ use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
+use attnproof_gpu::dsa::index::{
+    self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
+};
 use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{
     NSA_COMPRESS, compress_kv_backward_device, compress_kv_device, compress_map_gradient_device, compressed_shape,
@@ -138,6 +148,12 @@ struct Options {
     nsa_select_sources: Vec<KernelSource>,
     /// `--nsa-selected-source PATH`: other texts of NSA's selected attention, each timed beside the embedded one.
     nsa_selected_sources: Vec<KernelSource>,
+    /// `--dsa`: DSA's discovery rows (instead of the dense ones).
+    dsa: bool,
+    /// `--dsa-source PATH`: other texts of the indexer, each timed beside the embedded one.
+    dsa_sources: Vec<KernelSource>,
+    /// `--dsa-max-t T`: the longest sequence of the DSA rows.
+    dsa_max_t: usize,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -172,6 +188,9 @@ fn parse() -> Result<Options, String> {
         nsa: false,
         nsa_select_sources: vec![],
         nsa_selected_sources: vec![],
+        dsa: false,
+        dsa_sources: vec![],
+        dsa_max_t: 131072,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -186,6 +205,12 @@ fn parse() -> Result<Options, String> {
             "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
             "--selection-only" => o.selection_only = true,
             "--nsa" => o.nsa = true,
+            "--dsa" => o.dsa = true,
+            "--dsa-source" => {
+                let path = value("--dsa-source")?;
+                o.dsa_sources.push(kernel_from_file("--dsa-source", &path, "dsa_index_topk")?);
+            }
+            "--dsa-max-t" => o.dsa_max_t = value("--dsa-max-t")?.parse().map_err(|e| format!("--dsa-max-t: {e}"))?,
             "--nsa-select-source" => {
                 let path = value("--nsa-select-source")?;
                 o.nsa_select_sources.push(kernel_from_file("--nsa-select-source", &path, "nsa_block_scores")?);
@@ -250,6 +275,12 @@ fn parse() -> Result<Options, String> {
     }
     if (!o.nsa_select_sources.is_empty() || !o.nsa_selected_sources.is_empty()) && !o.nsa {
         return Err("--nsa-select-source and --nsa-selected-source time NSA's pieces: add --nsa".into());
+    }
+    if !o.dsa_sources.is_empty() && !o.dsa {
+        return Err("--dsa-source times DSA's indexer: add --dsa".into());
+    }
+    if o.dsa && (o.nsa || o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
+        return Err("--dsa times its own shapes".into());
     }
     if o.nsa && (o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
         return Err("--nsa times its own shapes and directions".into());
@@ -953,6 +984,76 @@ fn selected_keys(lists: &[i32], config: &NsaConfig, len: usize, n_heads_kv: usiz
     pairs
 }
 
+/// DSA's discovery rows: the indexer with its exact top-k at H_I = 64, d_I = 128, k = 2048 (see the module docs).
+fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    const HEADS: usize = 64;
+    const DIM: usize = 128;
+    const TOP_K: usize = 2048;
+    let ctx = stream.context();
+    let ctas = resident_ctas(ctx).map_err(|e| e.to_string())?;
+    for seq_len in [16384usize, 65536, 131072].into_iter().filter(|&t| t <= opts.dsa_max_t) {
+        let shape = IndexerShape { seq_len, n_index_heads: HEADS, index_dim: DIM, top_k: TOP_K };
+        let mut q = vec![];
+        let mut k = vec![];
+        let mut w = vec![];
+        for set in 0..SETS as u64 {
+            q.push(upload(stream, shape.q_len(), 7 * set + 1)?);
+            k.push(upload(stream, shape.k_len(), 7 * set + 2)?);
+            // Weights of one sign and unit scale, as a trained projection gives (their signs do not change the work).
+            let weights: Vec<f32> =
+                random_bf16(shape.weights_len(), 7 * set + 3).iter().map(|x| x.to_f32().abs()).collect();
+            w.push(stream.clone_htod(&weights).map_err(|e| e.to_string())?);
+        }
+        let mut lists = stream.alloc_zeros::<i32>(shape.lists_len()).map_err(|e| e.to_string())?;
+        let mut work = stream.alloc_zeros::<f32>(dsa_index::workspace_len(&shape, ctas)).map_err(|e| e.to_string())?;
+        let flops = 2.0 * (HEADS * DIM) as f64 * seq_len as f64 * (seq_len as f64 + 1.0) / 2.0;
+        let mut reference: Option<Vec<i32>> = None;
+        for kernel in std::iter::once(DSA_INDEX).chain(opts.dsa_sources.iter().copied()) {
+            let embedded = kernel.source == DSA_INDEX.source;
+            let ms = median_ms(stream, opts, |set| {
+                indexer_top_k_device(
+                    stream,
+                    kernel,
+                    &shape,
+                    &q[set],
+                    &k[set],
+                    &w[set],
+                    &mut lists,
+                    ScoreRows::Workspace(&mut work),
+                )
+                .map_err(|e| e.to_string())
+            })?;
+            // The lists of input set 0, compared across kernel texts.
+            indexer_top_k_device(
+                stream,
+                kernel,
+                &shape,
+                &q[0],
+                &k[0],
+                &w[0],
+                &mut lists,
+                ScoreRows::Workspace(&mut work),
+            )
+            .map_err(|e| e.to_string())?;
+            let host = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+            match &reference {
+                None => reference = Some(host),
+                Some(r) => {
+                    eprintln!("T = {seq_len}, {}: lists equal the embedded kernel's: {}", kernel.name, *r == host)
+                }
+            }
+            let line = format!(
+                "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-index,fused{},{},{ms:.4},{:.1}\n",
+                source_suffix(kernel, embedded),
+                u8::from(embedded),
+                flops / ms / 1e9
+            );
+            emit(out, line);
+        }
+    }
+    Ok(())
+}
+
 /// A zeroed bf16 device buffer of `n` elements.
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
@@ -967,13 +1068,16 @@ fn run(opts: &Options) -> Result<(), String> {
     if opts.nsa {
         run_nsa(opts, &stream, &mut out)?;
     }
+    if opts.dsa {
+        run_dsa(opts, &stream, &mut out)?;
+    }
     if opts.block_sparse {
         if !opts.selection_only {
             run_block_sparse(opts, &stream, &mut out)?;
         }
         run_selection(opts, &stream, &mut out)?;
     }
-    let dense_shapes = if opts.block_sparse || opts.nsa { &[][..] } else { &SHAPES[..] };
+    let dense_shapes = if opts.block_sparse || opts.nsa || opts.dsa { &[][..] } else { &SHAPES[..] };
     for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };

@@ -9,6 +9,7 @@ mod block_sparse_backward;
 mod common;
 mod compile_only;
 mod device;
+mod dsa_index;
 mod flash_backward;
 mod flash_forward;
 mod mutants;
