@@ -1023,7 +1023,9 @@ fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
                 )
                 .map_err(|e| e.to_string())
             })?;
-            // The lists of input set 0, compared across kernel texts.
+            // The lists of input set 0, compared across kernel texts (on a cleared buffer: a text that writes nothing
+            // must not pass for equal).
+            stream.memset_zeros(&mut lists).map_err(|e| e.to_string())?;
             indexer_top_k_device(
                 stream,
                 kernel,

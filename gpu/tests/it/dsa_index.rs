@@ -27,7 +27,7 @@ use cudarc::driver::CudaStream;
 use half::{bf16, f16};
 use ndarray::{Array2, Array3};
 use proptest::prelude::*;
-use proptest::test_runner::{TestCaseError, TestRunner};
+use proptest::test_runner::{TestCaseError, TestError, TestRunner};
 
 /// How a draw's values are made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,55 +142,75 @@ pub fn check_draw<T: Storage>(
     Ok(verdict)
 }
 
-/// Runs the suite with `kernel`: `Err` with the first failing draw.
-pub fn run_suite(stream: &Arc<CudaStream>, kernel: KernelSource, cases: u32, seed: u64) -> Result<f64, String> {
-    let mut runner = TestRunner::new(run_config("dsa_index", cases, seed));
+/// The suite's draws and seed.
+pub const SUITE: (&str, u32, u64) = ("dsa_index", 48, 0xd5a1);
+
+/// Runs the suite with `kernel` under `config`: the worst score error as a fraction of its bound, or the first failing
+/// draw.
+pub fn run_suite(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    config: proptest::test_runner::Config,
+) -> Result<f64, TestError<IndexerDraw>> {
+    let mut runner = TestRunner::new(config);
     let worst = std::cell::Cell::new(0.0f64);
-    runner
-        .run(&draws(), |draw| {
-            let verdict = match draw.dtype {
-                Dtype::Bf16 => check_draw::<bf16>(stream, kernel, &draw),
-                Dtype::F16 => check_draw::<f16>(stream, kernel, &draw),
-            }
-            .map_err(|e| TestCaseError::fail(format!("{draw:?}: {e}")))?;
-            worst.set(worst.get().max(verdict.worst_score_ratio));
-            Ok(())
-        })
-        .map_err(|e| e.to_string())?;
+    runner.run(&draws(), |draw| {
+        let verdict = match draw.dtype {
+            Dtype::Bf16 => check_draw::<bf16>(stream, kernel, &draw),
+            Dtype::F16 => check_draw::<f16>(stream, kernel, &draw),
+        }
+        .map_err(|e| TestCaseError::fail(format!("{draw:?}: {e}")))?;
+        worst.set(worst.get().max(verdict.worst_score_ratio));
+        Ok(())
+    })?;
     Ok(worst.get())
+}
+
+/// Named draws that kill the catalog's indexer mutants (`gpu-dsa-index-*`): the edges of the 64-key tile and the
+/// 4-token group, `k` around `T`, one head and 64, a whole row of ties, copied keys with the boundary inside a tie,
+/// and the 2048 of V3.2 on a short sequence.
+pub fn killing_cases() -> Vec<(&'static str, IndexerDraw)> {
+    let draw = |seq_len, n_index_heads, index_dim, top_k, values, seed| IndexerDraw {
+        shape: IndexerShape { seq_len, n_index_heads, index_dim, top_k },
+        values,
+        dtype: Dtype::Bf16,
+        seed,
+    };
+    vec![
+        ("empty", draw(0, 4, 64, 3, Values::Normal, 1)),
+        ("one_token", draw(1, 1, 64, 1, Values::Normal, 2)),
+        ("tile_minus_one_k_close", draw(63, 3, 128, 62, Values::Normal, 3)),
+        ("tile_64_heads_large", draw(64, 64, 128, 64, Values::Large, 4)),
+        ("tile_plus_one_ties", draw(65, 64, 64, 63, Values::TiedKeys, 5)),
+        ("all_scores_zero", draw(129, 5, 128, 16, Values::NegativeLogits, 6)),
+        ("signed_weights", draw(130, 16, 64, 7, Values::SignedWeights, 7)),
+        ("v32_width_short_sequence", draw(300, 64, 128, 2048, Values::Normal, 8)),
+        ("ties_many_heads", draw(257, 7, 128, 200, Values::TiedKeys, 9)),
+        ("normal_64_heads", draw(200, 64, 128, 40, Values::Normal, 10)),
+        // The general suite's draw that killed gpu-dsa-index-middle-level-shift (the named cases above missed it):
+        // signed scores whose threshold bin at the second radix level needs bit 10.
+        ("signed_weights_64_heads", draw(125, 64, 128, 26, Values::SignedWeights, 12_817_796_210_190_104_769)),
+    ]
 }
 
 #[test]
 fn indexer_lists_are_exact_and_scores_within_bound() {
     let Some(ctx) = skip_unless_gpu("indexer_lists_are_exact_and_scores_within_bound") else { return };
     let stream = ctx.default_stream();
-    let worst = run_suite(&stream, DSA_INDEX, 48, 0xd5a1).unwrap_or_else(|e| panic!("{e}"));
+    let (name, cases, seed) = SUITE;
+    let worst = run_suite(&stream, DSA_INDEX, run_config(name, cases, seed)).unwrap_or_else(|e| panic!("{e}"));
     println!("dsa_index: worst score error {worst:.3} of the bound");
 }
 
-/// Adversarial shapes named one by one: the edges of the 64-key tile and the 4-token group, `k` around `T`, a
-/// single head and 64, a whole row of ties, and the 2048 of V3.2 on a short sequence.
+/// The killing cases, in bf16 and f16.
 #[test]
 fn indexer_named_edges() {
     let Some(ctx) = skip_unless_gpu("indexer_named_edges") else { return };
     let stream = ctx.default_stream();
-    let shape = |seq_len, n_index_heads, index_dim, top_k| IndexerShape { seq_len, n_index_heads, index_dim, top_k };
-    let cases = [
-        (shape(0, 4, 64, 3), Values::Normal),
-        (shape(1, 1, 64, 1), Values::Normal),
-        (shape(63, 3, 128, 62), Values::Normal),
-        (shape(64, 64, 128, 64), Values::Large),
-        (shape(65, 64, 64, 63), Values::TiedKeys),
-        (shape(129, 5, 128, 16), Values::NegativeLogits),
-        (shape(130, 16, 64, 7), Values::SignedWeights),
-        (shape(300, 64, 128, 2048), Values::Normal),
-        (shape(257, 7, 128, 200), Values::TiedKeys),
-    ];
-    for (i, (shape, values)) in cases.into_iter().enumerate() {
-        let draw = IndexerDraw { shape, values, dtype: Dtype::Bf16, seed: 17 + i as u64 };
-        check_draw::<bf16>(&stream, DSA_INDEX, &draw).unwrap_or_else(|e| panic!("{draw:?}: {e}"));
+    for (name, draw) in killing_cases() {
+        check_draw::<bf16>(&stream, DSA_INDEX, &draw).unwrap_or_else(|e| panic!("{name}: {e}"));
         let draw = IndexerDraw { dtype: Dtype::F16, ..draw };
-        check_draw::<f16>(&stream, DSA_INDEX, &draw).unwrap_or_else(|e| panic!("{draw:?}: {e}"));
+        check_draw::<f16>(&stream, DSA_INDEX, &draw).unwrap_or_else(|e| panic!("{name} (f16): {e}"));
     }
 }
 

@@ -24,6 +24,7 @@ use crate::block_selection;
 use crate::block_sparse;
 use crate::block_sparse_backward;
 use crate::common::*;
+use crate::dsa_index;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
@@ -35,6 +36,7 @@ use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
 use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
+use attnproof_gpu::dsa::index::DSA_INDEX;
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
@@ -59,7 +61,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 10] = [
+const KERNELS: [KernelSource; 11] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
@@ -70,6 +72,7 @@ const KERNELS: [KernelSource; 10] = [
     NSA_SELECTED_BWD,
     FLASH_FWD_SM90,
     FLASH_BWD_SM90,
+    DSA_INDEX,
 ];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
@@ -606,6 +609,38 @@ fn all_block_selection_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+        },
+    );
+}
+
+#[test]
+fn all_dsa_index_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_index_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = dsa_index::killing_cases();
+    hunt("all_dsa_index_mutants_are_killed", DSA_INDEX, &catalog_mutants(DSA_INDEX), &cases, |kernel, draw| {
+        dsa_index::check_draw::<bf16>(&stream, kernel, draw).map(|_| ())
+    });
+}
+
+/// Every indexer mutant also fails the general indexer suite (its default draws, no shrinking).
+#[test]
+fn all_dsa_index_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_index_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let (name, cases, seed) = dsa_index::SUITE;
+    hunt_in_suite(
+        "all_dsa_index_mutants_are_killed_by_the_general_suite",
+        DSA_INDEX,
+        &catalog_mutants(DSA_INDEX),
+        name,
+        |kernel| {
+            let config = Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) };
+            dsa_index::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
         },
     );
 }

@@ -70,6 +70,14 @@ const NSA_SELECTED_BWD: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of DSA's lightning indexer with its exact top-k (`dsa_index.cu`), launched in-process on a
+/// device with indexer killing cases.
+const DSA_INDEX: Mutant = Mutant {
+    file: "gpu/kernels/dsa_index.cu",
+    runner: Runner::KernelText { kernel: "dsa_index", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -965,6 +973,84 @@ pub const MUTANTS: &[Mutant] = &[
         find: "dl = delta[at];",
         replace: "dl = delta[at - (long long)(r % group) * lse_head];",
         ..NSA_SELECTED_BWD
+    },
+    // --- dsa_index.cu (DSA's lightning indexer and exact top-k), launched on a device ---
+    Mutant {
+        name: "gpu-dsa-index-tie-to-higher-index",
+        description: "Of the tokens whose scores equal the threshold, the last ones in index order are kept",
+        find: "if (masked[e] == prefix) take = equal_rank++ < remaining;",
+        replace: "if (masked[e] == prefix) take = equal_rank++ >= found[2] - remaining;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-diagonal-never-scored",
+        description: "Causal off by one in the scores: a token's own key is never written to its score row",
+        find: "if (qi < nq && key <= t0 + qi) {",
+        replace: "if (qi < nq && key < t0 + qi) {",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-own-token-not-eligible",
+        description: "Causal off by one in the selection: a token selects among the keys before it only",
+        find: "select_row(rows + qi * stride, t0 + qi + 1, p.top_k,",
+        replace: "select_row(rows + qi * stride, t0 + qi, p.top_k,",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-relu-missing",
+        description: "The ReLU is left out of the first row group's logits: negative logits subtract",
+        find: "float v = w00 * fmaxf(acc[0][n][c], 0.f);",
+        replace: "float v = w00 * acc[0][n][c];",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-one-weight-per-warp",
+        description: "Every head row of a warp's first m tile is weighted by the warp's first head's weight",
+        find: "const float w00 = w_s[warp * 32 + g], w01 = w_s[warp * 32 + g + 8];",
+        replace: "const float w00 = w_s[warp * 32], w01 = w_s[warp * 32];",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-top-k-keeps-k-minus-one",
+        description: "The radix select takes one token fewer than k (the row's last entry is never written)",
+        find: "int remaining = top_k;",
+        replace: "int remaining = top_k - 1;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-upper-heads-dropped",
+        description: "A token's score leaves out the second warp's heads (32 to 63)",
+        find: "(part_s[(2 * qi) * IDX_KEYS + col] + part_s[(2 * qi + 1) * IDX_KEYS + col]) + 0.f;",
+        replace: "(part_s[(2 * qi) * IDX_KEYS + col] + 0.f) + 0.f;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-bin-taken-whole",
+        description: "The radix select stops at the first bin that holds what is needed, taking its lowest indices",
+        find: "if (count == remaining) break;",
+        replace: "if (count >= remaining) break;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-last-key-tile-skipped",
+        description: "The key tile holding the group's last token is never scored",
+        find: "const int n_tiles = t_last / IDX_KEYS + 1;",
+        replace: "const int n_tiles = t_last / IDX_KEYS;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-short-row-drops-its-last-token",
+        description: "A row with at most k visible tokens lists all but the last, then -1",
+        find: "for (int i = tid; i < top_k; i += IDX_THREADS) out[i] = i < n ? i : -1;",
+        replace: "for (int i = tid; i < top_k; i += IDX_THREADS) out[i] = i < n - 1 ? i : -1;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-middle-level-shift",
+        description: "The second radix level reads bits 11 to 21 instead of 10 to 20, overlapping the first",
+        find: "const int shift = level == 0 ? 21 : level == 1 ? 10 : 0;",
+        replace: "const int shift = level == 0 ? 21 : level == 1 ? 11 : 0;",
+        ..DSA_INDEX
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
