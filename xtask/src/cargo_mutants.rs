@@ -53,8 +53,13 @@ const UNIT_AND_INTEGRATION: &[&str] = &["--lib", "--tests"];
 /// The verdict's rules and the case checker, judged by the harness's unit tests and its case-file tests only: the
 /// suites that run the flash and sparse families take most of a minute, which is too long per mutant, and none of
 /// them tests a rule of the verdict that the unit tests leave open.
-const VERDICT_FILES: &[&str] =
-    &["tests/src/verdict.rs", "tests/src/gate.rs", "tests/src/block_selection.rs", "tests/src/case/*.rs"];
+const VERDICT_FILES: &[&str] = &[
+    "tests/src/verdict.rs",
+    "tests/src/gate.rs",
+    "tests/src/block_selection.rs",
+    "tests/src/dsa_index.rs",
+    "tests/src/case/*.rs",
+];
 
 /// The harness's family drivers (which build the bounds and canned answers of each family), judged by every suite.
 const FAMILY_FILES: &[&str] = &["tests/src/flash.rs", "tests/src/backward.rs", "tests/src/sparse.rs"];
@@ -78,7 +83,7 @@ pub const SCOPES: &[Scope] = &[
         exclude: FAMILY_FILES,
         test_packages: &["attnproof-harness"],
         targets: &["--lib", "--test=it"],
-        filters: &["verdict::", "gate::", "block_selection::", "case::", "check_", "recipe::"],
+        filters: &["verdict::", "gate::", "block_selection::", "dsa_index::", "case::", "check_", "recipe::"],
     },
     Scope {
         name: "harness",
@@ -985,7 +990,7 @@ mod tests {
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
-                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: case:: check_ recipe::"
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: case:: check_ recipe::"
             ),
             "{verdict}"
         );
