@@ -285,6 +285,120 @@ pub fn indexer_kl_loss<S: Real>(
     Ok(IndexerLoss { per_query, total })
 }
 
+/// The keys each row of the indexer loss runs over.
+#[derive(Clone, Copy, Debug)]
+pub enum LossSupport<'a> {
+    /// Every causal key `s ≤ t` (the dense warm-up stage).
+    Causal,
+    /// The selected keys of each row, `[T, κ]` in the E16 list convention (the sparse training stage).
+    Selected(ArrayView2<'a, i32>),
+}
+
+/// Gradients of the indexer loss with respect to the indexer's inputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IndexerLossGradients<S> {
+    /// `∂L/∂q^I`, `[T, H_I, d_I]`.
+    pub d_q_index: Array3<S>,
+    /// `∂L/∂w`, `[T, H_I]`.
+    pub d_weights: Array2<S>,
+    /// `∂L/∂k^I`, `[T, d_I]`.
+    pub d_k_index: Array2<S>,
+}
+
+/// E16's indexer loss on a support and its gradients with respect to `q^I`, `w` and `k^I`, the support held fixed.
+///
+/// Row `t` runs over its support `J_t` (every `s ≤ t`, or the listed keys): the teacher restricted to `J_t` and
+/// renormalized, `τ'_ts = τ_ts / Σ_{s∈J_t} τ_ts`, against the indexer's softmax over `J_t`, `σ_ts = e^{I_ts} /
+/// Σ_{s∈J_t} e^{I_ts}`: `KL_t = Σ_{s∈J_t, τ'_ts>0} τ'_ts (log τ'_ts − log σ_ts)`, and `L = Σ_t KL_t`. A row whose
+/// teacher has no mass on its support contributes nothing (its KL is undefined; the sparse stage has no target
+/// there). With the causal support and a teacher from [`teacher_distribution`] this is [`indexer_kl_loss`].
+///
+/// The gradient: `∂KL_t/∂I_ts = σ_ts − τ'_ts` on `J_t` (0 elsewhere), and through `I_ts = Σ_a w_ta ReLU(l_tas)`,
+/// `l_tas = q^I_ta · k^I_s`: `∂I_ts/∂w_ta = ReLU(l_tas)`, `∂I_ts/∂q^I_ta = w_ta [l_tas > 0] k^I_s`,
+/// `∂I_ts/∂k^I_s = Σ_a w_ta [l_tas > 0] q^I_ta` (the ReLU's derivative taken as 0 at 0).
+///
+/// Errors: those of [`indexer_scores`]; a teacher of another shape than `[T, T]`, non-finite or negative, or with
+/// mass after the diagonal; a selection that is not `[T, κ]`, breaks the list convention or lists a key after its
+/// query.
+pub fn indexer_loss_and_gradients<S: Real>(
+    inputs: IndexerInputs<'_, S>,
+    teacher: ArrayView2<'_, S>,
+    support: LossSupport<'_>,
+    ctx: S::Ctx,
+) -> Result<(IndexerLoss<S>, IndexerLossGradients<S>), OracleError> {
+    let scores = indexer_scores(inputs, ctx)?;
+    let (seq_len, n_heads, dim) = inputs.q_index.dim();
+    check_shape("teacher", teacher.shape(), &[seq_len, seq_len])?;
+    check_causal_distribution("teacher", teacher, ctx)?;
+    let supports: Vec<Vec<usize>> = match support {
+        LossSupport::Causal => (0..seq_len).map(|t| (0..=t).collect()).collect(),
+        LossSupport::Selected(selection) => {
+            check_shape("selection", selection.shape(), &[seq_len, selection.ncols()])?;
+            let mut rows = Vec::with_capacity(seq_len);
+            for (t, row) in selection.rows().into_iter().enumerate() {
+                let keys = validate_index_row("selection", t, &row.to_vec(), seq_len)?;
+                if let Some(&s) = keys.iter().find(|&&s| s > t) {
+                    return Err(OracleError::IndexList {
+                        argument: "selection",
+                        position: vec![t],
+                        reason: format!("key {s} is after its query"),
+                    });
+                }
+                rows.push(keys);
+            }
+            rows
+        }
+    };
+    let zero = S::zero(ctx);
+    let mut per_query = Array1::from_elem(seq_len, zero.clone());
+    // ∂L/∂I_ts, on the supports.
+    let mut d_scores = Array2::from_elem((seq_len, seq_len), zero.clone());
+    for (t, keys) in supports.iter().enumerate() {
+        let mass = keys.iter().fold(zero.clone(), |acc, &s| acc + teacher[[t, s]].clone());
+        if keys.is_empty() || mass == zero {
+            continue;
+        }
+        let row: Vec<S> = keys.iter().map(|&s| scores[[t, s]].clone()).collect();
+        let lse = log_sum_exp(&row, ctx);
+        let student = softmax(&row, ctx);
+        let mut kl = zero.clone();
+        for ((&s, score), sigma) in keys.iter().zip(&row).zip(student) {
+            let tau = teacher[[t, s]].clone() / mass.clone();
+            if tau != zero {
+                kl += tau.clone() * (tau.ln() - (score.clone() - lse.clone()));
+            }
+            d_scores[[t, s]] = sigma - tau;
+        }
+        per_query[t] = kl;
+    }
+    let total = per_query.iter().fold(zero.clone(), |acc, x| acc + x.clone());
+    let mut d_q_index = Array3::from_elem((seq_len, n_heads, dim), zero.clone());
+    let mut d_weights = Array2::from_elem((seq_len, n_heads), zero.clone());
+    let mut d_k_index = Array2::from_elem((seq_len, dim), zero.clone());
+    for (t, keys) in supports.iter().enumerate() {
+        for &s in keys {
+            let g = d_scores[[t, s]].clone();
+            if g == zero {
+                continue;
+            }
+            for a in 0..n_heads {
+                let q = inputs.q_index.index_axis(Axis(0), t);
+                let logit = dot(q.row(a), inputs.k_index.row(s), ctx);
+                if logit > zero {
+                    d_weights[[t, a]] = d_weights[[t, a]].clone() + g.clone() * logit;
+                    let gw = g.clone() * inputs.weights[[t, a]].clone();
+                    for c in 0..dim {
+                        d_q_index[[t, a, c]] =
+                            d_q_index[[t, a, c]].clone() + gw.clone() * inputs.k_index[[s, c]].clone();
+                        d_k_index[[s, c]] = d_k_index[[s, c]].clone() + gw.clone() * q[[a, c]].clone();
+                    }
+                }
+            }
+        }
+    }
+    Ok((IndexerLoss { per_query, total }, IndexerLossGradients { d_q_index, d_weights, d_k_index }))
+}
+
 /// Token-sparse attention (E13 with `E_t` the selection, drop-and-renormalize as in DSA): each
 /// head of query `t` applies ordinary softmax to its scores over the selected keys only,
 /// `o_th = Σ_{s∈J_t} softmax(α q_th·k_s) v_s`, one E2 block per query, finalized by E5.
@@ -476,6 +590,102 @@ mod tests {
         assert!((loss.total - expected).abs() < 1e-15);
         let student = indexer_distribution(scores.view(), ()).expect("valid");
         assert_eq!(student, array![[1.0, 0.0], [0.5, 0.5]]);
+    }
+
+    /// A causal teacher for three tokens (rows sum to 1, nothing after the diagonal).
+    fn loss_teacher() -> Array2<f64> {
+        array![[1.0, 0.0, 0.0], [0.25, 0.75, 0.0], [0.5, 0.125, 0.375]]
+    }
+
+    #[test]
+    fn the_loss_on_every_causal_key_is_the_kl_loss_and_a_full_selection_is_the_same() {
+        let (q, w, k) = indexer_case();
+        let inputs = IndexerInputs { q_index: q.view(), weights: w.view(), k_index: k.view() };
+        let teacher = loss_teacher();
+        let scores = indexer_scores(inputs, ()).unwrap();
+        let kl = indexer_kl_loss(teacher.view(), scores.view(), ()).unwrap();
+        let (causal, grads) = indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Causal, ()).unwrap();
+        for t in 0..3 {
+            assert!((causal.per_query[t] - kl.per_query[t]).abs() < 1e-14, "row {t}");
+        }
+        let every = array![[0, -1, -1], [0, 1, -1], [0, 1, 2]];
+        let (selected, same) =
+            indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Selected(every.view()), ()).unwrap();
+        assert_eq!((selected, same), (causal, grads));
+    }
+
+    #[test]
+    fn a_selected_support_renormalizes_the_teacher_and_skips_rows_without_mass() {
+        let (q, w, k) = indexer_case();
+        let inputs = IndexerInputs { q_index: q.view(), weights: w.view(), k_index: k.view() };
+        let teacher = loss_teacher();
+        let scores = indexer_scores(inputs, ()).unwrap();
+        // Row 2 keeps keys 0 and 2: teacher 0.5 and 0.375 renormalized to 4/7 and 3/7.
+        let selection = array![[0, -1], [1, -1], [0, 2]];
+        let (loss, grads) =
+            indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Selected(selection.view()), ()).unwrap();
+        let (a, b) = (scores[[2, 0]], scores[[2, 2]]);
+        let lse = a.max(b) + ((a - a.max(b)).exp() + (b - a.max(b)).exp()).ln();
+        let expected = 4.0 / 7.0 * ((4.0f64 / 7.0).ln() - (a - lse)) + 3.0 / 7.0 * ((3.0f64 / 7.0).ln() - (b - lse));
+        assert!((loss.per_query[2] - expected).abs() < 1e-14, "{} against {expected}", loss.per_query[2]);
+        // Rows 0 and 1 keep one key each, with all the row's support mass: KL 0 and a zero gradient.
+        assert_eq!((loss.per_query[0], loss.per_query[1]), (0.0, 0.0));
+        assert!(grads.d_weights.row(1).iter().all(|&x| x == 0.0));
+        // A row whose teacher puts no mass on its support contributes nothing.
+        let massless = array![[0, -1], [0, -1], [1, -1]];
+        let zero_mass = array![[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 0.0, 0.0]];
+        let (loss, _) =
+            indexer_loss_and_gradients(inputs, zero_mass.view(), LossSupport::Selected(massless.view()), ()).unwrap();
+        assert_eq!(loss.per_query.to_vec(), [0.0, 0.0, 0.0]);
+        // Bad selections are errors.
+        let future = array![[0, -1], [0, 2], [0, 1]];
+        assert!(indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Selected(future.view()), ()).is_err());
+        let short = array![[0, -1], [0, 1]];
+        assert!(indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Selected(short.view()), ()).is_err());
+    }
+
+    #[test]
+    fn the_loss_gradients_match_central_differences() {
+        let (q, w, k) = indexer_case();
+        // The case has logits at exactly 0 (a ReLU kink, where a central difference halves the slope): moved off.
+        let q = q.mapv(|x| x + 0.03125);
+        let teacher = loss_teacher();
+        let selection = array![[0, -1], [0, 1], [1, 2]];
+        let loss_at = |q: &Array3<f64>, w: &Array2<f64>, k: &Array2<f64>| {
+            let inputs = IndexerInputs { q_index: q.view(), weights: w.view(), k_index: k.view() };
+            indexer_loss_and_gradients(inputs, teacher.view(), LossSupport::Selected(selection.view()), ()).unwrap()
+        };
+        let (_, grads) = loss_at(&q, &w, &k);
+        let h = 1e-6;
+        let central = |f: &dyn Fn(f64) -> f64| (f(h) - f(-h)) / (2.0 * h);
+        let close = |found: f64, numeric: f64, what: &str| {
+            assert!((found - numeric).abs() < 1e-7 * (1.0 + numeric.abs()), "{what}: {found} against {numeric}");
+        };
+        for ((t, a, c), &found) in grads.d_q_index.indexed_iter() {
+            let numeric = central(&|d| {
+                let mut moved = q.clone();
+                moved[[t, a, c]] += d;
+                loss_at(&moved, &w, &k).0.total
+            });
+            close(found, numeric, &format!("dq[{t}, {a}, {c}]"));
+        }
+        for ((t, a), &found) in grads.d_weights.indexed_iter() {
+            let numeric = central(&|d| {
+                let mut moved = w.clone();
+                moved[[t, a]] += d;
+                loss_at(&q, &moved, &k).0.total
+            });
+            close(found, numeric, &format!("dw[{t}, {a}]"));
+        }
+        for ((s, c), &found) in grads.d_k_index.indexed_iter() {
+            let numeric = central(&|d| {
+                let mut moved = k.clone();
+                moved[[s, c]] += d;
+                loss_at(&q, &w, &moved).0.total
+            });
+            close(found, numeric, &format!("dk[{s}, {c}]"));
+        }
+        assert!(grads.d_k_index.iter().any(|&x| x.abs() > 1e-3), "the case moves the loss through the keys");
     }
 
     fn sparse_case() -> (Array3<f64>, Array2<f64>, Array2<f64>) {

@@ -3,16 +3,18 @@
 
 use crate::common::{PREC, REQUIRED, fail, mp_matrix, pseudo_random};
 use attnproof_oracle::dsa::{
-    IndexerLoss, TokenSparseInputs, TokenSparseOutput, TopKConfig, causal_top_k, indexer_distribution,
-    main_attention_probabilities, teacher_distribution,
+    IndexerInputs, IndexerLoss, LossSupport, TokenSparseInputs, TokenSparseOutput, TopKConfig, causal_top_k,
+    indexer_distribution, main_attention_probabilities, teacher_distribution,
 };
 use attnproof_oracle::topk::padded_ascending;
 use attnproof_oracle::{Mp, OracleError, Real, Scale};
 use attnproof_proofs::dsa::{
-    IndexerCase, TokenSparseCase, causal_top_k_is_exact, full_selection_is_dense, hadamard_invariance,
-    kl_loss_matches_definition, kl_loss_vanishes_at_teacher, oracle_indexer, oracle_indexer_loss, oracle_token_sparse,
-    sylvester_hadamard,
+    IndexerCase, IndexerLossGradientsFn, TokenSparseCase, causal_top_k_is_exact, full_selection_is_dense,
+    hadamard_invariance, indexer_loss_gradients_match_finite_differences, kl_loss_matches_definition,
+    kl_loss_vanishes_at_teacher, oracle_indexer, oracle_indexer_loss, oracle_indexer_loss_and_gradients,
+    oracle_token_sparse, sylvester_hadamard,
 };
+use attnproof_proofs::residual::Bits;
 use ndarray::{Array2, Array3, ArrayView2};
 use proptest::prelude::*;
 
@@ -263,4 +265,126 @@ fn theorems_refuse_cases_outside_their_hypotheses() {
         kl_loss_vanishes_at_teacher(&oracle_indexer_loss, &not_normalized, REQUIRED),
         Err(attnproof_proofs::Violation::Hypothesis { .. })
     ));
+}
+
+/// The step of the gradient theorem's central differences, `2^-STEP_BITS`, and the bits its agreement must reach
+/// (the theorem's hypotheses: `4 · 48 ≥ 100 + 64`, and `48 + 100 + 16` bits within the 256 of `PREC`).
+const STEP_BITS: u32 = 48;
+const GRADIENT_BITS: Bits = Bits(100.0);
+
+/// An indexer case whose logits sit away from the ReLU's kink, a teacher from causal main attention, and a selection
+/// of `k` keys per row (the first `min(k, t + 1)` causal keys by a fixed shuffle, ascending, `−1`-padded): `T ≤ 5`,
+/// `H_I ≤ 2`, `d_I ≤ 3`.
+fn loss_case() -> impl Strategy<Value = (IndexerCase, Array2<Mp>, Array2<i32>)> {
+    (1usize..=5, 1usize..=2, 1usize..=3, 1usize..=4, any::<u64>())
+        .prop_flat_map(|(t, h, d, k, seed)| {
+            (reals(t * h * d), reals(t * h), reals(t * d), reals(t * d)).prop_map(move |(q, w, kk, main_q)| {
+                // Inputs on a grid of 1/64, moved by 1/1024: logits rarely land on the kink, and the filter below drops
+                // those that do.
+                let nudge = |x: &f64| (x * 64.0).round() / 64.0 + 1.0 / 1024.0;
+                let case = IndexerCase {
+                    q_index: mp_tensor3((t, h, d), &q.iter().map(nudge).collect::<Vec<_>>()),
+                    weights: mp_matrix(t, h, &w.iter().map(|x| 2.0 * x).collect::<Vec<_>>()),
+                    k_index: mp_matrix(t, d, &kk.iter().map(nudge).collect::<Vec<_>>()),
+                };
+                let probs = main_attention_probabilities(
+                    mp_tensor3((t, 1, d), &main_q.iter().map(|x| 3.0 * x).collect::<Vec<_>>()).view(),
+                    case.k_index.view(),
+                    Scale::default(),
+                    PREC,
+                )
+                .expect("valid main attention");
+                let teacher = teacher_distribution(probs.view(), PREC).expect("valid probabilities");
+                let selection = Array2::from_shape_fn((t, k), |(row, slot)| {
+                    let mut keys: Vec<i32> = (0..=row as i32).collect();
+                    keys.sort_by_key(|&s| (s as u64).wrapping_mul(seed | 1).rotate_left(17));
+                    keys.truncate(k);
+                    keys.sort_unstable();
+                    keys.get(slot).copied().unwrap_or(-1)
+                });
+                (case, teacher, selection)
+            })
+        })
+        .prop_filter("a logit at the ReLU's kink", |(case, _, selection)| {
+            // Dyadic inputs this small multiply and add exactly in f64: an exact 0 is seen as one.
+            let (t, h, d) = case.q_index.dim();
+            (0..t).all(|row| {
+                selection.row(row).iter().take_while(|&&s| s >= 0).all(|&s| {
+                    (0..h).all(|a| {
+                        let logit: f64 = (0..d)
+                            .map(|c| case.q_index[[row, a, c]].to_f64() * case.k_index[[s as usize, c]].to_f64())
+                            .sum();
+                        logit.abs() > 1e-9
+                    })
+                })
+            })
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn indexer_loss_gradients_are_central_differences((case, teacher, selection) in loss_case()) {
+        indexer_loss_gradients_match_finite_differences(
+            &oracle_indexer_loss_and_gradients, &case, &teacher, selection.view(), STEP_BITS, GRADIENT_BITS,
+        ).map_err(fail)?;
+    }
+}
+
+fn fixed_loss_case() -> (IndexerCase, Array2<Mp>, Array2<i32>) {
+    let case = IndexerCase {
+        q_index: mp_tensor3((3, 2, 2), &[1.0, 0.25, -0.5, 1.5, 0.75, -1.0, 0.5, 0.5, 2.0, 0.125, -0.25, -1.0]),
+        weights: mp_matrix(3, 2, &[1.0, -2.0, 0.5, 1.0, 1.0, 1.5]),
+        k_index: mp_matrix(3, 2, &[1.0, 1.25, -1.0, 2.0, 0.5, 0.375]),
+    };
+    let selection = ndarray::array![[0, -1], [0, 1], [0, 2]];
+    (case, fixed_teacher(), selection)
+}
+
+/// The gradient theorem rejects a backward whose key gradient counts a head twice, one whose weights' gradient is off
+/// by half of another, and one that forgets to renormalize the teacher on the selection; it refuses a case at the
+/// kink.
+#[test]
+fn gradient_theorem_rejects_broken_backwards() {
+    let (case, teacher, selection) = fixed_loss_case();
+    let check = |f: IndexerLossGradientsFn<'_>| {
+        indexer_loss_gradients_match_finite_differences(f, &case, &teacher, selection.view(), STEP_BITS, GRADIENT_BITS)
+    };
+    assert!(check(&oracle_indexer_loss_and_gradients).is_ok());
+    // The key gradient doubled (a head counted twice).
+    let doubled = |inputs: IndexerInputs<'_, Mp>, teacher: ArrayView2<'_, Mp>, support: LossSupport<'_>| {
+        let (loss, mut grads) = oracle_indexer_loss_and_gradients(inputs, teacher, support)?;
+        grads.d_k_index.mapv_inplace(|x| x.clone() + x);
+        Ok((loss, grads))
+    };
+    assert!(check(&doubled).is_err());
+    // The weights' gradient moved by half the gradient of unit weights.
+    let off_by_half = |inputs: IndexerInputs<'_, Mp>, teacher: ArrayView2<'_, Mp>, support: LossSupport<'_>| {
+        let (loss, mut grads) = oracle_indexer_loss_and_gradients(inputs, teacher, support)?;
+        let ones = Array2::from_elem(inputs.weights.dim(), Mp::new(1.0, PREC));
+        let plain = IndexerInputs { weights: ones.view(), ..inputs };
+        let (_, unit) = oracle_indexer_loss_and_gradients(plain, teacher, support)?;
+        grads.d_weights = grads.d_weights.clone() + unit.d_weights.mapv(|x| x * Mp::new(0.5, PREC));
+        Ok((loss, grads))
+    };
+    assert!(check(&off_by_half).is_err());
+    // The teacher not renormalized on the selection: the loss and its gradients of the causal support.
+    let unrestricted = |inputs: IndexerInputs<'_, Mp>, teacher: ArrayView2<'_, Mp>, _: LossSupport<'_>| {
+        oracle_indexer_loss_and_gradients(inputs, teacher, LossSupport::Causal)
+    };
+    assert!(check(&unrestricted).is_err());
+    // A logit at exactly 0 is outside the hypotheses.
+    let mut kink = case.clone();
+    kink.q_index[[2, 0, 0]] = Mp::new(0.0, PREC);
+    kink.q_index[[2, 0, 1]] = Mp::new(0.0, PREC);
+    let refused = indexer_loss_gradients_match_finite_differences(
+        &oracle_indexer_loss_and_gradients,
+        &kink,
+        &teacher,
+        selection.view(),
+        STEP_BITS,
+        REQUIRED,
+    );
+    assert!(matches!(refused, Err(attnproof_proofs::residual::Violation::Hypothesis { .. })), "{refused:?}");
 }
