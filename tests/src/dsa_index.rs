@@ -368,6 +368,43 @@ mod tests {
         assert!(verify_indexer(&case, lists.slice_axis(Axis(1), Slice::from(..2)), None).is_err());
     }
 
+    /// Each bound is the derived bound of its own magnitude `Σ_a |w_ta| Σ_c |q_tac k_sc|` plus the f64 term, on the
+    /// diagonal too, and 0 after it; a diagonal score moved within its bound passes, beyond it fails.
+    #[test]
+    fn score_bounds_are_the_derived_bound_of_each_magnitude() {
+        let (q, k, w) = small_case();
+        let case = IndexerCase { q: q.view(), k: k.view(), w: w.view(), top_k: 3 };
+        let bounds = score_bounds(&case);
+        for t in 0..9 {
+            for s in 0..9 {
+                if s > t {
+                    assert_eq!(bounds[[t, s]], 0.0, "[{t}, {s}] is after the diagonal");
+                    continue;
+                }
+                let mut magnitude = 0.0;
+                for a in 0..2 {
+                    let mut row = 0.0;
+                    for c in 0..3 {
+                        row += (q[[t, a, c]] * k[[s, c]]).abs();
+                    }
+                    magnitude += w[[t, a]].abs() * row;
+                }
+                let expected = indexer_score_bound(magnitude, 3, 2) + gamma(3 + 2 + 2) * magnitude;
+                let relative = (bounds[[t, s]] - expected).abs() / expected;
+                assert!(relative < 1e-12, "[{t}, {s}]: {} against {expected}", bounds[[t, s]]);
+                assert!(expected > 0.0, "[{t}, {s}]: the case has no zero magnitude");
+            }
+        }
+        let exact = exact_of(&q, &k, &w);
+        let lists = causal_top_k(exact.view(), TopKConfig { top_k: 3 }).unwrap();
+        for (factor, passes) in [(0.9, true), (1.1, false)] {
+            let mut moved = exact.clone();
+            moved[[6, 6]] += factor * bounds[[6, 6]];
+            let v = verify_indexer(&case, lists.view(), Some(moved.view())).unwrap();
+            assert_eq!(v.passed(), passes, "diagonal moved by {factor} of its bound: {v:?}");
+        }
+    }
+
     #[test]
     fn a_swap_between_near_ties_within_the_bounds_passes_and_beyond_them_fails() {
         // Token 1 and 2 of row 2 differ in exact score by far less than their bounds: a candidate may take either.
