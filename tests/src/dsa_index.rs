@@ -241,18 +241,17 @@ pub fn verify_indexer(
             }
             for s in 0..=t {
                 let error = (scores[[t, s]] - exact[[t, s]]).abs();
-                // A NaN score (an entry the kernel never wrote keeps the poison) fails.
+                // A NaN score (an entry the kernel never wrote keeps the poison) is infinitely far; an error against
+                // a bound of 0 too (`x / 0 = ∞` for `x > 0`).
                 let ratio = if error == 0.0 {
                     0.0
-                } else if bounds[[t, s]] > 0.0 {
-                    error / bounds[[t, s]]
-                } else {
+                } else if error.is_nan() {
                     f64::INFINITY
+                } else {
+                    error / bounds[[t, s]]
                 };
-                if ratio.is_nan() || ratio > verdict.worst_score_ratio {
-                    verdict.worst_score_ratio = ratio;
-                }
-                if ratio.is_nan() || ratio > 1.0 {
+                verdict.worst_score_ratio = verdict.worst_score_ratio.max(ratio);
+                if ratio > 1.0 {
                     verdict.failures.push(format!(
                         "score [{t}, {s}] = {:e} is {error:e} from the exact {:e}, beyond its bound {:e}",
                         scores[[t, s]],
@@ -422,5 +421,34 @@ mod tests {
         // Token 0 scores 0 against 2 + 1e-12: no rounding explains taking it.
         let far = ndarray::arr2(&[[0], [1], [0]]);
         assert!(!verify_indexer(&case, far.view(), None).unwrap().passed());
+        // The query's own token kept over a near tie is no future token: keys 1 and 2 swapped, so that the exact
+        // scores prefer 1 by 1e-12 and the candidate keeps 2, its own.
+        let mut k_swapped = k.clone();
+        k_swapped[[1, 0]] = 1.0 + 1e-12;
+        k_swapped[[2, 0]] = 1.0;
+        let case = IndexerCase { q: q.view(), k: k_swapped.view(), w: w.view(), top_k: 1 };
+        let own = ndarray::arr2(&[[0], [1], [2]]);
+        let v = verify_indexer(&case, own.view(), None).unwrap();
+        assert!(v.passed(), "{:?}", v.failures);
+        assert_eq!(v.decided, 2);
+    }
+
+    /// A score whose error is exactly its bound passes (the bound is inclusive): an exact score of 0 (every logit
+    /// negative) moved by exactly its bound.
+    #[test]
+    fn an_error_of_exactly_the_bound_passes() {
+        let q = Array3::from_shape_fn((2, 1, 2), |(t, _, _)| if t == 0 { 1.0 } else { -1.0 });
+        let k = Array2::from_elem((2, 2), 1.0);
+        let w = Array2::from_elem((2, 1), 1.0);
+        let case = IndexerCase { q: q.view(), k: k.view(), w: w.view(), top_k: 2 };
+        let mut scores = exact_of(&q, &k, &w);
+        assert_eq!(scores[[1, 1]], 0.0);
+        let bound = score_bounds(&case)[[1, 1]];
+        assert!(bound > 0.0);
+        scores[[1, 1]] = bound;
+        let lists = ndarray::arr2(&[[0, -1], [0, 1]]);
+        let v = verify_indexer(&case, lists.view(), Some(scores.view())).unwrap();
+        assert!(v.passed(), "{:?}", v.failures);
+        assert_eq!(v.worst_score_ratio, 1.0);
     }
 }
