@@ -406,10 +406,11 @@ mod tests {
 
     #[test]
     fn a_swap_between_near_ties_within_the_bounds_passes_and_beyond_them_fails() {
-        // Token 1 and 2 of row 2 differ in exact score by far less than their bounds: a candidate may take either.
+        // Tokens 1 and 2 of row 2 differ in exact score by 1e-7, less than the sum of their bounds (about 2.4e-6) but
+        // more than their product: a candidate may take either.
         let q = Array3::from_shape_fn((3, 1, 2), |_| 1.0);
         let mut k = Array2::from_shape_fn((3, 2), |(s, _)| [0.0, 1.0, 1.0][s]);
-        k[[2, 0]] = 1.0 + 1e-12;
+        k[[2, 0]] = 1.0 + 1e-7;
         let w = Array2::from_elem((3, 1), 1.0);
         let case = IndexerCase { q: q.view(), k: k.view(), w: w.view(), top_k: 1 };
         let truth = causal_top_k(exact_of(&q, &k, &w).view(), TopKConfig { top_k: 1 }).unwrap();
@@ -418,13 +419,13 @@ mod tests {
         let v = verify_indexer(&case, near.view(), None).unwrap();
         assert!(v.passed(), "{:?}", v.failures);
         assert_eq!(v.decided, 2);
-        // Token 0 scores 0 against 2 + 1e-12: no rounding explains taking it.
+        // Token 0 scores 0 against 2 + 1e-7: no rounding explains taking it.
         let far = ndarray::arr2(&[[0], [1], [0]]);
         assert!(!verify_indexer(&case, far.view(), None).unwrap().passed());
         // The query's own token kept over a near tie is no future token: keys 1 and 2 swapped, so that the exact
-        // scores prefer 1 by 1e-12 and the candidate keeps 2, its own.
+        // scores prefer 1 by 1e-7 and the candidate keeps 2, its own.
         let mut k_swapped = k.clone();
-        k_swapped[[1, 0]] = 1.0 + 1e-12;
+        k_swapped[[1, 0]] = 1.0 + 1e-7;
         k_swapped[[2, 0]] = 1.0;
         let case = IndexerCase { q: q.view(), k: k_swapped.view(), w: w.view(), top_k: 1 };
         let own = ndarray::arr2(&[[0], [1], [2]]);
