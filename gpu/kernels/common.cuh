@@ -171,6 +171,18 @@ struct DsaIndexParams {
     int reserved;              // explicit tail padding, always 0
 };
 
+// The scalars of dsa_sparse.cu's token-sparse attention (DSA's main attention over the indexer's selection): the
+// layer's problem (causal self-attention, GQA, dense or varlen) and the lists' layout. Lists [token rows, list heads,
+// top_k] i32 have one token row per token of every sequence (B·L dense, the packed total varlen).
+struct DsaSparseParams {
+    FlashParams flash;      // the layer: Q, K, V, O and LSE, lengths, group, head dims, scale
+    long long token_rows;   // token rows of the lists
+    int top_k;              // entries per list
+    int list_heads;         // 1: one list per token for every KV head (DSA's indexer); else one per KV head (n_heads_kv)
+    int head_chunks;        // CTAs per (token, KV head): ceil(group / SPARSE_ROWS)
+    int reserved;           // explicit tail padding, always 0
+};
+
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
 // builtin, is a constant expression, which is all a static_assert needs.
 #define PARAM_OFFSET(type, field) __INTADDR__(&((type*)0)->field)
@@ -265,6 +277,14 @@ PARAM_AT(NsaSelectParams, n_forced_local, 192);
 PARAM_AT(NsaSelectParams, n_heads_kv, 196);
 PARAM_AT(NsaSelectParams, tokens_per_cta, 200);
 PARAM_AT(NsaSelectParams, tile_blocks, 204);
+
+PARAM_SIZE(DsaSparseParams, 184);
+PARAM_AT(DsaSparseParams, flash, 0);
+PARAM_AT(DsaSparseParams, token_rows, 160);
+PARAM_AT(DsaSparseParams, top_k, 168);
+PARAM_AT(DsaSparseParams, list_heads, 172);
+PARAM_AT(DsaSparseParams, head_chunks, 176);
+PARAM_AT(DsaSparseParams, reserved, 180);
 
 PARAM_SIZE(DsaIndexParams, 32);
 PARAM_AT(DsaIndexParams, scratch_stride, 0);

@@ -1,10 +1,11 @@
 //! Helpers every kernel family of the crate shares: the storage types the kernels read and write ([`GpuElement`]),
 //! the mask as the kernels evaluate it ([`KernelMask`]) with its unbounded-reach sentinel ([`NO_BOUND`]), the softmax
 //! scale the kernels multiply by ([`kernel_scale`]), the kernels' limits, the buffer-length and 32-bit checks of
-//! every launch wrapper and the launch grids' extents ([`grid_3d`]). They live in one module that imports no other module of the crate but the errors, so that
+//! every launch wrapper and the launch grids' extents ([`grid_3d`]), and the shape rules of the token-list kernels (NSA's
+//! and DSA's causal self-attention layers, [`check_causal_self_attention`], and their lists' token rows, [`token_rows`]). They live in one module that imports no other module of the crate but the errors, so that
 //! the launch modules (`flash`, `backward`, `ring`) can share them without importing each other.
 
-use attnproof_oracle::{AttentionSpec, Mask, Scale};
+use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
@@ -181,6 +182,37 @@ pub(crate) fn grid_3d(
     (z_name, z): (&'static str, usize),
 ) -> Result<(u32, u32, u32), GpuError> {
     Ok((grid_dim(x_name, x, i32::MAX as usize)?, grid_dim(y_name, y, 65535)?, grid_dim(z_name, z, 65535)?))
+}
+
+/// Checks that `spec` describes a causal self-attention layer, what NSA's and DSA's token-list kernels implement:
+/// valid, causal (`Mask::Causal`), every sequence's query and key lengths equal. `family` names the kernels in the
+/// error ("NSA", "DSA").
+pub(crate) fn check_causal_self_attention(spec: &AttentionSpec, family: &str) -> Result<(), GpuError> {
+    spec.validate()?;
+    if !matches!(spec.mask, Mask::Causal) {
+        return Err(GpuError::Unsupported {
+            argument: "mask",
+            reason: format!("{family} is causal self-attention; the layer's spec has {:?}", spec.mask),
+        });
+    }
+    if let Some(s) = spec.sequences().iter().find(|s| s.len_q != s.len_k) {
+        return Err(GpuError::Unsupported {
+            argument: "layout",
+            reason: format!(
+                "{family} is self-attention; sequence {} has {} queries and {} keys",
+                s.index, s.len_q, s.len_k
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Token rows of per-token tensors (NSA's scores and lists, DSA's lists): `B · L` dense, the packed total varlen.
+pub(crate) fn token_rows(spec: &AttentionSpec) -> usize {
+    match &spec.layout {
+        Layout::Dense { batch, len_q, .. } => batch * len_q,
+        Layout::Varlen { cu_seqlens_q, .. } => cu_seqlens_q.last().copied().unwrap_or(0).max(0) as usize,
+    }
 }
 
 #[cfg(test)]

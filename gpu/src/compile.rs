@@ -31,6 +31,7 @@
 //!   takes minima with `redux.sync`, also from `sm_80` on.
 //! - `dsa_index` (DSA's lightning indexer and exact top-k) needs 8.0 like `flash_fwd`: its logits are
 //!   `mma.sync.m16n8k16` products of `cp.async`-loaded tiles.
+//! - `dsa_sparse` (DSA's token-sparse attention) needs 8.0 like `flash_fwd`, whose products it shares.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -123,7 +124,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 12] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 13] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -189,6 +190,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 12] = [
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the indexer's logits, as flash_fwd",
+    },
+    DeviceRequirement {
+        kernel: "dsa_sparse",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, whose products it shares",
     },
     DeviceRequirement {
         kernel: "ring_state",

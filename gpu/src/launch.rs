@@ -9,8 +9,8 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
 use crate::params::{
-    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, FlashParams, NsaParams, NsaSelectParams,
-    RingStateParams,
+    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaSparseParams, FlashParams, NsaParams,
+    NsaSelectParams, RingStateParams,
 };
 
 /// Whether the CUDA driver library can be loaded.
@@ -121,6 +121,10 @@ unsafe impl DeviceRepr for NsaSelectParams {}
 // `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and
 // `params::tests`.
 unsafe impl DeviceRepr for DsaIndexParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and four `i32` fields, the last
+// an explicit `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
+// and `params::tests`.
+unsafe impl DeviceRepr for DsaSparseParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -558,6 +562,37 @@ pub(crate) fn launch_dsa_index<T: DeviceRepr>(
     // float* scratch, const DsaIndexParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_index_topk)", e))?;
+    Ok(())
+}
+
+/// Launches `dsa_sparse_fwd` (gpu/kernels/dsa_sparse.cu, `func`) on `stream`: the token-sparse attention's output and
+/// LSE of every token and query head from the token's list.
+///
+/// Preconditions, established by `dsa::sparse`: `func` is `dsa_sparse_fwd` compiled for the element type `T`, padded
+/// head dims `HEAD_DIM_PAD ≥ params.flash.d`, `HEAD_DIM_V_PAD ≥ params.flash.dv` and `SPARSE_ROWS` rows;
+/// `q`, `k`, `v`, `o` and `lse` hold the layer's Q, K, V, O and LSE as `params.flash` (or the validated `cu_q`,
+/// `cu_k`) describes them; `lists` holds `params.token_rows · params.list_heads · params.top_k` i32 (any values: the
+/// kernel ends a list at its first entry that does not rise or lies after its token); `cfg`'s grid is `(longest
+/// sequence, n_heads_kv · head_chunks, B)` with `2 · SPARSE_ROWS` threads and the shared memory of the Q, K and V
+/// tiles, which the function attribute allows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_dsa_sparse_fwd<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    (o, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    lists: &CudaSlice<i32>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &DsaSparseParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(v).arg(o).arg(lse).arg(lists).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `dsa_sparse_fwd(const elem_t* q, const elem_t* k, const elem_t* v, elem_t* o,
+    // float* lse, const int* lists, const int* cu_q, const int* cu_k, const DsaSparseParams)` in order and type; every
+    // index the kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call
+    // and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_sparse_fwd)", e))?;
     Ok(())
 }
 

@@ -96,6 +96,7 @@ pub fn module_variants<T: GpuElement>(
         variant(nsa::selected_backward::NSA_SELECTED_BWD, nsa_bwd),
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(64)),
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(128)),
+        variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec)),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -240,6 +241,7 @@ mod tests {
                 "nsa_selected",
                 "nsa_selected_bwd",
                 "dsa_index",
+                "dsa_sparse",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

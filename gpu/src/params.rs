@@ -5,7 +5,7 @@
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
 //! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
-//! indexer.
+//! indexer; [`DsaSparseParams`] for DSA's token-sparse attention.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -181,6 +181,24 @@ pub(crate) struct DsaIndexParams {
     pub full_scores: i32,
     /// Query groups of four tokens, `⌈T / 4⌉`.
     pub n_groups: i32,
+    /// Tail padding, always 0.
+    pub reserved: i32,
+}
+
+/// The scalars of DSA's token-sparse attention (`struct DsaSparseParams` of `common.cuh`), read by `dsa_sparse.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DsaSparseParams {
+    /// The layer's problem (causal self-attention, GQA, dense or varlen) under its scale.
+    pub flash: FlashParams,
+    /// Token rows of the lists (`B · L` dense, the packed total varlen).
+    pub token_rows: i64,
+    /// Entries per list.
+    pub top_k: i32,
+    /// 1: one list per token shared by every KV head; `n_heads_kv`: one list per KV head.
+    pub list_heads: i32,
+    /// CTAs per (token, KV head): `⌈G / SPARSE_ROWS⌉`.
+    pub head_chunks: i32,
     /// Tail padding, always 0.
     pub reserved: i32,
 }
@@ -494,6 +512,7 @@ mod tests {
                 tile_blocks
             }),
             rust_layout!(DsaIndexParams { scratch_stride, seq_len, n_heads, top_k, full_scores, n_groups, reserved }),
+            rust_layout!(DsaSparseParams { flash, token_rows, top_k, list_heads, head_chunks, reserved }),
             rust_layout!(BsaParams {
                 flash,
                 scale,

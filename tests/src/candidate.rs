@@ -398,6 +398,29 @@ pub fn block_sparse_forward_guarded<T: Storage>(
     })
 }
 
+/// [`forward_guarded_with`] for a kernel that also reads per-token index lists (NSA's selected attention, DSA's
+/// token-sparse attention): uploads `lists`, gives `launch` their device copy, and checks that it comes back unchanged.
+pub fn forward_guarded_with_lists<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    lists: &ndarray::Array3<i32>,
+    launch: impl FnOnce(
+        (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+        &CudaSlice<i32>,
+        &mut CudaSlice<T>,
+        &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError>,
+) -> Result<ForwardRun<T>, LaunchError> {
+    let device_lists = upload(stream, &lists.clone().into_dyn())?;
+    let run = forward_guarded_with(stream, case, |q, k, v, o, lse| launch((q, k, v), &device_lists, o, lse))?;
+    let back = stream.clone_dtoh(&device_lists).map_err(driver)?;
+    stream.synchronize().map_err(driver)?;
+    if lists.iter().zip(back.iter()).any(|(a, b)| a != b) {
+        return Err(LaunchError::InputChanged { input: "lists" });
+    }
+    Ok(run)
+}
+
 /// Uploads the case, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that the device inputs
 /// are unchanged, and returns `O` and `LSE`.
 pub fn forward_guarded_with<T: Storage>(

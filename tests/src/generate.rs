@@ -142,3 +142,33 @@ pub fn make_d_out<T: Element>(spec: &AttentionSpec, seed: u64) -> ArrayD<T> {
     let data = gaussian(seed.wrapping_mul(37).wrapping_add(5), n).into_iter().map(|x| T::from_f32(x as f32)).collect();
     ArrayD::from_shape_vec(IxDyn(&shape), data).expect("sizes agree")
 }
+
+/// A small xorshift64 stream for drawing index lists (NSA's block lists, DSA's token lists) without a
+/// random-number dependency.
+pub(crate) struct ListStream(u64);
+
+impl ListStream {
+    pub(crate) fn new(seed: u64) -> Self {
+        ListStream(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub(crate) fn below(&mut self, n: usize) -> usize {
+        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
+    }
+    /// `k` distinct elements of `from`, ascending.
+    pub(crate) fn pick(&mut self, mut from: Vec<usize>, k: usize) -> Vec<usize> {
+        let k = k.min(from.len());
+        for i in 0..k {
+            let j = i + self.below(from.len() - i);
+            from.swap(i, j);
+        }
+        from.truncate(k);
+        from.sort_unstable();
+        from
+    }
+}

@@ -27,9 +27,11 @@ use proptest::prelude::*;
 
 use crate::backward::{BackwardCandidate, BackwardExpectation};
 use crate::candidate::{
-    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with, forward_guarded_with, upload,
+    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with, forward_guarded_with_lists,
+    upload,
 };
 use crate::flash::Case;
+use crate::generate::ListStream;
 use crate::nsa::{causal_layer, self_attention_layout};
 use crate::sparse::{
     SparseHarnessError, selected_blocks_mask, stack_heads, stack_row_stats, verify_nsa_selected_forward,
@@ -72,35 +74,6 @@ pub struct SelectedDraw {
     pub tiling: Option<SelectedTiling>,
 }
 
-/// A small xorshift64 stream for the lists (no random-number dependency).
-struct Stream(u64);
-
-impl Stream {
-    fn new(seed: u64) -> Self {
-        Stream(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
-    }
-    /// `k` distinct elements of `from`, ascending.
-    fn pick(&mut self, mut from: Vec<usize>, k: usize) -> Vec<usize> {
-        let k = k.min(from.len());
-        for i in 0..k {
-            let j = i + self.below(from.len() - i);
-            from.swap(i, j);
-        }
-        from.truncate(k);
-        from.sort_unstable();
-        from
-    }
-}
-
 /// The lists of `draw` for `spec`'s layout, `[token rows, Hkv, n]` (`attnproof_gpu::nsa::select::lists_shape`):
 /// per token and KV head, one of: no block; every eligible block (`j·l' ≤ t`, the first `n`); the current block and
 /// blocks drawn for the token's group of 16 neighbours (neighbouring tokens share most of their lists, as NSA's do);
@@ -110,7 +83,7 @@ pub fn selected_lists(draw: &SelectedDraw) -> Array3<i32> {
     let (lb, n) = (draw.config.select_block, draw.config.n_selected);
     let [rows, n_heads_kv, width] = lists_shape(spec, &draw.config);
     let mut lists = Array3::from_elem((rows, n_heads_kv, width), -1);
-    let mut rng = Stream::new(draw.seed ^ 0x6c69_7374);
+    let mut rng = ListStream::new(draw.seed ^ 0x6c69_7374);
     let mut row0 = 0;
     for seq in spec.sequences() {
         let blocks = selection_blocks(seq.len_q, lb).expect("validated block length");
@@ -123,7 +96,8 @@ pub fn selected_lists(draw: &SelectedDraw) -> Array3<i32> {
                     (_, 0) => vec![],
                     (_, 1 | 2) => eligible.into_iter().take(n).collect(),
                     (_, 3..=5) => {
-                        let mut shared = Stream::new(draw.seed ^ ((seq.index * 131 + kv) * 1_000_003 + t / 16) as u64);
+                        let mut shared =
+                            ListStream::new(draw.seed ^ ((seq.index * 131 + kv) * 1_000_003 + t / 16) as u64);
                         let mut c = shared.pick((0..current).collect(), n.saturating_sub(1));
                         c.push(current);
                         c
@@ -212,16 +186,9 @@ pub fn selected_guarded<T: Storage>(
     case: &Case<T>,
     lists: &Array3<i32>,
 ) -> Result<ForwardRun<T>, LaunchError> {
-    let device_lists = upload(stream, &lists.clone().into_dyn())?;
-    let run = forward_guarded_with(stream, case, |q, k, v, o, lse| {
-        selected_device_with(stream, &case.spec, config, launch, (q, k, v), &device_lists, o, lse)
-    })?;
-    let back = stream.clone_dtoh(&device_lists).map_err(|e| LaunchError::Driver(e.to_string()))?;
-    stream.synchronize().map_err(|e| LaunchError::Driver(e.to_string()))?;
-    if lists.iter().zip(back.iter()).any(|(a, b)| a != b) {
-        return Err(LaunchError::InputChanged { input: "lists" });
-    }
-    Ok(run)
+    forward_guarded_with_lists(stream, case, lists, |qkv, device_lists, o, lse| {
+        selected_device_with(stream, &case.spec, config, launch, qkv, device_lists, o, lse)
+    })
 }
 
 /// Verifies a selected-attention run: one verdict per (sequence, KV head).

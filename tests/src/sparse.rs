@@ -13,7 +13,8 @@
 //!   ([`BackwardExpectation::with_visibility`]): dK/dV sum over a GQA group whose heads may have
 //!   different lists;
 //! - NSA: one sub-problem per KV head, `Hq = G`, `Hkv = 1`, mask `causal ∧ selected(block(j))`;
-//! - DSA: the whole problem at once (`Hkv = 1`, MQA), mask `selected(j)`.
+//! - DSA: one sub-problem per (sequence, KV head), `Hq = G`, `Hkv = 1`, mask `selected(j)` from
+//!   the list that KV head reads (the reference's MQA layout is the one-KV-head case).
 //!
 //! Sub-problems are single-sequence varlen specs (`[L, H, D]`, LSE `[H, L]`), so both dense and
 //! varlen originals map onto them. The predicate encodings are themselves checked against the
@@ -29,7 +30,7 @@ use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Pair, Predicate, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
-use ndarray::{ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
+use ndarray::{Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
 use thiserror::Error;
 
 use crate::backward::{BackwardCandidate, BackwardExpectation};
@@ -243,28 +244,58 @@ fn check_candidate_shape(
 
 /// DSA as dense attention: a single-sequence varlen case with `Hq = H`, `Hkv = 1` (MQA) and the
 /// mask "key `j` is in query `i`'s selection" (causality is part of a valid selection). Keys
-/// `[T, d]`, values `[T, dv]` become `[T, 1, ·]`.
+/// `[T, d]`, values `[T, dv]` become `[T, 1, ·]`: [`dsa_group_case`] of the one KV head.
 pub fn dsa_case<T: Element>(
     query: ArrayView3<'_, T>,
     key: ArrayView2<'_, T>,
     value: ArrayView2<'_, T>,
     selection: ArrayView2<'_, i32>,
 ) -> Case<T> {
-    let (len, n_heads, head_dim) = query.dim();
+    let (key, value) = (key.insert_axis(Axis(1)), value.insert_axis(Axis(1)));
+    dsa_group_case(query, key, value, selection, 0, Scale::InverseSqrtHeadDim)
+}
+
+/// The DSA sub-case of KV head `kv`: query heads `kv·G .. (kv+1)·G` of `q [T, Hq, d]` over KV head
+/// `kv` of `k`, `v` `[T, Hkv, ·]`, as a single-sequence varlen case with `Hkv = 1` under `scale`
+/// and the mask "key `j` is in query `i`'s row of `selection [T, κ]`".
+pub fn dsa_group_case<T: Element>(
+    q: ArrayView3<'_, T>,
+    k: ArrayView3<'_, T>,
+    v: ArrayView3<'_, T>,
+    selection: ArrayView2<'_, i32>,
+    kv: usize,
+    scale: Scale,
+) -> Case<T> {
+    group_case(q, k, v, kv, scale, dsa_mask(selection, Listing::All))
+}
+
+/// Query heads `kv·G .. (kv+1)·G` of `q [T, Hq, d]` over KV head `kv` of `k`, `v` `[T, Hkv, ·]`,
+/// as a single-sequence varlen case with `Hkv = 1` under `scale` and `mask`.
+fn group_case<T: Element>(
+    q: ArrayView3<'_, T>,
+    k: ArrayView3<'_, T>,
+    v: ArrayView3<'_, T>,
+    kv: usize,
+    scale: Scale,
+    mask: Mask,
+) -> Case<T> {
+    let (len, n_heads_q, head_dim) = q.dim();
+    let group = n_heads_q / k.dim().1;
     let spec = AttentionSpec {
         layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
-        n_heads_q: n_heads,
+        n_heads_q: group,
         n_heads_kv: 1,
         head_dim,
-        head_dim_v: value.ncols(),
-        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
-        mask: dsa_mask(selection, Listing::All),
+        head_dim_v: v.dim().2,
+        scale,
+        mask,
     };
+    let one = Slice::from(kv..kv + 1);
     Case {
         spec,
-        q: query.to_owned().into_dyn(),
-        k: key.insert_axis(Axis(1)).to_owned().into_dyn(),
-        v: value.insert_axis(Axis(1)).to_owned().into_dyn(),
+        q: q.slice_axis(Axis(1), Slice::from(kv * group..(kv + 1) * group)).to_owned().into_dyn(),
+        k: k.slice_axis(Axis(1), one).to_owned().into_dyn(),
+        v: v.slice_axis(Axis(1), one).to_owned().into_dyn(),
     }
 }
 
@@ -299,10 +330,98 @@ pub fn verify_dsa_forward<T: Element>(
     o: ArrayViewD<'_, T>,
     lse: ArrayViewD<'_, f32>,
 ) -> Result<Verdict, HarnessError> {
-    let case = dsa_case(query, key, value, selection);
-    let mut verdict = verify_forward(&case, recipe, o, lse)?;
-    score_dropped_block(&mut verdict, &case, dsa_mask(selection, Listing::DropLastPerQueryTile), recipe)?;
+    verify_dsa_group_forward(&dsa_case(query, key, value, selection), selection, recipe, o, lse)
+}
+
+/// Verifies the DSA forward of one group case ([`dsa_group_case`]: `o`, `lse` of its query
+/// heads), with the gate's dropped-selected-token wrong answer added.
+pub fn verify_dsa_group_forward<T: Element>(
+    case: &Case<T>,
+    selection: ArrayView2<'_, i32>,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Verdict, HarnessError> {
+    let mut verdict = verify_forward(case, recipe, o, lse)?;
+    score_dropped_block(&mut verdict, case, dsa_mask(selection, Listing::DropLastPerQueryTile), recipe)?;
     Ok(verdict)
+}
+
+/// Verifies a DSA token-sparse forward candidate `(O, LSE)` of any layout (dense `[B, H, L, ·]` or
+/// varlen `[T, H, ·]`, as `case.spec` says: causal self-attention) with token lists
+/// `[token rows, list heads, κ]` (row `b·L + t` dense, `cu_seqlens_q[b] + t` varlen; one list head
+/// for every KV head, or one per KV head): one verdict per (sequence, KV head) from
+/// [`verify_dsa_group_forward`] on the sequence's group case (an empty sequence has nothing to
+/// verify).
+pub fn verify_dsa_token_sparse_forward<T: Element>(
+    case: &Case<T>,
+    lists: ArrayView3<'_, i32>,
+    recipe: FlashRecipe,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let shared = lists.dim().1 == 1;
+    verify_per_group(case, o, lse, |group, rows, kv, o_sub, lse_sub| {
+        let selection = lists.slice_axis(Axis(0), rows).index_axis_move(Axis(1), if shared { 0 } else { kv });
+        let sub = dsa_group_case(group.q.view(), group.k.view(), group.v.view(), selection, kv, case.spec.scale);
+        verify_dsa_group_forward(&sub, selection, recipe, o_sub, lse_sub)
+    })
+}
+
+/// One sequence's heads of a case, stacked `[L, H, ·]`: what the per-group verifiers cut their group cases from.
+pub struct SequenceHeads<T> {
+    /// Queries `[L, Hq, d]`.
+    pub q: Array3<T>,
+    /// Keys `[L, Hkv, d]`.
+    pub k: Array3<T>,
+    /// Values `[L, Hkv, dv]`.
+    pub v: Array3<T>,
+}
+
+/// The per-(sequence, KV head) loop of the token-list verifiers (NSA's selected branch, DSA's token-sparse attention)
+/// for a candidate `(O, LSE)` of any layout: checks the candidate's shapes, skips empty sequences, and calls
+/// `verify(heads, token rows, kv, o, lse)` with the sequence's stacked heads, its rows of the per-token lists, and the
+/// group's `O [L, G, dv]` and `LSE [G, L]`, collecting one verdict per (sequence, KV head) in that order.
+fn verify_per_group<T: Element>(
+    case: &Case<T>,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+    verify: impl Fn(
+        &SequenceHeads<T>,
+        Slice,
+        usize,
+        ArrayViewD<'_, T>,
+        ArrayViewD<'_, f32>,
+    ) -> Result<Verdict, HarnessError>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    check_candidate_shape(spec, "o", Operand::O, o.shape())?;
+    check_candidate_shape(spec, "lse", Operand::RowStat, lse.shape())?;
+    let (hq, hkv, group) = (spec.n_heads_q, spec.n_heads_kv, spec.group_size());
+    let three = |a: ArrayD<T>| a.into_dimensionality::<ndarray::Ix3>().expect("[L, H, D]");
+    let mut verdicts = Vec::new();
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        let rows = Slice::from(row0..row0 + seq.len_q);
+        row0 += seq.len_q;
+        if seq.len_q == 0 {
+            continue;
+        }
+        let heads = SequenceHeads {
+            q: three(stack_heads(spec, case.q.view(), &seq, 0..hq, false)),
+            k: three(stack_heads(spec, case.k.view(), &seq, 0..hkv, true)),
+            v: three(stack_heads(spec, case.v.view(), &seq, 0..hkv, true)),
+        };
+        let o_seq = stack_heads(spec, o.view(), &seq, 0..hq, false);
+        let lse_seq = stack_row_stats(spec, lse.view(), &seq, 0..hq);
+        for kv in 0..hkv {
+            let group_heads = kv * group..(kv + 1) * group;
+            let o_sub = heads_of(o_seq.view(), 1, group_heads.clone());
+            let lse_sub = heads_of(lse_seq.view(), 0, group_heads);
+            verdicts.push(verify(&heads, rows, kv, o_sub.view(), lse_sub.view())?);
+        }
+    }
+    Ok(verdicts)
 }
 
 /// `causal ∧ (block(key) selected for (query, KV head kv))` over a sequence of `T` tokens.
@@ -343,25 +462,7 @@ pub fn nsa_group_case<T: Element>(
     select_block: usize,
     scale: Scale,
 ) -> Case<T> {
-    let (len, n_heads_q, head_dim) = q.dim();
-    let group = n_heads_q / k.dim().1;
-    let heads = Slice::from(kv * group..(kv + 1) * group);
-    let spec = AttentionSpec {
-        layout: Layout::Varlen { cu_seqlens_q: vec![0, len as i32], cu_seqlens_k: vec![0, len as i32] },
-        n_heads_q: group,
-        n_heads_kv: 1,
-        head_dim,
-        head_dim_v: v.dim().2,
-        scale,
-        mask: selected_blocks_mask(selection, kv, select_block),
-    };
-    let one = Slice::from(kv..kv + 1);
-    Case {
-        spec,
-        q: q.slice_axis(Axis(1), heads).to_owned().into_dyn(),
-        k: k.slice_axis(Axis(1), one).to_owned().into_dyn(),
-        v: v.slice_axis(Axis(1), one).to_owned().into_dyn(),
-    }
+    group_case(q, k, v, kv, scale, selected_blocks_mask(selection, kv, select_block))
 }
 
 /// Verifies the NSA selection forward of KV head `kv` (`o`, `lse` of its query heads) on its
@@ -393,40 +494,12 @@ pub fn verify_nsa_selected_forward<T: Element>(
     o: ArrayViewD<'_, T>,
     lse: ArrayViewD<'_, f32>,
 ) -> Result<Vec<Verdict>, SparseHarnessError> {
-    let spec = &case.spec;
-    check_candidate_shape(spec, "o", Operand::O, o.shape())?;
-    check_candidate_shape(spec, "lse", Operand::RowStat, lse.shape())?;
-    let (hq, hkv) = (spec.n_heads_q, spec.n_heads_kv);
-    let group = spec.group_size();
-    let three = |a: ArrayD<T>| a.into_dimensionality::<ndarray::Ix3>().expect("[L, H, D]");
-    let mut verdicts = Vec::new();
-    let mut row0 = 0;
-    for seq in spec.sequences() {
-        let rows = Slice::from(row0..row0 + seq.len_q);
-        row0 += seq.len_q;
-        let q = three(stack_heads(spec, case.q.view(), &seq, 0..hq, false));
-        let k = three(stack_heads(spec, case.k.view(), &seq, 0..hkv, true));
-        let v = three(stack_heads(spec, case.v.view(), &seq, 0..hkv, true));
-        let o_seq = stack_heads(spec, o.view(), &seq, 0..hq, false);
-        let lse_seq = stack_row_stats(spec, lse.view(), &seq, 0..hq);
+    verify_per_group(case, o, lse, |group, rows, kv, o_sub, lse_sub| {
         let selection = lists.slice_axis(Axis(0), rows);
-        for kv in 0..hkv {
-            let heads = kv * group..(kv + 1) * group;
-            let sub = nsa_group_case(q.view(), k.view(), v.view(), selection, kv, select_block, spec.scale);
-            let o_sub = heads_of(o_seq.view(), 1, heads.clone());
-            let lse_sub = heads_of(lse_seq.view(), 0, heads);
-            verdicts.push(verify_nsa_group_forward(
-                &sub,
-                selection,
-                kv,
-                select_block,
-                recipe,
-                o_sub.view(),
-                lse_sub.view(),
-            )?);
-        }
-    }
-    Ok(verdicts)
+        let (q, k, v) = (group.q.view(), group.k.view(), group.v.view());
+        let sub = nsa_group_case(q, k, v, selection, kv, select_block, case.spec.scale);
+        verify_nsa_group_forward(&sub, selection, kv, select_block, recipe, o_sub, lse_sub)
+    })
 }
 
 /// Heads `heads` (axis 1) of a `[T, H, ·]` tensor, or of a `[H, T]` row statistic (axis 0).

@@ -21,6 +21,9 @@
 #                           64K, 128K), then block_sparse_peers.py (FlexAttention on the same lists) in the same call
 #   run.sh dsa-bench [ARGS] bin/bench --dsa (DSA's indexer with its exact top-k at 16K, 64K, 128K), then
 #                           dsa_peers.py (the PyTorch baseline: chunked scores and torch.topk) in the same call
+#   run.sh dsa-sparse-bench [ARGS] bin/bench --dsa-sparse (DSA's token-sparse attention forward, 64 heads over one KV
+#                           head, k = 2048, at 16K, 64K, 128K) and bin/bench's dense causal forward at B1 H16 D128 in
+#                           the same call, for the ratio of effective TFLOP/s the issue sets
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers [ARGS]     dumps PyTorch's kernels' case files (python/examples/dump_peers.py ARGS, e.g.
@@ -71,6 +74,7 @@ SANITIZE=(
     "attnproof-gpu-it nsa_selected_backward::sanitizer_shapes"
     "attnproof-gpu-it nsa_layer::sanitizer_shapes"
     "attnproof-gpu-it dsa_index::sanitizer_shapes"
+    "attnproof-gpu-it dsa_sparse::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
@@ -107,7 +111,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | ring | peers | python) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | dsa-sparse-bench | ring | peers | python) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -275,6 +279,12 @@ dsa-bench)
     read -r -a peers_args <<<"${PEERS_ARGS:-}"
     python3 "$here"/dsa_peers.py --ours "$csv" "${peers_args[@]}" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/dsa-ours.csv"; fi
+    ;;
+dsa-sparse-bench)
+    csv="$(mktemp -d)/dsa-sparse.csv"
+    "$here"/bin/bench --dsa-sparse --csv "$csv" "$@" || exit 1
+    "$here"/bin/bench --shape 1,16,16384,128 --csv "${csv%.csv}-dense.csv" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/dsa-sparse-ours.csv"; cp "${csv%.csv}-dense.csv" "$OUT/dsa-sparse-dense.csv"; fi
     ;;
 ring)
     csv="$(mktemp -d)/ring.csv"

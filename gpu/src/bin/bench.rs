@@ -10,13 +10,20 @@
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
-//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]]`.
+//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]`.
 //! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
 //! counts the causal indexer's products, `2·H_I·d_I·T(T+1)/2`. `--dsa-source PATH` (repeatable) also times another
 //! text of `dsa_index.cu` (after `common.cuh`) and says on stderr whether its lists equal the embedded kernel's.
 //! `bench/dsa_peers.py` puts the rows beside the PyTorch baseline.
+//! `--dsa-sparse` times DSA's token-sparse attention forward instead (`attnproof_gpu::dsa::sparse`, direction
+//! `dsa-sparse-fwd`, shape `(T,H,d,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H = 64 query heads over one
+//! KV head (MQA), d = dv = 128, k = 2048, lists shared by the heads: token `t` lists all its `t + 1` tokens while
+//! they fit, else `k` spread evenly over `0 … t` (`⌊i(t+1)/k⌋`, the last being `t`), so that every gathered row is a
+//! different token and neighbouring tokens share few rows; its `tflops` column counts the visited pairs' products,
+//! `2·H·(d + dv)·Σ_t min(t + 1, k)`. `--dsa-sparse-source PATH` (repeatable) also times another text of
+//! `dsa_sparse.cu` and says on stderr whether its output equals the embedded kernel's bit for bit.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
@@ -87,6 +94,7 @@ use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM9
 use attnproof_gpu::dsa::index::{
     self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
 };
+use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection, token_sparse_device};
 use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{
     NSA_COMPRESS, compress_kv_backward_device, compress_kv_device, compress_map_gradient_device, compressed_shape,
@@ -154,6 +162,10 @@ struct Options {
     dsa_sources: Vec<KernelSource>,
     /// `--dsa-max-t T`: the longest sequence of the DSA rows.
     dsa_max_t: usize,
+    /// `--dsa-sparse`: DSA's token-sparse attention rows (instead of the dense ones).
+    dsa_sparse: bool,
+    /// `--dsa-sparse-source PATH`: other texts of the token-sparse attention, each timed beside the embedded one.
+    dsa_sparse_sources: Vec<KernelSource>,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -191,6 +203,8 @@ fn parse() -> Result<Options, String> {
         dsa: false,
         dsa_sources: vec![],
         dsa_max_t: 131072,
+        dsa_sparse: false,
+        dsa_sparse_sources: vec![],
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -206,6 +220,11 @@ fn parse() -> Result<Options, String> {
             "--selection-only" => o.selection_only = true,
             "--nsa" => o.nsa = true,
             "--dsa" => o.dsa = true,
+            "--dsa-sparse" => o.dsa_sparse = true,
+            "--dsa-sparse-source" => {
+                let path = value("--dsa-sparse-source")?;
+                o.dsa_sparse_sources.push(kernel_from_file("--dsa-sparse-source", &path, "dsa_sparse_fwd")?);
+            }
             "--dsa-source" => {
                 let path = value("--dsa-source")?;
                 o.dsa_sources.push(kernel_from_file("--dsa-source", &path, "dsa_index_topk")?);
@@ -278,6 +297,12 @@ fn parse() -> Result<Options, String> {
     }
     if !o.dsa_sources.is_empty() && !o.dsa {
         return Err("--dsa-source times DSA's indexer: add --dsa".into());
+    }
+    if !o.dsa_sparse_sources.is_empty() && !o.dsa_sparse {
+        return Err("--dsa-sparse-source times DSA's token-sparse attention: add --dsa-sparse".into());
+    }
+    if o.dsa_sparse && (o.dsa || o.nsa || o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
+        return Err("--dsa-sparse times its own shapes".into());
     }
     if o.dsa && (o.nsa || o.block_sparse || o.backward || o.shape.is_some() || o.all_tilings) {
         return Err("--dsa times its own shapes".into());
@@ -1056,6 +1081,70 @@ fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
     Ok(())
 }
 
+/// DSA's token-sparse attention rows: H = 64 query heads over one KV head, d = dv = 128, k = 2048 (see the module
+/// docs).
+fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    const HEADS: usize = 64;
+    const DIM: usize = 128;
+    const TOP_K: usize = 2048;
+    let selection = TokenSelection { top_k: TOP_K, heads: ListSharing::Shared };
+    for seq_len in [16384usize, 65536, 131072].into_iter().filter(|&t| t <= opts.dsa_max_t) {
+        let spec = AttentionSpec::dense(1, HEADS, 1, seq_len, seq_len, DIM, DIM).with_mask(Mask::Causal);
+        let (n_q, n_kv) = (seq_len * HEADS * DIM, seq_len * DIM);
+        let mut sets = vec![];
+        for set in 0..SETS as u64 {
+            sets.push((
+                upload(stream, n_q, 5 * set + 1)?,
+                upload(stream, n_kv, 5 * set + 2)?,
+                upload(stream, n_kv, 5 * set + 3)?,
+            ));
+        }
+        let lists: Vec<i32> = (0..seq_len)
+            .flat_map(|t| {
+                (0..TOP_K).map(move |i| {
+                    if t < TOP_K { if i <= t { i as i32 } else { -1 } } else { (i * (t + 1) / TOP_K) as i32 }
+                })
+            })
+            .collect();
+        let lists = stream.clone_htod(&lists).map_err(|e| e.to_string())?;
+        let mut o = alloc(stream, n_q)?;
+        let mut lse = stream.alloc_zeros::<f32>(HEADS * seq_len).map_err(|e| e.to_string())?;
+        let pairs: f64 = (0..seq_len).map(|t| (t + 1).min(TOP_K) as f64).sum();
+        let flops = 2.0 * (HEADS * 2 * DIM) as f64 * pairs;
+        let mut reference: Option<Vec<u16>> = None;
+        for kernel in std::iter::once(DSA_SPARSE).chain(opts.dsa_sparse_sources.iter().copied()) {
+            let embedded = kernel.source == DSA_SPARSE.source;
+            let ms = median_ms(stream, opts, |set| {
+                let (q, k, v) = &sets[set];
+                token_sparse_device(stream, &spec, selection, kernel, (q, k, v), &lists, &mut o, &mut lse)
+                    .map_err(|e| e.to_string())
+            })?;
+            // The output of input set 0, compared across kernel texts (on a cleared buffer: a text that writes
+            // nothing must not pass for equal).
+            stream.memset_zeros(&mut o).map_err(|e| e.to_string())?;
+            let (q, k, v) = &sets[0];
+            token_sparse_device(stream, &spec, selection, kernel, (q, k, v), &lists, &mut o, &mut lse)
+                .map_err(|e| e.to_string())?;
+            let host: Vec<u16> =
+                stream.clone_dtoh(&o).map_err(|e| e.to_string())?.iter().map(|x| x.to_bits()).collect();
+            match &reference {
+                None => reference = Some(host),
+                Some(r) => {
+                    eprintln!("T = {seq_len}, {}: output equals the embedded kernel's: {}", kernel.name, *r == host)
+                }
+            }
+            let line = format!(
+                "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-sparse-fwd,gather{},{},{ms:.4},{:.1}\n",
+                source_suffix(kernel, embedded),
+                u8::from(embedded),
+                flops / ms / 1e9
+            );
+            emit(out, line);
+        }
+    }
+    Ok(())
+}
+
 /// A zeroed bf16 device buffer of `n` elements.
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
@@ -1070,6 +1159,9 @@ fn run(opts: &Options) -> Result<(), String> {
     if opts.nsa {
         run_nsa(opts, &stream, &mut out)?;
     }
+    if opts.dsa_sparse {
+        run_dsa_sparse(opts, &stream, &mut out)?;
+    }
     if opts.dsa {
         run_dsa(opts, &stream, &mut out)?;
     }
@@ -1079,7 +1171,7 @@ fn run(opts: &Options) -> Result<(), String> {
         }
         run_selection(opts, &stream, &mut out)?;
     }
-    let dense_shapes = if opts.block_sparse || opts.nsa || opts.dsa { &[][..] } else { &SHAPES[..] };
+    let dense_shapes = if opts.block_sparse || opts.nsa || opts.dsa || opts.dsa_sparse { &[][..] } else { &SHAPES[..] };
     for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {
         let n = b * h * l * d;
         let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };

@@ -1,9 +1,13 @@
 //! DSA (DeepSeek Sparse Attention, E16) on the GPU: the lightning indexer fused with an exact causal top-k
-//! ([`index`]).
+//! ([`index`]) and the token-sparse attention over its selection ([`sparse`]).
 //!
 //! The indexer scores every earlier token of a sequence, `I_ts = Σ_a w_ta · ReLU(q^I_ta · k^I_s)` for `s ≤ t`, and
 //! each token keeps the `k` best (ties to the lower index) as an ascending `i32` row, `−1`-padded where fewer than `k`
 //! tokens are visible: the convention of `attnproof_oracle::dsa::causal_top_k`, whose lists the GPU's must equal when
 //! both read the same f32 scores.
+//!
+//! The attention then runs over those lists: each token's query heads attend to the listed tokens only, with one
+//! softmax over them; its K and V rows are gathered once for every head that shares the list.
 
 pub mod index;
+pub mod sparse;

@@ -28,7 +28,7 @@ pub mod selected;
 pub mod selected_backward;
 pub mod window;
 
-use attnproof_oracle::{AttentionSpec, Layout, Mask};
+use attnproof_oracle::{AttentionSpec, Layout};
 
 use crate::error::GpuError;
 
@@ -46,18 +46,5 @@ pub(crate) fn o_rows(spec: &AttentionSpec) -> Result<i64, GpuError> {
 /// Checks that `spec` describes an NSA layer: valid, causal (`Mask::Causal`) self-attention, every sequence's query
 /// and key lengths equal. The branches' specs ([`window::window_spec`], [`compressed::compressed_spec`]) start here.
 pub(crate) fn check_layer(spec: &AttentionSpec) -> Result<(), GpuError> {
-    spec.validate()?;
-    if !matches!(spec.mask, Mask::Causal) {
-        return Err(GpuError::Unsupported {
-            argument: "mask",
-            reason: format!("NSA is causal self-attention; the layer's spec has {:?}", spec.mask),
-        });
-    }
-    if let Some(s) = spec.sequences().iter().find(|s| s.len_q != s.len_k) {
-        return Err(GpuError::Unsupported {
-            argument: "layout",
-            reason: format!("NSA is self-attention; sequence {} has {} queries and {} keys", s.index, s.len_q, s.len_k),
-        });
-    }
-    Ok(())
+    crate::common::check_causal_self_attention(spec, "NSA")
 }

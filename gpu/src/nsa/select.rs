@@ -38,15 +38,15 @@
 
 use std::sync::Arc;
 
+use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::nsa::{NsaConfig, selection_blocks};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{AttentionSpec, Layout};
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{Array3, ArrayViewD};
 
 use super::compressed::compressed_spec;
 use crate::backward::host_tensor;
-use crate::common::{GpuElement, check_len, grid_3d, to_i32};
+use crate::common::{GpuElement, check_len, grid_3d, to_i32, token_rows};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::flash::host_input;
@@ -82,14 +82,6 @@ struct Plan {
     batch: usize,
     max_len: usize,
     shared_bytes: usize,
-}
-
-/// Token rows of the scores and lists: `B · L` dense, the packed total varlen.
-fn token_rows(spec: &AttentionSpec) -> usize {
-    match &spec.layout {
-        Layout::Dense { batch, len_q, .. } => batch * len_q,
-        Layout::Varlen { cu_seqlens_q, .. } => cu_seqlens_q.last().copied().unwrap_or(0).max(0) as usize,
-    }
 }
 
 /// The selection blocks of the longest sequence, `max_b ⌈T_b / l'⌉`: the scores' last axis.
@@ -293,7 +285,7 @@ pub fn select<T: GpuElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use attnproof_oracle::Mask;
+    use attnproof_oracle::{Layout, Mask};
 
     fn layer(batch: usize, hq: usize, hkv: usize, len: usize, d: usize) -> AttentionSpec {
         AttentionSpec::dense(batch, hq, hkv, len, len, d, d).with_mask(Mask::Causal)

@@ -1,7 +1,8 @@
 //! What the GPU test modules share: the kernels' recipes and the guarded launches (NaN-poisoned outputs followed by
 //! sentinel guard bands, device inputs checked unchanged afterwards), both at home in the harness
 //! (`attnproof_harness::recipes`, `attnproof_harness::candidate`) and offered here with `String` errors for the
-//! tests that launch patched kernel texts and ring steps by hand; and the backward problem builder.
+//! tests that launch patched kernel texts and ring steps by hand; the backward problem builder; and the check of one
+//! draw of a token-list forward kernel (NSA's selected attention, DSA's token-sparse attention).
 
 use std::sync::Arc;
 
@@ -248,4 +249,59 @@ pub fn run_described<S: Strategy>(
             TestError::Abort(why) => TestError::Abort(why),
         })
     })
+}
+
+/// One draw of a token-list forward kernel (NSA's selected attention, DSA's token-sparse attention): the two inputs of
+/// `cases` run as A, B, A through `run` (A's two runs must give the same bits), every verdict of `verify` on A and on
+/// B must pass and discriminate (a draw the error model does not cover, an overflow of its own terms, is rejected, as
+/// in the other suites), and where `dense_bits` A's output must equal the dense forward kernel's bit for bit.
+pub fn check_token_list_draw<T: Storage>(
+    stream: &Arc<CudaStream>,
+    cases: &[Case<T>; 2],
+    run: impl Fn(&Case<T>) -> Result<ForwardRun<T>, attnproof_harness::candidate::LaunchError>,
+    verify: impl Fn(
+        &Case<T>,
+        &ForwardRun<T>,
+    ) -> Result<Vec<attnproof_harness::Verdict>, attnproof_harness::sparse::SparseHarnessError>,
+    dense_bits: bool,
+) -> Result<(), proptest::test_runner::TestCaseError> {
+    use attnproof_harness::flash::HarnessError;
+    use attnproof_harness::sparse::SparseHarnessError;
+    use proptest::test_runner::TestCaseError;
+    let fail = |e: String| TestCaseError::fail(e);
+    let launch = |case| run(case).map_err(|e| fail(e.to_string()));
+    let (first, second, again) = (launch(&cases[0])?, launch(&cases[1])?, launch(&cases[0])?);
+    let bits = |r: &ForwardRun<T>| {
+        (r.o.iter().map(|x| x.bits()).collect::<Vec<_>>(), r.lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+    };
+    if bits(&first) != bits(&again) {
+        return Err(fail("the same input gave different bits".into()));
+    }
+    for (n, (case, run)) in cases.iter().zip([&first, &second]).enumerate() {
+        let verdicts = match verify(case, run) {
+            Ok(v) => v,
+            Err(SparseHarnessError::Harness(HarnessError::Model(m))) => {
+                return Err(TestCaseError::reject(m.to_string()));
+            }
+            Err(e) => return Err(fail(format!("input {n}: {e}"))),
+        };
+        for (i, v) in verdicts.iter().enumerate() {
+            if !(v.passed() && v.valid()) {
+                return Err(fail(format!("input {n}, verdict {i} (sequence, KV head in order):\n{v}")));
+            }
+        }
+    }
+    if dense_bits {
+        let dense = forward_guarded(
+            stream,
+            &cases[0],
+            attnproof_gpu::compile::FLASH_FWD,
+            ForwardTiling { warps: 4, slices: 1 },
+        )
+        .map_err(|e| fail(e.to_string()))?;
+        if bits(&dense) != bits(&first) {
+            return Err(fail("every key listed: not the dense forward's bits".into()));
+        }
+    }
+    Ok(())
 }

@@ -10,6 +10,7 @@ mod common;
 mod compile_only;
 mod device;
 mod dsa_index;
+mod dsa_sparse;
 mod flash_backward;
 mod flash_forward;
 mod mutants;

@@ -25,6 +25,7 @@ use crate::block_sparse;
 use crate::block_sparse_backward;
 use crate::common::*;
 use crate::dsa_index;
+use crate::dsa_sparse;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
@@ -37,6 +38,7 @@ use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::dsa::index::DSA_INDEX;
+use attnproof_gpu::dsa::sparse::DSA_SPARSE;
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
@@ -61,7 +63,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 11] = [
+const KERNELS: [KernelSource; 12] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
@@ -73,6 +75,7 @@ const KERNELS: [KernelSource; 11] = [
     FLASH_FWD_SM90,
     FLASH_BWD_SM90,
     DSA_INDEX,
+    DSA_SPARSE,
 ];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
@@ -641,6 +644,41 @@ fn all_dsa_index_mutants_are_killed_by_the_general_suite() {
         |kernel| {
             let config = Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) };
             dsa_index::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
+        },
+    );
+}
+
+#[test]
+fn all_dsa_sparse_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = dsa_sparse::killing_cases();
+    hunt("all_dsa_sparse_mutants_are_killed", DSA_SPARSE, &catalog_mutants(DSA_SPARSE), &cases, |kernel, c| {
+        dsa_sparse::check_token_sparse_case(&stream, kernel, c)
+    });
+}
+
+/// Every token-sparse attention mutant also fails the general suite (bf16, its default draws, no shrinking).
+#[test]
+fn all_dsa_sparse_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &dsa_sparse::TOKEN_SPARSE_SUITES[0];
+    hunt_in_suite(
+        "all_dsa_sparse_mutants_are_killed_by_the_general_suite",
+        DSA_SPARSE,
+        &catalog_mutants(DSA_SPARSE),
+        suite.name,
+        |kernel| {
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            dsa_sparse::run_token_sparse_suite(suite, config, &stream, kernel)
         },
     );
 }

@@ -14,20 +14,16 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
-use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
-use attnproof_gpu::flash::ForwardTiling;
+use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::select::{NSA_SELECT, select};
 use attnproof_gpu::nsa::selected::{NSA_SELECTED, SelectedTiling, selected, selected_device};
 use attnproof_gpu::{GpuError, skip_unless_gpu};
-use attnproof_harness::candidate::forward_guarded;
-use attnproof_harness::flash::HarnessError;
 use attnproof_harness::nsa_selected::{
     ListMix, SelectedDraw, selected_case, selected_draws, selected_guarded, selected_lists, verify_selected,
 };
-use attnproof_harness::sparse::SparseHarnessError;
 use attnproof_oracle::nsa::NsaConfig;
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
 use cudarc::driver::CudaStream;
@@ -47,49 +43,23 @@ fn dense_equal(draw: &SelectedDraw) -> bool {
     draw.lists == ListMix::AllBlocks && draw.config.select_block.is_multiple_of(64)
 }
 
-/// One draw through `kernel`: inputs A and B, A, B, A, both verdicts passing and discriminating (the dropped-block
-/// answer rejected where it differs), and the dense kernel's bits where [`dense_equal`]. A draw the error model does
-/// not cover (an overflow of the model's own terms) is rejected, as in the other suites.
+/// One draw through `kernel` ([`check_token_list_draw`]): inputs A and B, A, B, A, both verdicts passing and
+/// discriminating (the dropped-block answer rejected where it differs), and the dense kernel's bits where
+/// [`dense_equal`].
 fn check_selected<T: Storage>(
     stream: &Arc<CudaStream>,
     kernel: KernelSource,
     draw: &SelectedDraw,
 ) -> Result<(), TestCaseError> {
-    let fail = |e: String| TestCaseError::fail(e);
     let lists = selected_lists(draw);
     let cases = [selected_case::<T>(draw, draw.seed), selected_case::<T>(draw, draw.seed ^ SECOND_INPUT)];
-    let run = |case| {
-        selected_guarded(stream, &draw.config, (kernel, draw.tiling), case, &lists).map_err(|e| fail(e.to_string()))
-    };
-    let (first, second, again) = (run(&cases[0])?, run(&cases[1])?, run(&cases[0])?);
-    let bits = |o: &ArrayD<T>, lse: &ArrayD<f32>| {
-        (o.iter().map(|x| x.bits()).collect::<Vec<_>>(), lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
-    };
-    if bits(&first.o, &first.lse) != bits(&again.o, &again.lse) {
-        return Err(fail("the same input gave different bits".into()));
-    }
-    for (n, (case, run)) in cases.iter().zip([&first, &second]).enumerate() {
-        let verdicts = match verify_selected(case, &draw.config, &lists, run.o.view(), run.lse.view()) {
-            Ok(v) => v,
-            Err(SparseHarnessError::Harness(HarnessError::Model(m))) => {
-                return Err(TestCaseError::reject(m.to_string()));
-            }
-            Err(e) => return Err(fail(format!("input {n}: {e}"))),
-        };
-        for (i, v) in verdicts.iter().enumerate() {
-            if !(v.passed() && v.valid()) {
-                return Err(fail(format!("input {n}, verdict {i} (sequence, KV head in order):\n{v}")));
-            }
-        }
-    }
-    if dense_equal(draw) {
-        let dense = forward_guarded(stream, &cases[0], FLASH_FWD, ForwardTiling { warps: 4, slices: 1 })
-            .map_err(|e| fail(e.to_string()))?;
-        if bits(&dense.o, &dense.lse) != bits(&first.o, &first.lse) {
-            return Err(fail("every block listed: not the dense forward's bits".into()));
-        }
-    }
-    Ok(())
+    check_token_list_draw(
+        stream,
+        &cases,
+        |case| selected_guarded(stream, &draw.config, (kernel, draw.tiling), case, &lists),
+        |case, run| verify_selected(case, &draw.config, &lists, run.o.view(), run.lse.view()),
+        dense_equal(draw),
+    )
 }
 
 /// Runs a suite's draws under `config` through the kernel text `kernel` on `stream`; a failing draw comes back

@@ -78,6 +78,14 @@ const DSA_INDEX: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of DSA's token-sparse attention forward (`dsa_sparse.cu`: the gather of each token's listed
+/// keys for a chunk of its query heads), launched in-process on a device with token-sparse killing cases.
+const DSA_SPARSE: Mutant = Mutant {
+    file: "gpu/kernels/dsa_sparse.cu",
+    runner: Runner::KernelText { kernel: "dsa_sparse", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -1051,6 +1059,84 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int shift = level == 0 ? 21 : level == 1 ? 10 : 0;",
         replace: "const int shift = level == 0 ? 21 : level == 1 ? 11 : 0;",
         ..DSA_INDEX
+    },
+    // --- dsa_sparse.cu (DSA's token-sparse attention forward), launched on a device ---
+    Mutant {
+        name: "gpu-dsa-sparse-last-slot-dropped",
+        description: "Top-k keeping k-1: a list's last valid entry is never attended to",
+        find: "const int n_valid = list_end;",
+        replace: "const int n_valid = max(list_end - 1, 0);",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-own-token-ends-the-list",
+        description: "Causal off by one in the device list rule: a list ends at its own token, which it may list",
+        find: "previous, token + 1)) {",
+        replace: "previous, token)) {",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-query-heads-collapsed",
+        description: "Every row of the CTA loads the query of the sequence's first head instead of its own",
+        find: "q_s, q + cta.q_base, fp.q_head, fp.q_row, first_head,",
+        replace: "q_s, q + cta.q_base, 0, fp.q_row, first_head,",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-chunk-offset-missing",
+        description: "Every head chunk of a group above 64 computes the group's first heads: the later heads are never written",
+        find: "const int first_head = kv * group + chunk * SPARSE_ROWS;",
+        replace: "const int first_head = kv * group;",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-per-head-lists-ignored",
+        description: "Every KV head reads the first KV head's list where lists are per KV head",
+        find: "const int list_head = params.list_heads == 1 ? 0 : kv;",
+        replace: "const int list_head = 0;",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-partial-tile-unmasked",
+        description: "A list's last, partial tile skips the mask: its zero-filled slots enter the softmax with score 0",
+        find: "if (keys_here == SPARSE_KEYS) {",
+        replace: "if (keys_here > 0) {",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-v-rows-of-the-first-tile",
+        description: "Every tile gathers its V rows from the list's first 64 slots instead of its own",
+        find: "v_s, cta.v_g, 0, fp.v_row, 0, ListedTokens{list + slot0}",
+        replace: "v_s, cta.v_g, 0, fp.v_row, 0, ListedTokens{list}",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-k-prefetch-repeats-the-tile",
+        description: "The K prefetch gathers the current tile's slots again instead of the next tile's",
+        find: "k_s, cta.k_g, 0, fp.k_row, 0, ListedTokens{list + slot1}",
+        replace: "k_s, cta.k_g, 0, fp.k_row, 0, ListedTokens{list + slot0}",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-kv-head-zero",
+        description: "Every group gathers its K and V rows from KV head 0 instead of its own",
+        find: "seq, first_head, blockIdx.x, 1, SPARSE_KEYS",
+        replace: "seq, chunk * SPARSE_ROWS, blockIdx.x, 1, SPARSE_KEYS",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-list-of-the-previous-token",
+        description: "A token attends over the list of the token before it",
+        find: ": (long long)seq * fp.dense_len_q) + token;",
+        replace: ": (long long)seq * fp.dense_len_q) + max(token - 1, 0);",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-partly-filled-warp-idle",
+        description: "A warp only some of whose 16 rows are heads of the chunk computes nothing: those heads get O = 0",
+        find: "const bool warp_active = warp * 16 < heads;",
+        replace: "const bool warp_active = warp * 16 + 16 <= heads;",
+        ..DSA_SPARSE
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {

@@ -1,0 +1,366 @@
+//! DSA's token-sparse attention forward (E16's main attention over the indexer's selection) on the GPU:
+//! `gpu/kernels/dsa_sparse.cu` behind typed wrappers, from device buffers ([`token_sparse_device`]) or host tensors
+//! ([`token_sparse`]).
+//!
+//! Every token `t` attends, for each query head, to the tokens its list names, with one softmax over them (drop and
+//! renormalize): `o_th = Σ_{s∈J_t} softmax_s(α q_th · k_s) v_s`, and the LSE beside it. This is dense attention under
+//! the visibility `s ∈ J_t`, what the oracle's `dsa::token_sparse_attention` computes for one sequence with one KV
+//! head; the layer here is any causal self-attention problem of the crate (batch or varlen, GQA of any group size,
+//! MQA included, head dims multiples of 8 up to 256, bf16 or f16).
+//!
+//! # Lists
+//!
+//! `lists [token rows, list heads, top_k]` `i32` ([`TokenSelection::lists_shape`]): per token an ascending prefix of
+//! distinct tokens of its own sequence, none after the token (`s ≤ t`), then `−1`: the rows `dsa::index` writes. One
+//! list head shared by every KV head ([`ListSharing::Shared`], DSA's: one indexer per layer) or one per KV head
+//! ([`ListSharing::PerKvHead`]). Host lists are validated ([`validate_token_lists`]); device lists are not (that would
+//! cost a copy), and the kernel ends a list at its first entry that does not rise or lies after its token, so no list
+//! can make it read outside its sequence's keys.
+//!
+//! # Schedule, and why the dense bound holds
+//!
+//! One CTA per (token, chunk of up to 64 query heads of a KV head's group, sequence) whose rows are the chunk's heads
+//! ([`rows_per_cta`]), so each gathered K and V row is loaded once for all of them, as FlashMLA's sparse kernel does
+//! for MQA. The CTA gathers its list's keys 64 slots at a time into one tile and runs the dense forward's step
+//! (`gpu/kernels/flash_fwd.cu`'s recipe) on it, the last tile masked past the list's end. So each row performs the
+//! dense forward's operations over at most [`visited_tiles`] tiles of [`KV_TILE`] keys: the dense forward's bound with
+//! that many rescales.
+//!
+//! # Errors
+//!
+//! Before any launch: the layer (causal self-attention, head dims), the sizes against the kernel's 32-bit arguments
+//! and the grid's extents, the buffers' lengths; from host tensors also every list against the convention above
+//! ([`GpuError::BlockList`] names the entry as (sequence, list head, token, slot), its bound being the token's
+//! visible keys `t + 1`).
+
+use std::sync::Arc;
+
+use attnproof_oracle::AttentionSpec;
+use attnproof_oracle::spec::Operand;
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{ArrayView3, ArrayViewD, Axis};
+
+use crate::block_sparse::check_block_list;
+use crate::common::{GpuElement, check_causal_self_attention, check_len, grid_3d, to_i32, token_rows};
+use crate::compile::{self, KernelSource};
+use crate::error::GpuError;
+use crate::flash::{ForwardOutput, forward_from_host};
+use crate::launch;
+use crate::params::{DsaSparseParams, FlashParams};
+
+/// `gpu/kernels/dsa_sparse.cu` after the shared helpers.
+pub const DSA_SPARSE: KernelSource = KernelSource {
+    name: "dsa_sparse",
+    source: concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/dsa_sparse.cu")),
+};
+
+/// Gathered keys per tile (`SPARSE_KEYS`): a list is visited in `⌈n/64⌉` tiles of consecutive slots.
+pub const KV_TILE: usize = 64;
+
+/// The most query heads one CTA holds (`SPARSE_ROWS` at its largest); a larger group takes several CTAs per token.
+pub const MAX_ROWS_PER_CTA: usize = 64;
+
+/// Which KV heads a list serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ListSharing {
+    /// One list per token for every KV head (DSA's: one indexer selects for the whole layer).
+    Shared,
+    /// One list per (token, KV head).
+    PerKvHead,
+}
+
+/// The selection the attention reads: `top_k` slots per list, shared or per KV head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TokenSelection {
+    /// Entries per list (any width: a list wider than its token's visible keys is `−1`-padded).
+    pub top_k: usize,
+    /// Which KV heads a list serves.
+    pub heads: ListSharing,
+}
+
+impl TokenSelection {
+    /// List heads per token: 1 shared, `n_heads_kv` per KV head.
+    pub fn list_heads(&self, spec: &AttentionSpec) -> usize {
+        match self.heads {
+            ListSharing::Shared => 1,
+            ListSharing::PerKvHead => spec.n_heads_kv,
+        }
+    }
+
+    /// The list head of query head `head`.
+    pub fn list_head_of(&self, spec: &AttentionSpec, head: usize) -> usize {
+        match self.heads {
+            ListSharing::Shared => 0,
+            ListSharing::PerKvHead => spec.kv_head(head),
+        }
+    }
+
+    /// The lists' shape for `spec`: `[token rows, list heads, top_k]`, token rows `B · L` dense, the packed total
+    /// varlen.
+    pub fn lists_shape(&self, spec: &AttentionSpec) -> [usize; 3] {
+        [token_rows(spec), self.list_heads(spec), self.top_k]
+    }
+}
+
+/// Query heads per CTA for a GQA group of `group` heads: the group rounded up to a multiple of 16 (a warp's rows),
+/// at most [`MAX_ROWS_PER_CTA`].
+pub fn rows_per_cta(group: usize) -> usize {
+    group.clamp(1, MAX_ROWS_PER_CTA).div_ceil(16) * 16
+}
+
+/// The most tiles a row visits: `⌈top_k / 64⌉`.
+pub fn visited_tiles(top_k: usize) -> usize {
+    top_k.div_ceil(KV_TILE)
+}
+
+/// The defines `dsa_sparse.cu` is compiled with: the storage type, the head dims rounded up to a multiple of 16 and
+/// the rows per CTA.
+pub fn sparse_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
+    let pad = |d: usize| d.div_ceil(16).max(1) * 16;
+    vec![
+        T::DEFINE.to_owned(),
+        format!("HEAD_DIM_PAD={}", pad(spec.head_dim)),
+        format!("HEAD_DIM_V_PAD={}", pad(spec.head_dim_v)),
+        format!("SPARSE_ROWS={}", rows_per_cta(spec.group_size())),
+    ]
+}
+
+/// Everything a launch needs, derived from a validated layer spec and selection.
+struct Plan {
+    params: DsaSparseParams,
+    cu_q: Vec<i32>,
+    cu_k: Vec<i32>,
+    batch: usize,
+    max_len: usize,
+    rows: usize,
+    shared_bytes: usize,
+}
+
+fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Plan, GpuError> {
+    check_causal_self_attention(spec, "DSA")?;
+    let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
+    let shape = selection.lists_shape(spec);
+    let elements = shape.iter().try_fold(1usize, |n, &x| n.checked_mul(x));
+    if elements.and_then(|n| i64::try_from(n).ok()).is_none() {
+        return Err(GpuError::TooLarge { argument: "lists", value: elements.unwrap_or(usize::MAX) });
+    }
+    let group = spec.group_size();
+    let rows = rows_per_cta(group);
+    let seqs = spec.sequences();
+    let max_len = seqs.iter().map(|s| s.len_q).max().unwrap_or(0);
+    let params = DsaSparseParams {
+        flash,
+        token_rows: shape[0] as i64,
+        top_k: to_i32("top_k", selection.top_k)?,
+        list_heads: to_i32("list heads", shape[1])?,
+        head_chunks: to_i32("head chunks", group.div_ceil(rows))?,
+        reserved: 0,
+    };
+    let pad = |d: usize| d.div_ceil(16).max(1) * 16;
+    // The Q tile of the CTA's rows and the gathered K tile (d columns), the gathered V tile (dv columns): 2-byte
+    // elements, rows padded by 8.
+    let shared_bytes = 2 * ((rows + KV_TILE) * (pad(spec.head_dim) + 8) + KV_TILE * (pad(spec.head_dim_v) + 8));
+    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, rows, shared_bytes })
+}
+
+/// Token-sparse attention of the layer `spec` (causal self-attention) on device buffers: `q`, `k`, `v` the layer's,
+/// `lists` of [`TokenSelection::lists_shape`] (not validated, see the module docs); `o` (O's layout) and `lse`
+/// (dense `[B, Hq, L]`, varlen `[Hq, T]`) are written in full. `kernel` is [`DSA_SPARSE`] or a patched copy of it
+/// (the tests launch mutants through this path). Every check runs before the launch; the work is asynchronous on
+/// `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn token_sparse_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    selection: TokenSelection,
+    kernel: KernelSource,
+    (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    lists: &CudaSlice<i32>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+) -> Result<(), GpuError> {
+    let plan = plan(spec, selection)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", q, size(Operand::Q))?;
+    check_len("k", k, size(Operand::K))?;
+    check_len("v", v, size(Operand::V))?;
+    check_len("lists", lists, selection.lists_shape(spec).iter().product())?;
+    check_len("o", o, size(Operand::O))?;
+    check_len("lse", lse, size(Operand::RowStat))?;
+    let grid = grid_3d(
+        ("tokens", plan.max_len),
+        ("n_heads_kv × head chunks", spec.n_heads_kv * plan.params.head_chunks as usize),
+        ("sequences", plan.batch),
+    )?;
+    if plan.max_len == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
+        return Ok(());
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &sparse_defines::<T>(spec))?;
+    let func = module
+        .load_function("dsa_sparse_fwd")
+        .map_err(|e| GpuError::driver("cuModuleGetFunction(dsa_sparse.cu)", e))?;
+    compile::allow_shared_memory(ctx, &func, plan.shared_bytes, "head_dim or head_dim_v")?;
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
+    let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
+    let cfg = LaunchConfig {
+        grid_dim: grid,
+        block_dim: (2 * plan.rows as u32, 1, 1),
+        shared_mem_bytes: plan.shared_bytes as u32,
+    };
+    launch::launch_dsa_sparse_fwd(stream, &func, cfg, (q, k, v), (o, lse), lists, (&cu_q, &cu_k), &plan.params)
+}
+
+/// Checks host lists against the convention for `spec`: the shape [`TokenSelection::lists_shape`], and per token an
+/// ascending prefix of distinct tokens `0 ..= t` of its sequence, then `−1`.
+pub fn validate_token_lists(
+    spec: &AttentionSpec,
+    selection: TokenSelection,
+    lists: ArrayView3<'_, i32>,
+) -> Result<(), GpuError> {
+    let expected = selection.lists_shape(spec).to_vec();
+    if lists.shape() != expected.as_slice() {
+        return Err(GpuError::Shape { argument: "lists", expected, actual: lists.shape().to_vec() });
+    }
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        for t in 0..seq.len_q {
+            for (head, list) in lists.index_axis(Axis(0), row0 + t).outer_iter().enumerate() {
+                check_block_list(list.iter().copied(), t + 1)
+                    .map_err(|(slot, fault)| GpuError::BlockList { position: [seq.index, head, t, slot], fault })?;
+            }
+        }
+        row0 += seq.len_q;
+    }
+    Ok(())
+}
+
+/// Token-sparse attention from host tensors (validates the layer and the lists, copies in, launches, copies out,
+/// synchronizes); arguments as in [`token_sparse_device`]. `O` and LSE come back in the layer's layouts.
+#[allow(clippy::too_many_arguments)]
+pub fn token_sparse<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    selection: TokenSelection,
+    kernel: KernelSource,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+    v: ArrayViewD<'_, T>,
+    lists: ArrayView3<'_, i32>,
+) -> Result<ForwardOutput<T>, GpuError> {
+    plan(spec, selection)?;
+    validate_token_lists(spec, selection, lists)?;
+    let host_lists = lists.as_standard_layout();
+    let host_lists = host_lists.as_slice().expect("standard layout");
+    forward_from_host(stream, spec, [q, k, v], |[dq, dk, dv], o, lse| {
+        let upload = if host_lists.is_empty() { stream.alloc_zeros::<i32>(1) } else { stream.clone_htod(host_lists) };
+        let device_lists = upload.map_err(|e| GpuError::driver("cuMemcpyHtoD(lists)", e))?;
+        token_sparse_device(stream, spec, selection, kernel, (dq, dk, dv), &device_lists, o, lse)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::{Layout, Mask};
+
+    fn layer(batch: usize, hq: usize, hkv: usize, len: usize, d: usize, dv: usize) -> AttentionSpec {
+        AttentionSpec::dense(batch, hq, hkv, len, len, d, dv).with_mask(Mask::Causal)
+    }
+
+    const SHARED: TokenSelection = TokenSelection { top_k: 2048, heads: ListSharing::Shared };
+
+    #[test]
+    fn the_plan_sizes_rows_chunks_tiles_and_lists() {
+        for (group, rows, chunks) in [(1, 16, 1), (3, 16, 1), (16, 16, 1), (17, 32, 1), (48, 48, 1), (64, 64, 1)]
+            .into_iter()
+            .chain([(65, 64, 2), (100, 64, 2), (128, 64, 2), (129, 64, 3)])
+        {
+            let p = plan(&layer(1, group, 1, 100, 64, 64), SHARED).unwrap();
+            assert_eq!((p.rows, p.params.head_chunks), (rows, chunks), "group {group}");
+        }
+        let spec = layer(2, 12, 4, 130, 192, 128);
+        let p = plan(&spec, TokenSelection { top_k: 7, heads: ListSharing::PerKvHead }).unwrap();
+        assert_eq!((p.params.token_rows, p.params.list_heads, p.params.top_k), (260, 4, 7));
+        assert_eq!((p.batch, p.max_len), (2, 130));
+        // A Q tile of 16 rows and a K tile of 64 rows of 192 + 8 columns, a V tile of 64 rows of 128 + 8.
+        assert_eq!(p.shared_bytes, 2 * ((16 + 64) * 200 + 64 * 136));
+        assert_eq!(
+            sparse_defines::<half::f16>(&spec),
+            ["ELEM_F16", "HEAD_DIM_PAD=192", "HEAD_DIM_V_PAD=128", "SPARSE_ROWS=16"]
+        );
+        assert_eq!(
+            sparse_defines::<half::bf16>(&layer(1, 40, 1, 1, 72, 8)),
+            ["ELEM_BF16", "HEAD_DIM_PAD=80", "HEAD_DIM_V_PAD=16", "SPARSE_ROWS=48"]
+        );
+        assert_eq!(SHARED.lists_shape(&spec), [260, 1, 2048]);
+        assert_eq!((visited_tiles(2048), visited_tiles(65), visited_tiles(64), visited_tiles(0)), (32, 2, 1, 0));
+        assert_eq!(
+            (
+                SHARED.list_head_of(&spec, 11),
+                TokenSelection { heads: ListSharing::PerKvHead, ..SHARED }.list_head_of(&spec, 11)
+            ),
+            (0, 3)
+        );
+    }
+
+    #[test]
+    fn unsupported_layers_are_typed_errors() {
+        let not_causal = AttentionSpec::dense(1, 2, 1, 64, 64, 64, 64);
+        assert!(matches!(plan(&not_causal, SHARED), Err(GpuError::Unsupported { argument: "mask", .. })));
+        let cross = AttentionSpec::dense(1, 2, 1, 64, 65, 64, 64).with_mask(Mask::Causal);
+        assert!(matches!(plan(&cross, SHARED), Err(GpuError::Unsupported { argument: "layout", .. })));
+        assert!(matches!(
+            plan(&layer(1, 2, 1, 64, 60, 64), SHARED),
+            Err(GpuError::Unsupported { argument: "head_dim", .. })
+        ));
+        assert!(matches!(
+            plan(&layer(1, 2, 1, 64, 64, 264), SHARED),
+            Err(GpuError::Unsupported { argument: "head_dim_v", .. })
+        ));
+        let wide = TokenSelection { top_k: 1 << 31, ..SHARED };
+        assert!(matches!(plan(&layer(1, 2, 1, 64, 64, 64), wide), Err(GpuError::TooLarge { argument: "top_k", .. })));
+        let bad = AttentionSpec { n_heads_q: 3, ..layer(1, 2, 2, 64, 64, 64) };
+        assert!(matches!(plan(&bad, SHARED), Err(GpuError::Spec(_))));
+    }
+
+    /// Every way a list can break the convention is named with its (sequence, list head, token, slot), per sequence
+    /// of a varlen layout; lists wider than the visible keys are accepted, keys after the token are not.
+    #[test]
+    fn bad_lists_are_named_typed_errors() {
+        use crate::error::BlockListFault as F;
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 10, 10, 16], cu_seqlens_k: vec![0, 10, 10, 16] },
+            ..layer(1, 4, 2, 1, 64, 64)
+        };
+        let selection = TokenSelection { top_k: 4, heads: ListSharing::PerKvHead };
+        // Every token lists its first min(t + 1, 4) tokens.
+        let good = ndarray::Array3::from_shape_fn((16, 2, 4), |(row, _, e)| {
+            let t = if row < 10 { row } else { row - 10 };
+            if e <= t { e as i32 } else { -1 }
+        });
+        validate_token_lists(&spec, selection, good.view()).unwrap();
+        let with = |row: usize, head: usize, entries: [i32; 4]| {
+            let mut l = good.clone();
+            for (e, x) in entries.into_iter().enumerate() {
+                l[[row, head, e]] = x;
+            }
+            validate_token_lists(&spec, selection, l.view()).unwrap_err()
+        };
+        let named = |e: GpuError| match e {
+            GpuError::BlockList { position, fault } => (position, fault),
+            other => panic!("not a list error: {other}"),
+        };
+        // Token 2 of the first sequence may list 0, 1, 2; token 1 of the third (row 11) 0 and 1.
+        assert_eq!(named(with(2, 1, [0, 3, -1, -1])), ([0, 1, 2, 1], F::OutOfRange { index: 3, key_blocks: 3 }));
+        assert_eq!(named(with(11, 0, [0, 2, -1, -1])), ([2, 0, 1, 1], F::OutOfRange { index: 2, key_blocks: 2 }));
+        assert_eq!(named(with(7, 0, [1, 1, -1, -1])), ([0, 0, 7, 1], F::Duplicate { index: 1 }));
+        assert_eq!(named(with(7, 0, [2, 1, -1, -1])), ([0, 0, 7, 1], F::NotAscending { index: 1, previous: 2 }));
+        assert_eq!(named(with(7, 0, [0, -1, 2, -1])), ([0, 0, 7, 2], F::AfterPad { index: 2 }));
+        assert_eq!(named(with(7, 0, [-2, -1, -1, -1])), ([0, 0, 7, 0], F::OutOfRange { index: -2, key_blocks: 8 }));
+        let shared = TokenSelection { heads: ListSharing::Shared, ..selection };
+        assert!(matches!(validate_token_lists(&spec, shared, good.view()), Err(GpuError::Shape { .. })));
+        let narrow = ndarray::Array3::<i32>::zeros((16, 2, 3));
+        assert!(matches!(validate_token_lists(&spec, selection, narrow.view()), Err(GpuError::Shape { .. })));
+    }
+}

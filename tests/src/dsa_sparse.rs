@@ -1,0 +1,346 @@
+//! Verifying DSA's token-sparse attention forward (E16, `attnproof_gpu::dsa::sparse`) against the oracle: each (sequence,
+//! KV head) of the output is the group case of [`crate::sparse::dsa_group_case`] (dense attention of the group's heads
+//! under "key listed for the query", from the list that KV head reads), held to the dense forward's derived bound with
+//! one rescale per gathered tile ([`token_sparse_recipe`]), and the gate's dropped-selected-token answer scored.
+//!
+//! [`token_sparse_draws`] draws the layers (dense and varlen with empty sequences, lengths around a tile ± 1, GQA groups
+//! 1–16 and now and then 24 to 128, which take several CTAs per token above 64; E31's head dims and others; the
+//! default scale or another; lists shared by every KV head, as DSA's indexer writes them, or one per KV head; widths
+//! from 1 to 200 and 2048, which is wider than every drawn sequence) and [`token_lists`] the lists, mixing on purpose
+//! what breaks a gather: empty lists, every visible token, the most recent tokens, lists shared by neighbouring tokens
+//! as DSA's are, independent random lists, and the first token with the most recent ones (an attention sink).
+//! [`token_sparse_guarded`] launches a kernel text with poisoned, guarded outputs.
+
+use std::sync::Arc;
+
+use attnproof_gpu::compile::KernelSource;
+use attnproof_gpu::dsa::sparse::{KV_TILE, ListSharing, TokenSelection, token_sparse_device, visited_tiles};
+use attnproof_oracle::{AttentionSpec, Scale};
+use attnproof_proofs::flash_bound::FlashRecipe;
+use attnproof_reference::Element;
+use cudarc::driver::CudaStream;
+use ndarray::{Array3, ArrayViewD};
+use proptest::prelude::*;
+
+use crate::candidate::{ForwardRun, LaunchError, Storage, forward_guarded_with_lists};
+use crate::flash::Case;
+use crate::generate::{ListStream, ValueProfile};
+use crate::nsa::{causal_layer, self_attention_layout};
+use crate::sparse::{SparseHarnessError, verify_dsa_token_sparse_forward};
+use crate::verdict::Verdict;
+
+/// The token-sparse forward's recipe for `T` with lists of `top_k` slots: the dense forward kernel's
+/// (`recipes::gpu_forward`) with gathered tiles of at most `min(top_k, 64)` keys and at most [`visited_tiles`] of them
+/// per row.
+pub fn token_sparse_recipe<T: Element>(top_k: usize) -> FlashRecipe {
+    FlashRecipe {
+        kv_tile: KV_TILE.min(top_k).max(1),
+        visited_tiles: Some(visited_tiles(top_k).max(1)),
+        ..crate::recipes::gpu_forward::<T>()
+    }
+}
+
+/// How a draw's lists are made (each token's list draws its own kind from the seed; this is the mix's emphasis).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenListMix {
+    /// Every kind: empty, every visible token, the most recent, shared by neighbours, random, sink and recent.
+    Mixed,
+    /// Every list holds the first `min(t + 1, top_k)` tokens (with `top_k` at least the sequence: causal attention).
+    AllVisible,
+}
+
+/// One drawn token-sparse attention problem.
+#[derive(Clone, Debug)]
+pub struct TokenSparseDraw {
+    /// The layer: causal, `Lq = Lk` per sequence, under its scale.
+    pub layer: AttentionSpec,
+    /// The lists' width and sharing.
+    pub selection: TokenSelection,
+    /// How Q, K and V are made.
+    pub profile: ValueProfile,
+    /// Their seed, and the lists'.
+    pub seed: u64,
+    /// How the lists are made.
+    pub lists: TokenListMix,
+}
+
+/// The lists of `draw`, `[token rows, list heads, top_k]` ([`TokenSelection::lists_shape`]): per token and list head,
+/// one of: no token; the first `k` visible tokens; the `k` most recent (the token itself included); tokens drawn
+/// once for the token's group of 16 neighbours among the tokens before the group, and the token itself (neighbouring
+/// tokens share most of their lists, as the indexer's do); visible tokens drawn independently; the first token and the
+/// most recent ones. Every list follows the convention (ascending, distinct, `≤ t`, `−1`-padded).
+pub fn token_lists(draw: &TokenSparseDraw) -> Array3<i32> {
+    let spec = &draw.layer;
+    let k = draw.selection.top_k;
+    let [rows, list_heads, width] = draw.selection.lists_shape(spec);
+    let mut lists = Array3::from_elem((rows, list_heads, width), -1);
+    let mut rng = ListStream::new(draw.seed ^ 0x746f_6b65);
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        for t in 0..seq.len_q {
+            for head in 0..list_heads {
+                let recent = |n: usize| (t + 1).saturating_sub(n)..t + 1;
+                let chosen: Vec<usize> = match (draw.lists, rng.below(10)) {
+                    (TokenListMix::AllVisible, _) | (_, 1) => (0..=t).take(k).collect(),
+                    (_, 0) => vec![],
+                    (_, 2) => recent(k).collect(),
+                    (_, 3..=5) => {
+                        let group_start = t / 16 * 16;
+                        let mut shared =
+                            ListStream::new(draw.seed ^ ((seq.index * 131 + head) * 1_000_003 + t / 16) as u64);
+                        let mut c = shared.pick((0..group_start).collect(), k.saturating_sub(1));
+                        if k > 0 {
+                            c.push(t);
+                        }
+                        c
+                    }
+                    (_, 6..=8) => {
+                        let n = rng.below(k + 1);
+                        rng.pick((0..=t).collect(), n)
+                    }
+                    _ => {
+                        let mut c: Vec<usize> = std::iter::once(0).chain(recent(k.saturating_sub(1))).collect();
+                        c.dedup();
+                        c.truncate(k);
+                        c
+                    }
+                };
+                for (e, &s) in chosen.iter().enumerate() {
+                    lists[[row0 + t, head, e]] = s as i32;
+                }
+            }
+        }
+        row0 += seq.len_q;
+    }
+    lists
+}
+
+/// Draws: lengths from none through a tile ± 1 to 700; widths of 1 to 4, around one and two tiles (63, 64, 65, 128,
+/// 129), up to 200, and 2048 (wider than any drawn sequence: every list padded); GQA groups 1–16 over one or two KV
+/// heads, and 24, 48, 64, 65, 100 or 128 over one now and then (several CTAs per token above 64); E31's head dims and
+/// others up to 256; the scale `1/√d` or another; lists shared by every KV head twice in three, else per KV head;
+/// every list kind, and now and then every visible token.
+pub fn token_sparse_draws() -> impl Strategy<Value = TokenSparseDraw> {
+    let width = prop_oneof![
+        2 => 1usize..=4,
+        3 => prop::sample::select(vec![63usize, 64, 65, 128, 129, 2048]),
+        3 => 1usize..=200,
+    ];
+    let dims = prop_oneof![
+        3 => prop::sample::select(vec![(64usize, 64usize), (128, 128), (192, 128), (256, 256)]),
+        1 => ((1usize..=32).prop_map(|m| 8 * m), (1usize..=32).prop_map(|m| 8 * m)),
+    ];
+    let heads = prop_oneof![
+        6 => (1usize..=16, 1usize..=2).prop_map(|(group, n_heads_kv)| (group * n_heads_kv, n_heads_kv)),
+        1 => prop::sample::select(vec![(24usize, 1usize), (48, 1), (64, 1), (65, 1), (100, 1), (128, 1)]),
+    ];
+    let scale = prop_oneof![3 => Just(Scale::InverseSqrtHeadDim), 1 => Just(Scale::Value(0.3))];
+    let sharing = prop_oneof![2 => Just(ListSharing::Shared), 1 => Just(ListSharing::PerKvHead)];
+    let mix = prop_oneof![5 => Just(TokenListMix::Mixed), 1 => Just(TokenListMix::AllVisible)];
+    let length = prop::sample::select(vec![0usize, 1, 2, 63, 64, 65, 127, 128, 129, 300, 700]);
+    (width, dims, heads, scale, sharing, mix, self_attention_layout(length), crate::strategies::profile(), any::<u64>())
+        .prop_map(|(top_k, dims, heads, scale, sharing, mix, layout, profile, seed)| {
+            let layer = AttentionSpec { scale, ..causal_layer(layout, heads, dims) };
+            TokenSparseDraw { layer, selection: TokenSelection { top_k, heads: sharing }, profile, seed, lists: mix }
+        })
+}
+
+/// The case of `draw` from `seed`: Q, K, V from the draw's profile under the layer's spec.
+pub fn token_sparse_case<T: Storage>(draw: &TokenSparseDraw, seed: u64) -> Case<T> {
+    crate::generate::make_case::<T>(&draw.layer, draw.profile, seed)
+}
+
+/// One launch of the kernel text `kernel` on `case` with `lists`, outputs NaN-poisoned and guarded, inputs (lists
+/// included) checked unchanged.
+pub fn token_sparse_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    selection: TokenSelection,
+    kernel: KernelSource,
+    case: &Case<T>,
+    lists: &Array3<i32>,
+) -> Result<ForwardRun<T>, LaunchError> {
+    forward_guarded_with_lists(stream, case, lists, |qkv, device_lists, o, lse| {
+        token_sparse_device(stream, &case.spec, selection, kernel, qkv, device_lists, o, lse)
+    })
+}
+
+/// Verifies a token-sparse run: one verdict per (sequence, KV head).
+pub fn verify_token_sparse<T: Element>(
+    case: &Case<T>,
+    selection: TokenSelection,
+    lists: &Array3<i32>,
+    o: ArrayViewD<'_, T>,
+    lse: ArrayViewD<'_, f32>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    verify_dsa_token_sparse_forward(case, lists.view(), token_sparse_recipe::<T>(selection.top_k), o, lse)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::spec::{Layout, Sequence};
+    use attnproof_oracle::{DenseConfig, Qkv};
+    use half::bf16;
+    use ndarray::{Array2, ArrayD, Axis};
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    fn draw(
+        layout: Layout,
+        heads: (usize, usize),
+        top_k: usize,
+        sharing: ListSharing,
+        lists: TokenListMix,
+    ) -> TokenSparseDraw {
+        TokenSparseDraw {
+            layer: causal_layer(layout, heads, (16, 8)),
+            selection: TokenSelection { top_k, heads: sharing },
+            profile: ValueProfile::GAUSSIAN,
+            seed: 11,
+            lists,
+        }
+    }
+
+    /// The lists follow the convention for their sequences (the GPU wrapper's validation accepts them), rows of
+    /// varlen sequences start at their offsets, every kind occurs, and "all visible" lists the first tokens.
+    #[test]
+    fn the_drawn_lists_follow_the_convention_and_mix_every_kind() {
+        let cu = vec![0, 70, 70, 300];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let d = draw(layout, (4, 2), 6, ListSharing::PerKvHead, TokenListMix::Mixed);
+        let lists = token_lists(&d);
+        assert_eq!(lists.dim(), (300, 2, 6));
+        attnproof_gpu::dsa::sparse::validate_token_lists(&d.layer, d.selection, lists.view()).unwrap();
+        let rows: Vec<Vec<i32>> =
+            lists.outer_iter().flat_map(|r| r.outer_iter().map(|l| l.to_vec()).collect::<Vec<_>>()).collect();
+        assert!(rows.iter().any(|l| l[0] == -1), "an empty list");
+        assert!(rows.iter().any(|l| l.iter().all(|&s| s >= 0)), "a full list");
+        // The most recent tokens: token t = r − 70 of the second sequence lists t − 5 ..= t.
+        let recent = (80..300).any(|r| (0..2).any(|h| (0..6).all(|e| lists[[r, h, e]] == (r - 70 - 5 + e) as i32)));
+        assert!(recent, "a list of the most recent tokens");
+        let sink = (80..300).any(|r| {
+            (0..2).any(|h| {
+                lists[[r, h, 0]] == 0 && lists[[r, h, 5]] == (r - 70) as i32 && lists[[r, h, 1]] == (r - 70 - 4) as i32
+            })
+        });
+        assert!(sink, "the first token and the most recent");
+        let dense = Layout::Dense { batch: 1, len_q: 5, len_k: 5 };
+        let all = token_lists(&draw(dense, (1, 1), 2048, ListSharing::Shared, TokenListMix::AllVisible));
+        for t in 0..5 {
+            let expected: Vec<i32> = (0..2048).map(|e| if e <= t { e as i32 } else { -1 }).collect();
+            assert_eq!(all.index_axis(Axis(0), t).index_axis(Axis(0), 0).to_vec(), expected, "token {t}");
+        }
+    }
+
+    /// A replay of the strategy reaches groups above 64 (several CTAs per token), widths above every sequence,
+    /// lists per KV head over several KV heads, the widest head dims and the non-default scale.
+    #[test]
+    fn the_draws_reach_chunked_groups_wide_lists_per_head_lists_and_other_scales() {
+        let (mut chunked, mut wide, mut per_head, mut d256, mut scaled) = (false, false, false, false, false);
+        let mut runner = TestRunner::deterministic();
+        for _ in 0..400 {
+            let d = token_sparse_draws().new_tree(&mut runner).unwrap().current();
+            chunked |= d.layer.group_size() > 64;
+            wide |= d.layer.sequences().iter().all(|s| s.len_q < d.selection.top_k);
+            per_head |= d.selection.heads == ListSharing::PerKvHead && d.layer.n_heads_kv > 1;
+            d256 |= d.layer.head_dim == 256;
+            scaled |= d.layer.scale != Scale::InverseSqrtHeadDim;
+        }
+        assert!(chunked && wide && per_head && d256 && scaled);
+    }
+
+    /// The verifier accepts the oracle's output (per query head, under that head's list, not the verifier's group
+    /// cases: an independent path to the same numbers) rounded to bf16, for a varlen layout with two KV heads and
+    /// lists per KV head, and rejects it computed with a listed token dropped from one list, with the two KV heads'
+    /// lists swapped, and under the default scale where the layer says 0.3.
+    #[test]
+    fn the_verifier_accepts_the_oracle_and_rejects_a_dropped_token_swapped_lists_or_another_scale() {
+        let cu = vec![0, 50, 50, 130];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let mut d = draw(layout, (6, 2), 24, ListSharing::PerKvHead, TokenListMix::Mixed);
+        d.layer.scale = Scale::Value(0.3);
+        let case = token_sparse_case::<bf16>(&d, 5);
+        let lists = token_lists(&d);
+        let [q, k, v] = case.widened();
+        let offsets = [0, 50, 50];
+        let run = |lists: &Array3<i32>, scale: Scale, swap: bool| {
+            let spec = AttentionSpec { scale, ..case.spec.clone() };
+            let visibility = |seq: &Sequence, h: usize| {
+                let head = if swap { 1 - h / 3 } else { h / 3 };
+                Array2::from_shape_fn((seq.len_q, seq.len_k), |(t, j)| {
+                    let list = lists.index_axis(Axis(0), offsets[seq.index] + t);
+                    list.index_axis(Axis(0), head).iter().any(|&s| s >= 0 && s as usize == j)
+                })
+            };
+            let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+            let out = attnproof_oracle::attention::forward_with_visibility(
+                &spec,
+                qkv,
+                &visibility,
+                DenseConfig::default(),
+                (),
+            )
+            .unwrap();
+            (out.o.mapv(bf16::from_f64), out.lse.mapv(|x| x as f32))
+        };
+        let verdicts = |(o, lse): (ArrayD<bf16>, ArrayD<f32>)| {
+            verify_token_sparse(&case, d.selection, &lists, o.view(), lse.view()).unwrap()
+        };
+        let good = verdicts(run(&lists, Scale::Value(0.3), false));
+        assert_eq!(good.len(), 4, "two sequences with tokens (the empty one has nothing to verify), two KV heads");
+        assert!(
+            good.iter().all(|v| v.passed() && v.valid()),
+            "{}",
+            good.iter().map(|v| v.to_string()).collect::<String>()
+        );
+        let mut dropped = lists.clone();
+        let (row, slot) = (60..130)
+            .find_map(|r| (0..24).rev().find(|&e| lists[[r, 1, e]] >= 0).map(|e| (r, e)))
+            .expect("a token lists a key");
+        dropped[[row, 1, slot]] = -1;
+        assert!(
+            verdicts(run(&dropped, Scale::Value(0.3), false)).iter().any(|v| !v.passed()),
+            "a dropped token passed"
+        );
+        assert!(verdicts(run(&lists, Scale::Value(0.3), true)).iter().any(|v| !v.passed()), "swapped lists passed");
+        assert!(
+            verdicts(run(&lists, Scale::InverseSqrtHeadDim, false)).iter().any(|v| !v.passed()),
+            "the wrong scale passed"
+        );
+    }
+
+    /// The verifier reads one shared list for every KV head: the oracle under the shared list passes, and the same
+    /// output checked against lists per KV head that differ for the second KV head fails.
+    #[test]
+    fn shared_lists_serve_every_kv_head() {
+        let layout = Layout::Dense { batch: 2, len_q: 70, len_k: 70 };
+        let d = draw(layout, (4, 2), 9, ListSharing::Shared, TokenListMix::Mixed);
+        let case = token_sparse_case::<bf16>(&d, 8);
+        let lists = token_lists(&d);
+        let [q, k, v] = case.widened();
+        let visibility = |seq: &Sequence, _h: usize| {
+            Array2::from_shape_fn((seq.len_q, seq.len_k), |(t, j)| {
+                lists.index_axis(Axis(0), seq.index * 70 + t).iter().any(|&s| s >= 0 && s as usize == j)
+            })
+        };
+        let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+        let out = attnproof_oracle::attention::forward_with_visibility(
+            &case.spec,
+            qkv,
+            &visibility,
+            DenseConfig::default(),
+            (),
+        )
+        .unwrap();
+        let (o, lse) = (out.o.mapv(bf16::from_f64), out.lse.mapv(|x| x as f32));
+        let good = verify_token_sparse(&case, d.selection, &lists, o.view(), lse.view()).unwrap();
+        assert_eq!(good.len(), 4);
+        assert!(good.iter().all(|v| v.passed()));
+        let mut per_head = ndarray::concatenate(Axis(1), &[lists.view(), lists.view()]).unwrap();
+        per_head.index_axis_mut(Axis(1), 1).mapv_inplace(|s| if s > 0 { s - 1 } else { s });
+        let per_head = per_head.as_standard_layout().into_owned();
+        let selection = TokenSelection { heads: ListSharing::PerKvHead, ..d.selection };
+        let bad = verify_token_sparse(&case, selection, &per_head, o.view(), lse.view()).unwrap();
+        assert!(bad.iter().any(|v| !v.passed()), "the second KV head's other lists passed");
+    }
+}
