@@ -22,8 +22,9 @@
 #   run.sh dsa-bench [ARGS] bin/bench --dsa (DSA's indexer with its exact top-k at 16K, 64K, 128K), then
 #                           dsa_peers.py (the PyTorch baseline: chunked scores and torch.topk) in the same call
 #   run.sh dsa-sparse-bench [ARGS] bin/bench --dsa-sparse (DSA's token-sparse attention forward, 64 heads over one KV
-#                           head, k = 2048, at 16K, 64K, 128K) and bin/bench's dense causal forward at B1 H16 D128 in
-#                           the same call, for the ratio of effective TFLOP/s the issue sets
+#                           head, k = 2048, at 16K, 64K, 128K), dsa_sparse_peers.py (FlexAttention with the same
+#                           selection as a mask) and bin/bench's dense causal forward at B1 H16 L16K D128 in the same
+#                           call, for the ratio of effective TFLOP/s the issue sets
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers [ARGS]     dumps PyTorch's kernels' case files (python/examples/dump_peers.py ARGS, e.g.
@@ -283,6 +284,8 @@ dsa-bench)
 dsa-sparse-bench)
     csv="$(mktemp -d)/dsa-sparse.csv"
     "$here"/bin/bench --dsa-sparse --csv "$csv" "$@" || exit 1
+    read -r -a peers_args <<<"${PEERS_ARGS:-}"
+    python3 "$here"/dsa_sparse_peers.py --ours "$csv" "${peers_args[@]}" || exit 1
     "$here"/bin/bench --shape 1,16,16384,128 --csv "${csv%.csv}-dense.csv" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/dsa-sparse-ours.csv"; cp "${csv%.csv}-dense.csv" "$OUT/dsa-sparse-dense.csv"; fi
     ;;

@@ -28,7 +28,8 @@ const PACKAGES: &[&str] = &["attnproof-gpu"];
 const BENCHES: &[(&str, &str)] =
     &[("attnproof-gpu", "bench"), ("attnproof-harness", "ring_bench"), ("attnproof-harness", "check")];
 /// Scripts copied into the bundle's root, relative to the repository root.
-const SCRIPTS: &[&str] = &["bench/peers.py", "bench/block_sparse_peers.py", "bench/dsa_peers.py"];
+const SCRIPTS: &[&str] =
+    &["bench/peers.py", "bench/block_sparse_peers.py", "bench/dsa_peers.py", "bench/dsa_sparse_peers.py"];
 /// Scripts copied into the bundle at their own relative paths (they import each other by relative path).
 const TREE_SCRIPTS: &[&str] = &[
     "python/attnproof_dump.py",

@@ -24,6 +24,7 @@
 //! different token and neighbouring tokens share few rows; its `tflops` column counts the visited pairs' products,
 //! `2·H·(d + dv)·Σ_t min(t + 1, k)`. `--dsa-sparse-source PATH` (repeatable) also times another text of
 //! `dsa_sparse.cu` and says on stderr whether its output equals the embedded kernel's bit for bit.
+//! `bench/dsa_sparse_peers.py` puts the rows beside FlexAttention under the same selection.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
