@@ -19,7 +19,7 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use cudarc::driver::CudaStream;
-use ndarray::{Array3, ArrayViewD};
+use ndarray::{Array2, Array3, ArrayViewD};
 use proptest::prelude::*;
 
 use crate::candidate::{ForwardRun, LaunchError, Storage, forward_guarded_with_lists};
@@ -64,27 +64,57 @@ pub struct TokenSparseDraw {
     pub lists: TokenListMix,
 }
 
+/// What one token's list holds (each token and list head draws its kind; [`token_lists_with_kinds`] says which).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum TokenListKind {
+    /// No token.
+    Empty,
+    /// The first `min(t + 1, k)` tokens.
+    Prefix,
+    /// The `k` most recent tokens, the token itself included.
+    Recent,
+    /// `k − 1` tokens drawn once for the token's group of 16 neighbours among the tokens before the group, then the
+    /// token itself: neighbouring tokens share all but their last entry, as the indexer's lists share most of theirs.
+    SharedByNeighbours,
+    /// Up to `k` visible tokens drawn independently.
+    Random,
+    /// The first token and the `k − 1` most recent (an attention sink).
+    SinkAndRecent,
+}
+
 /// The lists of `draw`, `[token rows, list heads, top_k]` ([`TokenSelection::lists_shape`]): per token and list head,
-/// one of: no token; the first `k` visible tokens; the `k` most recent (the token itself included); tokens drawn
-/// once for the token's group of 16 neighbours among the tokens before the group, and the token itself (neighbouring
-/// tokens share most of their lists, as the indexer's do); visible tokens drawn independently; the first token and the
-/// most recent ones. Every list follows the convention (ascending, distinct, `≤ t`, `−1`-padded).
+/// a list of a [`TokenListKind`] (every visible token under [`TokenListMix::AllVisible`]). Every list follows the
+/// convention (ascending, distinct, `≤ t`, `−1`-padded).
 pub fn token_lists(draw: &TokenSparseDraw) -> Array3<i32> {
+    token_lists_with_kinds(draw).0
+}
+
+/// [`token_lists`] with the kind of every list, `[token rows, list heads]`.
+pub fn token_lists_with_kinds(draw: &TokenSparseDraw) -> (Array3<i32>, Array2<TokenListKind>) {
     let spec = &draw.layer;
     let k = draw.selection.top_k;
     let [rows, list_heads, width] = draw.selection.lists_shape(spec);
     let mut lists = Array3::from_elem((rows, list_heads, width), -1);
+    let mut kinds = Array2::from_elem((rows, list_heads), TokenListKind::Prefix);
     let mut rng = ListStream::new(draw.seed ^ 0x746f_6b65);
     let mut row0 = 0;
     for seq in spec.sequences() {
         for t in 0..seq.len_q {
             for head in 0..list_heads {
                 let recent = |n: usize| (t + 1).saturating_sub(n)..t + 1;
-                let chosen: Vec<usize> = match (draw.lists, rng.below(10)) {
-                    (TokenListMix::AllVisible, _) | (_, 1) => (0..=t).take(k).collect(),
-                    (_, 0) => vec![],
-                    (_, 2) => recent(k).collect(),
-                    (_, 3..=5) => {
+                let kind = match (draw.lists, rng.below(10)) {
+                    (TokenListMix::AllVisible, _) | (_, 1) => TokenListKind::Prefix,
+                    (_, 0) => TokenListKind::Empty,
+                    (_, 2) => TokenListKind::Recent,
+                    (_, 3..=5) => TokenListKind::SharedByNeighbours,
+                    (_, 6..=8) => TokenListKind::Random,
+                    _ => TokenListKind::SinkAndRecent,
+                };
+                let chosen: Vec<usize> = match kind {
+                    TokenListKind::Empty => vec![],
+                    TokenListKind::Prefix => (0..=t).take(k).collect(),
+                    TokenListKind::Recent => recent(k).collect(),
+                    TokenListKind::SharedByNeighbours => {
                         let group_start = t / 16 * 16;
                         let mut shared =
                             ListStream::new(draw.seed ^ ((seq.index * 131 + head) * 1_000_003 + t / 16) as u64);
@@ -94,17 +124,18 @@ pub fn token_lists(draw: &TokenSparseDraw) -> Array3<i32> {
                         }
                         c
                     }
-                    (_, 6..=8) => {
+                    TokenListKind::Random => {
                         let n = rng.below(k + 1);
                         rng.pick((0..=t).collect(), n)
                     }
-                    _ => {
+                    TokenListKind::SinkAndRecent => {
                         let mut c: Vec<usize> = std::iter::once(0).chain(recent(k.saturating_sub(1))).collect();
                         c.dedup();
                         c.truncate(k);
                         c
                     }
                 };
+                kinds[[row0 + t, head]] = kind;
                 for (e, &s) in chosen.iter().enumerate() {
                     lists[[row0 + t, head, e]] = s as i32;
                 }
@@ -112,7 +143,7 @@ pub fn token_lists(draw: &TokenSparseDraw) -> Array3<i32> {
         }
         row0 += seq.len_q;
     }
-    lists
+    (lists, kinds)
 }
 
 /// Draws: lengths from none through a tile ± 1 to 700; widths of 1 to 4, around one and two tiles (63, 64, 65, 128,
@@ -230,6 +261,85 @@ mod tests {
             let expected: Vec<i32> = (0..2048).map(|e| if e <= t { e as i32 } else { -1 }).collect();
             assert_eq!(all.index_axis(Axis(0), t).index_axis(Axis(0), 0).to_vec(), expected, "token {t}");
         }
+    }
+
+    /// Every list has its kind's contents: the prefix, the most recent, the sink and the most recent exactly; the
+    /// lists shared by neighbours hold `k − 1` tokens before their group (all of them once the group starts past
+    /// `k − 1`) and the token itself, and two tokens of one group and list head share those `k − 1`; random lists
+    /// hold at most `k` visible tokens, and some hold `k`. Every kind occurs.
+    #[test]
+    fn every_list_has_its_kinds_contents_and_every_kind_occurs() {
+        let cu = vec![0, 70, 70, 300];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let d = draw(layout, (4, 2), 6, ListSharing::PerKvHead, TokenListMix::Mixed);
+        let (lists, kinds) = token_lists_with_kinds(&d);
+        let k = 6;
+        let token_of = |row: usize| if row < 70 { row } else { row - 70 };
+        let entries = |row: usize, head: usize| -> Vec<usize> {
+            lists
+                .index_axis(Axis(0), row)
+                .index_axis(Axis(0), head)
+                .iter()
+                .filter(|&&s| s >= 0)
+                .map(|&s| s as usize)
+                .collect()
+        };
+        let mut seen = std::collections::BTreeSet::new();
+        let (mut full_random, mut shared_pairs) = (false, 0);
+        for row in 0..300 {
+            let t = token_of(row);
+            for head in 0..2 {
+                let kind = kinds[[row, head]];
+                seen.insert(kind);
+                let list = entries(row, head);
+                let recent = |n: usize| ((t + 1).saturating_sub(n)..=t).collect::<Vec<_>>();
+                match kind {
+                    TokenListKind::Empty => assert!(list.is_empty()),
+                    TokenListKind::Prefix => assert_eq!(list, (0..=t).take(k).collect::<Vec<_>>()),
+                    TokenListKind::Recent => assert_eq!(list, recent(k)),
+                    TokenListKind::SinkAndRecent => {
+                        let mut want: Vec<usize> = std::iter::once(0).chain(recent(k - 1)).collect();
+                        want.dedup();
+                        assert_eq!(list, want, "token {t}");
+                    }
+                    TokenListKind::SharedByNeighbours => {
+                        let group_start = t / 16 * 16;
+                        assert_eq!(list.last(), Some(&t));
+                        assert!(list[..list.len() - 1].iter().all(|&s| s < group_start));
+                        assert_eq!(list.len(), (group_start.min(k - 1)) + 1, "token {t}");
+                        // Another token of the group with the same kind and head shares the picks.
+                        let group_rows = (row - t % 16)..(row - t % 16 + 16).min(if row < 70 { 70 } else { 300 });
+                        for other in group_rows.filter(|&r| r != row && kinds[[r, head]] == kind) {
+                            let theirs = entries(other, head);
+                            assert_eq!(theirs[..theirs.len() - 1], list[..list.len() - 1], "rows {row} and {other}");
+                            shared_pairs += 1;
+                        }
+                    }
+                    TokenListKind::Random => {
+                        assert!(list.len() <= k && list.iter().all(|&s| s <= t));
+                        full_random |= list.len() == k;
+                    }
+                }
+            }
+        }
+        assert_eq!(seen.len(), 6, "kinds seen: {seen:?}");
+        assert!(full_random, "no random list of k tokens");
+        assert!(shared_pairs > 0, "no two neighbours share a list");
+    }
+
+    /// The token-sparse recipe: gathered tiles of `min(k, 64)` keys (at least one), `⌈k/64⌉` of them (at least one),
+    /// the dense forward kernel's recipe otherwise; lists of width 0 make no list at all.
+    #[test]
+    fn the_recipe_counts_the_gathered_tiles_and_zero_width_lists_are_empty() {
+        let base = crate::recipes::gpu_forward::<bf16>();
+        for (k, tile, tiles) in [(0, 1, 1), (1, 1, 1), (16, 16, 1), (64, 64, 1), (65, 64, 2), (2048, 64, 32)] {
+            let r = token_sparse_recipe::<bf16>(k);
+            assert_eq!((r.kv_tile, r.visited_tiles), (tile, Some(tiles)), "k = {k}");
+            assert_eq!(FlashRecipe { kv_tile: base.kv_tile, visited_tiles: base.visited_tiles, ..r }, base);
+        }
+        let layout = Layout::Dense { batch: 1, len_q: 20, len_k: 20 };
+        let lists = token_lists(&draw(layout, (2, 1), 0, ListSharing::Shared, TokenListMix::Mixed));
+        assert_eq!(lists.dim(), (20, 1, 0));
     }
 
     /// A replay of the strategy reaches groups above 64 (several CTAs per token), widths above every sequence,
