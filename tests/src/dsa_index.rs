@@ -314,6 +314,24 @@ mod tests {
         indexer_scores(IndexerInputs { q_index: q.view(), weights: w.view(), k_index: k.view() }, ()).unwrap()
     }
 
+    /// The bound's oracle term is `γ(d + H + 2)` of the magnitude at any head count: with three heads of dim 5 (where
+    /// `H + 2`, `2H` and `H·2` differ) each visible score's bound is the kernel's plus that term, to the last bits.
+    #[test]
+    fn the_oracle_term_counts_the_dim_the_heads_and_two() {
+        let q = Array3::from_shape_fn((4, 3, 5), |(t, a, c)| ((t * 3 + a * 7 + c) % 5) as f64 / 4.0 - 0.4);
+        let k = Array2::from_shape_fn((4, 5), |(s, c)| ((s * 2 + c * 3) % 7) as f64 / 4.0 - 0.6);
+        let w = Array2::from_shape_fn((4, 3), |(t, a)| 1.0 + (t + a) as f64 / 8.0);
+        let bounds = score_bounds(&IndexerCase { q: q.view(), k: k.view(), w: w.view(), top_k: 2 });
+        for t in 0..4 {
+            for s in 0..=t {
+                let magnitude: f64 =
+                    (0..3).map(|a| w[[t, a]] * (0..5).map(|c| (q[[t, a, c]] * k[[s, c]]).abs()).sum::<f64>()).sum();
+                let expected = indexer_score_bound(magnitude, 5, 3) + gamma(5 + 3 + 2) * magnitude;
+                assert!(magnitude > 0.0 && (bounds[[t, s]] - expected).abs() <= 1e-12 * expected, "[{t}, {s}]");
+            }
+        }
+    }
+
     #[test]
     fn the_oracles_own_lists_and_scores_pass_and_every_planted_fault_fails() {
         let (q, k, w) = small_case();

@@ -82,6 +82,18 @@ pub enum TokenListKind {
     SinkAndRecent,
 }
 
+/// The seed of a draw's stream of list kinds and random lists: distinct draw seeds give distinct streams.
+fn main_seed(seed: u64) -> u64 {
+    seed ^ 0x746f_6b65
+}
+
+/// The seed of the picks that the tokens of group `group` (of 16) share for list head `head` of sequence `seq`:
+/// distinct for distinct (sequence, head, group) below a million groups and 131 heads, so that no two groups share
+/// their picks by accident.
+fn neighbour_seed(seed: u64, seq: usize, head: usize, group: usize) -> u64 {
+    seed ^ ((seq * 131 + head) * 1_000_003 + group) as u64
+}
+
 /// The lists of `draw`, `[token rows, list heads, top_k]` ([`TokenSelection::lists_shape`]): per token and list head,
 /// a list of a [`TokenListKind`] (every visible token under [`TokenListMix::AllVisible`]). Every list follows the
 /// convention (ascending, distinct, `≤ t`, `−1`-padded).
@@ -96,7 +108,7 @@ pub fn token_lists_with_kinds(draw: &TokenSparseDraw) -> (Array3<i32>, Array2<To
     let [rows, list_heads, width] = draw.selection.lists_shape(spec);
     let mut lists = Array3::from_elem((rows, list_heads, width), -1);
     let mut kinds = Array2::from_elem((rows, list_heads), TokenListKind::Prefix);
-    let mut rng = ListStream::new(draw.seed ^ 0x746f_6b65);
+    let mut rng = ListStream::new(main_seed(draw.seed));
     let mut row0 = 0;
     for seq in spec.sequences() {
         for t in 0..seq.len_q {
@@ -116,8 +128,7 @@ pub fn token_lists_with_kinds(draw: &TokenSparseDraw) -> (Array3<i32>, Array2<To
                     TokenListKind::Recent => recent(k).collect(),
                     TokenListKind::SharedByNeighbours => {
                         let group_start = t / 16 * 16;
-                        let mut shared =
-                            ListStream::new(draw.seed ^ ((seq.index * 131 + head) * 1_000_003 + t / 16) as u64);
+                        let mut shared = ListStream::new(neighbour_seed(draw.seed, seq.index, head, t / 16));
                         let mut c = shared.pick((0..group_start).collect(), k.saturating_sub(1));
                         if k > 0 {
                             c.push(t);
@@ -325,6 +336,28 @@ mod tests {
         assert_eq!(seen.len(), 6, "kinds seen: {seen:?}");
         assert!(full_random, "no random list of k tokens");
         assert!(shared_pairs > 0, "no two neighbours share a list");
+    }
+
+    /// The list seeds are injective: distinct draw seeds give distinct streams (seeds differing inside and outside the
+    /// mixing constant's bits included), and distinct (sequence, head, group) give distinct neighbour seeds for draw
+    /// seeds with no bit, every bit and some bits set.
+    #[test]
+    fn list_seeds_are_injective() {
+        for seed in [0u64, 1, 0x746f_6b65, u64::MAX, 1 << 40] {
+            for other in [seed ^ 0x746f_6b65, seed ^ (1 << 40), seed ^ 1, seed.wrapping_add(12345)] {
+                assert_ne!(main_seed(seed), main_seed(other), "{seed:#x} and {other:#x}");
+            }
+        }
+        for seed in [0u64, u64::MAX, 0x1234_5678_9abc_def0] {
+            let mut seen = std::collections::HashSet::new();
+            for seq in 0..3 {
+                for head in 0..4 {
+                    for group in 0..50 {
+                        assert!(seen.insert(neighbour_seed(seed, seq, head, group)), "{seed:#x} {seq} {head} {group}");
+                    }
+                }
+            }
+        }
     }
 
     /// The token-sparse recipe: gathered tiles of `min(k, 64)` keys (at least one), `⌈k/64⌉` of them (at least one),
