@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Times FlexAttention on DSA's token-sparse attention forward with the same selection as a mask, and prints it beside
-our `dsa-sparse-fwd` rows.
+"""Times FlexAttention on DSA's token-sparse attention forward and backward with the same selection as a mask, and
+prints it beside our `dsa-sparse-fwd` and `dsa-sparse-bwd` rows.
 
 The selection is the bench binary's (`bench --dsa-sparse`): token t lists every token 0..t while t + 1 <= k, else the
 k tokens floor(i (t + 1) / k) for i < k, spread evenly over its past. Flex gets it as a mask function computed from
@@ -15,8 +15,10 @@ each token's listed keys: the largest difference must stay below 2^-6 of the lar
 a wrong mask moves outputs by whole values), and the mask function must list exactly the formula's tokens.
 
 Method as bench/peers.py: three input sets cycled call by call, untimed warm-up calls, then the median of --reps calls
-bracketed by CUDA events. FLOPs count the visited pairs' two products, 2 H (d + dv) sum_t min(t + 1, k), as the
-bench binary counts them for ours; TFLOP/s on that count is the "effective" rate of both.
+bracketed by CUDA events. FLOPs count the visited pairs' products, 2 H (d + dv) sum_t min(t + 1, k) forward and
+2 H (3d + 2dv) sum_t min(t + 1, k) backward (S, dP, dV, dK, dQ), as the bench binary counts them for ours; TFLOP/s on
+that count is the "effective" rate of both. Flex's backward is timed as `torch.autograd.grad` of a forward graph built
+once per input set (untimed).
 
 Usage: python3 bench/dsa_sparse_peers.py --ours ours.csv [--reps 10] [--warmup 2] [--max-t T] [--csv peers.csv]
 Run it in the same device call as the bench binary.
@@ -32,7 +34,9 @@ import torch
 # The timing method is bench/peers.py's (this file's directory is on the import path when run as a script).
 from peers import SETS, median_ms
 
-DIRECTION = "dsa-sparse-fwd"
+# Our rows' directions, and the products each counts per visited (token, key) pair and head: S and PV (2d with
+# dv = d) forward; S, dP, dV, dK and dQ (5d) backward.
+DIRECTIONS = {"dsa-sparse-fwd": 2, "dsa-sparse-bwd": 5}
 BLOCK = 128
 
 
@@ -63,6 +67,16 @@ def flex_sparse(seq_len, top_k):
 
     def run(q, k, v):
         return compiled(q, k, v, block_mask=mask, enable_gqa=True)
+
+    return run
+
+
+def flex_sparse_backward(seq_len, top_k):
+    """Flex's backward under the selection's BlockMask: dQ, dK, dV of a forward graph built once per input set (the
+    sets are (out, q, k, v, dO) with q, k, v requiring gradients)."""
+
+    def run(out, q, k, v, d_out):
+        return torch.autograd.grad(out, (q, k, v), d_out, retain_graph=True)
 
     return run
 
@@ -103,20 +117,36 @@ def parse_shape(shape):
     return seq_len, heads, dim, top_k
 
 
-def flops(seq_len, heads, dim, top_k):
-    """The visited pairs' products, 2 H (d + dv) sum_t min(t + 1, k), with dv = d."""
+def flops(seq_len, heads, dim, top_k, direction):
+    """The visited pairs' products, 2 H (d + dv) sum_t min(t + 1, k) forward (dv = d), 2 H (3d + 2dv) ... backward."""
     pairs = sum(min(t + 1, top_k) for t in range(seq_len))
-    return 2.0 * heads * 2 * dim * pairs
+    return 2.0 * heads * DIRECTIONS[direction] * dim * pairs
 
 
-def read_ours(path):
-    """Our `dsa-sparse-fwd` rows: (shape, tiling, default, ms)."""
+def read_ours(path, direction):
+    """Our rows of `direction`: (shape, tiling, default, ms)."""
     ours = []
     with open(path) as f:
         for row in csv.DictReader(f):
-            if row["direction"] == DIRECTION:
+            if row["direction"] == direction:
                 ours.append((row["shape"], row["tiling"], row["default"] == "1", float(row["ms"])))
     return ours
+
+
+def input_sets(seq_len, heads, dim, top_k, direction, gen):
+    """SETS random inputs of a shape: (q, k, v) forward; (out, q, k, v, dO) backward, out from Flex's forward."""
+    sets = []
+    for _ in range(SETS):
+        q = torch.randn(1, heads, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(1, 1, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(1, 1, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        if direction == "dsa-sparse-fwd":
+            sets.append((q, k, v))
+            continue
+        q, k, v = (x.requires_grad_() for x in (q, k, v))
+        out = flex_sparse(seq_len, top_k)(q, k, v)
+        sets.append((out, q, k, v, torch.randn_like(out)))
+    return sets
 
 
 def main():
@@ -129,46 +159,46 @@ def main():
     args = ap.parse_args()
     if args.reps < 1 or args.warmup < 0:
         sys.exit("dsa_sparse_peers: --reps must be at least 1 and --warmup at least 0")
-    ours = read_ours(args.ours)
-    if not ours:
-        sys.exit(f"dsa_sparse_peers: no {DIRECTION} rows in {args.ours}")
     check_flex()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    flex_ms = {}
-    for shape in sorted({shape for shape, _, _, _ in ours}, key=parse_shape):
-        seq_len, heads, dim, top_k = parse_shape(shape)
-        if args.max_t is not None and seq_len > args.max_t:
-            print(f"dsa_sparse_peers: {shape}: skipped (T > --max-t {args.max_t})", file=sys.stderr)
-            continue
-        sets = [
-            (
-                torch.randn(1, heads, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen),
-                torch.randn(1, 1, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen),
-                torch.randn(1, 1, seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen),
-            )
-            for _ in range(SETS)
-        ]
-        try:
-            flex_ms[shape] = median_ms(flex_sparse(seq_len, top_k), sets, args.reps, args.warmup)
-        except Exception as e:  # out of memory or a compile failure is a row entry, not a crash
-            print(f"dsa_sparse_peers: flex {shape}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-            flex_ms[shape] = math.nan
-        print(f"dsa_sparse_peers: {shape}: flex {flex_ms[shape]:.3f} ms", file=sys.stderr, flush=True)
-        del sets
-        torch.cuda.empty_cache()
     rows = []
-    print(f"{'shape (T,H,d,k)':<24} {'tiling':<16} {'ours ms':>9} {'ours TF/s':>10} {'flex ms':>9} {'flex TF/s':>10} "
-          f"{'speed-up':>9}")
-    for shape, tiling, default, ours_ms in sorted(ours, key=lambda r: (parse_shape(r[0]), not r[2], r[1])):
-        if shape not in flex_ms:
+    for direction in DIRECTIONS:
+        ours = read_ours(args.ours, direction)
+        if not ours:
+            print(f"dsa_sparse_peers: no {direction} rows in {args.ours}", file=sys.stderr)
             continue
-        work = flops(*parse_shape(shape))
-        peer = flex_ms[shape]
-        speed_up = peer / ours_ms if ours_ms > 0 else math.nan
-        label = tiling + ("*" if default else "")
-        print(f"{shape:<24} {label:<16} {ours_ms:>9.3f} {work / ours_ms / 1e9:>10.1f} {peer:>9.3f} "
-              f"{work / peer / 1e9:>10.1f} {speed_up:>9.2f}")
-        rows.append([shape, DIRECTION, tiling, int(default), ours_ms, peer, speed_up])
+        peer_of = flex_sparse if direction == "dsa-sparse-fwd" else flex_sparse_backward
+        flex_ms = {}
+        for shape in sorted({shape for shape, _, _, _ in ours}, key=parse_shape):
+            seq_len, heads, dim, top_k = parse_shape(shape)
+            if args.max_t is not None and seq_len > args.max_t:
+                print(f"dsa_sparse_peers: {shape}: skipped (T > --max-t {args.max_t})", file=sys.stderr)
+                continue
+            try:
+                sets = input_sets(seq_len, heads, dim, top_k, direction, gen)
+                flex_ms[shape] = median_ms(peer_of(seq_len, top_k), sets, args.reps, args.warmup)
+                del sets
+            except Exception as e:  # out of memory or a compile failure is a row entry, not a crash
+                print(f"dsa_sparse_peers: flex {direction} {shape}: {type(e).__name__}: {e}".splitlines()[0],
+                      file=sys.stderr)
+                flex_ms[shape] = math.nan
+            print(f"dsa_sparse_peers: {direction} {shape}: flex {flex_ms[shape]:.3f} ms", file=sys.stderr, flush=True)
+            torch.cuda.empty_cache()
+        print(f"{direction}:")
+        print(f"{'shape (T,H,d,k)':<24} {'tiling':<16} {'ours ms':>9} {'ours TF/s':>10} {'flex ms':>9} "
+              f"{'flex TF/s':>10} {'speed-up':>9}")
+        for shape, tiling, default, ours_ms in sorted(ours, key=lambda r: (parse_shape(r[0]), not r[2], r[1])):
+            if shape not in flex_ms:
+                continue
+            work = flops(*parse_shape(shape), direction)
+            peer = flex_ms[shape]
+            speed_up = peer / ours_ms if ours_ms > 0 else math.nan
+            label = tiling + ("*" if default else "")
+            print(f"{shape:<24} {label:<16} {ours_ms:>9.3f} {work / ours_ms / 1e9:>10.1f} {peer:>9.3f} "
+                  f"{work / peer / 1e9:>10.1f} {speed_up:>9.2f}")
+            rows.append([shape, direction, tiling, int(default), ours_ms, peer, speed_up])
+    if not rows:
+        sys.exit(f"dsa_sparse_peers: no token-sparse rows in {args.ours}")
     print("speed-up = flex ms / ours ms (above 1: ours is faster); TF/s on the visited pairs; * marks our default")
     if args.csv:
         with open(args.csv, "w", newline="") as f:

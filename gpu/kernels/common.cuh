@@ -179,8 +179,8 @@ struct DsaSparseParams {
     long long token_rows;   // token rows of the lists
     int top_k;              // entries per list
     int list_heads;         // 1: one list per token for every KV head (DSA's indexer); else one per KV head (n_heads_kv)
-    int head_chunks;        // CTAs per (token, KV head): ceil(group / SPARSE_ROWS)
-    int reserved;           // explicit tail padding, always 0
+    int head_chunks;        // CTAs per (token, KV head): ceil(group / SPARSE_ROWS), which is ceil(group / 64) above 64
+    int column_chunks;      // the backward's CTAs per (token, head chunk), one per CHUNK columns; 1 in the forward
 };
 
 // NVRTC offers neither <cstddef>'s offsetof nor __builtin_offsetof; __INTADDR__, its front end's integral-address
@@ -284,7 +284,7 @@ PARAM_AT(DsaSparseParams, token_rows, 160);
 PARAM_AT(DsaSparseParams, top_k, 168);
 PARAM_AT(DsaSparseParams, list_heads, 172);
 PARAM_AT(DsaSparseParams, head_chunks, 176);
-PARAM_AT(DsaSparseParams, reserved, 180);
+PARAM_AT(DsaSparseParams, column_chunks, 180);
 
 PARAM_SIZE(DsaIndexParams, 32);
 PARAM_AT(DsaIndexParams, scratch_stride, 0);
@@ -663,6 +663,33 @@ __device__ __forceinline__ void load_group_rows_async(elem_t* smem, const elem_t
 __device__ __forceinline__ bool list_entry_continues(int block, int previous, int seq_blocks) {
     return block > previous && block < seq_blocks;
 }
+
+// The valid prefix of token `token`'s device list of `top_k` entries (DSA's token lists, dsa_sparse.cu and
+// dsa_sparse_bwd.cu): the list ends at its first slot whose entry does not rise or lies after the token (−1 padding
+// among them). The CTA's N_THREADS threads each find their smallest such slot, then the CTA's through the shared int
+// `end_s`; every thread calls it, and it synchronizes the CTA twice.
+template <int N_THREADS>
+__device__ __forceinline__ int token_list_end(const int* __restrict__ list, int top_k, int token, int* end_s) {
+    if (threadIdx.x == 0) *end_s = top_k;
+    __syncthreads();
+    int end = top_k;
+    for (int e = threadIdx.x; e < top_k; e += N_THREADS) {
+        const int previous = e == 0 ? -1 : __ldg(list + e - 1);
+        if (!list_entry_continues(__ldg(list + e), previous, token + 1)) {
+            end = e;
+            break;
+        }
+    }
+    if (end < top_k) atomicMin(end_s, end);
+    __syncthreads();
+    return *end_s;
+}
+
+// The row diagonals of a tile whose columns are a token list's slots: every slot below the list's end is a visible key
+// (the list is causal by construction), so no slot has a diagonal or a window and the masks test only the list's end.
+struct EverySlot {
+    __device__ __forceinline__ int at(int) const { return NO_BOUND; }
+};
 
 // ---------------------------------------------------------------------------------------------------------------------
 // The forward kernels' CTA (flash_fwd.cu and flash_fwd_sm90.cu differ in their tile sizes and their products, not in

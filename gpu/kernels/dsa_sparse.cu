@@ -44,12 +44,6 @@ static_assert(SPARSE_ROWS % 16 == 0 && SPARSE_ROWS >= 16 && SPARSE_ROWS <= 64, "
 static_assert(HEAD_DIM_PAD % 16 == 0 && HEAD_DIM_PAD <= 256, "HEAD_DIM_PAD must be a multiple of 16 up to 256");
 static_assert(HEAD_DIM_V_PAD % 16 == 0 && HEAD_DIM_V_PAD <= 256, "HEAD_DIM_V_PAD must be a multiple of 16 up to 256");
 
-// A tile's columns are list slots, and every slot below the list's end is a visible key (the list is causal by
-// construction): no diagonal and no window, so softmax_scores masks only the slots past the end (its `len_k`).
-struct EverySlot {
-    __device__ __forceinline__ int at(int) const { return NO_BOUND; }
-};
-
 // Where the CTA's rows go: row r is query head first_head + r of the token, the first `heads` rows only.
 struct TokenHeads {
     int token, first_head, heads;
@@ -85,23 +79,8 @@ dsa_sparse_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const
     load_group_rows_async<SPARSE_ROWS, HEAD_DIM_PAD, SPARSE_QK_STRIDE, SPARSE_THREADS>(
         q_s, q + cta.q_base, fp.q_head, fp.q_row, first_head, ConsecutiveTokens{token}, heads, heads, fp.d);
     cp_async_commit();
-    if (threadIdx.x == 0) list_end = top_k;
-    __syncthreads();
-    // The list ends at its first slot whose entry does not rise or lies after the token (−1 padding among them):
-    // each thread's smallest such slot, then the CTA's.
-    {
-        int end = top_k;
-        for (int e = threadIdx.x; e < top_k; e += SPARSE_THREADS) {
-            const int previous = e == 0 ? -1 : __ldg(list + e - 1);
-            if (!list_entry_continues(__ldg(list + e), previous, token + 1)) {
-                end = e;
-                break;
-            }
-        }
-        if (end < top_k) atomicMin(&list_end, end);
-    }
-    __syncthreads();
-    const int n_valid = list_end;
+    // softmax_scores masks the slots past the list's end (its `len_k`): EverySlot (common.cuh) has no diagonal.
+    const int n_valid = token_list_end<SPARSE_THREADS>(list, top_k, token, &list_end);
     const int n_tiles = (n_valid + SPARSE_KEYS - 1) / SPARSE_KEYS;
     // Gathered row i of the tile starting at slot `slot0` is key list[slot0 + i] of the sequence's KV head.
     if (n_tiles > 0) {

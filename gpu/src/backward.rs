@@ -251,7 +251,8 @@ struct Plan {
     q_tiles: u32,
     kv_tiles: u32,
     seqs: u32,
-    /// Column chunks of the KV owner (`max(d, dv)`) and of the dQ owner (`d`).
+    /// Columns per chunk (`CHUNK`), and the column chunks of the KV owner (`max(d, dv)`) and of the dQ owner (`d`).
+    chunk: usize,
     kv_chunks: u32,
     /// Rows of K over all sequences (the GQA workspace's row count).
     total_k: usize,
@@ -388,6 +389,7 @@ fn plan<T: GpuElement>(
         kv_tiles: grid_dim("KV tiles", max_len_k.div_ceil(kv_tile), u32::MAX as usize >> 1)?,
         group_sum_tiles: grid_dim("KV tiles", max_len_k.div_ceil(64), u32::MAX as usize >> 1)?,
         seqs: grid_dim("sequences", seqs.len(), 65535)?,
+        chunk,
         kv_chunks: grid_dim("n_heads_q x column chunks", kv_chunks, 65535 / hq.max(1))?,
         total_k: k_elements / (hkv * d).max(1),
         q_chunks: grid_dim("n_heads_q x column chunks", q_chunks, 65535 / hq.max(1))?,
@@ -398,11 +400,13 @@ fn plan<T: GpuElement>(
 }
 
 /// What a KV owner built on `flash_bwd.cu`'s helpers in `tiling` needs for `spec` (NSA's selected backward compiles
-/// them with its own KV owner): the defines, the dynamic shared memory of `bwd_kv`'s layout, and the column chunks.
+/// them with its own KV owner, DSA's token-sparse backward its query owner): the defines, the dynamic shared memory of
+/// `bwd_kv`'s layout, the columns per chunk (`CHUNK`) and the column chunks.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct KvOwnerShape {
     pub defines: Vec<String>,
     pub shared_bytes: u32,
+    pub chunk: usize,
     pub chunks: u32,
 }
 
@@ -412,7 +416,27 @@ pub(crate) fn kv_owner_shape<T: GpuElement>(
     tiling: BackwardTiling,
 ) -> Result<KvOwnerShape, GpuError> {
     let plan = plan::<T>(spec, tiling, FLASH_BWD)?;
-    Ok(KvOwnerShape { defines: plan.defines, shared_bytes: plan.kv_shared, chunks: plan.kv_chunks })
+    Ok(KvOwnerShape { defines: plan.defines, shared_bytes: plan.kv_shared, chunk: plan.chunk, chunks: plan.kv_chunks })
+}
+
+/// Checks that every buffer of a backward on device buffers holds its tensor of `spec`: Q, K, V, O, LSE and dO among
+/// the inputs, dQ, dK, dV and `D` among the outputs ([`GpuError::BufferTooSmall`] naming the first that does not).
+pub(crate) fn check_backward_buffers<T>(
+    spec: &AttentionSpec,
+    inputs: &BackwardDeviceInputs<'_, T>,
+    outputs: &BackwardDeviceOutputs<'_, T>,
+) -> Result<(), GpuError> {
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", inputs.q, size(Operand::Q))?;
+    check_len("k", inputs.k, size(Operand::K))?;
+    check_len("v", inputs.v, size(Operand::V))?;
+    check_len("o", inputs.o, size(Operand::O))?;
+    check_len("lse", inputs.lse, size(Operand::RowStat))?;
+    check_len("d_out", inputs.d_out, size(Operand::O))?;
+    check_len("dq", outputs.dq, size(Operand::Q))?;
+    check_len("dk", outputs.dk, size(Operand::K))?;
+    check_len("dv", outputs.dv, size(Operand::V))?;
+    check_len("delta", outputs.delta, size(Operand::RowStat))
 }
 
 /// Loads `kernel` from `module`, allowing it `shared` bytes of dynamic shared memory.
@@ -587,17 +611,7 @@ pub(crate) fn launch_backward<T: GpuElement>(
         }
         plan.defines.push(BLOCK_SPARSE.to_owned());
     }
-    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
-    check_len("q", inputs.q, size(Operand::Q))?;
-    check_len("k", inputs.k, size(Operand::K))?;
-    check_len("v", inputs.v, size(Operand::V))?;
-    check_len("o", inputs.o, size(Operand::O))?;
-    check_len("lse", inputs.lse, size(Operand::RowStat))?;
-    check_len("d_out", inputs.d_out, size(Operand::O))?;
-    check_len("dq", outputs.dq, size(Operand::Q))?;
-    check_len("dk", outputs.dk, size(Operand::K))?;
-    check_len("dv", outputs.dv, size(Operand::V))?;
-    check_len("delta", outputs.delta, size(Operand::RowStat))?;
+    check_backward_buffers(spec, &inputs, &outputs)?;
     if plan.seqs == 0 {
         return Ok(());
     }

@@ -124,7 +124,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 13] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 14] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -196,6 +196,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 13] = [
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, whose products it shares",
+    },
+    DeviceRequirement {
+        kernel: "dsa_sparse_bwd",
+        needs: (9, 0),
+        only: false,
+        instructions: "stmatrix and red.global.add.v2.f32 of flash_bwd.cu, whose tile step it shares",
     },
     DeviceRequirement {
         kernel: "ring_state",

@@ -596,6 +596,164 @@ pub(crate) fn launch_dsa_sparse_fwd<T: DeviceRepr>(
     Ok(())
 }
 
+/// The device buffers of `dsa_sparse_bwd`: the layer's Q, K, V, the upstream gradient, the forward's LSE and `D`;
+/// dQ (written), the f32 dK and dV accumulators in K's and V's layouts (added to), the lists and the sequence offsets.
+pub(crate) struct DsaSparseBwdBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub d_out: &'a CudaSlice<T>,
+    pub lse: &'a CudaSlice<f32>,
+    pub delta: &'a CudaSlice<f32>,
+    pub dq: &'a mut CudaSlice<T>,
+    pub dk_acc: &'a mut CudaSlice<f32>,
+    pub dv_acc: &'a mut CudaSlice<f32>,
+    pub lists: &'a CudaSlice<i32>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// Launches `dsa_sparse_bwd` (gpu/kernels/dsa_sparse_bwd.cu, `func`) on `stream`: every token's dQ, and its gathered
+/// keys' dK, dV partials added to the accumulators.
+///
+/// Preconditions, established by `dsa::sparse_backward`: `func` is the kernel, compiled from `common.cuh`,
+/// `flash_bwd.cu` and `dsa_sparse_bwd.cu` for `T` and the padded head dims of `params.flash` in the four-warp tiling;
+/// `q`, `k`, `v`, `d_out` (O's layout), `lse` and `delta` hold the layer's tensors as `params.flash` (or the
+/// validated `cu_q`, `cu_k`) describes them, `dq` Q's elements, `dk_acc` K's and `dv_acc` V's as f32; `lists` holds
+/// `params.token_rows · params.list_heads · params.top_k` i32 (any values: the kernel ends a list at its first entry
+/// that does not rise or lies after its token); `cfg`'s grid is `(longest sequence, Hkv · head_chunks ·
+/// column_chunks, B)` of 128 threads with the dynamic shared memory of the kernel's layout, which the function
+/// attribute allows.
+pub(crate) fn launch_dsa_sparse_bwd<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    b: DsaSparseBwdBuffers<'_, T>,
+    params: &DsaSparseParams,
+    add_kv: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(b.delta);
+    builder.arg(b.dq).arg(b.dk_acc).arg(b.dv_acc).arg(b.lists).arg(b.cu_q).arg(b.cu_k).arg(params).arg(&add_kv);
+    // SAFETY: the arguments match `dsa_sparse_bwd(const elem_t* q, k, v, d_out, const float* lse, delta, elem_t* dq,
+    // float* dk_acc, dv_acc, const int* lists, cu_q, cu_k, const DsaSparseParams, int add_kv)` in order and type (`T`
+    // for `elem_t`); every index the kernel forms lies in the buffers the caller sized (see above: with `add_kv` 0 the
+    // accumulators are not touched and may be placeholders); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_sparse_bwd)", e))?;
+    Ok(())
+}
+
+/// Launches `dsa_csr_count` (`fill` is `None`: every list's valid length into `lengths` and each CSR row's count into
+/// `offsets`) or `dsa_csr_fill` (`fill` holds the tokens and masks to write; reads the scanned offsets and the
+/// lengths) of `dsa_sparse_bwd.cu`: the token-level transpose of the deterministic mode.
+///
+/// Preconditions, established by `dsa::sparse_backward`: `func` is the kernel the arm names, of the module of
+/// `launch_dsa_sparse_bwd`; `lists` holds `params.token_rows · params.list_heads · params.top_k` i32 (any values: both
+/// kernels read a list's valid prefix by the forward's rule), `lengths` `token_rows · list_heads` i32, `offsets`
+/// `B · list_heads · kv_tiles + 1` i32 (`kv_tiles` the longest sequence's tiles of 64 keys), and the fill's tokens and
+/// masks at least the offsets' total each; `cfg`'s grid is `(⌈longest / 128⌉, list_heads, B)` for the count and
+/// `(⌈kv_tiles / 4⌉, list_heads, B)` for the fill, of 128 threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_dsa_csr(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    lists: &CudaSlice<i32>,
+    (offsets, lengths): (&mut CudaSlice<i32>, &mut CudaSlice<i32>),
+    fill: Option<(&mut CudaSlice<i32>, &mut CudaSlice<u64>)>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &DsaSparseParams,
+    kv_tiles: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    let name = match fill {
+        None => {
+            builder.arg(lists).arg(offsets).arg(lengths);
+            "cuLaunchKernel(dsa_csr_count)"
+        }
+        Some((tokens, masks)) => {
+            builder.arg(lists).arg(&*lengths).arg(&*offsets).arg(tokens).arg(masks);
+            "cuLaunchKernel(dsa_csr_fill)"
+        }
+    };
+    builder.arg(cu_q).arg(cu_k).arg(params).arg(&kv_tiles);
+    // SAFETY: the arms push exactly `dsa_csr_count(const int* lists, int* counts, int* lengths, ...)` and
+    // `dsa_csr_fill(const int* lists, const int* lengths, const int* csr_offsets, int* csr_tokens, unsigned long long*
+    // csr_masks, ...)`, then both take `const int* cu_q, cu_k, const DsaSparseParams, int kv_tiles`, in order and type
+    // (`u64` for `unsigned long long`); every index lies in the buffers the caller sized (see above); the buffers are
+    // borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver(name, e))?;
+    Ok(())
+}
+
+/// The device buffers of `dsa_sparse_bwd_kv`: the layer's Q, K, V, the upstream gradient, the forward's LSE and `D`;
+/// dK and dV (written), the token-level transpose and the sequence offsets.
+pub(crate) struct DsaSparseBwdKvBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub d_out: &'a CudaSlice<T>,
+    pub lse: &'a CudaSlice<f32>,
+    pub delta: &'a CudaSlice<f32>,
+    pub dk: &'a mut CudaSlice<T>,
+    pub dv: &'a mut CudaSlice<T>,
+    pub csr_offsets: &'a CudaSlice<i32>,
+    pub csr_tokens: &'a CudaSlice<i32>,
+    pub csr_masks: &'a CudaSlice<u64>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// Launches `dsa_sparse_bwd_kv`: the deterministic mode's dK and dV, one CTA per KV tile of 64 keys.
+///
+/// Preconditions, established by `dsa::sparse_backward`: `func` is the kernel of the module of
+/// `launch_dsa_sparse_bwd`; the tensors as there, `dk` K's elements and `dv` V's; the transpose as `launch_dsa_csr`
+/// and the scan built it for `kv_tiles`; the group is at most 64 heads; `cfg`'s grid is `(kv_tiles, Hkv ·
+/// column_chunks, B)` of 128 threads with the dynamic shared memory of `launch_dsa_sparse_bwd`'s layout, which the
+/// function attribute allows.
+pub(crate) fn launch_dsa_sparse_bwd_kv<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    b: DsaSparseBwdKvBuffers<'_, T>,
+    params: &DsaSparseParams,
+    kv_tiles: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(b.q).arg(b.k).arg(b.v).arg(b.d_out).arg(b.lse).arg(b.delta).arg(b.dk).arg(b.dv);
+    builder.arg(b.csr_offsets).arg(b.csr_tokens).arg(b.csr_masks).arg(b.cu_q).arg(b.cu_k).arg(params).arg(&kv_tiles);
+    // SAFETY: the arguments match `dsa_sparse_bwd_kv(const elem_t* q, k, v, d_out, const float* lse, delta, elem_t*
+    // dk_out, dv_out, const int* csr_offsets, csr_tokens, const unsigned long long* csr_masks, const int* cu_q, cu_k,
+    // const DsaSparseParams, int kv_tiles)` in order and type; every index lies in the buffers the caller sized (see
+    // above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_sparse_bwd_kv)", e))?;
+    Ok(())
+}
+
+/// Launches `dsa_dkv_finalize`: dK = round_T(α̂ · acc_k), dV = round_T(acc_v) of every key.
+///
+/// Preconditions, established by `dsa::sparse_backward`: `func` is the kernel of the module of
+/// `launch_dsa_sparse_bwd`; `dk_acc` and `dk` hold K's elements, `dv_acc` and `dv` V's; `cfg`'s grid is
+/// `(⌈longest · ⌈max(d, dv)/2⌉ / 128⌉, Hkv, B)` of 128 threads.
+pub(crate) fn launch_dsa_dkv_finalize<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (dk_acc, dv_acc): (&CudaSlice<f32>, &CudaSlice<f32>),
+    (dk, dv): (&mut CudaSlice<T>, &mut CudaSlice<T>),
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &DsaSparseParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(dk_acc).arg(dv_acc).arg(dk).arg(dv).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `dsa_dkv_finalize(const float* dk_acc, dv_acc, elem_t* dk, dv, const int* cu_q,
+    // cu_k, const DsaSparseParams)` in order and type; every index lies in the buffers the caller sized (see above);
+    // the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_dkv_finalize)", e))?;
+    Ok(())
+}
+
 /// Launches `nsa_gate_combine` (gpu/kernels/nsa_gates.cu, `func`) on `stream`: `o = Σ_b σ(x_b) o_b` per row.
 ///
 /// Preconditions, established by `nsa::gates`: `func` is `nsa_gate_combine` compiled for the element type `T`; the

@@ -65,8 +65,9 @@ pub fn module_variants<T: GpuElement>(
 ) -> Result<Vec<ModuleVariant>, GpuError> {
     let fwd = flash::forward_defines::<T>(spec, forward, compile::FLASH_FWD)?;
     let bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD)?;
-    // NSA's selected backward: flash_bwd.cu's helpers in the four-warp tiling (its own plan).
+    // NSA's selected backward and DSA's token-sparse backward: flash_bwd.cu's helpers in their tiling (four warps).
     let nsa_bwd = backward::backward_defines::<T>(spec, nsa::selected_backward::TILING, compile::FLASH_BWD)?;
+    let dsa_bwd = backward::backward_defines::<T>(spec, dsa::sparse_backward::TILING, compile::FLASH_BWD)?;
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
     let selected_rows = |rows_per_cta| nsa::selected::SelectedTiling { rows_per_cta };
@@ -97,6 +98,7 @@ pub fn module_variants<T: GpuElement>(
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(64)),
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(128)),
         variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec)),
+        variant(dsa::sparse_backward::DSA_SPARSE_BWD, dsa_bwd),
     ]
     .into_iter()
     .chain(sm90_variants)

@@ -185,7 +185,8 @@ pub(crate) struct DsaIndexParams {
     pub reserved: i32,
 }
 
-/// The scalars of DSA's token-sparse attention (`struct DsaSparseParams` of `common.cuh`), read by `dsa_sparse.cu`.
+/// The scalars of DSA's token-sparse attention (`struct DsaSparseParams` of `common.cuh`), read by `dsa_sparse.cu` and
+/// `dsa_sparse_bwd.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct DsaSparseParams {
@@ -197,10 +198,10 @@ pub(crate) struct DsaSparseParams {
     pub top_k: i32,
     /// 1: one list per token shared by every KV head; `n_heads_kv`: one list per KV head.
     pub list_heads: i32,
-    /// CTAs per (token, KV head): `⌈G / SPARSE_ROWS⌉`.
+    /// CTAs per (token, KV head): `⌈G / SPARSE_ROWS⌉` (`⌈G / 64⌉` for groups above 64, as the backward splits them).
     pub head_chunks: i32,
-    /// Tail padding, always 0.
-    pub reserved: i32,
+    /// The backward's CTAs per (token, head chunk): one per `CHUNK` columns of the head dims; 1 in the forward.
+    pub column_chunks: i32,
 }
 
 /// The NSA kernels' scalars (`struct NsaParams` of `common.cuh`), read by `nsa_compress.cu` and `nsa_gates.cu`.
@@ -512,7 +513,7 @@ mod tests {
                 tile_blocks
             }),
             rust_layout!(DsaIndexParams { scratch_stride, seq_len, n_heads, top_k, full_scores, n_groups, reserved }),
-            rust_layout!(DsaSparseParams { flash, token_rows, top_k, list_heads, head_chunks, reserved }),
+            rust_layout!(DsaSparseParams { flash, token_rows, top_k, list_heads, head_chunks, column_chunks }),
             rust_layout!(BsaParams {
                 flash,
                 scale,

@@ -116,6 +116,11 @@ pub struct FlashRecipe {
     /// `2ε` and the score by `ε|ŝ_ij| ≤ ε(1 + 2^-5)|α| Σ_c |q_ic||k_jc|`; the model adds
     /// `3ε|α| Σ_c |q_ic||k_jc|` to `σ_ij` (extension E-score-storage, module docs).
     pub score_storage_rounding: f64,
+    /// Whether dK's and dV's partial sums over query tiles are added by f32 atomics (`red.global.add.f32`, which
+    /// flushes subnormal inputs and results to zero): each of a key's at most `n_q` adds may then lose a value below
+    /// `2^-126`, and the backward model adds `n_q 2^-126` to dV and `|α| n_q 2^-126` to dK (DSA's token-sparse
+    /// backward, whose tokens add their gathered keys' partials); `false` when one worker owns each key's sums.
+    pub atomic_kv_sums: bool,
 }
 
 /// How a backward pass's recomputed scores relate to the forward's.
@@ -185,6 +190,7 @@ impl FlashRecipe {
             accumulation: Accumulation::RoundToNearest,
             score_reuse: ScoreReuse::BitwiseAsForward,
             score_storage_rounding: 0.0,
+            atomic_kv_sums: false,
         }
     }
 }
@@ -359,7 +365,9 @@ pub struct BackwardBounds {
 ///   `n_k 2^-126` covers dQ's per-KV-tile partials added by f32 atomics (`atom.add.f32` flushes subnormal inputs
 ///   and results to zero, so each of a row's at most `n_k` adds may lose a value below `2^-126`; a dQ of subnormal
 ///   f32 magnitude, from a `dO` near bf16's smallest values, then comes back as 0);
-/// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`.
+/// - `dK_jc`: `|α| Σ_i (ζ_ij + g(Lq + n_q)|dS_ij|) |q_ic| + (3u + u_T)|dK_jc| + τ_T`;
+/// - with [`FlashRecipe::atomic_kv_sums`], dK's and dV's `n_q` partials are added by f32 atomics: `|α| n_q 2^-126`
+///   more on dK and `n_q 2^-126` on dV (the flush of each add, as dQ's).
 ///
 /// `n_q = ⌈Lq/q_tile⌉ + extra_query_partials`, `n_k = ⌈Lk/kv_tile⌉ + extra_merges` are the query
 /// and KV tile counts (the extra additions of partial sums). The same
@@ -455,6 +463,8 @@ pub fn backward_bounds(
     let dv_sums = weighted_column_sums(len_k, x.d_out, |i, j| f.p[[i, j]] * (pi[[i, j]] + ut + gq));
     // max_i |dO_ic| does not depend on the key.
     let gmax: Vec<f64> = (0..dv).map(|c| (0..len_q).map(|i| x.d_out[[i, c]].abs()).fold(0.0, f64::max)).collect();
+    // Each f32 atomic add of a key's n_q partials may flush a value below 2^-126.
+    let kv_flush = if recipe.atomic_kv_sums { n_q as f64 * F32_MIN_NORMAL } else { 0.0 };
     let mut b = BackwardBounds {
         delta: nu,
         dq: Array2::from_shape_fn((len_q, d), |(i, c)| {
@@ -462,10 +472,14 @@ pub fn backward_bounds(
             f.scale * (dq_sums[[i, c]] + atomic_flush) + (3.0 * u + ut) * x.dq[[i, c]].abs() + tiny
         }),
         dk: Array2::from_shape_fn((len_k, d), |(j, c)| {
-            f.scale * dk_sums[[j, c]] + (3.0 * u + ut) * x.dk[[j, c]].abs() + tiny
+            f.scale * (dk_sums[[j, c]] + kv_flush) + (3.0 * u + ut) * x.dk[[j, c]].abs() + tiny
         }),
         dv: Array2::from_shape_fn((len_k, dv), |(j, c)| {
-            dv_sums[[j, c]] + len_q as f64 * (tiny + recipe.exp_underflow) * gmax[c] + ut * x.dv[[j, c]].abs() + tiny
+            dv_sums[[j, c]]
+                + len_q as f64 * (tiny + recipe.exp_underflow) * gmax[c]
+                + kv_flush
+                + ut * x.dv[[j, c]].abs()
+                + tiny
         }),
     };
     for a in [&mut b.dq, &mut b.dk, &mut b.dv] {

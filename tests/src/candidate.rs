@@ -421,6 +421,24 @@ pub fn forward_guarded_with_lists<T: Storage>(
     Ok(run)
 }
 
+/// [`backward_guarded_with`] for a kernel that also reads per-token index lists (NSA's selected backward, DSA's
+/// token-sparse backward): uploads `lists`, gives `launch` their device copy, and checks that it comes back unchanged.
+pub fn backward_guarded_with_lists<T: Storage>(
+    stream: &Arc<CudaStream>,
+    problem: BackwardProblem<'_, T>,
+    lists: &ndarray::Array3<i32>,
+    launch: impl FnOnce(BackwardDeviceInputs<'_, T>, &CudaSlice<i32>, BackwardDeviceOutputs<'_, T>) -> Result<(), GpuError>,
+) -> Result<Gradients<T>, LaunchError> {
+    let device_lists = upload(stream, &lists.clone().into_dyn())?;
+    let grads = backward_guarded_with(stream, problem, |inputs, outputs| launch(inputs, &device_lists, outputs))?;
+    let back = stream.clone_dtoh(&device_lists).map_err(driver)?;
+    stream.synchronize().map_err(driver)?;
+    if lists.iter().zip(back.iter()).any(|(a, b)| a != b) {
+        return Err(LaunchError::InputChanged { input: "lists" });
+    }
+    Ok(grads)
+}
+
 /// Uploads the case, runs `launch` on NaN-poisoned, guarded outputs, checks the guards and that the device inputs
 /// are unchanged, and returns `O` and `LSE`.
 pub fn forward_guarded_with<T: Storage>(

@@ -13,20 +13,26 @@
 
 use std::sync::Arc;
 
+use attnproof_gpu::GpuBackwardStrategy;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::dsa::sparse::{KV_TILE, ListSharing, TokenSelection, token_sparse_device, visited_tiles};
+use attnproof_gpu::dsa::sparse_backward::{TILING, query_tile_rows, token_sparse_backward_device};
 use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use cudarc::driver::CudaStream;
-use ndarray::{Array2, Array3, ArrayViewD};
+use ndarray::{Array2, Array3, ArrayD, ArrayViewD};
 use proptest::prelude::*;
 
-use crate::candidate::{ForwardRun, LaunchError, Storage, forward_guarded_with_lists};
+use crate::backward::BackwardCandidate;
+use crate::candidate::{
+    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with_lists,
+    forward_guarded_with_lists,
+};
 use crate::flash::Case;
 use crate::generate::{ListStream, ValueProfile};
 use crate::nsa::{causal_layer, self_attention_layout};
-use crate::sparse::{SparseHarnessError, verify_dsa_token_sparse_forward};
+use crate::sparse::{SparseHarnessError, verify_dsa_token_sparse_backward, verify_dsa_token_sparse_forward};
 use crate::verdict::Verdict;
 
 /// The token-sparse forward's recipe for `T` with lists of `top_k` slots: the dense forward kernel's
@@ -215,6 +221,51 @@ pub fn verify_token_sparse<T: Element>(
     lse: ArrayViewD<'_, f32>,
 ) -> Result<Vec<Verdict>, SparseHarnessError> {
     verify_dsa_token_sparse_forward(case, lists.view(), token_sparse_recipe::<T>(selection.top_k), o, lse)
+}
+
+/// The token-sparse backward's recipe for `T` with lists of `top_k` slots: the backward kernels'
+/// (`recipes::gpu_backward` in the four-warp tiling) with gathered tiles of at most `min(top_k, 64)` keys (a row's dQ
+/// partials), the forward's visited tiles (its LSE's merge count), and dK, dV summed by f32 reductions
+/// (`atomic_kv_sums`: their flush counted once per partial).
+pub fn token_sparse_backward_recipe<T: Element>(top_k: usize) -> FlashRecipe {
+    FlashRecipe {
+        kv_tile: KV_TILE.min(top_k).max(1),
+        visited_tiles: Some(visited_tiles(top_k).max(1)),
+        atomic_kv_sums: true,
+        ..crate::recipes::gpu_backward::<T>(TILING).recipe
+    }
+}
+
+/// One launch of the backward's kernel text `kernel` with `strategy` on `problem` with `lists`, outputs NaN-poisoned
+/// and guarded, inputs (lists included) checked unchanged.
+pub fn token_sparse_backward_guarded<T: Storage>(
+    stream: &Arc<CudaStream>,
+    selection: TokenSelection,
+    kernel: KernelSource,
+    problem: BackwardProblem<'_, T>,
+    lists: &Array3<i32>,
+    strategy: GpuBackwardStrategy,
+) -> Result<Gradients<T>, LaunchError> {
+    let spec = &problem.case.spec;
+    backward_guarded_with_lists(stream, problem, lists, |inputs, device_lists, outputs| {
+        token_sparse_backward_device(stream, spec, selection, kernel, inputs, device_lists, outputs, strategy)
+    })
+}
+
+/// Verifies a token-sparse backward candidate: one verdict per (sequence, KV head), the dense backward verdict of the
+/// group's rows stacked as one head under "key listed for the token" ([`verify_dsa_token_sparse_backward`]), with
+/// [`token_sparse_backward_recipe`] and query tiles of `query_tile_rows(G)` rows: a key's dK and dV gather one partial
+/// per (listing token, head chunk), each the tensor cores' sum over the chunk's heads.
+pub fn verify_token_sparse_backward<T: Element>(
+    case: &Case<T>,
+    selection: TokenSelection,
+    lists: &Array3<i32>,
+    d_out: &ArrayD<T>,
+    candidate: BackwardCandidate<'_, T>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let recipe = token_sparse_backward_recipe::<T>(selection.top_k);
+    let q_tile = query_tile_rows(case.spec.group_size());
+    verify_dsa_token_sparse_backward(case, lists.view(), d_out, candidate, (recipe, q_tile))
 }
 
 #[cfg(test)]
@@ -450,6 +501,64 @@ mod tests {
             verdicts(run(&lists, Scale::InverseSqrtHeadDim, false)).iter().any(|v| !v.passed()),
             "the wrong scale passed"
         );
+    }
+
+    /// The backward verifier accepts the oracle's gradients (per query head under its own visibility, not stacked: an
+    /// independent path to the same numbers) rounded to bf16, for a group of 3 over two KV heads with per-KV-head lists
+    /// in a varlen layout with an empty sequence, and rejects them computed with one listed token dropped, with the
+    /// lists of the other KV head, and with dK of the group's first head only.
+    #[test]
+    fn the_backward_verifier_accepts_the_oracle_and_rejects_a_dropped_token_swapped_lists_or_one_heads_dk() {
+        use attnproof_oracle::attention::backward_with_visibility;
+        let cu = vec![0, 50, 50, 130];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let d = draw(layout, (6, 2), 24, ListSharing::PerKvHead, TokenListMix::Mixed);
+        let case = token_sparse_case::<bf16>(&d, 5);
+        let lists = token_lists(&d);
+        let d_out = crate::generate::make_d_out::<bf16>(&case.spec, 4);
+        let [q, k, v] = case.widened();
+        let g = d_out.mapv(|x| x.to_f32() as f64);
+        let offsets = [0, 50, 50];
+        // The oracle's gradients with `lists` (each KV head's or, with `swap`, the other's), dK from the heads
+        // `h % 3 < dk_heads` of each group only.
+        let grads = |lists: &Array3<i32>, swap: bool, dk_heads: usize| {
+            let visibility = |seq: &Sequence, h: usize, heads: usize| {
+                let head = if swap { 1 - h / 3 } else { h / 3 };
+                Array2::from_shape_fn((seq.len_q, seq.len_k), |(t, j)| {
+                    let list = lists.index_axis(Axis(0), offsets[seq.index] + t);
+                    h % 3 < heads && list.index_axis(Axis(0), head).iter().any(|&s| s >= 0 && s as usize == j)
+                })
+            };
+            let qkv = Qkv { q: q.view(), k: k.view(), v: v.view() };
+            let all = |seq: &Sequence, h: usize| visibility(seq, h, 3);
+            let spec = &case.spec;
+            let mut out =
+                backward_with_visibility(spec, qkv.clone(), g.view(), &all, DenseConfig::default(), ()).unwrap();
+            let some = |seq: &Sequence, h: usize| visibility(seq, h, dk_heads);
+            out.dk = backward_with_visibility(spec, qkv, g.view(), &some, DenseConfig::default(), ()).unwrap().dk;
+            let round = |a: &ArrayD<f64>| a.mapv(bf16::from_f64);
+            (round(&out.dq), round(&out.dk), round(&out.dv), out.delta.mapv(|x| x as f32))
+        };
+        let verdicts = |(dq, dk, dv, delta): (ArrayD<bf16>, ArrayD<bf16>, ArrayD<bf16>, ArrayD<f32>)| {
+            let candidate =
+                crate::backward::BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+            verify_token_sparse_backward(&case, d.selection, &lists, &d_out, candidate).unwrap()
+        };
+        let good = verdicts(grads(&lists, false, 3));
+        assert_eq!(good.len(), 4, "two sequences with tokens, two KV heads");
+        assert!(
+            good.iter().all(|v| v.passed() && v.valid()),
+            "{}",
+            good.iter().map(|v| v.to_string()).collect::<String>()
+        );
+        let mut dropped = lists.clone();
+        let (row, slot) = (60..130)
+            .find_map(|r| (0..24).rev().find(|&e| lists[[r, 1, e]] >= 0).map(|e| (r, e)))
+            .expect("a token lists a key");
+        dropped[[row, 1, slot]] = -1;
+        assert!(verdicts(grads(&dropped, false, 3)).iter().any(|v| !v.passed()), "a dropped token passed");
+        assert!(verdicts(grads(&lists, true, 3)).iter().any(|v| !v.passed()), "swapped lists passed");
+        assert!(verdicts(grads(&lists, false, 1)).iter().any(|v| !v.passed()), "dK of one head of the group passed");
     }
 
     /// The verifier reads one shared list for every KV head: the oracle under the shared list passes, and the same

@@ -22,20 +22,18 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use cudarc::driver::CudaStream;
-use ndarray::{Array2, Array3, ArrayD, ArrayViewD, Axis, IxDyn};
+use ndarray::{Array3, ArrayD, ArrayViewD, Axis};
 use proptest::prelude::*;
 
-use crate::backward::{BackwardCandidate, BackwardExpectation};
+use crate::backward::BackwardCandidate;
 use crate::candidate::{
-    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with, forward_guarded_with_lists,
-    upload,
+    BackwardProblem, ForwardRun, Gradients, LaunchError, Storage, backward_guarded_with_lists,
+    forward_guarded_with_lists,
 };
 use crate::flash::Case;
 use crate::generate::ListStream;
 use crate::nsa::{causal_layer, self_attention_layout};
-use crate::sparse::{
-    SparseHarnessError, selected_blocks_mask, stack_heads, stack_row_stats, verify_nsa_selected_forward,
-};
+use crate::sparse::{SparseHarnessError, selected_blocks_mask, verify_nsa_selected_forward, verify_stacked_backward};
 use crate::verdict::Verdict;
 
 /// The selected attention's recipe for `T` under `config`: the dense forward kernel's (`recipes::gpu_forward`) with
@@ -223,32 +221,18 @@ pub fn selected_backward_guarded<T: Storage>(
     lists: &Array3<i32>,
     strategy: GpuBackwardStrategy,
 ) -> Result<Gradients<T>, LaunchError> {
-    let device_lists = upload(stream, &lists.clone().into_dyn())?;
     let spec = &problem.case.spec;
-    let grads = backward_guarded_with(stream, problem, |inputs, outputs| {
-        selected_backward_device_with(stream, spec, config, kernel, inputs, &device_lists, outputs, strategy)
-    })?;
-    let back = stream.clone_dtoh(&device_lists).map_err(|e| LaunchError::Driver(e.to_string()))?;
-    stream.synchronize().map_err(|e| LaunchError::Driver(e.to_string()))?;
-    if lists.iter().zip(back.iter()).any(|(a, b)| a != b) {
-        return Err(LaunchError::InputChanged { input: "lists" });
-    }
-    Ok(grads)
+    backward_guarded_with_lists(stream, problem, lists, |inputs, device_lists, outputs| {
+        selected_backward_device_with(stream, spec, config, kernel, inputs, device_lists, outputs, strategy)
+    })
 }
 
-/// A `[L, G, ·]` stack of one KV head's query heads as one head of `L·G` rows, token-major (row `t·G + h`): the order
-/// in which the KV owner's tiles gather them.
-fn as_one_head<T: Clone>(heads: ArrayD<T>) -> ArrayD<T> {
-    let (len, group, width) = (heads.shape()[0], heads.shape()[1], heads.shape()[2]);
-    heads.as_standard_layout().into_owned().into_shape_with_order(IxDyn(&[len * group, 1, width])).expect("sizes agree")
-}
-
-/// Verifies a selected-backward candidate: one verdict per (sequence, KV head). Each is the dense backward verdict of
-/// the group's rows stacked as one head of `L·G` rows token-major over the KV head's keys, under the visibility
-/// `key ≤ token ∧ block(key) listed for (token, KV head)`, with the recipe [`selected_backward_recipe`] and query tiles
-/// of `⌊64/G⌋·G` rows: the KV owner adds a key's terms from every (token, head) row in that order, in tiles of that
-/// many rows, into one chain per key (no per-head sums to add afterwards), which is the dense model's chain for one
-/// head, and each row's dQ collects at most one partial per visited tile.
+/// Verifies a selected-backward candidate: one verdict per (sequence, KV head), each the dense backward verdict of the
+/// group's rows stacked as one head ([`verify_stacked_backward`]) under the visibility `key ≤ token ∧ block(key)
+/// listed for (token, KV head)`, with the recipe [`selected_backward_recipe`] and query tiles of `⌊64/G⌋·G` rows: the
+/// KV owner adds a key's terms from every (token, head) row in that order, in tiles of that many rows, into one chain
+/// per key (no per-head sums to add afterwards), which is the dense model's chain for one head, and each row's dQ
+/// collects at most one partial per visited tile.
 pub fn verify_selected_backward<T: Element>(
     case: &Case<T>,
     config: &NsaConfig,
@@ -256,62 +240,13 @@ pub fn verify_selected_backward<T: Element>(
     d_out: &ArrayD<T>,
     candidate: BackwardCandidate<'_, T>,
 ) -> Result<Vec<Verdict>, SparseHarnessError> {
-    let spec = &case.spec;
-    let (group, hkv, lb) = (spec.group_size(), spec.n_heads_kv, config.select_block);
+    let group = case.spec.group_size();
     let q_tile = (64 / group).max(1) * group;
     let recipe = selected_backward_recipe::<T>(config);
-    let mut verdicts = Vec::new();
-    let mut row0 = 0;
-    for seq in spec.sequences() {
-        let len = seq.len_q;
-        let rows = row0..row0 + len;
-        row0 += len;
-        if len == 0 {
-            continue;
-        }
-        for kv in 0..hkv {
-            let heads = kv * group..(kv + 1) * group;
-            let stacked = |t: ArrayViewD<'_, T>, keys: bool| {
-                let h = if keys { kv..kv + 1 } else { heads.clone() };
-                as_one_head(stack_heads(spec, t, &seq, h, keys))
-            };
-            let sub_spec = AttentionSpec {
-                layout: attnproof_oracle::Layout::Varlen {
-                    cu_seqlens_q: vec![0, (len * group) as i32],
-                    cu_seqlens_k: vec![0, len as i32],
-                },
-                n_heads_q: 1,
-                n_heads_kv: 1,
-                mask: attnproof_oracle::Mask::None,
-                ..spec.clone()
-            };
-            let sub = Case {
-                spec: sub_spec,
-                q: stacked(case.q.view(), false),
-                k: stacked(case.k.view(), true),
-                v: stacked(case.v.view(), true),
-            };
-            // The forward verifier's mask (`causal ∧ block listed`, per token), one row per (token, head).
-            let selection = lists.slice_axis(Axis(0), ndarray::Slice::from(rows.clone()));
-            let per_token = selected_blocks_mask(selection, kv, lb).matrix(len, len);
-            let visible = Array2::from_shape_fn((len * group, len), |(row, key)| per_token[[row / group, key]]);
-            let sub_d_out = stacked(d_out.view(), false);
-            let expectation =
-                BackwardExpectation::with_visibility(&sub, &sub_d_out, q_tile, recipe, &|_, _| visible.clone())?;
-            let delta = stack_row_stats(spec, candidate.delta.view(), &seq, heads.clone());
-            // [G, L] → token-major [1, L·G].
-            let delta = delta.view().reversed_axes().as_standard_layout().into_owned();
-            let delta = delta.into_shape_with_order(IxDyn(&[1, len * group])).expect("sizes agree");
-            let (dq, dk, dv) = (
-                stacked(candidate.dq.view(), false),
-                stacked(candidate.dk.view(), true),
-                stacked(candidate.dv.view(), true),
-            );
-            let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
-            verdicts.push(expectation.verify(candidate)?);
-        }
-    }
-    Ok(verdicts)
+    verify_stacked_backward(case, d_out, candidate, (recipe, q_tile), |rows, len, kv| {
+        let selection = lists.slice_axis(Axis(0), ndarray::Slice::from(rows));
+        selected_blocks_mask(selection, kv, config.select_block).matrix(len, len)
+    })
 }
 
 #[cfg(test)]
@@ -319,6 +254,7 @@ mod tests {
     use super::*;
     use attnproof_oracle::spec::Layout;
     use half::bf16;
+    use ndarray::Array2;
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
 

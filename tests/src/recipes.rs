@@ -163,6 +163,8 @@ pub fn external(storage: Dtype, kind: RecipeKind, params: KernelParams) -> Backw
         accumulation: Accumulation::TensorCore { k_step: params.mma_k.unwrap_or(1) },
         score_reuse: ScoreReuse::Recomputed,
         score_storage_rounding,
+        // A peer's dK and dV are taken as owned by one worker per key (FlashAttention 2's, and 3's without GQA).
+        atomic_kv_sums: false,
     };
     BackwardRecipe { recipe, q_tile: params.q_tile.unwrap_or(1) }
 }

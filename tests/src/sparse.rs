@@ -30,7 +30,7 @@ use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Pair, Predicate, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
-use ndarray::{Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, Slice};
+use ndarray::{Array3, ArrayD, ArrayView2, ArrayView3, ArrayViewD, Axis, IxDyn, Slice};
 use thiserror::Error;
 
 use crate::backward::{BackwardCandidate, BackwardExpectation};
@@ -499,6 +499,101 @@ pub fn verify_nsa_selected_forward<T: Element>(
         let (q, k, v) = (group.q.view(), group.k.view(), group.v.view());
         let sub = nsa_group_case(q, k, v, selection, kv, select_block, case.spec.scale);
         verify_nsa_group_forward(&sub, selection, kv, select_block, recipe, o_sub, lse_sub)
+    })
+}
+
+/// A `[L, G, ·]` stack of one KV head's query heads as one head of `L·G` rows, token-major (row `t·G + h`): the order
+/// in which the token-list backwards' tiles hold them.
+fn as_one_head<T: Clone>(heads: ArrayD<T>) -> ArrayD<T> {
+    let (len, group, width) = (heads.shape()[0], heads.shape()[1], heads.shape()[2]);
+    heads.as_standard_layout().into_owned().into_shape_with_order(IxDyn(&[len * group, 1, width])).expect("sizes agree")
+}
+
+/// The backward verifier of the token-list schedules (NSA's selected branch, DSA's token-sparse attention), whose
+/// kernels hold a KV head's whole group at once: one verdict per (sequence, KV head), each the dense backward verdict
+/// of the group's rows stacked as one head of `L·G` rows token-major (row `t·G + h`) over the KV head's keys, under
+/// `visible(token rows, L, kv)` (`[L, L]`, per token; row `t·G + h` sees what token `t` sees), with `recipe` and query
+/// tiles of `q_tile` rows. A key's dK and dV then sum the group's terms in one chain, the dense model's chain for one
+/// head of `L·G` query rows, so no GQA sum is added; `q_tile` counts the partials each chain gathers. Empty sequences
+/// have nothing to verify.
+pub fn verify_stacked_backward<T: Element>(
+    case: &Case<T>,
+    d_out: &ArrayD<T>,
+    candidate: BackwardCandidate<'_, T>,
+    (recipe, q_tile): (FlashRecipe, usize),
+    visible: impl Fn(Range<usize>, usize, usize) -> ndarray::Array2<bool>,
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let spec = &case.spec;
+    let (group, hkv) = (spec.group_size(), spec.n_heads_kv);
+    let mut verdicts = Vec::new();
+    let mut row0 = 0;
+    for seq in spec.sequences() {
+        let len = seq.len_q;
+        let rows = row0..row0 + len;
+        row0 += len;
+        if len == 0 {
+            continue;
+        }
+        for kv in 0..hkv {
+            let heads = kv * group..(kv + 1) * group;
+            let stacked = |t: ArrayViewD<'_, T>, keys: bool| {
+                let h = if keys { kv..kv + 1 } else { heads.clone() };
+                as_one_head(stack_heads(spec, t, &seq, h, keys))
+            };
+            let sub_spec = AttentionSpec {
+                layout: Layout::Varlen {
+                    cu_seqlens_q: vec![0, (len * group) as i32],
+                    cu_seqlens_k: vec![0, len as i32],
+                },
+                n_heads_q: 1,
+                n_heads_kv: 1,
+                mask: Mask::None,
+                ..spec.clone()
+            };
+            let sub = Case {
+                spec: sub_spec,
+                q: stacked(case.q.view(), false),
+                k: stacked(case.k.view(), true),
+                v: stacked(case.v.view(), true),
+            };
+            let per_token = visible(rows.clone(), len, kv);
+            let visible =
+                ndarray::Array2::from_shape_fn((len * group, len), |(row, key)| per_token[[row / group, key]]);
+            let sub_d_out = stacked(d_out.view(), false);
+            let expectation =
+                BackwardExpectation::with_visibility(&sub, &sub_d_out, q_tile, recipe, &|_, _| visible.clone())?;
+            let delta = stack_row_stats(spec, candidate.delta.view(), &seq, heads.clone());
+            // [G, L] → token-major [1, L·G].
+            let delta = delta.view().reversed_axes().as_standard_layout().into_owned();
+            let delta = delta.into_shape_with_order(IxDyn(&[1, len * group])).expect("sizes agree");
+            let (dq, dk, dv) = (
+                stacked(candidate.dq.view(), false),
+                stacked(candidate.dk.view(), true),
+                stacked(candidate.dv.view(), true),
+            );
+            let candidate = BackwardCandidate { dq: dq.view(), dk: dk.view(), dv: dv.view(), delta: delta.view() };
+            verdicts.push(expectation.verify(candidate)?);
+        }
+    }
+    Ok(verdicts)
+}
+
+/// Verifies a DSA token-sparse backward candidate (dQ, dK, dV and `D` of any layout, as `case.spec` says: causal
+/// self-attention) with token lists `[token rows, list heads, κ]` (one list head for every KV head, or one per KV
+/// head) under `recipe` with query tiles of `q_tile` rows: [`verify_stacked_backward`] under "key listed for the
+/// token" from the list each KV head reads.
+pub fn verify_dsa_token_sparse_backward<T: Element>(
+    case: &Case<T>,
+    lists: ArrayView3<'_, i32>,
+    d_out: &ArrayD<T>,
+    candidate: BackwardCandidate<'_, T>,
+    (recipe, q_tile): (FlashRecipe, usize),
+) -> Result<Vec<Verdict>, SparseHarnessError> {
+    let shared = lists.dim().1 == 1;
+    verify_stacked_backward(case, d_out, candidate, (recipe, q_tile), |rows, len, kv| {
+        let selection =
+            lists.slice_axis(Axis(0), Slice::from(rows)).index_axis_move(Axis(1), if shared { 0 } else { kv });
+        dsa_mask(selection, Listing::All).matrix(len, len)
     })
 }
 

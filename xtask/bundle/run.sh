@@ -21,9 +21,9 @@
 #                           64K, 128K), then block_sparse_peers.py (FlexAttention on the same lists) in the same call
 #   run.sh dsa-bench [ARGS] bin/bench --dsa (DSA's indexer with its exact top-k at 16K, 64K, 128K), then
 #                           dsa_peers.py (the PyTorch baseline: chunked scores and torch.topk) in the same call
-#   run.sh dsa-sparse-bench [ARGS] bin/bench --dsa-sparse (DSA's token-sparse attention forward, 64 heads over one KV
-#                           head, k = 2048, at 16K, 64K, 128K), dsa_sparse_peers.py (FlexAttention with the same
-#                           selection as a mask) and bin/bench's dense causal forward at B1 H16 L16K D128 in the same
+#   run.sh dsa-sparse-bench [ARGS] bin/bench --dsa-sparse (DSA's token-sparse attention forward and backward, 64
+#                           heads over one KV head, k = 2048, at 16K, 64K, 128K), dsa_sparse_peers.py (FlexAttention
+#                           with the same selection as a mask, forward and backward) and bin/bench's dense causal forward at B1 H16 L16K D128 in the same
 #                           call, for the ratio of effective TFLOP/s the issue sets
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
@@ -76,6 +76,7 @@ SANITIZE=(
     "attnproof-gpu-it nsa_layer::sanitizer_shapes"
     "attnproof-gpu-it dsa_index::sanitizer_shapes"
     "attnproof-gpu-it dsa_sparse::sanitizer_shapes"
+    "attnproof-gpu-it dsa_sparse_backward::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary

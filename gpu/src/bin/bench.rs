@@ -24,6 +24,8 @@
 //! different token and neighbouring tokens share few rows; its `tflops` column counts the visited pairs' products,
 //! `2·H·(d + dv)·Σ_t min(t + 1, k)`. `--dsa-sparse-source PATH` (repeatable) also times another text of
 //! `dsa_sparse.cu` and says on stderr whether its output equals the embedded kernel's bit for bit.
+//! It also times the backward (`attnproof_gpu::dsa::sparse_backward`, direction `dsa-sparse-bwd`, dK and dV by f32
+//! reductions) from the forward's O and LSE and a random dO, its `tflops` counting `2·H·(3d + 2dv)·Σ_t min(t + 1, k)`.
 //! `bench/dsa_sparse_peers.py` puts the rows beside FlexAttention under the same selection.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
@@ -96,6 +98,7 @@ use attnproof_gpu::dsa::index::{
     self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
 };
 use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection, token_sparse_device};
+use attnproof_gpu::dsa::sparse_backward::{DSA_SPARSE_BWD, token_sparse_backward_device};
 use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{
     NSA_COMPRESS, compress_kv_backward_device, compress_kv_device, compress_map_gradient_device, compressed_shape,
@@ -1142,6 +1145,28 @@ fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) ->
             );
             emit(out, line);
         }
+        // The backward from the embedded forward's O and LSE of input set 0 (every set reads them: the timing does
+        // not depend on their values) and a random dO; its products are S, dP, dV, dK and dQ over the visited pairs.
+        let (q, k, v) = &sets[0];
+        token_sparse_device(stream, &spec, selection, DSA_SPARSE, (q, k, v), &lists, &mut o, &mut lse)
+            .map_err(|e| e.to_string())?;
+        let d_out = upload(stream, n_q, 99)?;
+        let (mut dq, mut dk, mut dv) = (alloc(stream, n_q)?, alloc(stream, n_kv)?, alloc(stream, n_kv)?);
+        let mut delta = stream.alloc_zeros::<f32>(HEADS * seq_len).map_err(|e| e.to_string())?;
+        let ms = median_ms(stream, opts, |set| {
+            let (q, k, v) = &sets[set];
+            let inputs = BackwardDeviceInputs { q, k, v, o: &o, lse: &lse, d_out: &d_out };
+            let outputs = BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
+            let strategy = GpuBackwardStrategy::KvOwnerAtomic;
+            token_sparse_backward_device(stream, &spec, selection, DSA_SPARSE_BWD, inputs, &lists, outputs, strategy)
+                .map_err(|e| e.to_string())
+        })?;
+        let bwd_flops = 2.0 * (HEADS * (3 * DIM + 2 * DIM)) as f64 * pairs;
+        let line = format!(
+            "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-sparse-bwd,gather-atomic,1,{ms:.4},{:.1}\n",
+            bwd_flops / ms / 1e9
+        );
+        emit(out, line);
     }
     Ok(())
 }

@@ -7,7 +7,9 @@
 //! both read the same f32 scores.
 //!
 //! The attention then runs over those lists: each token's query heads attend to the listed tokens only, with one
-//! softmax over them; its K and V rows are gathered once for every head that shares the list.
+//! softmax over them; its K and V rows are gathered once for every head that shares the list. Its backward
+//! ([`sparse_backward`]) walks the same lists again, owning each token's dQ and adding dK and dV to the gathered rows.
 
 pub mod index;
 pub mod sparse;
+pub mod sparse_backward;

@@ -125,18 +125,18 @@ pub fn sparse_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
     ]
 }
 
-/// Everything a launch needs, derived from a validated layer spec and selection.
-struct Plan {
-    params: DsaSparseParams,
-    cu_q: Vec<i32>,
-    cu_k: Vec<i32>,
-    batch: usize,
-    max_len: usize,
+/// Everything a launch needs, derived from a validated layer spec and selection (the backward's too).
+pub(super) struct Plan {
+    pub(super) params: DsaSparseParams,
+    pub(super) cu_q: Vec<i32>,
+    pub(super) cu_k: Vec<i32>,
+    pub(super) batch: usize,
+    pub(super) max_len: usize,
     rows: usize,
     shared_bytes: usize,
 }
 
-fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Plan, GpuError> {
+pub(super) fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Plan, GpuError> {
     check_causal_self_attention(spec, "DSA")?;
     let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let shape = selection.lists_shape(spec);
@@ -154,7 +154,7 @@ fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Plan, GpuErro
         top_k: to_i32("top_k", selection.top_k)?,
         list_heads: to_i32("list heads", shape[1])?,
         head_chunks: to_i32("head chunks", group.div_ceil(rows))?,
-        reserved: 0,
+        column_chunks: 1,
     };
     let pad = |d: usize| d.div_ceil(16).max(1) * 16;
     // The Q tile of the CTA's rows and the gathered K tile (d columns), the gathered V tile (dv columns): 2-byte

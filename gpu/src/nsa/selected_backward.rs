@@ -41,7 +41,7 @@ use super::select::lists_shape;
 use super::selected::{KV_TILE, plan, validate_lists};
 use crate::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, Q_TILE,
-    backward_from_host, kv_owner_shape, load_kernel,
+    backward_from_host, check_backward_buffers, kv_owner_shape, load_kernel,
 };
 use crate::common::{GpuElement, check_len, grid_3d, to_i32};
 use crate::compile::{self, KernelSource};
@@ -151,18 +151,9 @@ pub fn selected_backward_device_with<T: GpuElement>(
     };
     let shape = kv_owner_shape::<T>(&plan.spec, TILING)?;
     let size = |op: Operand| plan.spec.expected_shape(op).iter().product::<usize>();
-    check_len("q", inputs.q, size(Operand::Q))?;
-    check_len("k", inputs.k, size(Operand::K))?;
-    check_len("v", inputs.v, size(Operand::V))?;
-    check_len("o", inputs.o, size(Operand::O))?;
-    check_len("lse", inputs.lse, size(Operand::RowStat))?;
-    check_len("d_out", inputs.d_out, size(Operand::O))?;
+    check_backward_buffers(&plan.spec, &inputs, &outputs)?;
     let list_entries: usize = lists_shape(&plan.spec, config).iter().product();
     check_len("lists", lists, list_entries)?;
-    check_len("dq", outputs.dq, size(Operand::Q))?;
-    check_len("dk", outputs.dk, size(Operand::K))?;
-    check_len("dv", outputs.dv, size(Operand::V))?;
-    check_len("delta", outputs.delta, size(Operand::RowStat))?;
     if plan.max_len == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
         return Ok(());
     }

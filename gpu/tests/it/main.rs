@@ -11,6 +11,7 @@ mod compile_only;
 mod device;
 mod dsa_index;
 mod dsa_sparse;
+mod dsa_sparse_backward;
 mod flash_backward;
 mod flash_forward;
 mod mutants;

@@ -26,6 +26,7 @@ use crate::block_sparse_backward;
 use crate::common::*;
 use crate::dsa_index;
 use crate::dsa_sparse;
+use crate::dsa_sparse_backward;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
@@ -39,6 +40,7 @@ use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::dsa::index::DSA_INDEX;
 use attnproof_gpu::dsa::sparse::DSA_SPARSE;
+use attnproof_gpu::dsa::sparse_backward::DSA_SPARSE_BWD;
 use attnproof_gpu::flash::ForwardTiling;
 use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
@@ -63,7 +65,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 12] = [
+const KERNELS: [KernelSource; 13] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
@@ -76,6 +78,7 @@ const KERNELS: [KernelSource; 12] = [
     FLASH_BWD_SM90,
     DSA_INDEX,
     DSA_SPARSE,
+    DSA_SPARSE_BWD,
 ];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
@@ -679,6 +682,45 @@ fn all_dsa_sparse_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             dsa_sparse::run_token_sparse_suite(suite, config, &stream, kernel)
+        },
+    );
+}
+
+#[test]
+fn all_dsa_sparse_backward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_backward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = dsa_sparse_backward::backward_killing_cases();
+    hunt(
+        "all_dsa_sparse_backward_mutants_are_killed",
+        DSA_SPARSE_BWD,
+        &catalog_mutants(DSA_SPARSE_BWD),
+        &cases,
+        |kernel, c| dsa_sparse_backward::check_backward_case(&stream, kernel, c),
+    );
+}
+
+/// Every token-sparse backward mutant also fails the general suite (bf16, its default draws, no shrinking).
+#[test]
+fn all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &dsa_sparse_backward::BACKWARD_SUITES[0];
+    hunt_in_suite(
+        "all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite",
+        DSA_SPARSE_BWD,
+        &catalog_mutants(DSA_SPARSE_BWD),
+        suite.name,
+        |kernel| {
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            dsa_sparse_backward::run_backward_suite(suite, config, &stream, kernel)
         },
     );
 }

@@ -135,6 +135,7 @@ fn recipe(score_reuse: ScoreReuse) -> FlashRecipe {
         accumulation: Accumulation::TensorCore { k_step: 16 },
         score_reuse,
         score_storage_rounding: 1.0 / 2048.0,
+        atomic_kv_sums: false,
     }
 }
 
@@ -330,6 +331,34 @@ fn underflow_terms() {
     close("dK of the visible key", b.dk[[0, 0]], (zeta + tiny) * F);
     // dQ also carries the atomic flush of its n_k = ⌈2/1⌉ + 1 = 3 partials (α = 1).
     close("dQ", b.dq[[0, 0]], (zeta + 3.0 * F32_MIN_NORMAL + tiny) * F);
+}
+
+/// Atomic dK, dV sums add exactly the flush of their `n_q` partials: `|α| n_q 2^-126` to dK and `n_q 2^-126` to dV
+/// (here `n_q = ⌈1/1⌉ + 2 = 3` under [`recipe`]'s extra query partials, `α = 0.5`), and change nothing else. The
+/// terms are seen where nothing else is: the hidden key of [`underflow_terms`]'s head, whose dK is `τ_T` alone and
+/// whose dV without `dO` is too.
+#[test]
+fn atomic_kv_sums_add_the_flush_of_each_partial() {
+    let h = Head::new(
+        array![[1.0, 0.0]],
+        array![[1.0, 0.0], [1.0, 0.0]],
+        array![[0.0, 0.0], [2.0, 0.0]],
+        array![[1.0, 0.0]],
+        0.5,
+        [true, false],
+    );
+    let r =
+        FlashRecipe { subnormal: 2f64.powi(-133), exp_underflow: 2f64.powi(-126), ..recipe(ScoreReuse::Recomputed) };
+    let tiny = r.subnormal;
+    let fwd = forward_bounds(h.exact(), r).unwrap();
+    let plain = backward_bounds(h.backward_exact(), &fwd, r, 1).unwrap();
+    let atomic = backward_bounds(h.backward_exact(), &fwd, FlashRecipe { atomic_kv_sums: true, ..r }, 1).unwrap();
+    let n_q = 3.0;
+    close("dK of the hidden key, plain", plain.dk[[1, 0]], tiny * F);
+    close("dK of the hidden key, atomic", atomic.dk[[1, 0]], (0.5 * n_q * F32_MIN_NORMAL + tiny) * F);
+    close("dV of the hidden key, dO = 0, plain", plain.dv[[1, 1]], tiny * F);
+    close("dV of the hidden key, dO = 0, atomic", atomic.dv[[1, 1]], (n_q * F32_MIN_NORMAL + tiny) * F);
+    assert_eq!((atomic.dq, atomic.delta), (plain.dq, plain.delta));
 }
 
 #[test]

@@ -158,18 +158,20 @@ mod textbook {
                     f.scale * (sum + n_k as f64 * F32_MIN_NORMAL) + (3.0 * u + ut) * x.dq[[i, c]].abs() + tiny;
             }
         }
+        // With atomic dK, dV sums, each of a key's n_q adds may flush a value below 2^-126.
+        let kv_flush = if recipe.atomic_kv_sums { n_q as f64 * F32_MIN_NORMAL } else { 0.0 };
         for j in 0..len_k {
             for c in 0..d {
-                b.dk[[j, c]] = f.scale
-                    * (0..len_q).map(|i| (zeta[[i, j]] + gq * x.ds[[i, j]].abs()) * f.q[[i, c]].abs()).sum::<f64>()
-                    + (3.0 * u + ut) * x.dk[[j, c]].abs()
-                    + tiny;
+                let sum: f64 =
+                    (0..len_q).map(|i| (zeta[[i, j]] + gq * x.ds[[i, j]].abs()) * f.q[[i, c]].abs()).sum::<f64>();
+                b.dk[[j, c]] = f.scale * (sum + kv_flush) + (3.0 * u + ut) * x.dk[[j, c]].abs() + tiny;
             }
             for c in 0..dv {
                 let gmax = (0..len_q).map(|i| x.d_out[[i, c]].abs()).fold(0.0, f64::max);
                 b.dv[[j, c]] =
                     (0..len_q).map(|i| f.p[[i, j]] * (pi[[i, j]] + ut + gq) * x.d_out[[i, c]].abs()).sum::<f64>()
                         + len_q as f64 * (tiny + recipe.exp_underflow) * gmax
+                        + kv_flush
                         + ut * x.dv[[j, c]].abs()
                         + tiny;
             }
@@ -230,13 +232,14 @@ fn the_bounds_are_the_textbook_loops_bit_for_bit() {
             dk: grads.dk.view(),
             dv: grads.dv.view(),
         };
-        for (reuse, accumulation) in [
-            (ScoreReuse::BitwiseAsForward, Accumulation::RoundToNearest),
-            (ScoreReuse::Recomputed, Accumulation::TensorCore { k_step: 16 }),
+        for (reuse, accumulation, atomic_kv_sums) in [
+            (ScoreReuse::BitwiseAsForward, Accumulation::RoundToNearest, false),
+            (ScoreReuse::Recomputed, Accumulation::TensorCore { k_step: 16 }, true),
         ] {
             let recipe = FlashRecipe {
                 score_reuse: reuse,
                 accumulation,
+                atomic_kv_sums,
                 extra_merges: 2,
                 extra_query_partials: 1,
                 shift_rounding: 1e-7,

@@ -86,6 +86,22 @@ const DSA_SPARSE: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of the token-list rule DSA's token-sparse kernels share (`common.cuh`'s `token_list_end`), as
+/// the forward runs it.
+const DSA_SPARSE_COMMON: Mutant = Mutant { file: COMMON_HEADER, ..DSA_SPARSE };
+
+/// Base entry for mutants of DSA's token-sparse attention backward (`dsa_sparse_bwd.cu`: each token's gathered tile
+/// step, dQ owned per token, dK and dV added to the gathered rows), launched in-process on a device with the forward's
+/// killing cases.
+const DSA_SPARSE_BWD: Mutant = Mutant {
+    file: "gpu/kernels/dsa_sparse_bwd.cu",
+    runner: Runner::KernelText { kernel: "dsa_sparse_bwd", mode: None },
+    ..FLASH_FWD
+};
+
+/// The token-list rule as the backward runs it.
+const DSA_SPARSE_BWD_COMMON: Mutant = Mutant { file: COMMON_HEADER, ..DSA_SPARSE_BWD };
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -1064,8 +1080,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-dsa-sparse-last-slot-dropped",
         description: "Top-k keeping k-1: a list's last valid entry is never attended to",
-        find: "const int n_valid = list_end;",
-        replace: "const int n_valid = max(list_end - 1, 0);",
+        find: "const int n_valid = token_list_end<SPARSE_THREADS>(",
+        replace: "const int n_valid = -1 + token_list_end<SPARSE_THREADS>(",
         ..DSA_SPARSE
     },
     Mutant {
@@ -1073,7 +1089,7 @@ pub const MUTANTS: &[Mutant] = &[
         description: "Causal off by one in the device list rule: a list ends at its own token, which it may list",
         find: "previous, token + 1)) {",
         replace: "previous, token)) {",
-        ..DSA_SPARSE
+        ..DSA_SPARSE_COMMON
     },
     Mutant {
         name: "gpu-dsa-sparse-query-heads-collapsed",
@@ -1137,6 +1153,120 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const bool warp_active = warp * 16 < heads;",
         replace: "const bool warp_active = warp * 16 + 16 <= heads;",
         ..DSA_SPARSE
+    },
+    // --- dsa_sparse_bwd.cu (DSA's token-sparse attention backward), launched on a device ---
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-last-slot-dropped",
+        description: "Top-k keeping k-1 in the backward: a list's last valid entry gets no gradient and adds none to dQ",
+        find: "const int n_valid = token_list_end<DSA_BWD_THREADS>(",
+        replace: "const int n_valid = -1 + token_list_end<DSA_BWD_THREADS>(",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-own-token-ends-the-list",
+        description: "Causal off by one in the backward's list rule: a list ends at its own token, which it may list",
+        find: "previous, token + 1)) {",
+        replace: "previous, token)) {",
+        ..DSA_SPARSE_BWD_COMMON
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-dk-scattered-to-the-previous-row",
+        description: "dK scattered to the wrong row: each gathered key's dK partial is added to the key before it",
+        find: "float* dk_row = dk_acc + sv.k_base + kv * k_head + key * k_row;",
+        replace: "float* dk_row = dk_acc + sv.k_base + kv * k_head + max(key - 1, 0LL) * k_row;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-second-row-of-each-fragment-dropped",
+        description: "Slots 8 to 15 of every warp add nothing to dK and dV: half of the gathered keys lose their gradient",
+        find: "for (int r = 0; r < 2; ++r) {\n            const int slot = wk + g + 8 * r;",
+        replace: "for (int r = 0; r < 1; ++r) {\n            const int slot = wk + g + 8 * r;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-query-heads-collapsed",
+        description: "A gathered row loaded for one head only: every row of the CTA reads the query of its first head",
+        find: "q_s, q + sv.q_base, q_head, q_row, first_head, ConsecutiveTokens{token}",
+        replace: "q_s, q + sv.q_base, 0, q_row, first_head, ConsecutiveTokens{token}",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-head-chunks-collapsed",
+        description: "Every head chunk of a group above 64 heads computes the group's first 64 heads",
+        find: "const int first_head = kv * group + chunk * Q_TILE;",
+        replace: "const int first_head = kv * group;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-shared-list-for-every-kv-head",
+        description: "Lists per KV head read as one shared list: every KV head's rows walk KV head 0's list",
+        find: "const int list_head = params.list_heads == 1 ? 0 : kv;",
+        replace: "const int list_head = 0;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-delta-dropped",
+        description: "dS = P ∘ dP without subtracting D (E9): the backward's rows read D as 0",
+        find: "delta_s[r] = r < heads ? delta[at] : 0.f;",
+        replace: "delta_s[r] = 0.f;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-last-tile-skipped",
+        description: "A row walks all but its list's last tile of 64 slots",
+        find: "for (int tile = 0; tile < n_tiles; ++tile) {",
+        replace: "for (int tile = 0; tile + 1 < n_tiles; ++tile) {",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-transpose-skips-the-tiles-first-token",
+        description: "The deterministic mode's transpose starts one token late: the tile's first token adds nothing to its \
+                      dK and dV",
+        find: "for (int base = tile * KV_TILE; base < sv.len_q; base += 32) {",
+        replace: "for (int base = tile * KV_TILE + 1; base < sv.len_q; base += 32) {",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-unlisted-keys-unmasked",
+        description: "The deterministic KV owner gives a token every key of a tile it lists any key of",
+        find: "mask_unlisted(st, dsp, mask_s, group, wk + g, tig);",
+        replace: "",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-kv-owner-reads-the-first-kv-heads-transpose",
+        description: "The deterministic KV owner walks the transpose of KV head 0's lists for every KV head",
+        find: "const int list_head = params.list_heads > 1 ? kv : 0;",
+        replace: "const int list_head = 0;",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-mask-bits-of-neighbours",
+        description: "The transpose's masks name each listed key's neighbour (key ^ 1) instead of the key",
+        find: "mask |= 1ull << (s - key0);",
+        replace: "mask |= 1ull << ((s - key0) ^ 1);",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-dq-unscaled",
+        description: "dQ written without the softmax scale α̂",
+        find: "pack_elems(to_elem(__fmul_rn(scale, dq0)), to_elem(__fmul_rn(scale, dq1)));",
+        replace: "pack_elems(to_elem(dq0), to_elem(dq1));",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-dk-unscaled",
+        description: "dK finalized without the softmax scale α̂",
+        find: "pack_elems(to_elem(__fmul_rn(scale, x.x)), to_elem(__fmul_rn(scale, x.y)));",
+        replace: "pack_elems(to_elem(x.x), to_elem(x.y));",
+        ..DSA_SPARSE_BWD
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-bwd-dv-scaled",
+        description: "dV finalized with the softmax scale α̂, as dK is",
+        find: "pack_elems(to_elem(x.x), to_elem(x.y));",
+        replace: "pack_elems(to_elem(__fmul_rn(scale, x.x)), to_elem(__fmul_rn(scale, x.y)));",
+        ..DSA_SPARSE_BWD
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
