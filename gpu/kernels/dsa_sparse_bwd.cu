@@ -136,31 +136,31 @@ dsa_sparse_bwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const
         // The tile's dK and dV over the chunk's heads, added to the gathered keys' accumulators (the atomic mode; the
         // deterministic mode's dsa_sparse_bwd_kv forms them instead).
         if (add_kv) {
-        float acc_k[CHUNK / 8][4], acc_v[CHUNK / 8][4];
-#pragma unroll
-        for (int n = 0; n < CHUNK / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
-        }
-        if (heads == Q_TILE) {
-            add_dk_dv<true>(acc_k, acc_v, st, dsp, do_bt, q_bt, c0, heads);
-        } else {
-            add_dk_dv<false>(acc_k, acc_v, st, dsp, do_bt, q_bt, c0, heads);
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int slot = wk + g + 8 * r;
-            const bool listed = slot < keys_here;
-            const long long key = listed ? keys(slot) : 0;
-            float* dk_row = dk_acc + sv.k_base + kv * k_head + key * k_row;
-            float* dv_row = dv_acc + sv.v_base + kv * v_head + key * v_row;
+            float acc_k[CHUNK / 8][4], acc_v[CHUNK / 8][4];
 #pragma unroll
             for (int n = 0; n < CHUNK / 8; ++n) {
-                const int col = c0 + n * 8 + tig * 2;
-                red_add_v2(listed && col < d, dk_row + col, acc_k[n][2 * r], acc_k[n][2 * r + 1]);
-                red_add_v2(listed && col < dv, dv_row + col, acc_v[n][2 * r], acc_v[n][2 * r + 1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_k[n][e] = acc_v[n][e] = 0.f;
             }
-        }
+            if (heads == Q_TILE) {
+                add_dk_dv<true>(acc_k, acc_v, st, dsp, do_bt, q_bt, c0, heads);
+            } else {
+                add_dk_dv<false>(acc_k, acc_v, st, dsp, do_bt, q_bt, c0, heads);
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int slot = wk + g + 8 * r;
+                const bool listed = slot < keys_here;
+                const long long key = listed ? keys(slot) : 0;
+                float* dk_row = dk_acc + sv.k_base + kv * k_head + key * k_row;
+                float* dv_row = dv_acc + sv.v_base + kv * v_head + key * v_row;
+#pragma unroll
+                for (int n = 0; n < CHUNK / 8; ++n) {
+                    const int col = c0 + n * 8 + tig * 2;
+                    red_add_v2(listed && col < d, dk_row + col, acc_k[n][2 * r], acc_k[n][2 * r + 1]);
+                    red_add_v2(listed && col < dv, dv_row + col, acc_v[n][2 * r], acc_v[n][2 * r + 1]);
+                }
+            }
         }
 
         // The tile's dQ = dS K, added to the rows' sums.

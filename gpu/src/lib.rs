@@ -244,6 +244,7 @@ mod tests {
                 "nsa_selected_bwd",
                 "dsa_index",
                 "dsa_sparse",
+                "dsa_sparse_bwd",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

@@ -21,7 +21,7 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use cudarc::driver::CudaStream;
-use ndarray::{Array2, Array3, ArrayD, ArrayViewD};
+use ndarray::{Array2, Array3, ArrayD, ArrayView3, ArrayViewD, Axis};
 use proptest::prelude::*;
 
 use crate::backward::BackwardCandidate;
@@ -221,6 +221,56 @@ pub fn verify_token_sparse<T: Element>(
     lse: ArrayViewD<'_, f32>,
 ) -> Result<Vec<Verdict>, SparseHarnessError> {
     verify_dsa_token_sparse_forward(case, lists.view(), token_sparse_recipe::<T>(selection.top_k), o, lse)
+}
+
+/// The token-level transpose of the deterministic backward, as `attnproof_gpu::dsa::sparse_backward` builds it on the
+/// device (`TokenTransposeDevice`): one row per (sequence, list head, tile of 64 keys of the longest sequence), in that
+/// order, holding the tokens whose list names a key of the tile, ascending, each with the mask of the keys it names
+/// (bit `i` for key `64·tile + i`). Integers: the device's must equal it entry for entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenTranspose {
+    /// `[rows + 1]`, from 0.
+    pub offsets: Vec<i32>,
+    /// The rows' tokens (sequence-local), row after row.
+    pub tokens: Vec<i32>,
+    /// Each token's mask of the row's keys.
+    pub masks: Vec<u64>,
+}
+
+/// The host's [`TokenTranspose`] of `lists` for `spec`, each list read as the device reads it: up to its first entry
+/// that does not rise or lies after its token.
+pub fn token_transpose(spec: &AttentionSpec, selection: TokenSelection, lists: ArrayView3<'_, i32>) -> TokenTranspose {
+    let seqs = spec.sequences();
+    let tiles = seqs.iter().map(|s| s.len_q).max().unwrap_or(0).div_ceil(KV_TILE);
+    let mut transpose = TokenTranspose { offsets: vec![0], tokens: vec![], masks: vec![] };
+    let mut row0 = 0;
+    for seq in &seqs {
+        for head in 0..selection.list_heads(spec) {
+            // Per tile, the (token, mask) pairs in ascending token order.
+            let mut rows: Vec<Vec<(i32, u64)>> = vec![vec![]; tiles];
+            for t in 0..seq.len_q {
+                let mut previous = -1i32;
+                for &s in lists.index_axis(Axis(0), row0 + t).index_axis(Axis(0), head) {
+                    if s <= previous || s as usize > t {
+                        break;
+                    }
+                    let (tile, bit) = (s as usize / KV_TILE, s as usize % KV_TILE);
+                    match rows[tile].last_mut() {
+                        Some((token, mask)) if *token == t as i32 => *mask |= 1 << bit,
+                        _ => rows[tile].push((t as i32, 1 << bit)),
+                    }
+                    previous = s;
+                }
+            }
+            for row in rows {
+                transpose.tokens.extend(row.iter().map(|&(t, _)| t));
+                transpose.masks.extend(row.iter().map(|&(_, m)| m));
+                transpose.offsets.push(transpose.tokens.len() as i32);
+            }
+        }
+        row0 += seq.len_q;
+    }
+    transpose
 }
 
 /// The token-sparse backward's recipe for `T` with lists of `top_k` slots: the backward kernels'
@@ -501,6 +551,47 @@ mod tests {
             verdicts(run(&lists, Scale::InverseSqrtHeadDim, false)).iter().any(|v| !v.passed()),
             "the wrong scale passed"
         );
+    }
+
+    /// The host transpose of hand-made lists: tile rows in (sequence, list head, tile) order, tokens ascending with the
+    /// masks of the keys they list, a list read only up to an entry after its token, rows of a shorter sequence's
+    /// missing tiles empty; on drawn lists, as many entries as `transpose_entries` allows at most, every (token, key)
+    /// pair of a valid list once.
+    #[test]
+    fn the_host_transpose_groups_tokens_by_tile_with_their_masks() {
+        let cu = vec![0, 130, 132];
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu },
+            ..causal_layer(Layout::Dense { batch: 1, len_q: 1, len_k: 1 }, (2, 1), (16, 8))
+        };
+        let selection = TokenSelection { top_k: 3, heads: ListSharing::Shared };
+        let mut lists = Array3::from_elem((132, 1, 3), -1);
+        for (row, entries) in
+            [(0, [0, -1, -1]), (2, [1, 5, 2]), (65, [0, 64, 65]), (129, [1, 128, 129]), (131, [0, 1, -1])]
+        {
+            for (e, x) in entries.into_iter().enumerate() {
+                lists[[row, 0, e]] = x;
+            }
+        }
+        let got = token_transpose(&spec, selection, lists.view());
+        // Sequence 0: tile 0 lists tokens 0 (key 0), 2 (key 1; key 5 is after it and ends the list), 65 (key 0) and
+        // 129 (key 1); tile 1 token 65 (keys 64, 65); tile 2 token 129 (keys 128, 129). Sequence 1 (tokens 0, 1):
+        // token 1 lists keys 0 and 1 in tile 0; its tiles 1 and 2 are empty.
+        assert_eq!(got.offsets, [0, 4, 5, 6, 7, 7, 7]);
+        assert_eq!(got.tokens, [0, 2, 65, 129, 65, 129, 1]);
+        assert_eq!(got.masks, [1, 2, 1, 2, 3, 3, 3]);
+
+        let cu = vec![0, 70, 70, 300];
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu };
+        let d = draw(layout, (4, 2), 65, ListSharing::PerKvHead, TokenListMix::Mixed);
+        let lists = token_lists(&d);
+        let got = token_transpose(&d.layer, d.selection, lists.view());
+        let bound = attnproof_gpu::dsa::sparse_backward::transpose_entries(&d.layer, 65) * 2;
+        assert!(got.tokens.len() <= bound, "{} entries, at most {bound}", got.tokens.len());
+        let pairs: u32 = got.masks.iter().map(|m| m.count_ones()).sum();
+        assert_eq!(pairs as usize, lists.iter().filter(|&&s| s >= 0).count(), "each listed pair once");
+        // Rows for every sequence (the empty one too), list head and tile of the longest (230 tokens: 4 tiles).
+        assert_eq!(got.offsets.len(), 3 * 2 * 4 + 1);
     }
 
     /// The backward verifier accepts the oracle's gradients (per query head under its own visibility, not stacked: an

@@ -42,7 +42,7 @@ use attnproof_oracle::spec::Operand;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{ArrayView3, ArrayViewD};
 
-use super::sparse::{KV_TILE, TokenSelection, plan, validate_token_lists};
+use super::sparse::{KV_TILE, Plan, TokenSelection, plan, validate_token_lists};
 use crate::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, BackwardTiling, GpuBackwardStrategy, Q_TILE,
     backward_from_host, check_backward_buffers, kv_owner_shape, load_kernel,
@@ -233,54 +233,13 @@ pub fn token_sparse_backward_device<T: GpuElement>(
     launch::launch_dsa_sparse_bwd(stream, &owner, cfg(grid, shared), buffers, &plan.params, i32::from(atomic))?;
 
     if !atomic {
-        // The token-level transpose (count, scan, fill), then a KV owner per tile of 64 keys.
-        let list_heads = plan.params.list_heads as usize;
-        let kv_tiles = plan.max_len.div_ceil(KV_TILE);
-        let kv_tiles_i32 = to_i32("KV tiles", kv_tiles)?;
-        let csr_rows = plan.batch * list_heads * kv_tiles;
-        let entries = transpose_entries(spec, selection.top_k) * list_heads;
-        let mut offsets = stream.alloc_zeros::<i32>(csr_rows + 1).map_err(alloc_err)?;
-        let mut lengths =
-            stream.alloc_zeros::<i32>((plan.params.token_rows as usize * list_heads).max(1)).map_err(alloc_err)?;
-        let mut tokens = stream.alloc_zeros::<i32>(entries.max(1)).map_err(alloc_err)?;
-        let mut masks = stream.alloc_zeros::<u64>(entries.max(1)).map_err(alloc_err)?;
-        let heads_seqs = |x: usize, what| grid_3d((what, x), ("list heads", list_heads), ("sequences", plan.batch));
-        let count = load_kernel(ctx, &module, "dsa_csr_count", 0)?;
-        let count_grid = heads_seqs(plan.max_len.div_ceil(128), "tokens")?;
-        let seqlens = (&cu_q, &cu_k);
-        let csr = (&mut offsets, &mut lengths);
-        launch::launch_dsa_csr(
-            stream,
-            &count,
-            cfg(count_grid, 0),
-            lists,
-            csr,
-            None,
-            seqlens,
-            &plan.params,
-            kv_tiles_i32,
-        )?;
-        let scan = load_kernel(ctx, &module, "bwd_csr_scan", 0)?;
-        let scan_cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        launch::launch_csr_scan(stream, &scan, scan_cfg, &mut offsets, to_i32("CSR rows", csr_rows)?)?;
-        let fill = load_kernel(ctx, &module, "dsa_csr_fill", 0)?;
-        let fill_grid = heads_seqs(kv_tiles.div_ceil(4), "KV tiles")?;
-        let csr = (&mut offsets, &mut lengths);
-        let written = Some((&mut tokens, &mut masks));
-        launch::launch_dsa_csr(
-            stream,
-            &fill,
-            cfg(fill_grid, 0),
-            lists,
-            csr,
-            written,
-            seqlens,
-            &plan.params,
-            kv_tiles_i32,
-        )?;
+        // The token-level transpose, then a KV owner per tile of 64 keys.
+        let kv_tiles_i32 = to_i32("KV tiles", plan.max_len.div_ceil(KV_TILE))?;
+        let TokenTransposeDevice { offsets, tokens, masks } =
+            build_token_transpose(stream, &module, (spec, &plan), selection, lists, (&cu_q, &cu_k))?;
         let kv_owner = load_kernel(ctx, &module, "dsa_sparse_bwd_kv", shared as u32)?;
         let kv_grid = grid_3d(
-            ("KV tiles", kv_tiles),
+            ("KV tiles", plan.max_len.div_ceil(KV_TILE)),
             ("n_heads_kv × column chunks", hkv * shape.chunks as usize),
             ("sequences", plan.batch),
         )?;
@@ -320,6 +279,81 @@ pub fn token_sparse_backward_device<T: GpuElement>(
         (&cu_q, &cu_k),
         &plan.params,
     )
+}
+
+/// The deterministic mode's token-level transpose as the backward builds it on the device: one CSR row per (sequence,
+/// list head, tile of 64 keys of the longest sequence), in that order (row `(seq·list_heads + head)·tiles + tile`),
+/// holding the sequence's tokens whose list names a key of the tile, ascending (sequence-local positions), each with
+/// the 64-bit mask of the tile's keys it names (bit `i` for key `64·tile + i`). `offsets` has one entry per row and
+/// one more, from 0; `tokens` and `masks` hold at least `offsets[rows]` entries.
+#[derive(Debug)]
+pub struct TokenTransposeDevice {
+    /// `[rows + 1]`, non-decreasing from 0.
+    pub offsets: CudaSlice<i32>,
+    /// The rows' tokens, row after row.
+    pub tokens: CudaSlice<i32>,
+    /// Each token's mask of the row's keys.
+    pub masks: CudaSlice<u64>,
+}
+
+/// The transpose alone (what the deterministic KV owner walks), so that a test can hold it to a host transpose entry
+/// for entry: the lists of `selection` on the device are read with the forward's rule. `kernel` is
+/// [`DSA_SPARSE_BWD`] or a patched copy. Checks as in [`token_sparse_backward_device`] for the lists.
+pub fn token_transpose_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    selection: TokenSelection,
+    kernel: KernelSource,
+    lists: &CudaSlice<i32>,
+) -> Result<TokenTransposeDevice, GpuError> {
+    let plan = plan(spec, selection)?;
+    let shape = kv_owner_shape::<T>(spec, TILING)?;
+    check_len("lists", lists, selection.lists_shape(spec).iter().product())?;
+    let module = compile::module(stream.context(), kernel, &shape.defines)?;
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
+    build_token_transpose(stream, &module, (spec, &plan), selection, lists, (&up(&plan.cu_q)?, &up(&plan.cu_k)?))
+}
+
+/// Count, scan and fill of the token-level transpose of `lists` into fresh buffers ([`TokenTransposeDevice`]);
+/// nothing is launched for a problem without tokens (the offsets stay 0).
+fn build_token_transpose(
+    stream: &Arc<CudaStream>,
+    module: &Arc<cudarc::driver::CudaModule>,
+    (spec, plan): (&AttentionSpec, &Plan),
+    selection: TokenSelection,
+    lists: &CudaSlice<i32>,
+    seqlens: (&CudaSlice<i32>, &CudaSlice<i32>),
+) -> Result<TokenTransposeDevice, GpuError> {
+    let ctx = stream.context();
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let list_heads = plan.params.list_heads as usize;
+    let kv_tiles = plan.max_len.div_ceil(KV_TILE);
+    let kv_tiles_i32 = to_i32("KV tiles", kv_tiles)?;
+    let csr_rows = plan.batch * list_heads * kv_tiles;
+    let entries = transpose_entries(spec, selection.top_k) * list_heads;
+    let mut offsets = stream.alloc_zeros::<i32>(csr_rows + 1).map_err(alloc_err)?;
+    let mut tokens = stream.alloc_zeros::<i32>(entries.max(1)).map_err(alloc_err)?;
+    let mut masks = stream.alloc_zeros::<u64>(entries.max(1)).map_err(alloc_err)?;
+    if plan.max_len == 0 || plan.batch == 0 || list_heads == 0 {
+        return Ok(TokenTransposeDevice { offsets, tokens, masks });
+    }
+    let mut lengths =
+        stream.alloc_zeros::<i32>((plan.params.token_rows as usize * list_heads).max(1)).map_err(alloc_err)?;
+    let cfg = |grid: (u32, u32, u32)| LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let heads_seqs = |x: usize, what| grid_3d((what, x), ("list heads", list_heads), ("sequences", plan.batch));
+    let count = load_kernel(ctx, module, "dsa_csr_count", 0)?;
+    let count_grid = heads_seqs(plan.max_len.div_ceil(128), "tokens")?;
+    let csr = (&mut offsets, &mut lengths);
+    launch::launch_dsa_csr(stream, &count, cfg(count_grid), lists, csr, None, seqlens, &plan.params, kv_tiles_i32)?;
+    let scan = load_kernel(ctx, module, "bwd_csr_scan", 0)?;
+    let scan_cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    launch::launch_csr_scan(stream, &scan, scan_cfg, &mut offsets, to_i32("CSR rows", csr_rows)?)?;
+    let fill = load_kernel(ctx, module, "dsa_csr_fill", 0)?;
+    let fill_grid = heads_seqs(kv_tiles.div_ceil(4), "KV tiles")?;
+    let csr = (&mut offsets, &mut lengths);
+    let written = Some((&mut tokens, &mut masks));
+    launch::launch_dsa_csr(stream, &fill, cfg(fill_grid), lists, csr, written, seqlens, &plan.params, kv_tiles_i32)?;
+    Ok(TokenTransposeDevice { offsets, tokens, masks })
 }
 
 /// The token-sparse backward from host tensors (validates the layer, the lists and the values, copies in, launches,

@@ -6,7 +6,7 @@
 //! (a token owns its rows), while dK and dV, added with f32 reductions in an order the hardware picks, need only meet
 //! the bound. The deterministic mode (dK and dV from a KV owner over the device-built token-level transpose) runs on
 //! A twice where the group has at most 64 heads: within the bound, the same bits twice, and the atomic mode's dQ and
-//! `D`; above 64 heads it must be a typed error.
+//! `D`, with its device-built transpose equal to the host's entry for entry; above 64 heads it must be a typed error.
 //!
 //! The suites draw what the forward's draw ([`token_sparse_draws`]: lists of every kind and width, shared or per KV
 //! head, lengths from none past a tile ± 1, dense and varlen with empty sequences, GQA groups 1–16 and 24 to 128,
@@ -20,13 +20,15 @@ use crate::dsa_sparse::{ALL_CLASSES, classes, killing_cases};
 use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection};
-use attnproof_gpu::dsa::sparse_backward::{DSA_SPARSE_BWD, token_sparse_backward, token_sparse_backward_device};
+use attnproof_gpu::dsa::sparse_backward::{
+    DSA_SPARSE_BWD, token_sparse_backward, token_sparse_backward_device, token_transpose_device,
+};
 use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, skip_unless_gpu};
 use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::candidate::{BackwardProblem, Gradients, LaunchError};
 use attnproof_harness::dsa_sparse::{
     TokenListMix, TokenSparseDraw, token_lists, token_sparse_backward_guarded, token_sparse_case, token_sparse_draws,
-    token_sparse_guarded, verify_token_sparse_backward,
+    token_sparse_guarded, token_transpose, verify_token_sparse_backward,
 };
 use attnproof_harness::flash::HarnessError;
 use attnproof_harness::generate::{ValueProfile, make_d_out};
@@ -133,6 +135,43 @@ fn check_backward_values<T: Storage>(
         if bits(&first.dq) != bits(&grads[0].dq) || f32_bits(&first.delta) != f32_bits(&grads[0].delta) {
             return Err(fail("dQ or D differ between the two modes (both own dQ per token)".into()));
         }
+        check_transpose::<T>(stream, kernel, &cases[0].spec, draw.selection, &lists).map_err(fail)?;
+    }
+    Ok(())
+}
+
+/// The deterministic mode's token-level transpose as the device builds it (`token_transpose_device`) equals the
+/// host's (`attnproof_harness::dsa_sparse::token_transpose`) entry for entry: offsets, tokens and masks, integers
+/// compared exactly.
+fn check_transpose<T: Storage>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    spec: &AttentionSpec,
+    selection: TokenSelection,
+    lists: &Array3<i32>,
+) -> Result<(), String> {
+    let host = lists.as_standard_layout();
+    let host = host.as_slice().expect("standard layout");
+    let device_lists = if host.is_empty() { stream.alloc_zeros::<i32>(1) } else { stream.clone_htod(host) };
+    let device_lists = device_lists.map_err(|e| e.to_string())?;
+    let got = token_transpose_device::<T>(stream, spec, selection, kernel, &device_lists).map_err(|e| e.to_string())?;
+    let offsets = stream.clone_dtoh(&got.offsets).map_err(|e| e.to_string())?;
+    let tokens = stream.clone_dtoh(&got.tokens).map_err(|e| e.to_string())?;
+    let masks = stream.clone_dtoh(&got.masks).map_err(|e| e.to_string())?;
+    stream.synchronize().map_err(|e| e.to_string())?;
+    let want = token_transpose(spec, selection, lists.view());
+    let total = *want.offsets.last().expect("offsets from 0") as usize;
+    if offsets != want.offsets {
+        return Err(format!("the transpose's offsets {offsets:?}, the host's {:?}", want.offsets));
+    }
+    if tokens[..total] != want.tokens[..] || masks[..total] != want.masks[..] {
+        let row = (1..want.offsets.len())
+            .find(|&r| {
+                let span = want.offsets[r - 1] as usize..want.offsets[r] as usize;
+                tokens[span.clone()] != want.tokens[span.clone()] || masks[span.clone()] != want.masks[span]
+            })
+            .unwrap_or(0);
+        return Err(format!("the transpose's row {row} (sequence, list head, tile in order) differs from the host's"));
     }
     Ok(())
 }

@@ -1179,8 +1179,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-dsa-sparse-bwd-second-row-of-each-fragment-dropped",
         description: "Slots 8 to 15 of every warp add nothing to dK and dV: half of the gathered keys lose their gradient",
-        find: "for (int r = 0; r < 2; ++r) {\n            const int slot = wk + g + 8 * r;",
-        replace: "for (int r = 0; r < 1; ++r) {\n            const int slot = wk + g + 8 * r;",
+        find: "for (int r = 0; r < 2; ++r) {\n                const int slot = wk + g + 8 * r;",
+        replace: "for (int r = 0; r < 1; ++r) {\n                const int slot = wk + g + 8 * r;",
         ..DSA_SPARSE_BWD
     },
     Mutant {
