@@ -461,8 +461,9 @@ mod tests {
         }
     }
 
-    /// The token-sparse recipe: gathered tiles of `min(k, 64)` keys (at least one), `⌈k/64⌉` of them (at least one),
-    /// the dense forward kernel's recipe otherwise; lists of width 0 make no list at all.
+    /// The token-sparse recipes: gathered tiles of `min(k, 64)` keys (at least one), `⌈k/64⌉` of them (at least one),
+    /// the dense forward kernel's recipe otherwise; the backward's likewise over the four-warp backward kernels', with
+    /// the reductions' flush counted; lists of width 0 make no list at all.
     #[test]
     fn the_recipe_counts_the_gathered_tiles_and_zero_width_lists_are_empty() {
         let base = crate::recipes::gpu_forward::<bf16>();
@@ -470,6 +471,12 @@ mod tests {
             let r = token_sparse_recipe::<bf16>(k);
             assert_eq!((r.kv_tile, r.visited_tiles), (tile, Some(tiles)), "k = {k}");
             assert_eq!(FlashRecipe { kv_tile: base.kv_tile, visited_tiles: base.visited_tiles, ..r }, base);
+            // The backward's: the same tiles, the f32 reductions' flush, the rest the four-warp backward kernels'.
+            let backward = crate::recipes::gpu_backward::<bf16>(TILING).recipe;
+            let b = token_sparse_backward_recipe::<bf16>(k);
+            assert_eq!((b.kv_tile, b.visited_tiles, b.atomic_kv_sums), (tile, Some(tiles), true), "k = {k}");
+            let rest = FlashRecipe { kv_tile: backward.kv_tile, visited_tiles: None, atomic_kv_sums: false, ..b };
+            assert_eq!(rest, backward);
         }
         let layout = Layout::Dense { batch: 1, len_q: 20, len_k: 20 };
         let lists = token_lists(&draw(layout, (2, 1), 0, ListSharing::Shared, TokenListMix::Mixed));
