@@ -191,8 +191,8 @@ pub fn token_sparse_backward_device<T: GpuElement>(
         stream.alloc_zeros::<f32>(1).map_err(alloc_err)?,
     );
     let preprocess = load_kernel(ctx, &module, BackwardKernel::Preprocess.name(), 0)?;
-    let params =
-        BackwardParams { flash: plan.params.flash, n_heads_q: to_i32("n_heads_q", hq)?, ..BackwardParams::default() };
+    // The preprocess reads the problem only (BackwardParams' other scalars belong to flash_bwd.cu's other kernels).
+    let params = BackwardParams { flash: plan.params.flash, ..BackwardParams::default() };
     let mut buffers = BackwardBuffers {
         q: inputs.q,
         k: inputs.k,
