@@ -171,6 +171,19 @@ struct DsaIndexParams {
     int reserved;              // explicit tail padding, always 0
 };
 
+// The scalars of dsa_loss.cu's indexer loss (DSA, E16, the sparse training stage): one sequence of T tokens, the
+// indexer's heads, and the main attention's heads whose probabilities form the teacher.
+struct DsaLossParams {
+    int seq_len;      // T: tokens
+    int top_k;        // entries per list
+    int index_heads;  // H_I: indexer heads per token, at most 64
+    int n_heads;      // H: the main attention's query heads
+    int n_heads_kv;   // its KV heads (H a multiple of them)
+    int head_dim;     // d: its query and key head dim, a multiple of 8 up to HEAD_DIM_PAD
+    float scale;      // α: its softmax scale, what its forward multiplied q · k by
+    int reserved;     // explicit tail padding, always 0
+};
+
 // The scalars of dsa_sparse.cu's token-sparse attention (DSA's main attention over the indexer's selection): the
 // layer's problem (causal self-attention, GQA, dense or varlen) and the lists' layout. Lists [token rows, list heads,
 // top_k] i32 have one token row per token of every sequence (B·L dense, the packed total varlen).
@@ -294,6 +307,16 @@ PARAM_AT(DsaIndexParams, top_k, 16);
 PARAM_AT(DsaIndexParams, full_scores, 20);
 PARAM_AT(DsaIndexParams, n_groups, 24);
 PARAM_AT(DsaIndexParams, reserved, 28);
+
+PARAM_SIZE(DsaLossParams, 32);
+PARAM_AT(DsaLossParams, seq_len, 0);
+PARAM_AT(DsaLossParams, top_k, 4);
+PARAM_AT(DsaLossParams, index_heads, 8);
+PARAM_AT(DsaLossParams, n_heads, 12);
+PARAM_AT(DsaLossParams, n_heads_kv, 16);
+PARAM_AT(DsaLossParams, head_dim, 20);
+PARAM_AT(DsaLossParams, scale, 24);
+PARAM_AT(DsaLossParams, reserved, 28);
 
 PARAM_SIZE(RingStateParams, 32);
 PARAM_AT(RingStateParams, rows, 0);

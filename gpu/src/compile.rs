@@ -124,7 +124,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 14] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 15] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -202,6 +202,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 14] = [
         needs: (9, 0),
         only: false,
         instructions: "stmatrix and red.global.add.v2.f32 of flash_bwd.cu, whose tile step it shares",
+    },
+    DeviceRequirement {
+        kernel: "dsa_loss",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the logits, as dsa_index; f32 atomicAdd for dk^I",
     },
     DeviceRequirement {
         kernel: "ring_state",

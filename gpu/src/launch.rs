@@ -9,7 +9,7 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
 use crate::params::{
-    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaSparseParams, FlashParams, NsaParams,
+    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaLossParams, DsaSparseParams, FlashParams, NsaParams,
     NsaSelectParams, RingStateParams,
 };
 
@@ -125,6 +125,9 @@ unsafe impl DeviceRepr for DsaIndexParams {}
 // an explicit `reserved` tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines
 // and `params::tests`.
 unsafe impl DeviceRepr for DsaSparseParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (six `i32`, an `f32` and an explicit `reserved` `i32`
+// tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for DsaLossParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -562,6 +565,69 @@ pub(crate) fn launch_dsa_index<T: DeviceRepr>(
     // float* scratch, const DsaIndexParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_index_topk)", e))?;
+    Ok(())
+}
+
+/// The indexer inputs every kernel of `dsa_loss.cu` reads: `q^I`, `k^I`, `w` and the lists.
+pub(crate) type LossIndexer<'a, T> = (&'a CudaSlice<T>, &'a CudaSlice<T>, &'a CudaSlice<f32>, &'a CudaSlice<i32>);
+
+/// Launches `dsa_loss_rows` (gpu/kernels/dsa_loss.cu, `func`) on `stream`: each token's student scores and teacher on
+/// its list, its KL and its student LSE.
+///
+/// Preconditions, established by `dsa::loss`: `func` is `dsa_loss_rows` compiled for the element type `T`,
+/// `INDEX_DIM = d_I` and `HEAD_DIM_PAD ≥ d`; `q^I` holds `T · H_I · d_I` elements, `k^I` `T · d_I`, `w` `T · H_I`, the
+/// lists `T · top_k`; `q` `T · H · d`, `k` `T · H_kv · d`, `lse` `H · T`; `student` and `teacher` `T · top_k` f32,
+/// `kl` and `student_lse` `T`; `H_I ≤ 64`, `H` a multiple of `H_kv`; `cfg` has one CTA of 256 threads per token and
+/// the dynamic shared memory of `dsa::loss::rows_shared_bytes`, which the function attribute allows.
+pub(crate) fn launch_dsa_loss_rows<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (qi, ki, w, lists): LossIndexer<'_, T>,
+    (q, k, lse): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<f32>),
+    (student, teacher, kl, student_lse): (
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+        &mut CudaSlice<f32>,
+    ),
+    params: &DsaLossParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(qi).arg(ki).arg(w).arg(lists).arg(q).arg(k).arg(lse);
+    builder.arg(student).arg(teacher).arg(kl).arg(student_lse).arg(params);
+    // SAFETY: the arguments match `dsa_loss_rows(const elem_t* qi, const elem_t* ki, const float* w, const int* lists,
+    // const elem_t* q, const elem_t* k, const float* lse, float* student, float* teacher, float* kl,
+    // float* student_lse, const DsaLossParams)` in order and type; every index the kernel forms lies in the buffers
+    // the caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_loss_rows)", e))?;
+    Ok(())
+}
+
+/// Launches `dsa_loss_grad` (gpu/kernels/dsa_loss.cu, `func`) on `stream`: the loss's gradients with respect to
+/// `q^I` and `w` (written) and `k^I` (added to `d_ki`).
+///
+/// Preconditions, established by `dsa::loss`: `func` is `dsa_loss_grad` compiled as `dsa_loss_rows` was; the indexer
+/// buffers as there, `student`, `teacher` (`T · top_k`) and `student_lse` (`T`) as `dsa_loss_rows` wrote them;
+/// `d_qi` holds `T · H_I · d_I` f32, `d_w` `T · H_I`, `d_ki` `T · d_I`; `cfg` has one CTA of 256 threads per token and
+/// the dynamic shared memory of `dsa::loss::grad_shared_bytes`, which the function attribute allows.
+pub(crate) fn launch_dsa_loss_grad<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (qi, ki, w, lists): LossIndexer<'_, T>,
+    (student, teacher, student_lse): (&CudaSlice<f32>, &CudaSlice<f32>, &CudaSlice<f32>),
+    (d_qi, d_w, d_ki): (&mut CudaSlice<f32>, &mut CudaSlice<f32>, &mut CudaSlice<f32>),
+    params: &DsaLossParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(qi).arg(ki).arg(w).arg(lists).arg(student).arg(teacher).arg(student_lse);
+    builder.arg(d_qi).arg(d_w).arg(d_ki).arg(params);
+    // SAFETY: the arguments match `dsa_loss_grad(const elem_t* qi, const elem_t* ki, const float* w, const int* lists,
+    // const float* student, const float* teacher, const float* student_lse, float* d_qi, float* d_w, float* d_ki,
+    // const DsaLossParams)` in order and type; every index the kernel forms lies in the buffers the caller sized (see
+    // above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(dsa_loss_grad)", e))?;
     Ok(())
 }
 

@@ -71,6 +71,14 @@ pub fn module_variants<T: GpuElement>(
     let with = |defines: &[String], extra: &str| defines.iter().cloned().chain([extra.to_owned()]).collect();
     let variant = |kernel, defines| ModuleVariant { kernel, defines };
     let selected_rows = |rows_per_cta| nsa::selected::SelectedTiling { rows_per_cta };
+    // DSA's indexer loss with the spec's head dim as the main attention's, for both index dims.
+    let loss_shape = |index_dim| dsa::loss::LossShape {
+        indexer: dsa::index::IndexerShape { seq_len: 1, n_index_heads: 1, index_dim, top_k: 1 },
+        n_heads: 1,
+        n_heads_kv: 1,
+        head_dim: spec.head_dim,
+        scale: 1.0,
+    };
     // The sm_90a forward, where the spec's head dims suit it (its block-sparse mode is what the wrappers launch).
     let sm90 = flash::forward_defines::<T>(spec, ForwardTiling::WGMMA, compile::FLASH_FWD_SM90).ok();
     let sm90_bwd = backward::backward_defines::<T>(spec, backward, compile::FLASH_BWD_SM90).ok();
@@ -99,6 +107,8 @@ pub fn module_variants<T: GpuElement>(
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(128)),
         variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec)),
         variant(dsa::sparse_backward::DSA_SPARSE_BWD, dsa_bwd),
+        variant(dsa::loss::DSA_LOSS, dsa::loss::loss_defines::<T>(&loss_shape(64))),
+        variant(dsa::loss::DSA_LOSS, dsa::loss::loss_defines::<T>(&loss_shape(128))),
     ]
     .into_iter()
     .chain(sm90_variants)
@@ -245,6 +255,7 @@ mod tests {
                 "dsa_index",
                 "dsa_sparse",
                 "dsa_sparse_bwd",
+                "dsa_loss",
                 "flash_fwd_sm90",
                 "flash_bwd_sm90"
             ]

@@ -5,7 +5,7 @@
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
 //! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
-//! indexer; [`DsaSparseParams`] for DSA's token-sparse attention.
+//! indexer; [`DsaSparseParams`] for DSA's token-sparse attention; [`DsaLossParams`] for DSA's indexer loss.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -181,6 +181,28 @@ pub(crate) struct DsaIndexParams {
     pub full_scores: i32,
     /// Query groups of four tokens, `⌈T / 4⌉`.
     pub n_groups: i32,
+    /// Tail padding, always 0.
+    pub reserved: i32,
+}
+
+/// The indexer loss's scalars (`struct DsaLossParams` of `common.cuh`), read by `dsa_loss.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DsaLossParams {
+    /// Tokens `T`.
+    pub seq_len: i32,
+    /// Entries per list.
+    pub top_k: i32,
+    /// Indexer heads `H_I`.
+    pub index_heads: i32,
+    /// The main attention's query heads `H`.
+    pub n_heads: i32,
+    /// Its KV heads.
+    pub n_heads_kv: i32,
+    /// Its query and key head dim `d`.
+    pub head_dim: i32,
+    /// Its softmax scale `α`.
+    pub scale: f32,
     /// Tail padding, always 0.
     pub reserved: i32,
 }
@@ -514,6 +536,7 @@ mod tests {
             }),
             rust_layout!(DsaIndexParams { scratch_stride, seq_len, n_heads, top_k, full_scores, n_groups, reserved }),
             rust_layout!(DsaSparseParams { flash, token_rows, top_k, list_heads, head_chunks, column_chunks }),
+            rust_layout!(DsaLossParams { seq_len, top_k, index_heads, n_heads, n_heads_kv, head_dim, scale, reserved }),
             rust_layout!(BsaParams {
                 flash,
                 scale,

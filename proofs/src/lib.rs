@@ -13,6 +13,7 @@ pub mod bsa_bound;
 pub mod definition;
 pub mod dsa;
 pub mod dsa_bound;
+pub mod dsa_loss_bound;
 pub mod f64_oracle_bound;
 pub mod flash_bound;
 pub mod hils;

@@ -11,6 +11,7 @@ pub mod candidate;
 pub mod case;
 pub mod coverage;
 pub mod dsa_index;
+pub mod dsa_loss;
 pub mod dsa_sparse;
 pub mod flash;
 pub mod gate;

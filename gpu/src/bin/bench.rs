@@ -26,6 +26,9 @@
 //! `dsa_sparse.cu` and says on stderr whether its output equals the embedded kernel's bit for bit.
 //! It also times the backward (`attnproof_gpu::dsa::sparse_backward`, direction `dsa-sparse-bwd`, dK and dV by f32
 //! reductions) from the forward's O and LSE and a random dO, its `tflops` counting `2·H·(3d + 2dv)·Σ_t min(t + 1, k)`.
+//! Last, the indexer loss on the same lists (`attnproof_gpu::dsa::loss`, direction `dsa-loss`: V3.2's indexer of 64
+//! heads of 128 against the forward's queries, keys and LSE as the teacher, both kernels), its `tflops` counting
+//! `2·(4·H_I·d_I + H·d)` per visited pair (the indexer's logits twice, ∂q^I and ∂k^I, the teacher's logits).
 //! `bench/dsa_sparse_peers.py` puts the rows beside FlexAttention under the same selection.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use).
@@ -97,6 +100,7 @@ use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM9
 use attnproof_gpu::dsa::index::{
     self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
 };
+use attnproof_gpu::dsa::loss::{DSA_LOSS, LossGradients, LossInputsDevice, LossRows, LossShape, indexer_loss_device};
 use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection, token_sparse_device};
 use attnproof_gpu::dsa::sparse_backward::{DSA_SPARSE_BWD, token_sparse_backward_device};
 use attnproof_gpu::flash::flash_forward_device;
@@ -1165,6 +1169,40 @@ fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) ->
         let line = format!(
             "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-sparse-bwd,gather-atomic,1,{ms:.4},{:.1}\n",
             bwd_flops / ms / 1e9
+        );
+        emit(out, line);
+        // The indexer loss on the same lists: V3.2's indexer (64 heads of 128, f32 weights) against the forward's
+        // queries, keys and LSE as the teacher (their layout is the dense spec's, which the timing does not see).
+        let index_shape = IndexerShape { seq_len, n_index_heads: 64, index_dim: 128, top_k: TOP_K };
+        let loss_shape = LossShape { indexer: index_shape, n_heads: HEADS, n_heads_kv: 1, head_dim: DIM, scale: 0.088 };
+        let (q_index, k_index) = (upload(stream, index_shape.q_len(), 97)?, upload(stream, index_shape.k_len(), 98)?);
+        let weights: Vec<f32> = (0..index_shape.weights_len()).map(|i| 0.5 + (i % 7) as f32 / 16.0).collect();
+        let weights = stream.clone_htod(&weights).map_err(|e| e.to_string())?;
+        let f32s = |n: usize| stream.alloc_zeros::<f32>(n).map_err(|e| e.to_string());
+        let (mut student, mut teacher) = (f32s(loss_shape.rows_len())?, f32s(loss_shape.rows_len())?);
+        let (mut kl, mut student_lse) = (f32s(seq_len)?, f32s(seq_len)?);
+        let (mut d_qi, mut d_w, mut d_ki) =
+            (f32s(index_shape.q_len())?, f32s(index_shape.weights_len())?, f32s(index_shape.k_len())?);
+        let ms = median_ms(stream, opts, |set| {
+            let (q, k, _) = &sets[set];
+            let inputs = LossInputsDevice {
+                q_index: &q_index,
+                k_index: &k_index,
+                weights: &weights,
+                lists: &lists,
+                query: q,
+                key: k,
+                lse: &lse,
+            };
+            let rows =
+                LossRows { student: &mut student, teacher: &mut teacher, kl: &mut kl, student_lse: &mut student_lse };
+            let gradients = LossGradients { d_q_index: &mut d_qi, d_weights: &mut d_w, d_k_index: &mut d_ki };
+            indexer_loss_device(stream, DSA_LOSS, &loss_shape, inputs, rows, Some(gradients)).map_err(|e| e.to_string())
+        })?;
+        let loss_flops = 2.0 * (4 * 64 * 128 + HEADS * DIM) as f64 * pairs;
+        let line = format!(
+            "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-loss,indexer-64x128,1,{ms:.4},{:.1}\n",
+            loss_flops / ms / 1e9
         );
         emit(out, line);
     }

@@ -257,7 +257,8 @@ pub struct IndexerOutput {
     pub scores: Option<Array2<f32>>,
 }
 
-fn contiguous<'a, X, D: ndarray::Dimension>(
+/// The elements of a host tensor in row-major order, or [`GpuError::Stride`] when it is not laid out so.
+pub(crate) fn contiguous<'a, X, D: ndarray::Dimension>(
     argument: &'static str,
     x: &'a ndarray::ArrayView<'_, X, D>,
 ) -> Result<&'a [X], GpuError> {

@@ -9,7 +9,10 @@
 //! The attention then runs over those lists: each token's query heads attend to the listed tokens only, with one
 //! softmax over them; its K and V rows are gathered once for every head that shares the list. Its backward
 //! ([`sparse_backward`]) walks the same lists again, owning each token's dQ and adding dK and dV to the gathered rows.
+//! The indexer is trained toward the main attention on the same lists ([`loss`]: the KL between the head-summed
+//! teacher and the indexer's softmax, and its gradients with respect to the indexer's inputs).
 
 pub mod index;
+pub mod loss;
 pub mod sparse;
 pub mod sparse_backward;

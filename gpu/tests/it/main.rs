@@ -10,6 +10,7 @@ mod common;
 mod compile_only;
 mod device;
 mod dsa_index;
+mod dsa_loss;
 mod dsa_sparse;
 mod dsa_sparse_backward;
 mod flash_backward;

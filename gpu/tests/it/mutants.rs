@@ -25,6 +25,7 @@ use crate::block_sparse;
 use crate::block_sparse_backward;
 use crate::common::*;
 use crate::dsa_index;
+use crate::dsa_loss;
 use crate::dsa_sparse;
 use crate::dsa_sparse_backward;
 use crate::nsa_compress;
@@ -39,6 +40,7 @@ use attnproof_gpu::block_sparse::BlockLists;
 use attnproof_gpu::block_sparse::select::BSA_SELECT;
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compile_for_arch};
 use attnproof_gpu::dsa::index::DSA_INDEX;
+use attnproof_gpu::dsa::loss::DSA_LOSS;
 use attnproof_gpu::dsa::sparse::DSA_SPARSE;
 use attnproof_gpu::dsa::sparse_backward::DSA_SPARSE_BWD;
 use attnproof_gpu::flash::ForwardTiling;
@@ -65,7 +67,7 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 13] = [
+const KERNELS: [KernelSource; 14] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
@@ -79,6 +81,7 @@ const KERNELS: [KernelSource; 13] = [
     DSA_INDEX,
     DSA_SPARSE,
     DSA_SPARSE_BWD,
+    DSA_LOSS,
 ];
 
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
@@ -721,6 +724,38 @@ fn all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             dsa_sparse_backward::run_backward_suite(suite, config, &stream, kernel)
+        },
+    );
+}
+
+#[test]
+fn all_dsa_loss_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_loss_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = dsa_loss::killing_cases();
+    hunt("all_dsa_loss_mutants_are_killed", DSA_LOSS, &catalog_mutants(DSA_LOSS), &cases, |kernel, draw| {
+        dsa_loss::check_any(&stream, kernel, draw).map(|_| ())
+    });
+}
+
+/// Every indexer-loss mutant also fails the general suite (its default draws, no shrinking).
+#[test]
+fn all_dsa_loss_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_dsa_loss_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let (name, cases, seed) = dsa_loss::SUITE;
+    hunt_in_suite(
+        "all_dsa_loss_mutants_are_killed_by_the_general_suite",
+        DSA_LOSS,
+        &catalog_mutants(DSA_LOSS),
+        name,
+        |kernel| {
+            let config = Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) };
+            dsa_loss::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
         },
     );
 }

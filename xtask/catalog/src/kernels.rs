@@ -102,6 +102,14 @@ const DSA_SPARSE_BWD: Mutant = Mutant {
 /// The token-list rule as the backward runs it.
 const DSA_SPARSE_BWD_COMMON: Mutant = Mutant { file: COMMON_HEADER, ..DSA_SPARSE_BWD };
 
+/// Base entry for mutants of DSA's indexer loss (`dsa_loss.cu`: the student's and the teacher's rows, the KL, and the
+/// gradients through the ReLU), launched in-process on a device with the loss's killing cases.
+const DSA_LOSS: Mutant = Mutant {
+    file: "gpu/kernels/dsa_loss.cu",
+    runner: Runner::KernelText { kernel: "dsa_loss", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -1267,6 +1275,84 @@ pub const MUTANTS: &[Mutant] = &[
         find: "pack_elems(to_elem(x.x), to_elem(x.y));",
         replace: "pack_elems(to_elem(__fmul_rn(scale, x.x)), to_elem(__fmul_rn(scale, x.y)));",
         ..DSA_SPARSE_BWD
+    },
+    // --- dsa_loss.cu (DSA's indexer loss and its gradients), launched on a device ---
+    Mutant {
+        name: "gpu-dsa-loss-teacher-not-renormalized",
+        description: "The teacher is not renormalized on the list: tau' = tau (H times too large in the sparse stage)",
+        find: "const float tau = active ? teacher_row[s] / mass : 0.f;",
+        replace: "const float tau = active ? teacher_row[s] : 0.f;",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-relu-missing",
+        description: "The ReLU is left out of the student's scores: negative indexer logits subtract",
+        find: "acc[m][c] = w_s[loss_row(c)] * fmaxf(acc[m][c], 0.f);",
+        replace: "acc[m][c] = w_s[loss_row(c)] * acc[m][c];",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-teacher-first-head-only",
+        description: "The teacher sums the first query head of each chunk only",
+        find: "acc[m][c] = row < heads ? expf(",
+        replace: "acc[m][c] = row < 1 ? expf(",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-teacher-kv-head-zero",
+        description: "GQA: every KV head's teacher reads the keys of KV head 0",
+        find: "k + (long long)kv * p.head_dim, 0,",
+        replace: "k, 0,",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-gate-open-at-zero",
+        description: "The gate of dq^I opens at a logit of exactly 0 (the ReLU's derivative taken as 1 there)",
+        find: "const float l = logit_s[a * LOSS_LOGIT_STRIDE + s];\n            if (l > 0.f) {",
+        replace: "const float l = logit_s[a * LOSS_LOGIT_STRIDE + s];\n            if (l >= 0.f) {",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-dk-scattered-to-the-first-slot",
+        description: "dk^I scattered to the wrong row: every slot of a tile adds to the tile's first key",
+        find: "float* dst = d_ki + (long long)list[slot0 + slot] * INDEX_DIM;",
+        replace: "float* dst = d_ki + (long long)list[slot0] * INDEX_DIM;",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-lse-without-max",
+        description: "The student's normalizer drops the maximum from its exponentials but keeps it in the LSE",
+        find: "z += expf(student_row[s] - top);",
+        replace: "z += expf(student_row[s]);",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-last-tile-dropped",
+        description: "A list's partial last tile is never visited: its slots get no score, teacher or gradient",
+        find: "return (n + LOSS_KEYS - 1) / LOSS_KEYS;",
+        replace: "return n / LOSS_KEYS;",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-dw-summed-four-times",
+        description: "Every quarter of a head's threads adds every slot to dw: the weight gradient four times over",
+        find: "if (s % 4 == e) dw = fmaf(ds, l, dw);",
+        replace: "dw = fmaf(ds, l, dw);",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-kl-lse-sign",
+        description: "The KL's student log-probability adds the LSE with the wrong sign",
+        find: "row_kl += tau * ((logf(tau) - student_row[s]) + row_lse);",
+        replace: "row_kl += tau * ((logf(tau) - student_row[s]) - row_lse);",
+        ..DSA_LOSS
+    },
+    Mutant {
+        name: "gpu-dsa-loss-dq-weight-missing",
+        description: "The gate of dq^I forgets the head's weight (dk^I keeps it)",
+        find: "const float gate = ds * w_a;",
+        replace: "const float gate = ds;",
+        ..DSA_LOSS
     },
     // --- flash_bwd.cu, launched on a device ---
     Mutant {
