@@ -58,6 +58,7 @@ const VERDICT_FILES: &[&str] = &[
     "tests/src/gate.rs",
     "tests/src/block_selection.rs",
     "tests/src/dsa_index.rs",
+    "tests/src/dsa_loss.rs",
     "tests/src/case/*.rs",
 ];
 
@@ -83,7 +84,16 @@ pub const SCOPES: &[Scope] = &[
         exclude: FAMILY_FILES,
         test_packages: &["attnproof-harness"],
         targets: &["--lib", "--test=it"],
-        filters: &["verdict::", "gate::", "block_selection::", "dsa_index::", "case::", "check_", "recipe::"],
+        filters: &[
+            "verdict::",
+            "gate::",
+            "block_selection::",
+            "dsa_index::",
+            "dsa_loss::",
+            "case::",
+            "check_",
+            "recipe::",
+        ],
     },
     Scope {
         name: "harness",
@@ -990,7 +1000,7 @@ mod tests {
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
-                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: case:: check_ recipe::"
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: case:: check_ recipe::"
             ),
             "{verdict}"
         );
