@@ -282,7 +282,8 @@ mod tests {
     /// The row stage of `dsa_loss_rows` and the `∂` of `dsa_loss_grad` in f32, from perturbed inputs within their
     /// bounds, with random summation orders and `expf`/`logf` nudged by up to 2 and 1 ulp.
     fn emulate(rng: &mut TestRng, slots: &[SlotExact], how: Emulation) -> Emulated {
-        let mut perturb = |x: f64, e: f64| (x + e * rng.random_range(-1.0..=1.0)) as f32;
+        // Each input at one end of its interval (the sign drawn): the errors the bounds must absorb at their largest.
+        let mut perturb = |x: f64, e: f64| (x + if rng.random_bool(0.5) { e } else { -e }) as f32;
         let scores: Vec<f32> = slots.iter().map(|s| perturb(s.score, s.score_error)).collect();
         let raw: Vec<f32> = slots.iter().map(|s| perturb(s.teacher, s.teacher_error).max(0.0)).collect();
         let mass = random_tree_sum(rng, raw.clone());
@@ -345,8 +346,9 @@ mod tests {
             assert!(ratio <= 1.0, "case {case} (n {n}, spread {spread}, teacher {teacher_spread}): ratio {ratio}");
             largest = largest.max(ratio);
         }
-        // The bounds are not vacuous: some output uses a visible share of its bound.
-        assert!(largest > 1e-3, "largest ratio {largest}");
+        // The bounds are not vacuous: with every input at an end of its interval, some output comes within a factor
+        // of two of its bound.
+        assert!(largest > 0.5, "largest ratio {largest}");
     }
 
     #[test]
