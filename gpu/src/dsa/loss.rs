@@ -38,8 +38,9 @@
 //! # Errors
 //!
 //! Before any launch: the indexer's shape ([`IndexerShape::validate`]), the main attention's head counts and head dim,
-//! a non-finite scale, the buffers' lengths; from host tensors also every shape, non-finite inputs and every list
-//! against the convention ([`GpuError::BlockList`] names the entry as (0, 0, token, slot), the bound being the
+//! a non-finite scale, the buffers' lengths; from host tensors also every shape, non-finite inputs (an LSE of `−∞` is
+//! accepted for a token whose list is empty, as the token-sparse forward writes it) and every list against the
+//! convention ([`GpuError::BlockList`] names the entry as (0, 0, token, slot), the bound being the
 //! token's visible keys `t + 1`).
 
 use std::sync::Arc;
@@ -399,7 +400,14 @@ pub fn indexer_loss<T: GpuElement>(
     non_finite("query", hq.iter().position(|x| !x.is_finite_value()))?;
     non_finite("key", hk.iter().position(|x| !x.is_finite_value()))?;
     non_finite("weights", hw.iter().position(|x| !x.is_finite()))?;
-    non_finite("lse", hlse.iter().position(|x| !x.is_finite()))?;
+    // The token-sparse forward writes −∞ for a token whose list is empty; such a token's LSE is never read. Anywhere
+    // else the LSE must be finite.
+    let empty = |t: usize| inputs.lists[[t, 0]] < 0;
+    let seq_len = ix.seq_len;
+    non_finite(
+        "lse",
+        hlse.iter().enumerate().position(|(i, &x)| !(x.is_finite() || (x == f32::NEG_INFINITY && empty(i % seq_len)))),
+    )?;
     let driver = |what: &'static str| move |e| GpuError::driver(what, e);
     // A zero-length buffer cannot be allocated: empty tensors travel as one element the kernels never read.
     let up = |data: &[T]| {

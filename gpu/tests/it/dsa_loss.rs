@@ -407,6 +407,17 @@ fn bad_input_is_a_typed_error() {
     inf_lse[[1, 4]] = f32::INFINITY;
     let e = refuse(LossInputs { lse: inf_lse.view(), ..inputs }).map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("lse"), "{e}");
+    // The token-sparse forward's LSE of a token with an empty list is −∞: accepted there, and the row has no target.
+    let (mut emptied, mut minus_inf) = (p.lists.clone(), p.lse.clone());
+    emptied.row_mut(5).fill(-1);
+    minus_inf.column_mut(5).fill(f32::NEG_INFINITY);
+    let out = indexer_loss(&stream, DSA_LOSS, LossInputs { lists: emptied.view(), lse: minus_inf.view(), ..inputs })
+        .expect("-inf LSE on an empty list");
+    assert_eq!((out.kl[5], out.student_lse[5]), (0.0, f32::INFINITY));
+    assert!(out.d_q_index.index_axis(ndarray::Axis(0), 5).iter().all(|&x| x == 0.0), "no gradient without target");
+    minus_inf.column_mut(6).fill(f32::NEG_INFINITY);
+    let e = refuse(LossInputs { lists: emptied.view(), lse: minus_inf.view(), ..inputs });
+    assert!(e.is_some_and(|e| e.to_string().contains("lse")), "-inf LSE on a listed token is refused");
     let mut nan_q = p.query.clone();
     nan_q[[1, 1, 1]] = bf16::NAN;
     let e = refuse(LossInputs { query: nan_q.view(), ..inputs }).map(|e| e.to_string()).unwrap_or_default();
