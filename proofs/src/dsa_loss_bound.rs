@@ -376,6 +376,38 @@ mod tests {
         }
     }
 
+    /// The teacher's entry as `dsa_loss_rows` forms it: each head's logit at an end of its bound, `fma(ẑ, α, −lse)` in
+    /// f32, `expf` nudged by up to 2 ulp, the heads summed in a random tree.
+    #[test]
+    fn emulated_teacher_entries_stay_within_their_bounds() {
+        let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[24; 32]);
+        let mut largest: f64 = 0.0;
+        for case in 0..300 {
+            let n_heads = [1, 3, 16, 64, 128][case % 5];
+            let scale = f64::from([0.125f32, 0.088, 1.0][case % 3]);
+            let mut exact = 0.0;
+            let mut worst_exponent: f64 = 0.0;
+            let mut terms = Vec::with_capacity(n_heads);
+            for _ in 0..n_heads {
+                let logit = rng.random_range(-40.0..40.0);
+                // The tensor core's bound for a head dim of 128 and products of magnitude 1.
+                let logit_error = 128.0 * 2.0 * U * 136.0 / 128.0 * rng.random_range(1.0..64.0);
+                let lse = f64::from(rng.random_range(-10.0f32..60.0));
+                exact += (scale * logit - lse).exp();
+                worst_exponent = worst_exponent.max(teacher_exponent_error(scale, logit, lse, logit_error));
+                let z = at_an_end(&mut rng, logit, logit_error);
+                let x = z.mul_add(scale as f32, -(lse as f32));
+                terms.push(nudge(x.exp(), rng.random_range(-2..=2)));
+            }
+            let computed = random_tree_sum(&mut rng, terms);
+            let bound = teacher_entry_error(exact, worst_exponent, n_heads);
+            let ratio = (f64::from(computed) - exact).abs() / bound;
+            assert!(ratio <= 1.0, "case {case} ({n_heads} heads, α {scale}): ratio {ratio}");
+            largest = largest.max(ratio);
+        }
+        assert!(largest > 0.5, "largest ratio {largest}");
+    }
+
     #[test]
     fn emulated_gradient_sums_stay_within_their_bounds() {
         let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[23; 32]);
