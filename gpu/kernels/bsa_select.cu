@@ -120,6 +120,37 @@ __device__ __forceinline__ bool better(double s, int i, double t, int j) {
     return s > t || (s == t && i < j);
 }
 
+// The query and key lengths of sequence `seq`: from the cu_seqlens when varlen, else the dense lengths.
+__device__ __forceinline__ void sequence_lengths(const FlashParams& fp, const int* __restrict__ cu_q,
+                                                 const int* __restrict__ cu_k, int seq, int& len_q, int& len_k) {
+    len_q = fp.varlen ? cu_q[seq + 1] - cu_q[seq] : fp.dense_len_q;
+    len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
+}
+
+// The best candidate not yet chosen among scores[from], scores[from + stride], ... below n (each lane its own
+// stride), then the best over the warp by the xor-shuffle tree, so that every lane ends with the same pair: its score
+// in s and its index in i, -1 when there is none. All 32 lanes call it together. pisa_select.cu's descent shares it.
+__device__ __forceinline__ void warp_best_unchosen(const double* scores, const unsigned char* chosen, int from, int n,
+                                                   int stride, double& s, int& i) {
+    s = 0.0;
+    i = -1;
+    for (int b = from; b < n; b += stride) {
+        if (!chosen[b] && better(scores[b], b, s, i)) {
+            s = scores[b];
+            i = b;
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const double t = __shfl_xor_sync(0xffffffffu, s, o);
+        const int j = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(t, j, s, i)) {
+            s = t;
+            i = j;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(SEL_THREADS)
 bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
            const int* __restrict__ cu_k, const BsaParams params) {
@@ -136,13 +167,7 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
 
     int* list = lists + (((long long)seq * params.n_heads_kv + kv) * gridDim.x + a) * params.top_k;
     int len_q, len_k;
-    if (fp.varlen) {
-        len_q = cu_q[seq + 1] - cu_q[seq];
-        len_k = cu_k[seq + 1] - cu_k[seq];
-    } else {
-        len_q = fp.dense_len_q;
-        len_k = fp.dense_len_k;
-    }
+    sequence_lengths(fp, cu_q, cu_k, seq, len_q, len_k);
     const int row0 = a * params.q_block;
     if (row0 >= len_q) {  // past the sequence's own query blocks: an empty list
         for (int w = threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;
@@ -212,23 +237,9 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
     n_chosen += eligible - local_from - ((params.force_first && local_from == 0 && eligible > 0) ? 1 : 0);
     __syncthreads();
     for (int round = n_chosen; round < min(params.top_k, eligible); ++round) {
-        double s = 0.0;
-        int i = -1;
-        for (int b = threadIdx.x; b < eligible; b += SEL_THREADS) {
-            if (!chosen[b] && better(scores[b], b, s, i)) {
-                s = scores[b];
-                i = b;
-            }
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const double t = __shfl_xor_sync(0xffffffffu, s, o);
-            const int j = __shfl_xor_sync(0xffffffffu, i, o);
-            if (better(t, j, s, i)) {
-                s = t;
-                i = j;
-            }
-        }
+        double s;
+        int i;
+        warp_best_unchosen(scores, chosen, threadIdx.x, eligible, SEL_THREADS, s, i);
         if (lane == 0) {
             best_s[warp] = s;
             best_i[warp] = i;

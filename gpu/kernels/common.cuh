@@ -126,6 +126,19 @@ struct BsaParams {
     long long pooled_queries_at;  // element of the f64 workspace where the pooled queries start (after the keys)
 };
 
+// The scalars of pisa_select.cu's pyramid selection (PISA, E25–E28): the block selector's (leaves are its key blocks,
+// the list width its top_k; force_first and force_local are unused) and the pyramid's.
+struct PisaParams {
+    BsaParams bsa;          // the problem, the scale, q_block, the leaf size (kv_block), the list width (top_k)
+    long long levels_at;    // element of the f64 workspace where level 1's means start (after the pooled queries)
+    int batch;              // sequences
+    int branching;          // β: children per node, 2 to 16
+    int keep;               // K: nodes kept per level, forced ones included, 1 to 64
+    int scoring;            // 0 LSE over the pooled items, 1 PISA-1 (the node's mean), 2 PISA-2 (mean + var / 2)
+    int n_levels;           // levels of the longest sequence's pyramid, leaves to root
+    int max_candidates;     // max(K, 3) · β: a level's candidates at most, the trace's entries per level
+};
+
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
 // compression parameters. Compressed keys and values are laid out like K and V with one row per complete window:
 // dense [B, Hkv, W, cols], varlen packed [total W, Hkv, cols] from the windows' cu_seqlens.
@@ -266,6 +279,16 @@ PARAM_AT(BsaParams, causal, 188);
 PARAM_AT(BsaParams, n_heads_kv, 192);
 PARAM_AT(BsaParams, n_key_blocks, 196);
 PARAM_AT(BsaParams, pooled_queries_at, 200);
+
+PARAM_SIZE(PisaParams, 240);
+PARAM_AT(PisaParams, bsa, 0);
+PARAM_AT(PisaParams, levels_at, 208);
+PARAM_AT(PisaParams, batch, 216);
+PARAM_AT(PisaParams, branching, 220);
+PARAM_AT(PisaParams, keep, 224);
+PARAM_AT(PisaParams, scoring, 228);
+PARAM_AT(PisaParams, n_levels, 232);
+PARAM_AT(PisaParams, max_candidates, 236);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);

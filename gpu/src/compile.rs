@@ -23,6 +23,7 @@
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
+//! - `pisa_select` (PISA's pyramid selection, compiled with `bsa_select`'s pooling) needs 7.5 for the same reasons.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
@@ -124,7 +125,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 15] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 16] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -151,6 +152,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 15] = [
     },
     DeviceRequirement {
         kernel: "bsa_select",
+        needs: (7, 5),
+        only: false,
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+    },
+    DeviceRequirement {
+        kernel: "pisa_select",
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",

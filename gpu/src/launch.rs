@@ -10,7 +10,7 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 use crate::error::GpuError;
 use crate::params::{
     BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaLossParams, DsaSparseParams, FlashParams, NsaParams,
-    NsaSelectParams, RingStateParams,
+    NsaSelectParams, PisaParams, RingStateParams,
 };
 
 /// Whether the CUDA driver library can be loaded.
@@ -128,6 +128,9 @@ unsafe impl DeviceRepr for DsaSparseParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (six `i32`, an `f32` and an explicit `reserved` `i32`
 // tail, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for DsaLossParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `BsaParams`, an `i64` and six `i32` fields, no
+// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for PisaParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -540,6 +543,74 @@ pub(crate) fn launch_bsa_select(
     // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
+    Ok(())
+}
+
+/// Launches `pisa_pool_level` (gpu/kernels/pisa_select.cu, `func`) on `stream`: the mean vectors of pyramid level
+/// `level ≥ 1` from those of `level − 1`.
+///
+/// Preconditions, established by `pisa::select`: `func` is `pisa_pool_level`; `pooled` holds the workspace of
+/// `pisa::select::workspace_len` f64 with levels `0..level` written; `cfg`'s grid is `(width of level, n_heads_kv, B)`
+/// with the pooling's 128 threads; `cu_k` holds the validated key `cu_seqlens` (or one entry, unread, when dense).
+pub(crate) fn launch_pisa_pool_level(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    pooled: &mut CudaSlice<f64>,
+    cu_k: &CudaSlice<i32>,
+    params: &PisaParams,
+    level: i32,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(pooled).arg(cu_k).arg(params).arg(&level);
+    // SAFETY: the arguments match `pisa_pool_level(double* pooled, const int* cu_k, const PisaParams, int level)` in
+    // order and type; the nodes the kernel reads and writes lie in the workspace the caller sized (see above); the
+    // buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_pool_level)", e))?;
+    Ok(())
+}
+
+/// The optional trace of a pyramid descent: every level's candidate scores (f64) and nodes (i32).
+pub(crate) type PisaTrace<'a> = Option<(&'a mut CudaSlice<f64>, &'a mut CudaSlice<i32>)>;
+
+/// Launches `pisa_select` (gpu/kernels/pisa_select.cu, `func`) on `stream`: one descent per (query block, KV head,
+/// sequence).
+///
+/// Preconditions, established by `pisa::select`: `func` is `pisa_select` compiled for the element type `T`; `k` holds
+/// the spec's K; `pooled` every level's means and the pooled queries; `lists` `B · n_heads_kv · n_query_blocks ·
+/// width` i32 with `n_query_blocks` the grid's x extent; the trace, when given, `B · n_heads_kv · n_query_blocks ·
+/// n_levels · max_candidates` of each; `cfg` has the kernel's 256 threads and `group · d` f64 of dynamic shared
+/// memory, which the caller allowed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_pisa_select<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (k, pooled): (&CudaSlice<T>, &CudaSlice<f64>),
+    lists: &mut CudaSlice<i32>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    trace: PisaTrace<'_>,
+    params: &PisaParams,
+) -> Result<(), GpuError> {
+    let null: u64 = 0;
+    let mut builder = stream.launch_builder(func);
+    builder.arg(k).arg(pooled).arg(lists).arg(cu_q).arg(cu_k);
+    let (trace_scores, trace_nodes);
+    match trace {
+        Some((scores, nodes)) => {
+            (trace_scores, trace_nodes) = (scores, nodes);
+            builder.arg(trace_scores).arg(trace_nodes);
+        }
+        None => {
+            builder.arg(&null).arg(&null);
+        }
+    }
+    builder.arg(params);
+    // SAFETY: the arguments match `pisa_select(const elem_t* k, const double* pooled, int* lists, const int* cu_q,
+    // const int* cu_k, double* trace_scores, int* trace_nodes, const PisaParams)` in order and type (a null device
+    // pointer, a 64-bit zero, for an absent trace, which the kernel then never touches); every index it forms lies in
+    // the buffers the caller sized (see above); they are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_select)", e))?;
     Ok(())
 }
 

@@ -5,7 +5,7 @@
 //! kernel), [`flash`] (the FlashAttention forward: validation and launch wrappers, and the kernel's rounding-error
 //! recipe), [`backward`] (the backward kernels, likewise), [`block_sparse`] (block lists and the block-sparse
 //! forward, the forward kernel's `BLOCK_SPARSE` mode), [`nsa`] (NSA's kernels, as they land), [`dsa`] (DSA's lightning
-//! indexer with its exact top-k), [`ring`] (the ring's
+//! indexer with its exact top-k), [`pisa`] (PISA's pyramid selection, above `block_sparse`), [`ring`] (the ring's
 //! GPU pieces), [`common`] (what every
 //! kernel family shares: storage types, the kernel mask, limits and checks), [`error`] (typed errors). The private
 //! `params` module holds the kernels' parameter structs, one per kernel family, mirrored by `gpu/kernels/common.cuh`.
@@ -13,7 +13,7 @@
 //!
 //! The modules import each other without a cycle (a test below checks it): `error` imports no module, `common`
 //! only `error`, `params` `common`; `launch` and `compile` stand below the launch modules `flash`, `block_sparse`
-//! (above `flash`), `backward`, `nsa`, `dsa` and `ring`, and the crate root only re-exports and imports.
+//! (above `flash`), `backward`, `nsa`, `dsa`, `pisa` and `ring`, and the crate root only re-exports and imports.
 //!
 //! cudarc is built with `dynamic-loading`, so this crate compiles on every machine, with or without CUDA. The price is
 //! that cudarc panics on the first driver call when `libcuda` cannot be loaded, so every use of the GPU goes through
@@ -31,6 +31,7 @@ pub mod flash;
 mod launch;
 pub mod nsa;
 mod params;
+pub mod pisa;
 pub mod ring;
 
 pub use backward::{
@@ -96,6 +97,7 @@ pub fn module_variants<T: GpuElement>(
         variant(compile::FLASH_BWD, bwd),
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
+        variant(pisa::select::PISA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
         variant(nsa::select::NSA_SELECT, nsa::select::select_defines::<T>(spec.head_dim)),
@@ -247,6 +249,7 @@ mod tests {
                 "flash_bwd",
                 "ring_state",
                 "bsa_select",
+                "pisa_select",
                 "nsa_compress",
                 "nsa_gates",
                 "nsa_select",

@@ -5,7 +5,8 @@
 //! for `ring_state.cu`'s merge and finalize; [`BlockListParams`] for the block lists of the block-sparse
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
 //! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
-//! indexer; [`DsaSparseParams`] for DSA's token-sparse attention; [`DsaLossParams`] for DSA's indexer loss.
+//! indexer; [`DsaSparseParams`] for DSA's token-sparse attention; [`DsaLossParams`] for DSA's indexer loss;
+//! [`PisaParams`] for PISA's pyramid selection.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -163,6 +164,29 @@ pub(crate) struct BsaParams {
     pub n_key_blocks: i32,
     /// Element of the f64 workspace where the pooled queries start.
     pub pooled_queries_at: i64,
+}
+
+/// The pyramid selector's scalars (`struct PisaParams` of `common.cuh`), read by `pisa_select.cu`: the block selector's
+/// (the leaves are its key blocks, the list width its `top_k`) and the pyramid's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PisaParams {
+    /// The problem, the scale, the query block, the leaf size (`kv_block`) and the list width (`top_k`).
+    pub bsa: BsaParams,
+    /// Element of the f64 workspace where level 1's means start.
+    pub levels_at: i64,
+    /// Sequences.
+    pub batch: i32,
+    /// Children per node `β`.
+    pub branching: i32,
+    /// Nodes kept per level `K`, forced ones included.
+    pub keep: i32,
+    /// 0 LSE, 1 PISA-1, 2 PISA-2.
+    pub scoring: i32,
+    /// Levels of the longest sequence's pyramid, leaves to root.
+    pub n_levels: i32,
+    /// `max(K, 3) · β`: candidates per level at most, the trace's entries per level.
+    pub max_candidates: i32,
 }
 
 /// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
@@ -550,6 +574,7 @@ mod tests {
                 n_key_blocks,
                 pooled_queries_at
             }),
+            rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

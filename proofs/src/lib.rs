@@ -22,6 +22,7 @@ pub mod nsa_bound;
 pub mod online;
 pub mod pisa;
 pub mod pyramid;
+pub mod pyramid_bound;
 pub mod residual;
 pub mod selection;
 pub mod sums;

@@ -59,6 +59,7 @@ const VERDICT_FILES: &[&str] = &[
     "tests/src/block_selection.rs",
     "tests/src/dsa_index.rs",
     "tests/src/dsa_loss.rs",
+    "tests/src/pyramid_selection.rs",
     "tests/src/case/*.rs",
 ];
 
@@ -90,6 +91,7 @@ pub const SCOPES: &[Scope] = &[
             "block_selection::",
             "dsa_index::",
             "dsa_loss::",
+            "pyramid_selection::",
             "case::",
             "check_",
             "recipe::",
@@ -1000,7 +1002,7 @@ mod tests {
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
-                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: case:: check_ recipe::"
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: pyramid_selection:: case:: check_ recipe::"
             ),
             "{verdict}"
         );

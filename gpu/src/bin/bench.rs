@@ -62,7 +62,9 @@
 //! `--select-source PATH` (repeatable) also times the selector compiled from another text of `bsa_select.cu` (after
 //! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
 //! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
-//! out the block-sparse forward and backward rows.
+//! out the block-sparse forward and backward rows. At each length the selector also runs at PISA's leaf of 64 keys
+//! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside the pyramid selector (`attnproof_gpu::pisa`,
+//! direction `pisa-select`: β = 4, K = 8, per query block of 64 rows, each scoring in the tiling column).
 //!
 //! `--nsa` times NSA's pieces instead (`attnproof_gpu::nsa`) at two configurations, the paper's (directions `nsa-*`:
 //! windows of 32 every 16 tokens) and fla-core's (`nsa64-*`: non-overlapping windows of 64), both with 64-token
@@ -117,9 +119,14 @@ use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED, SelectedTiling};
 use attnproof_gpu::nsa::selected_backward::{NSA_SELECTED_BWD, selected_backward_device};
 use attnproof_gpu::nsa::window::window_spec;
+use attnproof_gpu::pisa::select::{
+    PISA_SELECT, PyramidSelectConfig, lists_shape as pisa_lists_shape, select_pyramid_device,
+    workspace_len as pisa_workspace_len,
+};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
+use attnproof_oracle::pyramid::{PyramidConfig, Scoring};
 use attnproof_oracle::spec::{Operand, strided_causal_keys};
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::sys::CUevent_flags;
@@ -546,6 +553,43 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
             let default = u8::from(suffix.is_empty());
             emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n"));
         }
+        run_pyramid_selection(opts, stream, &spec, (&q, &k), out)?;
+    }
+    Ok(())
+}
+
+/// The pyramid selector's rows beside BSA's at PISA's leaf of 64 keys (see the module docs): on the same inputs, BSA
+/// with 64×64 blocks and top-8, then the pyramid (β = 4, K = 8) under each scoring.
+fn run_pyramid_selection(
+    opts: &Options,
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    (q, k): (&[CudaSlice<bf16>], &[CudaSlice<bf16>]),
+    out: &mut String,
+) -> Result<(), String> {
+    let (h, l, d) = (spec.n_heads_q, spec.sequences()[0].len_k, spec.head_dim);
+    let hkv = spec.n_heads_kv;
+    let bsa = BsaConfig { q_block: 64, kv_block: 64, top_k: 8, force_first: false, force_local: 0 };
+    let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, &bsa)).map_err(|e| e.to_string())?;
+    let mut lists = stream.alloc_zeros::<i32>(lists_shape(spec, &bsa).iter().product()).map_err(|e| e.to_string())?;
+    let ms = median_ms(stream, opts, |s| {
+        select_blocks_device(stream, spec, &bsa, BSA_SELECT, &q[s], &k[s], &mut pooled, &mut lists)
+            .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}/c64,1,{ms:.4},0.0\n"));
+    for (name, scoring) in [("lse", Scoring::Lse), ("pisa1", Scoring::Pisa1), ("pisa2", Scoring::Pisa2)] {
+        let config = PyramidSelectConfig {
+            q_block: 64,
+            pyramid: PyramidConfig { leaf_size: 64, branching: 4, keep: 8, scoring },
+        };
+        let mut pooled = stream.alloc_zeros::<f64>(pisa_workspace_len(spec, &config)).map_err(|e| e.to_string())?;
+        let mut lists =
+            stream.alloc_zeros::<i32>(pisa_lists_shape(spec, &config).iter().product()).map_err(|e| e.to_string())?;
+        let ms = median_ms(stream, opts, |s| {
+            select_pyramid_device(stream, spec, &config, PISA_SELECT, (&q[s], &k[s]), &mut pooled, &mut lists, None)
+                .map_err(|e| e.to_string())
+        })?;
+        emit(out, format!("\"(1,{h},{l},{d})\",true,pisa-select,{name}/b4/k8/hkv{hkv}/c64,1,{ms:.4},0.0\n"));
     }
     Ok(())
 }

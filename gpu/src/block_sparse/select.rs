@@ -26,7 +26,7 @@ use std::sync::Arc;
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask, Scale};
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use ndarray::{Array4, ArrayViewD};
 
 use super::{BLOCK_SIZES, BlockLists, ListHeads};
@@ -44,21 +44,22 @@ pub const BSA_SELECT: KernelSource = KernelSource {
 };
 
 /// Threads per CTA of the pooling kernels and of `bsa_select` (the kernel's `POOL_THREADS`, `SEL_THREADS`).
-const POOL_THREADS: u32 = 128;
+pub(crate) const POOL_THREADS: u32 = 128;
 const SELECT_THREADS: u32 = 256;
 
-/// Everything a launch needs, derived from a validated spec and configuration.
-struct Plan {
-    params: BsaParams,
-    cu_q: Vec<i32>,
-    cu_k: Vec<i32>,
-    batch: usize,
-    query_blocks: usize,
-    key_blocks: usize,
+/// Everything a launch needs, derived from a validated spec and configuration (PISA's pyramid selector,
+/// `crate::pisa::select`, builds on it: its leaves are these key blocks).
+pub(crate) struct Plan {
+    pub(crate) params: BsaParams,
+    pub(crate) cu_q: Vec<i32>,
+    pub(crate) cu_k: Vec<i32>,
+    pub(crate) batch: usize,
+    pub(crate) query_blocks: usize,
+    pub(crate) key_blocks: usize,
     shared_bytes: usize,
 }
 
-fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
+pub(crate) fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
     config.validate()?;
     let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
     let causal = match spec.mask {
@@ -118,6 +119,7 @@ fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
 /// f64 elements of the workspace for `spec` and `config`: the pooled keys, `B · Hkv · (key blocks of the longest
 /// sequence) · d`, then the pooled queries, `B · Hq · (query blocks of the longest sequence) · d`.
 pub fn workspace_len(spec: &AttentionSpec, config: &BsaConfig) -> usize {
+    // PISA's workspace starts with this one (`crate::pisa::select::workspace_len`).
     let seqs = spec.sequences();
     let key_blocks = seqs.iter().map(|s| config.key_blocks(s)).max().unwrap_or(0);
     let query_blocks = seqs.iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
@@ -130,7 +132,7 @@ pub fn lists_shape(spec: &AttentionSpec, config: &BsaConfig) -> [usize; 4] {
     [spec.sequences().len(), spec.n_heads_kv, query_blocks, config.top_k]
 }
 
-fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
+pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuError> {
     grid_3d(("blocks", x), ("heads", y), ("sequences", z))
 }
 
@@ -168,26 +170,40 @@ pub fn select_blocks_device<T: GpuElement>(
     compile::allow_shared_memory(ctx, &select, plan.shared_bytes, "key blocks")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
-    if plan.key_blocks > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: grid(plan.key_blocks, spec.n_heads_kv, plan.batch)?,
-            block_dim: (POOL_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch::launch_bsa_pool(stream, &pool_keys, cfg, (k, &mut *pooled), &cu_k, &plan.params)?;
-    }
-    let cfg = LaunchConfig {
-        grid_dim: grid(plan.query_blocks, spec.n_heads_q, plan.batch)?,
-        block_dim: (POOL_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch::launch_bsa_pool(stream, &pool_queries, cfg, (q, &mut *pooled), &cu_q, &plan.params)?;
+    launch_pooling(stream, spec, &plan, (&pool_keys, &pool_queries), (q, k), pooled, (&cu_q, &cu_k))?;
     let cfg = LaunchConfig {
         grid_dim: grid(plan.query_blocks, spec.n_heads_kv, plan.batch)?,
         block_dim: (SELECT_THREADS, 1, 1),
         shared_mem_bytes: shared,
     };
     launch::launch_bsa_select(stream, &select, cfg, (pooled, lists), (&cu_q, &cu_k), &plan.params)
+}
+
+/// Launches `bsa_pool_keys` and `bsa_pool_queries` of `plan` on `stream`: the key blocks' and the query blocks' mean
+/// vectors into the start of `pooled` (at least [`workspace_len`] f64), as both selectors read them.
+pub(crate) fn launch_pooling<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    plan: &Plan,
+    (pool_keys, pool_queries): (&CudaFunction, &CudaFunction),
+    (q, k): (&CudaSlice<T>, &CudaSlice<T>),
+    pooled: &mut CudaSlice<f64>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+) -> Result<(), GpuError> {
+    if plan.key_blocks > 0 {
+        let cfg = LaunchConfig {
+            grid_dim: grid(plan.key_blocks, spec.n_heads_kv, plan.batch)?,
+            block_dim: (POOL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch::launch_bsa_pool(stream, pool_keys, cfg, (k, &mut *pooled), cu_k, &plan.params)?;
+    }
+    let cfg = LaunchConfig {
+        grid_dim: grid(plan.query_blocks, spec.n_heads_q, plan.batch)?,
+        block_dim: (POOL_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch::launch_bsa_pool(stream, pool_queries, cfg, (q, pooled), cu_q, &plan.params)
 }
 
 /// Selects the blocks from host tensors (copies in, launches, copies out, synchronizes) and returns them as lists per

@@ -123,7 +123,7 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
 
 /// `case` with exact ties between whole key blocks of every (sequence, KV head): key block `b` copied onto block
 /// `b + 2` for every third `b` ([`Ties::Pairs`]), or every whole block a copy of block 0 ([`Ties::All`]).
-fn with_tied_blocks<T: Storage>(mut case: Case<T>, kv_block: usize, ties: Ties) -> Case<T> {
+pub fn with_tied_blocks<T: Storage>(mut case: Case<T>, kv_block: usize, ties: Ties) -> Case<T> {
     let spec = case.spec.clone();
     for seq in spec.sequences() {
         let whole = seq.len_k / kv_block;

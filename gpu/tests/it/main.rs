@@ -24,4 +24,5 @@ mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;
 mod property;
+mod pyramid_selection;
 mod ring_state;

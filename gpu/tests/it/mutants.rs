@@ -34,6 +34,7 @@ use crate::nsa_select;
 use crate::nsa_selected;
 use crate::nsa_selected_backward;
 use crate::property::{PropertySuite, check, run_suite, suite};
+use crate::pyramid_selection;
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
 use attnproof_gpu::block_sparse::BlockLists;
@@ -49,6 +50,7 @@ use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
 use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
+use attnproof_gpu::pisa::select::{PISA_SELECT, PyramidSelectConfig};
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -67,10 +69,11 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 14] = [
+const KERNELS: [KernelSource; 15] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
+    PISA_SELECT,
     NSA_COMPRESS,
     NSA_GATES,
     NSA_SELECT,
@@ -618,6 +621,47 @@ fn all_block_selection_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+        },
+    );
+}
+
+#[test]
+fn all_pyramid_selection_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_pyramid_selection_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, PyramidSelectConfig))> =
+        pyramid_selection::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
+    hunt(
+        "all_pyramid_selection_mutants_are_killed",
+        PISA_SELECT,
+        &catalog_mutants(PISA_SELECT),
+        &cases,
+        |kernel, c| pyramid_selection::check_selection(&stream, kernel, c),
+    );
+}
+
+/// Every pyramid selector mutant also fails the general pyramid suite (bf16, its default draws).
+#[test]
+fn all_pyramid_selection_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_pyramid_selection_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &pyramid_selection::PYRAMID_SUITES[0];
+    hunt_in_suite(
+        "all_pyramid_selection_mutants_are_killed_by_the_general_suite",
+        PISA_SELECT,
+        &catalog_mutants(PISA_SELECT),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new(pyramid_selection::PyramidTally::default());
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
         },
     );
 }

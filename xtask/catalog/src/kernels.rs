@@ -110,6 +110,14 @@ const DSA_LOSS: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of PISA's pyramid selector (`pisa_select.cu`: the coarser levels' means and the descent),
+/// launched in-process on a device with the pyramid's killing cases.
+const PISA_SELECT: Mutant = Mutant {
+    file: "gpu/kernels/pisa_select.cu",
+    runner: Runner::KernelText { kernel: "pisa_select", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -568,6 +576,99 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const bool interior = rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&",
         replace: "const bool interior = true || rows_here == Q_TILE && wkey0 + 16 <= sv.len_k &&",
         ..BLOCK_SPARSE_BWD
+    },
+    // --- pisa_select.cu (pyramid selection), launched on a device ---
+    Mutant {
+        name: "gpu-pisa-candidates-descending",
+        description: "The kept nodes expand in descending order, so a level's candidates are not ascending and equal \
+                      scores break to the higher node",
+        find: "for (int i = 0; i < n; ++i) {\n                    if (!chosen[i]) continue;",
+        replace: "for (int i = n - 1; i >= 0; --i) {\n                    if (!chosen[i]) continue;",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-current-leaf-not-forced",
+        description: "Only the first and the previous leaf (and their ancestors) are forced; the current leaf must win its slot",
+        find: "for (int f = 0; f < 3; ++f) forced |=",
+        replace: "for (int f = 0; f < 2; ++f) forced |=",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-previous-leaf-not-forced",
+        description: "The previous leaf is replaced by the current one among the forced leaves",
+        find: "current > 0 ? current - 1 : 0, current};",
+        replace: "current, current};",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-causal-one-key-late",
+        description: "A candidate whose first key is the one just after the query block's position is scored and can be kept",
+        find: "if ((long long)node * span <= position) {",
+        replace: "if ((long long)node * span <= position + 1) {",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-expansion-drops-last-node",
+        description: "Expanding a kept node never reaches the last node of the level below (beta off by one at a level's end)",
+        find: "c < min((node + 1) * params.branching, below); ++c)",
+        replace: "c < min((node + 1) * params.branching, below - 1); ++c)",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-level-mean-full-child-counts",
+        description: "A coarser node's mean weighs a partial last child as if it held a full span of keys",
+        find: "sum += (double)pisa_count(child, span_below, len_k) * below[",
+        replace: "sum += (double)span_below * below[",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-lse-ignores-weights",
+        description: "The LSE over child means forgets the children's key counts (a partial child weighs as much as a full one)",
+        find: "if (w[r] > 0.0) y += w[r] * exp(x[r] - m);",
+        replace: "if (w[r] > 0.0) y += exp(x[r] - m);",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa2-variance-sign",
+        description: "PISA-2 subtracts half the variance instead of adding it",
+        find: "return mean + 0.5 * (pisa_warp_sum(v) / total);",
+        replace: "return mean - 0.5 * (pisa_warp_sum(v) / total);",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-group-sum-misses-a-head",
+        description: "The GQA sum of a candidate's score leaves out the group's first query head",
+        find: "for (int h = 0; h < group; ++h) total +=",
+        replace: "for (int h = 1; h < group; ++h) total +=",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-keeps-one-less",
+        description: "Every level keeps K - 1 nodes when the forced ones leave room",
+        find: "for (int round = kept; round < params.keep; ++round) {",
+        replace: "for (int round = kept; round < params.keep - 1; ++round) {",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-leaf-lse-drops-last-key",
+        description: "A leaf's raw-key scores leave out its last key",
+        find: "last = min(first + p.bsa.kv_block, src.len_k);",
+        replace: "last = min(first + p.bsa.kv_block, src.len_k) - 1;",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa1-reads-the-leaf-means",
+        description: "PISA-1 scores every node by the leaf mean of the same index instead of its own level's mean",
+        find: "src.pooled + pisa_level_offset(p, level, src.seq, src.kv) + (long long)node * d;",
+        replace: "src.pooled + pisa_level_offset(p, 0, src.seq, src.kv) + (long long)node * d;",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-query-of-the-next-block",
+        description: "The descent reads the next query block's pooled queries",
+        find: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];",
+        replace: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + min(a + 1, (int)gridDim.x - 1)) * d + c];",
+        ..PISA_SELECT
     },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {
