@@ -272,35 +272,44 @@ fn check_draw<T: Storage>(
         t.rows += verdict.rows;
         t.decided += verdict.decided;
     }
-    // The lists feed the block-sparse forward as lists per KV head; verified against the f64 oracle where that costs
-    // no more than about 2^27 multiply-adds (the forward's own suites cover long problems).
-    let work: usize = draw.spec.sequences().iter().map(|s| s.len_q * s.len_k).sum::<usize>()
-        * draw.spec.n_heads_q
-        * (draw.spec.head_dim + draw.spec.head_dim_v);
-    if work > 1 << 27 {
-        return Ok(());
-    }
     let lists = BlockLists {
         q_block: draw.config.q_block,
         kv_block: draw.config.kv_block,
         heads: ListHeads::PerKvHead,
         lists: first,
     };
-    let run = block_sparse_forward_guarded(stream, &case, &lists, FLASH_FWD)
-        .map_err(|e| TestCaseError::fail(format!("forward over the selected lists: {e}")))?;
-    let layout = lists.oracle_layout(&case.spec);
-    let verdicts =
-        match verify_block_sparse_forward(&case, &layout, forward_recipe::<T>(), run.o.view(), run.lse.view()) {
-            Ok(v) => v,
-            // The forward's model does not cover this draw (logit scales too large for its first-order hypothesis): the
-            // selection above was still verified; the forward's own suites judge the forward.
-            Err(SparseHarnessError::Harness(HarnessError::Model(_))) => return Ok(()),
-            Err(e) => return Err(TestCaseError::fail(format!("forward verification: {e}"))),
-        };
-    for v in &verdicts {
-        prop_assert!(v.passed() && v.valid(), "forward over the selected lists:\n{v}");
+    forward_over_lists(stream, &case, &lists).map_err(TestCaseError::fail)
+}
+
+/// The production block-sparse forward over a selector's `lists` (per KV head), verified against the f64 oracle where
+/// that costs no more than about 2^27 multiply-adds (the forward's own suites cover long problems).
+pub fn forward_over_lists<T: Storage>(
+    stream: &Arc<CudaStream>,
+    case: &Case<T>,
+    lists: &BlockLists,
+) -> Result<(), String> {
+    let spec = &case.spec;
+    let work: usize = spec.sequences().iter().map(|s| s.len_q * s.len_k).sum::<usize>()
+        * spec.n_heads_q
+        * (spec.head_dim + spec.head_dim_v);
+    if work > 1 << 27 {
+        return Ok(());
     }
-    Ok(())
+    let run = block_sparse_forward_guarded(stream, case, lists, FLASH_FWD)
+        .map_err(|e| format!("forward over the selected lists: {e}"))?;
+    let layout = lists.oracle_layout(spec);
+    let verdicts = match verify_block_sparse_forward(case, &layout, forward_recipe::<T>(), run.o.view(), run.lse.view())
+    {
+        Ok(v) => v,
+        // The forward's model does not cover this draw (logit scales too large for its first-order hypothesis): the
+        // selection was still verified; the forward's own suites judge the forward.
+        Err(SparseHarnessError::Harness(HarnessError::Model(_))) => return Ok(()),
+        Err(e) => return Err(format!("forward verification: {e}")),
+    };
+    match verdicts.iter().find(|v| !(v.passed() && v.valid())) {
+        Some(v) => Err(format!("forward over the selected lists:\n{v}")),
+        None => Ok(()),
+    }
 }
 
 fn run_production(suite: &SelectionSuite) {

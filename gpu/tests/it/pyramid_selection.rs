@@ -3,17 +3,18 @@
 //! the replay of the kernel's own scores under the oracle's rule, every score within its derived bound of the oracle's,
 //! the lists equal the replay's kept leaves, and, where no boundary came within the bounds, the oracle's own lists.
 //!
-//! The property suites draw BSA's selection shapes (no mask or causal, Lq ≠ Lk, varlen with empty sequences, GQA
-//! groups of 1 to 16, head dims 8 to 256), both block sizes on each side, branchings 2 to 16 (powers of two and not),
-//! every `K` from 1 (below the three forced leaves) to 16 or the leaves of the longest sequence, the three scorings,
-//! and in two draws of three whole leaves copied onto others so that exact ties sit at the boundaries on purpose. Each draw
+//! The property suites draw BSA's selection shapes (no mask or causal, Lq ≠ Lk, varlen with empty sequences, GQA groups
+//! of 1 to 16, head dims 8 to 256), both block sizes on each side, branchings 2 to 16 (powers of two and not), every
+//! `K` from 1 (below the three forced leaves) to 16 or the leaves of the longest sequence, the three scorings, and in
+//! two draws of three whole leaves copied onto others so that exact ties sit at the boundaries on purpose. Each draw
 //! runs twice with the trace (the same bits both times) and once without (the same lists), into poisoned buffers with
-//! guard bands. Without a device each test prints `skipped: no CUDA device` and passes.
+//! guard bands, and ends with the block-sparse forward over its lists, verified against the oracle. Without a device
+//! each test prints `skipped: no CUDA device` and passes.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::block_selection::{Ties, selection_spec, with_tied_blocks};
+use crate::block_selection::{Ties, forward_over_lists, selection_spec, with_tied_blocks};
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
@@ -160,10 +161,12 @@ fn run_and_verify<T: Storage>(
     if !verdict.passed() {
         return Err(verdict.failures.join("\n"));
     }
-    // The lists feed the block-sparse kernels: they must follow the block-list convention.
+    // The lists feed the block-sparse kernels: they must follow the block-list convention, and the production forward
+    // over them must pass the oracle.
     let block_lists =
         BlockLists { q_block: config.q_block, kv_block: config.pyramid.leaf_size, heads: ListHeads::PerKvHead, lists };
     block_lists.validate(&case.spec).map_err(|e| format!("the lists break the block-list convention: {e}"))?;
+    forward_over_lists(stream, case, &block_lists)?;
     Ok(verdict)
 }
 
