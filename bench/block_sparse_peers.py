@@ -14,7 +14,8 @@ The backward (our `bsa-bwd` rows, KV owner with atomic dQ and two traversals) co
 torch.autograd.grad of its forward with a random dO (peers.backward_of).
 
 The second table times block selection: ours (`bsa-select` rows) beside the PyTorch baseline `torch_selection`
-below (mean-pool, score every block pair, group sum, causal mask, top-8), on inputs of the same shapes.
+below (mean-pool, score every block pair, group sum, causal mask, top-8), on inputs of the same shapes and block
+sizes; a third prints the pyramid selector's rows (`pisa-select`) as ratios to our BSA selector at 64-blocks.
 
 Usage: python3 bench/block_sparse_peers.py --ours ours.csv --lists DIR [--reps 30] [--warmup 5] [--csv peers.csv]
 Run it in the same device call as the bench binary.
@@ -84,14 +85,15 @@ def read_ours(path, direction):
     return ours
 
 
-def torch_selection(q, k, top_k):
+def torch_selection(q, k, top_k, block=BLOCK):
     """The PyTorch baseline of block selection, as a model implementation would write it: mean-pool queries and keys
-    per 128-block, score every (query block, key block) pair per query head, sum the scores over each GQA group, mask
-    the causal future, take the top-k (ties: torch.topk's order) and sort the indices."""
+    per block (128 rows unless `block` says otherwise), score every (query block, key block) pair per query head, sum
+    the scores over each GQA group, mask the causal future, take the top-k (ties: torch.topk's order) and sort the
+    indices."""
     b, hq, l, d = q.shape
-    hkv, n = k.shape[1], l // BLOCK
-    qp = q.view(b, hq, n, BLOCK, d).float().mean(3)
-    kp = k.view(b, hkv, n, BLOCK, d).float().mean(3)
+    hkv, n = k.shape[1], l // block
+    qp = q.view(b, hq, n, block, d).float().mean(3)
+    kp = k.view(b, hkv, n, block, d).float().mean(3)
     kp = kp.repeat_interleave(hq // hkv, dim=1)
     scores = torch.matmul(qp, kp.transpose(-1, -2)) / math.sqrt(d)
     scores = scores.view(b, hkv, hq // hkv, n, n).sum(2)
@@ -101,12 +103,15 @@ def torch_selection(q, k, top_k):
 
 
 def selection_table(ours_path, reps, warmup):
-    """Times the baseline on the shapes of our `bsa-select` rows (16 query heads over 2 KV heads, D = 128)."""
+    """Times the baseline on the shapes of our `bsa-select` rows (16 query heads over 2 KV heads, D = 128), at each
+    row's block size (128, or 64 where the tiling ends in `/c64`), then prints the pyramid selector's rows
+    (`pisa-select`, leaves of 64) beside our BSA selector at 64-blocks on the same length."""
     ours = read_ours(ours_path, "bsa-select")
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print(f"{'shape':<20} {'ours ms':>8} {'torch ms':>9} {'speed-up':>9}")
-    for (shape, tiling), ours_ms in sorted(ours.items(), key=lambda kv: int(kv[0][0].split(",")[2])):
+    print(f"{'shape':<20} {'tiling':<18} {'ours ms':>8} {'torch ms':>9} {'speed-up':>9}")
+    for (shape, tiling), ours_ms in sorted(ours.items(), key=lambda kv: (int(kv[0][0].split(",")[2]), kv[0][1])):
         l = int(shape.split(",")[2])
+        block = 64 if tiling.endswith("/c64") else BLOCK
         sets = [
             (
                 torch.randn(1, 16, l, 128, device="cuda", dtype=torch.bfloat16, generator=gen),
@@ -115,14 +120,22 @@ def selection_table(ours_path, reps, warmup):
             for _ in range(SETS)
         ]
         try:
-            torch_ms = median_ms(lambda q, k: torch_selection(q, k, 8), sets, reps, warmup)
+            torch_ms = median_ms(lambda q, k: torch_selection(q, k, 8, block), sets, reps, warmup)
         except Exception as e:  # out of memory at the longest lengths is a row entry
             print(f"block_sparse_peers: torch selection {shape}: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
             torch_ms = math.nan
-        print(f"{shape:<20} {ours_ms:>8.3f} {torch_ms:>9.3f} {torch_ms / ours_ms:>9.1f}")
+        print(f"{shape:<20} {tiling:<18} {ours_ms:>8.3f} {torch_ms:>9.3f} {torch_ms / ours_ms:>9.1f}")
         del sets
         torch.cuda.empty_cache()
     print("speed-up = torch ms / ours ms (the target is at least 10 at 256K)")
+    pyramid = read_ours(ours_path, "pisa-select")
+    if pyramid:
+        print(f"{'shape':<20} {'pyramid':<22} {'ms':>8} {'bsa c64 ms':>11} {'bsa / pyramid':>14}")
+        for (shape, tiling), ms in sorted(pyramid.items(), key=lambda kv: (int(kv[0][0].split(",")[2]), kv[0][1])):
+            bsa = next((v for (s, t), v in ours.items() if s == shape and t.endswith("/c64")), math.nan)
+            print(f"{shape:<20} {tiling:<22} {ms:>8.3f} {bsa:>11.3f} {bsa / ms:>14.2f}")
+        print("bsa / pyramid = our BSA selector's ms at 64-blocks over the pyramid's (targets 2.86, 5.31, 9.95 at 64K, "
+              "128K, 256K; per query block of 64 rows, not the paper's per-query routing)")
 
 
 def main():
