@@ -892,6 +892,20 @@ mod tests {
         let pisa2 = pisa2_bound(0.0, 64, 10.0, 3.0, 4.0);
         assert!(pisa2 < 2e-13 && pisa2 > gamma(69) * 14.0, "{pisa2:e}");
         assert!(pisa2_bound(1e-9, 64, 10.0, 3.0, 4.0) > pisa2 + 7e-9);
+        // The formulas of the module docs, term by term, at values where every term shows in the result.
+        let u = UNIT_ROUNDOFF;
+        let (x, w) = (1e3, 2f64.powi(30));
+        let lse_terms = 2.0 * gamma(12) + u * (6.0 * x + 12.0 * w.ln() + 6.0);
+        assert_eq!(lse_bound(0.0, 8, w, x), MARGIN * lse_terms);
+        assert_eq!(lse_bound(0.5, 8, w, x), 0.5 + MARGIN * lse_terms);
+        let (e, n, d, v) = (1e-3, 8, 7.0, 50.0);
+        let shift = gamma(n + 1) * x;
+        let pisa2_terms = e * (1.0 + 2.0 * (d + 2.0 * e) + 2.0 * e) + gamma(n + 5) * (x + v);
+        assert_eq!(pisa2_bound(e, n, x, d, v), MARGIN * pisa2_terms + shift * shift);
+        // Without item errors and with large scores, the computed mean's shift of the variance shows too.
+        let x = 1e6;
+        let shift = gamma(n + 1) * x;
+        assert_eq!(pisa2_bound(0.0, n, x, d, v), MARGIN * gamma(n + 5) * (x + v) + shift * shift);
         assert_eq!(gpu_mean_terms(64, 8, 0), 64);
         assert_eq!(gpu_mean_terms(64, 8, 3), 64 + 3 * 9);
         assert_eq!(oracle_mean_terms(4096), 4096);
