@@ -480,6 +480,18 @@ mod tests {
             assert!(!verify(&case, &c, &wrong).passed(), "score {index:?} ({s}) moved passed");
         }
         assert!(traced > 20, "{traced}");
+        // A query block that sees no key (causal, Lq > Lk: block 0's last row is 100 rows before the first key) lists
+        // nothing and traces nothing: an entry in either fails.
+        let spec = AttentionSpec::dense(1, 1, 1, 300, 200, 8, 8).with_mask(Mask::Causal);
+        let blind = make_case::<bf16>(&spec, profile(), 6);
+        let good = oracle_outputs(&blind, &c);
+        assert!(verify(&blind, &c, &good).passed());
+        let mut listed = good.clone();
+        listed.0[[0, 0, 0, 0]] = 0;
+        assert!(!verify(&blind, &c, &listed).passed(), "a list entry for a block that sees no key passed");
+        let mut traced = good.clone();
+        traced.1[[0, 0, 0, 0, 0]] = 0;
+        assert!(!verify(&blind, &c, &traced).passed(), "a traced node for a block that sees no key passed");
         let narrow = good.0.slice_axis(Axis(3), (0..2).into()).to_owned();
         let outputs = PyramidOutputs { lists: narrow.view(), nodes: good.1.view(), scores: good.2.view() };
         assert!(matches!(
