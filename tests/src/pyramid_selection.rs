@@ -439,9 +439,25 @@ mod tests {
                 let c = config(scoring);
                 let v = verify(&case, &c, &oracle_outputs(&case, &c));
                 assert!(v.passed(), "{i} {scoring:?}: {v:?}");
-                assert!(v.rows > 0 && v.decided * 2 > v.rows, "{i} {scoring:?}: {v:?}");
+                assert!(v.rows > 0 && v.decided * 2 > v.rows && v.scores > v.rows, "{i} {scoring:?}: {v:?}");
                 assert!(v.worst_ratio < 1e-3, "the oracle against itself: {v:?}");
             }
+        }
+    }
+
+    /// Random keys and queries leave no boundary within the bounds: with `K` = 6, so that unforced nodes are kept at
+    /// every level, every row is decided.
+    #[test]
+    fn random_rows_are_decided() {
+        let spec = AttentionSpec::dense(1, 3, 1, 600, 900, 16, 16).with_mask(Mask::Causal);
+        let case = make_case::<bf16>(&spec, profile(), 17);
+        for scoring in [Scoring::Lse, Scoring::Pisa1, Scoring::Pisa2] {
+            let c = PyramidSelectConfig {
+                q_block: 64,
+                pyramid: PyramidConfig { leaf_size: 64, branching: 3, keep: 6, scoring },
+            };
+            let v = verify(&case, &c, &oracle_outputs(&case, &c));
+            assert!(v.passed() && v.rows == 10 && v.decided == v.rows, "{scoring:?}: {v:?}");
         }
     }
 
@@ -546,6 +562,18 @@ mod tests {
         assert_eq!(row_of(near_outputs.0.view(), [0, 0, 0]).to_vec(), [0, 1, 6, 7]);
         let verdict = verify(&near, &c, &near_outputs);
         assert!(verdict.passed() && verdict.rows == 1 && verdict.decided == 0, "{verdict:?}");
+        // The near-tie threshold is twice the two candidates' bounds: leaf 3's traced score lowered by 0.9 of its own
+        // bound (read back from the verdict) still passes and is still near-tied with leaf 1's.
+        let slot = (0..near_outputs.1.dim().4).find(|&i| near_outputs.1[[0, 0, 0, 0, i]] == 3).expect("leaf 3 traced");
+        let at = [0, 0, 0, 0, slot];
+        let mut probe = near_outputs.clone();
+        probe.2[at] -= 1e-3 * probe.2[at].abs();
+        let step = near_outputs.2[at] - probe.2[at];
+        let bound = step / verify(&near, &c, &probe).worst_ratio;
+        let mut lowered = near_outputs.clone();
+        lowered.2[at] -= 0.9 * bound;
+        let verdict = verify(&near, &c, &lowered);
+        assert!(verdict.passed() && verdict.decided == 0, "{verdict:?}");
     }
 
     /// The query block's rows and last visible key: bottom-right causal (Lq < Lk shifts it right, Lq > Lk leaves the
