@@ -206,6 +206,19 @@ pub(crate) fn launch_pooling<T: GpuElement>(
     launch::launch_bsa_pool(stream, pool_queries, cfg, (q, pooled), cu_q, &plan.params)
 }
 
+/// Q and K of `spec` from host tensors (checked against the spec's shapes) into new device buffers: the first step of
+/// both selectors' host wrappers.
+pub(crate) fn upload_queries_and_keys<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+) -> Result<(CudaSlice<T>, CudaSlice<T>), GpuError> {
+    let (hq, hk) = (host_input(spec, "q", Operand::Q, &q)?, host_input(spec, "k", Operand::K, &k)?);
+    let up = |data: &[T]| stream.clone_htod(data).map_err(|e| GpuError::driver("cuMemcpyHtoD", e));
+    Ok((up(hq)?, up(hk)?))
+}
+
 /// Selects the blocks from host tensors (copies in, launches, copies out, synchronizes) and returns them as lists per
 /// KV head, ready for the block-sparse forward.
 pub fn select_blocks<T: GpuElement>(
@@ -217,9 +230,7 @@ pub fn select_blocks<T: GpuElement>(
 ) -> Result<BlockLists, GpuError> {
     spec.validate()?;
     plan(spec, config)?;
-    let (hq, hk) = (host_input(spec, "q", Operand::Q, &q)?, host_input(spec, "k", Operand::K, &k)?);
-    let up = |data: &[T]| stream.clone_htod(data).map_err(|e| GpuError::driver("cuMemcpyHtoD", e));
-    let (dq, dk) = (up(hq)?, up(hk)?);
+    let (dq, dk) = upload_queries_and_keys(stream, spec, q, k)?;
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(alloc_err)?;
     let shape = lists_shape(spec, config);

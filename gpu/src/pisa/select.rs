@@ -41,7 +41,6 @@ use crate::block_sparse::{BlockLists, ListHeads};
 use crate::common::{GpuElement, check_len, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
-use crate::flash::host_input;
 use crate::launch::{self, PisaTrace};
 use crate::params::PisaParams;
 
@@ -291,9 +290,7 @@ pub fn select_pyramid<T: GpuElement>(
 ) -> Result<PyramidSelection, GpuError> {
     spec.validate()?;
     plan(spec, config)?;
-    let (hq, hk) = (host_input(spec, "q", Operand::Q, &q)?, host_input(spec, "k", Operand::K, &k)?);
-    let up = |data: &[T]| stream.clone_htod(data).map_err(|e| GpuError::driver("cuMemcpyHtoD", e));
-    let (dq, dk) = (up(hq)?, up(hk)?);
+    let (dq, dk) = bsa::upload_queries_and_keys(stream, spec, q, k)?;
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(alloc_err)?;
     let shape = lists_shape(spec, config);
