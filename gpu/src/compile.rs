@@ -24,6 +24,7 @@
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `pisa_select` (PISA's pyramid selection, compiled with `bsa_select`'s pooling) needs 7.5 for the same reasons.
+//! - `pisa_mass` (the block masses of E30's diagnostics) needs 7.5 too: f64 arithmetic and warp shuffles only.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
@@ -125,7 +126,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 16] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 17] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -161,6 +162,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 16] = [
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+    },
+    DeviceRequirement {
+        kernel: "pisa_mass",
+        needs: (7, 5),
+        only: false,
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic and warp shuffles only",
     },
     DeviceRequirement {
         kernel: "nsa_compress",

@@ -614,6 +614,32 @@ pub(crate) fn launch_pisa_select<T: DeviceRepr>(
     Ok(())
 }
 
+/// Launches `pisa_block_mass` (gpu/kernels/pisa_mass.cu, `func`) on `stream`: one row of block masses per (query
+/// block, KV head, sequence).
+///
+/// Preconditions, established by `pisa::diagnostics`: `func` is `pisa_block_mass` compiled for the element type `T`;
+/// `q`, `k` hold the spec's Q and K, which the strides and lengths of `params.flash`, or the validated `cu_seqlens`,
+/// describe; `masses` holds `B · n_heads_kv · n_query_blocks · n_key_blocks` f64 with `n_query_blocks` the grid's x
+/// extent; `cfg` has the kernel's 128 threads and `4 · d · (128 + 1 + 32)` bytes of dynamic shared memory, which the
+/// caller allowed.
+pub(crate) fn launch_pisa_block_mass<T: DeviceRepr>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k): (&CudaSlice<T>, &CudaSlice<T>),
+    masses: &mut CudaSlice<f64>,
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &BsaParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(masses).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `pisa_block_mass(const elem_t* q, const elem_t* k, double* masses, const int* cu_q,
+    // const int* cu_k, const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
+    // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_block_mass)", e))?;
+    Ok(())
+}
+
 /// Launches `dsa_index_topk` (gpu/kernels/dsa_index.cu, `func`) on `stream`: the lightning indexer's scores and the
 /// exact top-k of every token.
 ///

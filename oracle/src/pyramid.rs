@@ -581,15 +581,31 @@ pub fn diagnostics<S: Real>(
             block_mass[b] = block_mass[b].clone() + pj / group.clone();
         }
     }
-    let eligible = |b: usize| b * pyramid.leaf_size() <= query.position;
-    let mut reference = top_k(&block_mass, keep, eligible, &forced_leaves(query.position, pyramid.leaf_size()));
+    Ok(diagnose_masses(block_mass, query.position, pyramid.leaf_size(), &selected, keep, ctx))
+}
+
+/// E30 from block masses already computed (by [`diagnostics`] for one query, or averaged over a query block's rows
+/// as the GPU's diagnostics do): the reference set (the forced leaves of `position` plus the eligible leaves of
+/// largest mass, `keep` in all, ties to the lower leaf: [`top_k`]), Recall@K, the captured masses and their ratio.
+/// `selected` holds leaves below `block_mass.len()` (validated by the caller); a leaf is eligible when it starts at
+/// or before `position`.
+pub fn diagnose_masses<S: Real>(
+    block_mass: Vec<S>,
+    position: usize,
+    leaf_size: usize,
+    selected: &[usize],
+    keep: usize,
+    ctx: S::Ctx,
+) -> Diagnostics<S> {
+    let eligible = |b: usize| b * leaf_size <= position;
+    let mut reference = top_k(&block_mass, keep, eligible, &forced_leaves(position, leaf_size));
     reference.sort_unstable();
     let captured_by = |set: &[usize]| set.iter().fold(S::zero(ctx), |acc, &b| acc + block_mass[b].clone());
-    let (captured, reference_captured) = (captured_by(&selected), captured_by(&reference));
+    let (captured, reference_captured) = (captured_by(selected), captured_by(&reference));
     let hits = selected.iter().filter(|b| reference.contains(b)).count();
     let recall = S::from_f64(hits as f64, ctx) / S::from_f64(reference.len() as f64, ctx);
     let mass_ratio = captured.clone() / reference_captured.clone();
-    Ok(Diagnostics { block_mass, reference, recall, captured, reference_captured, mass_ratio })
+    Diagnostics { block_mass, reference, recall, captured, reference_captured, mass_ratio }
 }
 
 #[cfg(test)]

@@ -60,6 +60,22 @@
 //! The candidate's score is the sum of its `G` heads' scores, in ascending head order on the GPU and in the oracle:
 //! the heads' bounds add, and the sum's own rounding is at most `γ(G − 1) Σ_h |ŝ_h|` ([`group_bound`]).
 //!
+//! # E30's block masses (`pisa_mass.cu`, the oracle's `diagnostics`)
+//!
+//! A (row, head) pair with `n` visible keys, exact scores `x_j = α q·k_j` of magnitudes `S_j = α Σ_c |q_c k_jc|`,
+//! and softmax `P_j`. Each computed score is within `e = max_j γ(d + 3) S_j` ([`item_score_bound`] with raw queries
+//! and keys), so the softmax of the computed scores is within a factor `e^{±2e}` of `P`. The kernel's evaluation:
+//! pass 1 takes the maximum and the sum online (`l ← l·exp(m − x) + 1` on a new maximum, else `l ← l + exp(x − m)`):
+//! each subtraction rounds by at most `u` times the scores' range `R` (computed: the exact range plus `2e`), and the
+//! rescalings a term passes through telescope to at most `uR` more; `exp` at 1 ulp (`2u`), the products and the sums
+//! over at most `n` steps keep the sum within a factor `e^{2uR}(1 + γ(5n))`. Pass 2's `exp(x̂_j − m)/l` adds `uR`,
+//! `2u` and the division. So every computed probability is within a factor `e^{±ρ}` of `P_j`,
+//! `ρ = 2e + 3uR + 2γ(5n + 4)`. The oracle (max, shifted exponentials, their sum, a division, then a division by the
+//! group) stays within the same `ρ`. A mass sums `T` such nonnegative terms in some order (at most rows · heads · `C`)
+//! and divides once, so it is within `r = e^ρ (1 + γ(T + 1)) − 1` of the exact mass, relatively
+//! ([`mass_relative_bound`]): two evaluations (the kernel's, the oracle's) are within `2r/(1 − r)` times either's
+//! value of each other.
+//!
 //! Every bound takes a relative margin of `2^-10` for its own f64 evaluation (a few roundings each).
 
 use crate::f64_oracle_bound::{UNIT_ROUNDOFF, gamma};
@@ -106,6 +122,14 @@ pub fn pisa2_bound(item_error: f64, items: usize, max_abs_item: f64, spread: f64
 pub fn group_bound(head_bounds: &[f64], abs_sum: f64) -> f64 {
     let heads: f64 = head_bounds.iter().sum();
     MARGIN * (heads + gamma(head_bounds.len().saturating_sub(1)) * abs_sum)
+}
+
+/// The relative bound `r` on an E30 block mass (see the module docs): `item_error` `e` the largest score bound of the
+/// pairs' visible keys, `range` `R` the largest range of a pair's computed scores, `keys` `n` the most keys a pair
+/// sees, `terms` `T` the probabilities summed into one mass.
+pub fn mass_relative_bound(item_error: f64, range: f64, keys: usize, terms: usize) -> f64 {
+    let rho = 2.0 * item_error + 3.0 * UNIT_ROUNDOFF * range + 2.0 * gamma(5 * keys + 4);
+    MARGIN * (rho.exp() * (1.0 + gamma(terms + 1)) - 1.0)
 }
 
 #[cfg(test)]
@@ -953,6 +977,89 @@ mod tests {
                         let oracle = pyramid.node_score(level, index, query.view(), scoring).expect("a node");
                         assert_eq!(oracle.to_bits(), emulated.to_bits(), "case {case}, level {level}, node {index}");
                     }
+                }
+            }
+        }
+    }
+
+    /// The kernel's E30 recipe for one pair (`pisa_block_mass`: fused dot, `fl(dot · α̂)`, the online pass 1, pass 2
+    /// per key), `keys` rows of `d` values: the probabilities it adds, in key order.
+    fn kernel_probabilities(query: &[f64], keys: &[Vec<f64>], alpha: f64) -> Vec<f64> {
+        let score = |k: &Vec<f64>| query.iter().zip(k).fold(0.0f64, |acc, (q, k)| q.mul_add(*k, acc)) * alpha;
+        let (mut m, mut l) = (f64::NEG_INFINITY, 0.0f64);
+        for k in keys {
+            let x = score(k);
+            if x > m {
+                l = l * (m - x).exp() + 1.0;
+                m = x;
+            } else {
+                l += (x - m).exp();
+            }
+        }
+        keys.iter().map(|k| (score(k) - m).exp() / l).collect()
+    }
+
+    /// The kernel's recipe and the oracle's f64 `diagnostics` stay within `mass_relative_bound` of the 256-bit masses
+    /// on pairs with large logits (scores over a range of about 200), a leaf's keys scattered over the range, and
+    /// the bound stays below `1e-11`: far below what a wrong mass changes.
+    #[test]
+    fn block_masses_stay_within_the_mass_bound() {
+        let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[31; 32]);
+        let (d, n, leaf, heads) = (16usize, 200usize, 64usize, 3usize);
+        let alpha = 1.0 / (d as f64).sqrt();
+        for case in 0..8 {
+            let amplitude = [1.0, 8.0, 20.0][case % 3];
+            let keys: Vec<Vec<f64>> = (0..n)
+                .map(|_| {
+                    (0..d).map(|_| (rng.random::<f64>() - 0.5) * amplitude).map(|x| (x * 64.0).round() / 64.0).collect()
+                })
+                .collect();
+            let queries: Vec<Vec<f64>> = (0..heads)
+                .map(|_| {
+                    (0..d).map(|_| (rng.random::<f64>() - 0.5) * amplitude).map(|x| (x * 64.0).round() / 64.0).collect()
+                })
+                .collect();
+            let leaves = n.div_ceil(leaf);
+            let mut kernel = vec![0.0; leaves];
+            let mut exact = vec![Float::with_val(PRECISION, 0); leaves];
+            let (mut e, mut range) = (0.0f64, 0.0f64);
+            for q in &queries {
+                for (j, p) in kernel_probabilities(q, &keys, alpha).into_iter().enumerate() {
+                    kernel[j / leaf] += p;
+                }
+                let exact_scores: Vec<Float> =
+                    keys.iter()
+                        .map(|k| {
+                            let dot = q.iter().zip(k).fold(Float::with_val(PRECISION, 0), |acc, (a, b)| {
+                                acc + Float::with_val(PRECISION, a * b)
+                            });
+                            dot / Float::with_val(PRECISION, d).sqrt()
+                        })
+                        .collect();
+                let total = exact_scores.iter().fold(Float::with_val(PRECISION, 0), |acc, x| acc + x.clone().exp());
+                for (j, x) in exact_scores.iter().enumerate() {
+                    exact[j / leaf] += x.clone().exp() / &total;
+                }
+                let magnitudes = keys.iter().map(|k| alpha * q.iter().zip(k).map(|(a, b)| (a * b).abs()).sum::<f64>());
+                e = e.max(magnitudes.fold(0.0, f64::max) * gamma(d + 3) * MARGIN);
+                let xs: Vec<f64> = exact_scores.iter().map(|x| x.to_f64()).collect();
+                let (lo, hi) =
+                    xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+                range = range.max(hi - lo + 2.0 * e);
+            }
+            let r = mass_relative_bound(e, range, n, heads * leaf);
+            assert!(r < 1e-11, "case {case}: r = {r:e} is not small");
+            let key_rows = Array2::from_shape_fn((n, d), |(j, c)| keys[j][c]);
+            let query_rows = Array2::from_shape_fn((heads, d), |(h, c)| queries[h][c]);
+            let config = PyramidConfig { leaf_size: leaf, branching: 2, keep: 1, scoring: Scoring::Lse };
+            let pyramid = Pyramid::build(key_rows.view(), &config, ()).unwrap();
+            let query = attnproof_oracle::pyramid::PyramidQuery { heads: query_rows.view(), position: n - 1 };
+            let oracle = attnproof_oracle::pyramid::diagnostics(&pyramid, &query, &[], 1).unwrap().block_mass;
+            for b in 0..leaves {
+                let truth = exact[b].to_f64() / heads as f64;
+                for (name, mass) in [("kernel", kernel[b] / heads as f64), ("oracle", oracle[b])] {
+                    let error = (mass - truth).abs();
+                    assert!(error <= r * truth, "case {case} leaf {b}: {name} {mass:e} vs {truth:e}, error {error:e}");
                 }
             }
         }

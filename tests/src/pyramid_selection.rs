@@ -12,11 +12,10 @@
 //! dropped one by less than twice the bounds) is *decided*: its list must also equal the oracle's own descent's. Rows
 //! past a sequence's query blocks, or that see no key, list nothing and trace nothing.
 
+use attnproof_gpu::pisa::block_position;
 use attnproof_gpu::pisa::select::{PyramidSelectConfig, lists_shape, trace_shape};
 use attnproof_oracle::pyramid::{Pyramid, PyramidQuery, Scoring, descend, expand, forced_leaves};
-use attnproof_oracle::spec::Sequence;
 use attnproof_oracle::topk::{padded_ascending, top_k};
-use attnproof_oracle::{AttentionSpec, Mask};
 use attnproof_proofs::pyramid_bound::{
     gpu_mean_terms, group_bound, item_score_bound, lse_bound, oracle_mean_terms, pisa2_bound,
 };
@@ -56,21 +55,6 @@ pub struct PyramidOutputs<'a> {
     pub nodes: ArrayView5<'a, i32>,
     /// Same shape.
     pub scores: ArrayView5<'a, f64>,
-}
-
-/// The query block `a` of `seq` as the selector reads it: its rows and its last visible key (`None` when it has no
-/// rows or sees no key).
-pub fn block_position(spec: &AttentionSpec, seq: &Sequence, q_block: usize, a: usize) -> Option<(usize, usize)> {
-    let row0 = a * q_block;
-    if row0 >= seq.len_q || seq.len_k == 0 {
-        return None;
-    }
-    let rows = q_block.min(seq.len_q - row0);
-    let position = match spec.mask {
-        Mask::Causal => (row0 + rows - 1 + seq.len_k).checked_sub(seq.len_q)?,
-        _ => seq.len_k - 1,
-    };
-    Some((rows, position))
 }
 
 /// The sub-array at `[sequence, KV head, query block]` of a per-row output.
@@ -358,6 +342,7 @@ mod tests {
     use super::*;
     use crate::generate::{Distribution, ValueProfile, make_case};
     use attnproof_oracle::pyramid::PyramidConfig;
+    use attnproof_oracle::{AttentionSpec, Mask};
     use half::bf16;
     use ndarray::{Array4, Array5};
 
@@ -574,22 +559,6 @@ mod tests {
         lowered.2[at] -= 0.9 * bound;
         let verdict = verify(&near, &c, &lowered);
         assert!(verdict.passed() && verdict.decided == 0, "{verdict:?}");
-    }
-
-    /// The query block's rows and last visible key: bottom-right causal (Lq < Lk shifts it right, Lq > Lk leaves the
-    /// first blocks seeing nothing), every key without a mask, nothing past the sequence or without keys.
-    #[test]
-    fn block_positions_follow_the_mask() {
-        let seq = |len_q, len_k| Sequence { index: 0, len_q, len_k, q_start: 0, k_start: 0 };
-        let causal = AttentionSpec::dense(1, 1, 1, 1, 1, 8, 8).with_mask(Mask::Causal);
-        let none = causal.clone().with_mask(Mask::None);
-        assert_eq!(block_position(&causal, &seq(100, 300), 64, 0), Some((64, 263)));
-        assert_eq!(block_position(&causal, &seq(100, 300), 64, 1), Some((36, 299)));
-        assert_eq!(block_position(&causal, &seq(100, 300), 64, 2), None);
-        assert_eq!(block_position(&causal, &seq(300, 100), 64, 0), None);
-        assert_eq!(block_position(&causal, &seq(300, 100), 64, 3), Some((64, 55)));
-        assert_eq!(block_position(&none, &seq(300, 100), 64, 0), Some((64, 99)));
-        assert_eq!(block_position(&none, &seq(300, 0), 64, 0), None);
     }
 
     /// Each scoring's bound on a candidate, read back from the verdict (one traced score moved by `δ` gives a worst

@@ -25,6 +25,9 @@
 #                           heads over one KV head, k = 2048, at 16K, 64K, 128K), dsa_sparse_peers.py (FlexAttention
 #                           with the same selection as a mask, forward and backward) and bin/bench's dense causal forward at B1 H16 L16K D128 in the same
 #                           call, for the ratio of effective TFLOP/s the issue sets
+#   run.sh recall [ARGS]    bin/recall (E30: Recall@K and the attention-mass ratio of BSA's selector and the pyramid
+#                           under each scoring at several lengths, from the GPU's exact block masses; ARGS:
+#                           --lengths L,..., --seed N); the CSV also to $OUT/recall.csv
 #   run.sh ring [ARGS]      bin/ring_bench (ring attention: time per step, overlap, efficiency against the dense
 #                           kernel; ARGS: --backward, --nccl for one GPU per ring device, --devices 2,4,8, ...)
 #   run.sh peers [ARGS]     dumps PyTorch's kernels' case files (python/examples/dump_peers.py ARGS, e.g.
@@ -79,6 +82,7 @@ SANITIZE=(
     "attnproof-gpu-it dsa_sparse_backward::sanitizer_shapes"
     "attnproof-gpu-it dsa_loss::sanitizer_shapes"
     "attnproof-gpu-it pyramid_selection::sanitizer_shapes"
+    "attnproof-gpu-it pyramid_diagnostics::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
@@ -115,7 +119,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | dsa-sparse-bench | ring | peers | python) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | dsa-sparse-bench | recall | ring | peers | python) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -242,24 +246,41 @@ mutants)
     exit $status
     ;;
 sanitize)
-    failed=0
+    # Each (entry, tool) run is a process of its own, SANITIZE_JOBS (default 6) at a time: under the sanitizer the
+    # host side (the f64 oracle, the instrumentation) is the bottleneck, not the GPU, and one after another the runs
+    # outgrew a 10-minute device call. Each writes its own log; the report follows SANITIZE's order.
+    jobs="${SANITIZE_JOBS:-6}"
+    work="$(mktemp -d)"
+    index=0
     for entry in "${SANITIZE[@]}"; do
         read -r -a words <<<"$entry"
         bin="${words[0]}"
         for tool in memcheck racecheck; do
-            echo "=== compute-sanitizer --tool $tool $bin ${words[*]:1}"
-            log="$(mktemp)"
-            compute-sanitizer --tool "$tool" --error-exitcode 99 "$here/tests/$bin" --test-threads=1 "${words[@]:1}" >"$log" 2>&1
-            status=$?
-            grep -E "^test result|SUMMARY|^=========.*(ERROR|rror|azard)" "$log" | tail -n 20
-            if [ "$status" -ne 0 ]; then
-                failed=$((failed + 1))
-                echo "--- $tool $bin failed (exit $status); last lines:"
-                tail -n 40 "$log"
-            fi
-            rm -f "$log"
+            index=$((index + 1))
+            while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+            (compute-sanitizer --tool "$tool" --error-exitcode 99 "$here/tests/$bin" --test-threads=1 "${words[@]:1}" \
+                >"$work/$index.log" 2>&1
+                echo $? >"$work/$index.rc") &
         done
     done
+    wait
+    failed=0
+    index=0
+    for entry in "${SANITIZE[@]}"; do
+        read -r -a words <<<"$entry"
+        for tool in memcheck racecheck; do
+            index=$((index + 1))
+            echo "=== compute-sanitizer --tool $tool ${words[*]}"
+            status="$(cat "$work/$index.rc")"
+            grep -E "^test result|SUMMARY|^=========.*(ERROR|rror|azard)" "$work/$index.log" | tail -n 20
+            if [ "$status" -ne 0 ]; then
+                failed=$((failed + 1))
+                echo "--- $tool ${words[*]} failed (exit $status); last lines:"
+                tail -n 40 "$work/$index.log"
+            fi
+        done
+    done
+    rm -rf "$work"
     echo "gpu-bundle sanitize: $failed runs failed"
     exit $((failed > 0))
     ;;
@@ -291,6 +312,11 @@ dsa-sparse-bench)
     python3 "$here"/dsa_sparse_peers.py --ours "$csv" "${peers_args[@]}" || exit 1
     "$here"/bin/bench --shape 1,16,16384,128 --csv "${csv%.csv}-dense.csv" || exit 1
     if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/dsa-sparse-ours.csv"; cp "${csv%.csv}-dense.csv" "$OUT/dsa-sparse-dense.csv"; fi
+    ;;
+recall)
+    csv="$(mktemp -d)/recall.csv"
+    "$here"/bin/recall --csv "$csv" "$@" || exit 1
+    if [ -n "${OUT:-}" ]; then cp "$csv" "$OUT/recall.csv"; fi
     ;;
 ring)
     csv="$(mktemp -d)/ring.csv"

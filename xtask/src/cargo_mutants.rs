@@ -60,6 +60,7 @@ const VERDICT_FILES: &[&str] = &[
     "tests/src/dsa_index.rs",
     "tests/src/dsa_loss.rs",
     "tests/src/pyramid_selection.rs",
+    "tests/src/pyramid_diagnostics.rs",
     "tests/src/case/*.rs",
 ];
 
@@ -92,6 +93,7 @@ pub const SCOPES: &[Scope] = &[
             "dsa_index::",
             "dsa_loss::",
             "pyramid_selection::",
+            "pyramid_diagnostics::",
             "case::",
             "check_",
             "recipe::",
@@ -1002,7 +1004,7 @@ mod tests {
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
-                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: pyramid_selection:: case:: check_ recipe::"
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: pyramid_selection:: pyramid_diagnostics:: case:: check_ recipe::"
             ),
             "{verdict}"
         );

@@ -25,8 +25,12 @@ use crate::process::{cargo, describe, ensure_m4, find_on_path};
 /// Packages whose test binaries go into the bundle.
 const PACKAGES: &[&str] = &["attnproof-gpu"];
 /// (package, binary) of the programs that go into the bundle's `bin/`: the benchmarks and the case checker.
-const BENCHES: &[(&str, &str)] =
-    &[("attnproof-gpu", "bench"), ("attnproof-harness", "ring_bench"), ("attnproof-harness", "check")];
+const BENCHES: &[(&str, &str)] = &[
+    ("attnproof-gpu", "bench"),
+    ("attnproof-gpu", "recall"),
+    ("attnproof-harness", "ring_bench"),
+    ("attnproof-harness", "check"),
+];
 /// Scripts copied into the bundle's root, relative to the repository root.
 const SCRIPTS: &[&str] =
     &["bench/peers.py", "bench/block_sparse_peers.py", "bench/dsa_peers.py", "bench/dsa_sparse_peers.py"];
@@ -353,9 +357,19 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
-        for mode in
-            ["all)", "fuzz)", "tests)", "mutants)", "sanitize)", "bench)", "bsa-bench)", "ring)", "peers)", "python)"]
-        {
+        for mode in [
+            "all)",
+            "fuzz)",
+            "tests)",
+            "mutants)",
+            "sanitize)",
+            "bench)",
+            "bsa-bench)",
+            "recall)",
+            "ring)",
+            "peers)",
+            "python)",
+        ] {
             assert!(RUN_SH.contains(mode), "run.sh lacks mode {mode}");
         }
         assert!(RUN_SH.contains("--tool \"$tool\" --error-exitcode 99"));

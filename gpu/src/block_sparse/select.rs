@@ -59,6 +59,20 @@ pub(crate) struct Plan {
     shared_bytes: usize,
 }
 
+/// The plan of BSA's own lists: [`plan`] and lists no wider than the longest sequence's key blocks.
+fn plan_lists(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
+    let plan = plan(spec, config)?;
+    if config.top_k > plan.key_blocks {
+        return Err(GpuError::Unsupported {
+            argument: "top_k",
+            reason: format!("{} is more than the {} key blocks of the longest sequence", config.top_k, plan.key_blocks),
+        });
+    }
+    Ok(plan)
+}
+
+/// The blocks, the kernels' scalars and the `cu_seqlens` of `spec` under `config` (the width is not checked against
+/// the key blocks here: the pyramid checks its own, the diagnostics have none).
 pub(crate) fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
     config.validate()?;
     let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
@@ -80,12 +94,6 @@ pub(crate) fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, Gpu
     let seqs = spec.sequences();
     let query_blocks = seqs.iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
     let key_blocks = seqs.iter().map(|s| config.key_blocks(s)).max().unwrap_or(0);
-    if config.top_k > key_blocks {
-        return Err(GpuError::Unsupported {
-            argument: "top_k",
-            reason: format!("{} is more than the {key_blocks} key blocks of the longest sequence", config.top_k),
-        });
-    }
     let scale = match spec.scale {
         Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f64).sqrt(),
         Scale::Value(x) => x,
@@ -150,7 +158,7 @@ pub fn select_blocks_device<T: GpuElement>(
     pooled: &mut CudaSlice<f64>,
     lists: &mut CudaSlice<i32>,
 ) -> Result<(), GpuError> {
-    let plan = plan(spec, config)?;
+    let plan = plan_lists(spec, config)?;
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", q, size(Operand::Q))?;
     check_len("k", k, size(Operand::K))?;
@@ -229,7 +237,7 @@ pub fn select_blocks<T: GpuElement>(
     k: ArrayViewD<'_, T>,
 ) -> Result<BlockLists, GpuError> {
     spec.validate()?;
-    plan(spec, config)?;
+    plan_lists(spec, config)?;
     let (dq, dk) = upload_queries_and_keys(stream, spec, q, k)?;
     let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
     let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(alloc_err)?;
@@ -264,7 +272,8 @@ mod tests {
         assert_eq!(lists_shape(&spec, &config(3)), [2, 2, 4, 3]);
         assert_eq!(workspace_len(&spec, &config(3)), 2 * 64 * (2 * 3 + 4 * 4));
         assert_eq!(p.params.pooled_queries_at, 2 * 2 * 3 * 64);
-        assert!(matches!(plan(&spec, &config(4)), Err(GpuError::Unsupported { argument: "top_k", .. })));
+        assert!(matches!(plan_lists(&spec, &config(4)), Err(GpuError::Unsupported { argument: "top_k", .. })));
+        assert!(plan(&spec, &config(4)).is_ok(), "the pyramid and the diagnostics check their own widths");
         let window = spec.clone().with_mask(Mask::Window { left: 3, right: 0 });
         assert!(matches!(plan(&window, &config(2)), Err(GpuError::Unsupported { argument: "mask", .. })));
         let odd = BsaConfig { kv_block: 32, ..config(2) };

@@ -24,5 +24,6 @@ mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;
 mod property;
+mod pyramid_diagnostics;
 mod pyramid_selection;
 mod ring_state;

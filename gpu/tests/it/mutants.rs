@@ -34,6 +34,7 @@ use crate::nsa_select;
 use crate::nsa_selected;
 use crate::nsa_selected_backward;
 use crate::property::{PropertySuite, check, run_suite, suite};
+use crate::pyramid_diagnostics;
 use crate::pyramid_selection;
 use attnproof_catalog::{Mutant, Runner};
 use attnproof_gpu::backward::{Q_TILE, is_wgmma_backward};
@@ -50,6 +51,7 @@ use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
 use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
+use attnproof_gpu::pisa::diagnostics::{MassConfig, PISA_MASS};
 use attnproof_gpu::pisa::select::{PISA_SELECT, PyramidSelectConfig};
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
@@ -69,11 +71,12 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 15] = [
+const KERNELS: [KernelSource; 16] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
     PISA_SELECT,
+    PISA_MASS,
     NSA_COMPRESS,
     NSA_GATES,
     NSA_SELECT,
@@ -657,6 +660,43 @@ fn all_pyramid_selection_mutants_are_killed_by_the_general_suite() {
         suite.name,
         |kernel| {
             let tally = std::cell::RefCell::new(pyramid_selection::PyramidTally::default());
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+        },
+    );
+}
+
+#[test]
+fn all_block_mass_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_block_mass_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, MassConfig))> =
+        pyramid_diagnostics::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
+    hunt("all_block_mass_mutants_are_killed", PISA_MASS, &catalog_mutants(PISA_MASS), &cases, |kernel, c| {
+        pyramid_diagnostics::check_masses(&stream, kernel, c)
+    });
+}
+
+/// Every block-mass mutant also fails the general mass suite (bf16, its default draws).
+#[test]
+fn all_block_mass_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_block_mass_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &pyramid_diagnostics::MASS_SUITES[0];
+    hunt_in_suite(
+        "all_block_mass_mutants_are_killed_by_the_general_suite",
+        PISA_MASS,
+        &catalog_mutants(PISA_MASS),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new(pyramid_diagnostics::MassTally::default());
             let config = Config {
                 max_shrink_iters: 0,
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)

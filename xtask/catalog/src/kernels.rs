@@ -118,6 +118,14 @@ const PISA_SELECT: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of E30's block masses (`pisa_mass.cu`), launched in-process on a device with the masses'
+/// killing cases.
+const PISA_MASS: Mutant = Mutant {
+    file: "gpu/kernels/pisa_mass.cu",
+    runner: Runner::KernelText { kernel: "pisa_mass", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of the forward kernel's block-sparse mode (`BLOCK_SPARSE`: the tile cursor over the key
 /// blocks a query block lists), launched in-process on a device with block-sparse killing cases.
 const BLOCK_SPARSE_FWD: Mutant =
@@ -669,6 +677,70 @@ pub const MUTANTS: &[Mutant] = &[
         find: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];",
         replace: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + min(a + 1, (int)gridDim.x - 1)) * d + c];",
         ..PISA_SELECT
+    },
+    // --- pisa_mass.cu (E30's block masses), launched on a device ---
+    Mutant {
+        name: "gpu-mass-causal-one-key-late",
+        description: "Each row sees one key past its bottom-right diagonal",
+        find: "return max(0, min(len_k, row + 1 + len_k - len_q));",
+        replace: "return max(0, min(len_k, row + 2 + len_k - len_q));",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-leaf-by-query-block",
+        description: "A tile's probabilities go to the leaf numbered by the query block size instead of the leaf size",
+        find: "out[tile / params.kv_block] += total;",
+        replace: "out[tile / params.q_block] += total;",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-first-head-only",
+        description: "Every pair of a row reads the group's first query head",
+        find: "const int r = row0 + pp / group, h = kv * group + pp % group;",
+        replace: "const int r = row0 + pp / group, h = kv * group;",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-averages-rows-that-see-nothing",
+        description: "The masses are averaged over every row of the block, also those that see no key",
+        find: "const double counted = (double)(rows - first_seeing) * group;",
+        replace: "const double counted = (double)rows * group;",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-unnormalized",
+        description: "Pass 2 adds the exponentials without dividing by the row's sum",
+        find: "part += exp(mass_score(q_col, q_stride, k_tile + j * d, d, params.scale) - m) / l;",
+        replace: "part += exp(mass_score(q_col, q_stride, k_tile + j * d, d, params.scale) - m);",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-sum-not-rescaled",
+        description: "A new maximum does not rescale the running sum of exponentials",
+        find: "l = l * exp(m - x) + 1.0;",
+        replace: "l = l + 1.0;",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-last-tile-dropped",
+        description: "Pass 2 stops one tile early: the keys of the last tile add nothing",
+        find: "// Pass 2: each tile's probabilities, summed over the chunk's pairs into the tile's leaf.\n        for (int tile = 0; tile < last_end; tile += MASS_KEYS) {",
+        replace: "// Pass 2: each tile's probabilities, summed over the chunk's pairs into the tile's leaf.\n        for (int tile = 0; tile + MASS_KEYS < last_end; tile += MASS_KEYS) {",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-unscaled-scores",
+        description: "The scores are the raw dot products, without the softmax scale",
+        find: "return dot * scale;",
+        replace: "return dot;",
+        ..PISA_MASS
+    },
+    Mutant {
+        name: "gpu-mass-first-chunk-queries",
+        description: "Every chunk of (row, head) pairs loads the first chunk's queries",
+        find: "const int t = i / d, c = i % d, pp = chunk + t;",
+        replace: "const int t = i / d, c = i % d, pp = t;",
+        ..PISA_MASS
     },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {
