@@ -91,7 +91,7 @@ pisa_block_mass(const elem_t* __restrict__ q, const elem_t* __restrict__ k, doub
         }
         const float* q_col = q_cols + threadIdx.x;
         // Pass 1: the maximum and the sum of exponentials relative to it, online.
-        double m = -INFINITY, l = 0.0;
+        double m = (double)NEG_INF, l = 0.0;
         for (int tile = 0; tile < last_end; tile += MASS_KEYS) {
             __syncthreads();
             mass_load_keys(k_tile, k + k_base, fp.k_row, tile, len_k, d);
