@@ -251,8 +251,10 @@ mod tests {
         assert!(!v.passed() && v.worst_ratio > 1.0, "{v:?}");
         // Sequence 0 (150 queries over 70 keys): block 0 sees nothing, block 1's last key is 47 (leaf 1 unseen), leaf
         // 2 is past its keys; sequence 1 has no query block.
+        // The nudge is a few subnormal units, below the underflow allowance of a visible leaf: only the exact-zero
+        // rule catches it.
         for at in [[0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 1, 2], [1, 0, 0, 0]] {
-            let v = nudged(at, 1e-300);
+            let v = nudged(at, 1e-320);
             assert!(!v.passed(), "{at:?}: {v:?}");
         }
         // Every mass of a block scaled by 1 + 1e-9, far beyond the bound: the masses and their sum fail.
@@ -285,5 +287,84 @@ mod tests {
         let mut diluted = good.clone();
         diluted[[0, 0, 0, 0]] = 4.0 / 64.0;
         assert!(!verify_block_masses(&case, &config, diluted.view()).unwrap().passed());
+    }
+
+    /// The bound of an unmasked one-block case equals the derivation evaluated here from the definitions (every row
+    /// sees all 100 keys), and the tolerance is `2r / (1 − r)`: a mass moved by 1.9 r of itself passes, by 2.1 r fails.
+    #[test]
+    fn the_bound_is_the_derived_one() {
+        let spec = AttentionSpec::dense(1, 2, 1, 50, 100, 8, 8).with_mask(Mask::None);
+        let case = make_case::<bf16>(&spec, profile(), 13);
+        let config = MassConfig { q_block: 64, leaf_size: 64 };
+        let good = oracle_masses(&case, &config);
+        let verdict = verify_block_masses(&case, &config, good.view()).unwrap();
+        assert!(verdict.passed(), "{:?}", verdict.failures);
+        assert_eq!(verdict.blocks, 1);
+        let [q, k, _] = case.widened();
+        let alpha = 1.0 / 8f64.sqrt();
+        let (mut e, mut range) = (0.0f64, 0.0f64);
+        for h in 0..2 {
+            for r in 0..50 {
+                let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+                for j in 0..100 {
+                    let (mut x, mut magnitude) = (0.0, 0.0);
+                    for c in 0..8 {
+                        let p = q[[0, h, r, c]] * k[[0, 0, j, c]];
+                        x += p;
+                        magnitude += p.abs();
+                    }
+                    e = e.max(item_score_bound(alpha * magnitude, 0, 0, 8));
+                    (lo, hi) = (lo.min(alpha * x), hi.max(alpha * x));
+                }
+                range = range.max(hi - lo);
+            }
+        }
+        let r = mass_relative_bound(e, range + 2.0 * e, 100, 50 * 2 * 64);
+        assert!((verdict.worst_bound - r).abs() <= 1e-12 * r, "{} vs {r}", verdict.worst_bound);
+        for (factor, passes) in [(1.9, true), (2.1, false)] {
+            let mut moved = good.clone();
+            moved[[0, 0, 0, 0]] *= 1.0 + factor * r;
+            let v = verify_block_masses(&case, &config, moved.view()).unwrap();
+            assert_eq!(v.passed(), passes, "moved by {factor} r: {v:?}");
+        }
+    }
+
+    /// A leaf that starts exactly at the block's last visible key is visible (one key): its mass is compared, not
+    /// required to be zero.
+    #[test]
+    fn a_leaf_starting_at_the_last_visible_key_is_visible() {
+        let spec = AttentionSpec::dense(1, 1, 1, 10, 65, 8, 8).with_mask(Mask::None);
+        let case = make_case::<bf16>(&spec, profile(), 17);
+        let config = MassConfig { q_block: 64, leaf_size: 64 };
+        let good = oracle_masses(&case, &config);
+        assert!(good[[0, 0, 0, 1]] > 0.0);
+        let verdict = verify_block_masses(&case, &config, good.view()).unwrap();
+        assert!(verdict.passed(), "{:?}", verdict.failures);
+    }
+
+    /// Where probabilities underflow the relative model gives way to units of 2^-1074, a few per term: a leaf whose
+    /// keys score 730 below the others has a subnormal mass (about e^-730), which may move by a few units but not by
+    /// more than 8 per term (64 terms here).
+    #[test]
+    fn subnormal_masses_are_allowed_a_few_units_per_term() {
+        let spec = AttentionSpec::dense(1, 1, 1, 1, 128, 8, 8).with_mask(Mask::None);
+        let mut case = make_case::<bf16>(&spec, profile(), 19);
+        case.q.fill(bf16::ZERO);
+        case.k.fill(bf16::ZERO);
+        case.q[[0, 0, 0, 0]] = bf16::from_f64(32.25);
+        for j in 0..128 {
+            case.k[[0, 0, j, 0]] = bf16::from_f64(if j < 64 { 32.0 } else { -32.0 });
+        }
+        let config = MassConfig { q_block: 64, leaf_size: 64 };
+        let good = oracle_masses(&case, &config);
+        let tail = good[[0, 0, 0, 1]];
+        assert!(tail > 0.0 && tail < f64::MIN_POSITIVE, "leaf 1's mass {tail:e} is not subnormal");
+        let unit = f64::from_bits(1);
+        for (units, passes) in [(3.0, true), (1000.0, false)] {
+            let mut moved = good.clone();
+            moved[[0, 0, 0, 1]] += units * unit;
+            let v = verify_block_masses(&case, &config, moved.view()).unwrap();
+            assert_eq!(v.passed(), passes, "moved by {units} units: {v:?}");
+        }
     }
 }
