@@ -622,6 +622,21 @@ mod tests {
         Array2::from_shape_vec((n, d), uniform(seed, n * d)).expect("sizes agree")
     }
 
+    /// E30 from given masses: forced leaves of position 255 (leaves of 64: 0, 2, 3) fill the reference set of
+    /// `K = 3`; the list {1, 3} holds one of them and captures 0.2 + 0.4 of the reference's 0.1 + 0.3 + 0.4.
+    #[test]
+    fn diagnose_masses_takes_the_forced_leaves_and_sums_the_captured_masses() {
+        let d = diagnose_masses(vec![0.1, 0.2, 0.3, 0.4], 255, 64, &[1, 3], 3, ());
+        assert_eq!(d.reference, [0, 2, 3]);
+        assert!((d.recall - 1.0 / 3.0).abs() < 1e-15);
+        assert!((d.captured - 0.6).abs() < 1e-15 && (d.reference_captured - 0.8).abs() < 1e-15);
+        assert!((d.mass_ratio - 0.75).abs() < 1e-15);
+        // Position 70 (leaf 1): leaf 2 and 3 are not eligible; the forced 0 and 1 and nothing else.
+        let early = diagnose_masses(vec![0.1, 0.2, 0.3, 0.4], 70, 64, &[0, 1], 3, ());
+        assert_eq!(early.reference, [0, 1]);
+        assert_eq!(early.recall, 1.0);
+    }
+
     #[test]
     fn hierarchy_widths_counts_and_partial_tail() {
         // 23 keys, C = 4, β = 2: leaves 6 (last holds 3 keys), then 3, 2, 1 nodes.

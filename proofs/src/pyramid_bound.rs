@@ -1064,4 +1064,31 @@ mod tests {
             }
         }
     }
+
+    /// `mass_relative_bound` term by term, at inputs where one term dominates each time (the f64-against-MPFR test
+    /// cannot see the `u`-level terms: real errors stay far below them).
+    #[test]
+    fn the_mass_bound_is_the_derived_formula_term_by_term() {
+        let u = UNIT_ROUNDOFF;
+        let expected = |e: f64, range: f64, keys: usize, terms: usize| {
+            let rho = 2.0 * e + 3.0 * u * range + 2.0 * gamma(5 * keys + 4);
+            MARGIN * (rho.exp() * (1.0 + gamma(terms + 1)) - 1.0)
+        };
+        for (e, range, keys, terms) in [
+            (1e-6, 0.0, 0, 0),
+            (0.0, 1e6, 0, 0),
+            (0.0, 0.0, 1_000_000, 0),
+            (0.0, 0.0, 0, 1_000_000_000),
+            (0.0, 0.0, 0, 0),
+        ] {
+            let r = mass_relative_bound(e, range, keys, terms);
+            let want = expected(e, range, keys, terms);
+            assert!((r - want).abs() <= 1e-12 * want, "({e}, {range}, {keys}, {terms}): {r:e} vs {want:e}");
+        }
+        // The dominant term's size, from its definition: 2e, 3uR, 2·γ(5n + 4) ≈ 10nu, γ(T + 1) ≈ Tu.
+        assert!((mass_relative_bound(1e-6, 0.0, 0, 0) / (MARGIN * 2e-6) - 1.0).abs() < 1e-5);
+        assert!((mass_relative_bound(0.0, 1e6, 0, 0) / (MARGIN * 3e6 * u) - 1.0).abs() < 1e-2);
+        assert!((mass_relative_bound(0.0, 0.0, 1_000_000, 0) / (MARGIN * 1e7 * u) - 1.0).abs() < 1e-2);
+        assert!((mass_relative_bound(0.0, 0.0, 0, 1_000_000_000) / (MARGIN * 1e9 * u) - 1.0).abs() < 1e-2);
+    }
 }
