@@ -175,10 +175,12 @@ dsa_loss_rows(const elem_t* __restrict__ qi, const elem_t* __restrict__ ki, cons
         if (tid < rows) student_row[slot0 + tid] = score;
     }
 
-    // The teacher: Σ_h exp(α z − lse) per slot, KV head by KV head, 64 query heads at a time.
+    // The teacher: Σ_h exp(α z − lse) per slot, KV head by KV head, 64 query heads at a time. An empty list has
+    // none: its chunks would only start copies of the query rows that no tile waits for, each chunk's over the
+    // previous one's still in flight (racecheck's write-write hazards on q_s).
     const int group = p.n_heads / p.n_heads_kv;
 #pragma unroll 1
-    for (int kv = 0; kv < p.n_heads_kv; ++kv) {
+    for (int kv = 0; n_tiles > 0 && kv < p.n_heads_kv; ++kv) {
 #pragma unroll 1
         for (int chunk = 0; chunk * LOSS_ROWS < group; ++chunk) {
             const int first_head = kv * group + chunk * LOSS_ROWS;

@@ -300,6 +300,7 @@ pisa_select(const elem_t* __restrict__ k, const double* __restrict__ pooled, int
                 int best;
                 warp_best_unchosen(scores, chosen, lane, n, 32, s, best);
                 if (best < 0) break;  // no eligible candidate left
+                __syncwarp();  // every lane has read chosen[] (racecheck: the shuffles order no memory)
                 if (lane == 0) chosen[best] = 1;
                 __syncwarp();
             }

@@ -351,25 +351,32 @@ pub fn module_from_source(
     Ok(loaded)
 }
 
-/// Lets `func` use `bytes` of dynamic shared memory: above the default 48 KiB it asks the device's opt-in limit and
-/// sets the function attribute, or answers [`GpuError::Unsupported`] naming `argument` (what made the need grow) when
-/// the device allows less.
+/// Lets `func` use `bytes` of dynamic shared memory: when that and the function's static shared memory together pass
+/// the default 48 KiB, it asks the device's opt-in limit and sets the function attribute, or answers
+/// [`GpuError::Unsupported`] naming `argument` (what made the need grow) when the device allows less. (The static part
+/// counts: a kernel with 17 KiB of static arrays fails to launch with 32 KiB of dynamic memory unless the attribute
+/// is set, as the pyramid selector did with a GQA group of 16 at d = 256.)
 pub(crate) fn allow_shared_memory(
     ctx: &Arc<CudaContext>,
     func: &cudarc::driver::CudaFunction,
     bytes: usize,
     argument: &'static str,
 ) -> Result<(), GpuError> {
-    if bytes <= 48 * 1024 {
+    let fixed =
+        func.shared_size_bytes().map_err(|e| GpuError::driver("cuFuncGetAttribute(static shared memory)", e))?.max(0)
+            as usize;
+    if bytes + fixed <= 48 * 1024 {
         return Ok(());
     }
     let limit = ctx
         .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
         .map_err(|e| GpuError::driver("cuDeviceGetAttribute(shared memory opt-in)", e))?;
-    if bytes as i64 > limit as i64 {
+    if (bytes + fixed) as i64 > limit as i64 {
         return Err(GpuError::Unsupported {
             argument,
-            reason: format!("needs {bytes} bytes of shared memory, the device allows {limit}"),
+            reason: format!(
+                "needs {bytes} bytes of dynamic shared memory beside {fixed} static, the device allows {limit} in all"
+            ),
         });
     }
     func.set_attribute(

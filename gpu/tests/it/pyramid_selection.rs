@@ -330,6 +330,24 @@ fn all_tied_leaves_select_the_lowest_nodes() {
     }
 }
 
+/// Regression (the bf16 suite on an H100, 2026-12-05; `proptest-regressions/gpu_pyramid_selection_bf16.txt`): a GQA
+/// group of 16 at d = 256 holds 32 KiB of pooled queries in dynamic shared memory beside the selector's 17 KiB of
+/// static arrays; the launch failed (`CUDA_ERROR_INVALID_VALUE`) until `allow_shared_memory` counted the static part.
+#[test]
+fn a_group_of_16_at_head_dim_256_launches() {
+    let Some(ctx) = skip_unless_gpu("a_group_of_16_at_head_dim_256_launches") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = dense(1, 16, 1, 1, 371, 256, 256, Mask::None);
+    let case = make_case::<bf16>(&spec, gaussian(1.0), 74);
+    for (scoring, branching) in [(Scoring::Pisa2, 7), (Scoring::Lse, 2)] {
+        let config =
+            PyramidSelectConfig { q_block: 128, pyramid: PyramidConfig { leaf_size: 64, branching, keep: 1, scoring } };
+        run_and_verify(&stream, &case, &config, PISA_SELECT).unwrap_or_else(|e| panic!("{scoring:?}: {e}"));
+    }
+}
+
 /// Small shapes for compute-sanitizer (`run.sh sanitize`): varlen with an empty sequence and a partial leaf of 128,
 /// β = 16 over a GQA group of 5, `K` = 1 (the forced leaves only), every scoring, the narrowest and widest head dims.
 #[test]
