@@ -129,7 +129,9 @@ all)
     # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
     # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest. The integration
     # binary (attnproof-gpu-it) holds one module per former test file: each module runs as a process of its own
-    # (filter `MODULE::`), with its own log and summary line; other binaries run whole.
+    # (filter `MODULE::`), with its own log and summary line; other binaries run whole. Output streams (--nocapture):
+    # a call cut short still has what every test printed so far (a hunt's verdict per mutant, a suite's tally), which
+    # libtest would otherwise print only when the binary ends.
     for bin in "$here"/tests/*; do
         name="$(basename "$bin")"
         modules=""
@@ -137,11 +139,11 @@ all)
         *-it) modules="$("$bin" --list 2>/dev/null | sed -n 's/^\([A-Za-z0-9_]*\)::.*: test$/\1/p' | sort -u)" ;;
         esac
         if [ -z "$modules" ]; then
-            ("$bin" --show-output >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
+            ("$bin" --nocapture >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
             continue
         fi
         for module in $modules; do
-            ("$bin" "$module::" --show-output >"$work/test-$name-$module.log" 2>&1
+            ("$bin" "$module::" --nocapture >"$work/test-$name-$module.log" 2>&1
                 echo $? >"$work/test-$name-$module.rc") &
         done
     done
