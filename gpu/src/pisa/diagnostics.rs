@@ -269,9 +269,12 @@ mod tests {
         assert_eq!(last.reference, [0, 2, 3]);
         assert!((last.recall - 1.0 / 3.0).abs() < 1e-15);
         assert!((last.mass_ratio - 0.6 / 0.8).abs() < 1e-15);
+        // Blocks 0 and 1 list nothing: recall and ratio 0; the means are over the three blocks.
         let summary = summarize(&rows).unwrap();
         assert_eq!(summary.blocks, 3);
-        assert!(summary.worst_mass_ratio <= summary.mass_ratio);
+        assert!((summary.recall - 1.0 / 9.0).abs() < 1e-15, "{summary:?}");
+        assert!((summary.mass_ratio - 0.25).abs() < 1e-15, "{summary:?}");
+        assert_eq!(summary.worst_mass_ratio, 0.0);
         assert!(summarize(&[]).is_none());
         // Masses of another shape, lists of another extent, a list entry past the leaves, K = 0: typed errors.
         let short = Array4::zeros([1, 1, 3, 3]);
