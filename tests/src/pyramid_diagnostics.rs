@@ -9,7 +9,7 @@
 use attnproof_gpu::pisa::block_position;
 use attnproof_gpu::pisa::diagnostics::{MassConfig, masses_shape};
 use attnproof_oracle::pyramid::{Pyramid, PyramidConfig, PyramidQuery, Scoring, diagnostics};
-use attnproof_oracle::{AttentionSpec, Mask};
+use attnproof_oracle::{AttentionSpec, Sequence};
 use attnproof_proofs::pyramid_bound::{item_score_bound, mass_relative_bound};
 use attnproof_reference::Element;
 use ndarray::{Array2, ArrayView4, Axis};
@@ -41,16 +41,9 @@ fn within(x: f64, bound: f64) -> bool {
     x <= bound
 }
 
-/// The row's last visible key under `spec`'s mask (bottom-right causal, or the sequence's last key), `None` when it
-/// sees none.
-fn row_position(spec: &AttentionSpec, len_q: usize, len_k: usize, row: usize) -> Option<usize> {
-    if len_k == 0 {
-        return None;
-    }
-    match spec.mask {
-        Mask::Causal => (row + len_k).checked_sub(len_q),
-        _ => Some(len_k - 1),
-    }
+/// The row's last visible key: the selectors' block convention with blocks of one row, `None` when it sees none.
+fn row_position(spec: &AttentionSpec, seq: &Sequence, row: usize) -> Option<usize> {
+    block_position(spec, seq, 1, row).map(|(_, position)| position)
 }
 
 /// Verifies `masses` (`[B, Hkv, query blocks, leaves]`) as the block masses of `case` under `config`.
@@ -96,7 +89,7 @@ pub fn verify_block_masses<T: Element>(
                 let mut expected = vec![0.0; shape[3]];
                 let (mut seeing, mut item_error, mut range, mut most_keys) = (0usize, 0.0f64, 0.0f64, 0usize);
                 for r in row0..row0 + rows {
-                    let Some(position) = row_position(spec, seq.len_q, seq.len_k, r) else { continue };
+                    let Some(position) = row_position(spec, &seq, r) else { continue };
                     seeing += 1;
                     let mut heads = Array2::zeros((group, d));
                     for h in 0..group {
@@ -167,7 +160,7 @@ pub fn verify_block_masses<T: Element>(
 mod tests {
     use super::*;
     use crate::generate::{Distribution, ValueProfile, make_case};
-    use attnproof_oracle::Layout;
+    use attnproof_oracle::{Layout, Mask};
     use half::bf16;
     use ndarray::Array4;
 
@@ -194,7 +187,7 @@ mod tests {
                     let Some((rows, _)) = block_position(spec, &seq, config.q_block, a) else { continue };
                     let mut seeing = 0;
                     for r in a * config.q_block..a * config.q_block + rows {
-                        let Some(position) = row_position(spec, seq.len_q, seq.len_k, r) else { continue };
+                        let Some(position) = row_position(spec, &seq, r) else { continue };
                         seeing += 1;
                         let heads = Array2::from_shape_fn((spec.group_size(), spec.head_dim), |(h, c)| {
                             spec.head_rows(q.view(), &seq, kv * spec.group_size() + h, false)[[r, c]]
