@@ -129,7 +129,7 @@ __device__ __forceinline__ void sequence_lengths(const FlashParams& fp, const in
 
 // The best candidate not yet chosen among scores[from], scores[from + stride], ... below n (each lane its own
 // stride), then the best over the warp by the xor-shuffle tree, so that every lane ends with the same pair: its score
-// in s and its index in i, -1 when there is none. All 32 lanes call it together. pisa_select.cu's descent shares it.
+// in s and its index in i, -1 when there is none. All 32 lanes call it together.
 __device__ __forceinline__ void warp_best_unchosen(const double* scores, const unsigned char* chosen, int from, int n,
                                                    int stride, double& s, int& i) {
     s = 0.0;

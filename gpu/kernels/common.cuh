@@ -137,6 +137,8 @@ struct PisaParams {
     int scoring;            // 0 LSE over the pooled items, 1 PISA-1 (the node's mean), 2 PISA-2 (mean + var / 2)
     int n_levels;           // levels of the longest sequence's pyramid, leaves to root
     int max_candidates;     // max(K, 3) · β: a level's candidates at most, the trace's entries per level
+    int n_query_blocks;     // query blocks of the longest sequence (the lists', the trace's and the pooled queries' extent)
+    int reserved;           // 0: rounds the size up to 8 bytes
 };
 
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
@@ -280,7 +282,7 @@ PARAM_AT(BsaParams, n_heads_kv, 192);
 PARAM_AT(BsaParams, n_key_blocks, 196);
 PARAM_AT(BsaParams, pooled_queries_at, 200);
 
-PARAM_SIZE(PisaParams, 240);
+PARAM_SIZE(PisaParams, 248);
 PARAM_AT(PisaParams, bsa, 0);
 PARAM_AT(PisaParams, levels_at, 208);
 PARAM_AT(PisaParams, batch, 216);
@@ -289,6 +291,8 @@ PARAM_AT(PisaParams, keep, 224);
 PARAM_AT(PisaParams, scoring, 228);
 PARAM_AT(PisaParams, n_levels, 232);
 PARAM_AT(PisaParams, max_candidates, 236);
+PARAM_AT(PisaParams, n_query_blocks, 240);
+PARAM_AT(PisaParams, reserved, 244);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);

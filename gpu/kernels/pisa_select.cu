@@ -1,39 +1,44 @@
 // Pyramid Top-K block selection (PISA: E25–E28), compiled by NVRTC (see gpu/src/compile.rs) after common.cuh and
 // bsa_select.cu, whose key and query pooling (bsa_pool_keys, bsa_pool_queries: the leaves' and the query blocks' mean
-// vectors in f64), candidate order (better, warp_best_unchosen) and sequence_lengths it reuses. The rule is the
+// vectors in f64), candidate order (better) and sequence_lengths it reuses. The rule is the
 // oracle's (oracle/src/pyramid.rs) applied to a query block's mean-pooled queries at the block's last visible
 // position; the host wrapper is gpu/src/pisa/select.rs, which documents that convention, and
 // proofs/src/pyramid_bound.rs bounds the scores' rounding.
 //
-// Two kernels beside the reused pooling:
+// Three kernels beside the reused pooling:
 //   pisa_pool_level  one CTA per (node, KV head, sequence) of one level ℓ ≥ 1: the node's mean key, the
 //                    count-weighted mean of its children's means, μ_n = (Σ_c fl(n_c · μ_c)) / n_n, children in
 //                    ascending order (n_c the keys under child c, the last node of a level covering fewer). Launched
 //                    once per level, coarser after finer.
-//   pisa_select      one CTA per (query block, KV head, sequence): the coarse-to-fine descent. From the sequence's
-//                    root down to its leaves: score every eligible candidate (first key at or before the query block's
-//                    last visible position), summed over the group's query heads in ascending order; keep the forced
-//                    nodes (the ancestors of the first, previous and current leaf) and then the best eligible ones,
-//                    `keep` in all (larger score first, equal scores to the lower node, NaN never); the kept nodes'
-//                    children are the next level's candidates. The kept leaves are the list, ascending, padded with -1
-//                    to the list width. With a trace buffer it also writes every level's candidates and their scores.
+//   pisa_select,     one warp per (query block, KV head, sequence), up to 8 per CTA, each on its own slice of
+//   pisa_select_mean shared memory and never waiting for another: the coarse-to-fine descent (pisa_descend, one body;
+//                    pisa_select_mean is PISA-1's entry, pisa_select LSE's and PISA-2's, so that each gets the
+//                    registers of its own scoring loop). From the sequence's root
+//                    down to its leaves: score every eligible candidate (first key at or before the query block's
+//                    last visible position), summed over the group's query heads; keep the forced nodes (the
+//                    ancestors of the first, previous and current leaf) and then the eligible ones whose rank among
+//                    the unforced (larger score first, equal scores to the lower node, NaN never) is below the room
+//                    the forced ones leave, `keep` in all; the kept nodes' children are the next level's candidates.
+//                    The kept leaves are the list, ascending, padded with -1 to the list width. With a trace buffer it
+//                    also writes every level's candidates and their scores.
 //
 // The scores (E26, per query head h with pooled query q̄_h and α the scale; "items" are the raw keys of a leaf, weight
 // 1 each, or the child means of an intermediate node, weight n_c each, with x_i = α · (q̄_h · item_i) and W the total
 // weight):
-//   LSE     m + log((Σ_i w_i e^{x_i − m}) / W), m the items' maximum;
-//   PISA-1  α · (q̄_h · μ_n), the node's own mean;
-//   PISA-2  mean + var / 2, mean = (Σ_i w_i x_i) / W, var = (Σ_i w_i (x_i − mean)²) / W.
+//   LSE     m + log((Σ_i w_i e^{x_i − m}) / W), m the items' maximum, summed over the heads in ascending order;
+//   PISA-1  α · (q̃ · μ_n), the node's own mean against the group's summed query q̃ = Σ_h q̄_h (heads in ascending
+//           order): linear in the query, so equal to Σ_h α q̄_h · μ_n in exact arithmetic, with one dot product per
+//           candidate (pyramid_bound.rs's presummed_score_bound covers the other rounding order);
+//   PISA-2  mean + var / 2, mean = (Σ_i w_i x_i) / W, var = (Σ_i w_i (x_i − mean)²) / W, summed over the heads.
 // Every sum runs in an order fixed by the items' offsets inside the node (a lane's items in ascending order, then the
-// xor-shuffle tree, which leaves the same bits in every lane), a dot product over the columns in ascending order with
-// fused multiply-adds; so two nodes with bitwise equal contents score bitwise equal, and tie to the lower index as in
-// the oracle.
+// xor-shuffle tree, which leaves the same bits in every lane, or PISA-1's reduce-scatter along the same tree), a dot
+// product over the columns in ascending order with fused multiply-adds; so two nodes with bitwise equal contents
+// score bitwise equal, and tie to the lower index as in the oracle.
+//
+// The host (select.rs) bounds K ≤ 64 and β ≤ 16: a warp's shared memory holds K·β candidates, and a lane scores at
+// most PISA_ITEMS_PER_LANE items of a node.
 
 #define PISA_THREADS 256
-#define PISA_WARPS (PISA_THREADS / 32)
-#define PISA_MAX_KEEP 64
-#define PISA_MAX_BRANCHING 16
-#define PISA_MAX_CANDIDATES (PISA_MAX_KEEP * PISA_MAX_BRANCHING)
 // Items a lane scores: a leaf of up to 128 keys, or up to 16 children, over 32 lanes.
 #define PISA_ITEMS_PER_LANE 4
 // The score of a candidate that is not scored (it starts after the query block's position) and of trace padding.
@@ -115,19 +120,123 @@ struct PisaNodeSource {
     int seq, kv, len_k, leaves;
 };
 
-// The score of `node` at `level` for one query head `qh` (d f64 in shared memory), returned in every lane of the
-// calling warp (all 32 lanes call it together).
-__device__ double pisa_head_score(const PisaParams& p, const PisaNodeSource& src, const double* qh, int level,
-                                  int node) {
-    const int d = p.bsa.flash.d, lane = threadIdx.x % 32;
+// Query heads a pass over a node's items serves: each item column is read and widened once per pass, then used by
+// this many heads' dot products (8 heads for up to two items per lane, 4 for four, which keeps the widened columns and
+// the dot products in registers).
+#define PISA_HEAD_CHUNK(R) ((R) >= 4 ? 4 : 8)
+
+// The LSE or PISA-2 score of a node summed over the group's heads in ascending order (q_s: the group's pooled queries,
+// d f64 per head), returned in every lane of the calling warp (all 32 lanes call it together). The node's items are
+// [first, last): raw keys of a leaf (level 0, weight 1) or the children's means (`below`, weight their key counts,
+// nodes below spanning span_below keys); lane l holds items first + l + 32r, r < R. PISA-1 is pisa_descend's own
+// loop (the group summed first).
+template <int R>
+__device__ double pisa_group_score_items(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int level,
+                                         int first, int last, const double* below, long long span_below) {
+    const int d = p.bsa.flash.d, group = p.bsa.flash.group, lane = threadIdx.x % 32;
     const double alpha = p.bsa.scale;
-    if (p.scoring == PISA_ONE) {
-        const double* mean = src.pooled + pisa_level_offset(p, level, src.seq, src.kv) + (long long)node * d;
-        double part = 0.0;
-        for (int c = lane; c < d; c += 32) part = fma(qh[c], mean[c], part);
-        return alpha * pisa_warp_sum(part);
+    double w[R];
+    double weights = 0.0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int item = first + lane + 32 * r;
+        w[r] = item >= last ? 0.0 : level == 0 ? 1.0 : (double)pisa_count(item, span_below, src.len_k);
+        weights += w[r];
     }
-    // The pooled items: the leaf's raw keys, or the node's children's means.
+    weights = pisa_warp_sum(weights);
+    double group_total = 0.0;
+    constexpr int HC = PISA_HEAD_CHUNK(R);
+    for (int h0 = 0; h0 < group; h0 += HC) {
+        const int heads = min(HC, group - h0);
+        const double* q0 = q_s + (long long)h0 * d;
+        // dot[r][hh]: item r against head h0 + hh, the columns in ascending order with fused multiply-adds.
+        double dot[R][HC];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int hh = 0; hh < HC; ++hh) dot[r][hh] = 0.0;
+        if (level == 0) {
+            for (int c = 0; c < d; c += 8) {
+                double k8[R][8];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int item = first + lane + 32 * r;
+                    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+                    if (item < last) raw = *reinterpret_cast<const uint4*>(src.keys + (long long)item * src.key_row + c);
+                    const elem_t* e8 = reinterpret_cast<const elem_t*>(&raw);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) k8[r][e] = (double)to_f32(e8[e]);
+                }
+#pragma unroll
+                for (int hh = 0; hh < HC; ++hh) {
+                    if (hh < heads) {
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const double qv = q0[hh * d + c + e];
+#pragma unroll
+                            for (int r = 0; r < R; ++r) dot[r][hh] = fma(qv, k8[r][e], dot[r][hh]);
+                        }
+                    }
+                }
+            }
+        } else {
+            for (int c = 0; c < d; ++c) {
+                double m[R];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const int item = first + lane + 32 * r;
+                    m[r] = item < last ? below[(long long)item * d + c] : 0.0;
+                }
+#pragma unroll
+                for (int hh = 0; hh < HC; ++hh) {
+                    if (hh < heads) {
+                        const double qv = q0[hh * d + c];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) dot[r][hh] = fma(qv, m[r], dot[r][hh]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < HC; ++hh) {
+            if (hh >= heads) break;
+            double x[R];
+            double max_x = (double)NEG_INF;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                x[r] = w[r] > 0.0 ? alpha * dot[r][hh] : 0.0;
+                if (w[r] > 0.0) max_x = fmax(max_x, x[r]);
+            }
+            double score;
+            if (p.scoring == PISA_LSE) {
+                const double m = pisa_warp_max(max_x);
+                double y = 0.0;
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if (w[r] > 0.0) y += w[r] * exp(x[r] - m);
+                score = m + log(pisa_warp_sum(y) / weights);
+            } else {
+                double t = 0.0;
+#pragma unroll
+                for (int r = 0; r < R; ++r) t += w[r] * x[r];
+                const double mean = pisa_warp_sum(t) / weights;
+                double v = 0.0;
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const double dev = x[r] - mean;
+                    v += w[r] * (dev * dev);
+                }
+                score = mean + 0.5 * (pisa_warp_sum(v) / weights);
+            }
+            group_total += score;
+        }
+    }
+    return group_total;
+}
+
+// pisa_group_score_items for `node` at `level`, with as many items per lane as the node has rounds of 32.
+__device__ double pisa_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int level,
+                                   int node) {
     long long span_below = 1;
     int first, last;
     if (level == 0) {
@@ -140,75 +249,75 @@ __device__ double pisa_head_score(const PisaParams& p, const PisaNodeSource& src
         last = min(first + p.branching, pisa_width(src.leaves, p.branching, level - 1));
     }
     const double* below = level == 0 ? nullptr : src.pooled + pisa_level_offset(p, level - 1, src.seq, src.kv);
-    double x[PISA_ITEMS_PER_LANE], w[PISA_ITEMS_PER_LANE];
-    double max_x = (double)NEG_INF, total = 0.0;
-#pragma unroll
-    for (int r = 0; r < PISA_ITEMS_PER_LANE; ++r) {
-        const int item = first + lane + 32 * r;
-        x[r] = 0.0;
-        w[r] = 0.0;
-        if (item < last) {
-            double dot = 0.0;
-            if (level == 0) {
-                const elem_t* row = src.keys + (long long)item * src.key_row;
-                for (int c = 0; c < d; c += 8) {
-                    const uint4 raw = *reinterpret_cast<const uint4*>(row + c);
-                    const elem_t* e8 = reinterpret_cast<const elem_t*>(&raw);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) dot = fma(qh[c + e], (double)to_f32(e8[e]), dot);
-                }
-                w[r] = 1.0;
-            } else {
-                const double* mean = below + (long long)item * d;
-                for (int c = 0; c < d; ++c) dot = fma(qh[c], mean[c], dot);
-                w[r] = (double)pisa_count(item, span_below, src.len_k);
-            }
-            x[r] = alpha * dot;
-            max_x = fmax(max_x, x[r]);
-        }
-        total += w[r];
-    }
-    total = pisa_warp_sum(total);
-    if (p.scoring == PISA_LSE) {
-        const double m = pisa_warp_max(max_x);
-        double y = 0.0;
-#pragma unroll
-        for (int r = 0; r < PISA_ITEMS_PER_LANE; ++r)
-            if (w[r] > 0.0) y += w[r] * exp(x[r] - m);
-        return m + log(pisa_warp_sum(y) / total);
-    }
-    double t = 0.0;
-#pragma unroll
-    for (int r = 0; r < PISA_ITEMS_PER_LANE; ++r) t += w[r] * x[r];
-    const double mean = pisa_warp_sum(t) / total;
-    double v = 0.0;
-#pragma unroll
-    for (int r = 0; r < PISA_ITEMS_PER_LANE; ++r) {
-        const double dev = x[r] - mean;
-        v += w[r] * (dev * dev);
-    }
-    return mean + 0.5 * (pisa_warp_sum(v) / total);
+    const int items = last - first;
+    if (items <= 32) return pisa_group_score_items<1>(p, src, q_s, level, first, last, below, span_below);
+    if (items <= 64) return pisa_group_score_items<2>(p, src, q_s, level, first, last, below, span_below);
+    return pisa_group_score_items<PISA_ITEMS_PER_LANE>(p, src, q_s, level, first, last, below, span_below);
 }
 
-extern "C" __global__ void __launch_bounds__(PISA_THREADS)
-pisa_select(const elem_t* __restrict__ k, const double* __restrict__ pooled, int* __restrict__ lists,
-            const int* __restrict__ cu_q, const int* __restrict__ cu_k, double* __restrict__ trace_scores,
-            int* __restrict__ trace_nodes, const PisaParams params) {
-    const FlashParams& fp = params.bsa.flash;
-    const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
-    const int group = fp.group, d = fp.d, width = params.bsa.top_k;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    double* q_heads = reinterpret_cast<double*>(smem_raw);  // [group, d]
-    __shared__ int candidates[PISA_MAX_CANDIDATES];
-    __shared__ int next_candidates[PISA_MAX_CANDIDATES];
-    __shared__ double scores[PISA_MAX_CANDIDATES];
-    __shared__ unsigned char chosen[PISA_MAX_CANDIDATES];
-    __shared__ int n_candidates;
+// PISA-1's dot products of a chunk of 16 candidates at once: lane l holds its columns' partial sums v[j] of candidate
+// j, and ends with candidate (l mod 16)'s total. A reduce-scatter along the same xor-shuffle tree as pisa_warp_sum
+// (lanes 16 apart first, then 8, 4, 2, 1), so every candidate's total has the bits pisa_warp_sum would give it,
+// whichever position of the chunk it holds; 31 shuffles for the 16 totals instead of 80.
+template <int O>
+__device__ __forceinline__ void pisa_scatter_step(double (&v)[16], int lane) {
+    // Lanes O apart swap halves of their first 2O values and add the halves they keep (O < 16), or add all 16 (O = 16).
+    if (O == 16) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], 16);
+        return;
+    }
+    const bool upper = (lane & O) != 0;
+#pragma unroll
+    for (int j = 0; j < O; ++j) {
+        const double theirs = __shfl_xor_sync(0xffffffffu, upper ? v[j] : v[j + O], O);
+        v[j] = (upper ? v[j + O] : v[j]) + theirs;
+    }
+}
 
-    const long long row_index = ((long long)seq * params.bsa.n_heads_kv + kv) * gridDim.x + a;
+__device__ __forceinline__ double pisa_warp_sum_scatter(double (&v)[16]) {
+    const int lane = threadIdx.x % 32;
+    pisa_scatter_step<16>(v, lane);
+    pisa_scatter_step<8>(v, lane);
+    pisa_scatter_step<4>(v, lane);
+    pisa_scatter_step<2>(v, lane);
+    pisa_scatter_step<1>(v, lane);
+    return v[0];
+}
+
+// Bytes of shared memory one warp of pisa_descend holds: its query columns (q_cols f64), a level's scores
+// (max_candidates f64), its candidates (max_candidates int) and the kept nodes (width int), rounded up to 8 bytes.
+// select.rs sizes the launch by the same sum (warp_shared_bytes).
+__device__ __forceinline__ long long pisa_warp_bytes(int q_cols, int max_candidates, int width) {
+    return ((8ll * (q_cols + max_candidates) + 4ll * (max_candidates + width)) + 7) & ~7ll;
+}
+
+// The descent of pisa_select (LSE, PISA-2: PRESUMMED false) and pisa_select_mean (PISA-1: true), one body for both;
+// two entry points so that each gets the registers of its own scoring loop.
+template <bool PRESUMMED>
+__device__ __forceinline__ void pisa_descend(const elem_t* __restrict__ k, const double* __restrict__ pooled,
+                                             int* __restrict__ lists, const int* __restrict__ cu_q,
+                                             const int* __restrict__ cu_k, double* __restrict__ trace_scores,
+                                             int* __restrict__ trace_nodes, const PisaParams& params) {
+    // One warp per (query block, KV head, sequence): the warps of a CTA never wait for each other.
+    const FlashParams& fp = params.bsa.flash;
+    const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int a = blockIdx.x * warps + warp, kv = blockIdx.y, seq = blockIdx.z;
+    if (a >= params.n_query_blocks) return;
+    const int group = fp.group, d = fp.d, width = params.bsa.top_k, max_candidates = params.max_candidates;
+    // PISA-1's score is linear in the query: the group's pooled queries are summed first (as bsa_select does), one dot
+    // product per candidate instead of one per head.
+    const int q_cols = PRESUMMED ? d : group * d;
+    extern __shared__ __align__(16) unsigned char pisa_smem[];
+    unsigned char* mine = pisa_smem + warp * pisa_warp_bytes(q_cols, max_candidates, width);
+    double* q_s = reinterpret_cast<double*>(mine);  // [q_cols]: q̃ = Σ_h q̄_h, or the group's q̄_h, one row each
+    double* scores = q_s + q_cols;                   // [max_candidates]
+    int* candidates = reinterpret_cast<int*>(scores + max_candidates);  // [max_candidates], ascending
+    int* kept = candidates + max_candidates;                             // [width], ascending
+
+    const long long row_index = ((long long)seq * params.bsa.n_heads_kv + kv) * params.n_query_blocks + a;
     int* list = lists + row_index * width;
-    const long long trace_row = row_index * params.n_levels * params.max_candidates;
+    const long long trace_row = row_index * params.n_levels * max_candidates;
     int len_q, len_k;
     sequence_lengths(fp, cu_q, cu_k, seq, len_q, len_k);
     const int row0 = a * params.bsa.q_block;
@@ -223,34 +332,40 @@ pisa_select(const elem_t* __restrict__ k, const double* __restrict__ pooled, int
     while (pisa_width(leaves, params.branching, top) > 1) ++top;
     if (position < 0) {  // past the sequence's query blocks, or nothing visible: an empty list and an empty trace
         top = -1;
-        for (int w = threadIdx.x; w < width; w += PISA_THREADS) list[w] = -1;
+        for (int w = lane; w < width; w += 32) list[w] = -1;
     }
     // Levels this row does not visit: an empty trace.
     if (trace_nodes != nullptr) {
-        for (long long i = (long long)(top + 1) * params.max_candidates + threadIdx.x;
-             i < (long long)params.n_levels * params.max_candidates; i += PISA_THREADS) {
+        for (long long i = (long long)(top + 1) * max_candidates + lane; i < (long long)params.n_levels * max_candidates;
+             i += 32) {
             trace_nodes[trace_row + i] = -1;
             trace_scores[trace_row + i] = PISA_NOT_SCORED;
         }
     }
     if (top < 0) return;
 
-    // The group's pooled queries (bsa_pool_queries), one row per head.
+    // The group's pooled queries (bsa_pool_queries): summed over the heads in ascending order, or one row per head.
     const long long n_heads_q = (long long)params.bsa.n_heads_kv * group;
     const double* q_pool = pooled + params.bsa.pooled_queries_at;
-    for (int i = threadIdx.x; i < group * d; i += PISA_THREADS) {
-        const int h = i / d, c = i % d;
-        q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];
+    const auto pooled_query = [&](int h, int c) {
+        return q_pool[((seq * n_heads_q + kv * group + h) * params.n_query_blocks + a) * d + c];
+    };
+    for (int i = lane; i < q_cols; i += 32) {
+        if (PRESUMMED) {
+            double sum = 0.0;
+            for (int h = 0; h < group; ++h) sum += pooled_query(h, i);
+            q_s[i] = sum;
+        } else {
+            q_s[i] = pooled_query(i / d, i % d);
+        }
     }
-    if (threadIdx.x == 0) {
-        candidates[0] = 0;
-        n_candidates = 1;
-    }
+    if (lane == 0) candidates[0] = 0;
+    int n = 1;  // this level's candidates (the same in every lane)
     const long long key_base = fp.varlen ? (long long)cu_k[seq] * fp.k_row : seq * fp.k_batch;
     const PisaNodeSource src{k + key_base + kv * fp.k_head, fp.k_row, pooled, seq, kv, len_k, leaves};
     const long long current = position / params.bsa.kv_block;
     const long long forced_leaves[3] = {0, current > 0 ? current - 1 : 0, current};
-    __syncthreads();
+    __syncwarp();
 
     for (int level = top; level >= 0; --level) {
         long long span = params.bsa.kv_block, stride = 1;
@@ -258,74 +373,104 @@ pisa_select(const elem_t* __restrict__ k, const double* __restrict__ pooled, int
             span *= params.branching;
             stride *= params.branching;
         }
-        const int n = n_candidates;
-        // Scores: one warp per candidate, the group's heads in ascending order. An ineligible candidate is not
-        // scored (NaN, which never wins).
-        for (int i = warp; i < n; i += PISA_WARPS) {
-            const int node = candidates[i];
-            double total = PISA_NOT_SCORED;
-            if ((long long)node * span <= position) {
-                total = 0.0;
-                for (int h = 0; h < group; ++h) total += pisa_head_score(params, src, q_heads + h * d, level, node);
+        // Scores. An ineligible candidate (first key after the position) is not scored: NaN, which never wins.
+        if (PRESUMMED) {
+            // Chunks of 16 candidates: every lane takes its columns of all 16 dot products (16 independent loads in
+            // flight), then the reduce-scatter leaves candidate base + (l mod 16)'s sum in lane l.
+            const double* means = pooled + pisa_level_offset(params, level, seq, kv);
+            for (int base = 0; base < n; base += 16) {
+                double part[16];
+#pragma unroll
+                for (int j = 0; j < 16; ++j) part[j] = 0.0;
+                for (int c = lane; c < d; c += 32) {
+                    const double qc = q_s[c];
+#pragma unroll
+                    for (int j = 0; j < 16; ++j)
+                        if (base + j < n) part[j] = fma(qc, means[(long long)candidates[base + j] * d + c], part[j]);
+                }
+                const double dot = pisa_warp_sum_scatter(part);
+                const int i = base + lane;
+                if (lane < 16 && i < n) {
+                    const bool eligible = (long long)candidates[i] * span <= position;
+                    scores[i] = eligible ? params.bsa.scale * dot : PISA_NOT_SCORED;
+                }
             }
-            if (lane == 0) {
-                scores[i] = total;
-                chosen[i] = 0;
+        } else {
+            // One candidate at a time over the warp, the group's heads in ascending order.
+            for (int i = 0; i < n; ++i) {
+                const int node = candidates[i];
+                double total = PISA_NOT_SCORED;
+                if ((long long)node * span <= position) total = pisa_group_score(params, src, q_s, level, node);
+                if (lane == 0) scores[i] = total;
             }
         }
-        __syncthreads();
+        __syncwarp();
         if (trace_nodes != nullptr) {
-            for (int i = threadIdx.x; i < params.max_candidates; i += PISA_THREADS) {
-                const long long at = trace_row + (long long)level * params.max_candidates + i;
+            for (int i = lane; i < max_candidates; i += 32) {
+                const long long at = trace_row + (long long)level * max_candidates + i;
                 trace_nodes[at] = i < n ? candidates[i] : -1;
                 trace_scores[at] = i < n ? scores[i] : PISA_NOT_SCORED;
             }
         }
-        // Warp 0 keeps the forced nodes, then `keep` rounds of the best remaining eligible candidate.
-        if (warp == 0) {
-            int kept = 0;
-            for (int base = 0; base < n; base += 32) {
-                const int i = base + lane;
-                bool forced = false;
-                if (i < n) {
+        // Keep the forced nodes, then the eligible others whose rank among the unforced (larger score first, equal
+        // scores to the lower node, NaN never) is below the room the forced ones leave.
+        const auto is_forced = [&](int node) {
+            bool forced = false;
 #pragma unroll
-                    for (int f = 0; f < 3; ++f) forced |= (long long)candidates[i] == forced_leaves[f] / stride;
-                    if (forced) chosen[i] = 1;
-                }
-                kept += __popc(__ballot_sync(0xffffffffu, forced));
-            }
-            __syncwarp();
-            for (int round = kept; round < params.keep; ++round) {
-                double s;
-                int best;
-                warp_best_unchosen(scores, chosen, lane, n, 32, s, best);
-                if (best < 0) break;  // no eligible candidate left
-                __syncwarp();  // every lane has read chosen[] (racecheck: the shuffles order no memory)
-                if (lane == 0) chosen[best] = 1;
-                __syncwarp();
-            }
+            for (int f = 0; f < 3; ++f) forced |= (long long)node == forced_leaves[f] / stride;
+            return forced;
+        };
+        int n_forced = 0;
+        for (int base = 0; base < n; base += 32) {
+            const int i = base + lane;
+            n_forced += __popc(__ballot_sync(0xffffffffu, i < n && is_forced(candidates[i])));
         }
-        __syncthreads();
-        // The kept nodes, ascending: the leaves' are the list; a coarser level's expand to the next candidates.
-        if (threadIdx.x == 0) {
-            if (level == 0) {
-                int written = 0;
-                for (int i = 0; i < n; ++i)
-                    if (chosen[i] && written < width) list[written++] = candidates[i];
-                for (; written < width; ++written) list[written] = -1;
-            } else {
-                const int below = pisa_width(leaves, params.branching, level - 1);
-                int next = 0;
-                for (int i = 0; i < n; ++i) {
-                    if (!chosen[i]) continue;
-                    const int node = candidates[i];
-                    for (int c = node * params.branching; c < min((node + 1) * params.branching, below); ++c)
-                        next_candidates[next++] = c;
+        const int room = max(0, params.keep - n_forced);
+        int n_kept = 0;
+        for (int base = 0; base < n; base += 32) {
+            const int i = base + lane;
+            bool keep = false;
+            if (i < n) {
+                if (is_forced(candidates[i])) {
+                    keep = true;
+                } else if (scores[i] == scores[i]) {
+                    int rank = 0;
+                    for (int j = 0; j < n; ++j)
+                        rank += !is_forced(candidates[j]) && better(scores[j], j, scores[i], i);
+                    keep = rank < room;
                 }
-                for (int i = 0; i < next; ++i) candidates[i] = next_candidates[i];
-                n_candidates = next;
             }
+            const unsigned mask = __ballot_sync(0xffffffffu, keep);
+            if (keep) kept[n_kept + __popc(mask & ((1u << lane) - 1u))] = candidates[i];
+            n_kept += __popc(mask);
         }
-        __syncthreads();
+        __syncwarp();
+        // The kept nodes, ascending: the leaves' are the list; a coarser level's expand to the next candidates (only
+        // the last node of a level has fewer than β children).
+        if (level == 0) {
+            for (int w = lane; w < width; w += 32) list[w] = w < n_kept ? kept[w] : -1;
+        } else {
+            const int below = pisa_width(leaves, params.branching, level - 1);
+            const int last = kept[n_kept - 1];
+            const int next = (n_kept - 1) * params.branching + min(params.branching, below - last * params.branching);
+            for (int t = lane; t < next; t += 32)
+                candidates[t] = kept[t / params.branching] * params.branching + t % params.branching;
+            n = next;
+        }
+        __syncwarp();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(PISA_THREADS)
+pisa_select(const elem_t* __restrict__ k, const double* __restrict__ pooled, int* __restrict__ lists,
+            const int* __restrict__ cu_q, const int* __restrict__ cu_k, double* __restrict__ trace_scores,
+            int* __restrict__ trace_nodes, const PisaParams params) {
+    pisa_descend<false>(k, pooled, lists, cu_q, cu_k, trace_scores, trace_nodes, params);
+}
+
+extern "C" __global__ void __launch_bounds__(PISA_THREADS)
+pisa_select_mean(const elem_t* __restrict__ k, const double* __restrict__ pooled, int* __restrict__ lists,
+                 const int* __restrict__ cu_q, const int* __restrict__ cu_k, double* __restrict__ trace_scores,
+                 int* __restrict__ trace_nodes, const PisaParams params) {
+    pisa_descend<true>(k, pooled, lists, cu_q, cu_k, trace_scores, trace_nodes, params);
 }

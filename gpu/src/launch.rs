@@ -573,14 +573,15 @@ pub(crate) fn launch_pisa_pool_level(
 /// The optional trace of a pyramid descent: every level's candidate scores (f64) and nodes (i32).
 pub(crate) type PisaTrace<'a> = Option<(&'a mut CudaSlice<f64>, &'a mut CudaSlice<i32>)>;
 
-/// Launches `pisa_select` (gpu/kernels/pisa_select.cu, `func`) on `stream`: one descent per (query block, KV head,
-/// sequence).
+/// Launches `pisa_select` or `pisa_select_mean` (gpu/kernels/pisa_select.cu, `func`) on `stream`: one descent per
+/// (query block, KV head, sequence).
 ///
-/// Preconditions, established by `pisa::select`: `func` is `pisa_select` compiled for the element type `T`; `k` holds
+/// Preconditions, established by `pisa::select`: `func` is `pisa_select` (LSE, PISA-2) or `pisa_select_mean` (PISA-1)
+/// compiled for the element type `T`; `k` holds
 /// the spec's K; `pooled` every level's means and the pooled queries; `lists` `B · n_heads_kv · n_query_blocks ·
-/// width` i32 with `n_query_blocks` the grid's x extent; the trace, when given, `B · n_heads_kv · n_query_blocks ·
-/// n_levels · max_candidates` of each; `cfg` has the kernel's 256 threads and `group · d` f64 of dynamic shared
-/// memory, which the caller allowed.
+/// width` i32 with `n_query_blocks` that of `params`; the trace, when given, `B · n_heads_kv · n_query_blocks ·
+/// n_levels · max_candidates` of each; `cfg` has `w` warps (1 to 8), a grid x extent of `⌈n_query_blocks / w⌉`
+/// and `w` warps' slices of dynamic shared memory (`pisa::select`'s `warp_shared_bytes`), which the caller allowed.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_pisa_select<T: DeviceRepr>(
     stream: &CudaStream,
@@ -606,7 +607,7 @@ pub(crate) fn launch_pisa_select<T: DeviceRepr>(
         }
     }
     builder.arg(params);
-    // SAFETY: the arguments match `pisa_select(const elem_t* k, const double* pooled, int* lists, const int* cu_q,
+    // SAFETY: the arguments match `pisa_select` and `pisa_select_mean(const elem_t* k, const double* pooled, int* lists, const int* cu_q,
     // const int* cu_k, double* trace_scores, int* trace_nodes, const PisaParams)` in order and type (a null device
     // pointer, a 64-bit zero, for an absent trace, which the kernel then never touches); every index it forms lies in
     // the buffers the caller sized (see above); they are borrowed for this call and their use is recorded on `stream`.

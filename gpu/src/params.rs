@@ -187,6 +187,10 @@ pub(crate) struct PisaParams {
     pub n_levels: i32,
     /// `max(K, 3) · β`: candidates per level at most, the trace's entries per level.
     pub max_candidates: i32,
+    /// Query blocks of the longest sequence: the lists', the trace's and the pooled queries' extent.
+    pub n_query_blocks: i32,
+    /// 0: rounds the size up to 8 bytes.
+    pub reserved: i32,
 }
 
 /// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
@@ -574,7 +578,18 @@ mod tests {
                 n_key_blocks,
                 pooled_queries_at
             }),
-            rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
+            rust_layout!(PisaParams {
+                bsa,
+                levels_at,
+                batch,
+                branching,
+                keep,
+                scoring,
+                n_levels,
+                max_candidates,
+                n_query_blocks,
+                reserved
+            }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

@@ -60,6 +60,12 @@
 //! The candidate's score is the sum of its `G` heads' scores, in ascending head order on the GPU and in the oracle:
 //! the heads' bounds add, and the sum's own rounding is at most `γ(G − 1) Σ_h |ŝ_h|` ([`group_bound`]).
 //!
+//! PISA-1's score is linear in the query, and the GPU sums the group first: `fl(α̂ · dot(q̃, μ̂))` with `q̃_c` the sum
+//! of the heads' pooled `q̂_hc` in ascending order. That sum rounds by at most `γ(G − 1) Σ_h |q̂_hc|`, and
+//! `|q̂_hc| ≤ (1 + γ(m)) Q_hc`, so `q̃_c` is within `γ(m + G − 1) Q̃_c` of the exact `Σ_h q̄_hc`, `Q̃_c = Σ_h Q_hc`:
+//! it is a pooled query of `m + G − 1` roundings and magnitudes `Q̃`, and the item bound applies with those
+//! ([`presummed_score_bound`]).
+//!
 //! # E30's block masses (`pisa_mass.cu`, the oracle's `diagnostics`)
 //!
 //! A (row, head) pair with `n` visible keys, exact scores `x_j = α q·k_j` of magnitudes `S_j = α Σ_c |q_c k_jc|`,
@@ -98,6 +104,18 @@ pub fn oracle_mean_terms(keys: usize) -> usize {
 /// magnitude `magnitude = α Σ_c Q_c K_c`, a query block of `query_rows` rows and head dim `head_dim`.
 pub fn item_score_bound(magnitude: f64, query_rows: usize, mean_terms: usize, head_dim: usize) -> f64 {
     MARGIN * gamma(query_rows + mean_terms + head_dim + 3) * magnitude
+}
+
+/// The bound on PISA-1's score of a node computed from the group's summed query (see the module docs):
+/// `magnitude_sum` is `α Σ_c Q̃_c K_c` (the heads' item magnitudes added), `group` the heads `G`.
+pub fn presummed_score_bound(
+    magnitude_sum: f64,
+    query_rows: usize,
+    group: usize,
+    mean_terms: usize,
+    head_dim: usize,
+) -> f64 {
+    item_score_bound(magnitude_sum, query_rows + group.saturating_sub(1), mean_terms, head_dim)
 }
 
 /// The bound on an LSE node score of one head: `item_error` the largest of its items' bounds, `items` their number,
@@ -810,6 +828,67 @@ mod tests {
         // The bound counts every rounding at its worst (`m + T + d + 3` of them), so random inputs reach a small
         // fraction of it, but not a vanishing one.
         assert!(worst.iter().all(|&r| r > 1e-5), "worst ratios (GPU item, GPU PISA-1, oracle, raw keys) {worst:?}");
+    }
+
+    /// PISA-1 from the group's summed query (`pisa_select`'s `q̃`: the heads' pooled queries added in ascending order,
+    /// then the lane dot product with the node's GPU mean) stays within `presummed_score_bound` of the exact
+    /// `Σ_h α q̄_h·μ`, over 1 to 16 heads whose queries cancel across heads and columns; random inputs reach a small
+    /// fraction of the bound, but not a vanishing one.
+    #[test]
+    fn presummed_pisa1_scores_stay_within_the_presummed_bound() {
+        let mut rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[41; 32]);
+        let mut worst = 0.0f64;
+        for case in 0..32 {
+            let head_dim = [64, 128][case % 2];
+            let rows = [1, 7, 64, 128][(case / 2) % 4];
+            let group = [1, 2, 3, 7, 8, 16][case % 6];
+            let (leaf_size, branching) = (64, rng.random_range(2..=16));
+            let n_keys = rng.random_range(1..=600);
+            let amplitude = [1.0, 30.0, 1e3][case % 3];
+            let keys: Vec<Vec<f64>> =
+                (0..head_dim).map(|_| key_column(&mut rng, n_keys, amplitude, KeyPattern::Alternating)).collect();
+            // Per head, per column: the rows' queries; signs drawn per (head, column) so heads cancel too.
+            let queries: Vec<Vec<Vec<f64>>> = (0..group)
+                .map(|_| {
+                    (0..head_dim)
+                        .map(|_| {
+                            let sign = if rng.random_bool(0.5) { 1.0 } else { -1.0 };
+                            key_column(&mut rng, rows, sign, KeyPattern::Alternating)
+                        })
+                        .collect()
+                })
+                .collect();
+            let alpha = 1.0 / (head_dim as f64).sqrt();
+            let exact_alpha = mp(head_dim as f64).sqrt().recip();
+            let exact_mean_key: Vec<Float> = keys.iter().map(|k| exact_mean(k)).collect();
+            let exact = queries.iter().fold(mp(0.0), |acc, head| {
+                let dot = head
+                    .iter()
+                    .zip(&exact_mean_key)
+                    .fold(mp(0.0), |acc, (q, k)| acc + Float::with_val(PRECISION, &exact_mean(q) * k));
+                acc + Float::with_val(PRECISION, &exact_alpha * dot)
+            });
+            let key_magnitude: Vec<f64> = keys.iter().map(|k| mean_magnitude(k)).collect();
+            let magnitude_sum: f64 = queries
+                .iter()
+                .map(|head| alpha * head.iter().zip(&key_magnitude).map(|(q, k)| mean_magnitude(q) * k).sum::<f64>())
+                .sum();
+            let summed: Vec<f64> = (0..head_dim)
+                .map(|c| queries.iter().fold(0.0, |acc, head| acc + pool_block_mean(&head[c], POOL_GROUPS)))
+                .collect();
+            let levels: Vec<Vec<Vec<f64>>> = keys
+                .iter()
+                .map(|k| gpu_means(k, leaf_size, branching, POOL_GROUPS, Contraction::Fused, LevelMean::Recipe))
+                .collect();
+            let top = levels[0].len() - 1;
+            let mean: Vec<f64> = levels.iter().map(|l| l[top][0]).collect();
+            let bound =
+                presummed_score_bound(magnitude_sum, rows, group, gpu_mean_terms(leaf_size, branching, top), head_dim);
+            let ratio = error_ratio(alpha * lane_dot(&summed, &mean), &exact, bound);
+            assert!(ratio <= 1.0, "case {case}: ratio {ratio}");
+            worst = worst.max(ratio);
+        }
+        assert!(worst > 1e-5, "worst ratio {worst}");
     }
 
     /// The f64 value at an end of `x ± e` (`up` picks the end), stepped back inside where rounding took it outside.

@@ -17,7 +17,7 @@ use attnproof_gpu::pisa::select::{PyramidSelectConfig, lists_shape, trace_shape}
 use attnproof_oracle::pyramid::{Pyramid, PyramidQuery, Scoring, descend, expand, forced_leaves};
 use attnproof_oracle::topk::{padded_ascending, top_k};
 use attnproof_proofs::pyramid_bound::{
-    gpu_mean_terms, group_bound, item_score_bound, lse_bound, oracle_mean_terms, pisa2_bound,
+    gpu_mean_terms, group_bound, item_score_bound, lse_bound, oracle_mean_terms, pisa2_bound, presummed_score_bound,
 };
 use attnproof_reference::Element;
 use ndarray::{Array1, Array2, ArrayView2, ArrayView4, ArrayView5, Axis};
@@ -117,12 +117,15 @@ fn score_node(
     let (c, beta, d) = (config.pyramid.leaf_size, config.pyramid.branching, p.head_dim());
     let alpha = 1.0 / (d as f64).sqrt();
     let (mut scores, mut gpu_bounds, mut oracle_bounds) = (vec![], vec![], vec![]);
+    // PISA-1's magnitudes over the group: the kernel sums the group's queries before its one dot product.
+    let mut magnitude_sum = 0.0;
     for (q, qa) in heads.rows().into_iter().zip(query_abs.rows()) {
         let score = p.node_score(level, node, q, config.pyramid.scoring)?;
         let magnitude = |range: std::ops::Range<usize>| alpha * qa.dot(&head.abs_mean(range));
         let (gpu, oracle) = if config.pyramid.scoring == Scoring::Pisa1 {
             let range = p.key_range(level, node);
             let m = magnitude(range.clone());
+            magnitude_sum += m;
             (
                 item_score_bound(m, rows, gpu_mean_terms(c, beta, level), d),
                 item_score_bound(m, rows, oracle_mean_terms(range.len()), d),
@@ -175,11 +178,12 @@ fn score_node(
     }
     let score = scores.iter().sum::<f64>();
     let abs_sum = |bounds: &[f64]| scores.iter().zip(bounds).map(|(s, b)| s.abs() + b).sum::<f64>();
-    Ok(Scored {
-        score,
-        gpu_bound: group_bound(&gpu_bounds, abs_sum(&gpu_bounds)),
-        oracle_bound: group_bound(&oracle_bounds, abs_sum(&oracle_bounds)),
-    })
+    let gpu_bound = if config.pyramid.scoring == Scoring::Pisa1 {
+        presummed_score_bound(magnitude_sum, rows, scores.len(), gpu_mean_terms(c, beta, level), d)
+    } else {
+        group_bound(&gpu_bounds, abs_sum(&gpu_bounds))
+    };
+    Ok(Scored { score, gpu_bound, oracle_bound: group_bound(&oracle_bounds, abs_sum(&oracle_bounds)) })
 }
 
 /// Verifies `outputs` as the pyramid selection of `case` under `config`.
@@ -592,10 +596,13 @@ mod tests {
                 let node = good.1[[0, 0, 0, level, slot]] as usize;
                 let range = p.key_range(level, node);
                 let (mut gpu, mut oracle, mut scores) = (vec![], vec![], vec![]);
+                // PISA-1's item magnitudes per head: the kernel's bound is over their sum (the group summed first).
+                let mut magnitudes = vec![];
                 for (query, query_abs) in &heads {
                     scores.push(p.node_score(level, node, query.view(), scoring).unwrap());
                     let items: Vec<(f64, f64, usize, usize)> = if scoring == Scoring::Pisa1 {
                         let m = alpha * query_abs.dot(&abs_mean(range.clone()).unwrap());
+                        magnitudes.push(m);
                         vec![(0.0, m, gpu_mean_terms(64, 3, level), range.len())]
                     } else if level == 0 {
                         range
@@ -653,7 +660,13 @@ mod tests {
                     oracle.push(bound(true));
                 }
                 let abs_sum = |b: &[f64]| scores.iter().zip(b).map(|(s, b)| s.abs() + b).sum::<f64>();
-                let expected = group_bound(&gpu, abs_sum(&gpu)) + group_bound(&oracle, abs_sum(&oracle));
+                let gpu_bound = if scoring == Scoring::Pisa1 {
+                    let sum = magnitudes.iter().sum();
+                    presummed_score_bound(sum, rows, heads.len(), gpu_mean_terms(64, 3, level), d)
+                } else {
+                    group_bound(&gpu, abs_sum(&gpu))
+                };
+                let expected = gpu_bound + group_bound(&oracle, abs_sum(&oracle));
                 let mut moved = good.clone();
                 let at = [0, 0, 0, level, slot];
                 moved.2[at] += 0.5 * expected;

@@ -65,6 +65,9 @@
 //! out the block-sparse forward and backward rows. At each length the selector also runs at PISA's leaf of 64 keys
 //! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside the pyramid selector (`attnproof_gpu::pisa`,
 //! direction `pisa-select`: β = 4, K = 8, per query block of 64 rows, each scoring in the tiling column).
+//! `--pisa-source PATH` (repeatable) also times the pyramid selector compiled from another text (a whole NVRTC
+//! source: `common.cuh`, `bsa_select.cu`, `pisa_select.cu`) in rows whose tiling ends in `@` and the file's name, and
+//! says on stderr whether its lists equal the embedded selector's.
 //!
 //! `--nsa` times NSA's pieces instead (`attnproof_gpu::nsa`) at two configurations, the paper's (directions `nsa-*`:
 //! windows of 32 every 16 tokens) and fla-core's (`nsa64-*`: non-overlapping windows of 64), both with 64-token
@@ -157,6 +160,8 @@ struct Options {
     lists_dir: Option<String>,
     /// `--select-source PATH`: other texts of the block selector, each timed beside the embedded one.
     select_sources: Vec<KernelSource>,
+    /// `--pisa-source PATH`: other texts of the pyramid selector, each timed beside the embedded one.
+    pisa_sources: Vec<KernelSource>,
     /// `--selection-only`: of the block-sparse rows, only the selector's.
     selection_only: bool,
     /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
@@ -209,6 +214,7 @@ fn parse() -> Result<Options, String> {
         block_sparse: false,
         lists_dir: None,
         select_sources: vec![],
+        pisa_sources: vec![],
         selection_only: false,
         wgmma_sources: vec![],
         wgmma_bwd_sources: vec![],
@@ -233,6 +239,10 @@ fn parse() -> Result<Options, String> {
             "--block-sparse" => o.block_sparse = true,
             "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
             "--selection-only" => o.selection_only = true,
+            "--pisa-source" => {
+                let path = value("--pisa-source")?;
+                o.pisa_sources.push(kernel_from_file("--pisa-source", &path, "pisa_select")?);
+            }
             "--nsa" => o.nsa = true,
             "--dsa" => o.dsa = true,
             "--dsa-sparse" => o.dsa_sparse = true,
@@ -298,10 +308,10 @@ fn parse() -> Result<Options, String> {
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
     }
-    let block_sparse_only = !o.select_sources.is_empty() || !o.wgmma_sources.is_empty();
+    let block_sparse_only = !o.select_sources.is_empty() || !o.pisa_sources.is_empty() || !o.wgmma_sources.is_empty();
     if (o.selection_only || block_sparse_only || !o.wgmma_bwd_sources.is_empty()) && !o.block_sparse {
-        return Err("--selection-only, --select-source, --wgmma-source and --wgmma-bwd-source concern the \
-                    block-sparse rows: add --block-sparse"
+        return Err("--selection-only, --select-source, --pisa-source, --wgmma-source and --wgmma-bwd-source concern \
+                    the block-sparse rows: add --block-sparse"
             .into());
     }
     if o.lists_dir.is_some() && !o.block_sparse {
@@ -443,6 +453,34 @@ fn source_suffix(kernel: KernelSource, embedded: bool) -> String {
     if embedded { String::new() } else { format!("@{}", kernel.name) }
 }
 
+/// Times `run` with each of `kernels` (the embedded text first) writing into `lists`, says on stderr whether each
+/// other text's lists (from the last timed launch's input set, the same for every text) equal the embedded text's,
+/// and emits `row(suffix, default, ms)` per text (`suffix` from [`source_suffix`], `default` 1 for the embedded one).
+/// Returns the embedded text's lists.
+fn time_list_kernels(
+    stream: &Arc<CudaStream>,
+    opts: &Options,
+    kernels: impl IntoIterator<Item = KernelSource>,
+    lists: &mut CudaSlice<i32>,
+    what: &str,
+    out: &mut String,
+    mut run: impl FnMut(KernelSource, usize, &mut CudaSlice<i32>) -> Result<(), String>,
+    row: impl Fn(&str, u8, f64) -> String,
+) -> Result<Vec<i32>, String> {
+    let mut embedded_lists = None;
+    for kernel in kernels {
+        let ms = median_ms(stream, opts, |s| run(kernel, s, lists))?;
+        let got = stream.clone_dtoh(lists).map_err(|e| e.to_string())?;
+        let suffix = source_suffix(kernel, embedded_lists.is_none());
+        match &embedded_lists {
+            None => embedded_lists = Some(got),
+            Some(want) => eprintln!("{what}{suffix}: lists equal the embedded text's: {}", *want == got),
+        }
+        emit(out, row(&suffix, u8::from(suffix.is_empty()), ms));
+    }
+    Ok(embedded_lists.unwrap_or_default())
+}
+
 /// One CSV row, printed at once (a long run shows progress) and kept for `--csv`.
 fn emit(out: &mut String, line: String) {
     print!("{line}");
@@ -535,24 +573,21 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
         let mut pooled = stream.alloc_zeros::<f64>(workspace_len(&spec, &config)).map_err(|e| e.to_string())?;
         let mut lists =
             stream.alloc_zeros::<i32>(lists_shape(&spec, &config).iter().product()).map_err(|e| e.to_string())?;
-        let mut embedded_lists = None;
-        for kernel in std::iter::once(BSA_SELECT).chain(opts.select_sources.iter().copied()) {
-            let ms = median_ms(stream, opts, |s| {
-                select_blocks_device(stream, &spec, &config, kernel, &q[s], &k[s], &mut pooled, &mut lists)
+        time_list_kernels(
+            stream,
+            opts,
+            std::iter::once(BSA_SELECT).chain(opts.select_sources.iter().copied()),
+            &mut lists,
+            &format!("L = {l}, selector"),
+            out,
+            |kernel, s, lists| {
+                select_blocks_device(stream, &spec, &config, kernel, &q[s], &k[s], &mut pooled, lists)
                     .map_err(|e| e.to_string())
-            })?;
-            // The last timed launch used input set (reps - 1) % SETS; every kernel's lists come from the same one.
-            let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
-            let suffix = source_suffix(kernel, embedded_lists.is_none());
-            match &embedded_lists {
-                None => embedded_lists = Some(got),
-                Some(want) => {
-                    eprintln!("L = {l}, selector{suffix}: lists equal the embedded selector's: {}", *want == got)
-                }
-            }
-            let default = u8::from(suffix.is_empty());
-            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n"));
-        }
+            },
+            |suffix, default, ms| {
+                format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n")
+            },
+        )?;
         run_pyramid_selection(opts, stream, &spec, (&q, &k), out)?;
     }
     Ok(())
@@ -585,11 +620,23 @@ fn run_pyramid_selection(
         let mut pooled = stream.alloc_zeros::<f64>(pisa_workspace_len(spec, &config)).map_err(|e| e.to_string())?;
         let mut lists =
             stream.alloc_zeros::<i32>(pisa_lists_shape(spec, &config).iter().product()).map_err(|e| e.to_string())?;
-        let ms = median_ms(stream, opts, |s| {
-            select_pyramid_device(stream, spec, &config, PISA_SELECT, (&q[s], &k[s]), &mut pooled, &mut lists, None)
-                .map_err(|e| e.to_string())
-        })?;
-        emit(out, format!("\"(1,{h},{l},{d})\",true,pisa-select,{name}/b4/k8/hkv{hkv}/c64,1,{ms:.4},0.0\n"));
+        time_list_kernels(
+            stream,
+            opts,
+            std::iter::once(PISA_SELECT).chain(opts.pisa_sources.iter().copied()),
+            &mut lists,
+            &format!("L = {l}, pyramid {name}"),
+            out,
+            |kernel, s, lists| {
+                select_pyramid_device(stream, spec, &config, kernel, (&q[s], &k[s]), &mut pooled, lists, None)
+                    .map_err(|e| e.to_string())
+            },
+            |suffix, default, ms| {
+                format!(
+                    "\"(1,{h},{l},{d})\",true,pisa-select,{name}/b4/k8/hkv{hkv}/c64{suffix},{default},{ms:.4},0.0\n"
+                )
+            },
+        )?;
     }
     Ok(())
 }
@@ -919,29 +966,22 @@ fn run_nsa_config(
     let mut lists = stream
         .alloc_zeros::<i32>(nsa_select::lists_shape(layer, config).iter().product())
         .map_err(|e| e.to_string())?;
-    let mut embedded_lists = None;
-    for kernel in std::iter::once(NSA_SELECT).chain(opts.nsa_select_sources.iter().copied()) {
-        let ms = median_ms(stream, opts, |s| {
-            nsa_select::select_device(stream, layer, config, kernel, &q[s], &k_cmp, &lse, &mut scores, &mut lists)
-                .map_err(e)
-        })?;
-        let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
-        let suffix = source_suffix(kernel, embedded_lists.is_none());
-        match &embedded_lists {
-            None => embedded_lists = Some(got),
-            Some(want) => {
-                eprintln!("T = {l}, Hq = {hq}, selection{suffix}: lists equal the embedded kernel's: {}", *want == got)
-            }
-        }
-        let default = u8::from(suffix.is_empty());
-        emit(
-            out,
-            format!("{shape},{prefix}-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9),
-        );
-    }
+    let lists_host = time_list_kernels(
+        stream,
+        opts,
+        std::iter::once(NSA_SELECT).chain(opts.nsa_select_sources.iter().copied()),
+        &mut lists,
+        &format!("T = {l}, Hq = {hq}, selection"),
+        out,
+        |kernel, s, lists| {
+            nsa_select::select_device(stream, layer, config, kernel, &q[s], &k_cmp, &lse, &mut scores, lists).map_err(e)
+        },
+        |suffix, default, ms| {
+            format!("{shape},{prefix}-select,hkv{hkv}{suffix},{default},{ms:.4},{:.1}\n", score_flops / ms / 1e9)
+        },
+    )?;
     // The selected attention over the embedded selection's lists, with the FLOPs of the keys the lists show each
     // row (the work fla-core's kernel does too); the output stays in its own buffers, so `LSE_cmp` stays intact.
-    let lists_host = embedded_lists.expect("the embedded selection ran first");
     let lists = stream.clone_htod(&lists_host).map_err(|e| e.to_string())?;
     let selected_flops = 4.0 * (d * hq / hkv) as f64 * selected_keys(&lists_host, config, l, hkv) as f64;
     let (mut o_slc, mut lse_slc) = (

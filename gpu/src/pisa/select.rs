@@ -24,8 +24,9 @@
 //! # Memory
 //!
 //! A caller-owned f64 workspace of [`workspace_len`] elements holds the leaves' and the query blocks' means (as BSA's
-//! selector lays them out) and then every coarser level's means. One CTA per (query block, KV head, sequence) holds
-//! that block's group of pooled queries (`group · d` f64, at most [`MAX_GROUP_COLUMNS`]) and one level's candidates.
+//! selector lays them out) and then every coarser level's means. One warp per (query block, KV head, sequence) holds
+//! that block's group of pooled queries (`group · d` f64, at most [`MAX_GROUP_COLUMNS`]; PISA-1 sums the group first
+//! and holds `d`) and one level's candidates.
 
 use std::sync::Arc;
 
@@ -54,15 +55,33 @@ pub const PISA_SELECT: KernelSource = KernelSource {
     ),
 };
 
-/// The largest branching factor `β` (the kernel's `PISA_MAX_BRANCHING`).
+/// The largest branching factor `β`: a lane of `pisa_select` scores at most 4 items of a node (`PISA_ITEMS_PER_LANE`).
 pub const MAX_BRANCHING: usize = 16;
-/// The largest `K` (the kernel's `PISA_MAX_KEEP`).
+/// The largest `K`: a warp of `pisa_select` holds a level's `K · β` candidates in shared memory.
 pub const MAX_KEEP: usize = 64;
-/// The largest `group · d`: the pooled queries a CTA holds in shared memory (128 KiB of f64).
+/// The largest `group · d`: the pooled queries a warp holds in shared memory (128 KiB of f64).
 pub const MAX_GROUP_COLUMNS: usize = 16384;
 
-/// Threads per CTA of `pisa_select` (the kernel's `PISA_THREADS`).
-const SELECT_THREADS: u32 = 256;
+/// Warps per CTA of `pisa_select` at most (the kernel's `PISA_THREADS` / 32): one warp per query block.
+const MAX_SELECT_WARPS: usize = 8;
+/// The shared memory a CTA of `pisa_select` is sized to: as many warps' slices as fit (at most
+/// [`MAX_SELECT_WARPS`]), or one warp's however large, so that several CTAs share an SM.
+const SELECT_SHARED_TARGET: usize = 48 * 1024;
+
+/// Bytes of shared memory one warp of `pisa_select` holds (the kernel's `pisa_warp_bytes`): its query columns (`d`
+/// for PISA-1, whose group is summed first, else `group · d`) and a level's scores in f64, a level's candidates and
+/// the kept nodes in i32, rounded up to 8 bytes.
+fn warp_shared_bytes(spec: &AttentionSpec, pyramid: &PyramidConfig) -> usize {
+    let q_cols = if pyramid.scoring == Scoring::Pisa1 { 1 } else { spec.group_size() } * spec.head_dim;
+    let width = pyramid.selection_width();
+    let candidates = width * pyramid.branching;
+    (8 * (q_cols + candidates) + 4 * (candidates + width)).next_multiple_of(8)
+}
+
+/// Warps per CTA of `pisa_select` for slices of `per_warp` bytes and `query_blocks` query blocks.
+fn select_warps(per_warp: usize, query_blocks: usize) -> usize {
+    (SELECT_SHARED_TARGET / per_warp.max(1)).clamp(1, MAX_SELECT_WARPS).min(query_blocks.max(1))
+}
 
 /// What the pyramid selector is asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,6 +192,8 @@ fn plan(spec: &AttentionSpec, config: &PyramidSelectConfig) -> Result<Plan, GpuE
         scoring,
         n_levels: to_i32("levels", widths.len())?,
         max_candidates: to_i32("candidates", width * pyramid.branching)?,
+        n_query_blocks: to_i32("query blocks", lists.query_blocks)?,
+        reserved: 0,
     };
     Ok(Plan { lists, params, widths })
 }
@@ -257,8 +278,12 @@ pub fn select_pyramid_device<T: GpuElement>(
         module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_select.cu)", e))
     };
     let (pool_keys, pool_queries) = (load("bsa_pool_keys")?, load("bsa_pool_queries")?);
-    let (pool_level, select) = (load("pisa_pool_level")?, load("pisa_select")?);
-    let shared_bytes = spec.group_size() * spec.head_dim * 8;
+    // PISA-1's descent has its own entry point (its registers are not the pooled scorings' loop's).
+    let entry = if config.pyramid.scoring == Scoring::Pisa1 { "pisa_select_mean" } else { "pisa_select" };
+    let (pool_level, select) = (load("pisa_pool_level")?, load(entry)?);
+    let per_warp = warp_shared_bytes(spec, &config.pyramid);
+    let warps = select_warps(per_warp, plan.lists.query_blocks);
+    let shared_bytes = warps * per_warp;
     compile::allow_shared_memory(ctx, &select, shared_bytes, "group")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.lists.cu_q)?, up(&plan.lists.cu_k)?);
@@ -272,8 +297,8 @@ pub fn select_pyramid_device<T: GpuElement>(
         launch::launch_pisa_pool_level(stream, &pool_level, cfg, pooled, &cu_k, &plan.params, to_i32("level", level)?)?;
     }
     let cfg = LaunchConfig {
-        grid_dim: bsa::grid(plan.lists.query_blocks, spec.n_heads_kv, plan.lists.batch)?,
-        block_dim: (SELECT_THREADS, 1, 1),
+        grid_dim: bsa::grid(plan.lists.query_blocks.div_ceil(warps), spec.n_heads_kv, plan.lists.batch)?,
+        block_dim: (32 * warps as u32, 1, 1),
         shared_mem_bytes: shared_bytes as u32,
     };
     launch::launch_pisa_select(stream, &select, cfg, (k, pooled), lists, (&cu_q, &cu_k), trace, &plan.params)
@@ -386,6 +411,24 @@ mod tests {
         let scaled = AttentionSpec { scale: Scale::Value(0.5), ..spec.clone() };
         assert_eq!(unsupported(config(4, 4, Scoring::Lse), &scaled), "scale");
         assert!(matches!(plan(&spec, &config(4, 1, Scoring::Lse)), Err(GpuError::Spec(_))), "branching 1");
+    }
+
+    /// A warp's slice is the kernel's `pisa_warp_bytes` (query columns and scores in f64, candidates and kept nodes
+    /// in i32, rounded up to 8 bytes); CTAs take as many slices as fit 48 KiB, one at least, 8 at most, never more
+    /// than the query blocks.
+    #[test]
+    fn shared_memory_slices_size_the_ctas() {
+        let spec = AttentionSpec::dense(1, 16, 2, 4096, 4096, 128, 128);
+        // K = 8, β = 4: 32 candidates, 8 kept. PISA-1 holds d columns, the others the group's 8 · d.
+        assert_eq!(warp_shared_bytes(&spec, &config(8, 4, Scoring::Pisa1).pyramid), 8 * (128 + 32) + 4 * (32 + 8));
+        assert_eq!(warp_shared_bytes(&spec, &config(8, 4, Scoring::Lse).pyramid), 8 * (1024 + 32) + 4 * (32 + 8));
+        // K = 1 lists three leaves; 3 · 3 candidates and 3 kept: 12 i32 round up to 48 bytes.
+        assert_eq!(warp_shared_bytes(&spec, &config(1, 3, Scoring::Pisa1).pyramid), 8 * (128 + 9) + 48);
+        assert_eq!(select_warps(1408, 64), 8);
+        assert_eq!(select_warps(8608, 64), 5);
+        assert_eq!(select_warps(140_000, 64), 1);
+        assert_eq!(select_warps(1408, 3), 3);
+        assert_eq!(select_warps(1408, 0), 1);
     }
 
     #[test]

@@ -590,8 +590,8 @@ pub const MUTANTS: &[Mutant] = &[
         name: "gpu-pisa-candidates-descending",
         description: "The kept nodes expand in descending order, so a level's candidates are not ascending and equal \
                       scores break to the higher node",
-        find: "for (int i = 0; i < n; ++i) {\n                    if (!chosen[i]) continue;",
-        replace: "for (int i = n - 1; i >= 0; --i) {\n                    if (!chosen[i]) continue;",
+        find: "candidates[t] = kept[t / params.branching] * params.branching + t % params.branching;",
+        replace: "candidates[t] = kept[n_kept - 1 - t / params.branching] * params.branching + t % params.branching;",
         ..PISA_SELECT
     },
     Mutant {
@@ -611,15 +611,15 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-causal-one-key-late",
         description: "A candidate whose first key is the one just after the query block's position is scored and can be kept",
-        find: "if ((long long)node * span <= position) {",
-        replace: "if ((long long)node * span <= position + 1) {",
+        find: "if ((long long)node * span <= position) total =",
+        replace: "if ((long long)node * span <= position + 1) total =",
         ..PISA_SELECT
     },
     Mutant {
         name: "gpu-pisa-expansion-drops-last-node",
         description: "Expanding a kept node never reaches the last node of the level below (beta off by one at a level's end)",
-        find: "c < min((node + 1) * params.branching, below); ++c)",
-        replace: "c < min((node + 1) * params.branching, below - 1); ++c)",
+        find: "min(params.branching, below - last * params.branching);",
+        replace: "min(params.branching, below - 1 - last * params.branching);",
         ..PISA_SELECT
     },
     Mutant {
@@ -639,22 +639,22 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa2-variance-sign",
         description: "PISA-2 subtracts half the variance instead of adding it",
-        find: "return mean + 0.5 * (pisa_warp_sum(v) / total);",
-        replace: "return mean - 0.5 * (pisa_warp_sum(v) / total);",
+        find: "score = mean + 0.5 * (pisa_warp_sum(v) / weights);",
+        replace: "score = mean - 0.5 * (pisa_warp_sum(v) / weights);",
         ..PISA_SELECT
     },
     Mutant {
         name: "gpu-pisa-group-sum-misses-a-head",
-        description: "The GQA sum of a candidate's score leaves out the group's first query head",
-        find: "for (int h = 0; h < group; ++h) total +=",
-        replace: "for (int h = 1; h < group; ++h) total +=",
+        description: "The GQA sum of a candidate's LSE or PISA-2 score leaves out the group's first query head",
+        find: "            group_total += score;",
+        replace: "            if (h0 + hh > 0) group_total += score;",
         ..PISA_SELECT
     },
     Mutant {
         name: "gpu-pisa-keeps-one-less",
         description: "Every level keeps K - 1 nodes when the forced ones leave room",
-        find: "for (int round = kept; round < params.keep; ++round) {",
-        replace: "for (int round = kept; round < params.keep - 1; ++round) {",
+        find: "const int room = max(0, params.keep - n_forced);",
+        replace: "const int room = max(0, params.keep - 1 - n_forced);",
         ..PISA_SELECT
     },
     Mutant {
@@ -667,15 +667,44 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa1-reads-the-leaf-means",
         description: "PISA-1 scores every node by the leaf mean of the same index instead of its own level's mean",
-        find: "src.pooled + pisa_level_offset(p, level, src.seq, src.kv) + (long long)node * d;",
-        replace: "src.pooled + pisa_level_offset(p, 0, src.seq, src.kv) + (long long)node * d;",
+        find: "const double* means = pooled + pisa_level_offset(params, level, seq, kv);",
+        replace: "const double* means = pooled + pisa_level_offset(params, 0, seq, kv);",
         ..PISA_SELECT
     },
     Mutant {
         name: "gpu-pisa-query-of-the-next-block",
         description: "The descent reads the next query block's pooled queries",
-        find: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];",
-        replace: "q_heads[i] = q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + min(a + 1, (int)gridDim.x - 1)) * d + c];",
+        find: "* params.n_query_blocks + a) * d + c];",
+        replace: "* params.n_query_blocks + min(a + 1, params.n_query_blocks - 1)) * d + c];",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa1-group-sum-misses-a-head",
+        description: "PISA-1's summed query leaves out the group's first query head",
+        find: "for (int h = 0; h < group; ++h) sum += pooled_query(h, i);",
+        replace: "for (int h = 1; h < group; ++h) sum += pooled_query(h, i);",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa1-causal-one-key-late",
+        description: "PISA-1 scores a candidate whose first key is the one just after the query block's position",
+        find: "const bool eligible = (long long)candidates[i] * span <= position;",
+        replace: "const bool eligible = (long long)candidates[i] * span <= position + 1;",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa1-scatter-skips-the-last-step",
+        description: "PISA-1's reduce-scatter stops one step early: each candidate's dot product misses half the lanes",
+        find: "    pisa_scatter_step<1>(v, lane);\n",
+        replace: "",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-forced-rank-counted",
+        description: "Forced candidates count in the unforced ones' ranks, so a level keeps fewer than K when they \
+                      outscore the rest",
+        find: "rank += !is_forced(candidates[j]) && better(",
+        replace: "rank += better(",
         ..PISA_SELECT
     },
     // --- pisa_mass.cu (E30's block masses), launched on a device ---
