@@ -120,141 +120,6 @@ struct PisaNodeSource {
     int seq, kv, len_k, leaves;
 };
 
-// Query heads a pass over a node's items serves: each item column is read and widened once per pass, then used by
-// this many heads' dot products (8 heads for up to two items per lane, 4 for four, which keeps the widened columns and
-// the dot products in registers).
-#define PISA_HEAD_CHUNK(R) ((R) >= 4 ? 4 : 8)
-
-// The LSE or PISA-2 score of a node summed over the group's heads in ascending order (q_s: the group's pooled queries,
-// d f64 per head), returned in every lane of the calling warp (all 32 lanes call it together). The node's items are
-// [first, last): raw keys of a leaf (level 0, weight 1) or the children's means (`below`, weight their key counts,
-// nodes below spanning span_below keys); lane l holds items first + l + 32r, r < R. PISA-1 is pisa_descend's own
-// loop (the group summed first).
-template <int R>
-__device__ double pisa_group_score_items(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int level,
-                                         int first, int last, const double* below, long long span_below) {
-    const int d = p.bsa.flash.d, group = p.bsa.flash.group, lane = threadIdx.x % 32;
-    const double alpha = p.bsa.scale;
-    double w[R];
-    double weights = 0.0;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int item = first + lane + 32 * r;
-        w[r] = item >= last ? 0.0 : level == 0 ? 1.0 : (double)pisa_count(item, span_below, src.len_k);
-        weights += w[r];
-    }
-    weights = pisa_warp_sum(weights);
-    double group_total = 0.0;
-    constexpr int HC = PISA_HEAD_CHUNK(R);
-    for (int h0 = 0; h0 < group; h0 += HC) {
-        const int heads = min(HC, group - h0);
-        const double* q0 = q_s + (long long)h0 * d;
-        // dot[r][hh]: item r against head h0 + hh, the columns in ascending order with fused multiply-adds.
-        double dot[R][HC];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int hh = 0; hh < HC; ++hh) dot[r][hh] = 0.0;
-        if (level == 0) {
-            for (int c = 0; c < d; c += 8) {
-                double k8[R][8];
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int item = first + lane + 32 * r;
-                    uint4 raw = make_uint4(0u, 0u, 0u, 0u);
-                    if (item < last) raw = *reinterpret_cast<const uint4*>(src.keys + (long long)item * src.key_row + c);
-                    const elem_t* e8 = reinterpret_cast<const elem_t*>(&raw);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) k8[r][e] = (double)to_f32(e8[e]);
-                }
-#pragma unroll
-                for (int hh = 0; hh < HC; ++hh) {
-                    if (hh < heads) {
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            const double qv = q0[hh * d + c + e];
-#pragma unroll
-                            for (int r = 0; r < R; ++r) dot[r][hh] = fma(qv, k8[r][e], dot[r][hh]);
-                        }
-                    }
-                }
-            }
-        } else {
-            for (int c = 0; c < d; ++c) {
-                double m[R];
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const int item = first + lane + 32 * r;
-                    m[r] = item < last ? below[(long long)item * d + c] : 0.0;
-                }
-#pragma unroll
-                for (int hh = 0; hh < HC; ++hh) {
-                    if (hh < heads) {
-                        const double qv = q0[hh * d + c];
-#pragma unroll
-                        for (int r = 0; r < R; ++r) dot[r][hh] = fma(qv, m[r], dot[r][hh]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int hh = 0; hh < HC; ++hh) {
-            if (hh >= heads) break;
-            double x[R];
-            double max_x = (double)NEG_INF;
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-                x[r] = w[r] > 0.0 ? alpha * dot[r][hh] : 0.0;
-                if (w[r] > 0.0) max_x = fmax(max_x, x[r]);
-            }
-            double score;
-            if (p.scoring == PISA_LSE) {
-                const double m = pisa_warp_max(max_x);
-                double y = 0.0;
-#pragma unroll
-                for (int r = 0; r < R; ++r)
-                    if (w[r] > 0.0) y += w[r] * exp(x[r] - m);
-                score = m + log(pisa_warp_sum(y) / weights);
-            } else {
-                double t = 0.0;
-#pragma unroll
-                for (int r = 0; r < R; ++r) t += w[r] * x[r];
-                const double mean = pisa_warp_sum(t) / weights;
-                double v = 0.0;
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    const double dev = x[r] - mean;
-                    v += w[r] * (dev * dev);
-                }
-                score = mean + 0.5 * (pisa_warp_sum(v) / weights);
-            }
-            group_total += score;
-        }
-    }
-    return group_total;
-}
-
-// pisa_group_score_items for `node` at `level`, with as many items per lane as the node has rounds of 32.
-__device__ double pisa_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int level,
-                                   int node) {
-    long long span_below = 1;
-    int first, last;
-    if (level == 0) {
-        first = node * p.bsa.kv_block;
-        last = min(first + p.bsa.kv_block, src.len_k);
-    } else {
-        span_below = p.bsa.kv_block;
-        for (int l = 1; l < level; ++l) span_below *= p.branching;
-        first = node * p.branching;
-        last = min(first + p.branching, pisa_width(src.leaves, p.branching, level - 1));
-    }
-    const double* below = level == 0 ? nullptr : src.pooled + pisa_level_offset(p, level - 1, src.seq, src.kv);
-    const int items = last - first;
-    if (items <= 32) return pisa_group_score_items<1>(p, src, q_s, level, first, last, below, span_below);
-    if (items <= 64) return pisa_group_score_items<2>(p, src, q_s, level, first, last, below, span_below);
-    return pisa_group_score_items<PISA_ITEMS_PER_LANE>(p, src, q_s, level, first, last, below, span_below);
-}
-
 // PISA-1's dot products of a chunk of 16 candidates at once: lane l holds its columns' partial sums v[j] of candidate
 // j, and ends with candidate (l mod 16)'s total. A reduce-scatter along the same xor-shuffle tree as pisa_warp_sum
 // (lanes 16 apart first, then 8, 4, 2, 1), so every candidate's total has the bits pisa_warp_sum would give it,
@@ -283,6 +148,160 @@ __device__ __forceinline__ double pisa_warp_sum_scatter(double (&v)[16]) {
     pisa_scatter_step<2>(v, lane);
     pisa_scatter_step<1>(v, lane);
     return v[0];
+}
+
+// The LSE or PISA-2 score of one head from its items' scores: lane l holds x[r] and weight w[r] of items l + 32r
+// (weight 0: no item), `weights` the items' total weight. Every lane returns the same bits: the maximum and the sums
+// run along the xor-shuffle tree over the lanes after each lane's items in ascending order.
+template <int R>
+__device__ __forceinline__ double pisa_pooled_score(int scoring, const double (&x)[R], const double (&w)[R],
+                                                    double weights) {
+    if (scoring == PISA_LSE) {
+        double max_x = (double)NEG_INF;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (w[r] > 0.0) max_x = fmax(max_x, x[r]);
+        const double m = pisa_warp_max(max_x);
+        double y = 0.0;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (w[r] > 0.0) y += w[r] * exp(x[r] - m);
+        return m + log(pisa_warp_sum(y) / weights);
+    }
+    double t = 0.0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) t += w[r] * x[r];
+    const double mean = pisa_warp_sum(t) / weights;
+    double v = 0.0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const double dev = x[r] - mean;
+        v += w[r] * (dev * dev);
+    }
+    return mean + 0.5 * (pisa_warp_sum(v) / weights);
+}
+
+// Query heads a pass over a leaf's keys serves: each key column is read and widened once per pass, then used by this
+// many heads' dot products (8 heads for up to two keys per lane, 4 for four, which keeps the widened columns and the
+// dot products in registers).
+#define PISA_HEAD_CHUNK(R) ((R) >= 4 ? 4 : 8)
+
+// The LSE or PISA-2 score of leaf `node` summed over the group's heads in ascending order (q_s: the group's pooled
+// queries, d f64 per head), returned in every lane of the calling warp (all 32 lanes call it together). Its items are
+// the leaf's raw keys [first, last), weight 1 each; lane l holds keys first + l + 32r, r < R, and takes each key's dot
+// products over the columns in ascending order with fused multiply-adds.
+template <int R>
+__device__ double pisa_leaf_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int first,
+                                        int last) {
+    const int d = p.bsa.flash.d, group = p.bsa.flash.group, lane = threadIdx.x % 32;
+    double w[R];
+    double weights = 0.0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        w[r] = first + lane + 32 * r < last ? 1.0 : 0.0;
+        weights += w[r];
+    }
+    weights = pisa_warp_sum(weights);
+    double group_total = 0.0;
+    constexpr int HC = PISA_HEAD_CHUNK(R);
+    for (int h0 = 0; h0 < group; h0 += HC) {
+        const int heads = min(HC, group - h0);
+        const double* q0 = q_s + (long long)h0 * d;
+        // dot[r][hh]: key r against head h0 + hh.
+        double dot[R][HC];
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int hh = 0; hh < HC; ++hh) dot[r][hh] = 0.0;
+        for (int c = 0; c < d; c += 8) {
+            double k8[R][8];
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int item = first + lane + 32 * r;
+                uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+                if (item < last) raw = *reinterpret_cast<const uint4*>(src.keys + (long long)item * src.key_row + c);
+                const elem_t* e8 = reinterpret_cast<const elem_t*>(&raw);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) k8[r][e] = (double)to_f32(e8[e]);
+            }
+#pragma unroll
+            for (int hh = 0; hh < HC; ++hh) {
+                if (hh < heads) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        const double qv = q0[hh * d + c + e];
+#pragma unroll
+                        for (int r = 0; r < R; ++r) dot[r][hh] = fma(qv, k8[r][e], dot[r][hh]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int hh = 0; hh < HC; ++hh) {
+            if (hh >= heads) break;
+            double x[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) x[r] = w[r] > 0.0 ? p.bsa.scale * dot[r][hh] : 0.0;
+            group_total += pisa_pooled_score<R>(p.scoring, x, w, weights);
+        }
+    }
+    return group_total;
+}
+
+// The LSE or PISA-2 score of a coarser node summed over the group's heads in ascending order. Its items are its
+// children's means [first, last) at most 16 (`below`, weight their key counts, nodes below spanning span_below keys).
+// The (child, head) dot products go by columns, 16 pairs at a time (children fastest): lane l accumulates columns
+// l, l + 32, ... of each pair with fused multiply-adds (every child's mean row read coalesced, all loads in flight),
+// and the reduce-scatter leaves pair j's dot product in lane j. Each head's children are then gathered into lanes
+// 0, 1, ... so that its items' sums run as the leaves' do.
+__device__ double pisa_node_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int first,
+                                        int last, const double* below, long long span_below) {
+    const int d = p.bsa.flash.d, group = p.bsa.flash.group, lane = threadIdx.x % 32;
+    const int items = last - first;
+    const int heads_per_pass = max(1, 16 / items);
+    const double w[1] = {lane < items ? (double)pisa_count(first + lane, span_below, src.len_k) : 0.0};
+    const double weights = pisa_warp_sum(w[0]);
+    double group_total = 0.0;
+    for (int h0 = 0; h0 < group; h0 += heads_per_pass) {
+        const int heads = min(heads_per_pass, group - h0);
+        const int pairs = heads * items;
+        double part[16];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) part[j] = 0.0;
+        const double* rows = below + (long long)first * d;
+        const double* q_rows = q_s + (long long)h0 * d;
+        for (int c = lane; c < d; c += 32) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                if (j < pairs) part[j] = fma(q_rows[(j / items) * d + c], rows[(long long)(j % items) * d + c], part[j]);
+        }
+        const double dot = pisa_warp_sum_scatter(part);
+        for (int hh = 0; hh < heads; ++hh) {
+            const double xj = __shfl_sync(0xffffffffu, dot, (hh * items + lane) % 16);
+            const double x[1] = {w[0] > 0.0 ? p.bsa.scale * xj : 0.0};
+            group_total += pisa_pooled_score<1>(p.scoring, x, w, weights);
+        }
+    }
+    return group_total;
+}
+
+// pisa_leaf_group_score or pisa_node_group_score for `node` at `level`.
+__device__ double pisa_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int level,
+                                   int node) {
+    if (level > 0) {
+        long long span_below = p.bsa.kv_block;
+        for (int l = 1; l < level; ++l) span_below *= p.branching;
+        const int first = node * p.branching;
+        const int last = min(first + p.branching, pisa_width(src.leaves, p.branching, level - 1));
+        const double* below = src.pooled + pisa_level_offset(p, level - 1, src.seq, src.kv);
+        return pisa_node_group_score(p, src, q_s, first, last, below, span_below);
+    }
+    const int first = node * p.bsa.kv_block;
+    const int last = min(first + p.bsa.kv_block, src.len_k);
+    const int keys = last - first;
+    if (keys <= 32) return pisa_leaf_group_score<1>(p, src, q_s, first, last);
+    if (keys <= 64) return pisa_leaf_group_score<2>(p, src, q_s, first, last);
+    return pisa_leaf_group_score<PISA_ITEMS_PER_LANE>(p, src, q_s, first, last);
 }
 
 // Bytes of shared memory one warp of pisa_descend holds: its query columns (q_cols f64), a level's scores
@@ -414,10 +433,13 @@ __device__ __forceinline__ void pisa_descend(const elem_t* __restrict__ k, const
         }
         // Keep the forced nodes, then the eligible others whose rank among the unforced (larger score first, equal
         // scores to the lower node, NaN never) is below the room the forced ones leave.
+        long long forced_nodes[3];  // this level's ancestors of the forced leaves
+#pragma unroll
+        for (int f = 0; f < 3; ++f) forced_nodes[f] = forced_leaves[f] / stride;
         const auto is_forced = [&](int node) {
             bool forced = false;
 #pragma unroll
-            for (int f = 0; f < 3; ++f) forced |= (long long)node == forced_leaves[f] / stride;
+            for (int f = 0; f < 3; ++f) forced |= (long long)node == forced_nodes[f];
             return forced;
         };
         int n_forced = 0;

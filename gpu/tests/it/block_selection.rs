@@ -79,6 +79,13 @@ pub fn selection_spec() -> impl Strategy<Value = AttentionSpec> {
     let layout = prop_oneof![
         (1usize..=2, length.clone(), length.clone())
             .prop_map(|(batch, len_q, len_k)| attnproof_oracle::Layout::Dense { batch, len_q, len_k }),
+        // Self-attention, the common case: under the causal mask a query block's last visible key then ends a block
+        // whenever the block sizes divide each other, so the next block starts one key past the eligible range.
+        (1usize..=2, length.clone()).prop_map(|(batch, len)| attnproof_oracle::Layout::Dense {
+            batch,
+            len_q: len,
+            len_k: len
+        }),
         prop::collection::vec((0usize..700, 1usize..1400), 1..=3).prop_map(|lens| {
             let mut cu_q = vec![0i32];
             let mut cu_k = vec![0i32];

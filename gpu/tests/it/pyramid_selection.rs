@@ -458,6 +458,15 @@ pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, PyramidSelectConfig)> {
     ] {
         cases.push((name, tied.clone(), PyramidSelectConfig { q_block: 64, pyramid: pyramid(scoring, 3, 4) }));
     }
+    // Self-attention at aligned blocks: every query block's last visible key ends a leaf, so the next leaf (a sibling
+    // of the forced current one) starts one key past the eligible range and must stay unscored.
+    let spec = dense(1, 4, 2, 704, 704, 64, 64, Mask::Causal);
+    let aligned = make_case::<bf16>(&spec, gaussian(2.0), 43);
+    for (name, scoring) in
+        [("causal_self_attention_lse", Scoring::Lse), ("causal_self_attention_pisa1", Scoring::Pisa1)]
+    {
+        cases.push((name, aligned.clone(), PyramidSelectConfig { q_block: 64, pyramid: pyramid(scoring, 2, 2) }));
+    }
     cases.push((
         "no_mask_two_sequences_beta16",
         plain,

@@ -639,15 +639,22 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa2-variance-sign",
         description: "PISA-2 subtracts half the variance instead of adding it",
-        find: "score = mean + 0.5 * (pisa_warp_sum(v) / weights);",
-        replace: "score = mean - 0.5 * (pisa_warp_sum(v) / weights);",
+        find: "return mean + 0.5 * (pisa_warp_sum(v) / weights);",
+        replace: "return mean - 0.5 * (pisa_warp_sum(v) / weights);",
         ..PISA_SELECT
     },
     Mutant {
         name: "gpu-pisa-group-sum-misses-a-head",
-        description: "The GQA sum of a candidate's LSE or PISA-2 score leaves out the group's first query head",
-        find: "            group_total += score;",
-        replace: "            if (h0 + hh > 0) group_total += score;",
+        description: "The GQA sum of a leaf's LSE or PISA-2 score leaves out the group's first query head",
+        find: "group_total += pisa_pooled_score<R>(p.scoring, x, w, weights);",
+        replace: "if (h0 + hh > 0) group_total += pisa_pooled_score<R>(p.scoring, x, w, weights);",
+        ..PISA_SELECT
+    },
+    Mutant {
+        name: "gpu-pisa-node-gathers-the-wrong-head",
+        description: "A coarser node's LSE or PISA-2 score reads every head's children from the batch's first head",
+        find: "__shfl_sync(0xffffffffu, dot, (hh * items + lane) % 16);",
+        replace: "__shfl_sync(0xffffffffu, dot, lane % 16);",
         ..PISA_SELECT
     },
     Mutant {
