@@ -249,38 +249,74 @@ __device__ double pisa_leaf_group_score(const PisaParams& p, const PisaNodeSourc
 }
 
 // The LSE or PISA-2 score of a coarser node summed over the group's heads in ascending order. Its items are its
-// children's means [first, last) at most 16 (`below`, weight their key counts, nodes below spanning span_below keys).
-// The (child, head) dot products go by columns, 16 pairs at a time (children fastest): lane l accumulates columns
-// l, l + 32, ... of each pair with fused multiply-adds (every child's mean row read coalesced, all loads in flight),
-// and the reduce-scatter leaves pair j's dot product in lane j. Each head's children are then gathered into lanes
-// 0, 1, ... so that its items' sums run as the leaves' do.
+// children's means [first, last), at most 16 (`below`, weight their key counts, nodes below spanning span_below
+// keys). The (child, head) pairs go 16 at a time (children fastest, pair j = hh · items + i): lane l accumulates
+// columns l, l + 32, ... of every pair's dot product with fused multiply-adds (the children's mean rows read
+// coalesced, all loads in flight), and the reduce-scatter leaves pair j's dot product in lanes j and j + 16. Each
+// lane then holds one item's score of one head, so the exponentials and logarithms of a pass run side by side; a
+// head's maximum and sums read its children's lanes in ascending order, and the total weight is summed in that order
+// too, so the order depends only on the items' offsets inside the node.
 __device__ double pisa_node_group_score(const PisaParams& p, const PisaNodeSource& src, const double* q_s, int first,
                                         int last, const double* below, long long span_below) {
     const int d = p.bsa.flash.d, group = p.bsa.flash.group, lane = threadIdx.x % 32;
     const int items = last - first;
     const int heads_per_pass = max(1, 16 / items);
-    const double w[1] = {lane < items ? (double)pisa_count(first + lane, span_below, src.len_k) : 0.0};
-    const double weights = pisa_warp_sum(w[0]);
+    double weights = 0.0;
+    for (int i = 0; i < items; ++i) weights += (double)pisa_count(first + i, span_below, src.len_k);
+    // This lane's pair after the reduce-scatter: head hh_l of the pass, child i_l.
+    const int pair = lane % 16, hh_l = pair / items, i_l = pair - hh_l * items;
+    const double w_l = (double)pisa_count(first + min(i_l, items - 1), span_below, src.len_k);
+    const double* rows = below + (long long)first * d;
     double group_total = 0.0;
     for (int h0 = 0; h0 < group; h0 += heads_per_pass) {
         const int heads = min(heads_per_pass, group - h0);
         const int pairs = heads * items;
+        const double* q_rows = q_s + (long long)h0 * d;
+        // Column offsets of each pair's query row and child row, without a division per pair.
+        int q_off[16], r_off[16];
+        {
+            int i = 0, hh = 0;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                q_off[j] = hh * d;
+                r_off[j] = i * d;
+                if (++i == items) {
+                    i = 0;
+                    ++hh;
+                }
+            }
+        }
         double part[16];
 #pragma unroll
         for (int j = 0; j < 16; ++j) part[j] = 0.0;
-        const double* rows = below + (long long)first * d;
-        const double* q_rows = q_s + (long long)h0 * d;
         for (int c = lane; c < d; c += 32) {
 #pragma unroll
             for (int j = 0; j < 16; ++j)
-                if (j < pairs) part[j] = fma(q_rows[(j / items) * d + c], rows[(long long)(j % items) * d + c], part[j]);
+                if (j < pairs) part[j] = fma(q_rows[q_off[j] + c], rows[r_off[j] + c], part[j]);
         }
         const double dot = pisa_warp_sum_scatter(part);
-        for (int hh = 0; hh < heads; ++hh) {
-            const double xj = __shfl_sync(0xffffffffu, dot, (hh * items + lane) % 16);
-            const double x[1] = {w[0] > 0.0 ? p.bsa.scale * xj : 0.0};
-            group_total += pisa_pooled_score<1>(p.scoring, x, w, weights);
+        const bool valid = pair < pairs;
+        const double x = valid ? p.bsa.scale * dot : 0.0;
+        const int head_lane = hh_l * items;  // the lane of this pair's head's first child
+        const auto child = [&](double v, int i) { return __shfl_sync(0xffffffffu, v, (head_lane + i) & 31); };
+        double score;
+        if (p.scoring == PISA_LSE) {
+            double m = (double)NEG_INF;
+            for (int i = 0; i < items; ++i) m = fmax(m, child(x, i));
+            const double e = valid ? w_l * exp(x - m) : 0.0;
+            double y = 0.0;
+            for (int i = 0; i < items; ++i) y += child(e, i);
+            score = m + log(y / weights);
+        } else {
+            double t = 0.0;
+            for (int i = 0; i < items; ++i) t += child(valid ? w_l * x : 0.0, i);
+            const double mean = t / weights;
+            const double dev = x - mean;
+            double v = 0.0;
+            for (int i = 0; i < items; ++i) v += child(valid ? w_l * (dev * dev) : 0.0, i);
+            score = mean + 0.5 * (v / weights);
         }
+        for (int hh = 0; hh < heads; ++hh) group_total += __shfl_sync(0xffffffffu, score, hh * items);
     }
     return group_total;
 }

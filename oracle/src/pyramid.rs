@@ -184,7 +184,9 @@ pub struct Diagnostics<S> {
     pub captured: S,
     /// Mass captured by the reference set.
     pub reference_captured: S,
-    /// Attention mass ratio `captured(S) / captured(S_ref)`.
+    /// Attention mass ratio `captured(S) / captured(S_ref)`; when the reference set captures no mass at all (every
+    /// slot forced and the mass elsewhere, underflowed to zero), 1 if the selection captures none either and `+∞`
+    /// otherwise, never `0/0`.
     pub mass_ratio: S,
 }
 
@@ -588,7 +590,7 @@ pub fn diagnostics<S: Real>(
 /// as the GPU's diagnostics do): the reference set (the forced leaves of `position` plus the eligible leaves of
 /// largest mass, `keep` in all, ties to the lower leaf: [`top_k`]), Recall@K, the captured masses and their ratio.
 /// `selected` holds leaves below `block_mass.len()` (validated by the caller); a leaf is eligible when it starts at
-/// or before `position`.
+/// or before `position`. A reference set of zero mass gives the ratio of [`Diagnostics::mass_ratio`]'s convention.
 pub fn diagnose_masses<S: Real>(
     block_mass: Vec<S>,
     position: usize,
@@ -604,7 +606,12 @@ pub fn diagnose_masses<S: Real>(
     let (captured, reference_captured) = (captured_by(selected), captured_by(&reference));
     let hits = selected.iter().filter(|b| reference.contains(b)).count();
     let recall = S::from_f64(hits as f64, ctx) / S::from_f64(reference.len() as f64, ctx);
-    let mass_ratio = captured.clone() / reference_captured.clone();
+    let zero = S::zero(ctx);
+    let mass_ratio = match (reference_captured == zero, captured == zero) {
+        (false, _) => captured.clone() / reference_captured.clone(),
+        (true, true) => S::one(ctx),
+        (true, false) => S::one(ctx) / zero,
+    };
     Diagnostics { block_mass, reference, recall, captured, reference_captured, mass_ratio }
 }
 
@@ -624,6 +631,21 @@ mod tests {
 
     /// E30 from given masses: forced leaves of position 255 (leaves of 64: 0, 2, 3) fill the reference set of
     /// `K = 3`; the list {1, 3} holds one of them and captures 0.2 + 0.4 of the reference's 0.1 + 0.3 + 0.4.
+    /// All the mass on an unforced leaf while `K = 3` forced leaves fill the reference set (masses that underflowed to
+    /// 0 elsewhere, as f64 gives at large logit scales): the reference captures nothing, and a selection that captures
+    /// nothing either has ratio 1, one that captures the mass `+∞`, never NaN.
+    #[test]
+    fn a_reference_of_zero_mass_has_a_defined_ratio() {
+        let masses = vec![0.0, 1.0, 0.0, 0.0];
+        let same = diagnose_masses(masses.clone(), 255, 64, &[0, 2, 3], 3, ());
+        assert_eq!((same.reference.as_slice(), same.reference_captured, same.captured), (&[0, 2, 3][..], 0.0, 0.0));
+        assert_eq!((same.recall, same.mass_ratio), (1.0, 1.0));
+        let better = diagnose_masses(masses, 255, 64, &[1, 2, 3], 3, ());
+        assert_eq!(better.mass_ratio, f64::INFINITY);
+        // With mass in the reference set the ratio is the plain quotient, 0 included.
+        assert_eq!(diagnose_masses(vec![0.5, 0.5, 0.0, 0.0], 255, 64, &[2, 3], 3, ()).mass_ratio, 0.0);
+    }
+
     #[test]
     fn diagnose_masses_takes_the_forced_leaves_and_sums_the_captured_masses() {
         let d = diagnose_masses(vec![0.1, 0.2, 0.3, 0.4], 255, 64, &[1, 3], 3, ());

@@ -37,8 +37,10 @@
 //!   `b'_s` of `τ'_s`, `E_s`, `e_lse`, and the two additions' roundings), the product adds `u`, and the `n`-term sum
 //!   `γ32(n)` of the terms' magnitudes, plus `n · UNDERFLOW` for products rounded in the subnormal range. A slot whose teacher bound reaches half its value (an underflowing teacher)
 //!   takes the crude bound `|τ̂' ŷ| + |τ' y|` with `|log τ̂'| ≤ 104` (`τ̂' ≥ 2^-149` when it is not 0);
-//! - a gated term `∂_s w_a [l_as > 0] v` of `∂q^I` (`v = k^I_sc`) or `∂k^I` (`v = q^I_ac`): the gate is certain when
-//!   `|l_as| > e_l,as` (`e_l = γ_tc(d_I) Σ_c |q_ac k_sc|`); a certain closed gate contributes nothing, a certain open
+//! - a gated term `∂_s w_a [l_as > 0] v` of `∂q^I` (`v = k^I_sc`) or `∂k^I` (`v = q^I_ac`): the kernel's gate tests
+//!   its logit, within `e_l,as = γ_tc(d_I) Σ_c |q_ac k_sc|` of `l_as`, so the gate is certainly open when
+//!   `l_as − e_l > 0` and certainly closed when `l_as + e_l ≤ 0` (a logit of exactly 0 with `e_l = 0`, every product
+//!   0, is computed as 0 and closes the gate as the exact one does); a certain closed gate contributes nothing, a certain open
 //!   one `(ε_s|w_a| + u(|∂_s| + ε_s)|w_a|)|v|`, an uncertain one its whole magnitude `(|∂_s| + ε_s)|w_a|(1 + u)|v|`;
 //!   the sum adds `γ32(A)` of the magnitudes;
 //! - a ReLU term `∂_s ReLU(l_as)` of `∂w_a`: `ε_s(R_as + e_l) + |∂_s| e_l` (the ReLU is 1-Lipschitz), and `γ32(A)`
@@ -209,12 +211,12 @@ pub fn gated_sum_bound(terms: impl IntoIterator<Item = GatedTerm>, additions: us
     let mut error = 0.0;
     let mut magnitude = 0.0;
     for t in terms {
-        if t.logit < -t.logit_error {
+        if t.logit + t.logit_error <= 0.0 {
             continue;
         }
         let reach = (t.d_score.abs() + t.d_score_error) * t.weight.abs() * t.value.abs();
         magnitude += reach * (1.0 + U);
-        error += if t.logit.abs() <= t.logit_error {
+        error += if t.logit - t.logit_error <= 0.0 {
             reach * (1.0 + U)
         } else {
             (t.d_score_error + U * (t.d_score.abs() + t.d_score_error)) * t.weight.abs() * t.value.abs()
@@ -499,6 +501,13 @@ mod tests {
         let uncertain = gated_sum_bound([term(5e-4)], 1);
         let closed = gated_sum_bound([term(-1.0)], 1);
         assert_eq!(closed, 0.0);
+        // A logit of exactly 0: uncertain while it has an error bound, certainly closed without one (every product
+        // was 0, so the kernel computes 0 too); at the bound's ends the gate is closed or uncertain as the kernel's
+        // test `l̂ > 0` decides.
+        assert!(gated_sum_bound([term(0.0)], 1) > 2.9);
+        assert_eq!(gated_sum_bound([GatedTerm { logit_error: 0.0, ..term(0.0) }], 1), 0.0);
+        assert_eq!(gated_sum_bound([term(-1e-3)], 1), 0.0);
+        assert!(gated_sum_bound([term(1e-3)], 1) > 2.9);
         assert!(uncertain > 2.9 && uncertain < 3.1, "the whole term: {uncertain}");
         assert!(open < 1e-4 && open > 0.0, "the rounding of one term: {open}");
         // An f32 sum of many terms adds γ32 of their magnitudes.

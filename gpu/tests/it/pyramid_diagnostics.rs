@@ -24,7 +24,7 @@ use attnproof_gpu::pisa::select::{PyramidSelectConfig, select_pyramid};
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::candidate::{poisoned, unguard};
-use attnproof_harness::generate::{ValueProfile, make_case};
+use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
 use attnproof_harness::pyramid_diagnostics::{MassVerdict, verify_block_masses};
 use attnproof_harness::strategies::profile;
 use attnproof_oracle::pyramid::{PyramidConfig, Scoring};
@@ -230,6 +230,34 @@ fn run_production(suite: &MassSuite) {
     let t = tally.borrow();
     println!("{}: {t:?}", suite.name);
     assert!(t.blocks > 0, "{}: nothing was compared: {t:?}", suite.name);
+}
+
+/// The f16 suite's find on an H200 (2026-12-05): peaked values at logit scale 100 put a query block's whole mass on
+/// one unforced leaf, every other leaf's underflowed to exactly 0, while `K` = 3 forced leaves filled the reference
+/// set; the mass ratio was `0 / 0`. The oracle's `diagnose_masses` now gives 1 there (the selection, forced leaves
+/// only, captures exactly what the reference does).
+#[test]
+fn a_reference_set_without_mass_has_ratio_one() {
+    let Some(ctx) = skip_unless_gpu("a_reference_set_without_mass_has_ratio_one") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let spec = AttentionSpec {
+        layout: attnproof_oracle::Layout::Varlen { cu_seqlens_q: vec![0, 0, 129], cu_seqlens_k: vec![0, 257, 642] },
+        n_heads_q: 1,
+        n_heads_kv: 1,
+        head_dim: 64,
+        head_dim_v: 8,
+        scale: attnproof_oracle::Scale::InverseSqrtHeadDim,
+        mask: Mask::None,
+    };
+    let draw = MassDraw {
+        spec,
+        config: MassConfig { q_block: 64, leaf_size: 128 },
+        profile: ValueProfile { distribution: Distribution::Peaked, logit_scale: 100.0, value_mean: 0.0 },
+        seed: 1833509470101719229,
+    };
+    check_draw::<f16>(&stream, PISA_MASS, &draw).unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]

@@ -632,8 +632,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-lse-ignores-weights",
         description: "The LSE over child means forgets the children's key counts (a partial child weighs as much as a full one)",
-        find: "if (w[r] > 0.0) y += w[r] * exp(x[r] - m);",
-        replace: "if (w[r] > 0.0) y += exp(x[r] - m);",
+        find: "const double e = valid ? w_l * exp(x - m) : 0.0;",
+        replace: "const double e = valid ? exp(x - m) : 0.0;",
         ..PISA_SELECT
     },
     Mutant {
@@ -653,8 +653,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-node-gathers-the-wrong-head",
         description: "A coarser node's LSE or PISA-2 score reads every head's children from the batch's first head",
-        find: "__shfl_sync(0xffffffffu, dot, (hh * items + lane) % 16);",
-        replace: "__shfl_sync(0xffffffffu, dot, lane % 16);",
+        find: "const int head_lane = hh_l * items;",
+        replace: "const int head_lane = 0;",
         ..PISA_SELECT
     },
     Mutant {
