@@ -487,6 +487,27 @@ mod tests {
         assert_eq!(loss_row_bounds(&[empty, empty]), None);
     }
 
+    /// The gated bound is the module docs' formula term by term: a certain open gate costs `(ε + u(|∂| + ε))|w||v|`,
+    /// an uncertain one its reach `(|∂| + ε)|w|(1 + u)|v|`, and the sum adds `γ32(A)` of the reaches; its `u`-level
+    /// terms sit far below what the f32 emulations can tell apart, so only an exact comparison pins them.
+    #[test]
+    fn the_gated_bound_is_the_derived_formula_term_by_term() {
+        let term = |logit: f64| GatedTerm {
+            d_score: 0.5,
+            d_score_error: 1e-6,
+            weight: -2.0,
+            logit,
+            logit_error: 1e-3,
+            value: 3.0,
+        };
+        let reach = (0.5 + 1e-6) * 2.0 * 3.0 * (1.0 + U);
+        let open = (1e-6 + U * (0.5 + 1e-6)) * 2.0 * 3.0;
+        let close = |got: f64, want: f64| assert!((got / want - 1.0).abs() < 1e-14, "{got:e} against {want:e}");
+        close(gated_sum_bound([term(1.0)], 5), open + gamma32(5) * reach);
+        close(gated_sum_bound([term(0.0)], 5), reach + gamma32(5) * reach);
+        close(gated_sum_bound([term(1.0), term(0.0), term(-1.0)], 7), open + reach + gamma32(7) * 2.0 * reach);
+    }
+
     #[test]
     fn gates_cost_their_whole_term_only_when_uncertain() {
         let term = |logit: f64| GatedTerm {
