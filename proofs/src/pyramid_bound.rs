@@ -889,6 +889,9 @@ mod tests {
             worst = worst.max(ratio);
         }
         assert!(worst > 1e-5, "worst ratio {worst}");
+        // The summed query is a pooled query of `m + G − 1` roundings; one head adds none.
+        assert_eq!(presummed_score_bound(2.0, 64, 8, 100, 128), item_score_bound(2.0, 71, 100, 128));
+        assert_eq!(presummed_score_bound(2.0, 64, 1, 100, 128), item_score_bound(2.0, 64, 100, 128));
     }
 
     /// The f64 value at an end of `x ± e` (`up` picks the end), stepped back inside where rounding took it outside.
