@@ -16,8 +16,11 @@ torch.autograd.grad of its forward with a random dO (peers.backward_of).
 The second table times block selection: ours (`bsa-select` rows) beside the PyTorch baseline `torch_selection`
 below (mean-pool, score every block pair, group sum, causal mask, top-8), on inputs of the same shapes and block
 sizes; a third prints the pyramid selector's rows (`pisa-select`) as ratios to our BSA selector at 64-blocks.
+`--selection-only` prints only the second and third tables (for `bench --block-sparse --selection-only`, which writes
+no lists).
 
-Usage: python3 bench/block_sparse_peers.py --ours ours.csv --lists DIR [--reps 30] [--warmup 5] [--csv peers.csv]
+Usage: python3 bench/block_sparse_peers.py --ours ours.csv (--lists DIR | --selection-only) [--reps 30] [--warmup 5]
+       [--csv peers.csv]
 Run it in the same device call as the bench binary.
 """
 
@@ -141,13 +144,19 @@ def selection_table(ours_path, reps, warmup):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ours", required=True)
-    ap.add_argument("--lists", required=True)
+    ap.add_argument("--lists")
+    ap.add_argument("--selection-only", action="store_true")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--csv")
     args = ap.parse_args()
     if args.reps < 20:
         sys.exit("--reps must be at least 20")
+    if args.selection_only:
+        selection_table(args.ours, args.reps, args.warmup)
+        return
+    if args.lists is None:
+        sys.exit("--lists DIR is required without --selection-only")
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)

@@ -2,27 +2,28 @@
 // gpu/src/compile.rs) after common.cuh. The selection rule is the oracle's (oracle/src/bsa.rs); the host wrapper is
 // gpu/src/block_sparse/select.rs, which documents the rounding-error bound of the scores.
 //
-// Three kernels:
+// Four kernels:
 //   bsa_pool_keys   one CTA per (key block, KV head, sequence): k̄_b = mean of the block's keys (the last block of a
 //                   sequence over the keys it has), f64, written to the workspace's pooled keys [B, Hkv, n_k, d].
 //   bsa_pool_queries  likewise per (query block, query head, sequence): q̄_{a,h}, written to the workspace's pooled
 //                   queries [B, Hq, n_q, d] (from element pooled_queries_at on).
-//   bsa_select      one CTA per (query block, KV head, sequence): the group's mean-pooled queries summed over the
-//                   group, q̃_a = Σ_h q̄_{a,h} (f64, heads in ascending order, in shared memory), and the pooled score
-//                   of every eligible key block
+//   bsa_select_stream  for lists up to STREAM_MAX_TOP_K wide: one CTA per 8 query blocks of a (KV head, sequence),
+//                   pooled keys in shared-memory tiles read once for the 8, a running list of the best candidates per
+//                   query block in a warp's registers (its own section below).
+//   bsa_select      for wider lists: one CTA per (query block, KV head, sequence) holding that query block's scores.
+// Both selectors take the group's mean-pooled queries summed over the group, q̃_a = Σ_h q̄_{a,h} (f64, heads in
+// ascending order), and the pooled score of every eligible key block
 //                       S_ab = fl(α · dot(q̃_a, k̄_b)) = Σ_h α q̄_{a,h}·k̄_b in exact arithmetic
-//                   (the group sum taken before the dot product: one pass over k̄_b per key block instead of one per
-//                   head, which bounds the kernel's memory traffic; the rounding bound is the same), kept in shared
-//                   memory (one query block's scores per CTA, never more), the forced blocks, then top-k
-//                   rounds of a block-wide arg-max (larger score first, equal scores to the lower index, NaN never),
-//                   and the list written ascending and -1-padded: lists [B, Hkv, n_q, top_k] i32. Query blocks past
-//                   a sequence's own get an all -1 list.
+// (the group sum taken before the dot product: one pass over k̄_b per key block instead of one per head, which bounds
+// the memory traffic; the rounding bound is the same), the forced blocks, then the top-k of the rest (larger score
+// first, equal scores to the lower index, NaN never), and write the list ascending and -1-padded: lists
+// [B, Hkv, n_q, top_k] i32. Query blocks past a sequence's own get an all -1 list.
 //
 // Determinism: every sum is taken in a fixed order that does not depend on the block's position or on which warp
 // computes it (for the means, interleaved row groups each in ascending order, then the groups in ascending order;
-// heads in ascending order for the group sum; a lane's columns in ascending order, then the xor-shuffle tree, for
-// the dot product). Two key blocks with bitwise equal keys
-// therefore get bitwise equal scores, and their tie breaks to the lower index exactly as the oracle's does.
+// heads in ascending order for the group sum; for bsa_select's dot product a lane's columns in ascending order, then
+// the xor-shuffle tree, for bsa_select_stream's one fma chain over the columns in ascending order). Two key blocks
+// with bitwise equal keys therefore get bitwise equal scores, and their tie breaks to the lower index exactly as the oracle's does.
 //
 // Eligibility (the oracle's BsaConfig::eligible_end): every key block of the sequence without a mask; under the
 // bottom-right causal mask the blocks whose first key the query block's last query sees. Forced: block 0
@@ -108,7 +109,7 @@ bsa_pool_queries(const elem_t* __restrict__ q, double* __restrict__ pooled, cons
                  const BsaParams params) {
     const FlashParams& fp = params.flash;
     const int a = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
-    double* out = pooled + params.pooled_queries_at + (((long long)seq * gridDim.y + h) * gridDim.x + a) * fp.d;
+    double* out = pooled + params.pooled_queries_at + (((long long)seq * gridDim.y + h) * params.n_query_blocks + a) * fp.d;
     pool_block(q, cu_q, fp.dense_len_q, fp.q_batch, h * fp.q_head, fp.q_row, params.q_block, a, seq, fp.varlen, fp.d,
                out);
 }
@@ -125,6 +126,49 @@ __device__ __forceinline__ void sequence_lengths(const FlashParams& fp, const in
                                                  const int* __restrict__ cu_k, int seq, int& len_q, int& len_k) {
     len_q = fp.varlen ? cu_q[seq + 1] - cu_q[seq] : fp.dense_len_q;
     len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
+}
+
+// What query block `a` of a sequence chooses from: the eligible key blocks [0, eligible) (none for a query block past
+// the sequence's own), the first competing block `first` (1 when block 0 is forced, else 0), the forced local blocks
+// [local_from, eligible), and `room`, how many blocks the top-k rule adds to the forced ones. Both selectors read it.
+struct SelectionRange {
+    int eligible;
+    int first;
+    int local_from;
+    int room;
+};
+
+__device__ __forceinline__ SelectionRange selection_range(const BsaParams& params, int a, int len_q, int len_k) {
+    SelectionRange range;
+    const int row0 = a * params.q_block;
+    const int key_blocks = (len_k + params.kv_block - 1) / params.kv_block;
+    int eligible = row0 < len_q ? key_blocks : 0;
+    if (params.causal && row0 < len_q) {
+        const int rows = min(params.q_block, len_q - row0);
+        const long long last_key = (long long)row0 + rows - 1 + len_k - len_q;
+        eligible = last_key < 0 ? 0 : min(key_blocks, (int)(last_key / params.kv_block) + 1);
+    }
+    const int local_from = eligible - min(params.force_local, eligible);
+    range.eligible = eligible;
+    range.local_from = local_from;
+    // Block 0 counts once: as the forced first block only when the local blocks do not already hold it.
+    range.first = (params.force_first && local_from > 0) ? 1 : 0;
+    range.room = max(0, min(params.top_k, eligible) - range.first - (eligible - local_from));
+    return range;
+}
+
+// Column c of query block a's pooled queries summed over KV head kv's group, heads in ascending order (q̃_a of E15's
+// group sum, taken before the dot product).
+__device__ __forceinline__ double group_query_sum(const double* __restrict__ pooled, const BsaParams& params, int seq,
+                                                  int kv, int a, int c) {
+    const double* q_pool = pooled + params.pooled_queries_at;
+    const int group = params.flash.group, d = params.flash.d;
+    const long long n_heads_q = (long long)params.n_heads_kv * group;
+    double group_sum = 0.0;
+    for (int h = 0; h < group; ++h) {
+        group_sum += q_pool[((seq * n_heads_q + kv * group + h) * params.n_query_blocks + a) * d + c];
+    }
+    return group_sum;
 }
 
 // The best candidate not yet chosen among scores[from], scores[from + stride], ... below n (each lane its own
@@ -156,7 +200,7 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
            const int* __restrict__ cu_k, const BsaParams params) {
     const FlashParams& fp = params.flash;
     const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
-    const int group = fp.group, d = fp.d;
+    const int d = fp.d;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     double* q_sum = reinterpret_cast<double*>(smem_raw);              // [d]
     double* scores = q_sum + d;                                       // [n_key_blocks]
@@ -165,31 +209,13 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
     __shared__ int best_i[SEL_WARPS];
     __shared__ int written;
 
-    int* list = lists + (((long long)seq * params.n_heads_kv + kv) * gridDim.x + a) * params.top_k;
+    int* list = lists + (((long long)seq * params.n_heads_kv + kv) * params.n_query_blocks + a) * params.top_k;
     int len_q, len_k;
     sequence_lengths(fp, cu_q, cu_k, seq, len_q, len_k);
-    const int row0 = a * params.q_block;
-    if (row0 >= len_q) {  // past the sequence's own query blocks: an empty list
-        for (int w = threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;
-        return;
-    }
-    const int rows = min(params.q_block, len_q - row0);
-    const int key_blocks = (len_k + params.kv_block - 1) / params.kv_block;
-    int eligible = key_blocks;
-    if (params.causal) {
-        const long long last_key = (long long)row0 + rows - 1 + len_k - len_q;
-        eligible = last_key < 0 ? 0 : min(key_blocks, (int)(last_key / params.kv_block) + 1);
-    }
-
-    // The group's pooled queries (bsa_pool_queries), summed over the group's heads in ascending order.
-    const double* q_pool = pooled + params.pooled_queries_at;
-    const long long n_heads_q = (long long)params.n_heads_kv * group;
-    for (int c = threadIdx.x; c < d; c += SEL_THREADS) {
-        double group_sum = 0.0;
-        for (int h = 0; h < group; ++h) {
-            group_sum += q_pool[((seq * n_heads_q + kv * group + h) * gridDim.x + a) * d + c];
-        }
-        q_sum[c] = group_sum;
+    const SelectionRange range = selection_range(params, a, len_q, len_k);
+    const int eligible = range.eligible;
+    if (eligible > 0) {
+        for (int c = threadIdx.x; c < d; c += SEL_THREADS) q_sum[c] = group_query_sum(pooled, params, seq, kv, a, c);
     }
     for (int b = threadIdx.x; b < eligible; b += SEL_THREADS) chosen[b] = 0;
     __syncthreads();
@@ -227,16 +253,10 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
     }
 
     // Forced blocks, then top-k rounds over the rest.
-    int n_chosen = 0;
-    if (params.force_first && eligible > 0) {
-        if (threadIdx.x == 0) chosen[0] = 1;
-        n_chosen = 1;
-    }
-    const int local_from = eligible - min(params.force_local, eligible);
-    for (int b = local_from + threadIdx.x; b < eligible; b += SEL_THREADS) chosen[b] = 1;
-    n_chosen += eligible - local_from - ((params.force_first && local_from == 0 && eligible > 0) ? 1 : 0);
+    if (range.first && threadIdx.x == 0) chosen[0] = 1;
+    for (int b = range.local_from + threadIdx.x; b < eligible; b += SEL_THREADS) chosen[b] = 1;
     __syncthreads();
-    for (int round = n_chosen; round < min(params.top_k, eligible); ++round) {
+    for (int round = 0; round < range.room; ++round) {
         double s;
         int i;
         warp_best_unchosen(scores, chosen, threadIdx.x, eligible, SEL_THREADS, s, i);
@@ -275,4 +295,160 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
     }
     __syncthreads();
     for (int w = written + threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// bsa_select_stream: the same lists for top_k <= STREAM_MAX_TOP_K, without holding a query block's scores.
+//
+// One CTA per STREAM_QUERIES consecutive query blocks of one (KV head, sequence). It walks the eligible key blocks in
+// tiles of STREAM_KEYS: the tile's pooled keys go to shared memory once for all the CTA's query blocks (where
+// bsa_select reads every pooled key once per query block, which bounds it by the L2's bandwidth), every thread scores
+// one key block of the tile against four of the query blocks, and each query block's warp merges the tile's scores
+// into a running list of its best `room` candidates, one per lane, in registers. Nothing but the current tile's
+// scores is ever stored. The merge keeps exactly the `room` best candidates seen so far in the order of `better`, so
+// the final list does not depend on the order candidates arrive in: it is the top-k rounds' choice.
+//
+// The dot product of query block a and key block b is a single fma chain over the columns in ascending order, then
+// the scale: a fixed order that does not depend on the blocks' positions, so bitwise equal key blocks still score
+// bitwise equal (the scores differ from bsa_select's in their last bits, both inside the bound of
+// proofs/src/bsa_bound.rs, which assumes no order).
+#define STREAM_THREADS 128
+#define STREAM_WARPS (STREAM_THREADS / 32)
+#define STREAM_QUERIES 8
+#define STREAM_KEYS 64
+#define STREAM_MAX_TOP_K 32
+#define STREAM_PAD 2  // f64 after each row of the query and key tiles: 16-byte rows that do not share banks
+
+// Offers each lane's candidate (score s, key block i; `offer` false for none) to the warp's list of the `room` best so
+// far: lane l holds the l-th best (ls, li), `count` of them, in the order of `better`. Candidates are taken in
+// ascending lane order; one that is not better than the last entry of a full list is dropped.
+__device__ __forceinline__ void stream_offer(double s, int i, bool offer, int room, double& ls, int& li, int& count) {
+    const int lane = threadIdx.x % 32;
+    unsigned pending = __ballot_sync(0xffffffffu, offer && room > 0 && s == s);
+    while (pending) {
+        const int src = __ffs(pending) - 1;
+        pending &= pending - 1;
+        const double cs = __shfl_sync(0xffffffffu, s, src);
+        const int ci = __shfl_sync(0xffffffffu, i, src);
+        const double last_s = __shfl_sync(0xffffffffu, ls, room - 1);
+        const int last_i = __shfl_sync(0xffffffffu, li, room - 1);
+        if (count == room && !better(cs, ci, last_s, last_i)) continue;
+        // The entries better than the candidate are a prefix of the list; the candidate goes after them.
+        const int at = __popc(__ballot_sync(0xffffffffu, lane < count && better(ls, li, cs, ci)));
+        const double up_s = __shfl_up_sync(0xffffffffu, ls, 1);
+        const int up_i = __shfl_up_sync(0xffffffffu, li, 1);
+        if (lane > at) {
+            ls = up_s;
+            li = up_i;
+        }
+        if (lane == at) {
+            ls = cs;
+            li = ci;
+        }
+        count = min(count + 1, room);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(STREAM_THREADS)
+bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
+                  const int* __restrict__ cu_k, const BsaParams params) {
+    const FlashParams& fp = params.flash;
+    const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, row = d + STREAM_PAD;
+    // Under the causal mask the last query blocks see the most key blocks: the grid's first CTAs take them, so that
+    // the heaviest start first.
+    const int a0 = (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    double* q_tile = reinterpret_cast<double*>(smem_raw);  // [STREAM_QUERIES][row]
+    double* k_tile = q_tile + STREAM_QUERIES * row;          // [STREAM_KEYS][row]
+    double* tile_scores = k_tile + STREAM_KEYS * row;        // [STREAM_QUERIES][STREAM_KEYS]
+    __shared__ SelectionRange ranges[STREAM_QUERIES];
+
+    int len_q, len_k;
+    sequence_lengths(fp, cu_q, cu_k, seq, len_q, len_k);
+    if (threadIdx.x < STREAM_QUERIES) ranges[threadIdx.x] = selection_range(params, a0 + threadIdx.x, len_q, len_k);
+    for (int e = threadIdx.x; e < STREAM_QUERIES * d; e += STREAM_THREADS) {
+        const int j = e / d, c = e % d, a = a0 + j;
+        q_tile[j * row + c] = (a < params.n_query_blocks && a * params.q_block < len_q)
+                                  ? group_query_sum(pooled, params, seq, kv, a, c)
+                                  : 0.0;
+    }
+    __syncthreads();
+    int key_end = 0;  // the key blocks any of the CTA's query blocks may choose
+#pragma unroll
+    for (int j = 0; j < STREAM_QUERIES; ++j) key_end = max(key_end, ranges[j].local_from);
+
+    // Warp w keeps the lists of query blocks w and w + STREAM_WARPS.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    double best_s[STREAM_QUERIES / STREAM_WARPS];
+    int best_i[STREAM_QUERIES / STREAM_WARPS], count[STREAM_QUERIES / STREAM_WARPS];
+#pragma unroll
+    for (int m = 0; m < STREAM_QUERIES / STREAM_WARPS; ++m) {
+        best_s[m] = 0.0;
+        best_i[m] = -1;
+        count[m] = 0;
+    }
+    const double* k_pool = pooled + ((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks * d;
+    // A thread scores key block `key` of the tile against query blocks `query0` to `query0 + 3`.
+    const int key = (STREAM_KEYS / STREAM_WARPS) * warp + lane % (STREAM_KEYS / STREAM_WARPS);
+    const int query0 = 4 * (lane / (STREAM_KEYS / STREAM_WARPS));
+    for (int tile0 = 0; tile0 < key_end; tile0 += STREAM_KEYS) {
+        const int tile_rows = min(STREAM_KEYS, key_end - tile0);
+        for (int e = threadIdx.x; e < STREAM_KEYS * (d / 2); e += STREAM_THREADS) {
+            const int r = e / (d / 2), c = 2 * (e % (d / 2));
+            double2 pair = make_double2(0.0, 0.0);
+            if (r < tile_rows) pair = *reinterpret_cast<const double2*>(k_pool + (long long)(tile0 + r) * d + c);
+            *reinterpret_cast<double2*>(k_tile + r * row + c) = pair;
+        }
+        __syncthreads();
+        {
+            const double* k_row = k_tile + key * row;
+            const double* q_row = q_tile + query0 * row;
+            double acc[4] = {0.0, 0.0, 0.0, 0.0};
+#pragma unroll 4
+            for (int c = 0; c < d; c += 2) {
+                const double2 kk = *reinterpret_cast<const double2*>(k_row + c);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const double2 qq = *reinterpret_cast<const double2*>(q_row + r * row + c);
+                    acc[r] = fma(qq.x, kk.x, acc[r]);
+                    acc[r] = fma(qq.y, kk.y, acc[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) tile_scores[(query0 + r) * STREAM_KEYS + key] = params.scale * acc[r];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < STREAM_QUERIES / STREAM_WARPS; ++m) {
+            const SelectionRange range = ranges[warp + STREAM_WARPS * m];
+#pragma unroll
+            for (int half = 0; half < STREAM_KEYS / 32; ++half) {
+                const int j = 32 * half + lane, b = tile0 + j;
+                const double s = tile_scores[(warp + STREAM_WARPS * m) * STREAM_KEYS + j];
+                stream_offer(s, b, b >= range.first && b < range.local_from, range.room, best_s[m], best_i[m],
+                             count[m]);
+            }
+        }
+        __syncthreads();  // the next tile overwrites the keys and the scores
+    }
+
+    // The lists, ascending: the forced first block, the chosen ones by rank, the forced local blocks, then -1.
+#pragma unroll
+    for (int m = 0; m < STREAM_QUERIES / STREAM_WARPS; ++m) {
+        const int a = a0 + warp + STREAM_WARPS * m;
+        if (a >= params.n_query_blocks) continue;
+        const SelectionRange range = ranges[warp + STREAM_WARPS * m];
+        int* list = lists + (((long long)seq * params.n_heads_kv + kv) * params.n_query_blocks + a) * params.top_k;
+        int rank = range.first;
+        for (int t = 0; t < count[m]; ++t) rank += __shfl_sync(0xffffffffu, best_i[m], t) < best_i[m];
+        // The guards keep a wrong count from writing past the list.
+        if (lane < count[m] && rank < params.top_k) list[rank] = best_i[m];
+        if (lane == 0 && range.first) list[0] = 0;
+        const int local_at = range.first + count[m];
+        for (int t = lane; t < range.eligible - range.local_from; t += 32) {
+            if (local_at + t < params.top_k) list[local_at + t] = range.local_from + t;
+        }
+        const int written = min(local_at + range.eligible - range.local_from, params.top_k);
+        for (int w = written + lane; w < params.top_k; w += 32) list[w] = -1;
+    }
 }

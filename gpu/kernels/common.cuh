@@ -124,6 +124,8 @@ struct BsaParams {
     int n_heads_kv;         // KV heads (lists and pooled keys are per KV head)
     int n_key_blocks;       // key blocks of the longest sequence (the pooled keys' and the scores' extent)
     long long pooled_queries_at;  // element of the f64 workspace where the pooled queries start (after the keys)
+    int n_query_blocks;     // query blocks of the longest sequence: the lists' and the pooled queries' extent
+    int reserved;           // 0: rounds the size up to 8 bytes
 };
 
 // The scalars of pisa_select.cu's pyramid selection (PISA, E25–E28): the block selector's (leaves are its key blocks,
@@ -137,8 +139,6 @@ struct PisaParams {
     int scoring;            // 0 LSE over the pooled items, 1 PISA-1 (the node's mean), 2 PISA-2 (mean + var / 2)
     int n_levels;           // levels of the longest sequence's pyramid, leaves to root
     int max_candidates;     // max(K, 3) · β: a level's candidates at most, the trace's entries per level
-    int n_query_blocks;     // query blocks of the longest sequence (the lists', the trace's and the pooled queries' extent)
-    int reserved;           // 0: rounds the size up to 8 bytes
 };
 
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
@@ -269,7 +269,7 @@ PARAM_AT(BlockListParams, q_blocks, 36);
 PARAM_AT(BlockListParams, kv_blocks, 40);
 PARAM_AT(BlockListParams, reserved, 44);
 
-PARAM_SIZE(BsaParams, 208);
+PARAM_SIZE(BsaParams, 216);
 PARAM_AT(BsaParams, flash, 0);
 PARAM_AT(BsaParams, scale, 160);
 PARAM_AT(BsaParams, q_block, 168);
@@ -281,18 +281,18 @@ PARAM_AT(BsaParams, causal, 188);
 PARAM_AT(BsaParams, n_heads_kv, 192);
 PARAM_AT(BsaParams, n_key_blocks, 196);
 PARAM_AT(BsaParams, pooled_queries_at, 200);
+PARAM_AT(BsaParams, n_query_blocks, 208);
+PARAM_AT(BsaParams, reserved, 212);
 
 PARAM_SIZE(PisaParams, 248);
 PARAM_AT(PisaParams, bsa, 0);
-PARAM_AT(PisaParams, levels_at, 208);
-PARAM_AT(PisaParams, batch, 216);
-PARAM_AT(PisaParams, branching, 220);
-PARAM_AT(PisaParams, keep, 224);
-PARAM_AT(PisaParams, scoring, 228);
-PARAM_AT(PisaParams, n_levels, 232);
-PARAM_AT(PisaParams, max_candidates, 236);
-PARAM_AT(PisaParams, n_query_blocks, 240);
-PARAM_AT(PisaParams, reserved, 244);
+PARAM_AT(PisaParams, levels_at, 216);
+PARAM_AT(PisaParams, batch, 224);
+PARAM_AT(PisaParams, branching, 228);
+PARAM_AT(PisaParams, keep, 232);
+PARAM_AT(PisaParams, scoring, 236);
+PARAM_AT(PisaParams, n_levels, 240);
+PARAM_AT(PisaParams, max_candidates, 244);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);

@@ -358,7 +358,7 @@ __device__ __forceinline__ void pisa_descend(const elem_t* __restrict__ k, const
     const FlashParams& fp = params.bsa.flash;
     const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int a = blockIdx.x * warps + warp, kv = blockIdx.y, seq = blockIdx.z;
-    if (a >= params.n_query_blocks) return;
+    if (a >= params.bsa.n_query_blocks) return;
     const int group = fp.group, d = fp.d, width = params.bsa.top_k, max_candidates = params.max_candidates;
     // PISA-1's score is linear in the query: the group's pooled queries are summed first (as bsa_select does), one dot
     // product per candidate instead of one per head.
@@ -370,7 +370,7 @@ __device__ __forceinline__ void pisa_descend(const elem_t* __restrict__ k, const
     int* candidates = reinterpret_cast<int*>(scores + max_candidates);  // [max_candidates], ascending
     int* kept = candidates + max_candidates;                             // [width], ascending
 
-    const long long row_index = ((long long)seq * params.bsa.n_heads_kv + kv) * params.n_query_blocks + a;
+    const long long row_index = ((long long)seq * params.bsa.n_heads_kv + kv) * params.bsa.n_query_blocks + a;
     int* list = lists + row_index * width;
     const long long trace_row = row_index * params.n_levels * max_candidates;
     int len_q, len_k;
@@ -403,7 +403,7 @@ __device__ __forceinline__ void pisa_descend(const elem_t* __restrict__ k, const
     const long long n_heads_q = (long long)params.bsa.n_heads_kv * group;
     const double* q_pool = pooled + params.bsa.pooled_queries_at;
     const auto pooled_query = [&](int h, int c) {
-        return q_pool[((seq * n_heads_q + kv * group + h) * params.n_query_blocks + a) * d + c];
+        return q_pool[((seq * n_heads_q + kv * group + h) * params.bsa.n_query_blocks + a) * d + c];
     };
     for (int i = lane; i < q_cols; i += 32) {
         if (PRESUMMED) {

@@ -107,8 +107,9 @@ unsafe impl DeviceRepr for RingStateParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (two `i64` and four `i32` fields, no padding), its layout
 // pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for BlockListParams {}
-// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64` and eight `i32` fields, no
-// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64`, eight `i32`, an `i64` and two
+// `i32` fields, the last an explicit `reserved` tail, no padding), its layout pinned on both sides by the same
+// `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for BsaParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `i64` and six `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
@@ -522,13 +523,15 @@ pub(crate) fn launch_bsa_pool<T>(
     Ok(())
 }
 
-/// Launches `bsa_select` (gpu/kernels/bsa_select.cu) on `stream`: one list per (query block, KV head, sequence).
+/// Launches `bsa_select` or `bsa_select_stream` (gpu/kernels/bsa_select.cu) on `stream`: one list per (query block,
+/// KV head, sequence).
 ///
-/// Preconditions, established by `block_sparse::select`: `func` is `bsa_select`; `pooled` holds the pooled keys and
+/// Preconditions, established by `block_sparse::select`: `func` is one of the two; `pooled` holds the pooled keys and
 /// queries `bsa_pool_keys` and `bsa_pool_queries` wrote for the same spec and parameters; `lists` holds
-/// `B · n_heads_kv · n_query_blocks · top_k` i32 with `n_query_blocks` the grid's x extent; `cfg` has the kernel's
-/// 256 threads and dynamic shared memory for `d + n_key_blocks` f64 and `n_key_blocks` bytes, which the
-/// function attribute allows.
+/// `B · n_heads_kv · params.n_query_blocks · top_k` i32; `cfg` has the kernel's grid (`bsa_select`: a CTA per query
+/// block; `bsa_select_stream`: one per 8, `top_k` at most 32), threads and dynamic shared memory (`bsa_select`:
+/// `d + n_key_blocks` f64 and `n_key_blocks` bytes; `bsa_select_stream`: its query and key tiles and one tile's
+/// scores), which the function attribute allows.
 pub(crate) fn launch_bsa_select(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -539,8 +542,8 @@ pub(crate) fn launch_bsa_select(
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
     builder.arg(pooled).arg(lists).arg(cu_q).arg(cu_k).arg(params);
-    // SAFETY: the arguments match `bsa_select(const double* pooled, int* lists, const int* cu_q, const int* cu_k,
-    // const BsaParams)` in order and type; every index the kernel forms lies in the buffers the
+    // SAFETY: the arguments match `bsa_select` and `bsa_select_stream` (`const double* pooled, int* lists, const int*
+    // cu_q, const int* cu_k, const BsaParams`) in order and type; every index the kernel forms lies in the buffers the
     // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
     Ok(())

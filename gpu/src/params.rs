@@ -164,6 +164,10 @@ pub(crate) struct BsaParams {
     pub n_key_blocks: i32,
     /// Element of the f64 workspace where the pooled queries start.
     pub pooled_queries_at: i64,
+    /// Query blocks of the longest sequence: the lists' and the pooled queries' extent.
+    pub n_query_blocks: i32,
+    /// 0: rounds the size up to 8 bytes.
+    pub reserved: i32,
 }
 
 /// The pyramid selector's scalars (`struct PisaParams` of `common.cuh`), read by `pisa_select.cu`: the block selector's
@@ -187,10 +191,6 @@ pub(crate) struct PisaParams {
     pub n_levels: i32,
     /// `max(K, 3) · β`: candidates per level at most, the trace's entries per level.
     pub max_candidates: i32,
-    /// Query blocks of the longest sequence: the lists', the trace's and the pooled queries' extent.
-    pub n_query_blocks: i32,
-    /// 0: rounds the size up to 8 bytes.
-    pub reserved: i32,
 }
 
 /// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
@@ -576,20 +576,11 @@ mod tests {
                 causal,
                 n_heads_kv,
                 n_key_blocks,
-                pooled_queries_at
-            }),
-            rust_layout!(PisaParams {
-                bsa,
-                levels_at,
-                batch,
-                branching,
-                keep,
-                scoring,
-                n_levels,
-                max_candidates,
+                pooled_queries_at,
                 n_query_blocks,
                 reserved
             }),
+            rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

@@ -15,11 +15,16 @@
 //! integers: `attnproof_harness::block_selection` compares them with the oracle's entry for entry wherever that
 //! bound cannot move the top-k boundary.
 //!
-//! # Memory
+//! # Memory and kernels
 //!
-//! One CTA per (query block, KV head, sequence) holds that query block's scores in shared memory (8 bytes and a flag
-//! per key block, beside the group's summed pooled query) and never more: at 256K keys and 128-key blocks that is 2048
-//! scores. The pooled keys go to a caller-owned f64 workspace of [`workspace_len`] elements.
+//! Lists up to [`STREAM_MAX_TOP_K`] wide (the common case: top-8, top-16) come from `bsa_select_stream`: one CTA per
+//! 8 query blocks of a (KV head, sequence) reads each eligible pooled key block once into a shared-memory tile for all
+//! 8 and keeps, per query block, a running list of its best candidates in a warp's registers; no score outlives its
+//! tile. Wider lists come from `bsa_select`: one CTA per (query block, KV head, sequence) holds that query block's
+//! scores in shared memory (8 bytes and a flag per key block, beside the group's summed pooled query) and never more:
+//! at 256K keys and 128-key blocks that is 2048 scores. Both choose the same lists (the top-k of a total order), and
+//! the property suites draw widths on both sides of the limit. The pooled keys and queries go to a caller-owned f64
+//! workspace of [`workspace_len`] elements.
 
 use std::sync::Arc;
 
@@ -47,6 +52,49 @@ pub const BSA_SELECT: KernelSource = KernelSource {
 pub(crate) const POOL_THREADS: u32 = 128;
 const SELECT_THREADS: u32 = 256;
 
+/// The widest list `bsa_select_stream` builds (its `STREAM_MAX_TOP_K`: one candidate per lane of a warp); wider lists
+/// go to `bsa_select`, which holds a query block's scores.
+pub const STREAM_MAX_TOP_K: usize = 32;
+/// `bsa_select_stream`'s threads, query blocks per CTA, key blocks per tile and row padding (f64), as in the kernel.
+const STREAM_THREADS: u32 = 128;
+const STREAM_QUERIES: usize = 8;
+const STREAM_KEYS: usize = 64;
+const STREAM_PAD: usize = 2;
+
+/// The selection kernel a plan launches: its entry, the grid's x extent, the threads per CTA and the dynamic shared
+/// memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SelectLaunch {
+    entry: &'static str,
+    grid_x: usize,
+    threads: u32,
+    shared_bytes: usize,
+}
+
+impl SelectLaunch {
+    /// `bsa_select_stream` for lists up to [`STREAM_MAX_TOP_K`] wide (the query and key tiles and one tile's scores in
+    /// shared memory), else `bsa_select` (a query block's summed pooled query, its scores and a flag per key block).
+    fn of(plan: &Plan, head_dim: usize, top_k: usize) -> SelectLaunch {
+        if top_k <= STREAM_MAX_TOP_K {
+            let row = head_dim + STREAM_PAD;
+            SelectLaunch {
+                entry: "bsa_select_stream",
+                grid_x: plan.query_blocks.div_ceil(STREAM_QUERIES),
+                threads: STREAM_THREADS,
+                shared_bytes: 8 * ((STREAM_QUERIES + STREAM_KEYS) * row + STREAM_QUERIES * STREAM_KEYS),
+            }
+        } else {
+            let bytes = (head_dim + plan.key_blocks) * 8 + plan.key_blocks;
+            SelectLaunch {
+                entry: "bsa_select",
+                grid_x: plan.query_blocks,
+                threads: SELECT_THREADS,
+                shared_bytes: bytes.div_ceil(16) * 16,
+            }
+        }
+    }
+}
+
 /// Everything a launch needs, derived from a validated spec and configuration (PISA's pyramid selector,
 /// `crate::pisa::select`, builds on it: its leaves are these key blocks).
 pub(crate) struct Plan {
@@ -56,7 +104,6 @@ pub(crate) struct Plan {
     pub(crate) batch: usize,
     pub(crate) query_blocks: usize,
     pub(crate) key_blocks: usize,
-    shared_bytes: usize,
 }
 
 /// The plan of BSA's own lists: [`plan`] and lists no wider than the longest sequence's key blocks.
@@ -111,17 +158,10 @@ pub(crate) fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, Gpu
         n_key_blocks: to_i32("key blocks", key_blocks)?,
         pooled_queries_at: i64::try_from(seqs.len() * spec.n_heads_kv * key_blocks * spec.head_dim)
             .map_err(|_| GpuError::TooLarge { argument: "pooled keys", value: key_blocks })?,
+        n_query_blocks: to_i32("query blocks", query_blocks)?,
+        reserved: 0,
     };
-    let shared_bytes = (spec.head_dim + key_blocks) * 8 + key_blocks;
-    Ok(Plan {
-        params,
-        cu_q,
-        cu_k,
-        batch: seqs.len(),
-        query_blocks,
-        key_blocks,
-        shared_bytes: shared_bytes.div_ceil(16) * 16,
-    })
+    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), query_blocks, key_blocks })
 }
 
 /// f64 elements of the workspace for `spec` and `config`: the pooled keys, `B · Hkv · (key blocks of the longest
@@ -172,17 +212,16 @@ pub fn select_blocks_device<T: GpuElement>(
     let load = |name: &'static str| {
         module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(bsa_select.cu)", e))
     };
-    let (pool_keys, pool_queries, select) = (load("bsa_pool_keys")?, load("bsa_pool_queries")?, load("bsa_select")?);
-    let shared = plan.shared_bytes as u32;
-    // The scores of one query block (8 bytes and a flag per key block) set the need.
-    compile::allow_shared_memory(ctx, &select, plan.shared_bytes, "key blocks")?;
+    let selector = SelectLaunch::of(&plan, spec.head_dim, config.top_k);
+    let (pool_keys, pool_queries, select) = (load("bsa_pool_keys")?, load("bsa_pool_queries")?, load(selector.entry)?);
+    compile::allow_shared_memory(ctx, &select, selector.shared_bytes, "key blocks")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
     launch_pooling(stream, spec, &plan, (&pool_keys, &pool_queries), (q, k), pooled, (&cu_q, &cu_k))?;
     let cfg = LaunchConfig {
-        grid_dim: grid(plan.query_blocks, spec.n_heads_kv, plan.batch)?,
-        block_dim: (SELECT_THREADS, 1, 1),
-        shared_mem_bytes: shared,
+        grid_dim: grid(selector.grid_x, spec.n_heads_kv, plan.batch)?,
+        block_dim: (selector.threads, 1, 1),
+        shared_mem_bytes: selector.shared_bytes as u32,
     };
     launch::launch_bsa_select(stream, &select, cfg, (pooled, lists), (&cu_q, &cu_k), &plan.params)
 }
@@ -268,7 +307,13 @@ mod tests {
         assert_eq!(p.params.causal, 1);
         assert_eq!(p.params.scale, 0.125);
         assert_eq!((p.params.n_heads_kv, p.params.n_key_blocks, p.params.top_k), (2, 3, 3));
-        assert_eq!(p.shared_bytes, ((64 + 3) * 8 + 3usize).div_ceil(16) * 16);
+        assert_eq!(p.params.n_query_blocks, 4);
+        let stream = SelectLaunch::of(&p, 64, 3);
+        assert_eq!((stream.entry, stream.grid_x, stream.threads), ("bsa_select_stream", 1, 128));
+        assert_eq!(stream.shared_bytes, 8 * (72 * 66 + 8 * 64));
+        let rounds = SelectLaunch::of(&p, 64, STREAM_MAX_TOP_K + 1);
+        assert_eq!((rounds.entry, rounds.grid_x, rounds.threads), ("bsa_select", 4, 256));
+        assert_eq!(rounds.shared_bytes, ((64 + 3) * 8 + 3usize).div_ceil(16) * 16);
         assert_eq!(lists_shape(&spec, &config(3)), [2, 2, 4, 3]);
         assert_eq!(workspace_len(&spec, &config(3)), 2 * 64 * (2 * 3 + 4 * 4));
         assert_eq!(p.params.pooled_queries_at, 2 * 2 * 3 * 64);

@@ -192,8 +192,6 @@ fn plan(spec: &AttentionSpec, config: &PyramidSelectConfig) -> Result<Plan, GpuE
         scoring,
         n_levels: to_i32("levels", widths.len())?,
         max_candidates: to_i32("candidates", width * pyramid.branching)?,
-        n_query_blocks: to_i32("query blocks", lists.query_blocks)?,
-        reserved: 0,
     };
     Ok(Plan { lists, params, widths })
 }

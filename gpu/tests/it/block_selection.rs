@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::select::{
-    BSA_SELECT, lists_shape, select_blocks, select_blocks_device, workspace_len,
+    BSA_SELECT, STREAM_MAX_TOP_K, lists_shape, select_blocks, select_blocks_device, workspace_len,
 };
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
@@ -69,7 +69,7 @@ impl Ties {
 }
 
 /// Problems for the selector: dense or varlen (an empty sequence included), lengths around one block and long ones
-/// (up to 33 key blocks of 64, so that `top_k` chooses among many), GQA groups of 1 to 16, head dims multiple of 8 up
+/// (up to 67 key blocks of 64, so that `top_k` chooses among many and lists wider than [`STREAM_MAX_TOP_K`] come up), GQA groups of 1 to 16, head dims multiple of 8 up
 /// to 256, no mask or causal.
 pub fn selection_spec() -> impl Strategy<Value = AttentionSpec> {
     let length = prop_oneof![prop::sample::select(vec![1usize, 63, 64, 65, 127, 128, 129]), 300usize..2100,];
@@ -77,6 +77,13 @@ pub fn selection_spec() -> impl Strategy<Value = AttentionSpec> {
         prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (6, 2), (8, 8), (5, 5), (16, 1), (12, 4)]);
     let dim = prop::sample::select(vec![8usize, 64, 128, 136, 256]);
     let layout = prop_oneof![
+        // Many key blocks (up to 67 of 64 keys): lists wider than `STREAM_MAX_TOP_K`, which the selector builds with
+        // its other kernel, are drawn as often as narrow ones.
+        (300usize..700, 2100usize..4300).prop_map(|(len_q, len_k)| attnproof_oracle::Layout::Dense {
+            batch: 1,
+            len_q,
+            len_k
+        }),
         (1usize..=2, length.clone(), length.clone())
             .prop_map(|(batch, len_q, len_k)| attnproof_oracle::Layout::Dense { batch, len_q, len_k }),
         // Self-attention, the common case: under the causal mask a query block's last visible key then ends a block
@@ -346,10 +353,11 @@ fn selection_equals_the_oracles_f16() {
 }
 
 /// Replayed without a device: the suites draw ties, causal and unmasked problems, GQA groups above 1, every
-/// `top_k` from 1 to above 2, forced first and local blocks.
+/// `top_k` from 1 to above 2, lists for both kernels (up to [`STREAM_MAX_TOP_K`] wide and wider), forced first and
+/// local blocks.
 #[test]
 fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
-    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize));
+    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize, 0usize));
     for suite in &SELECTION_SUITES {
         let config = default_run_config(suite.name, suite.cases, suite.seed);
         let (tally, result) = suite.run(config, |d| {
@@ -359,6 +367,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
             s.2 += usize::from(d.config.force_first);
             s.3 += usize::from(d.config.force_local > 0);
             s.4 += usize::from(d.config.q_block != d.config.kv_block);
+            s.5 += usize::from(d.config.top_k > STREAM_MAX_TOP_K);
             Ok(())
         });
         assert!(result.is_ok(), "{result:?}");
@@ -368,7 +377,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
         );
     }
     let s = seen.into_inner();
-    assert!(s.0 > 0 && s.1 > 0 && s.2 > 0 && s.3 > 0 && s.4 > 0, "{s:?}");
+    assert!(s.0 > 0 && s.1 > 0 && s.2 > 0 && s.3 > 0 && s.4 > 0 && s.5 > 0, "{s:?}");
 }
 
 /// Every key block identical: every score ties, so the lists are the forced blocks and then the lowest indices.
@@ -432,9 +441,13 @@ fn bad_selection_input_is_a_typed_error() {
     lists.validate(&spec).expect("the selector's lists follow the convention");
 }
 
-/// The killing cases of the catalog's `bsa_select` mutants: causal with a partial last key block, a GQA group of 3,
+/// The killing cases of the catalog's `bsa_select.cu` mutants: causal with a partial last key block, a GQA group of 3,
 /// forced first and local blocks, every whole key block the same (so exact ties decide the lists) and early query
-/// blocks with fewer eligible blocks than `top_k` (padded lists); a second case without a mask over two sequences.
+/// blocks with fewer eligible blocks than `top_k` (padded lists); a second case without a mask over two sequences;
+/// a third with lists wider than [`STREAM_MAX_TOP_K`] (the rounds kernel), causal over two sequences of which the
+/// second has fewer key blocks than the width (padded lists), forced first and local blocks; a fourth without a mask
+/// over 65 key blocks (two tiles of the streaming kernel, the second with one block) whose pooled scores grow with the
+/// block index, so that the last blocks of both tiles are chosen.
 pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
     let spec = dense(1, 3, 1, 300, 300, 64, 64, Mask::Causal);
     let mut tied = make_case::<bf16>(&spec, gaussian(1.0), 31);
@@ -447,7 +460,26 @@ pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
     let spec = dense(2, 2, 2, 130, 520, 64, 64, Mask::None);
     let plain = make_case::<bf16>(&spec, gaussian(4.0), 32);
     let unforced = BsaConfig { q_block: 128, kv_block: 128, top_k: 2, force_first: false, force_local: 0 };
-    vec![("causal_gqa3_forced_ties", tied, forced), ("no_mask_two_sequences", plain, unforced)]
+    let spec = AttentionSpec {
+        layout: attnproof_oracle::Layout::Varlen { cu_seqlens_q: vec![0, 256, 456], cu_seqlens_k: vec![0, 4000, 5000] },
+        ..dense(1, 4, 2, 1, 1, 64, 64, Mask::Causal)
+    };
+    let wide = make_case::<bf16>(&spec, gaussian(2.0), 33);
+    let width = STREAM_MAX_TOP_K + 8;
+    let rounds = BsaConfig { q_block: 64, kv_block: 64, top_k: width, force_first: true, force_local: 2 };
+    let spec = dense(2, 4, 2, 128, 4100, 64, 64, Mask::None);
+    let mut growing = make_case::<bf16>(&spec, gaussian(1.0), 34);
+    growing.q.index_axis_mut(Axis(3), 0).fill(bf16::from_f32(2.0));
+    for j in 0..4100 {
+        growing.k.index_axis_mut(Axis(2), j).index_axis_mut(Axis(2), 0).fill(bf16::from_f32(4.0 * j as f32 / 4100.0));
+    }
+    let last_tiles = BsaConfig { q_block: 64, kv_block: 64, top_k: 16, force_first: false, force_local: 0 };
+    vec![
+        ("causal_gqa3_forced_ties", tied, forced),
+        ("no_mask_two_sequences", plain, unforced),
+        ("causal_wide_lists_varlen", wide, rounds),
+        ("no_mask_growing_scores_two_tiles", growing, last_tiles),
+    ]
 }
 
 /// Runs the selector `kernel` on a killing case; `Ok(())` when its lists pass the verification.

@@ -681,8 +681,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-query-of-the-next-block",
         description: "The descent reads the next query block's pooled queries",
-        find: "* params.n_query_blocks + a) * d + c];",
-        replace: "* params.n_query_blocks + min(a + 1, params.n_query_blocks - 1)) * d + c];",
+        find: "* params.bsa.n_query_blocks + a) * d + c];",
+        replace: "* params.bsa.n_query_blocks + min(a + 1, params.bsa.n_query_blocks - 1)) * d + c];",
         ..PISA_SELECT
     },
     Mutant {
@@ -788,9 +788,65 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-bsa-select-first-block-not-forced",
-        description: "Key block 0 is counted as forced but never marked, so the lists lose it and one entry",
-        find: "if (threadIdx.x == 0) chosen[0] = 1;",
-        replace: "if (threadIdx.x == 0) chosen[0] = 0;",
+        description: "The rounds kernel counts key block 0 as forced but never marks it: wide lists lose it and one entry",
+        find: "if (range.first && threadIdx.x == 0) chosen[0] = 1;",
+        replace: "if (range.first && threadIdx.x == 0) chosen[0] = 0;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-first-block-competes",
+        description: "Block 0 is never forced: it competes like any other block (both kernels)",
+        find: "range.first = (params.force_first && local_from > 0) ? 1 : 0;",
+        replace: "range.first = 0;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-tile-last-key-unloaded",
+        description: "The streaming kernel leaves the last pooled key block of every tile at zero",
+        find: "if (r < tile_rows) pair =",
+        replace: "if (r < tile_rows - 1) pair =",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-keys-of-the-first-query-block",
+        description: "The streaming CTA walks only the key blocks its first query block may choose",
+        find: "key_end = max(key_end, ranges[j].local_from);",
+        replace: "key_end = ranges[0].local_from;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-rank-counts-itself",
+        description: "A chosen block's place in the ascending list counts itself, one slot too far",
+        find: "rank += __shfl_sync(0xffffffffu, best_i[m], t) < best_i[m];",
+        replace: "rank += __shfl_sync(0xffffffffu, best_i[m], t) <= best_i[m];",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-grid-skips-first-group",
+        description: "The heavy-first order is off by one CTA: the first eight query blocks get no list",
+        find: "const int a0 = (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;",
+        replace: "const int a0 = (gridDim.x - blockIdx.x) * STREAM_QUERIES;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-score-reads-next-key",
+        description: "The streaming kernel scores each key block of a tile with the next block's pooled keys",
+        find: "const double* k_row = k_tile + key * row;",
+        replace: "const double* k_row = k_tile + min(key + 1, STREAM_KEYS - 1) * row;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-last-pad-unwritten",
+        description: "The streaming kernel never pads the last slot of a list that is not full",
+        find: "for (int w = written + lane; w < params.top_k; w += 32) list[w] = -1;",
+        replace: "for (int w = written + lane; w < params.top_k - 1; w += 32) list[w] = -1;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-merge-skips-second-half",
+        description: "The streaming kernel offers only the first 32 key blocks of each 64-block tile to the lists",
+        find: "for (int half = 0; half < STREAM_KEYS / 32; ++half) {",
+        replace: "for (int half = 0; half < 1; ++half) {",
         ..BSA_SELECT
     },
     Mutant {
@@ -816,7 +872,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-bsa-select-last-pad-unwritten",
-        description: "The last slot of a list that is not full is never padded with -1",
+        description: "The rounds kernel never pads the last slot of a list that is not full",
         find: "for (int w = written + threadIdx.x; w < params.top_k; w += SEL_THREADS) list[w] = -1;",
         replace: "for (int w = written + threadIdx.x; w < params.top_k - 1; w += SEL_THREADS) list[w] = -1;",
         ..BSA_SELECT
@@ -830,7 +886,7 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-bsa-select-score-reads-next-block",
-        description: "Each interleaved key block is scored with the next block's pooled keys",
+        description: "The rounds kernel scores each interleaved key block with the next block's pooled keys",
         find: "row[i] = min(base + i, eligible - 1);",
         replace: "row[i] = min(base + i + 1, eligible - 1);",
         ..BSA_SELECT
