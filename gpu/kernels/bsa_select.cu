@@ -320,18 +320,20 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
 #define STREAM_PAD 2  // f64 after each row of the query and key tiles: 16-byte rows that do not share banks
 
 // Offers each lane's candidate (score s, key block i; `offer` false for none) to the warp's list of the `room` best so
-// far: lane l holds the l-th best (ls, li), `count` of them, in the order of `better`. Candidates are taken in
-// ascending lane order; one that is not better than the last entry of a full list is dropped.
+// far: lane l holds the l-th best (ls, li), `count` of them, in the order of `better`. Once the list is full only the
+// candidates better than its last entry are taken up, one at a time in ascending lane order, each checked again
+// against the last entry as it stands then; after the first tiles few are.
 __device__ __forceinline__ void stream_offer(double s, int i, bool offer, int room, double& ls, int& li, int& count) {
+    if (room == 0) return;
     const int lane = threadIdx.x % 32;
-    unsigned pending = __ballot_sync(0xffffffffu, offer && room > 0 && s == s);
+    double last_s = __shfl_sync(0xffffffffu, ls, room - 1);
+    int last_i = __shfl_sync(0xffffffffu, li, room - 1);
+    unsigned pending = __ballot_sync(0xffffffffu, offer && s == s && (count < room || better(s, i, last_s, last_i)));
     while (pending) {
         const int src = __ffs(pending) - 1;
         pending &= pending - 1;
         const double cs = __shfl_sync(0xffffffffu, s, src);
         const int ci = __shfl_sync(0xffffffffu, i, src);
-        const double last_s = __shfl_sync(0xffffffffu, ls, room - 1);
-        const int last_i = __shfl_sync(0xffffffffu, li, room - 1);
         if (count == room && !better(cs, ci, last_s, last_i)) continue;
         // The entries better than the candidate are a prefix of the list; the candidate goes after them.
         const int at = __popc(__ballot_sync(0xffffffffu, lane < count && better(ls, li, cs, ci)));
@@ -346,6 +348,8 @@ __device__ __forceinline__ void stream_offer(double s, int i, bool offer, int ro
             li = ci;
         }
         count = min(count + 1, room);
+        last_s = __shfl_sync(0xffffffffu, ls, room - 1);
+        last_i = __shfl_sync(0xffffffffu, li, room - 1);
     }
 }
 
@@ -393,12 +397,14 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
     const int query0 = 4 * (lane / (STREAM_KEYS / STREAM_WARPS));
     for (int tile0 = 0; tile0 < key_end; tile0 += STREAM_KEYS) {
         const int tile_rows = min(STREAM_KEYS, key_end - tile0);
+        // The tile's pooled keys, 16 bytes per copy, all in flight at once (rows past the range read as zeros).
         for (int e = threadIdx.x; e < STREAM_KEYS * (d / 2); e += STREAM_THREADS) {
             const int r = e / (d / 2), c = 2 * (e % (d / 2));
-            double2 pair = make_double2(0.0, 0.0);
-            if (r < tile_rows) pair = *reinterpret_cast<const double2*>(k_pool + (long long)(tile0 + r) * d + c);
-            *reinterpret_cast<double2*>(k_tile + r * row + c) = pair;
+            const bool valid = r < tile_rows;
+            cp_async_16(k_tile + r * row + c, k_pool + (long long)(valid ? tile0 + r : 0) * d + c, valid);
         }
+        cp_async_commit();
+        cp_async_wait_all();
         __syncthreads();
         {
             const double* k_row = k_tile + key * row;

@@ -639,7 +639,7 @@ __device__ __forceinline__ void warp_mma_pv(float (&acc)[COL_TILES][4], const fl
 }
 
 // 16 bytes global → shared, asynchronously; `valid == false` writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
     const int bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(bytes));
 }

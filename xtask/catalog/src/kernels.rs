@@ -803,8 +803,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bsa-stream-tile-last-key-unloaded",
         description: "The streaming kernel leaves the last pooled key block of every tile at zero",
-        find: "if (r < tile_rows) pair =",
-        replace: "if (r < tile_rows - 1) pair =",
+        find: "const bool valid = r < tile_rows;",
+        replace: "const bool valid = r < tile_rows - 1;",
         ..BSA_SELECT
     },
     Mutant {
