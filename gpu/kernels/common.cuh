@@ -141,6 +141,23 @@ struct PisaParams {
     int max_candidates;     // max(K, 3) · β: a level's candidates at most, the trace's entries per level
 };
 
+// The scalars of pisa_tail.cu (PISA's first-order tail, E22): the problem (Q, K, V, O and LSE layouts, lengths, group,
+// head dims), the lists' geometry and where the workspace's statistics start.
+struct PisaTailParams {
+    FlashParams flash;      // the problem
+    double scale;           // α in f64
+    long long value_means_at;  // element of the f64 workspace where the blocks' mean values [B, Hkv, n_k, dv] start
+    long long hbar_at;      // element where H̄ [B, Hkv, d, dv] starts (the mean keys [B, Hkv, n_k, d] start at 0)
+    int q_block;            // query rows per query block of the lists
+    int kv_block;           // keys per key block: the tail's block size
+    int causal;             // 1: bottom-right causal; 0: no mask
+    int n_heads_kv;         // KV heads
+    int n_key_blocks;       // key blocks of the longest sequence
+    int n_query_blocks;     // query blocks of the longest sequence (the lists' extent)
+    int list_width;         // entries per list
+    int lists_per_kv_head;  // 1: one list per KV head, shared by its group; 0: one per query head
+};
+
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
 // compression parameters. Compressed keys and values are laid out like K and V with one row per complete window:
 // dense [B, Hkv, W, cols], varlen packed [total W, Hkv, cols] from the windows' cu_seqlens.
@@ -293,6 +310,20 @@ PARAM_AT(PisaParams, keep, 232);
 PARAM_AT(PisaParams, scoring, 236);
 PARAM_AT(PisaParams, n_levels, 240);
 PARAM_AT(PisaParams, max_candidates, 244);
+
+PARAM_SIZE(PisaTailParams, 216);
+PARAM_AT(PisaTailParams, flash, 0);
+PARAM_AT(PisaTailParams, scale, 160);
+PARAM_AT(PisaTailParams, value_means_at, 168);
+PARAM_AT(PisaTailParams, hbar_at, 176);
+PARAM_AT(PisaTailParams, q_block, 184);
+PARAM_AT(PisaTailParams, kv_block, 188);
+PARAM_AT(PisaTailParams, causal, 192);
+PARAM_AT(PisaTailParams, n_heads_kv, 196);
+PARAM_AT(PisaTailParams, n_key_blocks, 200);
+PARAM_AT(PisaTailParams, n_query_blocks, 204);
+PARAM_AT(PisaTailParams, list_width, 208);
+PARAM_AT(PisaTailParams, lists_per_kv_head, 212);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);

@@ -24,6 +24,7 @@
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
 //! - `pisa_select` (PISA's pyramid selection, compiled with `bsa_select`'s pooling) needs 7.5 for the same reasons.
+//! - `pisa_tail` (PISA's first-order tail, compiled with `bsa_select`'s pooling) needs 7.5: f64 arithmetic only.
 //! - `pisa_mass` (the block masses of E30's diagnostics) needs 7.5 too: f64 arithmetic and warp shuffles only.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
@@ -126,7 +127,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 17] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 18] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -162,6 +163,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 17] = [
         needs: (7, 5),
         only: false,
         instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+    },
+    DeviceRequirement {
+        kernel: "pisa_tail",
+        needs: (7, 5),
+        only: false,
+        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic only",
     },
     DeviceRequirement {
         kernel: "pisa_mass",

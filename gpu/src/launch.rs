@@ -10,7 +10,7 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 use crate::error::GpuError;
 use crate::params::{
     BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaLossParams, DsaSparseParams, FlashParams, NsaParams,
-    NsaSelectParams, PisaParams, RingStateParams,
+    NsaSelectParams, PisaParams, PisaTailParams, RingStateParams,
 };
 
 /// Whether the CUDA driver library can be loaded.
@@ -132,6 +132,9 @@ unsafe impl DeviceRepr for DsaLossParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `BsaParams`, an `i64` and six `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for PisaParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64`, two `i64` and eight `i32`
+// fields, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for PisaTailParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -570,6 +573,62 @@ pub(crate) fn launch_pisa_pool_level(
     // order and type; the nodes the kernel reads and writes lie in the workspace the caller sized (see above); the
     // buffers are borrowed for this call and their use is recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_pool_level)", e))?;
+    Ok(())
+}
+
+/// Launches `pisa_tail_means` or `pisa_tail_hbar` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail's
+/// statistics per key block (means of keys and values) or per tile of `H̄`.
+///
+/// Preconditions, established by `pisa::tail`: `func` is one of the two, compiled for the element type `T`; `k`, `v`
+/// hold the spec's K and V, which the strides and lengths of `params.flash` or the validated `cu_k` describe; `work`
+/// holds `pisa::tail::workspace_len` f64 (the mean keys from 0, the mean values from `params.value_means_at`, `H̄` from
+/// `params.hbar_at`), and `pisa_tail_hbar` runs after `pisa_tail_means` on the same stream; `cfg`'s grid is
+/// `(key blocks, n_heads_kv, B)` with 128 threads for the means and `(tiles of H̄, n_heads_kv, B)` with 256 for `H̄`.
+pub(crate) fn launch_pisa_tail_stats<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (k, v): (&CudaSlice<T>, &CudaSlice<T>),
+    work: &mut CudaSlice<f64>,
+    cu_k: &CudaSlice<i32>,
+    params: &PisaTailParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(k).arg(v).arg(work).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `pisa_tail_means` and `pisa_tail_hbar` (`const elem_t* k, const elem_t* v, double*
+    // work, const int* cu_k, const PisaTailParams`) in order and type; every index the kernels form lies in the
+    // buffers the caller sized (see above); the buffers are borrowed for this call and their use is recorded on
+    // `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_tail stats)", e))?;
+    Ok(())
+}
+
+/// Launches `pisa_tail_merge` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail of `TAIL_ROWS` rows of one
+/// query head per CTA, merged into the exact part's `O` and LSE in place.
+///
+/// Preconditions, established by `pisa::tail`: `func` is `pisa_tail_merge` compiled for the element type `T`; `q`
+/// holds the spec's Q; `work` the statistics `pisa_tail_means` and `pisa_tail_hbar` wrote for the same K and V;
+/// `lists` the validated lists `[B, list heads, n_query_blocks, list_width]` (the exact part's, cut blocks included);
+/// `o` and `lse` the block-sparse forward's outputs over those lists, in the spec's layout; `cfg`'s grid is
+/// `(⌈longest Lq / 16⌉, n_heads_q, B)` with 128 threads and the dynamic shared memory of
+/// `pisa::tail::merge_shared_bytes`, which the function attribute allows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_pisa_tail_merge<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, work, lists): (&CudaSlice<T>, &CudaSlice<f64>, &CudaSlice<i32>),
+    (o, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &PisaTailParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(work).arg(lists).arg(o).arg(lse).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `pisa_tail_merge(const elem_t* q, const double* work, const int* lists, elem_t* o,
+    // float* lse, const int* cu_q, const int* cu_k, const PisaTailParams)` in order and type; every index the kernel
+    // forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_tail_merge)", e))?;
     Ok(())
 }
 

@@ -6,7 +6,7 @@
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
 //! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
 //! indexer; [`DsaSparseParams`] for DSA's token-sparse attention; [`DsaLossParams`] for DSA's indexer loss;
-//! [`PisaParams`] for PISA's pyramid selection.
+//! [`PisaParams`] for PISA's pyramid selection; [`PisaTailParams`] for PISA's first-order tail.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -191,6 +191,36 @@ pub(crate) struct PisaParams {
     pub n_levels: i32,
     /// `max(K, 3) · β`: candidates per level at most, the trace's entries per level.
     pub max_candidates: i32,
+}
+
+/// PISA's tail scalars (`struct PisaTailParams` of `common.cuh`), read by `pisa_tail.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PisaTailParams {
+    /// The problem (Q, K, V, O and LSE layouts, lengths, group, head dims).
+    pub flash: FlashParams,
+    /// The softmax scale in f64.
+    pub scale: f64,
+    /// Element of the f64 workspace where the blocks' mean values start.
+    pub value_means_at: i64,
+    /// Element of the f64 workspace where `H̄` starts.
+    pub hbar_at: i64,
+    /// Query rows per query block of the lists.
+    pub q_block: i32,
+    /// Keys per key block: the tail's block size.
+    pub kv_block: i32,
+    /// 1 for the bottom-right causal mask, 0 for none.
+    pub causal: i32,
+    /// KV heads.
+    pub n_heads_kv: i32,
+    /// Key blocks of the longest sequence.
+    pub n_key_blocks: i32,
+    /// Query blocks of the longest sequence.
+    pub n_query_blocks: i32,
+    /// Entries per list.
+    pub list_width: i32,
+    /// 1 when the lists are per KV head, 0 per query head.
+    pub lists_per_kv_head: i32,
 }
 
 /// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
@@ -581,6 +611,20 @@ mod tests {
                 reserved
             }),
             rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
+            rust_layout!(PisaTailParams {
+                flash,
+                scale,
+                value_means_at,
+                hbar_at,
+                q_block,
+                kv_block,
+                causal,
+                n_heads_kv,
+                n_key_blocks,
+                n_query_blocks,
+                list_width,
+                lists_per_kv_head
+            }),
         ];
         let header = header_layouts();
         assert_eq!(header.len(), rust.len(), "common.cuh asserts the layout of {:?}", header.keys());

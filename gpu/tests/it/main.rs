@@ -23,6 +23,7 @@ mod nsa_layer;
 mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;
+mod pisa_tail;
 mod property;
 mod pyramid_diagnostics;
 mod pyramid_selection;

@@ -33,6 +33,7 @@ use crate::nsa_gates;
 use crate::nsa_select;
 use crate::nsa_selected;
 use crate::nsa_selected_backward;
+use crate::pisa_tail;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use crate::pyramid_diagnostics;
 use crate::pyramid_selection;
@@ -53,6 +54,7 @@ use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
 use attnproof_gpu::pisa::diagnostics::{MassConfig, PISA_MASS};
 use attnproof_gpu::pisa::select::{PISA_SELECT, PyramidSelectConfig};
+use attnproof_gpu::pisa::tail::PISA_TAIL;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -660,6 +662,43 @@ fn all_pyramid_selection_mutants_are_killed_by_the_general_suite() {
         suite.name,
         |kernel| {
             let tally = std::cell::RefCell::new(pyramid_selection::PyramidTally::default());
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+        },
+    );
+}
+
+#[test]
+fn all_pisa_tail_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_tail_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
+        pisa_tail::killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
+    hunt("all_pisa_tail_mutants_are_killed", PISA_TAIL, &catalog_mutants(PISA_TAIL), &cases, |kernel, c| {
+        pisa_tail::check_killing_case(&stream, kernel, c)
+    });
+}
+
+/// Every tail mutant also fails the general tail suite (bf16, its default draws).
+#[test]
+fn all_pisa_tail_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_tail_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &pisa_tail::TAIL_SUITES[0];
+    hunt_in_suite(
+        "all_pisa_tail_mutants_are_killed_by_the_general_suite",
+        PISA_TAIL,
+        &catalog_mutants(PISA_TAIL),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new((0usize, 0usize));
             let config = Config {
                 max_shrink_iters: 0,
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)

@@ -118,6 +118,14 @@ const PISA_SELECT: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of PISA's tail (`pisa_tail.cu`: the blocks' statistics, `H̄`, the tail's softmax and its
+/// merge into the exact part), launched in-process on a device with the tail's killing cases.
+const PISA_TAIL: Mutant = Mutant {
+    file: "gpu/kernels/pisa_tail.cu",
+    runner: Runner::KernelText { kernel: "pisa_tail", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of E30's block masses (`pisa_mass.cu`), launched in-process on a device with the masses'
 /// killing cases.
 const PISA_MASS: Mutant = Mutant {
@@ -777,6 +785,77 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int t = i / d, c = i % d, pp = chunk + t;",
         replace: "const int t = i / d, c = i % d, pp = t;",
         ..PISA_MASS
+    },
+    // --- pisa_tail.cu (PISA's first-order tail), launched on a device ---
+    Mutant {
+        name: "gpu-pisa-tail-listed-block-in-tail",
+        description: "The tail ignores the lists: a listed block enters the softmax twice, exactly and as its summary",
+        find: "if (t < tile && b < whole_s[r] && !listed[b]) {",
+        replace: "if (t < tile && b < whole_s[r]) {",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-term-missing",
+        description: "The shared first-order term A · α qᵀH̄ is left out (the zeroth-order tail)",
+        find: "const double numerator = fma(shared_weight, qh, acc[k][g]);",
+        replace: "const double numerator = acc[k][g];",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-over-one-block-fewer",
+        description: "H̄ divides the sum of the H_b by one block fewer than the sequence has",
+        find: "h_bar[(long long)(c0 + row) * dv + e0 + col + q] = acc[q] / n_blocks;",
+        replace: "h_bar[(long long)(c0 + row) * dv + e0 + col + q] = acc[q] / max(n_blocks - 1, 1);",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-deviation-not-subtracted",
+        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ",
+        find: "(double)to_f32(k_g[(long long)j * fp.k_row + c0 + c]) -\n                                   means[(long long)(j / p.kv_block) * d + c0 + c]",
+        replace: "(double)to_f32(k_g[(long long)j * fp.k_row + c0 + c])",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-partial-block-counted-whole",
+        description: "The tail's denominator counts a partial last block as kv_block keys",
+        find: "z_sum += w * min(p.kv_block, len_k - (b0 + t) * p.kv_block);",
+        replace: "z_sum += w * p.kv_block;",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-value-means-not-sums",
+        description: "A tail block's numerator takes its mean value instead of its value sum",
+        find: "vsum[e] = t < tile ? value_means[(long long)b * dv + e % dv] * count : 0.0;",
+        replace: "vsum[e] = t < tile ? value_means[(long long)b * dv + e % dv] : 0.0;",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-scores-of-the-first-row",
+        description: "Every row of a CTA scores the tail blocks with the CTA's first query",
+        find: "dot = fma((double)q_s[r * (d + 1) + c], mu[t * d + c], dot);",
+        replace: "dot = fma((double)q_s[c], mu[t * d + c], dot);",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-last-partial-tile-skipped",
+        description: "The tail's softmax skips a last tile of fewer than 16 blocks",
+        find: "for (int b0 = 0; b0 < tail_end; b0 += TAIL_BLOCKS) {",
+        replace: "for (int b0 = 0; b0 + TAIL_BLOCKS <= tail_end; b0 += TAIL_BLOCKS) {",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-exact-weight-inverted",
+        description: "The merge weighs the exact part by e^{M − lse_E} instead of e^{lse_E − M}",
+        find: "const double we = exp(lse_exact - top), wt = exp(m - top);",
+        replace: "const double we = exp(top - lse_exact), wt = exp(m - top);",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-rescale-forgotten",
+        description: "The tail's accumulators are not rescaled when a tile raises the row's maximum",
+        find: "double x = acc[k][g] * factor;",
+        replace: "double x = acc[k][g];",
+        ..PISA_TAIL
     },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {

@@ -1,0 +1,322 @@
+//! PISA's first-order tail on the GPU (E22): the block-sparse forward over a query block's listed key blocks, and
+//! every other key block the row sees whole in the same softmax, as its first-order summary. `gpu/kernels/pisa_tail.cu`
+//! behind typed wrappers, from device buffers ([`pisa_tail_forward_device`]) or host tensors ([`pisa_tail_forward`]).
+//!
+//! # The rule
+//!
+//! The oracle's (`attnproof_oracle::pisa`: `tail_statistics`, `classify_blocks`, `tail_output` with `TailRule::Pisa`).
+//! A row's key blocks are *exact* when its query block lists them or when the mask cuts them for some row of the query
+//! block ([`exact_lists`] adds those to the lists: E22 approximates whole blocks only, and a block kernel computes a
+//! query block's rows together); every other block the row sees whole is *tail*: it adds `α_ib |B_b|` to the
+//! denominator and `α_ib V^Σ_b` to the numerator, `α_ib = e^{α q_i·μ_b}`, and the tail's blocks together add
+//! `(Σ_b α_ib) α q_iᵀ H̄`, `H̄` the mean of `H_b = Σ_{j∈b} (k_j − μ_b) v_jᵀ` over every block of the sequence (the
+//! partial last block too), per KV head. Tail blocks are the lists' key blocks (`kv_block` keys). Masks: none or the
+//! bottom-right causal mask.
+//!
+//! # How it runs, and its precision
+//!
+//! The exact part is [`crate::block_sparse::block_sparse_forward_device`] over [`exact_lists`], with its own recipe
+//! and bound. Then three launches, all arithmetic in f64: the blocks' mean keys and values (`pisa_tail_means`, the
+//! block selector's pooling), `H̄` (`pisa_tail_hbar`), and per 16 rows of a query head the tail's online softmax and
+//! its merge into `O` and LSE in place (`pisa_tail_merge`): with the exact part's `(O_E, lse_E)` and the tail's
+//! `(m, Z, N)`, `o = (e^{lse_E − M} O_E + e^{m − M} N) / (e^{lse_E − M} + e^{m − M} Z)`, `M` the larger log-mass. A row
+//! without tail blocks keeps the forward's `O` and LSE bit for bit. The merged value is rounded to f32 and then to the
+//! storage type; `attnproof_harness::pisa_tail` holds the result to the forward's bound carried through the merge
+//! weights plus those roundings.
+//!
+//! # Memory
+//!
+//! A caller-owned f64 workspace of [`workspace_len`] elements: mean keys `[B, Hkv, n_k, d]`, mean values
+//! `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]`. Nothing of size `Lq × n_k` exists.
+
+use std::sync::Arc;
+
+use attnproof_oracle::spec::Operand;
+use attnproof_oracle::{AttentionSpec, Mask, Scale};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{Array4, ArrayViewD, Axis};
+
+use crate::block_sparse::{BlockLists, ListHeads, block_sparse_forward_device};
+use crate::common::{GpuElement, check_len, grid_3d, to_i32};
+use crate::compile::{self, KernelSource};
+use crate::error::GpuError;
+use crate::flash::{ForwardOutput, forward_from_host};
+use crate::launch;
+use crate::params::{FlashParams, PisaTailParams};
+
+/// `gpu/kernels/pisa_tail.cu` after the shared helpers and the block selector, whose block mean it reuses.
+pub const PISA_TAIL: KernelSource = KernelSource {
+    name: "pisa_tail",
+    source: concat!(
+        include_str!("../../kernels/common.cuh"),
+        include_str!("../../kernels/bsa_select.cu"),
+        include_str!("../../kernels/pisa_tail.cu")
+    ),
+};
+
+/// Rows, key blocks per tile and threads of `pisa_tail_merge` (the kernel's `TAIL_ROWS`, `TAIL_BLOCKS`,
+/// `TAIL_THREADS`), and the tile edge and threads of `pisa_tail_hbar`.
+const TAIL_ROWS: usize = 16;
+const TAIL_BLOCKS: usize = 16;
+const TAIL_THREADS: u32 = 128;
+const HBAR_TILE: usize = 32;
+const HBAR_THREADS: u32 = 256;
+const MEANS_THREADS: u32 = 128;
+
+/// The exact part's lists: each list of `lists` with the key blocks the mask cuts for some row of its query block
+/// added (bottom-right causal: the blocks holding a row's last visible key but not ending with it; none without a
+/// mask), ascending and `−1`-padded, as wide as the widest result needs. `lists` must be valid for `spec`.
+pub fn exact_lists(spec: &AttentionSpec, lists: &BlockLists) -> Result<BlockLists, GpuError> {
+    lists.validate(spec)?;
+    let (batch, heads, query_blocks, width) = lists.lists.dim();
+    let mut merged: Vec<Vec<i32>> = Vec::with_capacity(batch * heads * query_blocks);
+    let seqs = spec.sequences();
+    for seq in &seqs {
+        for head in 0..heads {
+            for a in 0..query_blocks {
+                let mut entries: Vec<i32> = lists
+                    .lists
+                    .slice(ndarray::s![seq.index, head, a, ..])
+                    .iter()
+                    .copied()
+                    .filter(|&b| b >= 0)
+                    .collect();
+                if matches!(spec.mask, Mask::Causal) {
+                    let rows = (a * lists.q_block)..((a + 1) * lists.q_block).min(seq.len_q);
+                    for i in rows {
+                        let Some(last) = (i + seq.len_k).checked_sub(seq.len_q) else { continue };
+                        if last + 1 < seq.len_k && (last + 1) % lists.kv_block != 0 {
+                            entries.push(to_i32("key block", last / lists.kv_block)?);
+                        }
+                    }
+                }
+                entries.sort_unstable();
+                entries.dedup();
+                merged.push(entries);
+            }
+        }
+    }
+    let new_width = merged.iter().map(Vec::len).max().unwrap_or(0).max(width.min(1));
+    let mut out = Array4::from_elem((batch, heads, query_blocks, new_width), -1i32);
+    for (row, entries) in out.lanes_mut(Axis(3)).into_iter().zip(&merged) {
+        let mut row = row;
+        for (slot, &b) in entries.iter().enumerate() {
+            row[slot] = b;
+        }
+    }
+    Ok(BlockLists { q_block: lists.q_block, kv_block: lists.kv_block, heads: lists.heads, lists: out })
+}
+
+/// f64 elements of the workspace for `spec` with tail blocks of `kv_block` keys: mean keys and values per block of
+/// the longest sequence, and `H̄`, per (sequence, KV head).
+pub fn workspace_len(spec: &AttentionSpec, kv_block: usize) -> usize {
+    let seqs = spec.sequences();
+    let key_blocks = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+    let per_head = key_blocks * (spec.head_dim + spec.head_dim_v) + spec.head_dim * spec.head_dim_v;
+    seqs.len() * spec.n_heads_kv * per_head
+}
+
+/// Dynamic shared memory of `pisa_tail_merge`: a tile's mean keys and value sums and its scores (f64), the CTA's
+/// queries (f32 rows of `d + 1`), and a flag per key block.
+fn merge_shared_bytes(head_dim: usize, head_dim_v: usize, key_blocks: usize) -> usize {
+    let bytes = 8 * (TAIL_BLOCKS * (head_dim + head_dim_v) + TAIL_ROWS * TAIL_BLOCKS)
+        + 4 * TAIL_ROWS * (head_dim + 1)
+        + key_blocks;
+    bytes.div_ceil(16) * 16
+}
+
+/// The kernels' scalars for `spec` and the exact part's `lists`, with the `cu_seqlens`.
+fn plan(spec: &AttentionSpec, lists: &BlockLists) -> Result<(PisaTailParams, Vec<i32>, Vec<i32>), GpuError> {
+    let causal = match spec.mask {
+        Mask::None => 0,
+        Mask::Causal => 1,
+        _ => {
+            return Err(GpuError::Unsupported {
+                argument: "mask",
+                reason: "PISA's tail takes no mask or the bottom-right causal mask".into(),
+            });
+        }
+    };
+    let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
+    let seqs = spec.sequences();
+    let key_blocks = lists.key_blocks(spec);
+    let means = seqs.len() * spec.n_heads_kv * key_blocks;
+    let too_large = |value| GpuError::TooLarge { argument: "workspace", value };
+    let params = PisaTailParams {
+        flash,
+        scale: match spec.scale {
+            Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f64).sqrt(),
+            Scale::Value(x) => x,
+        },
+        value_means_at: i64::try_from(means * spec.head_dim).map_err(|_| too_large(means))?,
+        hbar_at: i64::try_from(means * (spec.head_dim + spec.head_dim_v)).map_err(|_| too_large(means))?,
+        q_block: to_i32("q_block", lists.q_block)?,
+        kv_block: to_i32("kv_block", lists.kv_block)?,
+        causal,
+        n_heads_kv: to_i32("n_heads_kv", spec.n_heads_kv)?,
+        n_key_blocks: to_i32("key blocks", key_blocks)?,
+        n_query_blocks: to_i32("query blocks", lists.query_blocks(spec))?,
+        list_width: to_i32("list width", lists.lists.dim().3)?,
+        lists_per_kv_head: i32::from(lists.heads == ListHeads::PerKvHead),
+    };
+    Ok((params, cu_q, cu_k))
+}
+
+/// PISA's tail forward on device buffers (layouts as for [`crate::flash_forward_device`]): the block-sparse forward
+/// over [`exact_lists`] of `lists` into `o` and `lse`, then the tail merged into them. `work` holds at least
+/// [`workspace_len`] f64 (overwritten). Every check runs before the first launch; the launches are asynchronous on
+/// `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn pisa_tail_forward_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    lists: &BlockLists,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+    work: &mut CudaSlice<f64>,
+) -> Result<(), GpuError> {
+    pisa_tail_forward_device_with(stream, spec, lists, PISA_TAIL, q, k, v, o, lse, work)
+}
+
+/// [`pisa_tail_forward_device`] with an explicit text of `pisa_tail.cu` (the tests launch patched copies through the
+/// same checks).
+#[allow(clippy::too_many_arguments)]
+pub fn pisa_tail_forward_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    lists: &BlockLists,
+    kernel: KernelSource,
+    q: &CudaSlice<T>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    o: &mut CudaSlice<T>,
+    lse: &mut CudaSlice<f32>,
+    work: &mut CudaSlice<f64>,
+) -> Result<(), GpuError> {
+    let exact = exact_lists(spec, lists)?;
+    let (params, cu_q, cu_k) = plan(spec, &exact)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("work", work, workspace_len(spec, exact.kv_block))?;
+    for (name, buffer, op) in [("q", q, Operand::Q), ("k", k, Operand::K), ("v", v, Operand::V)] {
+        check_len(name, buffer, size(op))?;
+    }
+    check_len("o", o, size(Operand::O))?;
+    check_len("lse", lse, size(Operand::RowStat))?;
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &[T::DEFINE.to_owned()])?;
+    let load = |name: &'static str| {
+        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail.cu)", e))
+    };
+    let (means, hbar, merge) = (load("pisa_tail_means")?, load("pisa_tail_hbar")?, load("pisa_tail_merge")?);
+    let shared = merge_shared_bytes(spec.head_dim, spec.head_dim_v, params.n_key_blocks as usize);
+    compile::allow_shared_memory(ctx, &merge, shared, "head dims and key blocks")?;
+
+    block_sparse_forward_device(stream, spec, &exact, q, k, v, o, lse)?;
+    let batch = spec.sequences().len();
+    let (key_blocks, query_rows) = (params.n_key_blocks as usize, exact.query_blocks(spec) * exact.q_block);
+    if batch == 0 || key_blocks == 0 || query_rows == 0 {
+        return Ok(());
+    }
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(pisa tail)", e));
+    let (cu_q, cu_k) = (up(&cu_q)?, up(&cu_k)?);
+    let device_lists = up(exact.lists.as_slice().expect("standard layout"))?;
+    let cfg = |grid: (u32, u32, u32), threads: u32, shared: usize| LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let blocks_grid = grid_3d(("key blocks", key_blocks), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    launch::launch_pisa_tail_stats(stream, &means, cfg(blocks_grid, MEANS_THREADS, 0), (k, v), work, &cu_k, &params)?;
+    let tiles = spec.head_dim.div_ceil(HBAR_TILE) * spec.head_dim_v.div_ceil(HBAR_TILE);
+    let tiles_grid = grid_3d(("tiles", tiles), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    launch::launch_pisa_tail_stats(stream, &hbar, cfg(tiles_grid, HBAR_THREADS, 0), (k, v), work, &cu_k, &params)?;
+    let rows_grid = grid_3d(("rows", query_rows.div_ceil(TAIL_ROWS)), ("heads", spec.n_heads_q), ("sequences", batch))?;
+    launch::launch_pisa_tail_merge(
+        stream,
+        &merge,
+        cfg(rows_grid, TAIL_THREADS, shared),
+        (q, work, &device_lists),
+        (o, lse),
+        (&cu_q, &cu_k),
+        &params,
+    )
+}
+
+/// PISA's tail forward from host tensors, returning host outputs (copies in, launches, copies out, synchronizes).
+pub fn pisa_tail_forward<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    lists: &BlockLists,
+    q: ArrayViewD<'_, T>,
+    k: ArrayViewD<'_, T>,
+    v: ArrayViewD<'_, T>,
+) -> Result<ForwardOutput<T>, GpuError> {
+    let exact = exact_lists(spec, lists)?;
+    plan(spec, &exact)?;
+    let alloc_err = |e| GpuError::driver("cuMemAlloc", e);
+    let mut work = stream.alloc_zeros::<f64>(workspace_len(spec, lists.kv_block).max(1)).map_err(alloc_err)?;
+    forward_from_host(stream, spec, [q, k, v], |[dq, dk, dv], o, lse| {
+        pisa_tail_forward_device(stream, spec, lists, dq, dk, dv, o, lse, &mut work)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::Layout;
+
+    fn lists(spec: &AttentionSpec, q_block: usize, kv_block: usize, entries: &[&[i32]]) -> BlockLists {
+        let width = entries.iter().map(|e| e.len()).max().unwrap_or(0);
+        let mut a = Array4::from_elem((1, spec.n_heads_kv, entries.len(), width), -1);
+        for (qb, e) in entries.iter().enumerate() {
+            for (slot, &b) in e.iter().enumerate() {
+                a[[0, 0, qb, slot]] = b;
+            }
+        }
+        BlockLists { q_block, kv_block, heads: ListHeads::PerKvHead, lists: a }
+    }
+
+    #[test]
+    fn exact_lists_add_the_blocks_the_mask_cuts() {
+        // Lq = 128, Lk = 200: rows see keys up to row + 72; 64-key blocks end at 63, 127, 191, 199.
+        let spec = AttentionSpec::dense(1, 1, 1, 128, 200, 8, 8).with_mask(Mask::Causal);
+        let given = lists(&spec, 64, 64, &[&[0], &[]]);
+        let exact = exact_lists(&spec, &given).unwrap();
+        // Query block 0 (rows 0..63, last keys 72..135): cut blocks 1 (keys 64..127 for last 72..126) and 2 (128..135).
+        // Query block 1 (rows 64..127, last keys 136..199): block 2 cut for 136..190; 3 (192..199) cut for 192..198;
+        // row 127 sees every key.
+        assert_eq!(
+            exact
+                .lists
+                .index_axis(Axis(0), 0)
+                .index_axis(Axis(0), 0)
+                .outer_iter()
+                .map(|l| l.to_vec())
+                .collect::<Vec<_>>(),
+            [vec![0, 1, 2], vec![2, 3, -1]]
+        );
+        let none = spec.clone().with_mask(Mask::None);
+        assert_eq!(exact_lists(&none, &given).unwrap().lists, given.lists);
+    }
+
+    #[test]
+    fn the_workspace_and_the_shared_memory_are_spelled_out() {
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 10, 30], cu_seqlens_k: vec![0, 130, 140] },
+            ..AttentionSpec::dense(1, 4, 2, 1, 1, 64, 32)
+        };
+        assert_eq!(workspace_len(&spec, 64), 2 * 2 * (3 * (64 + 32) + 64 * 32));
+        assert_eq!(merge_shared_bytes(64, 32, 3), (8 * (16 * 96 + 256) + 4 * 16 * 65 + 3usize).div_ceil(16) * 16);
+        assert!(merge_shared_bytes(256, 256, 4096) <= 227 * 1024);
+    }
+
+    #[test]
+    fn masks_other_than_causal_are_refused() {
+        let spec = AttentionSpec::dense(1, 1, 1, 64, 64, 8, 8).with_mask(Mask::Window { left: 4, right: 0 });
+        let given = lists(&spec, 64, 64, &[&[0]]);
+        assert!(matches!(plan(&spec, &given), Err(GpuError::Unsupported { argument: "mask", .. })));
+    }
+}
