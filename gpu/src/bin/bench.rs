@@ -10,7 +10,13 @@
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
-//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]`.
+//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
+//! [--pisa-tail]`.
+//! `--pisa-tail` times PISA's tail forward (`attnproof_gpu::pisa::tail`, direction `pisa-tail-fwd`: the block-sparse
+//! forward over the exact lists, the blocks' statistics and `H̄`, the tail's softmax and merge) beside the block-sparse
+//! forward alone on the same exact lists (`bsa-fwd`) at B = 1, H = 24, T = 32K, D = 128, causal, 64×64 blocks, lists
+//! per query head of the diagonal and each earlier block with probability 0.15; the ratio of the two is the tail's
+//! overhead.
 //! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
@@ -100,7 +106,7 @@ use attnproof_gpu::backward::{
 };
 use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
-use attnproof_gpu::block_sparse::{BlockLists, ListHeads};
+use attnproof_gpu::block_sparse::{BlockLists, ListHeads, block_sparse_forward_device};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::dsa::index::{
     self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
@@ -126,6 +132,7 @@ use attnproof_gpu::pisa::select::{
     PISA_SELECT, PyramidSelectConfig, lists_shape as pisa_lists_shape, select_pyramid_device,
     workspace_len as pisa_workspace_len,
 };
+use attnproof_gpu::pisa::tail::{exact_lists, pisa_tail_forward_device, workspace_len as tail_workspace_len};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
@@ -186,6 +193,8 @@ struct Options {
     dsa_sparse: bool,
     /// `--dsa-sparse-source PATH`: other texts of the token-sparse attention, each timed beside the embedded one.
     dsa_sparse_sources: Vec<KernelSource>,
+    /// `--pisa-tail`: PISA's tail forward beside the block-sparse forward on the same lists (instead of the dense rows).
+    pisa_tail: bool,
 }
 
 /// The kernel text in `path` (given to `flag`, it must define `entry`) as a source the compile cache can key on
@@ -226,6 +235,7 @@ fn parse() -> Result<Options, String> {
         dsa_max_t: 131072,
         dsa_sparse: false,
         dsa_sparse_sources: vec![],
+        pisa_tail: false,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -244,6 +254,7 @@ fn parse() -> Result<Options, String> {
                 o.pisa_sources.push(kernel_from_file("--pisa-source", &path, "pisa_select")?);
             }
             "--nsa" => o.nsa = true,
+            "--pisa-tail" => o.pisa_tail = true,
             "--dsa" => o.dsa = true,
             "--dsa-sparse" => o.dsa_sparse = true,
             "--dsa-sparse-source" => {
@@ -380,6 +391,17 @@ fn upload(stream: &Arc<CudaStream>, n: usize, seed: u64) -> Result<CudaSlice<bf1
 
 /// Median milliseconds of `reps` calls of `launch(set)`, each bracketed by CUDA events, after `warmup` untimed
 /// ones, cycling the input sets.
+/// [`SETS`] input sets of `n` random bf16 each for Q, K and V (seeds `3s + 1`, `+ 2`, `+ 3`).
+fn upload_sets(stream: &Arc<CudaStream>, n: usize) -> Result<Inputs, String> {
+    let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
+    for s in 0..SETS as u64 {
+        inputs.q.push(upload(stream, n, 3 * s + 1)?);
+        inputs.k.push(upload(stream, n, 3 * s + 2)?);
+        inputs.v.push(upload(stream, n, 3 * s + 3)?);
+    }
+    Ok(inputs)
+}
+
 fn median_ms(
     stream: &Arc<CudaStream>,
     opts: &Options,
@@ -647,12 +669,7 @@ fn run_block_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) 
     let device = compute_capability(stream.context()).map_err(|e| e.to_string())?;
     for l in BLOCK_SPARSE_LENGTHS {
         let n = h * l * d;
-        let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
-        for s in 0..SETS as u64 {
-            inputs.q.push(upload(stream, n, 3 * s + 1)?);
-            inputs.k.push(upload(stream, n, 3 * s + 2)?);
-            inputs.v.push(upload(stream, n, 3 * s + 3)?);
-        }
+        let inputs = upload_sets(stream, n)?;
         let mut o = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
         let mut lse = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;
         let spec = AttentionSpec::dense(1, h, h, l, l, d, d).with_mask(Mask::Causal);
@@ -1294,6 +1311,63 @@ fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) ->
 }
 
 /// A zeroed bf16 device buffer of `n` elements.
+/// PISA's tail rows: B = 1, H = 24, T = 32K, D = 128, causal, blocks of 64 queries and 64 keys, lists per query head
+/// of the diagonal block and each earlier block with probability 0.15.
+const TAIL_SHAPE: (usize, usize, usize) = (24, 32768, 128);
+const TAIL_BLOCK: usize = 64;
+
+/// PISA's tail forward (`pisa-tail-fwd`: the block-sparse forward over the exact lists, the statistics and the merge)
+/// beside the block-sparse forward alone on the same exact lists (`bsa-fwd`, the tail's overhead), the FLOPs column
+/// counting the visited blocks' as the block-sparse rows do.
+fn run_pisa_tail(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result<(), String> {
+    let (h, l, d) = TAIL_SHAPE;
+    let n = h * l * d;
+    let inputs = upload_sets(stream, n)?;
+    let (mut o, mut lse) = (alloc(stream, n)?, stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?);
+    let spec = AttentionSpec::dense(1, h, h, l, l, d, d).with_mask(Mask::Causal);
+    let blocks = l / TAIL_BLOCK;
+    let mut next = xorshift(l as u64);
+    let mut lists = ndarray::Array4::from_elem((1, h, blocks, blocks), -1i32);
+    let mut visited = 0usize;
+    for head in 0..h {
+        for a in 0..blocks {
+            let chosen: Vec<usize> = (0..a).filter(|_| next() % 100 < 15).chain(std::iter::once(a)).collect();
+            visited += chosen.len();
+            for (w, &b) in chosen.iter().enumerate() {
+                lists[[0, head, a, w]] = b as i32;
+            }
+        }
+    }
+    let lists = BlockLists { q_block: TAIL_BLOCK, kv_block: TAIL_BLOCK, heads: ListHeads::PerQueryHead, lists };
+    let exact = exact_lists(&spec, &lists).map_err(|e| e.to_string())?;
+    let density = visited as f64 / (h * blocks * (blocks + 1) / 2) as f64;
+    eprintln!("pisa tail: {visited} visited blocks, {:.2}% of the causal blocks", 100.0 * density);
+    let flops = 4.0 * (d * TAIL_BLOCK * TAIL_BLOCK) as f64 * visited as f64;
+    let mut work = stream.alloc_zeros::<f64>(tail_workspace_len(&spec, TAIL_BLOCK)).map_err(|e| e.to_string())?;
+    let shape = format!("\"(1,{h},{l},{d})\",true");
+    let ms = median_ms(stream, opts, |s| {
+        block_sparse_forward_device(stream, &spec, &exact, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
+            .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("{shape},bsa-fwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    let ms = median_ms(stream, opts, |s| {
+        pisa_tail_forward_device(
+            stream,
+            &spec,
+            &lists,
+            &inputs.q[s],
+            &inputs.k[s],
+            &inputs.v[s],
+            &mut o,
+            &mut lse,
+            &mut work,
+        )
+        .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("{shape},pisa-tail-fwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    Ok(())
+}
+
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
 }
@@ -1313,21 +1387,23 @@ fn run(opts: &Options) -> Result<(), String> {
     if opts.dsa {
         run_dsa(opts, &stream, &mut out)?;
     }
+    if opts.pisa_tail {
+        run_pisa_tail(opts, &stream, &mut out)?;
+    }
     if opts.block_sparse {
         if !opts.selection_only {
             run_block_sparse(opts, &stream, &mut out)?;
         }
         run_selection(opts, &stream, &mut out)?;
     }
-    let dense_shapes = if opts.block_sparse || opts.nsa || opts.dsa || opts.dsa_sparse { &[][..] } else { &SHAPES[..] };
+    let dense_shapes = if opts.block_sparse || opts.nsa || opts.dsa || opts.dsa_sparse || opts.pisa_tail {
+        &[][..]
+    } else {
+        &SHAPES[..]
+    };
     for &(b, h, l, d) in dense_shapes.iter().filter(|s| opts.shape.is_none_or(|only| only == **s)) {
         let n = b * h * l * d;
-        let mut inputs = Inputs { q: vec![], k: vec![], v: vec![] };
-        for s in 0..SETS as u64 {
-            inputs.q.push(upload(&stream, n, 3 * s + 1)?);
-            inputs.k.push(upload(&stream, n, 3 * s + 2)?);
-            inputs.v.push(upload(&stream, n, 3 * s + 3)?);
-        }
+        let inputs = upload_sets(&stream, n)?;
         let mut o = stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())?;
         let mut lse = stream.alloc_zeros::<f32>(b * h * l).map_err(|e| e.to_string())?;
         let default = ForwardTiling::for_head_dims(d, d);
