@@ -4,9 +4,12 @@
 //! denominator (the first-order term vanishes) and `α_ib V^Σ_b + α_ib α q_iᵀ H_b` to the
 //! numerator, `H_b = Σ_j δ_j v_jᵀ`; PISA replaces every `H_b` by `H̄ = mean_b H_b`.
 //!
-//! Every mass is carried relative to one shift, the row's largest visible logit: it bounds every
-//! exact logit and every tail block's log-mass `α q_i·μ_b` (the mean of the block's visible
-//! logits, up to rounding), so f64 never forms `e^{s}` of a large logit.
+//! Every mass is carried relative to one shift, the output's largest term: the larger of the exact
+//! part's largest logit and the tail blocks' largest log-mass `α q_i·μ_b` (the row's largest visible
+//! logit when there is neither). Every term of the PISA output is then at most 1 and one is exactly
+//! 1, so f64 neither forms `e^{s}` of a large logit nor lets the denominator underflow when the
+//! row's largest logit sits in a tail block far above its block's mean. The dense mass, relative to
+//! the same shift, may exceed f64's range in such a row (`+∞`: the tail's share of it is then 0).
 
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
 
@@ -118,18 +121,22 @@ pub fn classify_blocks(visible: ArrayView1<'_, bool>, block_size: usize, selecte
 }
 
 /// One query's output under `rule`, with the tail mass `Σ_U α_ib|B_b|` and the exact total mass
-/// `Z_i`, both relative to the same shift, for the E23 bound.
+/// `Z_i`, both relative to the same shift (the output's largest term, see the module docs), for the
+/// E23 bound.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TailOutput<S> {
     /// The output `[dv]`.
     pub o: Array1<S>,
-    /// `Σ_{b∈U} α_ib |B_b| · e^{−shift}`.
+    /// `Σ_{b∈U} α_ib |B_b| · e^{−shift}`, `shift` the output's largest log-term.
     pub tail_mass: S,
     /// `Z_i · e^{−shift}`, the exact dense mass of the row.
     pub total_mass: S,
     /// The output's own denominator `· e^{−shift}` (`Z_E` plus the tail's approximate mass, or
     /// `Z_E` alone when dropping).
     pub denominator: S,
+    /// The shift every mass above is relative to: the output's largest log-term (the row's largest
+    /// visible logit when there is none); the output's log-sum-exp is `shift + ln(denominator)`.
+    pub shift: S,
 }
 
 /// E22 for query `q`: exact blocks through the online softmax, tail blocks by `rule`.
@@ -149,14 +156,16 @@ pub fn tail_output<S: Real>(
         Array2::from_shape_fn((1, k.nrows()), |(_, j)| visible[j] && classes.exact.contains(&(j / stats.block_size)));
     let exact = SoftmaxState::of_block(logits.view(), in_exact.view(), v, ctx);
     let dense = SoftmaxState::of_block(logits.view(), visible.insert_axis(Axis(0)), v, ctx);
-    let shift = dense.m[0].clone();
+    let log_masses: Vec<S> = classes.tail.iter().map(|&b| scale.clone() * dot(q, stats.means.row(b), ctx)).collect();
+    let largest = log_masses.iter().cloned().fold(exact.m[0].clone(), S::max);
+    let shift = if largest.is_finite() { largest } else { dense.m[0].clone() };
     let weight = |log_mass: &S| rescale_factor(log_mass, &shift, ctx);
     let mut numerator = exact.a.row(0).mapv(|x| x * weight(&exact.m[0]));
     let mut denominator = exact.l[0].clone() * weight(&exact.m[0]);
     let mut tail_mass = S::zero(ctx);
     let mut tail_alpha = S::zero(ctx);
-    for &b in &classes.tail {
-        let alpha = weight(&(scale.clone() * dot(q, stats.means.row(b), ctx)));
+    for (&b, log_mass) in classes.tail.iter().zip(&log_masses) {
+        let alpha = weight(log_mass);
         let mass = alpha.clone() * S::from_f64(stats.counts[b] as f64, ctx);
         tail_mass += mass.clone();
         tail_alpha += alpha.clone();
@@ -177,7 +186,8 @@ pub fn tail_output<S: Real>(
     } else {
         numerator.mapv(|n| n / denominator.clone())
     };
-    TailOutput { o, tail_mass, total_mass: dense.l[0].clone(), denominator }
+    let total_mass = dense.l[0].clone() * weight(&dense.m[0]);
+    TailOutput { o, tail_mass, total_mass, denominator, shift }
 }
 
 /// `numerator += factor · qᵀ H`.
@@ -304,7 +314,7 @@ mod tests {
     }
 
     fn output(tail_mass: f64, total_mass: f64) -> TailOutput<f64> {
-        TailOutput { o: Array1::zeros(1), tail_mass, total_mass, denominator: total_mass }
+        TailOutput { o: Array1::zeros(1), tail_mass, total_mass, denominator: total_mass, shift: 0.0 }
     }
 
     #[test]
@@ -342,6 +352,41 @@ mod tests {
         // Both tail blocks have the exact mean logit 1: one exponential and one addition per side.
         let tail = 2.0 * (1.0f64 - 3.0).exp() + 2.0 * (1.0f64 - 3.0).exp();
         assert!((out.tail_mass - tail).abs() <= 2.0 * f64::EPSILON * tail, "{} vs {tail}", out.tail_mass);
+    }
+
+    #[test]
+    fn a_peak_far_above_its_blocks_mean_leaves_a_finite_output() {
+        // One key of the tail block 0 has a logit 2000 above every other: relative to it every PISA term (the
+        // exact block's keys, the tail block's mean) underflows f64, yet the output is a weighted mean of finite
+        // terms. In MPFR nothing underflows; the f64 output must agree with it, and its denominator is at least 1.
+        let k = Array2::from_shape_fn((4, 1), |(j, _)| [4000.0, 0.0, 1.0, 2.0][j]);
+        let v = Array2::from_shape_fn((4, 1), |(j, _)| [1.0, -3.0, 5.0, 7.0][j]);
+        let q = ndarray::array![1.0];
+        let visible = Array1::from_elem(4, true);
+        let stats = tail_statistics(k.view(), v.view(), 2, ());
+        let classes = classify_blocks(visible.view(), 2, &[1]);
+        let out = tail_output(q.view(), k.view(), v.view(), visible.view(), &classes, &stats, &1.0, TailRule::Pisa, ());
+        assert!(out.denominator >= 1.0 && out.o[0].is_finite(), "{out:?}");
+        let ctx = crate::real::Precision(256);
+        let mp = |a: &Array2<f64>| a.mapv(|x| crate::real::Mp::new(x, ctx));
+        let (km, vm, qm) = (mp(&k), mp(&v), q.mapv(|x| crate::real::Mp::new(x, ctx)));
+        let stats_mp = tail_statistics(km.view(), vm.view(), 2, ctx);
+        let exact = tail_output(
+            qm.view(),
+            km.view(),
+            vm.view(),
+            visible.view(),
+            &classes,
+            &stats_mp,
+            &crate::real::Mp::new(1.0, ctx),
+            TailRule::Pisa,
+            ctx,
+        );
+        let reference = exact.o[0].to_f64();
+        assert!((out.o[0] - reference).abs() <= 1e-12 * reference.abs(), "{} vs {reference}", out.o[0]);
+        // The dense mass relative to the same shift overflows: the tail's share of it is 0, and so is E23's bound.
+        assert_eq!(out.total_mass, f64::INFINITY);
+        assert_eq!(pisa_error_bound(q.view(), &out, &classes, &stats, &1.0, ()), 0.0);
     }
 
     #[test]

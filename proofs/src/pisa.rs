@@ -211,8 +211,14 @@ pub fn pisa_within_bound(
     let first = oracle_first_order(args.0, args.1, args.2, args.3, &problem.classes, &stats, &problem.scale);
     let dense = dense_output(args.0, args.1, args.2, args.3, &problem.scale, ctx);
     let bound = pisa_error_bound(problem.q.view(), &first, &problem.classes, &stats, &problem.scale, ctx);
-    let allowed = (bound * (first.total_mass.clone() / first.denominator.clone()) + distance(&first.o, &dense, ctx))
-        * Mp::from_f64(1.0 + 2f64.powi(-20), ctx);
+    // A zero bound (no tail mass relative to the dense mass) contributes nothing, even where the dense mass is
+    // infinite relative to the output's shift.
+    let share = if bound == Mp::from_f64(0.0, ctx) {
+        Mp::from_f64(0.0, ctx)
+    } else {
+        bound * (first.total_mass.clone() / first.denominator.clone())
+    };
+    let allowed = (share + distance(&first.o, &dense, ctx)) * Mp::from_f64(1.0 + 2f64.powi(-20), ctx);
     let error = distance(&pisa.o, &dense, ctx);
     if error > allowed {
         return Err(Violation::Bound {

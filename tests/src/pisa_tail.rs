@@ -211,7 +211,7 @@ pub fn tail_targets<T: Element>(
                     }
                     o_bound[c] = bound + storage * (pisa.o[c].abs() + bound);
                 }
-                let lse_target = shift + pisa.denominator.ln();
+                let lse_target = pisa.shift + pisa.denominator.ln();
                 let mut bound = rho * (lse_target.abs() + 1.0);
                 if lambda > 0.0 {
                     bound += -(1.0 - lambda * (1.0 - (-e_l).exp())).ln();
@@ -231,7 +231,9 @@ pub fn tail_targets<T: Element>(
                 );
                 let dense = dense_row(qi, k2.view(), v2.view(), visible.row(i), scale, shift);
                 let e23 = pisa_error_bound(qi, &first, &classes, stats, &scale, ());
-                let allowed = e23 * first.total_mass / first.denominator + distance(first.o.view(), dense.view());
+                // E23's bound is 0 when the dense mass dwarfs the tail's past f64's range (total mass +∞).
+                let share = if e23 > 0.0 { e23 * first.total_mass / first.denominator } else { 0.0 };
+                let allowed = share + distance(first.o.view(), dense.view());
                 t.e23.push(E23Row { at, dense, allowed });
             }
         }
@@ -407,6 +409,40 @@ mod tests {
             lse_moved.as_slice_mut().unwrap()[row] += 2.0 * t.lse_bound.as_slice().unwrap()[row] + 1e-6;
             assert!(!judge(&t, o.view(), lse_moved.view()).lse.passed());
         }
+    }
+
+    /// The first draw the GPU suite failed on (2026-12-05): a peaked key 100 times the logit scale sits in a tail
+    /// block, so every term of the PISA output is more than 745 nats below the row's largest logit. Relative to that
+    /// logit the oracle's f64 output underflowed to 0 and its LSE to −∞; relative to the output's own largest term
+    /// (`TailOutput::shift`) every target is finite, and the rounded oracle passes.
+    #[test]
+    fn a_peaked_key_in_a_tail_block_leaves_finite_targets() {
+        let spec = crate::adversarial::varlen(&[0, 163, 244], &[0, 1167, 1556], 4, 2, 64, 64, Mask::Causal);
+        let profile =
+            ValueProfile { distribution: crate::generate::Distribution::Peaked, logit_scale: 100.0, value_mean: 0.0 };
+        let case = make_case::<bf16>(&spec, profile, 3883783613723694655);
+        let (batch, heads, query_blocks) = (2, 4, 3);
+        let mut lists = Array4::from_elem((batch, heads, query_blocks, 5), -1);
+        for (i, x) in lists.iter_mut().enumerate() {
+            *x = if i % 5 < 2 { (3 * i % 17) as i32 } else { -1 };
+        }
+        for mut lane in lists.lanes_mut(Axis(3)) {
+            let mut set: Vec<i32> = lane.iter().copied().filter(|&b| b >= 0).collect();
+            set.sort_unstable();
+            set.dedup();
+            lane.fill(-1);
+            for (slot, &b) in set.iter().enumerate() {
+                lane[slot] = b;
+            }
+        }
+        let layout = BlockSparseLayout { q_tile: 64, kv_tile: 64, lists };
+        let t = tail_targets(&case, &layout, crate::recipes::gpu_forward::<bf16>()).unwrap();
+        assert!(t.tail_rows > 0);
+        assert!(t.o.iter().all(|x| x.is_finite()) && t.lse.iter().all(|x| x.is_finite()), "every row sees keys");
+        let o = t.o.mapv(|x| bf16::from_f64(x).to_f64());
+        let lse = t.lse.mapv(|x| x as f32 as f64);
+        let v = judge(&t, o.view(), lse.view());
+        assert!(v.passed(), "{v:?}");
     }
 
     /// A tail without its shared heterogeneity term, or with zeroth-order weights only, fails: the E22 output's first-
