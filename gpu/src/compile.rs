@@ -22,10 +22,10 @@
 //! - `flash_bwd` needs 9.0: `bwd_kv` stores dS with `stmatrix` and adds dQ with the vector reduction
 //!   `red.global.add.v2.f32`, both from `sm_90` on; 8.x devices cannot run the backward.
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
-//! - `bsa_select` (block selection) needs 7.5 like `ring_state`: f64 arithmetic, warp shuffles and ballots only.
-//! - `pisa_select` (PISA's pyramid selection, compiled with `bsa_select`'s pooling) needs 7.5 for the same reasons.
-//! - `pisa_tail` (PISA's first-order tail, compiled with `bsa_select`'s pooling) needs 7.5: f64 arithmetic only.
-//! - `pisa_mass` (the block masses of E30's diagnostics) needs 7.5 too: f64 arithmetic and warp shuffles only.
+//! - `bsa_select` (block selection) needs 8.0: its streaming selector copies the pooled key tiles with cp.async;
+//!   otherwise f64 arithmetic, warp shuffles and ballots.
+//! - `pisa_select` (PISA's pyramid selection), `pisa_tail` (PISA's first-order tail) and `pisa_mass` (the block masses
+//!   of E30's diagnostics) are compiled after `bsa_select.cu` (its pooling and helpers) and need 8.0 with it.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
@@ -154,27 +154,27 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 18] = [
     },
     DeviceRequirement {
         kernel: "bsa_select",
-        needs: (7, 5),
+        needs: (8, 0),
         only: false,
-        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+        instructions: "cp.async for the streaming selector's key tiles; f64 arithmetic, warp shuffles and ballots",
     },
     DeviceRequirement {
         kernel: "pisa_select",
-        needs: (7, 5),
+        needs: (8, 0),
         only: false,
-        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic, warp shuffles and ballots only",
+        instructions: "bsa_select.cu's pooling, compiled with its cp.async; f64 arithmetic, warp shuffles and ballots",
     },
     DeviceRequirement {
         kernel: "pisa_tail",
-        needs: (7, 5),
+        needs: (8, 0),
         only: false,
-        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic only",
+        instructions: "bsa_select.cu's pooling, compiled with its cp.async; f64 arithmetic",
     },
     DeviceRequirement {
         kernel: "pisa_mass",
-        needs: (7, 5),
+        needs: (8, 0),
         only: false,
-        instructions: "the oldest target of the pinned CUDA 13 NVRTC; f64 arithmetic and warp shuffles only",
+        instructions: "bsa_select.cu's helpers, compiled with its cp.async; f64 arithmetic and warp shuffles",
     },
     DeviceRequirement {
         kernel: "nsa_compress",
