@@ -147,7 +147,6 @@ pub fn tail_targets<T: Element>(
         tail_rows: 0,
         e23: vec![],
     };
-    let storage = f64::from(f32::EPSILON) / 2.0 + T::UNIT_ROUNDOFF * (1.0 + f64::from(f32::EPSILON) / 2.0);
     for seq in spec.sequences() {
         let visible = spec.mask.matrix(seq.len_q, seq.len_k);
         let mut stats: Vec<Option<TailStatistics<f64>>> = vec![None; spec.n_heads_kv];
@@ -193,30 +192,20 @@ pub fn tail_targets<T: Element>(
                 t.tail_rows += 1;
                 let args = (qi, k2.view(), v2.view(), visible.row(i));
                 let pisa = tail_output(args.0, args.1, args.2, args.3, &classes, stats, &scale, TailRule::Pisa, ());
-                let shift = row_shift(qi, k2.view(), visible.row(i), scale);
-                let lambda = 1.0 - pisa.tail_mass / pisa.denominator;
                 let n = 2 * (spec.head_dim + spec.head_dim_v + stats.counts.len() + exact.kv_tile) + 32;
-                let rho = gamma(n, f64::EPSILON / 2.0);
                 let max_h = stats.h_bar.iter().fold(0f64, |m, x| m.max(x.abs()));
                 let q1 = qi.iter().map(|x| x.abs()).sum::<f64>();
-                let slack = rho * (max_v + scale.abs() * q1 * max_h);
-                // An empty exact part (λ = 0) has no weight to move: its LSE and bound are −∞ and 0.
-                let growth = if lambda > 0.0 { (e_l.exp() - 1.0) * e_l.exp() } else { 0.0 };
-                let d_lambda = lambda * (1.0 - lambda) * growth;
-                let mut o_bound = Array1::zeros(spec.head_dim_v);
-                for c in 0..spec.head_dim_v {
-                    let mut bound = slack;
-                    if lambda > 0.0 {
-                        bound += (lambda + d_lambda) * e_o[c] + lambda * growth * (pisa.o[c] - o_exact[c]).abs();
-                    }
-                    o_bound[c] = bound + storage * (pisa.o[c].abs() + bound);
-                }
+                let model = MergeModel {
+                    lambda: 1.0 - pisa.tail_mass / pisa.denominator,
+                    e_l,
+                    rho: gamma(n, f64::EPSILON / 2.0),
+                    unit_roundoff: T::UNIT_ROUNDOFF,
+                };
+                let carried = max_v + scale.abs() * q1 * max_h;
+                let o_bound: Array1<f64> =
+                    (0..spec.head_dim_v).map(|c| model.output_bound(pisa.o[c], o_exact[c], e_o[c], carried)).collect();
                 let lse_target = pisa.shift + pisa.denominator.ln();
-                let mut bound = rho * (lse_target.abs() + 1.0);
-                if lambda > 0.0 {
-                    bound += -(1.0 - lambda * (1.0 - (-e_l).exp())).ln();
-                }
-                let lse_bound = bound + f64::from(f32::EPSILON) / 2.0 * (lse_target.abs() + bound);
+                let lse_bound = model.lse_bound(lse_target);
                 put(&mut t, pisa.o.view(), o_bound.view(), lse_target, lse_bound);
                 let first = tail_output(
                     args.0,
@@ -229,7 +218,7 @@ pub fn tail_targets<T: Element>(
                     TailRule::FirstOrderPerBlock,
                     (),
                 );
-                let dense = dense_row(qi, k2.view(), v2.view(), visible.row(i), scale, shift);
+                let dense = dense_row(qi, k2.view(), v2.view(), visible.row(i), scale);
                 let e23 = pisa_error_bound(qi, &first, &classes, stats, &scale, ());
                 // E23's bound is 0 when the dense mass dwarfs the tail's past f64's range (total mass +∞).
                 let share = if e23 > 0.0 { e23 * first.total_mass / first.denominator } else { 0.0 };
@@ -311,26 +300,69 @@ fn row_of(t: &ArrayD<f64>, i: usize) -> ArrayView1<'_, f64> {
     t.index_axis(Axis(0), i).index_axis_move(Axis(0), 0).into_dimensionality().expect("a [L, 1, D] tensor")
 }
 
+/// The merge's error model for one row with a tail (module docs): the exact part's share `lambda` of the row's PISA
+/// denominator, the exact part's LSE bound `e_l`, the f64 tail's relative error `rho`, and the storage type's unit
+/// roundoff (the merged value is rounded to f32 first, then to the storage type).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MergeModel {
+    /// `λ = Z_E / (Z_E + Z_U)`.
+    pub lambda: f64,
+    /// Bound on the exact part's LSE error.
+    pub e_l: f64,
+    /// `γ_n(2^-53)` of the f64 tail.
+    pub rho: f64,
+    /// The storage type's unit roundoff.
+    pub unit_roundoff: f64,
+}
+
+impl MergeModel {
+    /// `(e^{e_L} − 1) e^{e_L}`: how far `λ̂/λ`'s companion terms can move per unit of `λ`; 0 without an exact part.
+    fn growth(&self) -> f64 {
+        if self.lambda > 0.0 { (self.e_l.exp() - 1.0) * self.e_l.exp() } else { 0.0 }
+    }
+
+    /// The bound on one output element whose PISA value is `target`, where the exact part's oracle value is `exact`
+    /// with bound `e_o`, and the largest value a tail term carries is `carried`:
+    /// `B = ρ·carried + (λ + Δλ) e_O + λ (e^{e_L} − 1) e^{e_L} |target − exact|`, `Δλ = λ (1 − λ)(e^{e_L} − 1) e^{e_L}`
+    /// (the exact part's terms only when `λ > 0`), then `B + (u_32 + u + u_32 u)(|target| + B)` for the roundings.
+    pub fn output_bound(&self, target: f64, exact: f64, e_o: f64, carried: f64) -> f64 {
+        let mut bound = self.rho * carried;
+        if self.lambda > 0.0 {
+            let growth = self.growth();
+            let d_lambda = self.lambda * (1.0 - self.lambda) * growth;
+            bound += (self.lambda + d_lambda) * e_o + self.lambda * growth * (target - exact).abs();
+        }
+        let u32 = f64::from(f32::EPSILON) / 2.0;
+        bound + (u32 + self.unit_roundoff * (1.0 + u32)) * (target.abs() + bound)
+    }
+
+    /// The bound on the LSE whose PISA value is `target`: `B = ρ (|target| + 1) − ln(1 − λ (1 − e^{−e_L}))` (the
+    /// second term only when `λ > 0`), then `B + u_32 (|target| + B)`.
+    pub fn lse_bound(&self, target: f64) -> f64 {
+        let mut bound = self.rho * (target.abs() + 1.0);
+        if self.lambda > 0.0 {
+            bound += -(1.0 - self.lambda * (1.0 - (-self.e_l).exp())).ln();
+        }
+        bound + f64::from(f32::EPSILON) / 2.0 * (target.abs() + bound)
+    }
+}
+
 /// `γ_n = n u / (1 − n u)`.
 fn gamma(n: usize, u: f64) -> f64 {
     let nu = n as f64 * u;
     nu / (1.0 - nu)
 }
 
-/// The row's largest visible logit `α q·k_j`.
-fn row_shift(q: ArrayView1<'_, f64>, k: ArrayView2<'_, f64>, visible: ArrayView1<'_, bool>, scale: f64) -> f64 {
-    (0..k.nrows()).filter(|&j| visible[j]).map(|j| scale * q.dot(&k.row(j))).fold(f64::NEG_INFINITY, f64::max)
-}
-
-/// Dense attention of one row over its visible keys, in f64 relative to `shift`.
+/// Dense attention of one row over its visible keys, in f64 relative to its largest logit.
 fn dense_row(
     q: ArrayView1<'_, f64>,
     k: ArrayView2<'_, f64>,
     v: ArrayView2<'_, f64>,
     visible: ArrayView1<'_, bool>,
     scale: f64,
-    shift: f64,
 ) -> Array1<f64> {
+    let shift =
+        (0..k.nrows()).filter(|&j| visible[j]).map(|j| scale * q.dot(&k.row(j))).fold(f64::NEG_INFINITY, f64::max);
     let mut out = Array1::zeros(v.ncols());
     let mut mass = 0.0;
     for j in (0..k.nrows()).filter(|&j| visible[j]) {
@@ -443,6 +475,39 @@ mod tests {
         let lse = t.lse.mapv(|x| x as f32 as f64);
         let v = judge(&t, o.view(), lse.view());
         assert!(v.passed(), "{v:?}");
+    }
+
+    /// The merge's bounds, term by term, at a row with both parts and at the two ends of `λ`.
+    #[test]
+    fn the_merge_bounds_are_the_derived_formulas() {
+        let u32 = f64::from(f32::EPSILON) / 2.0;
+        let model = MergeModel { lambda: 0.75, e_l: 0.01, rho: 1e-10, unit_roundoff: 1.0 / 256.0 };
+        let growth = (0.01f64.exp() - 1.0) * 0.01f64.exp();
+        let d_lambda = 0.75 * 0.25 * growth;
+        let inner = 1e-10 * 5.0 + (0.75 + d_lambda) * 0.001 + 0.75 * growth * 1.0;
+        let expected = inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner);
+        assert_eq!(model.output_bound(2.0, 1.0, 0.001, 5.0), expected);
+        // The sign of the difference to the exact part does not matter.
+        assert_eq!(model.output_bound(2.0, 3.0, 0.001, 5.0), expected);
+        let lse_inner = 1e-10 * 4.0 - (1.0 - 0.75 * (1.0 - (-0.01f64).exp())).ln();
+        assert_eq!(model.lse_bound(-3.0), lse_inner + u32 * (3.0 + lse_inner));
+        // No exact part: only the f64 tail and the roundings.
+        let empty = MergeModel { lambda: 0.0, ..model };
+        let inner = 1e-10 * 5.0;
+        assert_eq!(
+            empty.output_bound(2.0, 1.0, 0.001, 5.0),
+            inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner)
+        );
+        assert_eq!(empty.lse_bound(-3.0), 4e-10 + u32 * (3.0 + 4e-10));
+        // Everything exact (λ = 1): the exact part's bound, its LSE's, and the roundings.
+        let whole = MergeModel { lambda: 1.0, ..model };
+        let inner = 1e-10 * 5.0 + 0.001;
+        assert_eq!(
+            whole.output_bound(2.0, 2.0, 0.001, 5.0),
+            inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner)
+        );
+        let lse_inner = 1e-10 * 4.0 + 0.01;
+        assert!((whole.lse_bound(-3.0) - (lse_inner + u32 * (3.0 + lse_inner))).abs() <= 1e-15);
     }
 
     /// A tail without its shared heterogeneity term, or with zeroth-order weights only, fails: the E22 output's first-
