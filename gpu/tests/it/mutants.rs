@@ -73,11 +73,12 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 16] = [
+const KERNELS: [KernelSource; 17] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
     PISA_SELECT,
+    PISA_TAIL,
     PISA_MASS,
     NSA_COMPRESS,
     NSA_GATES,
