@@ -173,16 +173,26 @@ fn long_key_spec() -> impl Strategy<Value = AttentionSpec> {
 /// What the block-sparse suites draw (dependent shapes through `prop_flat_map`: the picks follow the spec and the
 /// block sizes).
 pub fn block_draws(shapes: DrawShapes) -> impl Strategy<Value = BlockDraw> {
-    let q_sizes = prop::sample::select(shapes.block_sizes());
-    let kv_sizes = prop::sample::select(shapes.kv_block_sizes());
-    let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
-    let density = prop::sample::select(Density::ALL.to_vec());
     let specs = match shapes {
         DrawShapes::Kernel => kernel_spec().boxed(),
         DrawShapes::KernelAndLongKeys => prop_oneof![3 => kernel_spec(), 1 => long_key_spec()].boxed(),
         DrawShapes::Wgmma => wgmma_spec().boxed(),
         DrawShapes::WgmmaBackward => prop_oneof![3 => wgmma_spec(), 1 => wgmma_diagonal_spec()].boxed(),
     };
+    draws_over(specs, shapes.block_sizes(), shapes.kv_block_sizes())
+}
+
+/// Draws over the problems `specs`: query and key block sizes from `q_sizes` and `kv_sizes`, lists per query head or
+/// per KV head, a density class and the picks it weights, a value profile and a seed (also PISA's tail suites').
+pub fn draws_over(
+    specs: BoxedStrategy<AttentionSpec>,
+    q_sizes: Vec<usize>,
+    kv_sizes: Vec<usize>,
+) -> impl Strategy<Value = BlockDraw> {
+    let q_sizes = prop::sample::select(q_sizes);
+    let kv_sizes = prop::sample::select(kv_sizes);
+    let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
+    let density = prop::sample::select(Density::ALL.to_vec());
     (specs, q_sizes, kv_sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
         |(spec, q_block, kv_block, heads, density, profile, seed)| {
             let seqs = spec.sequences();

@@ -13,7 +13,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use crate::block_sparse::{Density, lists_from};
+use crate::block_sparse::{BlockDraw, Density, draws_over, lists_from};
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
@@ -25,9 +25,8 @@ use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::candidate::{ForwardRun, block_sparse_forward_guarded, forward_guarded_with};
-use attnproof_harness::generate::{ValueProfile, make_case};
+use attnproof_harness::generate::make_case;
 use attnproof_harness::pisa_tail::{TailVerdict, exact_layout, judge, tail_targets, verify_pisa_tail};
-use attnproof_harness::strategies::profile;
 use attnproof_oracle::pisa::classify_blocks;
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
@@ -35,21 +34,6 @@ use half::{bf16, f16};
 use ndarray::Axis;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
-
-/// One tail draw: the problem (no mask or causal), its lists and their density class, values and seed.
-#[derive(Clone, Debug)]
-pub struct TailDraw {
-    /// The problem.
-    pub spec: AttentionSpec,
-    /// The selected blocks.
-    pub lists: BlockLists,
-    /// How densely they were drawn.
-    pub density: Density,
-    /// Values.
-    pub profile: ValueProfile,
-    /// Seed.
-    pub seed: u64,
-}
 
 /// The kernels' shapes with their mask made one the tail takes (causal stays, windows become causal, none stays),
 /// and as often longer problems, 200 to 1300 keys (up to 21 blocks of 64: two tiles of the tail's softmax) over a few
@@ -79,40 +63,10 @@ fn tail_spec() -> impl Strategy<Value = AttentionSpec> {
     prop_oneof![kernel, long]
 }
 
-/// What the tail suites draw (the lists follow the spec and the block sizes through `prop_flat_map`).
-pub fn tail_draws() -> impl Strategy<Value = TailDraw> {
-    let sizes = prop::sample::select(BLOCK_SIZES.to_vec());
-    let heads = prop::sample::select(vec![ListHeads::PerQueryHead, ListHeads::PerKvHead]);
-    let density = prop::sample::select(Density::ALL.to_vec());
-    (tail_spec(), sizes.clone(), sizes, heads, density, profile(), any::<u64>()).prop_flat_map(
-        |(spec, q_block, kv_block, heads, density, profile, seed)| {
-            let seqs = spec.sequences();
-            let n_q = seqs.iter().map(|s| s.len_q.div_ceil(q_block)).max().unwrap_or(0);
-            let n_k = seqs.iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
-            let n_heads = if heads == ListHeads::PerQueryHead { spec.n_heads_q } else { spec.n_heads_kv };
-            let rows = seqs.len() * n_heads * n_q;
-            let picks = prop::collection::vec(
-                prop::collection::vec(prop::bool::weighted(density_probability(density)), n_k),
-                rows,
-            );
-            picks.prop_map(move |picks| TailDraw {
-                lists: lists_from(&spec, q_block, kv_block, heads, &picks),
-                spec: spec.clone(),
-                density,
-                profile,
-                seed,
-            })
-        },
-    )
-}
-
-fn density_probability(density: Density) -> f64 {
-    match density {
-        Density::Empty => 0.0,
-        Density::Sparse => 0.25,
-        Density::Dense => 0.75,
-        Density::Full => 1.0,
-    }
+/// What the tail suites draw: [`tail_spec`]'s problems with the block-sparse suites' lists, densities, profiles and
+/// seeds (`crate::block_sparse::draws_over`).
+pub fn tail_draws() -> impl Strategy<Value = BlockDraw> {
+    draws_over(tail_spec().boxed(), BLOCK_SIZES.to_vec(), BLOCK_SIZES.to_vec())
 }
 
 /// A tail suite: name (and regression file), dtype, cases, seed.
@@ -211,7 +165,7 @@ fn check_draw<T: Storage>(
     stream: &Arc<CudaStream>,
     kernel: KernelSource,
     tally: &RefCell<(usize, usize)>,
-    draw: &TailDraw,
+    draw: &BlockDraw,
 ) -> Result<(), TestCaseError> {
     let case = make_case::<T>(&draw.spec, draw.profile, draw.seed);
     let (verdict, run) = match check_tail(stream, &case, &draw.lists, kernel) {
@@ -256,8 +210,8 @@ impl TailSuite {
     pub fn run(
         &self,
         config: Config,
-        check: impl Fn(&TailDraw) -> Result<(), TestCaseError>,
-    ) -> Result<(), Box<TestError<TailDraw>>> {
+        check: impl Fn(&BlockDraw) -> Result<(), TestCaseError>,
+    ) -> Result<(), Box<TestError<BlockDraw>>> {
         TestRunner::new(config).run(&tail_draws(), |draw| check(&draw)).map_err(Box::new)
     }
 
@@ -268,7 +222,7 @@ impl TailSuite {
         stream: &Arc<CudaStream>,
         kernel: KernelSource,
         tally: &RefCell<(usize, usize)>,
-        draw: &TailDraw,
+        draw: &BlockDraw,
     ) -> Result<(), TestCaseError> {
         if self.bf16 {
             check_draw::<bf16>(stream, kernel, tally, draw)
