@@ -48,6 +48,21 @@ pub fn tail_statistics<S: Real>(
     block_size: usize,
     ctx: S::Ctx,
 ) -> TailStatistics<S> {
+    let mut stats = tail_moments(k, v, block_size, ctx);
+    stats.heterogeneity =
+        stats.h.iter().map(|hb| spectral_norm((hb - &stats.h_bar).view(), SPECTRAL_ITERATIONS, ctx)).collect();
+    stats
+}
+
+/// [`tail_statistics`] without `‖H_b − H̄‖₂` (`heterogeneity` is left empty): everything the output
+/// ([`tail_output`]) and its backward ([`tail_backward`]) read, without the power iterations that only the error bound
+/// and the covariance-aware scores need. Needs `n ≥ 1` keys.
+pub fn tail_moments<S: Real>(
+    k: ArrayView2<'_, S>,
+    v: ArrayView2<'_, S>,
+    block_size: usize,
+    ctx: S::Ctx,
+) -> TailStatistics<S> {
     let blocks = key_blocks(k.nrows(), block_size);
     assert!(!blocks.is_empty(), "tail_statistics: at least one key");
     let means = block_means(k, block_size, ctx);
@@ -68,7 +83,6 @@ pub fn tail_statistics<S: Real>(
         h_bar.zip_mut_with(hb, |a, x| *a += x.clone());
     }
     h_bar.mapv_inplace(|x| x / n_blocks.clone());
-    let heterogeneity = h.iter().map(|hb| spectral_norm((hb - &h_bar).view(), SPECTRAL_ITERATIONS, ctx)).collect();
     TailStatistics {
         block_size,
         means,
@@ -76,7 +90,7 @@ pub fn tail_statistics<S: Real>(
         counts: blocks.iter().map(|r| r.len()).collect(),
         h,
         h_bar,
-        heterogeneity,
+        heterogeneity: vec![],
     }
 }
 
@@ -188,6 +202,119 @@ pub fn tail_output<S: Real>(
     };
     let total_mass = dense.l[0].clone() * weight(&dense.m[0]);
     TailOutput { o, tail_mass, total_mass, denominator, shift }
+}
+
+/// The gradients of one head's PISA outputs ([`tail_output`] with [`TailRule::Pisa`]) for the loss
+/// `L = Σ_i dO_i · o_i`, with every row's block classes held fixed (a selection has no gradient).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TailGradients<S> {
+    /// `∂L/∂q` `[Lq, d]`.
+    pub dq: Array2<S>,
+    /// `∂L/∂k` `[Lk, d]`: through the exact logits, the tail blocks' means `μ_b` and `H̄`.
+    pub dk: Array2<S>,
+    /// `∂L/∂v` `[Lk, dv]`: through the exact rows, the tail blocks' value sums and `H̄`.
+    pub dv: Array2<S>,
+}
+
+/// The backward of E22's PISA output for one head: queries `q` `[Lq, d]`, keys `k` `[Lk, d]`, values `v` `[Lk, dv]`,
+/// row `i` seeing `visible[i]` with blocks `classes[i]`, statistics `stats` of `(k, v)` (its moments, as
+/// [`tail_moments`] gives them), upstream gradient `d_o` `[Lq, dv]`.
+///
+/// With `D` the row's denominator, `o` its output and `δ = dO·o`, relative to the row's shift (every weight below is
+/// a term over `D`, at most 1):
+/// - an exact key `j` (`p_j = e^{s_j}/D`): `∂L/∂s_j = p_j (dO·v_j − δ)`, so `dq += α (∂L/∂s_j) k_j`,
+///   `dk_j += α (∂L/∂s_j) q`, `dv_j += p_j dO`;
+/// - a tail block `b` (`a_b = α_ib/D`, `h = α H̄ᵀq`): its log-weight `α q·μ_b` carries
+///   `g_b = a_b (dO·(V^Σ_b + h) − δ |B_b|)`, so `dq += α g_b μ_b` and `dμ_b += α g_b q`; its value sum takes
+///   `a_b dO`;
+/// - the shared term `A α qᵀH̄` (`A = Σ_b a_b`): `dq += A α H̄ dO`, `G += A α q dOᵀ` (`∂L/∂H̄`, summed over the rows).
+///
+/// Then onto the keys and values: `μ_b = (1/|B_b|) Σ_{j∈b} k_j` gives `dk_j += dμ_b / |B_b|`; `V^Σ_b = Σ_{j∈b} v_j`
+/// gives `dv_j += dV^Σ_b`; `H̄ = (1/n_b) Σ_b (Σ_{j∈b} k_j v_jᵀ − μ_b V^Σ_bᵀ)` gives `dk_j += (1/n_b) G (v_j − v̄_b)`
+/// and `dv_j += (1/n_b) Gᵀ (k_j − μ_b)` for every key of the sequence (`v̄_b` the block's mean value). A row that sees
+/// nothing contributes nothing. `proofs::pisa::tail_gradients_match_finite_differences` checks all of it.
+#[allow(clippy::too_many_arguments)]
+pub fn tail_backward<S: Real>(
+    q: ArrayView2<'_, S>,
+    k: ArrayView2<'_, S>,
+    v: ArrayView2<'_, S>,
+    visible: ArrayView2<'_, bool>,
+    classes: &[BlockClasses],
+    stats: &TailStatistics<S>,
+    scale: &S,
+    d_o: ArrayView2<'_, S>,
+    ctx: S::Ctx,
+) -> TailGradients<S> {
+    let (d, dv, n_blocks, size) = (q.ncols(), v.ncols(), stats.counts.len(), stats.block_size);
+    let zero = || S::zero(ctx);
+    let mut dq = Array2::from_elem(q.raw_dim(), zero());
+    let mut dk = Array2::from_elem(k.raw_dim(), zero());
+    let mut dvv = Array2::from_elem(v.raw_dim(), zero());
+    let mut d_means = Array2::from_elem((n_blocks, d), zero());
+    let mut d_sums = Array2::from_elem((n_blocks, dv), zero());
+    let mut d_h_bar = Array2::from_elem((d, dv), zero());
+    for (i, classes) in classes.iter().enumerate() {
+        let (qi, g_out) = (q.row(i), d_o.row(i));
+        let out = tail_output(qi, k, v, visible.row(i), classes, stats, scale, TailRule::Pisa, ctx);
+        if out.denominator == zero() {
+            continue;
+        }
+        let delta = dot(g_out, out.o.view(), ctx);
+        let weight = |log_term: S| rescale_factor(&log_term, &out.shift, ctx) / out.denominator.clone();
+        for &b in &classes.exact {
+            for j in (b * size..b * size + stats.counts[b]).filter(|&j| visible[[i, j]]) {
+                let p = weight(scale.clone() * dot(qi, k.row(j), ctx));
+                let ds = p.clone() * (dot(g_out, v.row(j), ctx) - delta.clone());
+                let dsa = ds * scale.clone();
+                dq.row_mut(i).zip_mut_with(&k.row(j), |x, y| *x += dsa.clone() * y.clone());
+                dk.row_mut(j).zip_mut_with(&qi, |x, y| *x += dsa.clone() * y.clone());
+                dvv.row_mut(j).zip_mut_with(&g_out, |x, y| *x += p.clone() * y.clone());
+            }
+        }
+        let shared: Array1<S> = (0..dv).map(|e| scale.clone() * dot(qi, stats.h_bar.column(e), ctx)).collect();
+        let mut total = zero();
+        for &b in &classes.tail {
+            let a = weight(scale.clone() * dot(qi, stats.means.row(b), ctx));
+            total += a.clone();
+            let carried = (0..dv)
+                .fold(zero(), |acc, e| acc + g_out[e].clone() * (stats.value_sums[[b, e]].clone() + shared[e].clone()));
+            let g = a.clone() * (carried - delta.clone() * S::from_f64(stats.counts[b] as f64, ctx));
+            let ga = g * scale.clone();
+            dq.row_mut(i).zip_mut_with(&stats.means.row(b), |x, y| *x += ga.clone() * y.clone());
+            d_means.row_mut(b).zip_mut_with(&qi, |x, y| *x += ga.clone() * y.clone());
+            d_sums.row_mut(b).zip_mut_with(&g_out, |x, y| *x += a.clone() * y.clone());
+        }
+        if classes.tail.is_empty() {
+            continue;
+        }
+        let factor = total * scale.clone();
+        for c in 0..d {
+            let through = dot(stats.h_bar.row(c), g_out, ctx);
+            dq[[i, c]] += factor.clone() * through;
+            for e in 0..dv {
+                d_h_bar[[c, e]] += factor.clone() * qi[c].clone() * g_out[e].clone();
+            }
+        }
+    }
+    let per_block = S::from_f64(n_blocks as f64, ctx);
+    for (b, &count) in stats.counts.iter().enumerate() {
+        let n = S::from_f64(count as f64, ctx);
+        for j in b * size..b * size + count {
+            for c in 0..d {
+                let mean_value = |e: usize| stats.value_sums[[b, e]].clone() / n.clone();
+                let via_h =
+                    (0..dv).fold(zero(), |acc, e| acc + d_h_bar[[c, e]].clone() * (v[[j, e]].clone() - mean_value(e)));
+                dk[[j, c]] += d_means[[b, c]].clone() / n.clone() + via_h / per_block.clone();
+            }
+            for e in 0..dv {
+                let via_h = (0..d).fold(zero(), |acc, c| {
+                    acc + d_h_bar[[c, e]].clone() * (k[[j, c]].clone() - stats.means[[b, c]].clone())
+                });
+                dvv[[j, e]] += d_sums[[b, e]].clone() + via_h / per_block.clone();
+            }
+        }
+    }
+    TailGradients { dq, dk, dv: dvv }
 }
 
 /// `numerator += factor · qᵀ H`.

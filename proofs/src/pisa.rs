@@ -1,8 +1,12 @@
 //! Theorems of the PISA tail (E22, E23): the first-order denominator term vanishes, the
-//! first-order tail error is second order in the deviations, and the PISA output stays within
-//! the E23 bound plus the block-wise truncation error.
+//! first-order tail error is second order in the deviations, the PISA output stays within
+//! the E23 bound plus the block-wise truncation error, and the tail's backward is the gradient of
+//! its output.
 
-use attnproof_oracle::pisa::{BlockClasses, TailOutput, TailRule, TailStatistics, pisa_error_bound, tail_output};
+use attnproof_oracle::pisa::{
+    BlockClasses, TailGradients, TailOutput, TailRule, TailStatistics, pisa_error_bound, tail_backward, tail_moments,
+    tail_output,
+};
 use attnproof_oracle::vector::dot;
 use attnproof_oracle::{Mp, Precision, Real};
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
@@ -231,4 +235,121 @@ pub fn pisa_within_bound(
         });
     }
     Ok(Agreement { bits: bits_of(&(allowed - error)) })
+}
+
+/// A tail backward under test: `(q [Lq, d], k [Lk, d], v [Lk, dv], visible [Lq, Lk], classes per row, the moments of
+/// (k, v), scale, dO [Lq, dv]) ↦ gradients`.
+pub type TailBackwardFn<'a> = &'a dyn Fn(
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, bool>,
+    &[BlockClasses],
+    &TailStatistics<Mp>,
+    &Mp,
+    ArrayView2<'_, Mp>,
+) -> TailGradients<Mp>;
+
+/// The oracle's [`tail_backward`] as a [`TailBackwardFn`].
+#[allow(clippy::too_many_arguments)]
+pub fn oracle_tail_backward(
+    q: ArrayView2<'_, Mp>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    visible: ArrayView2<'_, bool>,
+    classes: &[BlockClasses],
+    stats: &TailStatistics<Mp>,
+    scale: &Mp,
+    d_o: ArrayView2<'_, Mp>,
+) -> TailGradients<Mp> {
+    tail_backward(q, k, v, visible, classes, stats, scale, d_o, scale.ctx())
+}
+
+/// The inputs of the tail's gradient theorem: one head's queries, keys and values, each row's visibility and block
+/// classes (held fixed), blocks of `block_size` keys, the scale and the upstream gradient.
+#[derive(Clone, Debug)]
+pub struct TailGradientCase {
+    /// `[Lq, d]`.
+    pub q: Array2<Mp>,
+    /// `[Lk, d]`.
+    pub k: Array2<Mp>,
+    /// `[Lk, dv]`.
+    pub v: Array2<Mp>,
+    /// `[Lq, Lk]`.
+    pub visible: Array2<bool>,
+    /// Per row.
+    pub classes: Vec<BlockClasses>,
+    /// Keys per block.
+    pub block_size: usize,
+    /// Softmax scale.
+    pub scale: Mp,
+    /// `dO` `[Lq, dv]`.
+    pub d_o: Array2<Mp>,
+}
+
+/// **Theorem (E22, the tail's gradients).** For the loss `L = Σ_i dO_i · o_i` with the oracle's PISA output
+/// ([`tail_output`], [`TailRule::Pisa`], statistics recomputed from the moved keys and values by [`tail_moments`]),
+/// the backward under test's `∂L/∂q`, `∂L/∂k` and `∂L/∂v` equal the central differences `(L(x + h) − L(x − h)) / 2h`,
+/// `h = 2^-step_bits`, at every element. `L` is smooth in every input once the classes are fixed (exponentials of
+/// linear functions, the means and `H̄` polynomial), so the difference's truncation is `O(h²)` times the third
+/// derivative, and its cancellation `O(2^-prec / h)`. Hypotheses: the precision exceeds `2·step_bits + required`
+/// bits, and the inputs are of moderate size (the tests' scores stay within a few units), so that the third
+/// derivative does not eat the margin.
+pub fn tail_gradients_match_finite_differences(
+    backward: TailBackwardFn<'_>,
+    case: &TailGradientCase,
+    step_bits: u32,
+    required: Bits,
+) -> Result<Agreement, Violation> {
+    const T: &str = "tail_gradients_match_finite_differences (E22)";
+    let prec = case.scale.ctx();
+    if (prec.0 as f64) < 2.0 * step_bits as f64 + required.0 {
+        return Err(Violation::Hypothesis { theorem: T, reason: format!("precision {} too low", prec.0) });
+    }
+    let stats = tail_moments(case.k.view(), case.v.view(), case.block_size, prec);
+    let found = backward(
+        case.q.view(),
+        case.k.view(),
+        case.v.view(),
+        case.visible.view(),
+        &case.classes,
+        &stats,
+        &case.scale,
+        case.d_o.view(),
+    );
+    let loss = |q: &Array2<Mp>, k: &Array2<Mp>, v: &Array2<Mp>| -> Mp {
+        let stats = tail_moments(k.view(), v.view(), case.block_size, prec);
+        let mut total = Mp::zero(prec);
+        for (i, classes) in case.classes.iter().enumerate() {
+            let out = tail_output(
+                q.row(i),
+                k.view(),
+                v.view(),
+                case.visible.row(i),
+                classes,
+                &stats,
+                &case.scale,
+                TailRule::Pisa,
+                prec,
+            );
+            total += dot(case.d_o.row(i), out.o.view(), prec);
+        }
+        total
+    };
+    let h = Mp(rug::Float::with_val(prec.0, rug::Float::i_exp(1, -(step_bits as i32))));
+    let two_h = h.clone() + h.clone();
+    let numeric = |which: usize| -> Array2<Mp> {
+        let inputs = [&case.q, &case.k, &case.v];
+        Array2::from_shape_fn(inputs[which].dim(), |idx| {
+            let moved = |delta: &Mp| {
+                let mut xs = [case.q.clone(), case.k.clone(), case.v.clone()];
+                xs[which][idx] = xs[which][idx].clone() + delta.clone();
+                loss(&xs[0], &xs[1], &xs[2])
+            };
+            (moved(&h) - moved(&-h.clone())) / two_h.clone()
+        })
+    };
+    let agreement = agree(T, "dq", &found.dq, &numeric(0), required)?;
+    let agreement = agreement.and(agree(T, "dk", &found.dk, &numeric(1), required)?);
+    Ok(agreement.and(agree(T, "dv", &found.dv, &numeric(2), required)?))
 }

@@ -5,14 +5,18 @@ use std::ops::Range;
 
 use crate::common::{PREC, REQUIRED, fail, mp_matrix, mp_vector, pseudo_random};
 use attnproof_oracle::block_scores::{BlockScore, block_score};
-use attnproof_oracle::pisa::{BlockClasses, TailOutput, TailRule, TailStatistics, tail_output, tail_statistics};
+use attnproof_oracle::pisa::{
+    BlockClasses, TailGradients, TailOutput, TailRule, TailStatistics, classify_blocks, tail_backward, tail_output,
+    tail_statistics,
+};
 use attnproof_oracle::selection::{block_states, decompose_row, key_blocks};
 use attnproof_oracle::{Mp, Real, SoftmaxState};
 use attnproof_proofs::block_scores::{block_score_identity, second_order_limit};
 use attnproof_proofs::pisa::{
-    SpreadProblem, first_order_denominator_vanishes, oracle_first_order, oracle_pisa, pisa_within_bound,
-    tail_error_is_second_order,
+    SpreadProblem, TailGradientCase, first_order_denominator_vanishes, oracle_first_order, oracle_pisa,
+    oracle_tail_backward, pisa_within_bound, tail_error_is_second_order, tail_gradients_match_finite_differences,
 };
+use attnproof_proofs::residual::Bits;
 use attnproof_proofs::selection::{block_split_is_exact, mass_decomposition};
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2};
 use proptest::prelude::*;
@@ -234,4 +238,87 @@ fn pisa_stays_within_the_e23_bound_and_a_pisa_without_h_bar_does_not() {
     let p = spread_problem(2, true);
     assert!(pisa_within_bound(&oracle_pisa, &oracle_stats, &p, &Mp::new(2f64.powi(-10), PREC)).is_ok());
     assert!(pisa_within_bound(&zeroth_order, &oracle_stats, &p, &Mp::new(2f64.powi(-10), PREC)).is_err());
+}
+
+/// One head of the tail's gradient theorem: 5 queries over 10 keys in blocks of 4 (the last block partial), `d = 3`,
+/// `dv = 2`, causal (bottom-right) or unmasked, each row's list given by `listed(row)`.
+fn gradient_case(seed: u64, causal: bool, listed: impl Fn(usize) -> Vec<usize>) -> TailGradientCase {
+    let (lq, lk, d, dv) = (5, 10, 3, 2);
+    let r = pseudo_random(seed, lq * d + lk * (d + dv) + lq * dv);
+    let (q, rest) = r.split_at(lq * d);
+    let (k, rest) = rest.split_at(lk * d);
+    let (v, d_o) = rest.split_at(lk * dv);
+    let visible = Array2::from_shape_fn((lq, lk), |(i, j)| !causal || j <= i + lk - lq);
+    let classes = (0..lq).map(|i| classify_blocks(visible.row(i), 4, &listed(i))).collect();
+    TailGradientCase {
+        q: mp_matrix(lq, d, q),
+        k: mp_matrix(lk, d, &k.iter().map(|x| 1.5 * x).collect::<Vec<_>>()),
+        v: mp_matrix(lk, dv, v),
+        visible,
+        classes,
+        block_size: 4,
+        scale: Mp::new(0.75, PREC),
+        d_o: mp_matrix(lq, dv, d_o),
+    }
+}
+
+/// 60 of the 256 bits: the central difference at `h = 2^-80` leaves `O(2^-160)` of truncation and `O(2^-176)` of
+/// cancellation.
+const GRADIENT_BITS: Bits = Bits(60.0);
+
+#[test]
+fn the_tail_backward_is_the_gradient_of_the_pisa_output() {
+    for seed in 1..=4 {
+        for causal in [false, true] {
+            // Rows list nothing, block 1, or blocks 0 and 2: the tail ranges from every whole block to none.
+            let case = gradient_case(seed, causal, |i| match i % 3 {
+                0 => vec![],
+                1 => vec![1],
+                _ => vec![0, 2],
+            });
+            assert!(
+                case.classes.iter().any(|c| !c.tail.is_empty()) && case.classes.iter().any(|c| !c.exact.is_empty())
+            );
+            tail_gradients_match_finite_differences(&oracle_tail_backward, &case, 80, GRADIENT_BITS)
+                .unwrap_or_else(|e| panic!("seed {seed}, causal {causal}: {e}"));
+        }
+    }
+}
+
+/// The oracle's backward with its statistics and classes changed first: a broken backward to reject.
+fn altered_backward(
+    stats_of: fn(&TailStatistics<Mp>) -> TailStatistics<Mp>,
+    classes_of: fn(&[BlockClasses]) -> Vec<BlockClasses>,
+) -> impl Fn(
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, Mp>,
+    ArrayView2<'_, bool>,
+    &[BlockClasses],
+    &TailStatistics<Mp>,
+    &Mp,
+    ArrayView2<'_, Mp>,
+) -> TailGradients<Mp> {
+    move |q, k, v, visible, classes, stats, scale, d_o| {
+        tail_backward(q, k, v, visible, &classes_of(classes), &stats_of(stats), scale, d_o, PREC)
+    }
+}
+
+/// A backward that ignores the shared term (`H̄` taken as 0: no `dq` through `qᵀH̄`, no `dk`, `dv` through `H̄`), and
+/// one that differentiates the exact part alone (the tail dropped), are not the gradient.
+#[test]
+fn tail_backwards_without_h_bar_or_without_the_tail_are_rejected() {
+    let case = gradient_case(5, true, |i| if i % 2 == 0 { vec![] } else { vec![1] });
+    let same_classes = |c: &[BlockClasses]| c.to_vec();
+    let without_h_bar =
+        altered_backward(|s| TailStatistics { h_bar: s.h_bar.mapv(|_| Mp::zero(PREC)), ..s.clone() }, same_classes);
+    assert!(tail_gradients_match_finite_differences(&without_h_bar, &case, 80, GRADIENT_BITS).is_err());
+    let exact_only = altered_backward(
+        |s| s.clone(),
+        |c| c.iter().map(|c| BlockClasses { exact: c.exact.clone(), tail: vec![] }).collect(),
+    );
+    assert!(tail_gradients_match_finite_differences(&exact_only, &case, 80, GRADIENT_BITS).is_err());
+    // The unaltered oracle passes the same case: the rejections are the alterations'.
+    let same = altered_backward(|s| s.clone(), same_classes);
+    assert!(tail_gradients_match_finite_differences(&same, &case, 80, GRADIENT_BITS).is_ok());
 }
