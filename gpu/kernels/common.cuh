@@ -13,6 +13,8 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 __device__ __forceinline__ elem_t to_elem(float x) { return __float2bfloat16_rn(x); }
+// One rounding from f64 to the storage type (through f32 would round twice).
+__device__ __forceinline__ elem_t to_elem_rn(double x) { return __double2bfloat16(x); }
 __device__ __forceinline__ float to_f32(elem_t x) { return __bfloat162float(x); }
 #elif defined(ELEM_F16)
 #include <cuda_fp16.h>
@@ -23,6 +25,7 @@ __device__ __forceinline__ unsigned pack2(float lo, float hi) {
     return *reinterpret_cast<unsigned*>(&h);
 }
 __device__ __forceinline__ elem_t to_elem(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ elem_t to_elem_rn(double x) { return __double2half(x); }
 __device__ __forceinline__ float to_f32(elem_t x) { return __half2float(x); }
 #else
 #error "define ELEM_BF16 or ELEM_F16"
@@ -148,6 +151,9 @@ struct PisaTailParams {
     double scale;           // α in f64
     long long value_means_at;  // element of the f64 workspace where the blocks' mean values [B, Hkv, n_k, dv] start
     long long hbar_at;      // element where H̄ [B, Hkv, d, dv] starts (the mean keys [B, Hkv, n_k, d] start at 0)
+    long long pooled_values_at;  // element of the storage-type workspace where the rounded mean values
+                                 // [B, Hkv, n_k, dv] start (the split mean keys [B, Hkv, n_k, 2d] start at 0)
+    long long pooled_hbar_at;    // element where the split H̄ [B, Hkv, 2d, dv] starts
     int q_block;            // query rows per query block of the lists
     int kv_block;           // keys per key block: the tail's block size
     int causal;             // 1: bottom-right causal; 0: no mask
@@ -311,19 +317,21 @@ PARAM_AT(PisaParams, scoring, 236);
 PARAM_AT(PisaParams, n_levels, 240);
 PARAM_AT(PisaParams, max_candidates, 244);
 
-PARAM_SIZE(PisaTailParams, 216);
+PARAM_SIZE(PisaTailParams, 232);
 PARAM_AT(PisaTailParams, flash, 0);
 PARAM_AT(PisaTailParams, scale, 160);
 PARAM_AT(PisaTailParams, value_means_at, 168);
 PARAM_AT(PisaTailParams, hbar_at, 176);
-PARAM_AT(PisaTailParams, q_block, 184);
-PARAM_AT(PisaTailParams, kv_block, 188);
-PARAM_AT(PisaTailParams, causal, 192);
-PARAM_AT(PisaTailParams, n_heads_kv, 196);
-PARAM_AT(PisaTailParams, n_key_blocks, 200);
-PARAM_AT(PisaTailParams, n_query_blocks, 204);
-PARAM_AT(PisaTailParams, list_width, 208);
-PARAM_AT(PisaTailParams, lists_per_kv_head, 212);
+PARAM_AT(PisaTailParams, pooled_values_at, 184);
+PARAM_AT(PisaTailParams, pooled_hbar_at, 192);
+PARAM_AT(PisaTailParams, q_block, 200);
+PARAM_AT(PisaTailParams, kv_block, 204);
+PARAM_AT(PisaTailParams, causal, 208);
+PARAM_AT(PisaTailParams, n_heads_kv, 212);
+PARAM_AT(PisaTailParams, n_key_blocks, 216);
+PARAM_AT(PisaTailParams, n_query_blocks, 220);
+PARAM_AT(PisaTailParams, list_width, 224);
+PARAM_AT(PisaTailParams, lists_per_kv_head, 228);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);

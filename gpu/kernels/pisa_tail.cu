@@ -2,32 +2,54 @@
 // common.cuh and bsa_select.cu, whose block mean (pool_block) it reuses. The host wrapper is gpu/src/pisa/tail.rs; the
 // reference is the oracle's pisa::tail_output (oracle/src/pisa.rs), the verifier attnproof_harness::pisa_tail.
 //
-// The exact part of every row (its query block's listed key blocks, and every block the mask cuts for a row of the
-// block, which the wrapper adds to the lists) is the block-sparse forward's O and LSE. This file adds the tail: the
-// key blocks wholly visible to the row and not listed, each as its first-order summary, in the same softmax.
+// The exact part of every row (its query block's listed key blocks, every block the mask cuts for a row of the block
+// and a partial last block, which the wrapper adds to the lists) is the block-sparse forward's O and LSE. This file adds
+// the tail: the whole key blocks the row sees and its list does not hold, each as its first-order summary, in the same
+// softmax. Every tail block therefore has exactly kv_block keys (C).
 //
-// Three kernels, all in f64 (the inputs' bf16/f16 values are exact in f64):
-//   pisa_tail_means  one CTA per (key block, KV head, sequence): the block's mean key μ_b and mean value, by
-//                    pool_block (the selector's block mean), into the workspace's [B, Hkv, n_k, d] and [.., dv].
+// Three kernels:
+//   pisa_tail_means  one CTA per (key block, KV head, sequence): the block's mean key μ_b and mean value v̄_b in f64
+//                    (pool_block, the selector's block mean) into the f64 workspace's [B, Hkv, n_k, d] and [.., dv],
+//                    and their storage-type forms for the tensor cores: the mean key split in two, μ_hi = RN(μ_b) and
+//                    μ_lo = RN(μ_b − μ_hi) (one row [μ_hi | μ_lo] of 2d, so that q·μ_hi + q·μ_lo is one dot product
+//                    of length 2d whose products are exact), and RN(v̄_b), each rounded once from f64.
 //   pisa_tail_hbar   one CTA per (32 × 32 tile of [d, dv], KV head, sequence): H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ
 //                    over every block of the sequence (E22's convention: the partial last block too), keys in
-//                    ascending order, into [B, Hkv, d, dv].
-//   pisa_tail_merge  one CTA per (TAIL_ROWS rows of a query block, query head, sequence): per row i the tail
-//                    U_i = {b wholly visible to i, b not in the list}, s_b = α q_i·μ_b (one fma chain over the columns),
-//                    an online softmax over U_i in tiles of TAIL_BLOCKS blocks carrying m (the largest s_b so far),
-//                    A = Σ e^{s_b − m}, Z = Σ e^{s_b − m}|B_b| and N = Σ e^{s_b − m} V^Σ_b (V^Σ_b = |B_b| · mean
-//                    value), then N += A · α q_iᵀ H̄, and the merge with the exact part read from O and LSE:
-//                        M = max(lse_E, m + ln Z),  D = e^{lse_E − M} + e^{m − M} Z,
-//                        o = (e^{lse_E − M} O_E + e^{m − M} N) / D,  lse = M + ln D,
+//                    ascending order, f64, into [B, Hkv, d, dv].
+//   pisa_tail_merge  one CTA of TAIL_M rows of a query block per (row tile, query head, sequence), on tensor cores:
+//                    the forward's recipe (flash_fwd.cu's header) over the pooled keys [μ_hi | μ_lo] against [q | q]
+//                    and the rounded mean values, every row masked to its tail (whole blocks it sees, not listed),
+//                    giving O_T = Σ_b α_b v̄_b / Σ_b α_b and lse_T = ln Σ_b α_b, α_b = e^{α q·μ_b}; then the shared
+//                    term h = [q | q]·[H̄_hi ; H̄_lo] (H̄ split like μ, on the tensor cores), and in f64 the tail's
+//                    average T = O_T + α h / C with log-mass lse_T + ln C (Σ_b α_b |B_b| = C Σ_b α_b, and A/Z = 1/C in
+//                    E22's shared term), merged with the exact part read from O and LSE:
+//                        M = max(lse_E, lse_T + ln C),  w_E = e^{lse_E − M},  w_T = e^{lse_T + ln C − M},
+//                        o = (w_E O_E + w_T T) / (w_E + w_T),  lse = M + ln(w_E + w_T),
 //                    written over O and LSE. A row whose tail is empty keeps its O and LSE bit for bit.
 //
-// Determinism: every sum runs in a fixed order (columns ascending in a dot product, blocks ascending in the softmax,
-// keys ascending in H̄), so the outputs are bitwise reproducible.
+// Determinism: every sum runs in a fixed order (the tensor cores' tiles in ascending order, keys ascending in H̄), so
+// the outputs are bitwise reproducible.
 
-#define TAIL_THREADS 128
-#define TAIL_ROWS 16      // rows per CTA: a query block of 64 or 128 rows takes 4 or 8 CTAs
-#define TAIL_BLOCKS 16    // key blocks per tile of the online softmax
-#define TAIL_MAX_COL_GROUPS (POOL_MAX_D / 32)
+#ifndef HEAD_DIM_PAD
+#error "define HEAD_DIM_PAD"
+#endif
+#ifndef HEAD_DIM_V_PAD
+#error "define HEAD_DIM_V_PAD"
+#endif
+
+#define TAIL_WARPS 4
+#define TAIL_THREADS (TAIL_WARPS * 32)
+#define TAIL_M (TAIL_WARPS * 16)  // rows per CTA, one 16-row slice per warp: a query block of 64 or 128 rows
+#define TAIL_N 64                 // pooled keys (tail blocks) per tile
+#define TAIL_QK (2 * HEAD_DIM_PAD)  // columns of [q | q] and [μ_hi | μ_lo]
+#define TAIL_QK_STRIDE (TAIL_QK + 8)  // 16 bytes of row padding: ldmatrix phases hit distinct bank groups
+#define TAIL_V_STRIDE (HEAD_DIM_V_PAD + 8)
+#define TAIL_TILES_S (TAIL_N / 8)
+#define TAIL_TILES_O (HEAD_DIM_V_PAD / 8)
+// The shared term's column tiles are done in halves when dv is large, so that its accumulators and O_T's fit together;
+// each half must hold whole pairs of tiles (one ldmatrix.x4.trans feeds two).
+#define TAIL_HALVES ((TAIL_TILES_O > 16 && TAIL_TILES_O % 4 == 0) ? 2 : 1)
+#define TAIL_HALF_TILES (TAIL_TILES_O / TAIL_HALVES)
 #define HBAR_TILE 32
 #define HBAR_KEYS 32      // keys staged per step of pisa_tail_hbar
 
@@ -44,20 +66,34 @@ __device__ __forceinline__ int tail_whole_blocks(const PisaTailParams& p, int i,
 
 extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 pisa_tail_means(const elem_t* __restrict__ k, const elem_t* __restrict__ v, double* __restrict__ work,
-                const int* __restrict__ cu_k, const PisaTailParams p) {
+                elem_t* __restrict__ pooled, const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
     const int b = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
     const long long block_row = ((long long)seq * p.n_heads_kv + kv) * p.n_key_blocks + b;
+    double* mean_key = work + block_row * fp.d;
+    double* mean_value = work + p.value_means_at + block_row * fp.dv;
     pool_block(k, cu_k, fp.dense_len_k, fp.k_batch, kv * fp.k_head, fp.k_row, p.kv_block, b, seq, fp.varlen, fp.d,
-               work + block_row * fp.d);
+               mean_key);
     __syncthreads();  // pool_block's shared sums are reused
     pool_block(v, cu_k, fp.dense_len_k, fp.v_batch, kv * fp.v_head, fp.v_row, p.kv_block, b, seq, fp.varlen, fp.dv,
-               work + p.value_means_at + block_row * fp.dv);
+               mean_value);
+    __syncthreads();  // the means are in global memory, written by other threads of this CTA
+    const int len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
+    if (b * p.kv_block >= len_k) return;  // no such block in this sequence: pool_block wrote nothing
+    elem_t* key_row = pooled + block_row * 2 * fp.d;
+    for (int c = threadIdx.x; c < fp.d; c += POOL_THREADS) {
+        const double x = mean_key[c];
+        const elem_t hi = to_elem_rn(x);
+        key_row[c] = hi;
+        key_row[fp.d + c] = to_elem_rn(x - (double)to_f32(hi));  // x − hi is exact in f64
+    }
+    elem_t* value_row = pooled + p.pooled_values_at + block_row * fp.dv;
+    for (int c = threadIdx.x; c < fp.dv; c += POOL_THREADS) value_row[c] = to_elem_rn(mean_value[c]);
 }
 
 extern "C" __global__ void __launch_bounds__(256)
 pisa_tail_hbar(const elem_t* __restrict__ k, const elem_t* __restrict__ v, double* __restrict__ work,
-               const int* __restrict__ cu_k, const PisaTailParams p) {
+               elem_t* __restrict__ pooled, const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
     const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
     const int col_tiles = (dv + HBAR_TILE - 1) / HBAR_TILE;
@@ -92,48 +128,58 @@ pisa_tail_hbar(const elem_t* __restrict__ k, const elem_t* __restrict__ v, doubl
         __syncthreads();
     }
     const int n_blocks = (len_k + p.kv_block - 1) / p.kv_block;
-    double* h_bar = work + p.hbar_at + ((long long)seq * p.n_heads_kv + kv) * d * dv;
+    const long long head = (long long)seq * p.n_heads_kv + kv;
+    double* h_bar = work + p.hbar_at + head * d * dv;
+    elem_t* split = pooled + p.pooled_hbar_at + head * 2 * d * dv;  // [H̄_hi ; H̄_lo], [2d, dv]
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        if (c0 + row < d && e0 + col + q < dv && n_blocks > 0) {
-            h_bar[(long long)(c0 + row) * dv + e0 + col + q] = acc[q] / n_blocks;
+        const int c = c0 + row, e = e0 + col + q;
+        if (c < d && e < dv && n_blocks > 0) {
+            const double x = acc[q] / n_blocks;
+            const elem_t hi = to_elem_rn(x);
+            h_bar[(long long)c * dv + e] = x;
+            split[(long long)c * dv + e] = hi;
+            split[(long long)(d + c) * dv + e] = to_elem_rn(x - (double)to_f32(hi));  // x − hi is exact in f64
         }
     }
 }
 
+
 extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
-pisa_tail_merge(const elem_t* __restrict__ q, const double* __restrict__ work, const int* __restrict__ lists,
-                elem_t* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_q,
-                const int* __restrict__ cu_k, const PisaTailParams p) {
+pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled, const int* __restrict__ lists,
+                elem_t* __restrict__ o, float* __restrict__ lse,
+                const int* __restrict__ cu_q, const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
     const int h = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
     const int kv = h / fp.group;
     const int len_q = fp.varlen ? cu_q[seq + 1] - cu_q[seq] : fp.dense_len_q;
     const int len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
-    const int row0 = blockIdx.x * TAIL_ROWS;
+    // Highest row tiles first: under the causal mask they have the longest tails.
+    const int row0 = (gridDim.x - 1 - blockIdx.x) * TAIL_M;
     if (row0 >= len_q) return;
-    const int rows = min(TAIL_ROWS, len_q - row0);
-    const int a = row0 / p.q_block;  // every row of the CTA is in query block a (TAIL_ROWS divides q_block)
-    const int n_blocks = (len_k + p.kv_block - 1) / p.kv_block;
+    const int rows_here = min(TAIL_M, len_q - row0);
+    const int a = row0 / p.q_block;  // every row of the CTA is in query block a (TAIL_M divides q_block)
+    // The tail's blocks are whole blocks: the partial last block is always exact. Rows see more whole blocks the
+    // later they are, so the CTA's last row bounds every row's tail.
+    const int whole_blocks = len_k / p.kv_block;
+    const int tail_end = min(tail_whole_blocks(p, row0 + rows_here - 1, len_q, len_k), whole_blocks);
+    if (tail_end == 0) return;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    double* mu = reinterpret_cast<double*>(smem_raw);         // [TAIL_BLOCKS][d]
-    double* vsum = mu + TAIL_BLOCKS * d;                      // [TAIL_BLOCKS][dv]
-    double* s = vsum + TAIL_BLOCKS * dv;                      // [TAIL_ROWS][TAIL_BLOCKS]: s_b, then e^{s_b − m}
-    float* q_s = reinterpret_cast<float*>(s + TAIL_ROWS * TAIL_BLOCKS);  // [TAIL_ROWS][d + 1]
-    unsigned char* listed = reinterpret_cast<unsigned char*>(q_s + TAIL_ROWS * (d + 1));  // [n_key_blocks]
-    __shared__ double m_s[TAIL_ROWS], a_s[TAIL_ROWS], z_s[TAIL_ROWS], factor_s[TAIL_ROWS];
-    __shared__ double exact_s[TAIL_ROWS], tail_s[TAIL_ROWS];
-    __shared__ float lse_s[TAIL_ROWS];
-    __shared__ int whole_s[TAIL_ROWS];
+    elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);  // [TAIL_M][TAIL_QK_STRIDE]: q | q
+    elem_t* k_s = q_s + TAIL_M * TAIL_QK_STRIDE;        // [TAIL_N][TAIL_QK_STRIDE]: μ_hi | μ_lo
+    elem_t* v_s = k_s + TAIL_N * TAIL_QK_STRIDE;        // [TAIL_N][TAIL_V_STRIDE]: v̄, then H̄'s chunks
+    unsigned char* listed = reinterpret_cast<unsigned char*>(v_s + TAIL_N * TAIL_V_STRIDE);  // [n_key_blocks]
 
     const long long q_base = fp.varlen ? (long long)cu_q[seq] * fp.q_row : seq * fp.q_batch;
     const long long o_base = fp.varlen ? (long long)cu_q[seq] * fp.o_row : seq * fp.o_batch;
     const long long lse_base = fp.varlen ? (long long)cu_q[seq] + h * fp.lse_head : seq * fp.lse_batch + h * fp.lse_head;
-    for (int e = threadIdx.x; e < TAIL_ROWS * d; e += TAIL_THREADS) {
-        const int r = e / d, c = e % d;
-        q_s[r * (d + 1) + c] = r < rows ? to_f32(q[q_base + h * fp.q_head + (long long)(row0 + r) * fp.q_row + c]) : 0.f;
-    }
+    const long long block_rows = ((long long)seq * p.n_heads_kv + kv) * p.n_key_blocks;
+    const elem_t* q_g = q + q_base + h * fp.q_head + (long long)row0 * fp.q_row;
+    const elem_t* keys_g = pooled + block_rows * 2 * d;
+    const elem_t* values_g = pooled + p.pooled_values_at + block_rows * dv;
+    const elem_t* hbar_g = pooled + p.pooled_hbar_at + ((long long)seq * p.n_heads_kv + kv) * 2 * d * dv;
+
     for (int b = threadIdx.x; b < p.n_key_blocks; b += TAIL_THREADS) listed[b] = 0;
     __syncthreads();
     const int list_head = p.lists_per_kv_head ? kv : h;
@@ -143,135 +189,160 @@ pisa_tail_merge(const elem_t* __restrict__ q, const double* __restrict__ work, c
         const int b = list[w];
         if (b >= 0 && b < p.n_key_blocks) listed[b] = 1;
     }
-    if (threadIdx.x < TAIL_ROWS) {
-        const int r = threadIdx.x;
-        m_s[r] = (double)NEG_INF;
-        a_s[r] = 0.0;
-        z_s[r] = 0.0;
-        whole_s[r] = r < rows ? tail_whole_blocks(p, row0 + r, len_q, len_k) : 0;
-    }
-    __syncthreads();
-    int tail_end = 0;  // the blocks wholly visible to the CTA's last row bound every row's tail
-    for (int r = 0; r < TAIL_ROWS; ++r) tail_end = max(tail_end, whole_s[r]);
+    load_tile_async<TAIL_M, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(q_s, q_g, fp.q_row, rows_here, d);
+    load_tile_async<TAIL_M, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(q_s + HEAD_DIM_PAD, q_g, fp.q_row, rows_here, d);
+    load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(k_s, keys_g, 2 * d, min(TAIL_N, tail_end), d);
+    load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(k_s + HEAD_DIM_PAD, keys_g + d, 2 * d,
+                                                                       min(TAIL_N, tail_end), d);
+    cp_async_commit();
 
-    // Thread t accumulates rows t / 32 + 4·k (k < 4) at columns t % 32 + 32·g (g < dv / 32 rounded up).
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    const int col_groups = (dv + 31) / 32;
-    double acc[TAIL_ROWS / 4][TAIL_MAX_COL_GROUPS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int g = lane / 4, tig = lane % 4;
+    const int wrow = warp * 16;
+    // Each of the thread's two rows (g and g + 8 of the warp's slice): the tail blocks it may see.
+    int whole_r[2];
 #pragma unroll
-    for (int k = 0; k < TAIL_ROWS / 4; ++k)
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + wrow + g + 8 * r;
+        whole_r[r] = row < len_q ? min(tail_whole_blocks(p, row, len_q, len_k), whole_blocks) : 0;
+    }
+    float m_run[1][2] = {{NEG_INF, NEG_INF}}, ml_run[1][2] = {{0.f, 0.f}}, l_part[1][2] = {{0.f, 0.f}};
+    float acc[1][TAIL_TILES_O][4];
 #pragma unroll
-        for (int g = 0; g < TAIL_MAX_COL_GROUPS; ++g) acc[k][g] = 0.0;
+    for (int n = 0; n < TAIL_TILES_O; ++n) acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.f;
+    const unsigned q_lane = smem_u32(q_s + wrow * TAIL_QK_STRIDE + lane_a(lane, TAIL_QK_STRIDE));
+    const unsigned k_lane = smem_u32(k_s + lane_b(lane, TAIL_QK_STRIDE));
+    const unsigned v_lane = smem_u32(v_s + lane_b_trans(lane, TAIL_V_STRIDE));
 
-    const double* means = work + ((long long)seq * p.n_heads_kv + kv) * p.n_key_blocks * d;
-    const double* value_means = work + p.value_means_at + ((long long)seq * p.n_heads_kv + kv) * p.n_key_blocks * dv;
-    for (int b0 = 0; b0 < tail_end; b0 += TAIL_BLOCKS) {
-        const int tile = min(TAIL_BLOCKS, tail_end - b0);
-        for (int e = threadIdx.x; e < TAIL_BLOCKS * d; e += TAIL_THREADS) {
-            const int t = e / d;
-            mu[e] = t < tile ? means[(long long)(b0 + t) * d + e % d] : 0.0;
-        }
-        for (int e = threadIdx.x; e < TAIL_BLOCKS * dv; e += TAIL_THREADS) {
-            const int t = e / dv, b = b0 + t;
-            const int count = min(p.kv_block, len_k - b * p.kv_block);
-            vsum[e] = t < tile ? value_means[(long long)b * dv + e % dv] * count : 0.0;
-        }
-        __syncthreads();
-        // Scores: thread t takes row t / 8 and blocks t % 8 and t % 8 + 8 of the tile.
-        {
-            const int r = threadIdx.x / 8;
+    const int n_tiles = (tail_end + TAIL_N - 1) / TAIL_N;
+    for (int t = 0; t < n_tiles; ++t) {
+        const int key0 = t * TAIL_N;
+        const int keys_here = min(TAIL_N, tail_end - key0);
+        cp_async_wait_all();
+        __syncthreads();  // the tile's pooled keys (and Q, the flags) landed; every warp is done with the last v̄
+        load_tile_async<TAIL_N, HEAD_DIM_V_PAD, TAIL_V_STRIDE, TAIL_THREADS>(v_s, values_g + (long long)key0 * dv, dv,
+                                                                             keys_here, dv);
+        cp_async_commit();
+        float s[1][TAIL_TILES_S][4];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int t = threadIdx.x % 8 + 8 * half, b = b0 + t;
-                double score = (double)NEG_INF;
-                if (t < tile && b < whole_s[r] && !listed[b]) {
-                    double dot = 0.0;
-                    for (int c = 0; c < d; ++c) dot = fma((double)q_s[r * (d + 1) + c], mu[t * d + c], dot);
-                    score = p.scale * dot;
-                }
-                s[r * TAIL_BLOCKS + t] = score;
+        for (int n = 0; n < TAIL_TILES_S; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
+        warp_mma_nt<TAIL_QK / 16, TAIL_TILES_S / 2, TAIL_QK_STRIDE>(s[0], q_lane, k_lane);
+        // Scale, then mask to the row's tail: scaled first, as the forward does, so that a negative scale cannot
+        // turn a masked −∞ into +∞. softmax_scores then takes the scaled scores with a scale of 1 (exact).
+#pragma unroll
+        for (int n = 0; n < TAIL_TILES_S; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int b = key0 + n * 8 + tig * 2 + (e % 2);
+                const bool tail = b < whole_r[e / 2] && !listed[b];
+                s[0][n][e] = tail ? __fmul_rn(s[0][n][e], fp.scale) : NEG_INF;
             }
         }
-        __syncthreads();
-        // The online softmax's step per row.
-        if (threadIdx.x < TAIL_ROWS) {
-            const int r = threadIdx.x;
-            double tile_max = (double)NEG_INF;
-            for (int t = 0; t < TAIL_BLOCKS; ++t) tile_max = fmax(tile_max, s[r * TAIL_BLOCKS + t]);
-            const double m_old = m_s[r], m_new = fmax(m_old, tile_max);
-            double factor = 1.0, a_sum = 0.0, z_sum = 0.0;
-            if (m_new != (double)NEG_INF) {
-                factor = exp(m_old - m_new);  // 0 when m_old = −∞
-                for (int t = 0; t < TAIL_BLOCKS; ++t) {
-                    const double w = exp(s[r * TAIL_BLOCKS + t] - m_new);  // 0 outside the tail
-                    s[r * TAIL_BLOCKS + t] = w;
-                    a_sum += w;
-                    z_sum += w * min(p.kv_block, len_k - (b0 + t) * p.kv_block);
-                }
-            } else {
-                for (int t = 0; t < TAIL_BLOCKS; ++t) s[r * TAIL_BLOCKS + t] = 0.0;
-            }
-            m_s[r] = m_new;
-            a_s[r] = a_s[r] * factor + a_sum;
-            z_s[r] = z_s[r] * factor + z_sum;
-            factor_s[r] = factor;
+        float rescale[1][2];
+        softmax_scores<false>(s, m_run, ml_run, l_part, rescale, 1.f, key0, len_k, EverySlot{}, 0, 0, 0, tig);
+        rescale_accumulators(acc, rescale);
+        cp_async_wait_all();
+        __syncthreads();  // v̄ landed; every warp is done with the pooled keys
+        if (t + 1 < n_tiles) {
+            const int key1 = key0 + TAIL_N;
+            const int next = min(TAIL_N, tail_end - key1);
+            load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(
+                k_s, keys_g + (long long)key1 * 2 * d, 2 * d, next, d);
+            load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(
+                k_s + HEAD_DIM_PAD, keys_g + (long long)key1 * 2 * d + d, 2 * d, next, d);
+            cp_async_commit();
         }
-        __syncthreads();
-#pragma unroll
-        for (int k = 0; k < TAIL_ROWS / 4; ++k) {
-            const int r = warp + 4 * k;
-            const double factor = factor_s[r];
-#pragma unroll
-            for (int g = 0; g < TAIL_MAX_COL_GROUPS; ++g) {
-                const int c = lane + 32 * g;
-                if (g < col_groups && c < dv) {
-                    double x = acc[k][g] * factor;
-                    for (int t = 0; t < TAIL_BLOCKS; ++t) x = fma(s[r * TAIL_BLOCKS + t], vsum[t * dv + c], x);
-                    acc[k][g] = x;
-                }
-            }
-        }
-        __syncthreads();  // the next tile overwrites mu, vsum and s
+        warp_mma_pv<TAIL_TILES_S, TAIL_TILES_O, TAIL_V_STRIDE>(acc[0], s[0], v_lane);
     }
+    __syncthreads();  // every warp is done with v̄: v_s takes H̄'s chunks
 
-    // The shared heterogeneity term, A · α q_iᵀ H̄, then the merge with the exact part.
-    const double* h_bar = work + p.hbar_at + ((long long)seq * p.n_heads_kv + kv) * d * dv;
-    if (threadIdx.x < TAIL_ROWS) {
-        const int r = threadIdx.x;
-        double lse_exact = r < rows ? (double)lse[lse_base + row0 + r] : (double)NEG_INF;
-        const double z = z_s[r], m = m_s[r];
-        double exact_weight = 1.0, tail_weight = 0.0, lse_out = lse_exact;
-        if (z > 0.0) {
-            const double tail_log = m + log(z);
-            const double top = fmax(lse_exact, tail_log);
-            const double we = exp(lse_exact - top), wt = exp(m - top);  // we = 0 when the exact part is empty
-            const double denominator = we + wt * z;
-            exact_weight = we / denominator;
-            tail_weight = wt / denominator;
-            lse_out = top + log(denominator);
+    // The shared term h = [q | q]·[H̄_hi ; H̄_lo] for TAIL_HALF_TILES column tiles at a time, then the merge of those
+    // columns. Rows are (g, g + 8) of the warp's slice; columns n·8 + 2·tig and + 1.
+    float l[2], lse_out[2];
+    double w_exact[2], w_tail[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l[r] = quad_sum(l_part[0][r]);
+        const int row = wrow + g + 8 * r;
+        w_exact[r] = 1.0;
+        w_tail[r] = 0.0;
+        lse_out[r] = 0.f;
+        if (row < rows_here && l[r] > 0.f) {
+            // The forward's LSE of the tail's pooled attention (m + ln ℓ in f32), then its log-mass with |B_b| = C.
+            const double lse_tail = (double)__fadd_rn(m_run[0][r], logf(l[r])) + log((double)p.kv_block);
+            const double lse_exact = (double)lse[lse_base + row0 + row];
+            const double top = fmax(lse_exact, lse_tail);
+            const double we = exp(lse_exact - top), wt = exp(lse_tail - top);  // we = 0 when the exact part is empty
+            const double denominator = we + wt;
+            w_exact[r] = we / denominator;
+            w_tail[r] = wt / denominator;
+            lse_out[r] = (float)(top + log(denominator));
         }
-        exact_s[r] = exact_weight;
-        tail_s[r] = tail_weight;
-        lse_s[r] = (float)lse_out;
     }
-    __syncthreads();
 #pragma unroll
-    for (int k = 0; k < TAIL_ROWS / 4; ++k) {
-        const int r = warp + 4 * k;
-        if (r >= rows || tail_s[r] == 0.0) continue;  // no tail: O is the exact part's, untouched
-        const double shared_weight = a_s[r] * p.scale;
+    for (int half = 0; half < TAIL_HALVES; ++half) {
+        const int col0 = half * TAIL_HALF_TILES * 8;
+        float acc_h[TAIL_HALF_TILES][4];
 #pragma unroll
-        for (int g = 0; g < TAIL_MAX_COL_GROUPS; ++g) {
-            const int c = lane + 32 * g;
-            if (g < col_groups && c < dv) {
-                double qh = 0.0;
-                for (int cc = 0; cc < d; ++cc) qh = fma((double)q_s[r * (d + 1) + cc], h_bar[(long long)cc * dv + c], qh);
-                const double numerator = fma(shared_weight, qh, acc[k][g]);
-                elem_t* out = o + o_base + h * fp.o_head + (long long)(row0 + r) * fp.o_row + c;
-                const double exact = (double)to_f32(*out);
-                *out = to_elem((float)(exact_s[r] * exact + tail_s[r] * numerator));
+        for (int n = 0; n < TAIL_HALF_TILES; ++n) acc_h[n][0] = acc_h[n][1] = acc_h[n][2] = acc_h[n][3] = 0.f;
+        for (int k0 = 0; k0 < TAIL_QK; k0 += TAIL_N) {
+            // Rows k0 .. k0 + 63 of [H̄_hi ; H̄_lo] padded to [HEAD_DIM_PAD ; HEAD_DIM_PAD] rows, columns col0 onwards;
+            // zero outside [d] × [dv] (dv is a multiple of 8: a 16-byte chunk is valid whole or not at all).
+            for (int idx = threadIdx.x; idx < TAIL_N * TAIL_HALF_TILES; idx += TAIL_THREADS) {
+                const int rr = idx / TAIL_HALF_TILES, cc = (idx % TAIL_HALF_TILES) * 8, kr = k0 + rr;
+                const int c = kr < HEAD_DIM_PAD ? kr : kr - HEAD_DIM_PAD;
+                const int source = kr < HEAD_DIM_PAD ? c : d + c;
+                const bool valid = c < d && col0 + cc < dv;
+                cp_async_16(v_s + rr * TAIL_V_STRIDE + cc, hbar_g + (valid ? (long long)source * dv + col0 + cc : 0),
+                            valid);
+            }
+            cp_async_commit();
+            cp_async_wait_all();
+            __syncthreads();
+#pragma unroll
+            for (int kk = 0; kk < TAIL_N / 16; ++kk) {
+                // The last chunk may end past [q | q]'s 2·HEAD_DIM_PAD columns (HEAD_DIM_PAD an odd multiple of 16):
+                // its rows there are zero, and the row's padding must not be read as a factor (0 · NaN = NaN).
+                if (k0 + kk * 16 >= TAIL_QK) break;
+                unsigned af[4];
+                ldsm_x4(af, q_lane + (k0 + kk * 16) * ESZ);
+#pragma unroll
+                for (int np = 0; np < TAIL_HALF_TILES / 2; ++np) {
+                    unsigned bf[4];
+                    ldsm_x4_trans(bf, v_lane + (kk * 16 * TAIL_V_STRIDE + np * 16) * ESZ);
+                    mma_16816(acc_h[2 * np], af, bf[0], bf[1]);
+                    mma_16816(acc_h[2 * np + 1], af, bf[2], bf[3]);
+                }
+            }
+            __syncthreads();  // the next chunk overwrites v_s
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = wrow + g + 8 * r;
+            if (row >= rows_here || !(l[r] > 0.f)) continue;  // no tail: O is the exact part's, untouched
+            elem_t* o_g = o + o_base + h * fp.o_head + (long long)(row0 + row) * fp.o_row;
+#pragma unroll
+            for (int n = 0; n < TAIL_HALF_TILES; ++n) {
+                const int c = col0 + n * 8 + tig * 2;
+                if (c >= dv) continue;
+                elem_t out[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    // T = O_T + α h / C, O_T as the forward would finalize it (A / ℓ in f32).
+                    const double o_tail = (double)__fdiv_rn(acc[0][half * TAIL_HALF_TILES + n][2 * r + e], l[r]);
+                    const double tail = o_tail + p.scale * (double)acc_h[n][2 * r + e] / p.kv_block;
+                    const double exact = (double)to_f32(o_g[c + e]);
+                    out[e] = to_elem_rn(w_exact[r] * exact + w_tail[r] * tail);
+                }
+                *reinterpret_cast<unsigned*>(o_g + c) = pack_elems(out[0], out[1]);
             }
         }
     }
-    if (threadIdx.x < rows && tail_s[threadIdx.x] != 0.0) lse[lse_base + row0 + threadIdx.x] = lse_s[threadIdx.x];
+    if (tig == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = wrow + g + 8 * r;
+            if (row < rows_here && l[r] > 0.f) lse[lse_base + row0 + row] = lse_out[r];
+        }
+    }
 }

@@ -168,7 +168,7 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 18] = [
         kernel: "pisa_tail",
         needs: (8, 0),
         only: false,
-        instructions: "bsa_select.cu's pooling, compiled with its cp.async; f64 arithmetic",
+        instructions: "bsa_select.cu's pooling, cp.async, ldmatrix and mma.sync m16n8k16 (bf16/f16); f64 arithmetic",
     },
     DeviceRequirement {
         kernel: "pisa_mass",

@@ -577,54 +577,57 @@ pub(crate) fn launch_pisa_pool_level(
 }
 
 /// Launches `pisa_tail_means` or `pisa_tail_hbar` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail's
-/// statistics per key block (means of keys and values) or per tile of `H̄`.
+/// statistics per key block (means of keys and values, and their storage-type forms) or per tile of `H̄` (and its
+/// split form).
 ///
 /// Preconditions, established by `pisa::tail`: `func` is one of the two, compiled for the element type `T`; `k`, `v`
 /// hold the spec's K and V, which the strides and lengths of `params.flash` or the validated `cu_k` describe; `work`
 /// holds `pisa::tail::workspace_len` f64 (the mean keys from 0, the mean values from `params.value_means_at`, `H̄` from
-/// `params.hbar_at`), and `pisa_tail_hbar` runs after `pisa_tail_means` on the same stream; `cfg`'s grid is
-/// `(key blocks, n_heads_kv, B)` with 128 threads for the means and `(tiles of H̄, n_heads_kv, B)` with 256 for `H̄`.
+/// `params.hbar_at`), `pooled` `pisa::tail::pooled_len` elements (the split mean keys from 0, the rounded mean values
+/// from `params.pooled_values_at`, the split `H̄` from `params.pooled_hbar_at`), and `pisa_tail_hbar` runs after
+/// `pisa_tail_means` on the same stream; `cfg`'s grid is `(key blocks, n_heads_kv, B)` with 128 threads for the means
+/// and `(tiles of H̄, n_heads_kv, B)` with 256 for `H̄`.
 pub(crate) fn launch_pisa_tail_stats<T>(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
     (k, v): (&CudaSlice<T>, &CudaSlice<T>),
-    work: &mut CudaSlice<f64>,
+    (work, pooled): (&mut CudaSlice<f64>, &mut CudaSlice<T>),
     cu_k: &CudaSlice<i32>,
     params: &PisaTailParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(k).arg(v).arg(work).arg(cu_k).arg(params);
+    builder.arg(k).arg(v).arg(work).arg(pooled).arg(cu_k).arg(params);
     // SAFETY: the arguments match `pisa_tail_means` and `pisa_tail_hbar` (`const elem_t* k, const elem_t* v, double*
-    // work, const int* cu_k, const PisaTailParams`) in order and type; every index the kernels form lies in the
-    // buffers the caller sized (see above); the buffers are borrowed for this call and their use is recorded on
-    // `stream`.
+    // work, elem_t* pooled, const int* cu_k, const PisaTailParams`) in order and type; every index the kernels form
+    // lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
+    // recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_tail stats)", e))?;
     Ok(())
 }
 
-/// Launches `pisa_tail_merge` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail of `TAIL_ROWS` rows of one
-/// query head per CTA, merged into the exact part's `O` and LSE in place.
+/// Launches `pisa_tail_merge` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail of 64 rows of one query head
+/// per CTA on the tensor cores, merged into the exact part's `O` and LSE in place.
 ///
-/// Preconditions, established by `pisa::tail`: `func` is `pisa_tail_merge` compiled for the element type `T`; `q`
-/// holds the spec's Q; `work` the statistics `pisa_tail_means` and `pisa_tail_hbar` wrote for the same K and V;
-/// `lists` the validated lists `[B, list heads, n_query_blocks, list_width]` (the exact part's, cut blocks included);
-/// `o` and `lse` the block-sparse forward's outputs over those lists, in the spec's layout; `cfg`'s grid is
-/// `(⌈longest Lq / 16⌉, n_heads_q, B)` with 128 threads and the dynamic shared memory of
+/// Preconditions, established by `pisa::tail`: `func` is `pisa_tail_merge` compiled for the element type `T` and the
+/// spec's padded head dims; `q` holds the spec's Q; `pooled` the storage-type statistics `pisa_tail_means` and
+/// `pisa_tail_hbar` wrote for the same K and V; `lists` the validated lists `[B, list heads, n_query_blocks,
+/// list_width]` (the exact part's, cut and partial blocks included) with `q_block` a multiple of 64; `o` and `lse`
+/// the block-sparse forward's outputs over those lists, in the spec's layout; `cfg`'s grid is
+/// `(⌈longest Lq / 64⌉, n_heads_q, B)` with 128 threads and the dynamic shared memory of
 /// `pisa::tail::merge_shared_bytes`, which the function attribute allows.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_pisa_tail_merge<T>(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
-    (q, work, lists): (&CudaSlice<T>, &CudaSlice<f64>, &CudaSlice<i32>),
+    (q, pooled, lists): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<i32>),
     (o, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
     (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
     params: &PisaTailParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(q).arg(work).arg(lists).arg(o).arg(lse).arg(cu_q).arg(cu_k).arg(params);
-    // SAFETY: the arguments match `pisa_tail_merge(const elem_t* q, const double* work, const int* lists, elem_t* o,
+    builder.arg(q).arg(pooled).arg(lists).arg(o).arg(lse).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `pisa_tail_merge(const elem_t* q, const elem_t* pooled, const int* lists, elem_t* o,
     // float* lse, const int* cu_q, const int* cu_k, const PisaTailParams)` in order and type; every index the kernel
     // forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
     // recorded on `stream`.

@@ -98,7 +98,7 @@ pub fn module_variants<T: GpuElement>(
         variant(ring::state::RING_STATE, vec![T::DEFINE.to_owned()]),
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(pisa::select::PISA_SELECT, vec![T::DEFINE.to_owned()]),
-        variant(pisa::tail::PISA_TAIL, vec![T::DEFINE.to_owned()]),
+        variant(pisa::tail::PISA_TAIL, pisa::tail::tail_defines::<T>(spec)),
         variant(pisa::diagnostics::PISA_MASS, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),

@@ -205,6 +205,10 @@ pub(crate) struct PisaTailParams {
     pub value_means_at: i64,
     /// Element of the f64 workspace where `H̄` starts.
     pub hbar_at: i64,
+    /// Element of the storage-type workspace where the rounded mean values start (the split mean keys start at 0).
+    pub pooled_values_at: i64,
+    /// Element of the storage-type workspace where the split `H̄` starts.
+    pub pooled_hbar_at: i64,
     /// Query rows per query block of the lists.
     pub q_block: i32,
     /// Keys per key block: the tail's block size.
@@ -616,6 +620,8 @@ mod tests {
                 scale,
                 value_means_at,
                 hbar_at,
+                pooled_values_at,
+                pooled_hbar_at,
                 q_block,
                 kv_block,
                 causal,

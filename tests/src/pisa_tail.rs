@@ -1,38 +1,54 @@
 //! Verifying PISA's tail forward (`attnproof_gpu::pisa::tail`, E22) against the oracle's `pisa::tail_output`, and
 //! the E23 bound on real outputs.
 //!
-//! **The exact part.** The harness forms each query block's exact blocks itself, from the mask: the listed blocks and
-//! every key block the mask cuts (sees partly) for some row of the query block. The block-sparse forward's model
-//! over those blocks ([`problem_forward_bounds`] under the listed-tiles mask, charged the visited tiles) gives the
-//! exact part's oracle `(O_E, lse_E)` and its bounds `(e_O, e_L)`.
+//! **The exact part.** The harness forms each query block's exact blocks itself, from the mask: the listed blocks,
+//! every key block the mask cuts (sees partly) for some row of the query block, and the partial last block where a
+//! row of the query block sees a key of it (the kernel's convention: every tail block has `C` keys). The block-sparse
+//! forward's model over those blocks ([`problem_forward_bounds`] under the listed-tiles mask, charged the visited
+//! tiles) gives the exact part's oracle `(O_E, lse_E)` and its bounds `(e_O, e_L)`.
+//!
+//! **The statistics.** The kernel works from storage-type statistics ([`PooledStatistics`]: the mean key split as
+//! `[μ_hi | μ_lo]`, the rounded mean value, the split `H̄`), which the caller reads back from the device. Each is held
+//! to the oracle's f64 statistic `x`: the device's own f64 value is within `ρ_x` of it (`2γ_{n+1}(2^-53)` of the
+//! absolute sums the two f64 evaluations add, `n` their terms), and the storage forms round it once each, so
+//! `|μ_hi + μ_lo − x| ≤ ρ_x + u(u(|x| + ρ_x) + τ/2) + τ/2` and `|RN(v̄) − x| ≤ ρ_x + u(|x| + ρ_x) + τ/2` (`u` the
+//! storage type's unit roundoff, `τ` its smallest subnormal). A statistic outside its bound fails the verdict
+//! ([`TailVerdict::statistics_ratio`]).
+//!
+//! **The tail part.** The kernel runs the forward's recipe over the pooled problem with the statistics it read:
+//! queries `[q | q]`, keys `[μ_hi | μ_lo]`, values `RN(v̄)`, each row masked to its tail blocks. The forward's model
+//! over exactly those inputs bounds `O_T` and `lse_T` against exact attention over them; exact attention over the
+//! oracle's `(μ, v̄)` differs from that by a computed amount (f64, both sides), which the statistics' check keeps
+//! within their roundings. The shared term `α h / C`, `h = [q | q]·[H̄_hi ; H̄_lo]` on the tensor cores, adds
+//! `(|α|/C)(γ'_{2d} Σ_c |q_c|(|H̄_hi| + |H̄_lo|) + Σ_c |q_c| tol_H)`. Together: `t_O` on the tail's average `T` and
+//! `t_L` on its log-mass.
 //!
 //! **The merged output.** With `λ = Z_E / (Z_E + Z_U)` (the exact part's share of the row's PISA denominator, from the
-//! oracle), the kernel's `ô = λ̂ Ô_E + (1 − λ̂) T` against `o = λ O_E + (1 − λ) T` (`T` the tail's average): an error
-//! `δ` of the exact part's LSE moves the weight to `λ̂ = λ e^δ / (λ e^δ + 1 − λ)`, so
-//! `|λ̂ − λ| ≤ Δλ = λ (1 − λ)(e^{e_L} − 1) e^{e_L}`, and `|ô − o| ≤ (λ + Δλ) e_O + Δλ |O_E − T|` with
-//! `(1 − λ)|O_E − T| = |o − O_E|`. The tail itself is evaluated in f64 on both sides from the same inputs: each of its
-//! quantities is within `ρ = γ_n(2^-53)` (`n = 2(d + dv + n_blocks + C) + 32` roundings at most on any path, the block
-//! statistics' included) of the oracle's, which moves `o` by at most `ρ (max|v| + |α| ‖q_i‖₁ max|H̄|)`, the largest
-//! value a tail term can carry. The merged value is rounded to f32 and then to the storage type:
-//! `(u_32 + u + u_32 u)` of its magnitude. The LSE: `|ln(λ e^δ + 1 − λ)| ≤ −ln(1 − λ (1 − e^{−e_L}))`, then f32.
-//! A row without tail blocks has `λ = 1`: its bound is the forward's.
+//! oracle), the kernel's `ô = λ̂ Ô_E + (1 − λ̂) T̂` against `o = λ O_E + (1 − λ) T`: errors `δ_E`, `δ_T` of the two
+//! log-masses move the weight to `λ̂ = λ e^δ / (λ e^δ + 1 − λ)`, `δ = δ_E − δ_T`, `|δ| ≤ e_L + t_L`, so
+//! `|λ̂ − λ| ≤ Δλ = λ (1 − λ)(e^{e_L + t_L} − 1) e^{e_L + t_L}`, and
+//! `|ô − o| ≤ (λ + Δλ) e_O + (1 − λ + Δλ) t_O + Δλ |O_E − T|` with `(1 − λ)|O_E − T| = |o − O_E|`. The merge runs in
+//! f64 (`ρ = γ_n(2^-53)` of the largest value a term carries) and rounds once to the storage type:
+//! `u (|o| + B) + τ/2`. The LSE: `ln(λ e^{δ_E} + (1 − λ) e^{δ_T})` lies between `−ln(λ e^{−e_L} + (1 − λ) e^{−t_L})`
+//! below and `ln(λ e^{e_L} + (1 − λ) e^{t_L})` above, then f32. A row without tail blocks has `λ = 1`: its bound is
+//! the forward's.
 //!
 //! **E23** (`proofs::pisa::pisa_within_bound` on the GPU's output): per row with a tail,
 //! `‖ô − o_dense‖ ≤ bound_E23 · Z/D + ‖o_first order − o_dense‖ + ‖bound of ô‖`, the theorem's inequality (with its
 //! `2^-20` slack for the power iteration) plus the kernel's own error bound.
 
-use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::pisa::{
     TailRule, TailStatistics, classify_blocks, pisa_error_bound, tail_output, tail_statistics,
 };
 use attnproof_oracle::selection::key_blocks;
 use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
 use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD, Axis, IxDyn};
 
-use crate::flash::{Case, HarnessError, problem_forward_bounds};
+use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
 use crate::sparse::{listed_tiles_mask, sub_case, visited_tiles};
 use crate::verdict::{OutputVerdict, compare};
 
@@ -49,17 +65,125 @@ pub struct TailVerdict {
     pub e23_ratio: f64,
     /// Whether the exact part alone (the tail dropped) falls outside the bound somewhere: the verdict can tell.
     pub drop_rejected: bool,
+    /// The largest error of a storage-type statistic over its bound (module docs), and where it is.
+    pub statistics_ratio: f64,
+    /// The statistic of [`TailVerdict::statistics_ratio`]: `"key [b, kv, block, column]"` and the like.
+    pub statistics_worst: String,
 }
 
 impl TailVerdict {
-    /// Every output within its bound, and E23 held.
+    /// Every output within its bound, every statistic within its rounding, and E23 held.
     pub fn passed(&self) -> bool {
-        self.o.passed() && self.lse.passed() && self.e23_ratio <= 1.0
+        self.o.passed() && self.lse.passed() && self.e23_ratio <= 1.0 && self.statistics_ratio <= 1.0
+    }
+}
+
+/// The storage-type statistics the tail kernel computed with, widened to f64 (`attnproof_gpu::pisa::tail`'s pooled
+/// workspace): per (sequence, KV head) the split mean keys `[μ_hi | μ_lo]` of every key block, the rounded mean
+/// values and the split `H̄` (`[H̄_hi ; H̄_lo]`, `2d` rows).
+#[derive(Clone, Debug)]
+pub struct PooledStatistics {
+    /// `[B, Hkv, n_k, 2d]`.
+    pub keys: Array4<f64>,
+    /// `[B, Hkv, n_k, dv]`.
+    pub values: Array4<f64>,
+    /// `[B, Hkv, 2d, dv]`.
+    pub h_bar: Array4<f64>,
+}
+
+impl PooledStatistics {
+    /// The statistics from the pooled workspace's elements in its layout (keys, then values, then `H̄`), for `spec`
+    /// with key blocks of `kv_block` keys; `None` when `flat` is shorter than the layout needs.
+    pub fn from_workspace(spec: &AttentionSpec, kv_block: usize, flat: &[f64]) -> Option<Self> {
+        let (batch, heads, d, dv) = (spec.sequences().len(), spec.n_heads_kv, spec.head_dim, spec.head_dim_v);
+        let blocks = spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+        let sizes = [batch * heads * blocks * 2 * d, batch * heads * blocks * dv, batch * heads * 2 * d * dv];
+        if flat.len() < sizes.iter().sum::<usize>() {
+            return None;
+        }
+        let (keys, rest) = flat.split_at(sizes[0]);
+        let (values, rest) = rest.split_at(sizes[1]);
+        let take = |shape: (usize, usize, usize, usize), x: &[f64]| Array4::from_shape_vec(shape, x.to_vec());
+        Some(PooledStatistics {
+            keys: take((batch, heads, blocks, 2 * d), keys).ok()?,
+            values: take((batch, heads, blocks, dv), values).ok()?,
+            h_bar: take((batch, heads, 2 * d, dv), &rest[..sizes[2]]).ok()?,
+        })
+    }
+
+    /// What the kernel's statistics should be for `case`: the oracle's f64 statistics (blocks of `kv_block` keys),
+    /// each rounded once to `T` (`μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`, `RN(v̄)`, `H̄` split like `μ`). Blocks a
+    /// shorter sequence lacks stay 0.
+    pub fn rounded<T: Element>(case: &Case<T>, kv_block: usize) -> Self {
+        let spec = &case.spec;
+        let (d, dv) = (spec.head_dim, spec.head_dim_v);
+        let blocks = spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0);
+        let shape = |cols| (spec.sequences().len(), spec.n_heads_kv, blocks, cols);
+        let mut out = PooledStatistics {
+            keys: Array4::zeros(shape(2 * d)),
+            values: Array4::zeros(shape(dv)),
+            h_bar: Array4::zeros((spec.sequences().len(), spec.n_heads_kv, 2 * d, dv)),
+        };
+        let round = |x: f64| T::from_f64(x).to_f32() as f64;
+        let [_, k, v] = case.widened();
+        for seq in spec.sequences().iter().filter(|s| s.len_k > 0) {
+            for kv in 0..spec.n_heads_kv {
+                let (k2, v2) = (spec.head_rows(k.view(), seq, kv, true), spec.head_rows(v.view(), seq, kv, true));
+                let stats = tail_statistics(k2, v2, kv_block, ());
+                for (b, &count) in stats.counts.iter().enumerate() {
+                    for c in 0..d {
+                        let (hi, lo) = split(stats.means[[b, c]], round);
+                        out.keys[[seq.index, kv, b, c]] = hi;
+                        out.keys[[seq.index, kv, b, d + c]] = lo;
+                    }
+                    for c in 0..dv {
+                        out.values[[seq.index, kv, b, c]] = round(stats.value_sums[[b, c]] / count as f64);
+                    }
+                }
+                for ((c, e), &x) in stats.h_bar.indexed_iter() {
+                    let (hi, lo) = split(x, round);
+                    out.h_bar[[seq.index, kv, c, e]] = hi;
+                    out.h_bar[[seq.index, kv, d + c, e]] = lo;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// `(RN(x), RN(x − RN(x)))` under the rounding `round` (the subtraction is exact in f64).
+fn split(x: f64, round: impl Fn(f64) -> f64) -> (f64, f64) {
+    let hi = round(x);
+    (hi, round(x - hi))
+}
+
+/// The bound on a storage-type form of an f64 statistic `x` the device computed within `rho` of the oracle's: one
+/// rounding (`split == false`) or the two of a split, with unit roundoff `u` and smallest subnormal `tau`.
+fn rounding_tolerance(x: f64, rho: f64, u: f64, tau: f64, split: bool) -> f64 {
+    let first = u * (x.abs() + rho) + tau / 2.0;
+    if split { rho + u * first + tau / 2.0 } else { rho + first }
+}
+
+/// The largest statistic error over its bound found so far, and which statistic.
+#[derive(Clone, Debug, Default)]
+struct Worst {
+    ratio: f64,
+    at: String,
+}
+
+impl Worst {
+    fn offer(&mut self, error: f64, tolerance: f64, at: impl FnOnce() -> String) {
+        let ratio = if error <= tolerance { error / tolerance.max(f64::MIN_POSITIVE) } else { error / tolerance };
+        if ratio > self.ratio || (ratio.is_nan() && !self.ratio.is_nan()) {
+            self.ratio = ratio;
+            self.at = at();
+        }
     }
 }
 
 /// The exact blocks of each (sequence, query head, query block) of `spec` under `layout` (lists per query head): the
-/// listed ones and every key block the mask sees partly from some row of the query block, ascending, `−1`-padded.
+/// listed ones, every key block the mask sees partly from some row of the query block, and the partial last block
+/// where some row of the query block sees a key of it; ascending, `−1`-padded.
 pub fn exact_layout(spec: &AttentionSpec, layout: &BlockSparseLayout) -> BlockSparseLayout {
     let (batch, heads, query_blocks, _) = layout.lists.dim();
     let mut sets = vec![];
@@ -73,7 +197,8 @@ pub fn exact_layout(spec: &AttentionSpec, layout: &BlockSparseLayout) -> BlockSp
                 for i in rows {
                     for (b, r) in blocks.iter().enumerate() {
                         let seen = r.clone().filter(|&j| visible[[i, j]]).count();
-                        if seen > 0 && seen < r.len() {
+                        let partial = r.len() < layout.kv_tile;
+                        if seen > 0 && (seen < r.len() || partial) {
                             set.push(b as i32);
                         }
                     }
@@ -124,14 +249,21 @@ pub struct TailTargets {
     pub tail_rows: usize,
     /// The E23 rows.
     pub e23: Vec<E23Row>,
+    /// The largest statistic error over its bound, and where.
+    pub statistics_ratio: f64,
+    /// Which statistic.
+    pub statistics_worst: String,
 }
 
-/// The targets of PISA's tail forward over the lists `layout` (per query head; the exact part's kernel `recipe`).
-/// See the module docs for the bound.
+/// The targets of PISA's tail forward over the lists `layout` (per query head; the exact part's kernel `recipe`, the
+/// tail's `tail_recipe`), for a kernel that computed with the storage-type statistics `pooled`. See the module docs
+/// for the bounds.
 pub fn tail_targets<T: Element>(
     case: &Case<T>,
     layout: &BlockSparseLayout,
     recipe: FlashRecipe,
+    tail_recipe: FlashRecipe,
+    pooled: &PooledStatistics,
 ) -> Result<TailTargets, HarnessError> {
     let spec = &case.spec;
     let exact = exact_layout(spec, layout);
@@ -146,10 +278,27 @@ pub fn tail_targets<T: Element>(
         o_exact: ArrayD::zeros(IxDyn(&o_shape)),
         tail_rows: 0,
         e23: vec![],
+        statistics_ratio: 0.0,
+        statistics_worst: String::new(),
     };
+    let (d, dv, c_keys) = (spec.head_dim, spec.head_dim_v, exact.kv_tile);
+    let (u, tau) = (T::UNIT_ROUNDOFF, tail_recipe.subnormal);
+    let mut worst = Worst::default();
+    let [_, k_all, v_all] = case.widened();
     for seq in spec.sequences() {
         let visible = spec.mask.matrix(seq.len_q, seq.len_k);
-        let mut stats: Vec<Option<TailStatistics<f64>>> = vec![None; spec.n_heads_kv];
+        // Per KV head: the oracle's statistics and the bounds on the kernel's split H̄.
+        let mut stats: Vec<Option<(TailStatistics<f64>, Array2<f64>)>> = vec![None; spec.n_heads_kv];
+        if seq.len_k > 0 {
+            for (kv, slot) in stats.iter_mut().enumerate() {
+                let (k2, v2) =
+                    (spec.head_rows(k_all.view(), &seq, kv, true), spec.head_rows(v_all.view(), &seq, kv, true));
+                let st = tail_statistics(k2, v2, c_keys, ());
+                let h_tol = check_statistics(&st, k2, v2, pooled, (seq.index, kv), (u, tau), &mut worst);
+                *slot = Some((st, h_tol));
+            }
+        }
+        let whole = seq.len_k / c_keys;
         for h in 0..spec.n_heads_q {
             let kv = spec.kv_head(h);
             let sub = sub_case(case, &seq, h..h + 1, listed_tiles_mask(spec, &exact, &seq, h));
@@ -162,16 +311,22 @@ pub fn tail_targets<T: Element>(
                 t.index_axis(Axis(1), 0).to_owned().into_dimensionality().expect("a [L, 1, D] tensor")
             };
             let (k2, v2) = (head(&k), head(&v));
-            if seq.len_k > 0 && stats[kv].is_none() {
-                stats[kv] = Some(tail_statistics(k2.view(), v2.view(), exact.kv_tile, ()));
-            }
             let max_v = v2.iter().fold(0f64, |m, x| m.max(x.abs()));
+            let classes: Vec<_> = (0..seq.len_q)
+                .map(|i| classify_blocks(visible.row(i), c_keys, &listed(&exact.lists, seq.index, h, i / exact.q_tile)))
+                .collect();
+            // The pooled problem the kernel ran for this head, and the forward's model over it.
+            let pooled_truth = if whole > 0 && classes.iter().any(|c| !c.tail.is_empty()) {
+                Some(pooled_forward(&q, pooled, (seq.index, kv), whole, &classes, scale, tail_recipe)?)
+            } else {
+                None
+            };
             for i in 0..seq.len_q {
                 let (e_o, o_exact) = (row_of(&truth.bound_o, i), row_of(&truth.o, i));
                 let (e_l, lse_exact) = (truth.bound_lse[[0, i]], truth.lse[[0, i]]);
                 let at = row_at(spec, &seq, h, i);
                 let put = |t: &mut TailTargets, o: ArrayView1<'_, f64>, o_bound: ArrayView1<'_, f64>, lse, lse_b| {
-                    for c in 0..spec.head_dim_v {
+                    for c in 0..dv {
                         let ix = [at.as_slice(), &[c]].concat();
                         t.o[IxDyn(&ix)] = o[c];
                         t.o_bound[IxDyn(&ix)] = o_bound[c];
@@ -182,28 +337,54 @@ pub fn tail_targets<T: Element>(
                     t.lse_bound[IxDyn(&lx)] = lse_b;
                 };
                 let qi = row_of(&q, i);
-                let listed = listed(&exact.lists, seq.index, h, i / exact.q_tile);
-                let classes = classify_blocks(visible.row(i), exact.kv_tile, &listed);
-                let Some(stats) = stats[kv].as_ref().filter(|_| !classes.tail.is_empty()) else {
+                let classes = &classes[i];
+                let (Some((stats, h_tol)), Some(pooled_truth)) =
+                    (stats[kv].as_ref().filter(|_| !classes.tail.is_empty()), pooled_truth.as_ref())
+                else {
                     // No tail: the exact part's output and bound.
                     put(&mut t, o_exact, e_o, lse_exact, e_l);
                     continue;
                 };
                 t.tail_rows += 1;
                 let args = (qi, k2.view(), v2.view(), visible.row(i));
-                let pisa = tail_output(args.0, args.1, args.2, args.3, &classes, stats, &scale, TailRule::Pisa, ());
-                let n = 2 * (spec.head_dim + spec.head_dim_v + stats.counts.len() + exact.kv_tile) + 32;
+                let pisa = tail_output(args.0, args.1, args.2, args.3, classes, stats, &scale, TailRule::Pisa, ());
+                let n = 2 * (d + dv + stats.counts.len() + c_keys) + 32;
+                let rho = gamma(n, f64::EPSILON / 2.0);
                 let max_h = stats.h_bar.iter().fold(0f64, |m, x| m.max(x.abs()));
                 let q1 = qi.iter().map(|x| x.abs()).sum::<f64>();
+                // The tail part's error: the forward's model over the pooled problem, the distance from exact
+                // attention over the kernel's statistics to exact attention over the oracle's, and the shared term.
+                let (o_t, lse_t) = pooled_exact(qi, stats, &classes.tail, scale);
+                let h_split = pooled.h_bar.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), kv);
+                let t_o: Array1<f64> = (0..dv)
+                    .map(|e| {
+                        let shared = (0..d)
+                            .map(|c| {
+                                let (hi, lo) = (h_split[[c, e]], h_split[[d + c, e]]);
+                                let gamma = tail_recipe.accumulation.gamma(2 * pad16(d));
+                                qi[c].abs() * (gamma * (hi.abs() + lo.abs()) + h_tol[[c, e]])
+                            })
+                            .sum::<f64>();
+                        pooled_truth.bound_o[[0, 0, i, e]]
+                            + (pooled_truth.o[[0, 0, i, e]] - o_t[e]).abs()
+                            + rho * max_v
+                            + scale.abs() / c_keys as f64 * shared
+                    })
+                    .collect();
+                let t_l = pooled_truth.bound_lse[[0, 0, i]]
+                    + (pooled_truth.lse[[0, 0, i]] - lse_t).abs()
+                    + rho * (lse_t.abs() + 1.0);
                 let model = MergeModel {
                     lambda: 1.0 - pisa.tail_mass / pisa.denominator,
                     e_l,
-                    rho: gamma(n, f64::EPSILON / 2.0),
+                    t_l,
+                    rho,
                     unit_roundoff: T::UNIT_ROUNDOFF,
+                    subnormal: tau,
                 };
                 let carried = max_v + scale.abs() * q1 * max_h;
                 let o_bound: Array1<f64> =
-                    (0..spec.head_dim_v).map(|c| model.output_bound(pisa.o[c], o_exact[c], e_o[c], carried)).collect();
+                    (0..dv).map(|c| model.output_bound(pisa.o[c], o_exact[c], e_o[c], t_o[c], carried)).collect();
                 let lse_target = pisa.shift + pisa.denominator.ln();
                 let lse_bound = model.lse_bound(lse_target);
                 put(&mut t, pisa.o.view(), o_bound.view(), lse_target, lse_bound);
@@ -212,14 +393,14 @@ pub fn tail_targets<T: Element>(
                     args.1,
                     args.2,
                     args.3,
-                    &classes,
+                    classes,
                     stats,
                     &scale,
                     TailRule::FirstOrderPerBlock,
                     (),
                 );
                 let dense = dense_row(qi, k2.view(), v2.view(), visible.row(i), scale);
-                let e23 = pisa_error_bound(qi, &first, &classes, stats, &scale, ());
+                let e23 = pisa_error_bound(qi, &first, classes, stats, &scale, ());
                 // E23's bound is 0 when the dense mass dwarfs the tail's past f64's range (total mass +∞).
                 let share = if e23 > 0.0 { e23 * first.total_mass / first.denominator } else { 0.0 };
                 let allowed = share + distance(first.o.view(), dense.view());
@@ -227,15 +408,144 @@ pub fn tail_targets<T: Element>(
             }
         }
     }
+    t.statistics_ratio = worst.ratio;
+    t.statistics_worst = worst.at;
     Ok(t)
 }
 
+/// A head dim rounded up to the tensor cores' k step of 16 (the tail kernel's `HEAD_DIM_PAD`).
+fn pad16(d: usize) -> usize {
+    d.div_ceil(16).max(1) * 16
+}
+
+/// `2γ_{n+1}(2^-53)` of an f64 sum of `n` terms whose absolute values add to `abs_sum`: how far two f64 evaluations
+/// of it (the device's, in its order, and the oracle's) may lie apart.
+fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
+    2.0 * gamma(n + 1, f64::EPSILON / 2.0) * abs_sum
+}
+
+/// The bounds on the split `H̄` (`[d, dv]`, module docs): the f64 distance allowed between the device's and the
+/// oracle's `H̄[c, e]` (a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it, whose
+/// absolute terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`), then the split's two roundings.
+fn hbar_tolerances(
+    stats: &TailStatistics<f64>,
+    k: ArrayView2<'_, f64>,
+    v: ArrayView2<'_, f64>,
+    u: f64,
+    tau: f64,
+) -> Array2<f64> {
+    let max_k: Vec<f64> = k.columns().into_iter().map(|c| c.iter().fold(0f64, |m, x| m.max(x.abs()))).collect();
+    let max_mu: Vec<f64> =
+        stats.means.columns().into_iter().map(|c| c.iter().fold(0f64, |m, x| m.max(x.abs()))).collect();
+    let sum_v: Vec<f64> = v.columns().into_iter().map(|c| c.iter().map(|x| x.abs()).sum()).collect();
+    let (n, blocks) = (k.nrows() + 2 * stats.block_size + 4, stats.counts.len() as f64);
+    Array2::from_shape_fn(stats.h_bar.dim(), |(c, e)| {
+        let rho = f64_sum_rho(n, (max_k[c] + max_mu[c]) * sum_v[e] / blocks);
+        rounding_tolerance(stats.h_bar[[c, e]], rho, u, tau, true)
+    })
+}
+
+/// Holds the kernel's storage-type statistics of (sequence, KV head) `at` to the oracle's `stats` of keys `k` and
+/// values `v` (module docs), recording the worst ratio in `worst`; returns the split `H̄`'s bounds.
+fn check_statistics(
+    stats: &TailStatistics<f64>,
+    k: ArrayView2<'_, f64>,
+    v: ArrayView2<'_, f64>,
+    pooled: &PooledStatistics,
+    (b, kv): (usize, usize),
+    (u, tau): (f64, f64),
+    worst: &mut Worst,
+) -> Array2<f64> {
+    let (d, dv, size) = (k.ncols(), v.ncols(), stats.block_size);
+    for (block, &count) in stats.counts.iter().enumerate() {
+        let rows = block * size..block * size + count;
+        for c in 0..d {
+            let abs = rows.clone().map(|j| k[[j, c]].abs()).sum::<f64>() / count as f64;
+            let x = stats.means[[block, c]];
+            let (hi, lo) = (pooled.keys[[b, kv, block, c]], pooled.keys[[b, kv, block, d + c]]);
+            let tol = rounding_tolerance(x, f64_sum_rho(count + 1, abs), u, tau, true);
+            worst.offer((hi + lo - x).abs(), tol, || {
+                format!("mean key [{b}, {kv}, {block}, {c}]: {hi} + {lo} against {x}")
+            });
+        }
+        for c in 0..dv {
+            let abs = rows.clone().map(|j| v[[j, c]].abs()).sum::<f64>() / count as f64;
+            let x = stats.value_sums[[block, c]] / count as f64;
+            let y = pooled.values[[b, kv, block, c]];
+            let tol = rounding_tolerance(x, f64_sum_rho(count + 1, abs), u, tau, false);
+            worst.offer((y - x).abs(), tol, || format!("mean value [{b}, {kv}, {block}, {c}]: {y} against {x}"));
+        }
+    }
+    let tolerances = hbar_tolerances(stats, k, v, u, tau);
+    for ((c, e), &x) in stats.h_bar.indexed_iter() {
+        let (hi, lo) = (pooled.h_bar[[b, kv, c, e]], pooled.h_bar[[b, kv, d + c, e]]);
+        worst.offer((hi + lo - x).abs(), tolerances[[c, e]], || {
+            format!("H̄ [{b}, {kv}, {c}, {e}]: {hi} + {lo} against {x}")
+        });
+    }
+    tolerances
+}
+
+/// The forward's model over the pooled problem the kernel ran for one query head (queries `q`, `[L, 1, d]`, of
+/// sequence/KV head `at`): queries `[q | q]`, keys the kernel's `[μ_hi | μ_lo]` of the `whole` whole blocks, values
+/// its rounded mean values, row `i` seeing its tail blocks `classes[i].tail`, at scale `scale`.
+fn pooled_forward(
+    q: &ArrayD<f64>,
+    pooled: &PooledStatistics,
+    (b, kv): (usize, usize),
+    whole: usize,
+    classes: &[attnproof_oracle::pisa::BlockClasses],
+    scale: f64,
+    recipe: FlashRecipe,
+) -> Result<crate::flash::ForwardTruth, HarnessError> {
+    let (len_q, d) = (q.shape()[0], q.shape()[2]);
+    let (dv, pad) = (pooled.values.shape()[3], pad16(d));
+    // The kernel's layout: each half padded with zeros to HEAD_DIM_PAD columns, so that the model counts the tensor
+    // cores' k steps as the kernel takes them.
+    let spec = AttentionSpec::dense(1, 1, 1, len_q, whole, 2 * pad, dv).with_scale(Scale::Value(scale));
+    let column = |c: usize| (c % pad < d).then_some((c / pad, c % pad));
+    let q2 = ArrayD::from_shape_fn(IxDyn(&[1, 1, len_q, 2 * pad]), |ix| {
+        column(ix[3]).map_or(0.0, |(_, c)| q[[ix[2], 0, c]])
+    });
+    let keys = pooled.keys.index_axis(Axis(0), b).index_axis_move(Axis(0), kv);
+    let values = pooled.values.index_axis(Axis(0), b).index_axis_move(Axis(0), kv);
+    let k2 = ArrayD::from_shape_fn(IxDyn(&[1, 1, whole, 2 * pad]), |ix| {
+        column(ix[3]).map_or(0.0, |(half, c)| keys[[ix[2], half * d + c]])
+    });
+    let v2 = ArrayD::from_shape_fn(IxDyn(&[1, 1, whole, dv]), |ix| values[[ix[2], ix[3]]]);
+    let mut tail = Array2::from_elem((len_q, whole), false);
+    for (i, c) in classes.iter().enumerate() {
+        for &block in c.tail.iter().filter(|&&block| block < whole) {
+            tail[[i, block]] = true;
+        }
+    }
+    let recipe = FlashRecipe { visited_tiles: None, ..recipe };
+    problem_forward_bounds_with_visibility(&spec, &q2, &k2, &v2, &|_, _| tail.clone(), recipe)
+}
+
+/// Exact attention of `q` over the oracle's mean keys and mean values of the blocks `tail`, in f64 relative to the
+/// largest score: `(O_T, lse_T)`, the pooled problem's targets without the kernel's roundings.
+fn pooled_exact(q: ArrayView1<'_, f64>, stats: &TailStatistics<f64>, tail: &[usize], scale: f64) -> (Array1<f64>, f64) {
+    let scores: Vec<f64> = tail.iter().map(|&b| scale * q.dot(&stats.means.row(b))).collect();
+    let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let mut out = Array1::zeros(stats.value_sums.ncols());
+    let mut mass = 0.0;
+    for (&b, &s) in tail.iter().zip(&scores) {
+        let p = (s - top).exp();
+        mass += p;
+        out.scaled_add(p / stats.counts[b] as f64, &stats.value_sums.row(b));
+    }
+    (out / mass, top + mass.ln())
+}
+
 /// Verifies a candidate `(O, LSE)` of PISA's tail forward over the lists `layout` (per query head; the exact part's
-/// kernel `recipe`) against [`tail_targets`].
+/// kernel `recipe`, the tail's `tail_recipe`), computed with the storage-type statistics `pooled`, against
+/// [`tail_targets`].
 pub fn verify_pisa_tail<T: Element>(
     case: &Case<T>,
     layout: &BlockSparseLayout,
-    recipe: FlashRecipe,
+    (recipe, tail_recipe): (FlashRecipe, FlashRecipe),
+    pooled: &PooledStatistics,
     o: ArrayViewD<'_, T>,
     lse: ArrayViewD<'_, f32>,
 ) -> Result<TailVerdict, HarnessError> {
@@ -246,7 +556,7 @@ pub fn verify_pisa_tail<T: Element>(
             return Err(HarnessError::CandidateShape { argument, expected, actual: shape.to_vec() });
         }
     }
-    let t = tail_targets(case, layout, recipe)?;
+    let t = tail_targets(case, layout, recipe, tail_recipe, pooled)?;
     let (o_cand, lse_cand) = (o.mapv(|x| x.to_f32() as f64), lse.mapv(f64::from));
     Ok(judge(&t, o_cand.view(), lse_cand.view()))
 }
@@ -270,6 +580,8 @@ pub fn judge(t: &TailTargets, o: ArrayViewD<'_, f64>, lse: ArrayViewD<'_, f64>) 
         tail_rows: t.tail_rows,
         e23_ratio,
         drop_rejected: !compare("O", t.o_exact.view(), t.o.view(), t.o_bound.view()).passed(),
+        statistics_ratio: t.statistics_ratio,
+        statistics_worst: t.statistics_worst.clone(),
     }
 }
 
@@ -301,48 +613,53 @@ fn row_of(t: &ArrayD<f64>, i: usize) -> ArrayView1<'_, f64> {
 }
 
 /// The merge's error model for one row with a tail (module docs): the exact part's share `lambda` of the row's PISA
-/// denominator, the exact part's LSE bound `e_l`, the f64 tail's relative error `rho`, and the storage type's unit
-/// roundoff (the merged value is rounded to f32 first, then to the storage type).
+/// denominator, the exact part's and the tail's LSE bounds `e_l` and `t_l`, the f64 merge's relative error `rho`, and
+/// the storage type's unit roundoff and smallest subnormal (the merged value is rounded once to it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MergeModel {
     /// `λ = Z_E / (Z_E + Z_U)`.
     pub lambda: f64,
     /// Bound on the exact part's LSE error.
     pub e_l: f64,
-    /// `γ_n(2^-53)` of the f64 tail.
+    /// Bound on the tail's log-mass error.
+    pub t_l: f64,
+    /// `γ_n(2^-53)` of the f64 merge.
     pub rho: f64,
     /// The storage type's unit roundoff.
     pub unit_roundoff: f64,
+    /// The storage type's smallest positive subnormal.
+    pub subnormal: f64,
 }
 
 impl MergeModel {
-    /// `(e^{e_L} − 1) e^{e_L}`: how far `λ̂/λ`'s companion terms can move per unit of `λ`; 0 without an exact part.
+    /// `(e^δ − 1) e^δ` with `δ = e_L + t_L`: how far the weight can move per unit of `λ (1 − λ)`.
     fn growth(&self) -> f64 {
-        if self.lambda > 0.0 { (self.e_l.exp() - 1.0) * self.e_l.exp() } else { 0.0 }
+        let delta = self.e_l + self.t_l;
+        (delta.exp() - 1.0) * delta.exp()
     }
 
     /// The bound on one output element whose PISA value is `target`, where the exact part's oracle value is `exact`
-    /// with bound `e_o`, and the largest value a tail term carries is `carried`:
-    /// `B = ρ·carried + (λ + Δλ) e_O + λ (e^{e_L} − 1) e^{e_L} |target − exact|`, `Δλ = λ (1 − λ)(e^{e_L} − 1) e^{e_L}`
-    /// (the exact part's terms only when `λ > 0`), then `B + (u_32 + u + u_32 u)(|target| + B)` for the roundings.
-    pub fn output_bound(&self, target: f64, exact: f64, e_o: f64, carried: f64) -> f64 {
-        let mut bound = self.rho * carried;
+    /// with bound `e_o`, the tail's average has bound `t_o`, and the largest value a term carries is `carried`:
+    /// `B = ρ·carried + (λ + Δλ) e_O + (1 − λ + Δλ) t_O + λ g |target − exact|`, `g = (e^δ − 1) e^δ`,
+    /// `Δλ = λ (1 − λ) g` (the exact part's terms only when `λ > 0`), then `B + u (|target| + B) + τ/2` for the
+    /// rounding to storage.
+    pub fn output_bound(&self, target: f64, exact: f64, e_o: f64, t_o: f64, carried: f64) -> f64 {
+        let growth = self.growth();
+        let d_lambda = self.lambda * (1.0 - self.lambda) * growth;
+        let mut bound = self.rho * carried + (1.0 - self.lambda + d_lambda) * t_o;
         if self.lambda > 0.0 {
-            let growth = self.growth();
-            let d_lambda = self.lambda * (1.0 - self.lambda) * growth;
             bound += (self.lambda + d_lambda) * e_o + self.lambda * growth * (target - exact).abs();
         }
-        let u32 = f64::from(f32::EPSILON) / 2.0;
-        bound + (u32 + self.unit_roundoff * (1.0 + u32)) * (target.abs() + bound)
+        bound + self.unit_roundoff * (target.abs() + bound) + self.subnormal / 2.0
     }
 
-    /// The bound on the LSE whose PISA value is `target`: `B = ρ (|target| + 1) − ln(1 − λ (1 − e^{−e_L}))` (the
-    /// second term only when `λ > 0`), then `B + u_32 (|target| + B)`.
+    /// The bound on the LSE whose PISA value is `target`: `B = ρ (|target| + 1) + max(ln(λ e^{e_L} + (1 − λ) e^{t_L}),
+    /// −ln(λ e^{−e_L} + (1 − λ) e^{−t_L}))`, then `B + u_32 (|target| + B)`.
     pub fn lse_bound(&self, target: f64) -> f64 {
-        let mut bound = self.rho * (target.abs() + 1.0);
-        if self.lambda > 0.0 {
-            bound += -(1.0 - self.lambda * (1.0 - (-self.e_l).exp())).ln();
-        }
+        let (l, e, t) = (self.lambda, self.e_l, self.t_l);
+        let above = (l * e.exp() + (1.0 - l) * t.exp()).ln();
+        let below = -(l * (-e).exp() + (1.0 - l) * (-t).exp()).ln();
+        let bound = self.rho * (target.abs() + 1.0) + above.max(below);
         bound + f64::from(f32::EPSILON) / 2.0 * (target.abs() + bound)
     }
 }
@@ -411,14 +728,22 @@ mod tests {
         (case, layout(&spec, 64, 64, &[0]))
     }
 
+    /// The targets with the statistics rounded as the kernel rounds them.
+    fn targets(case: &Case<bf16>, lists: &BlockSparseLayout) -> TailTargets {
+        let pooled = PooledStatistics::rounded(case, lists.kv_tile);
+        let recipes = (crate::recipes::gpu_forward::<bf16>(), crate::recipes::gpu_tail::<bf16>());
+        tail_targets(case, lists, recipes.0, recipes.1, &pooled).unwrap()
+    }
+
     /// The oracle's own PISA output, rounded to the storage type, passes (E23 included) and the verdict can tell a
     /// dropped tail; the same output moved by twice its bound at one element fails; so does its LSE moved.
     #[test]
     fn the_rounded_oracle_passes_and_perturbations_fail() {
         for mask in [Mask::Causal, Mask::None] {
             let (case, lists) = case(mask.clone(), 5);
-            let t = tail_targets(&case, &lists, crate::recipes::gpu_forward::<bf16>()).unwrap();
+            let t = targets(&case, &lists);
             assert!(t.tail_rows > 0);
+            assert!(t.statistics_ratio <= 1.0, "{mask:?}: {}", t.statistics_worst);
             let o = t.o.mapv(|x| bf16::from_f64(x).to_f64());
             let lse = t.lse.mapv(|x| x as f32 as f64);
             let v = judge(&t, o.view(), lse.view());
@@ -468,7 +793,7 @@ mod tests {
             }
         }
         let layout = BlockSparseLayout { q_tile: 64, kv_tile: 64, lists };
-        let t = tail_targets(&case, &layout, crate::recipes::gpu_forward::<bf16>()).unwrap();
+        let t = targets(&case, &layout);
         assert!(t.tail_rows > 0);
         assert!(t.o.iter().all(|x| x.is_finite()) && t.lse.iter().all(|x| x.is_finite()), "every row sees keys");
         let o = t.o.mapv(|x| bf16::from_f64(x).to_f64());
@@ -480,34 +805,77 @@ mod tests {
     /// The merge's bounds, term by term, at a row with both parts and at the two ends of `λ`.
     #[test]
     fn the_merge_bounds_are_the_derived_formulas() {
-        let u32 = f64::from(f32::EPSILON) / 2.0;
-        let model = MergeModel { lambda: 0.75, e_l: 0.01, rho: 1e-10, unit_roundoff: 1.0 / 256.0 };
-        let growth = (0.01f64.exp() - 1.0) * 0.01f64.exp();
+        let (u, tau) = (1.0 / 256.0, 2f64.powi(-133));
+        let model = MergeModel { lambda: 0.75, e_l: 0.01, t_l: 0.002, rho: 1e-10, unit_roundoff: u, subnormal: tau };
+        let growth = (0.012f64.exp() - 1.0) * 0.012f64.exp();
         let d_lambda = 0.75 * 0.25 * growth;
-        let inner = 1e-10 * 5.0 + (0.75 + d_lambda) * 0.001 + 0.75 * growth * 1.0;
-        let expected = inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner);
-        assert_eq!(model.output_bound(2.0, 1.0, 0.001, 5.0), expected);
+        let inner = 1e-10 * 5.0 + (0.25 + d_lambda) * 0.003 + ((0.75 + d_lambda) * 0.001 + 0.75 * growth * 1.0);
+        let expected = inner + u * (2.0 + inner) + tau / 2.0;
+        assert_eq!(model.output_bound(2.0, 1.0, 0.001, 0.003, 5.0), expected);
         // The sign of the difference to the exact part does not matter.
-        assert_eq!(model.output_bound(2.0, 3.0, 0.001, 5.0), expected);
-        let lse_inner = 1e-10 * 4.0 - (1.0 - 0.75 * (1.0 - (-0.01f64).exp())).ln();
+        assert_eq!(model.output_bound(2.0, 3.0, 0.001, 0.003, 5.0), expected);
+        // The LSE: the larger of the two sides, which is the one above.
+        let above = (0.75 * 0.01f64.exp() + 0.25 * 0.002f64.exp()).ln();
+        let below = -(0.75 * (-0.01f64).exp() + 0.25 * (-0.002f64).exp()).ln();
+        assert!(above > below);
+        let u32 = f64::from(f32::EPSILON) / 2.0;
+        let lse_inner = 1e-10 * 4.0 + above;
         assert_eq!(model.lse_bound(-3.0), lse_inner + u32 * (3.0 + lse_inner));
-        // No exact part: only the f64 tail and the roundings.
+        // No exact part: the tail's bound and the roundings; the weight cannot move.
         let empty = MergeModel { lambda: 0.0, ..model };
-        let inner = 1e-10 * 5.0;
-        assert_eq!(
-            empty.output_bound(2.0, 1.0, 0.001, 5.0),
-            inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner)
-        );
-        assert_eq!(empty.lse_bound(-3.0), 4e-10 + u32 * (3.0 + 4e-10));
+        let inner = 1e-10 * 5.0 + 0.003;
+        assert_eq!(empty.output_bound(2.0, 1.0, 0.001, 0.003, 5.0), inner + u * (2.0 + inner) + tau / 2.0);
+        let lse_inner = 4e-10 + 0.002;
+        assert!((empty.lse_bound(-3.0) - (lse_inner + u32 * (3.0 + lse_inner))).abs() <= 1e-15);
         // Everything exact (λ = 1): the exact part's bound, its LSE's, and the roundings.
         let whole = MergeModel { lambda: 1.0, ..model };
         let inner = 1e-10 * 5.0 + 0.001;
-        assert_eq!(
-            whole.output_bound(2.0, 2.0, 0.001, 5.0),
-            inner + (u32 + (1.0 / 256.0) * (1.0 + u32)) * (2.0 + inner)
-        );
+        assert_eq!(whole.output_bound(2.0, 2.0, 0.001, 0.003, 5.0), inner + u * (2.0 + inner) + tau / 2.0);
         let lse_inner = 1e-10 * 4.0 + 0.01;
         assert!((whole.lse_bound(-3.0) - (lse_inner + u32 * (3.0 + lse_inner))).abs() <= 1e-15);
+    }
+
+    /// The statistics' check: the rounded oracle's statistics pass; a mean key's low half dropped, a mean value off
+    /// by one ulp of its storage type, and an `H̄` entry moved each fail and are named.
+    #[test]
+    fn the_statistics_check_tells_a_wrong_statistic() {
+        let (case, lists) = case(Mask::Causal, 7);
+        let good = PooledStatistics::rounded(&case, 64);
+        let recipes = (crate::recipes::gpu_forward::<bf16>(), crate::recipes::gpu_tail::<bf16>());
+        let ratio = |p: &PooledStatistics| {
+            let t = tail_targets(&case, &lists, recipes.0, recipes.1, p).unwrap();
+            (t.statistics_ratio, t.statistics_worst)
+        };
+        assert!(ratio(&good).0 <= 1.0);
+        let d = case.spec.head_dim;
+        let mut no_lo = good.clone();
+        for ((_, _, _, c), x) in no_lo.keys.indexed_iter_mut() {
+            if c >= d {
+                *x = 0.0;
+            }
+        }
+        let (r, at) = ratio(&no_lo);
+        assert!(r > 1.0 && at.starts_with("mean key"), "{r} {at}");
+        let mut value = good.clone();
+        let x = value.values[[0, 0, 1, 2]];
+        value.values[[0, 0, 1, 2]] = x + x.abs().max(1e-3) / 128.0;
+        let (r, at) = ratio(&value);
+        assert!(r > 1.0 && at.starts_with("mean value [0, 0, 1, 2]"), "{r} {at}");
+        let mut h = good.clone();
+        h.h_bar[[0, 0, 3, 4]] += 1e-3;
+        let (r, at) = ratio(&h);
+        assert!(r > 1.0 && at.starts_with("H̄ [0, 0, 3, 4]"), "{r} {at}");
+    }
+
+    /// The workspace's layout: what `from_workspace` reads is what `rounded` wrote, flattened in the kernel's order.
+    #[test]
+    fn the_pooled_workspace_reads_back_in_its_layout() {
+        let (case, _) = case(Mask::None, 8);
+        let p = PooledStatistics::rounded(&case, 64);
+        let flat: Vec<f64> = p.keys.iter().chain(p.values.iter()).chain(p.h_bar.iter()).copied().collect();
+        let back = PooledStatistics::from_workspace(&case.spec, 64, &flat).unwrap();
+        assert_eq!((back.keys, back.values, back.h_bar), (p.keys, p.values, p.h_bar));
+        assert!(PooledStatistics::from_workspace(&case.spec, 64, &flat[1..]).is_none());
     }
 
     /// A tail without its shared heterogeneity term, or with zeroth-order weights only, fails: the E22 output's first-
@@ -516,7 +884,7 @@ mod tests {
     fn a_zeroth_order_tail_fails() {
         let (case, lists) = case(Mask::Causal, 6);
         let spec = &case.spec;
-        let t = tail_targets(&case, &lists, crate::recipes::gpu_forward::<bf16>()).unwrap();
+        let t = targets(&case, &lists);
         let scale = spec.scale_value::<f64>(());
         let exact = exact_layout(spec, &lists);
         let [q, k, v] = case.widened();

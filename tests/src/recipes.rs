@@ -59,6 +59,12 @@ pub fn gpu_forward<T: Element>() -> FlashRecipe {
     }
 }
 
+/// The recipe of PISA's tail on the tensor cores (`attnproof_gpu::pisa::tail`'s `pisa_tail_merge`): the forward's,
+/// over tiles of the pooled keys.
+pub fn gpu_tail<T: Element>() -> FlashRecipe {
+    FlashRecipe { kv_tile: attnproof_gpu::pisa::tail::POOLED_KEYS_PER_TILE, ..gpu_forward::<T>() }
+}
+
 /// The backward kernels' recipe for `T` in `tiling` (its KV tile is the size of the dQ partials; each parameter
 /// justified in `attnproof_gpu::backward`), with the kernels' query tile.
 pub fn gpu_backward<T: Element>(tiling: BackwardTiling) -> BackwardRecipe {

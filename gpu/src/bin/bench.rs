@@ -12,8 +12,9 @@
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
 //! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
 //! [--pisa-tail]`.
-//! `--pisa-tail` times PISA's tail forward (`attnproof_gpu::pisa::tail`, direction `pisa-tail-fwd`: the block-sparse
-//! forward over the exact lists, the blocks' statistics and `H̄`, the tail's softmax and merge) beside the block-sparse
+//! `--pisa-tail` times PISA's tail forward (`attnproof_gpu::pisa::tail`, direction `pisa-tail-fwd`, over a `TailPlan`
+//! formed once: the block-sparse forward over the exact lists, the blocks' statistics and `H̄`, the tail on the tensor
+//! cores and its merge) beside the block-sparse
 //! forward alone on the same exact lists (`bsa-fwd`) at B = 1, H = 24, T = 32K, D = 128, causal, 64×64 blocks, lists
 //! per query head of the diagonal and each earlier block with probability 0.15; the ratio of the two is the tail's
 //! overhead.
@@ -132,7 +133,7 @@ use attnproof_gpu::pisa::select::{
     PISA_SELECT, PyramidSelectConfig, lists_shape as pisa_lists_shape, select_pyramid_device,
     workspace_len as pisa_workspace_len,
 };
-use attnproof_gpu::pisa::tail::{exact_lists, pisa_tail_forward_device, workspace_len as tail_workspace_len};
+use attnproof_gpu::pisa::tail::{PISA_TAIL, TailPlan, TailWorkspace, pisa_tail_forward_planned};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
@@ -1310,7 +1311,6 @@ fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) ->
     Ok(())
 }
 
-/// A zeroed bf16 device buffer of `n` elements.
 /// PISA's tail rows: B = 1, H = 24, T = 32K, D = 128, causal, blocks of 64 queries and 64 keys, lists per query head
 /// of the diagonal block and each earlier block with probability 0.15.
 const TAIL_SHAPE: (usize, usize, usize) = (24, 32768, 128);
@@ -1339,22 +1339,23 @@ fn run_pisa_tail(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
         }
     }
     let lists = BlockLists { q_block: TAIL_BLOCK, kv_block: TAIL_BLOCK, heads: ListHeads::PerQueryHead, lists };
-    let exact = exact_lists(&spec, &lists).map_err(|e| e.to_string())?;
+    let plan = TailPlan::new(stream, &spec, &lists).map_err(|e| e.to_string())?;
+    let exact = plan.exact_lists();
     let density = visited as f64 / (h * blocks * (blocks + 1) / 2) as f64;
     eprintln!("pisa tail: {visited} visited blocks, {:.2}% of the causal blocks", 100.0 * density);
     let flops = 4.0 * (d * TAIL_BLOCK * TAIL_BLOCK) as f64 * visited as f64;
-    let mut work = stream.alloc_zeros::<f64>(tail_workspace_len(&spec, TAIL_BLOCK)).map_err(|e| e.to_string())?;
+    let mut work = TailWorkspace::alloc(stream, &spec, TAIL_BLOCK).map_err(|e| e.to_string())?;
     let shape = format!("\"(1,{h},{l},{d})\",true");
     let ms = median_ms(stream, opts, |s| {
-        block_sparse_forward_device(stream, &spec, &exact, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
+        block_sparse_forward_device(stream, &spec, exact, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
             .map_err(|e| e.to_string())
     })?;
     emit(out, format!("{shape},bsa-fwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", flops / ms / 1e9));
     let ms = median_ms(stream, opts, |s| {
-        pisa_tail_forward_device(
+        pisa_tail_forward_planned(
             stream,
-            &spec,
-            &lists,
+            &plan,
+            PISA_TAIL,
             &inputs.q[s],
             &inputs.k[s],
             &inputs.v[s],
@@ -1368,6 +1369,7 @@ fn run_pisa_tail(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
     Ok(())
 }
 
+/// A zeroed bf16 device buffer of `n` elements.
 fn alloc(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<bf16>, String> {
     stream.alloc_zeros::<bf16>(n).map_err(|e| e.to_string())
 }

@@ -1,6 +1,7 @@
 //! PISA's tail forward (`attnproof_gpu::pisa::tail`, E22) verified on the device against the oracle's
-//! `pisa::tail_output` through `attnproof_harness::pisa_tail`: the block-sparse forward's bound carried through the
-//! merge weights, the f64 tail's and the output's roundings, and E23's bound on every row with a tail.
+//! `pisa::tail_output` through `attnproof_harness::pisa_tail`: the kernel's storage-type statistics (read back) held to
+//! the oracle's, the forward's model over the pooled problem the tensor cores ran and the block-sparse forward's bound
+//! carried through the merge weights, the output's rounding, and E23's bound on every row with a tail.
 //!
 //! The property suites draw the kernels' shapes with no mask or the causal mask (Lq ≠ Lk, tile ± 1 lengths, varlen
 //! with empty sequences, GQA groups of 1 to 16, head dims up to 256, large logit scales), both block sizes on each
@@ -19,14 +20,17 @@ use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{self, KernelSource};
 use attnproof_gpu::pisa::tail::{
-    PISA_TAIL, exact_lists, pisa_tail_forward, pisa_tail_forward_device_with, workspace_len,
+    PISA_TAIL, TailWorkspace, exact_lists, pisa_tail_forward, pisa_tail_forward_device_with, pooled_len, workspace_len,
 };
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::candidate::{ForwardRun, block_sparse_forward_guarded, forward_guarded_with};
 use attnproof_harness::generate::make_case;
-use attnproof_harness::pisa_tail::{TailVerdict, exact_layout, judge, tail_targets, verify_pisa_tail};
+use attnproof_harness::pisa_tail::{
+    PooledStatistics, TailVerdict, exact_layout, judge, tail_targets, verify_pisa_tail,
+};
+use attnproof_harness::recipes::gpu_tail;
 use attnproof_oracle::pisa::classify_blocks;
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
@@ -36,8 +40,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
 /// The kernels' shapes with their mask made one the tail takes (causal stays, windows become causal, none stays),
-/// and as often longer problems, 200 to 1300 keys (up to 21 blocks of 64: two tiles of the tail's softmax) over a few
-/// heads (GQA groups of 1 to 5), dense or varlen, where most of a row's blocks are tail.
+/// and as often longer problems, 200 to 4600 keys (up to 71 blocks of 64: two tiles of the tail's 64 pooled keys)
+/// over a few heads (GQA groups of 1 to 5), dense or varlen, where most of a row's blocks are tail.
 fn tail_spec() -> impl Strategy<Value = AttentionSpec> {
     let kernel = kernel_spec().prop_map(|mut s| {
         s.mask = match s.mask {
@@ -49,7 +53,7 @@ fn tail_spec() -> impl Strategy<Value = AttentionSpec> {
     let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (5, 1), (2, 2)]);
     let dims = prop::sample::select(vec![(32usize, 32usize), (64, 64), (128, 128), (64, 32), (16, 136)]);
     let mask = prop::sample::select(vec![Mask::None, Mask::Causal]);
-    let long = (1usize..=2, heads, 1usize..=400, 200usize..=1300, dims, mask, any::<bool>()).prop_map(
+    let long = (1usize..=2, heads, 1usize..=400, 200usize..=4600, dims, mask, any::<bool>()).prop_map(
         |(b, (hq, hkv), lq, lk, (d, dv), mask, packed)| {
             if packed {
                 let cu_q = vec![0, lq as i32, (lq + lq / 2) as i32];
@@ -88,19 +92,29 @@ pub const TAIL_SUITES: [TailSuite; 2] = [
     TailSuite { name: "gpu_pisa_tail_f16", bf16: false, cases: 40, seed: 0x6770_7574_6169_6c02 },
 ];
 
-/// One guarded run of the tail forward through `kernel` (outputs poisoned and guarded, inputs checked unchanged).
+/// One guarded run of the tail forward through `kernel` (outputs poisoned and guarded, inputs checked unchanged), with
+/// the storage-type statistics it computed with, read back.
 pub fn tail_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     case: &Case<T>,
     lists: &BlockLists,
     kernel: KernelSource,
-) -> Result<ForwardRun<T>, String> {
+) -> Result<(ForwardRun<T>, PooledStatistics), String> {
     let spec = &case.spec;
-    let mut work = stream.alloc_zeros::<f64>(workspace_len(spec, lists.kv_block).max(1)).map_err(|e| e.to_string())?;
-    forward_guarded_with(stream, case, |q, k, v, o, lse| {
+    let mut work = TailWorkspace::<T>::alloc(stream, spec, lists.kv_block).map_err(|e| e.to_string())?;
+    let run = forward_guarded_with(stream, case, |q, k, v, o, lse| {
         pisa_tail_forward_device_with(stream, spec, lists, kernel, q, k, v, o, lse, &mut work)
     })
-    .map_err(|e| e.to_string())
+    .map_err(|e| e.to_string())?;
+    let flat: Vec<f64> = stream
+        .clone_dtoh(&work.pooled)
+        .map_err(|e| format!("read the pooled statistics back: {e}"))?
+        .into_iter()
+        .map(|x| x.to_f32() as f64)
+        .collect();
+    let pooled = PooledStatistics::from_workspace(spec, lists.kv_block, &flat)
+        .ok_or_else(|| format!("a pooled workspace of {} elements", flat.len()))?;
+    Ok((run, pooled))
 }
 
 /// Why [`check_tail`] did not pass a case.
@@ -128,9 +142,10 @@ pub fn check_tail<T: Storage>(
     lists: &BlockLists,
     kernel: KernelSource,
 ) -> Result<(TailVerdict, ForwardRun<T>), TailFailure> {
-    let run = tail_guarded(stream, case, lists, kernel).map_err(TailFailure::Failed)?;
+    let (run, pooled) = tail_guarded(stream, case, lists, kernel).map_err(TailFailure::Failed)?;
     let layout = lists.oracle_layout(&case.spec);
-    let verdict = match verify_pisa_tail(case, &layout, forward_recipe::<T>(), run.o.view(), run.lse.view()) {
+    let recipes = (forward_recipe::<T>(), gpu_tail::<T>());
+    let verdict = match verify_pisa_tail(case, &layout, recipes, &pooled, run.o.view(), run.lse.view()) {
         Ok(v) => v,
         Err(HarnessError::Model(m)) => return Err(TailFailure::Model(m.to_string())),
         Err(e) => return Err(TailFailure::Failed(format!("verification: {e}"))),
@@ -173,7 +188,7 @@ fn check_draw<T: Storage>(
         Err(TailFailure::Model(why)) => return Err(TestCaseError::reject(why)),
         Err(e) => return Err(TestCaseError::fail(e.to_string())),
     };
-    let again = tail_guarded(stream, &case, &draw.lists, kernel).map_err(TestCaseError::fail)?;
+    let (again, _) = tail_guarded(stream, &case, &draw.lists, kernel).map_err(TestCaseError::fail)?;
     prop_assert!(run.same(&again), "the same input gave different bits");
     // Rows without a tail keep the block-sparse forward's bits over the exact lists.
     let exact = exact_lists(&draw.spec, &draw.lists).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -289,7 +304,8 @@ fn the_rounded_oracle_passes_the_suites_draws() {
     let result = suite.run(default_run_config(suite.name, 12, suite.seed), |d| {
         let case = make_case::<bf16>(&d.spec, d.profile, d.seed);
         let layout = d.lists.oracle_layout(&d.spec);
-        let t = match tail_targets(&case, &layout, forward_recipe::<bf16>()) {
+        let pooled = PooledStatistics::rounded(&case, layout.kv_tile);
+        let t = match tail_targets(&case, &layout, forward_recipe::<bf16>(), gpu_tail::<bf16>(), &pooled) {
             Ok(t) => t,
             Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
             Err(e) => return Err(TestCaseError::fail(e.to_string())),
@@ -298,6 +314,7 @@ fn the_rounded_oracle_passes_the_suites_draws() {
         let lse = t.lse.mapv(|x| x as f32 as f64);
         let v = judge(&t, o.view(), lse.view());
         prop_assert!(v.passed(), "{v:?}");
+        prop_assert!(v.statistics_ratio <= 1.0, "{}", v.statistics_worst);
         let mut c = counts.borrow_mut();
         c.0 += 1;
         c.1 += t.tail_rows;
@@ -357,15 +374,22 @@ fn bad_tail_input_is_a_typed_error() {
         (upload(&stream, &case.q).unwrap(), upload(&stream, &case.k).unwrap(), upload(&stream, &case.v).unwrap());
     let mut o = stream.alloc_zeros::<bf16>(2 * 130 * 64).unwrap();
     let mut lse = stream.alloc_zeros::<f32>(2 * 130).unwrap();
-    let mut small = stream.alloc_zeros::<f64>(1).unwrap();
-    let e = pisa_tail_forward_device_with(&stream, &spec, &lists, PISA_TAIL, &q, &k, &v, &mut o, &mut lse, &mut small);
-    assert!(matches!(e, Err(GpuError::BufferTooSmall { argument: "work", .. })), "{e:?}");
+    let (stats, pooled) = (workspace_len(&spec, 64), pooled_len(&spec, 64));
+    for (stats, pooled, argument) in [(stats - 1, pooled, "work.stats"), (stats, pooled - 1, "work.pooled")] {
+        let mut small = TailWorkspace::<bf16> {
+            stats: stream.alloc_zeros::<f64>(stats).unwrap(),
+            pooled: stream.alloc_zeros::<bf16>(pooled).unwrap(),
+        };
+        let e =
+            pisa_tail_forward_device_with(&stream, &spec, &lists, PISA_TAIL, &q, &k, &v, &mut o, &mut lse, &mut small);
+        assert!(matches!(e, Err(GpuError::BufferTooSmall { argument: a, .. }) if a == argument), "{e:?}");
+    }
     let out = run(&spec, &lists).expect("a valid run after the refusals");
     assert_eq!(out.o.shape(), [1, 2, 130, 64]);
 }
 
-/// Small shapes for `run.sh sanitize`: a partial last block in the tail without a mask, a causal GQA group of 3 with
-/// Lq > Lk (rows that see nothing), and varlen with an empty sequence.
+/// Small shapes for `run.sh sanitize`: a partial last block (exact) beside the tail without a mask, a causal GQA group
+/// of 3 with Lq > Lk (rows that see nothing), varlen with an empty sequence, and two tiles of pooled keys.
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("pisa_tail::sanitizer_shapes") else {
@@ -376,6 +400,7 @@ fn sanitizer_shapes() {
         dense(1, 2, 1, 65, 200, 32, 16, Mask::None),
         dense(1, 3, 1, 150, 130, 32, 32, Mask::Causal),
         varlen(&[0, 0, 70], &[0, 20, 150], 2, 2, 16, 16, Mask::Causal),
+        dense(1, 1, 1, 64, 64 * 66 + 5, 16, 16, Mask::None),
     ] {
         let case = make_case::<bf16>(&spec, gaussian(1.0), 43);
         let seqs = spec.sequences();
@@ -387,10 +412,10 @@ fn sanitizer_shapes() {
     }
 }
 
-/// The killing cases of the catalog's `pisa_tail` mutants: no mask over a partial last block and 19 key blocks
-/// (two tiles of the tail's softmax, the second partial), lists per query head with one block each; causal with a
-/// GQA group of 3, Lq ≠ Lk and nothing listed (the cut blocks only); both with keys near their block means, so that
-/// the shared `H̄` term is well inside what the verdict resolves.
+/// The killing cases of the catalog's `pisa_tail` mutants: no mask over 70 whole key blocks and a partial last one
+/// (two tiles of the tail's 64 pooled keys, the second partial), lists per query head with one block each; causal
+/// with a GQA group of 3, Lq ≠ Lk and nothing listed (the cut blocks only); both with keys near their block means, so
+/// that the shared `H̄` term is well inside what the verdict resolves.
 pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
     let structured = |spec: &AttentionSpec, seed: u64| {
         let mut case = make_case::<bf16>(spec, gaussian(1.0), seed);
@@ -408,8 +433,8 @@ pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BlockLists)> {
         }
         case
     };
-    let spec = dense(1, 2, 1, 70, 64 * 18 + 40, 32, 32, Mask::None);
-    let picks = vec![(0..19).map(|b| b == 3).collect::<Vec<_>>(); 2 * 2];
+    let spec = dense(1, 2, 1, 70, 64 * 70 + 40, 32, 32, Mask::None);
+    let picks = vec![(0..71).map(|b| b == 3).collect::<Vec<_>>(); 2 * 2];
     let none = (structured(&spec, 44), lists_from(&spec, 64, 64, ListHeads::PerQueryHead, &picks));
     let spec = dense(1, 3, 1, 150, 400, 64, 64, Mask::Causal);
     let picks = vec![vec![false; 7]; 3];

@@ -790,22 +790,22 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-tail-listed-block-in-tail",
         description: "The tail ignores the lists: a listed block enters the softmax twice, exactly and as its summary",
-        find: "if (t < tile && b < whole_s[r] && !listed[b]) {",
-        replace: "if (t < tile && b < whole_s[r]) {",
+        find: "const bool tail = b < whole_r[e / 2] && !listed[b];",
+        replace: "const bool tail = b < whole_r[e / 2];",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-hbar-term-missing",
-        description: "The shared first-order term A · α qᵀH̄ is left out (the zeroth-order tail)",
-        find: "const double numerator = fma(shared_weight, qh, acc[k][g]);",
-        replace: "const double numerator = acc[k][g];",
+        description: "The shared first-order term α qᵀH̄ / C is left out (the zeroth-order tail)",
+        find: "const double tail = o_tail + p.scale * (double)acc_h[n][2 * r + e] / p.kv_block;",
+        replace: "const double tail = o_tail;",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-hbar-over-one-block-fewer",
         description: "H̄ divides the sum of the H_b by one block fewer than the sequence has",
-        find: "h_bar[(long long)(c0 + row) * dv + e0 + col + q] = acc[q] / n_blocks;",
-        replace: "h_bar[(long long)(c0 + row) * dv + e0 + col + q] = acc[q] / max(n_blocks - 1, 1);",
+        find: "const double x = acc[q] / n_blocks;",
+        replace: "const double x = acc[q] / max(n_blocks - 1, 1);",
         ..PISA_TAIL
     },
     Mutant {
@@ -816,45 +816,59 @@ pub const MUTANTS: &[Mutant] = &[
         ..PISA_TAIL
     },
     Mutant {
-        name: "gpu-pisa-tail-partial-block-counted-whole",
-        description: "The tail's denominator counts a partial last block as kv_block keys",
-        find: "z_sum += w * min(p.kv_block, len_k - (b0 + t) * p.kv_block);",
-        replace: "z_sum += w * p.kv_block;",
+        name: "gpu-pisa-tail-mean-key-low-half-dropped",
+        description: "The split mean key keeps only its high half: μ_lo is written as 0",
+        find: "key_row[fp.d + c] = to_elem_rn(x - (double)to_f32(hi));",
+        replace: "key_row[fp.d + c] = to_elem_rn(0.0);",
         ..PISA_TAIL
     },
     Mutant {
-        name: "gpu-pisa-tail-value-means-not-sums",
-        description: "A tail block's numerator takes its mean value instead of its value sum",
-        find: "vsum[e] = t < tile ? value_means[(long long)b * dv + e % dv] * count : 0.0;",
-        replace: "vsum[e] = t < tile ? value_means[(long long)b * dv + e % dv] : 0.0;",
+        name: "gpu-pisa-tail-value-sums-for-means",
+        description: "The pooled values are the blocks' value sums instead of their means",
+        find: "for (int c = threadIdx.x; c < fp.dv; c += POOL_THREADS) value_row[c] = to_elem_rn(mean_value[c]);",
+        replace: "for (int c = threadIdx.x; c < fp.dv; c += POOL_THREADS) value_row[c] = to_elem_rn(mean_value[c] * p.kv_block);",
         ..PISA_TAIL
     },
     Mutant {
-        name: "gpu-pisa-tail-scores-of-the-first-row",
-        description: "Every row of a CTA scores the tail blocks with the CTA's first query",
-        find: "dot = fma((double)q_s[r * (d + 1) + c], mu[t * d + c], dot);",
-        replace: "dot = fma((double)q_s[c], mu[t * d + c], dot);",
+        name: "gpu-pisa-tail-rows-see-the-first-rows-tail",
+        description: "Every row of a CTA takes the tail blocks of the CTA's first row",
+        find: "const int row = row0 + wrow + g + 8 * r;\n        whole_r[r]",
+        replace: "const int row = row0;\n        whole_r[r]",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-last-partial-tile-skipped",
-        description: "The tail's softmax skips a last tile of fewer than 16 blocks",
-        find: "for (int b0 = 0; b0 < tail_end; b0 += TAIL_BLOCKS) {",
-        replace: "for (int b0 = 0; b0 + TAIL_BLOCKS <= tail_end; b0 += TAIL_BLOCKS) {",
+        description: "The tail's softmax skips a last tile of fewer than 64 pooled keys",
+        find: "const int n_tiles = (tail_end + TAIL_N - 1) / TAIL_N;",
+        replace: "const int n_tiles = tail_end / TAIL_N;",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-exact-weight-inverted",
         description: "The merge weighs the exact part by e^{M − lse_E} instead of e^{lse_E − M}",
-        find: "const double we = exp(lse_exact - top), wt = exp(m - top);",
-        replace: "const double we = exp(top - lse_exact), wt = exp(m - top);",
+        find: "const double we = exp(lse_exact - top), wt = exp(lse_tail - top);",
+        replace: "const double we = exp(top - lse_exact), wt = exp(lse_tail - top);",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-rescale-forgotten",
         description: "The tail's accumulators are not rescaled when a tile raises the row's maximum",
-        find: "double x = acc[k][g] * factor;",
-        replace: "double x = acc[k][g];",
+        find: "rescale_accumulators(acc, rescale);",
+        replace: "",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-block-size-left-out",
+        description: "The tail's log-mass forgets |B_b| = C: each tail block weighs like one key",
+        find: "logf(l[r])) + log((double)p.kv_block);",
+        replace: "logf(l[r]));",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-high-half-twice",
+        description: "The shared term reads H̄'s high half in place of its low half: H̄ counted about twice",
+        find: "const int source = kr < HEAD_DIM_PAD ? c : d + c;",
+        replace: "const int source = c;",
         ..PISA_TAIL
     },
     // --- bsa_select.cu (block selection), launched on a device ---
