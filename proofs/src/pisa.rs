@@ -239,7 +239,10 @@ pub fn pisa_within_bound(
 
 /// A tail backward under test: `(q [Lq, d], k [Lk, d], v [Lk, dv], visible [Lq, Lk], classes per row, the moments of
 /// (k, v), scale, dO [Lq, dv]) ↦ gradients`.
-pub type TailBackwardFn<'a> = &'a dyn Fn(
+pub type TailBackwardFn<'a> = &'a TailBackward;
+
+/// The function type behind [`TailBackwardFn`].
+pub type TailBackward = dyn Fn(
     ArrayView2<'_, Mp>,
     ArrayView2<'_, Mp>,
     ArrayView2<'_, Mp>,

@@ -16,6 +16,14 @@ pub enum ReferenceError {
         /// `q_tile` or `kv_tile`.
         argument: &'static str,
     },
+    /// The schedule does not take this mask (PISA's tail: none or the bottom-right causal mask).
+    #[error("the mask {mask} is not supported: {reason}")]
+    UnsupportedMask {
+        /// The mask, as `Debug` prints it.
+        mask: String,
+        /// What the schedule takes.
+        reason: &'static str,
+    },
     /// The ring schedule failed: a hop did not complete, or a block arrived out of turn.
     #[error(transparent)]
     Ring(#[from] RingFault),

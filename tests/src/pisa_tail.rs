@@ -802,6 +802,42 @@ mod tests {
         assert!(v.passed(), "{v:?}");
     }
 
+    /// The CPU schedule of the tensor-core kernel (`attnproof_reference::sparse::pisa`) passes the verifier with the
+    /// statistics it computed, on both masks, and its statistics pass their check; the same outputs judged against a
+    /// statistic it did not use (the mean keys' low halves zeroed) fail.
+    #[test]
+    fn the_reference_schedule_passes() {
+        for mask in [Mask::Causal, Mask::None] {
+            let (case, lists) = case(mask.clone(), 9);
+            let (out, pooled) = reference_run(&case, &lists);
+            let recipes = (crate::recipes::reference::<bf16>(64), crate::recipes::reference::<bf16>(64));
+            let v = verify_pisa_tail(&case, &lists, recipes, &pooled, out.o.view(), out.lse.view()).unwrap();
+            assert!(v.passed() && v.tail_rows > 0 && v.drop_rejected, "{mask:?}: {v:?}");
+            let mut wrong = pooled.clone();
+            let d = case.spec.head_dim;
+            for ((_, _, _, c), x) in wrong.keys.indexed_iter_mut() {
+                if c >= d {
+                    *x = 0.0;
+                }
+            }
+            let v = verify_pisa_tail(&case, &lists, recipes, &wrong, out.o.view(), out.lse.view()).unwrap();
+            assert!(!v.passed() && v.statistics_ratio > 1.0, "{mask:?}: {v:?}");
+        }
+    }
+
+    /// The reference schedule's outputs and its statistics read as the kernel's workspace.
+    fn reference_run(
+        case: &Case<bf16>,
+        lists: &BlockSparseLayout,
+    ) -> (attnproof_reference::sparse::pisa::TailOutputs<bf16>, PooledStatistics) {
+        let inputs = attnproof_reference::flash::Inputs { q: case.q.view(), k: case.k.view(), v: case.v.view() };
+        let exact = exact_layout(&case.spec, lists);
+        let out = attnproof_reference::sparse::pisa::pisa_tail_forward(&case.spec, &inputs, &exact).unwrap();
+        let flat: Vec<f64> = out.pooled.iter().map(|x| f64::from(x.to_f32())).collect();
+        let pooled = PooledStatistics::from_workspace(&case.spec, lists.kv_tile, &flat).unwrap();
+        (out, pooled)
+    }
+
     /// The merge's bounds, term by term, at a row with both parts and at the two ends of `λ`.
     #[test]
     fn the_merge_bounds_are_the_derived_formulas() {

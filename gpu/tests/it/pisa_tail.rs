@@ -30,7 +30,7 @@ use attnproof_harness::generate::make_case;
 use attnproof_harness::pisa_tail::{
     PooledStatistics, TailVerdict, exact_layout, judge, tail_targets, verify_pisa_tail,
 };
-use attnproof_harness::recipes::gpu_tail;
+use attnproof_harness::recipes::{gpu_tail, reference};
 use attnproof_oracle::pisa::classify_blocks;
 use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
@@ -323,6 +323,45 @@ fn the_rounded_oracle_passes_the_suites_draws() {
     assert!(result.is_ok(), "{result:?}");
     let (draws, tail_rows) = counts.into_inner();
     assert!(draws > 0 && tail_rows > 0, "{draws} draws, {tail_rows} rows with a tail");
+}
+
+/// Without a device: the CPU schedule of the tensor-core kernel (`attnproof_reference::sparse::pisa`: the same
+/// statistics, pooled problem and merge, with libm's `exp` and f32 sums left to right) passes the verifier with its own
+/// statistics on the suites' first draws of both dtypes, E23 included: the bound admits a kernel that follows the
+/// recipe, at every shape, mask, density and logit scale the suites draw.
+#[test]
+fn the_reference_schedule_passes_the_suites_draws() {
+    fn check<T: Storage>(d: &BlockDraw, tally: &RefCell<(usize, usize)>) -> Result<(), TestCaseError> {
+        let case = make_case::<T>(&d.spec, d.profile, d.seed);
+        let layout = d.lists.oracle_layout(&d.spec);
+        let exact = exact_layout(&d.spec, &layout);
+        let inputs = attnproof_reference::flash::Inputs { q: case.q.view(), k: case.k.view(), v: case.v.view() };
+        let out = attnproof_reference::sparse::pisa::pisa_tail_forward(&d.spec, &inputs, &exact)
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let flat: Vec<f64> = out.pooled.iter().map(|x| f64::from(x.to_f32())).collect();
+        let pooled = PooledStatistics::from_workspace(&d.spec, layout.kv_tile, &flat)
+            .ok_or_else(|| TestCaseError::fail("the schedule's workspace is short"))?;
+        let recipes = (reference::<T>(layout.kv_tile), reference::<T>(64));
+        let v = match verify_pisa_tail(&case, &layout, recipes, &pooled, out.o.view(), out.lse.view()) {
+            Ok(v) => v,
+            Err(HarnessError::Model(m)) => return Err(TestCaseError::reject(m.to_string())),
+            Err(e) => return Err(TestCaseError::fail(e.to_string())),
+        };
+        prop_assert!(v.passed(), "{v:?}");
+        let mut t = tally.borrow_mut();
+        t.0 += 1;
+        t.1 += v.tail_rows;
+        Ok(())
+    }
+    for suite in &TAIL_SUITES {
+        let tally = RefCell::new((0usize, 0usize));
+        let result = suite.run(default_run_config(suite.name, 12, suite.seed), |d| {
+            if suite.bf16 { check::<bf16>(d, &tally) } else { check::<f16>(d, &tally) }
+        });
+        assert!(result.is_ok(), "{}: {result:?}", suite.name);
+        let (draws, tail_rows) = tally.into_inner();
+        assert!(draws > 0 && tail_rows > 0, "{}: {draws} draws, {tail_rows} rows with a tail", suite.name);
+    }
 }
 
 /// Keys that are block means plus small deviations (what E22's first order assumes): the tail carries most of the

@@ -1,7 +1,8 @@
 //! Sparse attention schedules: block-sparse forward/backward over `−1`-padded per-query-tile KV
 //! tile lists with the backward through the lists' CSR transpose (E14, E20), DSA token-gather
-//! forward (E16), and the NSA selection branch forward/backward with the `G` query heads of a KV
-//! group sharing each selected block tile (E18–E20).
+//! forward (E16), the NSA selection branch forward/backward with the `G` query heads of a KV
+//! group sharing each selected block tile (E18–E20), and PISA's first-order tail over pooled keys
+//! (E22, [`pisa`], which adds storage-type statistics and an f64 merge to this recipe).
 //!
 //! # Precision recipe (all schedules)
 //!
@@ -23,6 +24,7 @@
 pub mod block;
 pub mod dsa;
 pub mod nsa;
+pub mod pisa;
 
 pub use block::{block_sparse_backward, block_sparse_forward, transpose_lists};
 pub use dsa::{DsaConfig, DsaInputs, DsaOutputs, dsa_forward};

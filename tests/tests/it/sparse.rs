@@ -2,6 +2,7 @@
 //! dense rounding-error model, through the predicate re-expression of `attnproof_harness::sparse`:
 //! block-sparse forward (per-head lists) and backward through the CSR transpose (lists shared
 //! within a KV group), DSA token-gather forward, NSA selection forward/backward; bf16 and f16;
+//! PISA's tail over pooled keys (E22, against the PISA oracle with the schedule's own statistics),
 //! plus the named edge cases (out-of-range entries, empty lists, CSR round trip, bit-for-bit
 //! agreement with the dense schedules when everything is listed, and the predicate encodings
 //! against the oracle's own sparse functions).
@@ -9,6 +10,7 @@
 use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_harness::pisa_tail::{PooledStatistics, exact_layout, verify_pisa_tail};
 use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, stack_row_stats, sub_case,
     verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
@@ -21,6 +23,7 @@ use attnproof_oracle::nsa::selection_from_csr;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Scale};
 use attnproof_reference::backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
+use attnproof_reference::sparse::pisa::{POOLED_TILE, TailOutputs, pisa_tail_forward};
 use attnproof_reference::sparse::{
     DsaConfig, DsaInputs, DsaOutputs, SelectionBackwardInputs, SelectionConfig, SelectionGradients, SelectionInputs,
     SelectionOutputs, block_sparse_backward, block_sparse_forward, dsa_forward, nsa_selection_backward,
@@ -393,8 +396,46 @@ fn check_nsa<T: Element>(x: &[Array3<T>; 4], sel: &Array3<i32>, block: usize) ->
 // ---------------------------------------------------------------------------------------------
 // Fuzz suites
 
+/// PISA's tail schedule on `case` over `layout` (the exact lists formed by the harness), with its statistics read as
+/// the kernel's workspace.
+fn run_pisa_tail<T: Element>(
+    case: &Case<T>,
+    layout: &BlockSparseLayout,
+) -> Result<(TailOutputs<T>, PooledStatistics), ReferenceError> {
+    let out = pisa_tail_forward(&case.spec, &case.inputs(), &exact_layout(&case.spec, layout))?;
+    let flat: Vec<f64> = out.pooled.iter().map(|x| f64::from(x.to_f32())).collect();
+    let pooled = PooledStatistics::from_workspace(&case.spec, layout.kv_tile, &flat).expect("the schedule's layout");
+    Ok((out, pooled))
+}
+
+fn check_pisa_tail<T: Element>(case: &Case<T>, layout: &BlockSparseLayout) -> Result<(), TestCaseError> {
+    let (out, pooled) = run_pisa_tail(case, layout).map_err(fail)?;
+    let recipes = (recipe::<T>(layout.kv_tile), recipe::<T>(POOLED_TILE));
+    match verify_pisa_tail(case, layout, recipes, &pooled, out.o.view(), out.lse.view()) {
+        Ok(v) => {
+            prop_assert!(v.passed(), "{v:?}");
+            Ok(())
+        }
+        Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
+        Err(e) => Err(TestCaseError::fail(e.to_string())),
+    }
+}
+
 proptest! {
     #![proptest_config(suite_config("sparse", 16))]
+
+    #[test]
+    // Tiles of 4 and 8 keys over up to a few hundred keys: tails of more than one tile of 64 pooled keys.
+    fn pisa_tail_bf16((spec, tiles, profile, seed, picks) in block_problem(false)) {
+        let layout = layout_from(&spec, tiles, &picks, false);
+        check_pisa_tail(&make_case::<bf16>(&spec, profile, seed), &layout)?;
+    }
+
+    #[test]
+    fn pisa_tail_f16((spec, tiles, profile, seed, picks) in block_problem(false)) {
+        let layout = layout_from(&spec, tiles, &picks, false);
+        check_pisa_tail(&make_case::<f16>(&spec, profile, seed), &layout)?;
+    }
 
     #[test]
     fn block_sparse_forward_per_head_lists_bf16((spec, tiles, profile, seed, picks) in block_problem(false)) {
@@ -945,4 +986,21 @@ fn a_misshapen_block_sparse_candidate_is_a_typed_error() {
             other => panic!("{argument}: expected a shape error, got {other:?}"),
         }
     }
+}
+
+/// Every block listed: no row has a tail, and PISA's schedule is the block-sparse forward over the same lists, bit for
+/// bit. A window mask is a typed error.
+#[test]
+fn pisa_tail_with_every_block_listed_is_the_block_sparse_forward() {
+    let spec = AttentionSpec::dense(2, 3, 1, 21, 37, 8, 16).with_mask(Mask::Causal);
+    let case = make_case::<bf16>(&spec, ValueProfile::GAUSSIAN, 61);
+    let tiles = TileConfig { q_tile: 8, kv_tile: 4 };
+    let every = vec![vec![true; 10]; 2 * 3 * 3];
+    let layout = layout_from(&spec, tiles, &every, false);
+    let (out, _) = run_pisa_tail(&case, &layout).unwrap();
+    let (o, lse) = bs_forward(&case, &exact_layout(&spec, &layout)).unwrap();
+    assert!(same_bits(&out.o, &o) && out.lse.iter().zip(&lse).all(|(a, b)| a.to_bits() == b.to_bits()));
+    let window = spec.clone().with_mask(Mask::Window { left: 3, right: 0 });
+    let case = make_case::<bf16>(&window, ValueProfile::GAUSSIAN, 61);
+    assert!(matches!(run_pisa_tail(&case, &layout), Err(ReferenceError::UnsupportedMask { .. })));
 }

@@ -1,0 +1,209 @@
+//! PISA's first-order tail (E22) as the tensor-core kernel runs it (`attnproof_gpu::pisa::tail`), on the CPU: the
+//! exact part by the block-sparse forward over the caller's exact lists, then every row's tail (the whole key blocks
+//! it sees that its query tile does not list) as one attention over the blocks' pooled keys, merged in f64.
+//!
+//! # Schedule and precision recipe
+//!
+//! - **Exact part**: [`block_sparse_forward`] over `exact` (the lists with the blocks the mask cuts and the partial
+//!   last block added, which the caller forms: `attnproof_harness::pisa_tail::exact_layout`), the recipe of
+//!   [`crate::sparse`].
+//! - **Statistics**, per (sequence, KV head), in f64 from the inputs' exact values: each block's mean key and mean
+//!   value (keys in ascending order, then one division), `H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ` (keys in
+//!   ascending order); their storage-type forms rounded once from f64 ([`Element::from_f64`]): the mean key split as
+//!   `[μ_hi | μ_lo]` (`μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`), the mean value `RN(v̄)`, `H̄` split like `μ` into `2d`
+//!   rows. They are returned in the GPU workspace's layout ([`TailOutputs::pooled`]).
+//! - **Tail**: per row, the online softmax of [`crate::sparse`] over its tail blocks in tiles of [`POOLED_TILE`]
+//!   pooled keys: score `α̂ · dot32([q | q], [μ_hi | μ_lo])` (`−∞` outside the tail), values the rounded mean values,
+//!   `O_T = A/ℓ` in f32 (not rounded: the kernel keeps it in registers) and `lse_T = m + ln ℓ`; the shared term
+//!   `h = dot32([q | q], [H̄_hi ; H̄_lo]·e)` per column.
+//! - **Merge** in f64: `T = O_T + α h / C`, `M = max(lse_E, lse_T + ln C)`, `o = (e^{lse_E − M} O_E + e^{lse_T + ln C
+//!   − M} T) / (e^{lse_E − M} + e^{lse_T + ln C − M})` rounded once to the storage type, `lse = M + ln(…)` in f32. A
+//!   row without tail blocks keeps the exact part's output.
+
+use attnproof_oracle::block_sparse::BlockSparseLayout;
+use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::{AttentionSpec, Mask};
+use ndarray::{Array2, ArrayD, Axis, IxDyn};
+
+use crate::element::Element;
+use crate::error::ReferenceError;
+use crate::flash::{ForwardOutputs, Inputs, head_f32};
+use crate::mask::{kv_head, visible};
+use crate::sparse::{RowState, block_sparse_forward, dot32, scale32};
+
+/// Pooled keys per tile of the tail's online softmax (the kernel's `TAIL_N`).
+pub const POOLED_TILE: usize = 64;
+
+/// What [`pisa_tail_forward`] returns: the outputs and the storage-type statistics it computed with.
+#[derive(Clone, Debug)]
+pub struct TailOutputs<T> {
+    /// `O`, shaped like Q with `dv`.
+    pub o: ArrayD<T>,
+    /// Natural-log LSE.
+    pub lse: ArrayD<f32>,
+    /// The GPU workspace's layout: split mean keys `[B, Hkv, n_k, 2d]`, rounded mean values `[B, Hkv, n_k, dv]`,
+    /// split `H̄` `[B, Hkv, 2d, dv]`, `n_k` the longest sequence's key blocks (zero where a sequence has none).
+    pub pooled: Vec<T>,
+}
+
+/// One (sequence, KV head)'s statistics: f64 means and `H̄`, and their storage-type forms widened to f32.
+struct HeadStatistics {
+    /// `[n_k, 2d]`: `[μ_hi | μ_lo]`.
+    keys: Array2<f32>,
+    /// `[n_k, dv]`: `RN(v̄)`.
+    values: Array2<f32>,
+    /// `[2d, dv]`: `[H̄_hi ; H̄_lo]`.
+    h_bar: Array2<f32>,
+}
+
+/// `(RN(x), RN(x − RN(x)))` in `T`, widened to f32 (the subtraction is exact in f64).
+fn split<T: Element>(x: f64) -> (f32, f32) {
+    let hi = T::from_f64(x).to_f32();
+    (hi, T::from_f64(x - f64::from(hi)).to_f32())
+}
+
+/// The statistics of keys `k` and values `v` (`[L, ·]`, the storage type's values) in blocks of `block` keys.
+fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -> HeadStatistics {
+    let ((len, d), dv) = (k.dim(), v.ncols());
+    let n_blocks = len.div_ceil(block);
+    let mut means = Array2::<f64>::zeros((n_blocks, d));
+    let mut keys = Array2::zeros((n_blocks, 2 * d));
+    let mut values = Array2::zeros((n_blocks, dv));
+    for b in 0..n_blocks {
+        let rows = b * block..((b + 1) * block).min(len);
+        let count = rows.len() as f64;
+        for c in 0..d {
+            means[[b, c]] = rows.clone().fold(0f64, |a, j| a + f64::from(k[[j, c]])) / count;
+            let (hi, lo) = split::<T>(means[[b, c]]);
+            keys[[b, c]] = hi;
+            keys[[b, d + c]] = lo;
+        }
+        for c in 0..dv {
+            let mean = rows.clone().fold(0f64, |a, j| a + f64::from(v[[j, c]])) / count;
+            values[[b, c]] = T::from_f64(mean).to_f32();
+        }
+    }
+    let mut h_bar = Array2::zeros((2 * d, dv));
+    for c in 0..d {
+        for e in 0..dv {
+            let sum =
+                (0..len).fold(0f64, |a, j| a + (f64::from(k[[j, c]]) - means[[j / block, c]]) * f64::from(v[[j, e]]));
+            let (hi, lo) = split::<T>(sum / n_blocks as f64);
+            h_bar[[c, e]] = hi;
+            h_bar[[d + c, e]] = lo;
+        }
+    }
+    HeadStatistics { keys, values, h_bar }
+}
+
+/// PISA's tail forward of `spec` on `inputs` over the exact lists `exact` (per query head; the listed blocks, the
+/// blocks the mask cuts and the partial last block, see the module docs), the schedule of the tensor-core kernel.
+/// Masks: none or the bottom-right causal mask (the visibility of [`crate::mask::visible`]); any other is
+/// [`ReferenceError::UnsupportedMask`].
+pub fn pisa_tail_forward<T: Element>(
+    spec: &AttentionSpec,
+    inputs: &Inputs<'_, T>,
+    exact: &BlockSparseLayout,
+) -> Result<TailOutputs<T>, ReferenceError> {
+    if !matches!(spec.mask, Mask::None | Mask::Causal) {
+        let reason = "PISA's tail takes no mask or the bottom-right causal mask";
+        return Err(ReferenceError::UnsupportedMask { mask: format!("{:?}", spec.mask), reason });
+    }
+    let mut o = ArrayD::from_elem(IxDyn(&spec.expected_shape(Operand::O)), T::from_f32(0.0));
+    let mut lse = ArrayD::zeros(IxDyn(&spec.expected_shape(Operand::RowStat)));
+    block_sparse_forward(spec, inputs, exact, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
+    let (d, dv, block) = (spec.head_dim, spec.head_dim_v, exact.kv_tile);
+    let seqs = spec.sequences();
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(block)).max().unwrap_or(0);
+    let heads = seqs.len() * spec.n_heads_kv;
+    let (keys_len, values_len) = (heads * n_k * 2 * d, heads * n_k * dv);
+    let mut pooled = vec![T::from_f32(0.0); keys_len + values_len + heads * 2 * d * dv];
+    let scale = scale32(spec.scale, d)?;
+    let scale64 = spec.scale_value::<f64>(());
+    for seq in &seqs {
+        if seq.len_k == 0 {
+            continue;
+        }
+        for kv in 0..spec.n_heads_kv {
+            let k = head_f32(spec, &inputs.k, seq, kv, true);
+            let v = head_f32(spec, &inputs.v, seq, kv, true);
+            let stats = head_statistics::<T>(&k, &v, block);
+            let head = seq.index * spec.n_heads_kv + kv;
+            let store = |pooled: &mut [T], at: usize, x: &Array2<f32>| {
+                for (slot, &value) in pooled[at..at + x.len()].iter_mut().zip(x.iter()) {
+                    *slot = T::from_f32(value);
+                }
+            };
+            store(&mut pooled, head * n_k * 2 * d, &stats.keys);
+            store(&mut pooled, keys_len + head * n_k * dv, &stats.values);
+            store(&mut pooled, keys_len + values_len + head * 2 * d * dv, &stats.h_bar);
+            for h in (0..spec.n_heads_q).filter(|&h| kv_head(h, spec.n_heads_q, spec.n_heads_kv) == kv) {
+                let q = head_f32(spec, &inputs.q, seq, h, false);
+                let mut o_head = o.slice_mut(spec.head_slice(seq, h, false));
+                let mut lse_head = lse.slice_mut(spec.row_stat_slice(seq, h));
+                for i in 0..seq.len_q {
+                    let Some((tail, lse_tail)) = row_tail::<T>(spec, exact, seq, h, i, &q, &stats, scale, scale64)
+                    else {
+                        continue;
+                    };
+                    let lse_exact = f64::from(lse_head[[i]]);
+                    let top = lse_exact.max(lse_tail);
+                    let (we, wt) = ((lse_exact - top).exp(), (lse_tail - top).exp());
+                    let denominator = we + wt;
+                    let mut row = o_head.index_axis_mut(Axis(0), i);
+                    for (c, out) in row.iter_mut().enumerate() {
+                        let merged = (we * f64::from(out.to_f32()) + wt * tail[c]) / denominator;
+                        *out = T::from_f64(merged);
+                    }
+                    lse_head[[i]] = (top + denominator.ln()) as f32;
+                }
+            }
+        }
+    }
+    Ok(TailOutputs { o, lse, pooled })
+}
+
+/// Row `i`'s tail average `T = O_T + α h / C` and log-mass `lse_T + ln C` (f64), or `None` when it has no tail block.
+#[allow(clippy::too_many_arguments)]
+fn row_tail<T: Element>(
+    spec: &AttentionSpec,
+    exact: &BlockSparseLayout,
+    seq: &Sequence,
+    h: usize,
+    i: usize,
+    q: &Array2<f32>,
+    stats: &HeadStatistics,
+    scale: f32,
+    scale64: f64,
+) -> Option<(Vec<f64>, f64)> {
+    let block = exact.kv_tile;
+    let whole = seq.len_k / block;
+    let listed: Vec<usize> = exact
+        .lists
+        .index_axis(Axis(0), seq.index)
+        .index_axis(Axis(0), h)
+        .row(i / exact.q_tile)
+        .iter()
+        .take_while(|&&b| b >= 0)
+        .map(|&b| b as usize)
+        .collect();
+    let sees_whole = |b: usize| (b * block..(b + 1) * block).all(|j| visible(&spec.mask, i, j, seq.len_q, seq.len_k));
+    let tail: Vec<bool> = (0..whole).map(|b| !listed.contains(&b) && sees_whole(b)).collect();
+    if !tail.contains(&true) {
+        return None;
+    }
+    let qq: Vec<f32> = q.row(i).iter().chain(q.row(i).iter()).copied().collect();
+    let mut state = RowState::new(spec.head_dim_v);
+    for b0 in (0..whole).step_by(POOLED_TILE) {
+        let keys = b0..(b0 + POOLED_TILE).min(whole);
+        let s: Vec<f32> = keys
+            .clone()
+            .map(|b| if tail[b] { scale * dot32(&qq, stats.keys.row(b)) } else { f32::NEG_INFINITY })
+            .collect();
+        state.update::<T>(&s, |j, c| stats.values[[b0 + j, c]]);
+    }
+    let shared = |e: usize| f64::from(dot32(&qq, stats.h_bar.column(e)));
+    let o_tail: Vec<f64> =
+        (0..spec.head_dim_v).map(|e| f64::from(state.acc[e] / state.l) + scale64 * shared(e) / block as f64).collect();
+    Some((o_tail, f64::from(state.m + state.l.ln()) + (block as f64).ln()))
+}
