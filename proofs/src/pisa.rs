@@ -268,6 +268,101 @@ pub fn oracle_tail_backward(
     tail_backward(q, k, v, visible, classes, stats, scale, d_o, scale.ctx())
 }
 
+/// The tail's backward decomposed as the GPU plan runs it (`docs/pisa-gpu.md`, "The tail's backward"), in MPFR: the
+/// exact keys by the dense backward with the PISA output and LSE (`P_j = e^{s_j − lse}`, `δ = dO·o`); the tail blocks
+/// by the dense backward over the pooled problem, keys `μ_b`, values `v̄_b`, `P_b = e^{α q·μ_b + ln|B_b| − lse}` and
+/// `δ'_b = δ − dO·h/|B_b|` (`h = α H̄ᵀq`: the shared term's row constant folded into `δ`), giving `dμ_b` and
+/// `dv̄_b = Σ_i P_ib dO_i`; the shared term `dq += A α H̄ dO`, `G = Σ_i A_i α q_i dO_iᵀ` with `A = Σ_b P_b/|B_b|`; then the
+/// scatter onto the keys and values, `dk_j += dμ_b/|B_b| + G (v_j − v̄_b)/n_b`, `dv_j += dv̄_b/|B_b| + Gᵀ(k_j − μ_b)/n_b`.
+/// Passing [`tail_gradients_match_finite_differences`] is the plan's proof.
+#[allow(clippy::too_many_arguments)]
+pub fn decomposed_tail_backward(
+    q: ArrayView2<'_, Mp>,
+    k: ArrayView2<'_, Mp>,
+    v: ArrayView2<'_, Mp>,
+    visible: ArrayView2<'_, bool>,
+    classes: &[BlockClasses],
+    stats: &TailStatistics<Mp>,
+    scale: &Mp,
+    d_o: ArrayView2<'_, Mp>,
+) -> TailGradients<Mp> {
+    let ctx = scale.ctx();
+    let (d, dv, n_blocks, size) = (q.ncols(), v.ncols(), stats.counts.len(), stats.block_size);
+    let zeros = |r: usize, c: usize| Array2::from_elem((r, c), Mp::zero(ctx));
+    let (mut dq, mut dk, mut dvv) = (zeros(q.nrows(), d), zeros(k.nrows(), d), zeros(v.nrows(), dv));
+    let (mut d_means, mut d_values, mut g) = (zeros(n_blocks, d), zeros(n_blocks, dv), zeros(d, dv));
+    let count = |b: usize| Mp::from_f64(stats.counts[b] as f64, ctx);
+    let mean_value = |b: usize, e: usize| stats.value_sums[[b, e]].clone() / count(b);
+    for (i, classes) in classes.iter().enumerate() {
+        let (qi, g_out) = (q.row(i), d_o.row(i));
+        let out = tail_output(qi, k, v, visible.row(i), classes, stats, scale, TailRule::Pisa, ctx);
+        if out.denominator == Mp::zero(ctx) {
+            continue;
+        }
+        let lse = out.shift.clone() + out.denominator.ln();
+        let delta = dot(g_out, out.o.view(), ctx);
+        // The exact part: the dense backward with the PISA row statistics.
+        for &b in &classes.exact {
+            for j in (b * size..b * size + stats.counts[b]).filter(|&j| visible[[i, j]]) {
+                let p = (scale.clone() * dot(qi, k.row(j), ctx) - lse.clone()).exp();
+                let ds = p.clone() * (dot(g_out, v.row(j), ctx) - delta.clone()) * scale.clone();
+                for c in 0..d {
+                    dq[[i, c]] += ds.clone() * k[[j, c]].clone();
+                    dk[[j, c]] += ds.clone() * qi[c].clone();
+                }
+                for e in 0..dv {
+                    dvv[[j, e]] += p.clone() * g_out[e].clone();
+                }
+            }
+        }
+        if classes.tail.is_empty() {
+            continue;
+        }
+        // The pooled part: keys μ_b, values v̄_b, δ' per block.
+        let h: Array1<Mp> = (0..dv).map(|e| scale.clone() * dot(qi, stats.h_bar.column(e), ctx)).collect();
+        let through_h = dot(g_out, h.view(), ctx);
+        let mut a_sum = Mp::zero(ctx);
+        for &b in &classes.tail {
+            let p = (scale.clone() * dot(qi, stats.means.row(b), ctx) + count(b).ln() - lse.clone()).exp();
+            let delta_b = delta.clone() - through_h.clone() / count(b);
+            let dp = (0..dv).fold(Mp::zero(ctx), |acc, e| acc + g_out[e].clone() * mean_value(b, e));
+            let ds = p.clone() * (dp - delta_b) * scale.clone();
+            for c in 0..d {
+                dq[[i, c]] += ds.clone() * stats.means[[b, c]].clone();
+                d_means[[b, c]] += ds.clone() * qi[c].clone();
+            }
+            for e in 0..dv {
+                d_values[[b, e]] += p.clone() * g_out[e].clone();
+            }
+            a_sum += p / count(b);
+        }
+        let factor = a_sum * scale.clone();
+        for c in 0..d {
+            dq[[i, c]] += factor.clone() * dot(stats.h_bar.row(c), g_out, ctx);
+            for e in 0..dv {
+                g[[c, e]] += factor.clone() * qi[c].clone() * g_out[e].clone();
+            }
+        }
+    }
+    let blocks = Mp::from_f64(n_blocks as f64, ctx);
+    for b in 0..n_blocks {
+        for j in b * size..b * size + stats.counts[b] {
+            for c in 0..d {
+                let spread = (0..dv)
+                    .fold(Mp::zero(ctx), |acc, e| acc + g[[c, e]].clone() * (v[[j, e]].clone() - mean_value(b, e)));
+                dk[[j, c]] += d_means[[b, c]].clone() / count(b) + spread / blocks.clone();
+            }
+            for e in 0..dv {
+                let spread = (0..d).fold(Mp::zero(ctx), |acc, c| {
+                    acc + g[[c, e]].clone() * (k[[j, c]].clone() - stats.means[[b, c]].clone())
+                });
+                dvv[[j, e]] += d_values[[b, e]].clone() / count(b) + spread / blocks.clone();
+            }
+        }
+    }
+    TailGradients { dq, dk, dv: dvv }
+}
+
 /// The inputs of the tail's gradient theorem: one head's queries, keys and values, each row's visibility and block
 /// classes (held fixed), blocks of `block_size` keys, the scale and the upstream gradient.
 #[derive(Clone, Debug)]

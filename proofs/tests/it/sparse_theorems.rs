@@ -12,8 +12,9 @@ use attnproof_oracle::selection::{block_states, decompose_row, key_blocks};
 use attnproof_oracle::{Mp, Real, SoftmaxState};
 use attnproof_proofs::block_scores::{block_score_identity, second_order_limit};
 use attnproof_proofs::pisa::{
-    SpreadProblem, TailBackward, TailGradientCase, first_order_denominator_vanishes, oracle_first_order, oracle_pisa,
-    oracle_tail_backward, pisa_within_bound, tail_error_is_second_order, tail_gradients_match_finite_differences,
+    SpreadProblem, TailBackward, TailGradientCase, decomposed_tail_backward, first_order_denominator_vanishes,
+    oracle_first_order, oracle_pisa, oracle_tail_backward, pisa_within_bound, tail_error_is_second_order,
+    tail_gradients_match_finite_differences,
 };
 use attnproof_proofs::residual::Bits;
 use attnproof_proofs::selection::{block_split_is_exact, mass_decomposition};
@@ -280,6 +281,9 @@ fn the_tail_backward_is_the_gradient_of_the_pisa_output() {
             );
             tail_gradients_match_finite_differences(&oracle_tail_backward, &case, 80, GRADIENT_BITS)
                 .unwrap_or_else(|e| panic!("seed {seed}, causal {causal}: {e}"));
+            // The GPU plan's decomposition (exact part with the PISA LSE, pooled part with δ') is the same gradient.
+            tail_gradients_match_finite_differences(&decomposed_tail_backward, &case, 80, GRADIENT_BITS)
+                .unwrap_or_else(|e| panic!("decomposed, seed {seed}, causal {causal}: {e}"));
         }
     }
 }
