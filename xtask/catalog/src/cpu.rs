@@ -59,6 +59,14 @@ const NSA: Mutant = Mutant { file: "reference/src/sparse/nsa.rs", runner: harnes
 /// Base entry for mutants of the DSA token-gather schedule.
 const DSA: Mutant = Mutant { file: "reference/src/sparse/dsa.rs", runner: harness_tests("sparse::"), ..FLASH };
 
+/// Base entry for mutants of PISA's tail schedule, killed by the harness's tail tests (its unit tests, which verify the
+/// schedule on fixed cases, and the `sparse::pisa_tail_*` property tests).
+const PISA_TAIL_REF: Mutant = Mutant {
+    file: "reference/src/sparse/pisa.rs",
+    runner: Runner::Scratch { package: HARNESS, target: None, filter: Some("pisa_tail") },
+    ..FLASH
+};
+
 /// Base entry for mutants of the bound model's plumbing (`proofs/src/flash_bound.rs`): a recipe parameter that stops
 /// entering its term.
 const BOUND_MODEL: Mutant =
@@ -426,5 +434,48 @@ pub const MUTANTS: &[Mutant] = &[
         find: "values[[chunk.start + jj, c]]",
         replace: "values[[jj, c]]",
         ..DSA
+    },
+    // --- PISA's tail (E22), the tensor-core kernel's schedule ---
+    Mutant {
+        name: "ref-pisa-tail-hbar-term-missing",
+        description: "the tail's average leaves out the shared first-order term α qᵀH̄ / C",
+        find: "f64::from(state.acc[e] / state.l) + scale64 * shared(e) / block as f64",
+        replace: "f64::from(state.acc[e] / state.l)",
+        ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-listed-block-in-tail",
+        description: "the tail ignores the lists: a listed block counts exactly and again as its summary",
+        find: "(0..whole).map(|b| !listed.contains(&b) && sees_whole(b))",
+        replace: "(0..whole).map(sees_whole)",
+        ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-block-size-left-out",
+        description: "the tail's log-mass forgets |B_b| = C: each tail block weighs like one key",
+        find: "f64::from(state.m + state.l.ln()) + (block as f64).ln()",
+        replace: "f64::from(state.m + state.l.ln())",
+        ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-mean-key-low-half-dropped",
+        description: "the split mean key keeps only its high half (the statistics' check must see it)",
+        find: "keys[[b, d + c]] = lo;",
+        replace: "keys[[b, d + c]] = 0.0 * lo;",
+        ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-deviation-not-subtracted",
+        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ",
+        find: "(f64::from(k[[j, c]]) - means[[j / block, c]])",
+        replace: "f64::from(k[[j, c]])",
+        ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-exact-weight-inverted",
+        description: "the merge weighs the exact part by e^{M − lse_E} instead of e^{lse_E − M}",
+        find: "let (we, wt) = ((lse_exact - top).exp(), (lse_tail - top).exp());",
+        replace: "let (we, wt) = ((top - lse_exact).exp(), (lse_tail - top).exp());",
+        ..PISA_TAIL_REF
     },
 ];
