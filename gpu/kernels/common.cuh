@@ -164,6 +164,20 @@ struct PisaTailParams {
     int lists_per_kv_head;  // 1: one list per KV head, shared by its group; 0: one per query head
 };
 
+// The scalars of hils.cu's chunk summaries and router (HiLS, E21): causal self-attention (flash's len_q = len_k per
+// sequence), landmarks [B, Hq, n_chunks, d], summaries (slope key and entropy, f64) [B, Hq, n_chunks, d + 1], lists
+// [B, Hq, max_len, top_k], router scores (optional) [B, Hq, max_len, n_chunks].
+struct HilsParams {
+    FlashParams flash;      // the problem (Q and K layouts, lengths, group, d)
+    double scale;           // 1/√d in f64: E21's scale, whatever the spec's
+    int chunk_size;         // C: keys per chunk, 1 to HILS_MAX_CHUNK
+    int local_window;       // w: exact keys before and including a query, extended down to a chunk boundary
+    int top_k;              // K: chunks routed per query, 1 to 32
+    int n_chunks;           // chunks of the longest sequence
+    int max_len;            // the longest sequence
+    int write_scores;       // 1: write every eligible router score to the scores buffer
+};
+
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
 // compression parameters. Compressed keys and values are laid out like K and V with one row per complete window:
 // dense [B, Hkv, W, cols], varlen packed [total W, Hkv, cols] from the windows' cu_seqlens.
@@ -316,6 +330,16 @@ PARAM_AT(PisaParams, keep, 232);
 PARAM_AT(PisaParams, scoring, 236);
 PARAM_AT(PisaParams, n_levels, 240);
 PARAM_AT(PisaParams, max_candidates, 244);
+
+PARAM_SIZE(HilsParams, 192);
+PARAM_AT(HilsParams, flash, 0);
+PARAM_AT(HilsParams, scale, 160);
+PARAM_AT(HilsParams, chunk_size, 168);
+PARAM_AT(HilsParams, local_window, 172);
+PARAM_AT(HilsParams, top_k, 176);
+PARAM_AT(HilsParams, n_chunks, 180);
+PARAM_AT(HilsParams, max_len, 184);
+PARAM_AT(HilsParams, write_scores, 188);
 
 PARAM_SIZE(PisaTailParams, 232);
 PARAM_AT(PisaTailParams, flash, 0);

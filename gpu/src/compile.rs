@@ -24,8 +24,9 @@
 //! - `flash_bwd_sm90` (the backward with a `wgmma` KV owner) needs 9.0 and only 9.0, as `flash_fwd_sm90`.
 //! - `bsa_select` (block selection) needs 8.0: its streaming selector copies the pooled key tiles with cp.async;
 //!   otherwise f64 arithmetic, warp shuffles and ballots.
-//! - `pisa_select` (PISA's pyramid selection), `pisa_tail` (PISA's first-order tail) and `pisa_mass` (the block masses
-//!   of E30's diagnostics) are compiled after `bsa_select.cu` (its pooling and helpers) and need 8.0 with it.
+//! - `pisa_select` (PISA's pyramid selection), `pisa_tail` (PISA's first-order tail), `pisa_mass` (the block masses
+//!   of E30's diagnostics) and `hils` (HiLS's chunk summaries and router) are compiled after `bsa_select.cu` (its
+//!   pooling and helpers) and need 8.0 with it.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
@@ -127,7 +128,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 18] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 19] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -175,6 +176,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 18] = [
         needs: (8, 0),
         only: false,
         instructions: "bsa_select.cu's helpers, compiled with its cp.async; f64 arithmetic and warp shuffles",
+    },
+    DeviceRequirement {
+        kernel: "hils",
+        needs: (8, 0),
+        only: false,
+        instructions: "bsa_select.cu's helpers, compiled with its cp.async; f64 arithmetic, warp shuffles and ballots",
     },
     DeviceRequirement {
         kernel: "nsa_compress",

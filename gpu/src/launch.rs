@@ -9,8 +9,8 @@ use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::error::GpuError;
 use crate::params::{
-    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaLossParams, DsaSparseParams, FlashParams, NsaParams,
-    NsaSelectParams, PisaParams, PisaTailParams, RingStateParams,
+    BackwardParams, BlockListParams, BsaParams, DsaIndexParams, DsaLossParams, DsaSparseParams, FlashParams,
+    HilsParams, NsaParams, NsaSelectParams, PisaParams, PisaTailParams, RingStateParams,
 };
 
 /// Whether the CUDA driver library can be loaded.
@@ -132,9 +132,12 @@ unsafe impl DeviceRepr for DsaLossParams {}
 // SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `BsaParams`, an `i64` and six `i32` fields, no
 // padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for PisaParams {}
-// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64`, two `i64` and eight `i32`
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64`, four `i64` and eight `i32`
 // fields, no padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
 unsafe impl DeviceRepr for PisaTailParams {}
+// SAFETY: as for `FlashParams`: `#[repr(C)]` plain old data (a `FlashParams`, an `f64` and six `i32` fields, no
+// padding), its layout pinned on both sides by the same `PARAM_SIZE`/`PARAM_AT` lines and `params::tests`.
+unsafe impl DeviceRepr for HilsParams {}
 
 /// What `flash_fwd` writes: `O` and LSE, or (compiled with `STATE_OUT`) each row's online-softmax state, `a`
 /// `[rows][dv]` and `m`, `l` per LSE row.
@@ -632,6 +635,56 @@ pub(crate) fn launch_pisa_tail_merge<T>(
     // forms lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
     // recorded on `stream`.
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_tail_merge)", e))?;
+    Ok(())
+}
+
+/// Launches `hils_summaries` (gpu/kernels/hils.cu, `func`) on `stream`: one chunk's landmark summary per CTA.
+///
+/// Preconditions, established by `hils`: `func` is `hils_summaries` compiled for the element type `T`; `k` holds the
+/// spec's K, `landmarks` `B · Hq · params.n_chunks · d` elements, `summaries` `B · Hq · params.n_chunks · (d + 1)`
+/// f64; `params.chunk_size` is at most `HILS_MAX_CHUNK` and `d` at most 256; `cfg`'s grid is
+/// `(params.n_chunks, n_heads_q, B)` with 128 threads.
+pub(crate) fn launch_hils_summaries<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (k, landmarks): (&CudaSlice<T>, &CudaSlice<T>),
+    summaries: &mut CudaSlice<f64>,
+    cu_k: &CudaSlice<i32>,
+    params: &HilsParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(k).arg(landmarks).arg(summaries).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `hils_summaries(const elem_t* k, const elem_t* landmarks, double* summaries, const
+    // int* cu_k, const HilsParams)` in order and type; every index the kernel forms lies in the buffers the caller
+    // sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(hils_summaries)", e))?;
+    Ok(())
+}
+
+/// Launches `hils_route` (gpu/kernels/hils.cu, `func`) on `stream`: one query's routing per warp.
+///
+/// Preconditions, established by `hils`: `func` is `hils_route` compiled for the element type `T`; `q` holds the
+/// spec's Q; `summaries` what `hils_summaries` wrote for the same K and landmarks, earlier on `stream`; `lists`
+/// `B · Hq · params.max_len · params.top_k` i32; `scores` `B · Hq · params.max_len · params.n_chunks` f64 when
+/// `params.write_scores` is 1 (else any buffer, unread); `params.top_k` at most 32; `cfg`'s grid is
+/// `(⌈params.max_len / 4⌉, n_heads_q, B)` with 128 threads.
+pub(crate) fn launch_hils_route<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, summaries): (&CudaSlice<T>, &CudaSlice<f64>),
+    (lists, scores): (&mut CudaSlice<i32>, &mut CudaSlice<f64>),
+    cu_q: &CudaSlice<i32>,
+    params: &HilsParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(summaries).arg(lists).arg(scores).arg(cu_q).arg(params);
+    // SAFETY: the arguments match `hils_route(const elem_t* q, const double* summaries, int* lists, double*
+    // router_scores, const int* cu_q, const HilsParams)` in order and type; every index the kernel forms lies in the
+    // buffers the caller sized (see above); the buffers are borrowed for this call and their use is recorded on
+    // `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(hils_route)", e))?;
     Ok(())
 }
 

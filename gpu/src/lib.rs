@@ -28,6 +28,7 @@ pub mod compile;
 pub mod dsa;
 pub mod error;
 pub mod flash;
+pub mod hils;
 mod launch;
 pub mod nsa;
 mod params;
@@ -100,6 +101,7 @@ pub fn module_variants<T: GpuElement>(
         variant(pisa::select::PISA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(pisa::tail::PISA_TAIL, pisa::tail::tail_defines::<T>(spec)),
         variant(pisa::diagnostics::PISA_MASS, vec![T::DEFINE.to_owned()]),
+        variant(hils::HILS, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),
         variant(nsa::gates::NSA_GATES, vec![T::DEFINE.to_owned()]),
         variant(nsa::select::NSA_SELECT, nsa::select::select_defines::<T>(spec.head_dim)),
@@ -254,6 +256,7 @@ mod tests {
                 "pisa_select",
                 "pisa_tail",
                 "pisa_mass",
+                "hils",
                 "nsa_compress",
                 "nsa_gates",
                 "nsa_select",

@@ -6,7 +6,8 @@
 //! modes of `flash_fwd` and `flash_bwd`; [`BsaParams`] for `bsa_select.cu`'s block selection; [`NsaParams`] for the NSA
 //! compression and gates; [`NsaSelectParams`] for NSA's block selection; [`DsaIndexParams`] for DSA's lightning
 //! indexer; [`DsaSparseParams`] for DSA's token-sparse attention; [`DsaLossParams`] for DSA's indexer loss;
-//! [`PisaParams`] for PISA's pyramid selection; [`PisaTailParams`] for PISA's first-order tail.
+//! [`PisaParams`] for PISA's pyramid selection; [`PisaTailParams`] for PISA's first-order tail; [`HilsParams`] for
+//! HiLS's chunk summaries and router.
 //!
 //! The structs are `#[repr(C)]`, of `i64`, `i32` and `f32` fields only, ordered so that no field needs padding before
 //! it, with an explicit `reserved` field where the size must round up to the 8-byte alignment: every byte the driver
@@ -191,6 +192,28 @@ pub(crate) struct PisaParams {
     pub n_levels: i32,
     /// `max(K, 3) · β`: candidates per level at most, the trace's entries per level.
     pub max_candidates: i32,
+}
+
+/// HiLS's scalars (`struct HilsParams` of `common.cuh`), read by `hils.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct HilsParams {
+    /// The problem (Q and K layouts, lengths, group, head dim).
+    pub flash: FlashParams,
+    /// `1/√d` in f64.
+    pub scale: f64,
+    /// Keys per chunk `C`.
+    pub chunk_size: i32,
+    /// The local window `w`.
+    pub local_window: i32,
+    /// Chunks routed per query `K`.
+    pub top_k: i32,
+    /// Chunks of the longest sequence.
+    pub n_chunks: i32,
+    /// The longest sequence.
+    pub max_len: i32,
+    /// 1 when the router writes its scores.
+    pub write_scores: i32,
 }
 
 /// PISA's tail scalars (`struct PisaTailParams` of `common.cuh`), read by `pisa_tail.cu`.
@@ -615,6 +638,7 @@ mod tests {
                 reserved
             }),
             rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
+            rust_layout!(HilsParams { flash, scale, chunk_size, local_window, top_k, n_chunks, max_len, write_scores }),
             rust_layout!(PisaTailParams {
                 flash,
                 scale,

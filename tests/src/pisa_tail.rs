@@ -50,7 +50,7 @@ use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD
 
 use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
 use crate::sparse::{listed_tiles_mask, sub_case, visited_tiles};
-use crate::verdict::{OutputVerdict, compare};
+use crate::verdict::{OutputVerdict, WorstRatio, compare};
 
 /// What [`verify_pisa_tail`] found.
 #[derive(Clone, Debug)]
@@ -164,23 +164,6 @@ fn rounding_tolerance(x: f64, rho: f64, u: f64, tau: f64, split: bool) -> f64 {
     if split { rho + u * first + tau / 2.0 } else { rho + first }
 }
 
-/// The largest statistic error over its bound found so far, and which statistic.
-#[derive(Clone, Debug, Default)]
-struct Worst {
-    ratio: f64,
-    at: String,
-}
-
-impl Worst {
-    fn offer(&mut self, error: f64, tolerance: f64, at: impl FnOnce() -> String) {
-        let ratio = if error <= tolerance { error / tolerance.max(f64::MIN_POSITIVE) } else { error / tolerance };
-        if ratio > self.ratio || (ratio.is_nan() && !self.ratio.is_nan()) {
-            self.ratio = ratio;
-            self.at = at();
-        }
-    }
-}
-
 /// The exact blocks of each (sequence, query head, query block) of `spec` under `layout` (lists per query head): the
 /// listed ones, every key block the mask sees partly from some row of the query block, and the partial last block
 /// where some row of the query block sees a key of it; ascending, `−1`-padded.
@@ -283,7 +266,7 @@ pub fn tail_targets<T: Element>(
     };
     let (d, dv, c_keys) = (spec.head_dim, spec.head_dim_v, exact.kv_tile);
     let (u, tau) = (T::UNIT_ROUNDOFF, tail_recipe.subnormal);
-    let mut worst = Worst::default();
+    let mut worst = WorstRatio::default();
     let [_, k_all, v_all] = case.widened();
     for seq in spec.sequences() {
         let visible = spec.mask.matrix(seq.len_q, seq.len_k);
@@ -454,7 +437,7 @@ fn check_statistics(
     pooled: &PooledStatistics,
     (b, kv): (usize, usize),
     (u, tau): (f64, f64),
-    worst: &mut Worst,
+    worst: &mut WorstRatio,
 ) -> Array2<f64> {
     let (d, dv, size) = (k.ncols(), v.ncols(), stats.block_size);
     for (block, &count) in stats.counts.iter().enumerate() {
@@ -464,24 +447,20 @@ fn check_statistics(
             let x = stats.means[[block, c]];
             let (hi, lo) = (pooled.keys[[b, kv, block, c]], pooled.keys[[b, kv, block, d + c]]);
             let tol = rounding_tolerance(x, f64_sum_rho(count + 1, abs), u, tau, true);
-            worst.offer((hi + lo - x).abs(), tol, || {
-                format!("mean key [{b}, {kv}, {block}, {c}]: {hi} + {lo} against {x}")
-            });
+            worst.offer(hi + lo, x, tol, || format!("mean key [{b}, {kv}, {block}, {c}]: {hi} + {lo} against {x}"));
         }
         for c in 0..dv {
             let abs = rows.clone().map(|j| v[[j, c]].abs()).sum::<f64>() / count as f64;
             let x = stats.value_sums[[block, c]] / count as f64;
             let y = pooled.values[[b, kv, block, c]];
             let tol = rounding_tolerance(x, f64_sum_rho(count + 1, abs), u, tau, false);
-            worst.offer((y - x).abs(), tol, || format!("mean value [{b}, {kv}, {block}, {c}]: {y} against {x}"));
+            worst.offer(y, x, tol, || format!("mean value [{b}, {kv}, {block}, {c}]: {y} against {x}"));
         }
     }
     let tolerances = hbar_tolerances(stats, k, v, u, tau);
     for ((c, e), &x) in stats.h_bar.indexed_iter() {
         let (hi, lo) = (pooled.h_bar[[b, kv, c, e]], pooled.h_bar[[b, kv, d + c, e]]);
-        worst.offer((hi + lo - x).abs(), tolerances[[c, e]], || {
-            format!("H̄ [{b}, {kv}, {c}, {e}]: {hi} + {lo} against {x}")
-        });
+        worst.offer(hi + lo, x, tolerances[[c, e]], || format!("H̄ [{b}, {kv}, {c}, {e}]: {hi} + {lo} against {x}"));
     }
     tolerances
 }
@@ -869,6 +848,32 @@ mod tests {
         assert_eq!(whole.output_bound(2.0, 2.0, 0.001, 0.003, 5.0), inner + u * (2.0 + inner) + tau / 2.0);
         let lse_inner = 1e-10 * 4.0 + 0.01;
         assert!((whole.lse_bound(-3.0) - (lse_inner + u32 * (3.0 + lse_inner))).abs() <= 1e-15);
+    }
+
+    /// The statistics' bounds, term by term at values where each term shows: one rounding
+    /// `ρ + u(|x| + ρ) + τ/2`, a split `ρ + u(u(|x| + ρ) + τ/2) + τ/2`.
+    #[test]
+    fn the_rounding_tolerances_are_the_derived_formulas() {
+        let (x, rho, u, tau) = (-3.0, 0.5, 0.25, 0.125);
+        assert_eq!(rounding_tolerance(x, rho, u, tau, false), 0.5 + 0.25 * 3.5 + 0.0625);
+        assert_eq!(rounding_tolerance(x, rho, u, tau, true), 0.5 + 0.25 * (0.25 * 3.5 + 0.0625) + 0.0625);
+        assert_eq!(f64_sum_rho(3, 2.0), 2.0 * gamma(4, f64::EPSILON / 2.0) * 2.0);
+    }
+
+    /// The worst statistic is the largest ratio, kept exactly below 1 too; an exact match under a zero bound reads 0,
+    /// a tie keeps the first, and a NaN is infinitely wrong.
+    #[test]
+    fn the_worst_statistic_is_the_largest_ratio() {
+        let mut w = WorstRatio::default();
+        w.offer(1.5, 1.0, 2.0, || "a".into());
+        assert_eq!((w.ratio, w.at.as_str()), (0.25, "a"));
+        w.offer(3.0, 3.0, 0.0, || "exact".into());
+        w.offer(2.0, 1.0, 4.0, || "tie".into());
+        assert_eq!((w.ratio, w.at.as_str()), (0.25, "a"));
+        w.offer(4.0, 1.0, 2.0, || "b".into());
+        assert_eq!((w.ratio, w.at.as_str()), (1.5, "b"));
+        w.offer(f64::NAN, 1.0, 2.0, || "nan".into());
+        assert_eq!((w.ratio, w.at.as_str()), (f64::INFINITY, "nan"));
     }
 
     /// The statistics' check: the rounded oracle's statistics pass; a mean key's low half dropped, a mean value off

@@ -91,6 +91,28 @@ pub fn element_ratio(candidate: f64, oracle: f64, bound: f64) -> f64 {
     }
 }
 
+/// The largest [`element_ratio`] met so far and where: for checks that judge scattered quantities one at a time (a
+/// kernel's statistics, its scores) rather than whole outputs. A later ratio replaces the worst only when larger, so
+/// the first of equal ratios is named.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorstRatio {
+    /// The largest ratio (0 before any offer).
+    pub ratio: f64,
+    /// Where it is: what `at` returned for it.
+    pub at: String,
+}
+
+impl WorstRatio {
+    /// Offers `candidate` against `oracle` under `bound`; `at` names it, called only when it becomes the worst.
+    pub fn offer(&mut self, candidate: f64, oracle: f64, bound: f64, at: impl FnOnce() -> String) {
+        let ratio = element_ratio(candidate, oracle, bound);
+        if ratio > self.ratio {
+            self.ratio = ratio;
+            self.at = at();
+        }
+    }
+}
+
 /// A verdict over all outputs of one case, with its discriminability gate.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Verdict {

@@ -28,6 +28,7 @@ use crate::dsa_index;
 use crate::dsa_loss;
 use crate::dsa_sparse;
 use crate::dsa_sparse_backward;
+use crate::hils_routing;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
@@ -47,6 +48,7 @@ use attnproof_gpu::dsa::loss::DSA_LOSS;
 use attnproof_gpu::dsa::sparse::DSA_SPARSE;
 use attnproof_gpu::dsa::sparse_backward::DSA_SPARSE_BWD;
 use attnproof_gpu::flash::ForwardTiling;
+use attnproof_gpu::hils::HILS;
 use attnproof_gpu::nsa::compress::NSA_COMPRESS;
 use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
@@ -73,13 +75,14 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 17] = [
+const KERNELS: [KernelSource; 18] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
     PISA_SELECT,
     PISA_TAIL,
     PISA_MASS,
+    HILS,
     NSA_COMPRESS,
     NSA_GATES,
     NSA_SELECT,
@@ -720,6 +723,44 @@ fn all_block_mass_mutants_are_killed() {
     hunt("all_block_mass_mutants_are_killed", PISA_MASS, &catalog_mutants(PISA_MASS), &cases, |kernel, c| {
         pyramid_diagnostics::check_masses(&stream, kernel, c)
     });
+}
+
+/// Every HiLS routing mutant fails one of `hils_routing::killing_cases`.
+#[test]
+fn all_hils_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases: Vec<(&str, hils_routing::KillingCase)> =
+        hils_routing::killing_cases().into_iter().map(|(name, case, l, config)| (name, (case, l, config))).collect();
+    hunt("all_hils_mutants_are_killed", HILS, &catalog_mutants(HILS), &cases, |kernel, c| {
+        hils_routing::check_killing_case(&stream, kernel, c)
+    });
+}
+
+/// Every HiLS routing mutant also fails the general routing suite (bf16, its default draws).
+#[test]
+fn all_hils_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &hils_routing::ROUTING_SUITES[0];
+    hunt_in_suite(
+        "all_hils_mutants_are_killed_by_the_general_suite",
+        HILS,
+        &catalog_mutants(HILS),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new((0usize, 0usize));
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+        },
+    );
 }
 
 /// Every block-mass mutant also fails the general mass suite (bf16, its default draws).

@@ -126,6 +126,11 @@ const PISA_TAIL: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of HiLS's chunk summaries and router (`hils.cu`), launched in-process on a device with the
+/// router's killing cases.
+const HILS: Mutant =
+    Mutant { file: "gpu/kernels/hils.cu", runner: Runner::KernelText { kernel: "hils", mode: None }, ..FLASH_FWD };
+
 /// Base entry for mutants of E30's block masses (`pisa_mass.cu`), launched in-process on a device with the masses'
 /// killing cases.
 const PISA_MASS: Mutant = Mutant {
@@ -870,6 +875,77 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int source = kr < HEAD_DIM_PAD ? c : d + c;",
         replace: "const int source = c;",
         ..PISA_TAIL
+    },
+    // --- hils.cu (HiLS's chunk summaries and router, E21), launched on a device ---
+    Mutant {
+        name: "gpu-hils-entropy-sign",
+        description: "The entropy is summed with the wrong sign: H(p_b) = +Σ p ln p",
+        find: "if (pj > 0.0) entropy -= pj * log(pj);",
+        replace: "if (pj > 0.0) entropy += pj * log(pj);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-window-start-not-aligned",
+        description: "The local window starts at i + 1 − w, not rounded down to a chunk boundary",
+        find: "const int start = (max(0, i + 1 - p.local_window) / p.chunk_size) * p.chunk_size;",
+        replace: "const int start = max(0, i + 1 - p.local_window);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-chunk-eligible-one-step-early",
+        description: "A query may retrieve the chunk its local window starts in",
+        find: "const int eligible = start / p.chunk_size;",
+        replace: "const int eligible = min(start / p.chunk_size + 1, p.n_chunks);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-landmark-over-the-next-chunk",
+        description: "The landmark's softmax reads the next chunk's keys (where the sequence has them)",
+        find: "const elem_t* k_g = k + k_base + kv * fp.k_head + (long long)key0 * fp.k_row;",
+        replace: "const elem_t* k_g = k + k_base + kv * fp.k_head + (long long)(key0 + count < len ? key0 + count : key0) * fp.k_row;",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-ties-to-the-higher-chunk",
+        description: "Every chunk but the first ranks one ulp above its score: equal scores go to the higher chunk",
+        find: "stream_offer(score, b, b < eligible, room, best_s, best_i, count);",
+        replace: "stream_offer(b > 0 ? nextafter(score, __longlong_as_double(0x7ff0000000000000LL)) : score, b, b < eligible, room, best_s, best_i, count);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-slope-key-unnormalized",
+        description: "The slope key sums e^{s_j − m} k_j without dividing by the mass",
+        find: "const double pj = scores[j] / mass;",
+        replace: "const double pj = scores[j] / (mass > 1.0 ? 1.0 : mass);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-router-without-entropy",
+        description: "The router scores omit the entropy intercept: r_ib = α q_i·k'_b",
+        find: "score = p.scale * dot + s_b[d];",
+        replace: "score = p.scale * dot;",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-gqa-landmarks-of-the-kv-head",
+        description: "Every query head of a group reads the landmarks of the group's first head",
+        find: "const long long row = ((long long)seq * gridDim.y + h) * p.n_chunks + b;\n    for (int c = threadIdx.x; c < d; c += HILS_THREADS) landmark[c] = (double)to_f32(landmarks[row * d + c]);",
+        replace: "const long long row = ((long long)seq * gridDim.y + h) * p.n_chunks + b;\n    const long long first = ((long long)seq * gridDim.y + kv * fp.group) * p.n_chunks + b;\n    for (int c = threadIdx.x; c < d; c += HILS_THREADS) landmark[c] = (double)to_f32(landmarks[first * d + c]);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-last-pad-unwritten",
+        description: "The router never pads the last slot of a list that is not full",
+        find: "for (int w = count + lane; w < p.top_k; w += 32) list[w] = -1;",
+        replace: "for (int w = count + lane; w < p.top_k - 1; w += 32) list[w] = -1;",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-second-lane-group-skipped",
+        description: "The router offers only the first 32 eligible chunks",
+        find: "for (int b0 = 0; b0 < eligible; b0 += 32) {",
+        replace: "for (int b0 = 0; b0 < min(eligible, 32); b0 += 32) {",
+        ..HILS
     },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {

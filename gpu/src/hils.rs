@@ -1,0 +1,313 @@
+//! HiLS's chunk summaries and router on the GPU (E21): `gpu/kernels/hils.cu` behind typed wrappers, from device
+//! buffers ([`hils_route_device`]) or host tensors ([`hils_route`]). The factorized output is not written yet
+//! (`docs/pisa-gpu.md`, "HiLS").
+//!
+//! # Inputs and outputs
+//!
+//! Causal self-attention (`Lq = Lk` per sequence, [`attnproof_oracle::Mask::Causal`]), dense or varlen, GQA: queries
+//! and keys as for the forward, landmark queries `[B, Hq, n_c, d]` (one per chunk and query head, `n_c` the longest
+//! sequence's chunks; a shorter sequence's extra rows are never read), storage type bf16 or f16. The config is the
+//! oracle's [`HilsConfig`]: chunks of `C` keys (1 to [`MAX_CHUNK`]), the local window `w ≥ 1`, `K` chunks routed
+//! per query (1 to [`MAX_ROUTED`]); `d ≤ 256`. Outputs: the summaries `[B, Hq, n_c, d + 1]` f64 (each chunk's slope
+//! key `k'_b`, then its entropy `H(p_b)`), the lists `[B, Hq, max_len, K]` i32 (row `i`: the `K` eligible chunks of
+//! the largest router score `r_ib = q_i·k'_b/√d + H(p_b)`, ties to the lower chunk, ascending, `−1`-padded; rows
+//! past a sequence's length all `−1`), and on request every eligible router score `[B, Hq, max_len, n_c]` f64.
+//!
+//! # Precision
+//!
+//! Everything in f64 from the inputs' exact values, in a fixed order (the kernel's header), so the outputs are
+//! bitwise reproducible. The lists are exact given the scores: `attnproof_harness::hils_routing` ranks the kernel's
+//! own scores with the oracle's top-k and demands equal lists, and holds every summary and score to the oracle's
+//! within the f64 evaluation's bound.
+
+use std::sync::Arc;
+
+use attnproof_oracle::AttentionSpec;
+use attnproof_oracle::hils::HilsConfig;
+use attnproof_oracle::spec::Operand;
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{Array4, ArrayViewD};
+
+use crate::common::{GpuElement, check_causal_self_attention, check_len, grid_3d, to_i32};
+use crate::compile::{self, KernelSource};
+use crate::error::GpuError;
+use crate::launch;
+use crate::params::{FlashParams, HilsParams};
+
+/// `gpu/kernels/hils.cu` after the shared helpers and the block selector, whose warp top-k it reuses.
+pub const HILS: KernelSource = KernelSource {
+    name: "hils",
+    source: concat!(
+        include_str!("../kernels/common.cuh"),
+        include_str!("../kernels/bsa_select.cu"),
+        include_str!("../kernels/hils.cu")
+    ),
+};
+
+/// The most keys per chunk (the kernel's `HILS_MAX_CHUNK`: a landmark's scores live in shared memory).
+pub const MAX_CHUNK: usize = 1024;
+/// The most chunks routed per query (one warp's registers).
+pub const MAX_ROUTED: usize = 32;
+/// The largest head dim (the kernels' `POOL_MAX_D`).
+pub const MAX_HEAD_DIM: usize = 256;
+/// Threads of `hils_summaries`, and queries (warps) per CTA of `hils_route`.
+const THREADS: u32 = 128;
+const ROUTE_WARPS: usize = 4;
+
+/// The longest sequence and its chunks under `config`.
+fn extents(spec: &AttentionSpec, config: HilsConfig) -> (usize, usize) {
+    let max_len = spec.sequences().iter().map(|s| s.len_q).max().unwrap_or(0);
+    (max_len, max_len.div_ceil(config.chunk_size.max(1)))
+}
+
+/// Elements of the summaries `[B, Hq, n_c, d + 1]`.
+pub fn summaries_len(spec: &AttentionSpec, config: HilsConfig) -> usize {
+    spec.sequences().len() * spec.n_heads_q * extents(spec, config).1 * (spec.head_dim + 1)
+}
+
+/// Elements of the landmarks `[B, Hq, n_c, d]`.
+pub fn landmarks_len(spec: &AttentionSpec, config: HilsConfig) -> usize {
+    spec.sequences().len() * spec.n_heads_q * extents(spec, config).1 * spec.head_dim
+}
+
+/// Elements of the lists `[B, Hq, max_len, K]`.
+pub fn lists_len(spec: &AttentionSpec, config: HilsConfig) -> usize {
+    spec.sequences().len() * spec.n_heads_q * extents(spec, config).0 * config.retrieved_chunks
+}
+
+/// Elements of the router scores `[B, Hq, max_len, n_c]`.
+pub fn scores_len(spec: &AttentionSpec, config: HilsConfig) -> usize {
+    let (max_len, chunks) = extents(spec, config);
+    spec.sequences().len() * spec.n_heads_q * max_len * chunks
+}
+
+/// Checks `spec` and `config` and forms the kernels' scalars and the `cu_seqlens`.
+fn plan(
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    write_scores: bool,
+) -> Result<(HilsParams, Vec<i32>, Vec<i32>), GpuError> {
+    check_causal_self_attention(spec, "HiLS")?;
+    let unsupported = |argument, reason: String| Err(GpuError::Unsupported { argument, reason });
+    if config.chunk_size == 0 || config.chunk_size > MAX_CHUNK {
+        return unsupported("chunk_size", format!("{} keys per chunk; 1 to {MAX_CHUNK}", config.chunk_size));
+    }
+    if config.local_window == 0 {
+        return unsupported("local_window", "the local window holds at least the query's own key".into());
+    }
+    if config.retrieved_chunks == 0 || config.retrieved_chunks > MAX_ROUTED {
+        return unsupported("retrieved_chunks", format!("{} chunks; 1 to {MAX_ROUTED}", config.retrieved_chunks));
+    }
+    if spec.head_dim > MAX_HEAD_DIM {
+        return unsupported("head_dim", format!("{}; at most {MAX_HEAD_DIM}", spec.head_dim));
+    }
+    let (flash, cu_q, cu_k) = FlashParams::for_spec(spec)?;
+    let (max_len, chunks) = extents(spec, config);
+    let params = HilsParams {
+        flash,
+        scale: 1.0 / (spec.head_dim as f64).sqrt(),
+        chunk_size: to_i32("chunk_size", config.chunk_size)?,
+        local_window: to_i32("local_window", config.local_window.min(i32::MAX as usize))?,
+        top_k: to_i32("retrieved_chunks", config.retrieved_chunks)?,
+        n_chunks: to_i32("chunks", chunks)?,
+        max_len: to_i32("sequence length", max_len)?,
+        write_scores: i32::from(write_scores),
+    };
+    Ok((params, cu_q, cu_k))
+}
+
+/// The router's outputs on the device.
+pub struct HilsRoutingDevice<'a> {
+    /// `[B, Hq, n_c, d + 1]` f64: slope keys, then entropies (overwritten).
+    pub summaries: &'a mut CudaSlice<f64>,
+    /// `[B, Hq, max_len, K]` i32 (overwritten).
+    pub lists: &'a mut CudaSlice<i32>,
+    /// `[B, Hq, max_len, n_c]` f64, every eligible router score, or `None`.
+    pub scores: Option<&'a mut CudaSlice<f64>>,
+}
+
+/// HiLS's summaries and routing on device buffers (Q and K as for the forward, `landmarks` `[B, Hq, n_c, d]`). Every
+/// check runs before the first launch; the launches are asynchronous on `stream`.
+pub fn hils_route_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    (q, k, landmarks): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    out: HilsRoutingDevice<'_>,
+) -> Result<(), GpuError> {
+    hils_route_device_with(stream, spec, config, HILS, (q, k, landmarks), out)
+}
+
+/// [`hils_route_device`] with an explicit text of `hils.cu` (the tests launch patched copies through the same
+/// checks).
+pub fn hils_route_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    kernel: KernelSource,
+    (q, k, landmarks): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    out: HilsRoutingDevice<'_>,
+) -> Result<(), GpuError> {
+    let (params, cu_q, cu_k) = plan(spec, config, out.scores.is_some())?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("q", q, size(Operand::Q))?;
+    check_len("k", k, size(Operand::K))?;
+    check_len("landmarks", landmarks, landmarks_len(spec, config))?;
+    check_len("summaries", out.summaries, summaries_len(spec, config))?;
+    check_len("lists", out.lists, lists_len(spec, config))?;
+    if let Some(scores) = &out.scores {
+        check_len("scores", *scores, scores_len(spec, config))?;
+    }
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &[T::DEFINE.to_owned()])?;
+    let load = |name: &'static str| {
+        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(hils.cu)", e))
+    };
+    let (summaries_fn, route_fn) = (load("hils_summaries")?, load("hils_route")?);
+    let (batch, (max_len, chunks)) = (spec.sequences().len(), extents(spec, config));
+    if batch == 0 || max_len == 0 || spec.n_heads_q == 0 {
+        return Ok(());
+    }
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(hils)", e));
+    let (cu_q, cu_k) = (up(&cu_q)?, up(&cu_k)?);
+    let cfg = |grid: (u32, u32, u32)| LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let chunks_grid = grid_3d(("chunks", chunks), ("heads", spec.n_heads_q), ("sequences", batch))?;
+    launch::launch_hils_summaries(
+        stream,
+        &summaries_fn,
+        cfg(chunks_grid),
+        (k, landmarks),
+        out.summaries,
+        &cu_k,
+        &params,
+    )?;
+    let rows_grid =
+        grid_3d(("queries", max_len.div_ceil(ROUTE_WARPS)), ("heads", spec.n_heads_q), ("sequences", batch))?;
+    // Without scores the kernel writes none; the lists stand in for the unread pointer.
+    let mut unused = None;
+    let scores: &mut CudaSlice<f64> = match out.scores {
+        Some(s) => s,
+        None => unused.insert(stream.alloc_zeros::<f64>(1).map_err(|e| GpuError::driver("cuMemAlloc", e))?),
+    };
+    launch::launch_hils_route(
+        stream,
+        &route_fn,
+        cfg(rows_grid),
+        (q, out.summaries),
+        (out.lists, scores),
+        &cu_q,
+        &params,
+    )
+}
+
+/// What [`hils_route`] returns.
+#[derive(Clone, Debug)]
+pub struct HilsRouting {
+    /// `[B, Hq, n_c, d + 1]`: slope keys, then entropies.
+    pub summaries: Array4<f64>,
+    /// `[B, Hq, max_len, K]`.
+    pub lists: Array4<i32>,
+    /// `[B, Hq, max_len, n_c]`: every eligible router score (the rest `−∞`).
+    pub scores: Array4<f64>,
+}
+
+/// HiLS's summaries, lists and router scores from host tensors (copies in, launches, copies out, synchronizes).
+pub fn hils_route<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    (q, k, landmarks): (ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>),
+) -> Result<HilsRouting, GpuError> {
+    plan(spec, config, true)?;
+    let err = |what: &'static str| move |e| GpuError::driver(what, e);
+    let up = |x: ArrayViewD<'_, T>| {
+        let v: Vec<T> = x.iter().copied().collect();
+        stream.clone_htod(&v).map_err(err("cuMemcpyHtoD(hils)"))
+    };
+    let (dq, dk, dl) = (up(q)?, up(k)?, up(landmarks)?);
+    let alloc_f64 = |n: usize| stream.alloc_zeros::<f64>(n.max(1)).map_err(err("cuMemAlloc"));
+    let mut summaries = alloc_f64(summaries_len(spec, config))?;
+    let mut scores = stream
+        .clone_htod(&vec![f64::NEG_INFINITY; scores_len(spec, config).max(1)])
+        .map_err(err("cuMemcpyHtoD(hils)"))?;
+    let mut lists = stream.alloc_zeros::<i32>(lists_len(spec, config).max(1)).map_err(err("cuMemAlloc"))?;
+    let out = HilsRoutingDevice { summaries: &mut summaries, lists: &mut lists, scores: Some(&mut scores) };
+    hils_route_device(stream, spec, config, (&dq, &dk, &dl), out)?;
+    let back_f64 = |x: &CudaSlice<f64>| stream.clone_dtoh(x).map_err(err("cuMemcpyDtoH(hils)"));
+    let lists_host = stream.clone_dtoh(&lists).map_err(err("cuMemcpyDtoH(hils)"))?;
+    Ok(HilsRouting::from_buffers(spec, config, &back_f64(&summaries)?, &lists_host, &back_f64(&scores)?))
+}
+
+impl HilsRouting {
+    /// The outputs from host copies of the device buffers in their layouts (each at least as long as the layout
+    /// needs; anything past it, such as a guard band, is left out).
+    pub fn from_buffers(
+        spec: &AttentionSpec,
+        config: HilsConfig,
+        summaries: &[f64],
+        lists: &[i32],
+        scores: &[f64],
+    ) -> HilsRouting {
+        let (max_len, chunks) = extents(spec, config);
+        let (b, h) = (spec.sequences().len(), spec.n_heads_q);
+        fn take<X: Copy>(x: &[X], shape: (usize, usize, usize, usize)) -> Array4<X> {
+            let n = shape.0 * shape.1 * shape.2 * shape.3;
+            Array4::from_shape_vec(shape, x[..n].to_vec()).expect("sized by the layout")
+        }
+        HilsRouting {
+            summaries: take(summaries, (b, h, chunks, spec.head_dim + 1)),
+            lists: take(lists, (b, h, max_len, config.retrieved_chunks)),
+            scores: take(scores, (b, h, max_len, chunks)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::{Layout, Mask};
+
+    fn config(chunk_size: usize, local_window: usize, retrieved_chunks: usize) -> HilsConfig {
+        HilsConfig { chunk_size, local_window, retrieved_chunks }
+    }
+
+    #[test]
+    fn the_buffers_are_spelled_out() {
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 10, 75], cu_seqlens_k: vec![0, 10, 75] },
+            ..AttentionSpec::dense(1, 4, 2, 1, 1, 16, 8).with_mask(Mask::Causal)
+        };
+        // The longest sequence has 65 tokens: 3 chunks of 32.
+        let c = config(32, 40, 5);
+        assert_eq!(summaries_len(&spec, c), 2 * 4 * 3 * 17);
+        assert_eq!(landmarks_len(&spec, c), 2 * 4 * 3 * 16);
+        assert_eq!(lists_len(&spec, c), 2 * 4 * 65 * 5);
+        assert_eq!(scores_len(&spec, c), 2 * 4 * 65 * 3);
+        let (params, _, _) = plan(&spec, c, true).unwrap();
+        assert_eq!((params.n_chunks, params.max_len, params.top_k, params.write_scores), (3, 65, 5, 1));
+        assert_eq!(params.scale, 0.25);
+    }
+
+    #[test]
+    fn bad_configs_and_specs_are_typed_errors() {
+        let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 16, 16).with_mask(Mask::Causal);
+        let refused = |spec: &AttentionSpec, c: HilsConfig, argument: &str| matches!(plan(spec, c, false), Err(GpuError::Unsupported { argument: a, .. }) if a == argument);
+        assert!(refused(&spec, config(0, 8, 2), "chunk_size"));
+        assert!(refused(&spec, config(MAX_CHUNK + 1, 8, 2), "chunk_size"));
+        assert!(refused(&spec, config(16, 0, 2), "local_window"));
+        assert!(refused(&spec, config(16, 8, 0), "retrieved_chunks"));
+        assert!(refused(&spec, config(16, 8, MAX_ROUTED + 1), "retrieved_chunks"));
+        assert!(refused(&spec.clone().with_mask(Mask::None), config(16, 8, 2), "mask"));
+        assert!(refused(
+            &AttentionSpec::dense(1, 2, 1, 64, 65, 16, 16).with_mask(Mask::Causal),
+            config(16, 8, 2),
+            "layout"
+        ));
+        assert!(refused(
+            &AttentionSpec::dense(1, 1, 1, 8, 8, 264, 8).with_mask(Mask::Causal),
+            config(4, 4, 1),
+            "head_dim"
+        ));
+        assert!(plan(&spec, config(MAX_CHUNK, 1, MAX_ROUTED), false).is_ok());
+    }
+}
