@@ -820,7 +820,8 @@ mod tests {
     /// The merge's bounds, term by term, at a row with both parts and at the two ends of `λ`.
     #[test]
     fn the_merge_bounds_are_the_derived_formulas() {
-        let (u, tau) = (1.0 / 256.0, 2f64.powi(-133));
+        // A subnormal step far above any real one, so that its term shows in the sums below.
+        let (u, tau) = (1.0 / 256.0, 1.0 / 1024.0);
         let model = MergeModel { lambda: 0.75, e_l: 0.01, t_l: 0.002, rho: 1e-10, unit_roundoff: u, subnormal: tau };
         let growth = (0.012f64.exp() - 1.0) * 0.012f64.exp();
         let d_lambda = 0.75 * 0.25 * growth;
