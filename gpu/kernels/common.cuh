@@ -1,6 +1,6 @@
-// Helpers shared by the attention kernels (prepended to flash_fwd.cu, flash_fwd_sm90.cu, flash_bwd.cu, ring_state.cu,
-// bsa_select.cu, nsa_compress.cu, nsa_gates.cu, nsa_select.cu and nsa_selected.cu by gpu/src/compile.rs): the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix,
-// cp.async, the exp2 instruction and the forward's online-softmax step, written once.
+// Helpers shared by the attention kernels (prepended to every kernel text by its KernelSource, see gpu/src/compile.rs):
+// the storage type, the kernels' parameter structs, tensor-core MMA, ldmatrix, cp.async, the exp2 instruction and the
+// forward's online-softmax step, written once.
 //
 // Compile-time parameter: ELEM_BF16 or ELEM_F16 (the storage type of every elem_t tensor).
 
