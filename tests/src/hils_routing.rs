@@ -16,6 +16,7 @@
 
 use attnproof_oracle::hils::{ChunkSummary, HilsConfig, HilsInputs, eligible_chunks, router_score, summarize_chunks};
 use attnproof_oracle::topk::{padded_rows, top_k};
+use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_reference::Element;
 use ndarray::{ArrayD, ArrayView4, Axis};
 
@@ -56,12 +57,6 @@ pub struct DeviceRouting<'a> {
     pub lists: ArrayView4<'a, i32>,
     /// The router scores.
     pub scores: ArrayView4<'a, f64>,
-}
-
-/// `γ_n = n u / (1 − n u)` with `u = 2^-53`.
-fn gamma(n: usize) -> f64 {
-    let nu = n as f64 * f64::EPSILON / 2.0;
-    nu / (1.0 - nu)
 }
 
 /// The bounds of one chunk's summary (module docs): per slope-key column, and the entropy's.

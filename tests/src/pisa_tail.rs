@@ -37,6 +37,7 @@
 //! `‖ô − o_dense‖ ≤ bound_E23 · Z/D + ‖o_first order − o_dense‖ + ‖bound of ô‖`, the theorem's inequality (with its
 //! `2^-20` slack for the power iteration) plus the kernel's own error bound.
 
+use attnproof_gpu::pisa::tail::head_dim_pad;
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::pisa::{
     TailRule, TailStatistics, classify_blocks, pisa_error_bound, tail_output, tail_statistics,
@@ -44,8 +45,10 @@ use attnproof_oracle::pisa::{
 use attnproof_oracle::selection::key_blocks;
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Scale};
+use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
+use attnproof_reference::sparse::pisa::split;
 use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD, Axis, IxDyn};
 
 use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
@@ -124,7 +127,6 @@ impl PooledStatistics {
             values: Array4::zeros(shape(dv)),
             h_bar: Array4::zeros((spec.sequences().len(), spec.n_heads_kv, 2 * d, dv)),
         };
-        let round = |x: f64| T::from_f64(x).to_f32() as f64;
         let [_, k, v] = case.widened();
         for seq in spec.sequences().iter().filter(|s| s.len_k > 0) {
             for kv in 0..spec.n_heads_kv {
@@ -132,29 +134,24 @@ impl PooledStatistics {
                 let stats = tail_statistics(k2, v2, kv_block, ());
                 for (b, &count) in stats.counts.iter().enumerate() {
                     for c in 0..d {
-                        let (hi, lo) = split(stats.means[[b, c]], round);
-                        out.keys[[seq.index, kv, b, c]] = hi;
-                        out.keys[[seq.index, kv, b, d + c]] = lo;
+                        let (hi, lo) = split::<T>(stats.means[[b, c]]);
+                        out.keys[[seq.index, kv, b, c]] = f64::from(hi);
+                        out.keys[[seq.index, kv, b, d + c]] = f64::from(lo);
                     }
                     for c in 0..dv {
-                        out.values[[seq.index, kv, b, c]] = round(stats.value_sums[[b, c]] / count as f64);
+                        out.values[[seq.index, kv, b, c]] =
+                            T::from_f64(stats.value_sums[[b, c]] / count as f64).to_f32() as f64;
                     }
                 }
                 for ((c, e), &x) in stats.h_bar.indexed_iter() {
-                    let (hi, lo) = split(x, round);
-                    out.h_bar[[seq.index, kv, c, e]] = hi;
-                    out.h_bar[[seq.index, kv, d + c, e]] = lo;
+                    let (hi, lo) = split::<T>(x);
+                    out.h_bar[[seq.index, kv, c, e]] = f64::from(hi);
+                    out.h_bar[[seq.index, kv, d + c, e]] = f64::from(lo);
                 }
             }
         }
         out
     }
-}
-
-/// `(RN(x), RN(x − RN(x)))` under the rounding `round` (the subtraction is exact in f64).
-fn split(x: f64, round: impl Fn(f64) -> f64) -> (f64, f64) {
-    let hi = round(x);
-    (hi, round(x - hi))
 }
 
 /// The bound on a storage-type form of an f64 statistic `x` the device computed within `rho` of the oracle's: one
@@ -332,7 +329,7 @@ pub fn tail_targets<T: Element>(
                 let args = (qi, k2.view(), v2.view(), visible.row(i));
                 let pisa = tail_output(args.0, args.1, args.2, args.3, classes, stats, &scale, TailRule::Pisa, ());
                 let n = 2 * (d + dv + stats.counts.len() + c_keys) + 32;
-                let rho = gamma(n, f64::EPSILON / 2.0);
+                let rho = gamma(n);
                 let max_h = stats.h_bar.iter().fold(0f64, |m, x| m.max(x.abs()));
                 let q1 = qi.iter().map(|x| x.abs()).sum::<f64>();
                 // The tail part's error: the forward's model over the pooled problem, the distance from exact
@@ -344,7 +341,7 @@ pub fn tail_targets<T: Element>(
                         let shared = (0..d)
                             .map(|c| {
                                 let (hi, lo) = (h_split[[c, e]], h_split[[d + c, e]]);
-                                let gamma = tail_recipe.accumulation.gamma(2 * pad16(d));
+                                let gamma = tail_recipe.accumulation.gamma(2 * head_dim_pad(d));
                                 qi[c].abs() * (gamma * (hi.abs() + lo.abs()) + h_tol[[c, e]])
                             })
                             .sum::<f64>();
@@ -396,15 +393,10 @@ pub fn tail_targets<T: Element>(
     Ok(t)
 }
 
-/// A head dim rounded up to the tensor cores' k step of 16 (the tail kernel's `HEAD_DIM_PAD`).
-fn pad16(d: usize) -> usize {
-    d.div_ceil(16).max(1) * 16
-}
-
 /// `2γ_{n+1}(2^-53)` of an f64 sum of `n` terms whose absolute values add to `abs_sum`: how far two f64 evaluations
 /// of it (the device's, in its order, and the oracle's) may lie apart.
 fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
-    2.0 * gamma(n + 1, f64::EPSILON / 2.0) * abs_sum
+    2.0 * gamma(n + 1) * abs_sum
 }
 
 /// The bounds on the split `H̄` (`[d, dv]`, module docs): the f64 distance allowed between the device's and the
@@ -478,7 +470,7 @@ fn pooled_forward(
     recipe: FlashRecipe,
 ) -> Result<crate::flash::ForwardTruth, HarnessError> {
     let (len_q, d) = (q.shape()[0], q.shape()[2]);
-    let (dv, pad) = (pooled.values.shape()[3], pad16(d));
+    let (dv, pad) = (pooled.values.shape()[3], head_dim_pad(d));
     // The kernel's layout: each half padded with zeros to HEAD_DIM_PAD columns, so that the model counts the tensor
     // cores' k steps as the kernel takes them.
     let spec = AttentionSpec::dense(1, 1, 1, len_q, whole, 2 * pad, dv).with_scale(Scale::Value(scale));
@@ -641,12 +633,6 @@ impl MergeModel {
         let bound = self.rho * (target.abs() + 1.0) + above.max(below);
         bound + f64::from(f32::EPSILON) / 2.0 * (target.abs() + bound)
     }
-}
-
-/// `γ_n = n u / (1 − n u)`.
-fn gamma(n: usize, u: f64) -> f64 {
-    let nu = n as f64 * u;
-    nu / (1.0 - nu)
 }
 
 /// Dense attention of one row over its visible keys, in f64 relative to its largest logit.
@@ -858,7 +844,7 @@ mod tests {
         let (x, rho, u, tau) = (-3.0, 0.5, 0.25, 0.125);
         assert_eq!(rounding_tolerance(x, rho, u, tau, false), 0.5 + 0.25 * 3.5 + 0.0625);
         assert_eq!(rounding_tolerance(x, rho, u, tau, true), 0.5 + 0.25 * (0.25 * 3.5 + 0.0625) + 0.0625);
-        assert_eq!(f64_sum_rho(3, 2.0), 2.0 * gamma(4, f64::EPSILON / 2.0) * 2.0);
+        assert_eq!(f64_sum_rho(3, 2.0), 2.0 * gamma(4) * 2.0);
     }
 
     /// The worst statistic is the largest ratio, kept exactly below 1 too; an exact match under a zero bound reads 0,

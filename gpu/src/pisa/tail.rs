@@ -75,8 +75,9 @@ const HBAR_TILE: usize = 32;
 const HBAR_THREADS: u32 = 256;
 const MEANS_THREADS: u32 = 128;
 
-/// A head dim rounded up to the tensor cores' k step of 16 (`HEAD_DIM_PAD`, `HEAD_DIM_V_PAD`).
-fn pad16(d: usize) -> usize {
+/// A head dim rounded up to the tensor cores' k step of 16 (`HEAD_DIM_PAD`, `HEAD_DIM_V_PAD`): the layout of the
+/// kernel's `[q | q]` and `[μ_hi | μ_lo]` halves, which the verifier's model follows.
+pub fn head_dim_pad(d: usize) -> usize {
     d.div_ceil(16).max(1) * 16
 }
 
@@ -84,8 +85,8 @@ fn pad16(d: usize) -> usize {
 pub fn tail_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
     vec![
         T::DEFINE.to_owned(),
-        format!("HEAD_DIM_PAD={}", pad16(spec.head_dim)),
-        format!("HEAD_DIM_V_PAD={}", pad16(spec.head_dim_v)),
+        format!("HEAD_DIM_PAD={}", head_dim_pad(spec.head_dim)),
+        format!("HEAD_DIM_V_PAD={}", head_dim_pad(spec.head_dim_v)),
     ]
 }
 
@@ -185,7 +186,8 @@ impl<T: GpuElement> TailWorkspace<T> {
 /// Dynamic shared memory of `pisa_tail_merge`: the CTA's `[q | q]` rows and a tile's `[μ_hi | μ_lo]` rows (each
 /// `2·HEAD_DIM_PAD + 8` elements), a tile's mean values (`HEAD_DIM_V_PAD + 8`), and a flag per key block.
 fn merge_shared_bytes(head_dim: usize, head_dim_v: usize, key_blocks: usize) -> usize {
-    let bytes = 2 * ((TAIL_M + TAIL_N) * (2 * pad16(head_dim) + 8) + TAIL_N * (pad16(head_dim_v) + 8)) + key_blocks;
+    let bytes = 2 * ((TAIL_M + TAIL_N) * (2 * head_dim_pad(head_dim) + 8) + TAIL_N * (head_dim_pad(head_dim_v) + 8))
+        + key_blocks;
     bytes.div_ceil(16) * 16
 }
 

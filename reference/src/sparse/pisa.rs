@@ -56,8 +56,9 @@ struct HeadStatistics {
     h_bar: Array2<f32>,
 }
 
-/// `(RN(x), RN(x − RN(x)))` in `T`, widened to f32 (the subtraction is exact in f64).
-fn split<T: Element>(x: f64) -> (f32, f32) {
+/// `(RN(x), RN(x − RN(x)))` in `T`, widened to f32 (the subtraction is exact in f64): the split of a statistic into two
+/// storage numbers, as the kernel and this schedule form it.
+pub fn split<T: Element>(x: f64) -> (f32, f32) {
     let hi = T::from_f64(x).to_f32();
     (hi, T::from_f64(x - f64::from(hi)).to_f32())
 }
