@@ -100,6 +100,10 @@ mod tests {
             (1.0 + 2f64.powi(-8) - 2f64.powi(-40), 1.0, 1.0 + 2f32.powi(-8)),
             (3.0 * 2f64.powi(-134), 2f32.powi(-132), 0.0),
             (3.0 * 2f64.powi(-26) + 2f64.powi(-60), 3.0 * 2f32.powi(-26), 2f32.powi(-24)),
+            // An exact tie of bf16 stays a tie (no sticky bit on an exact value): to even.
+            (1.0 + 2f64.powi(-8), 1.0, 1.0 + 2f32.powi(-8)),
+            // Cut off below an f32 whose last bit is already 1: the sticky bit keeps it odd, above bf16's tie.
+            (1.0 + 2f64.powi(-8) + 2f64.powi(-23) + 2f64.powi(-40), 1.0 + 2f32.powi(-7), 1.0 + 2f32.powi(-8)),
         ] {
             assert_eq!(<bf16 as Element>::from_f64(x).to_f32(), bf, "bf16 of {x:e}");
             assert_eq!(<f16 as Element>::from_f64(x).to_f32(), h, "f16 of {x:e}");
