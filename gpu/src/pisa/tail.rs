@@ -333,7 +333,9 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
     block_sparse_forward_device(stream, spec, exact, q, k, v, o, lse)?;
     let batch = spec.sequences().len();
     let (key_blocks, query_rows) = (params.n_key_blocks as usize, exact.query_blocks(spec) * exact.q_block);
-    if batch == 0 || key_blocks == 0 || query_rows == 0 {
+    // The statistics are an output of their own (the workspace holds them for every key block, queries or not);
+    // only the merge needs rows.
+    if batch == 0 || key_blocks == 0 {
         return Ok(());
     }
     let cfg = |grid: (u32, u32, u32), threads: u32, shared: usize| LaunchConfig {
@@ -349,6 +351,9 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
     let tiles_grid = grid_3d(("tiles", tiles), ("heads", spec.n_heads_kv), ("sequences", batch))?;
     let stats = (&mut work.stats, &mut work.pooled);
     launch::launch_pisa_tail_stats(stream, &hbar, cfg(tiles_grid, HBAR_THREADS, 0), (k, v), stats, cu_k, params)?;
+    if query_rows == 0 {
+        return Ok(());
+    }
     let rows_grid = grid_3d(("rows", query_rows.div_ceil(TAIL_M)), ("heads", spec.n_heads_q), ("sequences", batch))?;
     launch::launch_pisa_tail_merge(
         stream,

@@ -835,13 +835,6 @@ pub const MUTANTS: &[Mutant] = &[
         ..PISA_TAIL
     },
     Mutant {
-        name: "gpu-pisa-tail-rows-see-the-first-rows-tail",
-        description: "Every row of a CTA takes the tail blocks of the CTA's first row",
-        find: "const int row = row0 + wrow + g + 8 * r;\n        whole_r[r]",
-        replace: "const int row = row0;\n        whole_r[r]",
-        ..PISA_TAIL
-    },
-    Mutant {
         name: "gpu-pisa-tail-last-partial-tile-skipped",
         description: "The tail's softmax skips a last tile of fewer than 64 pooled keys",
         find: "const int n_tiles = (tail_end + TAIL_N - 1) / TAIL_N;",
@@ -882,13 +875,6 @@ pub const MUTANTS: &[Mutant] = &[
         description: "The entropy is summed with the wrong sign: H(p_b) = +Σ p ln p",
         find: "if (pj > 0.0) entropy -= pj * log(pj);",
         replace: "if (pj > 0.0) entropy += pj * log(pj);",
-        ..HILS
-    },
-    Mutant {
-        name: "gpu-hils-window-start-not-aligned",
-        description: "The local window starts at i + 1 − w, not rounded down to a chunk boundary",
-        find: "const int start = (max(0, i + 1 - p.local_window) / p.chunk_size) * p.chunk_size;",
-        replace: "const int start = max(0, i + 1 - p.local_window);",
         ..HILS
     },
     Mutant {
