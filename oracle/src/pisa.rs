@@ -153,6 +153,19 @@ pub struct TailOutput<S> {
     pub shift: S,
 }
 
+impl<S: Real> TailOutput<S> {
+    /// E23 carried to the output's own denominator: `(Σ_U α_ib|B_b| / D_i) · max_U ‖H_b − H̄‖₂ · α‖q_i‖ / B`, which is
+    /// `pisa_error_bound · Z_i / D_i` computed without `Z_i`. It bounds `‖o^PISA − o^first order‖` (the two outputs
+    /// share `D_i`, and differ by `Σ_U α_ib α qᵀ(H̄ − H_b) / D_i` with `Σ_U α_ib ≤ Σ_U α_ib|B_b| / B`). `Z_i`, the dense
+    /// mass relative to the output's shift, overflows f64 when a tail key's logit stands far above its block's mean;
+    /// E23's relative form is then 0 while this one stays finite, so a check of `‖o^PISA − o‖` against it and
+    /// `‖o^first order − o‖` needs no `0 · ∞`.
+    pub fn gap_bound(&self, q: ArrayView1<'_, S>, classes: &BlockClasses, stats: &TailStatistics<S>, scale: &S) -> S {
+        let ctx = scale.ctx();
+        tail_share_times_spread(q, self, &self.denominator, classes, stats, scale, ctx)
+    }
+}
+
 /// E22 for query `q`: exact blocks through the online softmax, tail blocks by `rule`.
 pub fn tail_output<S: Real>(
     q: ArrayView1<'_, S>,
@@ -337,13 +350,26 @@ pub fn pisa_error_bound<S: Real>(
     scale: &S,
     ctx: S::Ctx,
 ) -> S {
-    if classes.tail.is_empty() || out.total_mass == S::zero(ctx) {
+    tail_share_times_spread(q, out, &out.total_mass, classes, stats, scale, ctx)
+}
+
+/// `(Σ_U α_ib|B_b| / mass) · max_U ‖H_b − H̄‖₂ · α‖q_i‖ / B`; 0 without a tail or without mass.
+fn tail_share_times_spread<S: Real>(
+    q: ArrayView1<'_, S>,
+    out: &TailOutput<S>,
+    mass: &S,
+    classes: &BlockClasses,
+    stats: &TailStatistics<S>,
+    scale: &S,
+    ctx: S::Ctx,
+) -> S {
+    if classes.tail.is_empty() || *mass == S::zero(ctx) {
         return S::zero(ctx);
     }
     let worst = classes.tail.iter().map(|&b| stats.heterogeneity[b].clone()).fold(S::zero(ctx), S::max);
     let smallest = classes.tail.iter().map(|&b| stats.counts[b]).min().expect("tail is not empty");
     let block = S::from_f64(smallest as f64, ctx);
-    out.tail_mass.clone() / out.total_mass.clone() * worst * scale.abs() * norm2(q, ctx) / block
+    out.tail_mass.clone() / mass.clone() * worst * scale.abs() * norm2(q, ctx) / block
 }
 
 /// E24: the covariance-aware score `log σ_ib = α q_i·μ_b + log(|B_b| + γ α‖q_i‖ ‖H_b − H̄‖₂)` of
@@ -458,6 +484,12 @@ mod tests {
         let no_tail = BlockClasses { exact: vec![0, 1, 2], tail: vec![] };
         assert_eq!(pisa_error_bound(q.view(), &output(0.0, 4.0), &no_tail, &stats, &0.5, ()), 0.0);
         assert_eq!(pisa_error_bound(q.view(), &output(1.0, 0.0), &tail, &stats, &0.5, ()), 0.0);
+        // Carried to the output's own denominator (2 here, against the dense mass 4): the share becomes 1/2.
+        let own = TailOutput { denominator: 2.0, ..output(1.0, 4.0) };
+        assert_eq!(own.gap_bound(q.view(), &tail, &stats, &-0.5), 0.5 * 1.0 * 0.5 * 5.0 / 2.0);
+        assert_eq!(own.gap_bound(q.view(), &no_tail, &stats, &-0.5), 0.0);
+        let massless = TailOutput { denominator: 0.0, ..output(1.0, 4.0) };
+        assert_eq!(massless.gap_bound(q.view(), &tail, &stats, &-0.5), 0.0);
     }
 
     #[test]
@@ -511,9 +543,12 @@ mod tests {
         );
         let reference = exact.o[0].to_f64();
         assert!((out.o[0] - reference).abs() <= 1e-12 * reference.abs(), "{} vs {reference}", out.o[0]);
-        // The dense mass relative to the same shift overflows: the tail's share of it is 0, and so is E23's bound.
+        // The dense mass relative to the same shift overflows: the tail's share of it is 0, and so is E23's bound;
+        // carried to the output's own denominator it is finite and positive (block 0's keys differ, so H_0 ≠ H̄).
         assert_eq!(out.total_mass, f64::INFINITY);
         assert_eq!(pisa_error_bound(q.view(), &out, &classes, &stats, &1.0, ()), 0.0);
+        let gap = out.gap_bound(q.view(), &classes, &stats, &1.0);
+        assert!(gap.is_finite() && gap > 0.0, "{gap}");
     }
 
     #[test]

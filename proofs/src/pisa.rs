@@ -4,8 +4,7 @@
 //! its output.
 
 use attnproof_oracle::pisa::{
-    BlockClasses, TailGradients, TailOutput, TailRule, TailStatistics, pisa_error_bound, tail_backward, tail_moments,
-    tail_output,
+    BlockClasses, TailGradients, TailOutput, TailRule, TailStatistics, tail_backward, tail_moments, tail_output,
 };
 use attnproof_oracle::vector::dot;
 use attnproof_oracle::{Mp, Precision, Real};
@@ -214,14 +213,8 @@ pub fn pisa_within_bound(
     let pisa = pisa_fn(args.0, args.1, args.2, args.3, &problem.classes, &stats, &problem.scale);
     let first = oracle_first_order(args.0, args.1, args.2, args.3, &problem.classes, &stats, &problem.scale);
     let dense = dense_output(args.0, args.1, args.2, args.3, &problem.scale, ctx);
-    let bound = pisa_error_bound(problem.q.view(), &first, &problem.classes, &stats, &problem.scale, ctx);
-    // A zero bound (no tail mass relative to the dense mass) contributes nothing, even where the dense mass is
-    // infinite relative to the output's shift.
-    let share = if bound == Mp::from_f64(0.0, ctx) {
-        Mp::from_f64(0.0, ctx)
-    } else {
-        bound * (first.total_mass.clone() / first.denominator.clone())
-    };
+    // E23 times Z/D, computed without the dense mass Z (which may overflow relative to the output's shift).
+    let share = first.gap_bound(problem.q.view(), &problem.classes, &stats, &problem.scale);
     let allowed = (share + distance(&first.o, &dense, ctx)) * Mp::from_f64(1.0 + 2f64.powi(-20), ctx);
     let error = distance(&pisa.o, &dense, ctx);
     if error > allowed {
