@@ -389,6 +389,24 @@ fn a_structured_tail_holds_e23() {
     assert!(verdict.tail_rows > 0 && verdict.drop_rejected && verdict.e23_ratio <= 1.0, "{verdict:?}");
 }
 
+/// The draw both device suites failed on (2026-12-05): no queries over 300 keys. The statistics kernels ran only when
+/// there were query blocks, so the workspace the verifier reads stayed unwritten; they now run whenever there are key
+/// blocks, and the statistics pass their check (the output is empty).
+#[test]
+fn a_problem_without_queries_still_pools_its_keys() {
+    let Some(ctx) = skip_unless_gpu("a_problem_without_queries_still_pools_its_keys") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    for mask in [Mask::None, Mask::Causal] {
+        let spec = dense(2, 3, 1, 0, 300, 32, 32, mask);
+        let case = make_case::<bf16>(&spec, gaussian(1.0), 44);
+        let lists = lists_from(&spec, 64, 64, ListHeads::PerKvHead, &[]);
+        let (verdict, _) = check_tail(&stream, &case, &lists, PISA_TAIL).unwrap_or_else(|e| panic!("{e}"));
+        assert!(verdict.statistics_ratio <= 1.0 && verdict.o.elements == 0, "{verdict:?}");
+    }
+}
+
 /// Bad input is a typed error before any launch; the device stays usable.
 #[test]
 fn bad_tail_input_is_a_typed_error() {
