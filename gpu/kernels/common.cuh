@@ -176,6 +176,8 @@ struct HilsParams {
     int n_chunks;           // chunks of the longest sequence
     int max_len;            // the longest sequence
     int write_scores;       // 1: write every eligible router score to the scores buffer
+    int exact_mass;         // hils_output: 1 weighs a retrieved chunk by its exact log-mass f_b(q_i), 0 by r_ib
+    int reserved;           // explicit tail padding, always 0
 };
 
 // The scalars of the NSA kernels (nsa_compress.cu, nsa_gates.cu): the problem (K and V layout, lengths, head dims) and NSA's
@@ -331,7 +333,7 @@ PARAM_AT(PisaParams, scoring, 236);
 PARAM_AT(PisaParams, n_levels, 240);
 PARAM_AT(PisaParams, max_candidates, 244);
 
-PARAM_SIZE(HilsParams, 192);
+PARAM_SIZE(HilsParams, 200);
 PARAM_AT(HilsParams, flash, 0);
 PARAM_AT(HilsParams, scale, 160);
 PARAM_AT(HilsParams, chunk_size, 168);
@@ -340,6 +342,8 @@ PARAM_AT(HilsParams, top_k, 176);
 PARAM_AT(HilsParams, n_chunks, 180);
 PARAM_AT(HilsParams, max_len, 184);
 PARAM_AT(HilsParams, write_scores, 188);
+PARAM_AT(HilsParams, exact_mass, 192);
+PARAM_AT(HilsParams, reserved, 196);
 
 PARAM_SIZE(PisaTailParams, 232);
 PARAM_AT(PisaTailParams, flash, 0);

@@ -1,6 +1,6 @@
-//! HiLS's chunk summaries and router on the GPU (E21): `gpu/kernels/hils.cu` behind typed wrappers, from device
-//! buffers ([`hils_route_device`]) or host tensors ([`hils_route`]). The factorized output is not written yet
-//! (`docs/pisa-gpu.md`, "HiLS").
+//! HiLS on the GPU (E21): `gpu/kernels/hils.cu`'s chunk summaries, router and factorized output behind typed
+//! wrappers, from device buffers ([`hils_route_device`], [`hils_forward_device`]) or host tensors ([`hils_route`],
+//! [`hils_forward`], which also takes lists of the caller's).
 //!
 //! # Inputs and outputs
 //!
@@ -12,25 +12,34 @@
 //! key `k'_b`, then its entropy `H(p_b)`), the lists `[B, Hq, max_len, K]` i32 (row `i`: the `K` eligible chunks of
 //! the largest router score `r_ib = q_i·k'_b/√d + H(p_b)`, ties to the lower chunk, ascending, `−1`-padded; rows
 //! past a sequence's length all `−1`), and on request every eligible router score `[B, Hq, max_len, n_c]` f64.
+//! The forward adds V (`dv ≤ 256`) and writes O and the LSE as the dense forward lays them out: row `i`'s local window
+//! `[start_i, i]` exactly, and each listed chunk as one key of value `ō_ib` (its exact in-chunk average) and log-mass
+//! `r_ib` ([`ChunkMass::Surrogate`], HiLS proper) or `f_b(q_i)` ([`ChunkMass::Exact`], the control, which equals
+//! dense attention over the window and the chunks).
 //!
 //! # Precision
 //!
 //! Everything in f64 from the inputs' exact values, in a fixed order (the kernel's header), so the outputs are
 //! bitwise reproducible. The lists are exact given the scores: `attnproof_harness::hils_routing` ranks the kernel's
 //! own scores with the oracle's top-k and demands equal lists, and holds every summary and score to the oracle's
-//! within the f64 evaluation's bound.
+//! within the f64 evaluation's bound. O is rounded once from f64 to the storage type and the LSE to f32:
+//! `attnproof_harness::hils_output` holds them to the oracle's `factorized_output` over the same lists within that
+//! rounding and the f64 evaluation's bound.
 
 use std::sync::Arc;
 
 use attnproof_oracle::AttentionSpec;
-use attnproof_oracle::hils::HilsConfig;
+pub use attnproof_oracle::hils::ChunkMass;
+use attnproof_oracle::hils::{HilsConfig, eligible_chunks};
 use attnproof_oracle::spec::Operand;
-use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
-use ndarray::{Array4, ArrayViewD};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use ndarray::{Array4, ArrayView4, ArrayViewD};
 
+use crate::block_sparse::check_block_list;
 use crate::common::{GpuElement, check_causal_self_attention, check_len, grid_3d, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
+use crate::flash::{ForwardOutput, forward_from_host};
 use crate::launch;
 use crate::params::{FlashParams, HilsParams};
 
@@ -50,6 +59,8 @@ pub const MAX_CHUNK: usize = 1024;
 pub const MAX_ROUTED: usize = 32;
 /// The largest head dim (the kernels' `POOL_MAX_D`).
 pub const MAX_HEAD_DIM: usize = 256;
+/// The largest value head dim of the forward (the kernel's `HILS_MAX_DV`: eight f64 accumulators per lane).
+pub const MAX_HEAD_DIM_V: usize = 256;
 /// Threads of `hils_summaries`, and queries (warps) per CTA of `hils_route`.
 const THREADS: u32 = 128;
 const ROUTE_WARPS: usize = 4;
@@ -112,8 +123,35 @@ fn plan(
         n_chunks: to_i32("chunks", chunks)?,
         max_len: to_i32("sequence length", max_len)?,
         write_scores: i32::from(write_scores),
+        exact_mass: 0,
+        reserved: 0,
     };
     Ok((params, cu_q, cu_k))
+}
+
+/// [`plan`] for the forward: the value head dim checked and the chunks' log-mass set.
+fn plan_forward(
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    mass: ChunkMass,
+) -> Result<(HilsParams, Vec<i32>, Vec<i32>), GpuError> {
+    let (mut params, cu_q, cu_k) = plan(spec, config, false)?;
+    if spec.head_dim_v > MAX_HEAD_DIM_V {
+        let reason = format!("{}; at most {MAX_HEAD_DIM_V}", spec.head_dim_v);
+        return Err(GpuError::Unsupported { argument: "head_dim_v", reason });
+    }
+    params.exact_mass = i32::from(mass == ChunkMass::Exact);
+    Ok((params, cu_q, cu_k))
+}
+
+/// The kernel `name` of `kernel` compiled for `T`.
+fn function<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    kernel: KernelSource,
+    name: &'static str,
+) -> Result<CudaFunction, GpuError> {
+    let module = compile::module(stream.context(), kernel, &[T::DEFINE.to_owned()])?;
+    module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(hils.cu)", e))
 }
 
 /// The router's outputs on the device.
@@ -158,12 +196,8 @@ pub fn hils_route_device_with<T: GpuElement>(
     if let Some(scores) = &out.scores {
         check_len("scores", *scores, scores_len(spec, config))?;
     }
-    let ctx = stream.context();
-    let module = compile::module(ctx, kernel, &[T::DEFINE.to_owned()])?;
-    let load = |name: &'static str| {
-        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(hils.cu)", e))
-    };
-    let (summaries_fn, route_fn) = (load("hils_summaries")?, load("hils_route")?);
+    let (summaries_fn, route_fn) =
+        (function::<T>(stream, kernel, "hils_summaries")?, function::<T>(stream, kernel, "hils_route")?);
     let (batch, (max_len, chunks)) = (spec.sequences().len(), extents(spec, config));
     if batch == 0 || max_len == 0 || spec.n_heads_q == 0 {
         return Ok(());
@@ -225,17 +259,195 @@ pub fn hils_route<T: GpuElement>(
         stream.clone_htod(&v).map_err(err("cuMemcpyHtoD(hils)"))
     };
     let (dq, dk, dl) = (up(q)?, up(k)?, up(landmarks)?);
-    let alloc_f64 = |n: usize| stream.alloc_zeros::<f64>(n.max(1)).map_err(err("cuMemAlloc"));
-    let mut summaries = alloc_f64(summaries_len(spec, config))?;
-    let mut scores = stream
-        .clone_htod(&vec![f64::NEG_INFINITY; scores_len(spec, config).max(1)])
-        .map_err(err("cuMemcpyHtoD(hils)"))?;
-    let mut lists = stream.alloc_zeros::<i32>(lists_len(spec, config).max(1)).map_err(err("cuMemAlloc"))?;
-    let out = HilsRoutingDevice { summaries: &mut summaries, lists: &mut lists, scores: Some(&mut scores) };
-    hils_route_device(stream, spec, config, (&dq, &dk, &dl), out)?;
-    let back_f64 = |x: &CudaSlice<f64>| stream.clone_dtoh(x).map_err(err("cuMemcpyDtoH(hils)"));
-    let lists_host = stream.clone_dtoh(&lists).map_err(err("cuMemcpyDtoH(hils)"))?;
-    Ok(HilsRouting::from_buffers(spec, config, &back_f64(&summaries)?, &lists_host, &back_f64(&scores)?))
+    let mut buffers = RoutingBuffers::alloc(stream, spec, config)?;
+    hils_route_device(stream, spec, config, (&dq, &dk, &dl), buffers.device())?;
+    buffers.download(stream, spec, config)
+}
+
+/// The router's outputs on the device for the host entry points: summaries, lists, and every router score (`−∞`
+/// where a chunk is not eligible).
+struct RoutingBuffers {
+    summaries: CudaSlice<f64>,
+    lists: CudaSlice<i32>,
+    scores: CudaSlice<f64>,
+}
+
+impl RoutingBuffers {
+    fn alloc(stream: &Arc<CudaStream>, spec: &AttentionSpec, config: HilsConfig) -> Result<RoutingBuffers, GpuError> {
+        let err = |what: &'static str| move |e| GpuError::driver(what, e);
+        Ok(RoutingBuffers {
+            summaries: stream.alloc_zeros::<f64>(summaries_len(spec, config).max(1)).map_err(err("cuMemAlloc"))?,
+            lists: stream.alloc_zeros::<i32>(lists_len(spec, config).max(1)).map_err(err("cuMemAlloc"))?,
+            scores: stream
+                .clone_htod(&vec![f64::NEG_INFINITY; scores_len(spec, config).max(1)])
+                .map_err(err("cuMemcpyHtoD(hils)"))?,
+        })
+    }
+
+    fn device(&mut self) -> HilsRoutingDevice<'_> {
+        HilsRoutingDevice { summaries: &mut self.summaries, lists: &mut self.lists, scores: Some(&mut self.scores) }
+    }
+
+    fn download(
+        &self,
+        stream: &Arc<CudaStream>,
+        spec: &AttentionSpec,
+        config: HilsConfig,
+    ) -> Result<HilsRouting, GpuError> {
+        let err = |e| GpuError::driver("cuMemcpyDtoH(hils)", e);
+        let (summaries, scores) =
+            (stream.clone_dtoh(&self.summaries).map_err(err)?, stream.clone_dtoh(&self.scores).map_err(err)?);
+        let lists = stream.clone_dtoh(&self.lists).map_err(err)?;
+        Ok(HilsRouting::from_buffers(spec, config, &summaries, &lists, &scores))
+    }
+}
+
+/// The forward's buffers on the device: the routing's, O and the LSE.
+pub struct HilsForwardDevice<'a, T> {
+    /// The summaries, lists and (optionally) router scores, as [`hils_route_device`] writes them.
+    pub routing: HilsRoutingDevice<'a>,
+    /// `O`, laid out like Q with `dv` columns (overwritten).
+    pub o: &'a mut CudaSlice<T>,
+    /// The LSE, dense `[B, Hq, L]`, varlen `[Hq, T]` (overwritten).
+    pub lse: &'a mut CudaSlice<f32>,
+}
+
+/// HiLS's forward on device buffers: the summaries and the router ([`hils_route_device`]), then the factorized output
+/// over the router's lists with the chunks weighed by `mass`. Every check runs before the first launch; the launches
+/// are asynchronous on `stream`.
+pub fn hils_forward_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    mass: ChunkMass,
+    inputs: (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    out: HilsForwardDevice<'_, T>,
+) -> Result<(), GpuError> {
+    hils_forward_device_with(stream, spec, config, mass, HILS, inputs, out)
+}
+
+/// [`hils_forward_device`] with an explicit text of `hils.cu` (the tests launch patched copies through the same
+/// checks).
+pub fn hils_forward_device_with<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    mass: ChunkMass,
+    kernel: KernelSource,
+    inputs: (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    out: HilsForwardDevice<'_, T>,
+) -> Result<(), GpuError> {
+    forward_on_device(stream, (spec, config, mass), kernel, inputs, out, None)
+}
+
+/// The forward on the device, over the router's lists or, with `given`, over lists the host validated and uploaded
+/// (`[B, Hq, max_len, K]`, the router's layout).
+fn forward_on_device<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    (spec, config, mass): (&AttentionSpec, HilsConfig, ChunkMass),
+    kernel: KernelSource,
+    (q, k, v, landmarks): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    out: HilsForwardDevice<'_, T>,
+    given: Option<&CudaSlice<i32>>,
+) -> Result<(), GpuError> {
+    let (params, cu_q, cu_k) = plan_forward(spec, config, mass)?;
+    let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
+    check_len("v", v, size(Operand::V))?;
+    check_len("o", out.o, size(Operand::O))?;
+    check_len("lse", out.lse, size(Operand::RowStat))?;
+    if let Some(lists) = given {
+        check_len("retrieved", lists, lists_len(spec, config))?;
+    }
+    let HilsForwardDevice { routing, o, lse } = out;
+    let HilsRoutingDevice { summaries, lists, scores } = routing;
+    let output_fn = function::<T>(stream, kernel, "hils_output")?;
+    let routed = HilsRoutingDevice { summaries: &mut *summaries, lists: &mut *lists, scores };
+    // The router checks Q, K, the landmarks and its own buffers before its first launch, and nothing has launched yet.
+    hils_route_device_with(stream, spec, config, kernel, (q, k, landmarks), routed)?;
+    let (batch, (max_len, _)) = (spec.sequences().len(), extents(spec, config));
+    if batch == 0 || max_len == 0 || spec.n_heads_q == 0 {
+        return Ok(());
+    }
+    let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(hils)", e));
+    let (cu_q, cu_k) = (up(&cu_q)?, up(&cu_k)?);
+    let grid = grid_3d(("queries", max_len.div_ceil(ROUTE_WARPS)), ("heads", spec.n_heads_q), ("sequences", batch))?;
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let lists: &CudaSlice<i32> = given.unwrap_or(lists);
+    launch::launch_hils_output(
+        stream,
+        &output_fn,
+        cfg,
+        (q, k, v),
+        (summaries, lists),
+        (o, lse),
+        (&cu_q, &cu_k),
+        &params,
+    )
+}
+
+/// What [`hils_forward`] returns.
+#[derive(Clone, Debug)]
+pub struct HilsForward<T> {
+    /// The summaries, the router's lists and every eligible router score.
+    pub routing: HilsRouting,
+    /// O and the LSE, over the lists the output used (the router's, or the caller's).
+    pub output: ForwardOutput<T>,
+}
+
+/// HiLS's forward from host tensors: Q, K, V as for the dense forward, `landmarks` `[B, Hq, n_c, d]`; the output over
+/// the router's lists, or over `retrieved` (`[B, Hq, max_len, K]`: each valid row ascending, distinct, `−1`-padded,
+/// every chunk entirely before the row's local window; rows past a sequence's length all `−1`), checked before any
+/// launch. Copies in, launches, copies out, synchronizes.
+pub fn hils_forward<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    mass: ChunkMass,
+    (q, k, v, landmarks): (ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>),
+    retrieved: Option<ArrayView4<'_, i32>>,
+) -> Result<HilsForward<T>, GpuError> {
+    plan_forward(spec, config, mass)?;
+    if let Some(lists) = retrieved {
+        check_retrieved(spec, config, lists)?;
+    }
+    let err = |what: &'static str| move |e| GpuError::driver(what, e);
+    let landmarks: Vec<T> = landmarks.iter().copied().collect();
+    let landmarks = stream.clone_htod(&landmarks).map_err(err("cuMemcpyHtoD(hils)"))?;
+    let given = match retrieved {
+        Some(lists) => {
+            let flat: Vec<i32> = lists.iter().copied().collect();
+            Some(stream.clone_htod(&flat).map_err(err("cuMemcpyHtoD(hils)"))?)
+        }
+        None => None,
+    };
+    let mut buffers = RoutingBuffers::alloc(stream, spec, config)?;
+    let output = forward_from_host(stream, spec, [q, k, v], |[dq, dk, dv], o, lse| {
+        let out = HilsForwardDevice { routing: buffers.device(), o, lse };
+        forward_on_device(stream, (spec, config, mass), HILS, (dq, dk, dv, &landmarks), out, given.as_ref())
+    })?;
+    Ok(HilsForward { routing: buffers.download(stream, spec, config)?, output })
+}
+
+/// Checks lists a caller gives the forward: the router's shape, each valid row E14's convention with the row's
+/// eligible chunks (`start_i / C`, the chunks entirely before its local window) as the bound, rows past a sequence's
+/// length all `−1`. A fault's position is (sequence, query head, query row, slot).
+fn check_retrieved(spec: &AttentionSpec, config: HilsConfig, lists: ArrayView4<'_, i32>) -> Result<(), GpuError> {
+    let (max_len, _) = extents(spec, config);
+    let expected = vec![spec.sequences().len(), spec.n_heads_q, max_len, config.retrieved_chunks];
+    if lists.shape() != expected.as_slice() {
+        return Err(GpuError::Shape { argument: "retrieved", expected, actual: lists.shape().to_vec() });
+    }
+    for seq in spec.sequences() {
+        for h in 0..spec.n_heads_q {
+            for i in 0..max_len {
+                let eligible = if i < seq.len_q { eligible_chunks(i, config).end } else { 0 };
+                let row = lists.slice(ndarray::s![seq.index, h, i, ..]);
+                check_block_list(row.iter().copied(), eligible)
+                    .map_err(|(slot, fault)| GpuError::BlockList { position: [seq.index, h, i, slot], fault })?;
+            }
+        }
+    }
+    Ok(())
 }
 
 impl HilsRouting {
@@ -288,6 +500,55 @@ mod tests {
         assert_eq!(params.scale, 0.25);
     }
 
+    /// The caller's lists are checked on the host: the router's shape, per valid row E14's convention with the
+    /// row's eligible chunks as the bound, rows past a sequence's length all `−1`; each fault names its entry.
+    #[test]
+    fn given_lists_are_checked_before_any_launch() {
+        use crate::error::BlockListFault;
+        // Two sequences of 40 and 20 tokens; chunks of 8, a window of 8, two chunks per row: row i may retrieve the
+        // chunks below ⌊(i + 1 − 8)/8⌋ (row 39: 4 chunks, row 15: 1, row 7: none).
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 40, 60], cu_seqlens_k: vec![0, 40, 60] },
+            ..AttentionSpec::dense(1, 2, 1, 1, 1, 16, 8).with_mask(Mask::Causal)
+        };
+        let c = config(8, 8, 2);
+        let mut lists = Array4::from_elem((2, 2, 40, 2), -1);
+        lists[[0, 1, 39, 0]] = 0;
+        lists[[0, 1, 39, 1]] = 3;
+        lists[[1, 0, 19, 0]] = 0;
+        assert!(check_retrieved(&spec, c, lists.view()).is_ok());
+        let fault = |edit: &dyn Fn(&mut Array4<i32>)| {
+            let mut bad = lists.clone();
+            edit(&mut bad);
+            match check_retrieved(&spec, c, bad.view()) {
+                Err(GpuError::BlockList { position, fault }) => Some((position, fault)),
+                other => panic!("{other:?}"),
+            }
+        };
+        let out_of_range = BlockListFault::OutOfRange { index: 4, key_blocks: 4 };
+        assert_eq!(fault(&|b| b[[0, 1, 39, 1]] = 4), Some(([0, 1, 39, 1], out_of_range)));
+        let early = BlockListFault::OutOfRange { index: 1, key_blocks: 1 };
+        assert_eq!(fault(&|b| b[[0, 0, 15, 0]] = 1), Some(([0, 0, 15, 0], early)));
+        let none = BlockListFault::OutOfRange { index: 0, key_blocks: 0 };
+        assert_eq!(fault(&|b| b[[0, 0, 7, 0]] = 0), Some(([0, 0, 7, 0], none.clone())));
+        // Row 20 of the second sequence is past its 20 tokens.
+        assert_eq!(fault(&|b| b[[1, 1, 20, 0]] = 0), Some(([1, 1, 20, 0], none)));
+        assert_eq!(fault(&|b| b[[0, 1, 39, 1]] = 0), Some(([0, 1, 39, 1], BlockListFault::Duplicate { index: 0 })));
+        let unsorted = BlockListFault::NotAscending { index: 0, previous: 3 };
+        assert_eq!(
+            fault(&|b| {
+                b[[0, 1, 39, 0]] = 3;
+                b[[0, 1, 39, 1]] = 0;
+            }),
+            Some(([0, 1, 39, 1], unsorted))
+        );
+        let after_pad = BlockListFault::AfterPad { index: 3 };
+        assert_eq!(fault(&|b| b[[0, 1, 39, 0]] = -1), Some(([0, 1, 39, 1], after_pad)));
+        let narrow = Array4::from_elem((2, 2, 40, 1), -1);
+        let e = check_retrieved(&spec, c, narrow.view());
+        assert!(matches!(e, Err(GpuError::Shape { argument: "retrieved", .. })), "{e:?}");
+    }
+
     #[test]
     fn bad_configs_and_specs_are_typed_errors() {
         let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 16, 16).with_mask(Mask::Causal);
@@ -309,5 +570,13 @@ mod tests {
             "head_dim"
         ));
         assert!(plan(&spec, config(MAX_CHUNK, 1, MAX_ROUTED), false).is_ok());
+        // The forward: value head dims up to 256, and the chunks' mass reaches the kernel's flag.
+        let wide_v = AttentionSpec::dense(1, 1, 1, 8, 8, 16, MAX_HEAD_DIM_V + 8).with_mask(Mask::Causal);
+        let e = plan_forward(&wide_v, config(4, 4, 1), ChunkMass::Surrogate);
+        assert!(matches!(e, Err(GpuError::Unsupported { argument: "head_dim_v", .. })), "{e:?}");
+        let flag = |mass| plan_forward(&spec, config(16, 8, 2), mass).map(|(p, _, _)| p.exact_mass).unwrap();
+        assert_eq!((flag(ChunkMass::Surrogate), flag(ChunkMass::Exact)), (0, 1));
+        let at_limit = AttentionSpec::dense(1, 1, 1, 8, 8, 16, MAX_HEAD_DIM_V).with_mask(Mask::Causal);
+        assert!(plan_forward(&at_limit, config(4, 4, 1), ChunkMass::Exact).is_ok());
     }
 }

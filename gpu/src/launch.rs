@@ -688,6 +688,34 @@ pub(crate) fn launch_hils_route<T>(
     Ok(())
 }
 
+/// Launches `hils_output` (gpu/kernels/hils.cu, `func`) on `stream`: one query's factorized output per warp.
+///
+/// Preconditions, established by `hils`: `func` is `hils_output` compiled for the element type `T`; `q`, `k`, `v`
+/// hold the spec's Q, K, V and `o`, `lse` its O and LSE; `summaries` what `hils_summaries` wrote for the same K and
+/// landmarks, earlier on `stream`; `lists` `B · Hq · params.max_len · params.top_k` i32 whose valid rows name only
+/// chunks eligible for their query (the router's own, or lists the host checked); `dv` at most 256; `cfg`'s grid is
+/// `(⌈params.max_len / 4⌉, n_heads_q, B)` with 128 threads.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_hils_output<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (q, k, v): (&CudaSlice<T>, &CudaSlice<T>, &CudaSlice<T>),
+    (summaries, lists): (&CudaSlice<f64>, &CudaSlice<i32>),
+    (o, lse): (&mut CudaSlice<T>, &mut CudaSlice<f32>),
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &HilsParams,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(q).arg(k).arg(v).arg(summaries).arg(lists).arg(o).arg(lse).arg(cu_q).arg(cu_k).arg(params);
+    // SAFETY: the arguments match `hils_output(const elem_t* q, const elem_t* k, const elem_t* v, const double*
+    // summaries, const int* lists, elem_t* o, float* lse, const int* cu_q, const int* cu_k, const HilsParams)` in order
+    // and type; every index the kernel forms lies in the buffers the caller sized (see above); the buffers are borrowed
+    // for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(hils_output)", e))?;
+    Ok(())
+}
+
 /// The optional trace of a pyramid descent: every level's candidate scores (f64) and nodes (i32).
 pub(crate) type PisaTrace<'a> = Option<(&'a mut CudaSlice<f64>, &'a mut CudaSlice<i32>)>;
 

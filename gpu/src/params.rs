@@ -214,6 +214,10 @@ pub(crate) struct HilsParams {
     pub max_len: i32,
     /// 1 when the router writes its scores.
     pub write_scores: i32,
+    /// `hils_output`: 1 weighs a retrieved chunk by its exact log-mass, 0 by its router score.
+    pub exact_mass: i32,
+    /// Explicit tail padding, always 0.
+    pub reserved: i32,
 }
 
 /// PISA's tail scalars (`struct PisaTailParams` of `common.cuh`), read by `pisa_tail.cu`.
@@ -638,7 +642,18 @@ mod tests {
                 reserved
             }),
             rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
-            rust_layout!(HilsParams { flash, scale, chunk_size, local_window, top_k, n_chunks, max_len, write_scores }),
+            rust_layout!(HilsParams {
+                flash,
+                scale,
+                chunk_size,
+                local_window,
+                top_k,
+                n_chunks,
+                max_len,
+                write_scores,
+                exact_mass,
+                reserved
+            }),
             rust_layout!(PisaTailParams {
                 flash,
                 scale,

@@ -14,11 +14,15 @@
 //! **Lists.** Exact: each row must equal the oracle's `top_k` over the kernel's own scores of the row's eligible
 //! chunks (ties to the lower chunk), ascending and `−1`-padded; rows past a sequence's length are all `−1`.
 
-use attnproof_oracle::hils::{ChunkSummary, HilsConfig, HilsInputs, eligible_chunks, router_score, summarize_chunks};
+use attnproof_oracle::AttentionSpec;
+use attnproof_oracle::hils::{
+    ChunkSummary, HilsConfig, HilsInputs, chunk_keys, eligible_chunks, router_score, summarize_chunks,
+};
+use attnproof_oracle::spec::Sequence;
 use attnproof_oracle::topk::{padded_rows, top_k};
 use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_reference::Element;
-use ndarray::{ArrayD, ArrayView4, Axis};
+use ndarray::{ArrayD, ArrayView1, ArrayView4, Axis};
 
 use crate::flash::{Case, HarnessError};
 use crate::verdict::WorstRatio;
@@ -83,6 +87,68 @@ fn summary_tolerances(
     (slope, 2.0 * (rho_p + gamma(m + 4)) * weight + underflow)
 }
 
+/// One head's inputs for the oracle's `hils` functions: query head `h` of sequence `seq` with its KV head's keys and
+/// values (all widened to f64) and its chunks' landmarks (from `[B, Hq, n_c, d]`, widened).
+pub(crate) fn head_inputs<'a>(
+    spec: &AttentionSpec,
+    seq: &Sequence,
+    h: usize,
+    ([q, k, v], landmarks): (&'a [ArrayD<f64>; 3], &'a ArrayD<f64>),
+    config: HilsConfig,
+) -> HilsInputs<'a, f64> {
+    let kv = spec.kv_head(h);
+    let chunks = seq.len_q.div_ceil(config.chunk_size);
+    let lm = landmarks.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
+    let lm = lm.slice_axis_move(Axis(0), ndarray::Slice::from(0..chunks));
+    HilsInputs {
+        query: spec.head_rows(q.view(), seq, h, false),
+        key: spec.head_rows(k.view(), seq, kv, true),
+        value: spec.head_rows(v.view(), seq, kv, true),
+        landmarks: lm.into_dimensionality().expect("[n_c, d]"),
+    }
+}
+
+/// The oracle's summaries of one head's chunks and, per chunk, the tolerances of a device summary (module docs).
+pub(crate) struct HeadSummaries {
+    /// The oracle's summaries, one per chunk.
+    pub oracle: Vec<ChunkSummary<f64>>,
+    /// Per chunk: each slope-key column's tolerance, then the entropy's.
+    pub tolerances: Vec<(Vec<f64>, f64)>,
+}
+
+/// [`HeadSummaries`] of one head's `inputs` (its queries, keys, values and its chunks' landmarks).
+pub(crate) fn head_summaries(
+    inputs: HilsInputs<'_, f64>,
+    config: HilsConfig,
+    scale: f64,
+) -> Result<HeadSummaries, HarnessError> {
+    let n = inputs.key.nrows();
+    let oracle = if n > 0 { summarize_chunks(inputs, config, ())? } else { vec![] };
+    let tolerances = oracle
+        .iter()
+        .enumerate()
+        .map(|(b, summary)| {
+            let keys = inputs.key.slice_axis(Axis(0), ndarray::Slice::from(chunk_keys(b, n, config)));
+            summary_tolerances(summary, inputs.landmarks.row(b), keys, scale)
+        })
+        .collect();
+    Ok(HeadSummaries { oracle, tolerances })
+}
+
+/// How far a device router score `r_ib` from the device's summary of chunk `b` may lie from the oracle's, for query
+/// `q` (module docs, "Scores").
+pub(crate) fn score_tolerance(
+    q: ArrayView1<'_, f64>,
+    summary: &ChunkSummary<f64>,
+    (slope_tol, entropy_tol): &(Vec<f64>, f64),
+    scale: f64,
+) -> f64 {
+    let d = q.len();
+    let reach = (0..d).map(|c| (q[c] * summary.slope_key[c]).abs()).sum::<f64>();
+    let through = (0..d).map(|c| q[c].abs() * slope_tol[c]).sum::<f64>();
+    scale * through + entropy_tol + 2.0 * gamma(d + 3) * (scale * reach + summary.entropy.abs())
+}
+
 /// Verifies a kernel's summaries, router scores and lists for `case` (causal self-attention), landmarks
 /// `[B, Hq, n_c, d]` and `config`. See the module docs.
 pub fn verify_hils_routing<T: Element>(
@@ -94,7 +160,7 @@ pub fn verify_hils_routing<T: Element>(
     let spec = &case.spec;
     let (d, k_width) = (spec.head_dim, config.retrieved_chunks);
     let scale = 1.0 / (d as f64).sqrt();
-    let [q, k, v] = case.widened();
+    let widened = case.widened();
     let landmarks: ArrayD<f64> = landmarks.mapv(|x| x.to_f32() as f64).into_dyn();
     let mut summaries_worst = WorstRatio::default();
     let mut scores_worst = WorstRatio::default();
@@ -104,31 +170,18 @@ pub fn verify_hils_routing<T: Element>(
         let n = seq.len_q;
         let chunks = n.div_ceil(config.chunk_size);
         for h in 0..spec.n_heads_q {
-            let kv = spec.kv_head(h);
-            let (qh, kh, vh) = (
-                spec.head_rows(q.view(), &seq, h, false),
-                spec.head_rows(k.view(), &seq, kv, true),
-                spec.head_rows(v.view(), &seq, kv, true),
-            );
-            let lm = landmarks.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
-            let lm = lm.slice_axis(Axis(0), ndarray::Slice::from(0..chunks));
-            let lm = lm.into_dimensionality::<ndarray::Ix2>().expect("[n_c, d]");
-            let inputs = HilsInputs { query: qh, key: kh, value: vh, landmarks: lm };
-            let oracle = if n > 0 { summarize_chunks(inputs, config, ())? } else { vec![] };
-            let mut tolerances = Vec::with_capacity(chunks);
-            for (b, summary) in oracle.iter().enumerate() {
-                let keys =
-                    kh.slice_axis(Axis(0), ndarray::Slice::from(attnproof_oracle::hils::chunk_keys(b, n, config)));
-                let (slope, entropy) = summary_tolerances(summary, lm.row(b), keys, scale);
-                let row = device.summaries.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
+            let inputs = head_inputs(spec, &seq, h, (&widened, &landmarks), config);
+            let qh = inputs.query;
+            let HeadSummaries { oracle, tolerances } = head_summaries(inputs, config, scale)?;
+            let row = device.summaries.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
+            for (b, (summary, (slope, entropy))) in oracle.iter().zip(&tolerances).enumerate() {
                 for c in 0..d {
                     let (x, y) = (row[[b, c]], summary.slope_key[c]);
                     summaries_worst
                         .offer(x, y, slope[c], || format!("slope key [{}, {h}, {b}, {c}]: {x} against {y}", seq.index));
                 }
                 let (x, y) = (row[[b, d]], summary.entropy);
-                summaries_worst.offer(x, y, entropy, || format!("entropy [{}, {h}, {b}]: {x} against {y}", seq.index));
-                tolerances.push((slope, entropy));
+                summaries_worst.offer(x, y, *entropy, || format!("entropy [{}, {h}, {b}]: {x} against {y}", seq.index));
             }
             let scores = device.scores.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
             let lists = device.lists.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
@@ -137,12 +190,8 @@ pub fn verify_hils_routing<T: Element>(
                 let eligible = eligible_chunks(i, config);
                 verdict.routed_rows += usize::from(!eligible.is_empty());
                 for b in eligible.clone() {
-                    let (summary, (slope_tol, entropy_tol)) = (&oracle[b], &tolerances[b]);
-                    let expected = router_score(qh.row(i), summary, ())?;
-                    let reach = (0..d).map(|c| (qh[[i, c]] * summary.slope_key[c]).abs()).sum::<f64>();
-                    let through = (0..d).map(|c| qh[[i, c]].abs() * slope_tol[c]).sum::<f64>();
-                    let tol =
-                        scale * through + entropy_tol + 2.0 * gamma(d + 3) * (scale * reach + summary.entropy.abs());
+                    let expected = router_score(qh.row(i), &oracle[b], ())?;
+                    let tol = score_tolerance(qh.row(i), &oracle[b], &tolerances[b], scale);
                     let found = scores[[i, b]];
                     scores_worst.offer(found, expected, tol, || {
                         format!("router score [{}, {h}, {i}, {b}]: {found} against {expected}", seq.index)
@@ -188,20 +237,11 @@ pub fn oracle_routing<T: Element>(
     let mut summaries = ndarray::Array4::zeros((b, hq, n_c, d + 1));
     let mut scores = ndarray::Array4::from_elem((b, hq, max_len, n_c), f64::NEG_INFINITY);
     let mut lists = ndarray::Array4::from_elem((b, hq, max_len, k_width), -1);
-    let [q, k, v] = case.widened();
+    let widened = case.widened();
     let landmarks: ArrayD<f64> = landmarks.mapv(|x| x.to_f32() as f64).into_dyn();
     for seq in spec.sequences().iter().filter(|s| s.len_q > 0) {
-        let chunks = seq.len_q.div_ceil(config.chunk_size);
         for h in 0..hq {
-            let kv = spec.kv_head(h);
-            let lm = landmarks.index_axis(Axis(0), seq.index).index_axis_move(Axis(0), h);
-            let lm = lm.slice_axis(Axis(0), ndarray::Slice::from(0..chunks));
-            let inputs = HilsInputs {
-                query: spec.head_rows(q.view(), seq, h, false),
-                key: spec.head_rows(k.view(), seq, kv, true),
-                value: spec.head_rows(v.view(), seq, kv, true),
-                landmarks: lm.into_dimensionality().expect("[n_c, d]"),
-            };
+            let inputs = head_inputs(spec, seq, h, (&widened, &landmarks), config);
             let oracle = summarize_chunks(inputs, config, ())?;
             for (c, s) in oracle.iter().enumerate() {
                 for col in 0..d {

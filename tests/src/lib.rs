@@ -16,6 +16,7 @@ pub mod dsa_sparse;
 pub mod flash;
 pub mod gate;
 pub mod generate;
+pub mod hils_output;
 pub mod hils_routing;
 pub mod nsa;
 pub mod nsa_layer;

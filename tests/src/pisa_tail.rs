@@ -41,7 +41,7 @@ use attnproof_gpu::pisa::tail::head_dim_pad;
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::pisa::{TailRule, TailStatistics, classify_blocks, tail_output, tail_statistics};
 use attnproof_oracle::selection::key_blocks;
-use attnproof_oracle::spec::{Operand, Sequence};
+use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_proofs::flash_bound::FlashRecipe;
@@ -51,7 +51,7 @@ use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD
 
 use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
 use crate::sparse::{listed_tiles_mask, sub_case, visited_tiles};
-use crate::verdict::{OutputVerdict, WorstRatio, compare};
+use crate::verdict::{OutputVerdict, WorstRatio, compare, lse_row, output_row};
 
 /// What [`verify_pisa_tail`] found.
 #[derive(Clone, Debug)]
@@ -302,7 +302,7 @@ pub fn tail_targets<T: Element>(
             for i in 0..seq.len_q {
                 let (e_o, o_exact) = (row_of(&truth.bound_o, i), row_of(&truth.o, i));
                 let (e_l, lse_exact) = (truth.bound_lse[[0, i]], truth.lse[[0, i]]);
-                let at = row_at(spec, &seq, h, i);
+                let at = output_row(spec, &seq, h, i);
                 let put = |t: &mut TailTargets, o: ArrayView1<'_, f64>, o_bound: ArrayView1<'_, f64>, lse, lse_b| {
                     for c in 0..dv {
                         let ix = [at.as_slice(), &[c]].concat();
@@ -310,7 +310,7 @@ pub fn tail_targets<T: Element>(
                         t.o_bound[IxDyn(&ix)] = o_bound[c];
                         t.o_exact[IxDyn(&ix)] = o_exact[c];
                     }
-                    let lx = stat_at(spec, &seq, h, i);
+                    let lx = lse_row(spec, &seq, h, i);
                     t.lse[IxDyn(&lx)] = lse;
                     t.lse_bound[IxDyn(&lx)] = lse_b;
                 };
@@ -551,22 +551,6 @@ pub fn judge(t: &TailTargets, o: ArrayViewD<'_, f64>, lse: ArrayViewD<'_, f64>) 
         drop_rejected: !compare("O", t.o_exact.view(), t.o.view(), t.o_bound.view()).passed(),
         statistics_ratio: t.statistics_ratio,
         statistics_worst: t.statistics_worst.clone(),
-    }
-}
-
-/// `O` coordinates of row `i` of (sequence `seq`, query head `h`), without the column.
-fn row_at(spec: &AttentionSpec, seq: &Sequence, h: usize, i: usize) -> Vec<usize> {
-    match spec.layout {
-        attnproof_oracle::Layout::Dense { .. } => vec![seq.index, h, i],
-        attnproof_oracle::Layout::Varlen { .. } => vec![seq.q_start + i, h],
-    }
-}
-
-/// LSE coordinates of row `i` of (sequence `seq`, query head `h`).
-fn stat_at(spec: &AttentionSpec, seq: &Sequence, h: usize, i: usize) -> Vec<usize> {
-    match spec.layout {
-        attnproof_oracle::Layout::Dense { .. } => vec![seq.index, h, i],
-        attnproof_oracle::Layout::Varlen { .. } => vec![h, seq.q_start + i],
     }
 }
 

@@ -2,13 +2,18 @@
 //! `Lq ≠ Lk` both ways, lengths 1, tile − 1, tile, tile + 1 and primes, head dims every multiple
 //! of 8 up to 256 and the awkward 1, 59 and 111, every mask kind with windows of every width
 //! class relative to the tile, varlen with zero-length sequences, and the value profiles of
-//! [`crate::generate`]. Built with `prop_flat_map` so dependent sizes shrink together; the unit
-//! test below draws specs and checks that every class is reached.
+//! [`crate::generate`]; HiLS's draws ([`hils_draws`]). Built with `prop_flat_map` so dependent sizes shrink
+//! together; the unit test below draws specs and checks that every class is reached.
 
+use attnproof_oracle::hils::{ChunkMass, HilsConfig};
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
+use attnproof_reference::Element;
+use ndarray::{Array4, Axis};
 use proptest::prelude::*;
 
-use crate::generate::{Distribution, ValueProfile};
+use crate::flash::Case;
+use crate::generate::{Distribution, ValueProfile, make_case};
+use crate::hils_routing::first_query_landmarks;
 
 /// Sequence lengths that break weak schedules for tile `tile`: 1, tile ± 1, tile, 2·tile + 1,
 /// and primes.
@@ -144,6 +149,87 @@ pub fn profile() -> impl Strategy<Value = ValueProfile> {
         prop::sample::select(vec![0.0, 3.0]),
     )
         .prop_map(|(distribution, logit_scale, value_mean)| ValueProfile { distribution, logit_scale, value_mean })
+}
+
+/// One HiLS draw (E21): causal self-attention, the config, how retrieved chunks weigh in the output, the values, their
+/// seed, and whether chunk 2 repeats chunk 0 (keys and landmark) so that their router scores tie for every query.
+#[derive(Clone, Debug)]
+pub struct HilsDraw {
+    /// Causal self-attention.
+    pub spec: AttentionSpec,
+    /// `C`, `w`, `K`.
+    pub config: HilsConfig,
+    /// The chunks' log-mass in the factorized output.
+    pub mass: ChunkMass,
+    /// Values.
+    pub profile: ValueProfile,
+    /// Seed of the values.
+    pub seed: u64,
+    /// Twin chunks 0 and 2.
+    pub twins: bool,
+}
+
+/// HiLS's problems: causal self-attention over 0 to 700 tokens (dense, or varlen with an empty sequence), GQA groups
+/// of 1 to 16, head dims 8 to 256 and value head dims 1 to 256; chunk sizes 1 to 100 and windows below, at and above a
+/// chunk; routing widths 1 to 32 (wider than the eligible chunks too); both masses; the value profiles of
+/// [`profile`]; twin chunks in about a third of the draws.
+pub fn hils_draws() -> impl Strategy<Value = HilsDraw> {
+    let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (5, 5), (6, 3), (16, 1)]);
+    let dims =
+        prop::sample::select(vec![(8usize, 8usize), (16, 1), (64, 40), (72, 72), (128, 128), (256, 256), (32, 256)]);
+    let layout = (1usize..=2, 0usize..=700, any::<bool>()).prop_map(|(b, n, packed)| {
+        if packed {
+            let cu = vec![0, n as i32, n as i32, (n + n / 3) as i32];
+            Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu }
+        } else {
+            Layout::Dense { batch: b, len_q: n, len_k: n }
+        }
+    });
+    let chunk = prop::sample::select(vec![1usize, 7, 16, 64, 100]);
+    (layout, heads, dims, chunk).prop_flat_map(|(layout, (hq, hkv), (d, dv), chunk)| {
+        let spec = AttentionSpec { layout, ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, dv).with_mask(Mask::Causal) };
+        let window = prop::sample::select(vec![1usize, chunk.saturating_sub(1).max(1), chunk, 3 * chunk + 5, 200]);
+        let width = prop::sample::select(vec![1usize, 3, 8, 32]);
+        let mass = prop::sample::select(vec![ChunkMass::Surrogate, ChunkMass::Exact]);
+        (Just(spec), Just(chunk), window, width, mass, profile(), any::<u64>(), prop::bool::weighted(0.3)).prop_map(
+            |(spec, chunk_size, local_window, retrieved_chunks, mass, profile, seed, twins)| HilsDraw {
+                spec,
+                config: HilsConfig { chunk_size, local_window, retrieved_chunks },
+                mass,
+                profile,
+                seed,
+                twins,
+            },
+        )
+    })
+}
+
+impl HilsDraw {
+    /// The draw's case and landmarks `[B, Hq, n_c, d]`: the generated values, landmarks from each chunk's first query
+    /// ([`crate::hils_routing::first_query_landmarks`]), and with `twins` chunk 2 made a copy of chunk 0 (keys of
+    /// every KV head, landmark of every query head) in every sequence long enough.
+    pub fn case<T: Element>(&self) -> (Case<T>, Array4<T>) {
+        let mut case = make_case::<T>(&self.spec, self.profile, self.seed);
+        let c = self.config.chunk_size;
+        let mut landmarks = first_query_landmarks(&case, self.config);
+        if self.twins {
+            let spec = case.spec.clone();
+            for seq in spec.sequences().iter().filter(|s| s.len_k >= 3 * c) {
+                for kv in 0..spec.n_heads_kv {
+                    let mut keys = case.k.slice_mut(spec.head_slice(seq, kv, true));
+                    for j in 0..c {
+                        let row = keys.index_axis(Axis(0), j).to_owned();
+                        keys.index_axis_mut(Axis(0), 2 * c + j).assign(&row);
+                    }
+                }
+                for h in 0..spec.n_heads_q {
+                    let row = landmarks.index_axis(Axis(0), seq.index).index_axis(Axis(0), h).row(0).to_owned();
+                    landmarks.index_axis_mut(Axis(0), seq.index).index_axis_mut(Axis(0), h).row_mut(2).assign(&row);
+                }
+            }
+        }
+        (case, landmarks)
+    }
 }
 
 /// The proptest configuration of a harness suite: `default_cases` unless `PROPTEST_CASES` is set

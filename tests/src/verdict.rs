@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use attnproof_oracle::AttentionSpec;
+use attnproof_oracle::spec::Sequence;
 use ndarray::{ArrayViewD, Dimension};
 
 /// The comparison of one output.
@@ -143,6 +145,23 @@ impl fmt::Display for Verdict {
             writeln!(f, "{o}")?;
         }
         write!(f, "{}", self.gate)
+    }
+}
+
+/// `O`'s coordinates of row `i` of (sequence `seq`, query head `h`), less the column: dense `[b, h, i]`, varlen
+/// `[q_start + i, h]`.
+pub fn output_row(spec: &AttentionSpec, seq: &Sequence, h: usize, i: usize) -> Vec<usize> {
+    match spec.layout {
+        attnproof_oracle::Layout::Dense { .. } => vec![seq.index, h, i],
+        attnproof_oracle::Layout::Varlen { .. } => vec![seq.q_start + i, h],
+    }
+}
+
+/// The LSE's coordinates of row `i` of (sequence `seq`, query head `h`): dense `[b, h, i]`, varlen `[h, q_start + i]`.
+pub fn lse_row(spec: &AttentionSpec, seq: &Sequence, h: usize, i: usize) -> Vec<usize> {
+    match spec.layout {
+        attnproof_oracle::Layout::Dense { .. } => vec![seq.index, h, i],
+        attnproof_oracle::Layout::Varlen { .. } => vec![h, seq.q_start + i],
     }
 }
 

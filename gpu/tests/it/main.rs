@@ -15,7 +15,7 @@ mod dsa_sparse;
 mod dsa_sparse_backward;
 mod flash_backward;
 mod flash_forward;
-mod hils_routing;
+mod hils;
 mod mutants;
 mod nsa_compress;
 mod nsa_compressed;

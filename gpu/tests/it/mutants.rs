@@ -28,7 +28,7 @@ use crate::dsa_index;
 use crate::dsa_loss;
 use crate::dsa_sparse;
 use crate::dsa_sparse_backward;
-use crate::hils_routing;
+use crate::hils;
 use crate::nsa_compress;
 use crate::nsa_gates;
 use crate::nsa_select;
@@ -725,28 +725,27 @@ fn all_block_mass_mutants_are_killed() {
     });
 }
 
-/// Every HiLS routing mutant fails one of `hils_routing::killing_cases`.
+/// Every HiLS mutant fails one of `hils::killing_cases`.
 #[test]
 fn all_hils_mutants_are_killed() {
     let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let cases: Vec<(&str, hils_routing::KillingCase)> =
-        hils_routing::killing_cases().into_iter().map(|(name, case, l, config)| (name, (case, l, config))).collect();
+    let cases: Vec<(&str, hils::KillingCase)> = hils::killing_cases();
     hunt("all_hils_mutants_are_killed", HILS, &catalog_mutants(HILS), &cases, |kernel, c| {
-        hils_routing::check_killing_case(&stream, kernel, c)
+        hils::check_killing_case(&stream, kernel, c)
     });
 }
 
-/// Every HiLS routing mutant also fails the general routing suite (bf16, its default draws).
+/// Every HiLS mutant also fails the general HiLS suite (bf16, its default draws).
 #[test]
 fn all_hils_mutants_are_killed_by_the_general_suite() {
     let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed_by_the_general_suite") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    let suite = &hils_routing::ROUTING_SUITES[0];
+    let suite = &hils::HILS_SUITES[0];
     hunt_in_suite(
         "all_hils_mutants_are_killed_by_the_general_suite",
         HILS,

@@ -23,6 +23,7 @@
 
 pub mod block;
 pub mod dsa;
+pub mod hils;
 pub mod nsa;
 pub mod pisa;
 

@@ -3,6 +3,7 @@
 //! block-sparse forward (per-head lists) and backward through the CSR transpose (lists shared
 //! within a KV group), DSA token-gather forward, NSA selection forward/backward; bf16 and f16;
 //! PISA's tail over pooled keys (E22, against the PISA oracle with the schedule's own statistics),
+//! HiLS's factorized output (E21, the kernel's f64 order over the oracle's routing, both masses),
 //! plus the named edge cases (out-of-range entries, empty lists, CSR round trip, bit-for-bit
 //! agreement with the dense schedules when everything is listed, and the predicate encodings
 //! against the oracle's own sparse functions).
@@ -10,19 +11,22 @@
 use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::flash::recipe;
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case, make_d_out};
+use attnproof_harness::hils_output::verify_hils_output;
+use attnproof_harness::hils_routing::oracle_routing;
 use attnproof_harness::pisa_tail::{PooledStatistics, exact_layout, verify_pisa_tail};
 use attnproof_harness::sparse::{
     SparseHarnessError, dsa_case, heads_of, listed_tiles_mask, nsa_group_case, stack_heads, stack_row_stats, sub_case,
     verify_block_sparse_backward, verify_block_sparse_forward, verify_dsa_forward, verify_nsa_group_forward,
     visited_tiles,
 };
-use attnproof_harness::strategies::{interesting_length, layout, profile, suite_config};
+use attnproof_harness::strategies::{HilsDraw, hils_draws, interesting_length, layout, profile, suite_config};
 use attnproof_harness::{Case, HarnessError, Verdict};
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::nsa::selection_from_csr;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Layout, Mask, OracleError, Scale};
 use attnproof_reference::backward::{BackwardInputs, BackwardOutputs, BackwardStrategy, flash_backward};
+use attnproof_reference::sparse::hils::hils_forward;
 use attnproof_reference::sparse::pisa::{POOLED_TILE, TailOutputs, pisa_tail_forward};
 use attnproof_reference::sparse::{
     DsaConfig, DsaInputs, DsaOutputs, SelectionBackwardInputs, SelectionConfig, SelectionGradients, SelectionInputs,
@@ -418,6 +422,40 @@ fn check_pisa_tail<T: Element>(case: &Case<T>, layout: &BlockSparseLayout) -> Re
         }
         Err(HarnessError::Model(m)) => Err(TestCaseError::reject(m.to_string())),
         Err(e) => Err(TestCaseError::fail(e.to_string())),
+    }
+}
+
+/// HiLS's forward by its CPU schedule (`attnproof_reference::sparse::hils`, the kernel's order) over the oracle's
+/// routing, judged by the output verifier; with the oracle's summaries as the router's, so the routing's own check is
+/// the oracle against itself.
+fn check_hils<T: Element>(draw: &HilsDraw) -> Result<(), TestCaseError> {
+    let (case, landmarks) = draw.case::<T>();
+    let fail = |e: &dyn std::fmt::Display| TestCaseError::fail(e.to_string());
+    let (summaries, lists, _) = oracle_routing(&case, landmarks.view(), draw.config).map_err(|e| fail(&e))?;
+    let spec = &case.spec;
+    let mut o = ArrayD::from_elem(spec.expected_shape(Operand::O), T::from_f32(f32::NAN));
+    let mut lse = ArrayD::from_elem(spec.expected_shape(Operand::RowStat), f32::NAN);
+    let out = ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() };
+    hils_forward(spec, &case.inputs(), (draw.config, draw.mass), summaries.view(), lists.view(), out)
+        .map_err(|e| fail(&e))?;
+    let v = verify_hils_output(&case, landmarks.view(), draw.config, draw.mass, lists.view(), (o.view(), lse.view()))
+        .map_err(|e| fail(&e))?;
+    prop_assert!(v.passed(), "{v:?}");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(suite_config("hils", 6))]
+
+    #[test]
+    // Up to 700 tokens with chunks of 1 to 100, both masses, value head dims 1 to 256.
+    fn hils_forward_bf16(draw in hils_draws()) {
+        check_hils::<bf16>(&draw)?;
+    }
+
+    #[test]
+    fn hils_forward_f16(draw in hils_draws()) {
+        check_hils::<f16>(&draw)?;
     }
 }
 

@@ -67,6 +67,14 @@ const PISA_TAIL_REF: Mutant = Mutant {
     ..FLASH
 };
 
+/// Base entry for mutants of HiLS's factorized output as the kernel runs it (`reference/src/sparse/hils.rs`), judged by
+/// the harness's HiLS tests (the output verifier's unit tests and the CPU suites).
+const HILS_REF: Mutant = Mutant {
+    file: "reference/src/sparse/hils.rs",
+    runner: Runner::Scratch { package: HARNESS, target: None, filter: Some("hils") },
+    ..FLASH
+};
+
 /// Base entry for mutants of the bound model's plumbing (`proofs/src/flash_bound.rs`): a recipe parameter that stops
 /// entering its term.
 const BOUND_MODEL: Mutant =
@@ -477,5 +485,34 @@ pub const MUTANTS: &[Mutant] = &[
         find: "let (we, wt) = ((lse_exact - top).exp(), (lse_tail - top).exp());",
         replace: "let (we, wt) = ((top - lse_exact).exp(), (lse_tail - top).exp());",
         ..PISA_TAIL_REF
+    },
+    // --- HiLS's factorized output (E21), the kernel's schedule ---
+    Mutant {
+        name: "ref-hils-sum-not-rescaled",
+        description: "the online softmax adds a group's weights to l without rescaling it to the new maximum",
+        find: "self.l = self.l * carry + warp_tree_sum(lanes);",
+        replace: "self.l = self.l + warp_tree_sum(lanes);",
+        ..HILS_REF
+    },
+    Mutant {
+        name: "ref-hils-chunk-average-unnormalized",
+        description: "a retrieved chunk enters with its numerator, not its average a / l",
+        find: "let average = chunk.a.mapv(|x| x / chunk.l);",
+        replace: "let average = chunk.a.clone();",
+        ..HILS_REF
+    },
+    Mutant {
+        name: "ref-hils-surrogate-without-entropy",
+        description: "the surrogate log-mass leaves out the chunk's entropy H(p_b)",
+        find: "+ summary[d]",
+        replace: "+ 0.0 * summary[d]",
+        ..HILS_REF
+    },
+    Mutant {
+        name: "ref-hils-window-not-chunk-aligned",
+        description: "the local window starts at i + 1 − w, not extended down to its chunk's first key",
+        find: "let start = local_window_start(i, config);",
+        replace: "let start = (i + 1).saturating_sub(config.local_window);",
+        ..HILS_REF
     },
 ];

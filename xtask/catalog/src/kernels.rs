@@ -933,6 +933,70 @@ pub const MUTANTS: &[Mutant] = &[
         replace: "for (int b0 = 0; b0 < min(eligible, 32); b0 += 32) {",
         ..HILS
     },
+    // --- hils.cu's factorized output (E21), launched on a device ---
+    Mutant {
+        name: "gpu-hils-output-window-not-chunk-aligned",
+        description: "The output's local window starts at i + 1 − w, not extended down to its chunk's first key",
+        find: "const int start = (max(0, i + 1 - p.local_window) / p.chunk_size) * p.chunk_size;\n    hils_attend(row,",
+        replace: "const int start = max(0, i + 1 - p.local_window);\n    hils_attend(row,",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-sum-not-rescaled",
+        description: "The online softmax adds a group's weights to l without rescaling it to the new maximum",
+        find: "st.l = st.l * carry + warp_sum_fixed(w);",
+        replace: "st.l = st.l + warp_sum_fixed(w);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-numerator-not-rescaled",
+        description: "The online softmax keeps the value numerators at the old maximum",
+        find: "for (int t = 0; t < HILS_MAX_DV / 32; ++t) st.a[t] *= carry;",
+        replace: "for (int t = 0; t < HILS_MAX_DV / 32; ++t) st.a[t] *= 1.0;",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-chunk-average-unnormalized",
+        description: "A retrieved chunk enters with its numerator, not its average ō = a / l",
+        find: "row.a[t] = row.a[t] * keep + (chunk.a[t] / chunk.l) * enter;",
+        replace: "row.a[t] = row.a[t] * keep + chunk.a[t] * enter;",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-exact-mass-always",
+        description: "Every chunk weighs by its exact log-mass: HiLS's surrogate r_ib is never used",
+        find: "if (p.exact_mass) {",
+        replace: "if (true) {",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-lse-without-log-sum",
+        description: "The LSE is the running maximum alone, without ln l",
+        find: "if (lane == 0) lse[lse_base + i] = (float)(row.m + log(row.l));",
+        replace: "if (lane == 0) lse[lse_base + i] = (float)(row.m);",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-last-slot-skipped",
+        description: "The output never reads a list's last slot: a full list loses its highest chunk",
+        find: "for (int slot = 0; slot < p.top_k; ++slot) {",
+        replace: "for (int slot = 0; slot < p.top_k - 1; ++slot) {",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-first-kv-head",
+        description: "Every query head's output reads KV head 0's keys and values",
+        find: "const int kv = h / fp.group;\n    const int lane",
+        replace: "const int kv = 0 * (h / fp.group);\n    const int lane",
+        ..HILS
+    },
+    Mutant {
+        name: "gpu-hils-output-warp-sum-not-broadcast",
+        description: "Each lane keeps its own partial of a group's weight sum: only lane 0's columns are normalized right",
+        find: "return __shfl_sync(0xffffffffu, x, 0);",
+        replace: "return x;",
+        ..HILS
+    },
     // --- bsa_select.cu (block selection), launched on a device ---
     Mutant {
         name: "gpu-bsa-select-tie-to-higher-index",

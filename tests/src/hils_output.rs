@@ -1,0 +1,381 @@
+//! Verifying HiLS's factorized output (`attnproof_gpu::hils::hils_forward`, E21) against the oracle's
+//! `hils::factorized_output` over the kernel's own lists.
+//!
+//! Row `i` of a head is a weighted average over its terms `t`: the local window's keys (log-weight `s_ij = α q_i·k_j`,
+//! value `v_j`) and the retrieved chunks (log-weight `r_ib` or `f_b(q_i)`, value `ō_ib`). The kernel and the oracle
+//! both evaluate it in f64 from the same exact inputs, in different orders, so the candidate is held to the oracle
+//! within the sum of two f64 evaluation bounds (each side against the exact value of the oracle's formula) and the
+//! final roundings (O to the storage type, the LSE to f32). The router's scores come from the device's summaries,
+//! which `crate::hils_routing` holds within its tolerances; that is this bound's hypothesis, so a test of the forward
+//! judges both.
+//!
+//! **The weighted-average lemma.** Let `o = Σ w_t x_t / Σ w_t` and a computation whose numerator and denominator
+//! weights are `w_t(1 + a_t)` and `w_t(1 + b_t)` with `|a_t|, |b_t| ≤ η`, values `x̂_t` within `ξ` of `x_t`, then one
+//! division (`u = 2^-53`). Since `Σ w_t (x_t − o) = 0`, the error is at most
+//! `(η R + 2η |o| + (1 + η) ξ) / (1 − η) + u (X + ξ)` with `R = max |x_t − o| ≤ 2X`, `X = max |x_t|`: so
+//! `E(η, X, ξ) = (4η X + (1 + η) ξ) / (1 − η) + u (X + ξ)`.
+//!
+//! **The weights.** A weight leaves the online softmax as `e^{ℓ̂_t − M̂}` times the rescalings it went through; in
+//! exact arithmetic of the computed maxima the rescalings telescope, so relative to the common `e^{−M̂}` a weight's
+//! log is off by its log-weight's error `ε_t` plus, per `exp` on its path (at most `n`: one per 32-key group of the
+//! set and per merged chunk, plus one), the argument's subtraction (`u · 2Λ`, `Λ` the largest `|log-weight|`); each
+//! `exp` (≤ 2u relative, CUDA's and libm's double `exp` within one ulp) and each rescaling product adds `3u`. The
+//! sums (the kernel's warp trees and running sums, the oracle's sequential sums) add `γ_N`, `N = terms + 7n + 8`.
+//! Hence `η = e^{max ε_t + 2uΛn} (1 + γ_{3n}) (1 + γ_N) − 1`, and 2^-1000 of `X` per term covers weights that
+//! underflow f64 on one side only (the largest weight is 1).
+//!
+//! **The pieces.** Scores: `ε_s = γ_{d+2} S`, `S = max_j α Σ_c |q_ic k_jc|` over the row's keys (local and retrieved).
+//! A chunk's average `ō_ib` (its keys exact values, `n = ⌈C/32⌉ + 1`): within `ξ_b = E(η_b, X_b, 0)` per column. Its
+//! exact log-mass `f_b = m + ln l`: within `ε_f = −ln(1 − η_b) + γ_3 (|f_b| + ln C + 1)`. The router score: the
+//! device's within `crate::hils_routing`'s score tolerance of the oracle's, which this verifier takes as exact (so the
+//! oracle's side has `ε = 0` there). The row (`n = ⌈W/32⌉ + K + 1`, `W` the window's keys): `E(η, X, max_b ξ_b)` per
+//! column on each side, then O's rounding `u_T (|o| + E) + τ/2`. The LSE `M + ln L`: `−ln(1 − η) + γ_3 (|lse| +
+//! ln(W + K) + 1)` per side, then f32's `u_32 (|lse| + E)`.
+
+use attnproof_oracle::hils::{ChunkMass, HilsConfig, chunk_keys, factorized_output, local_window_start, router_score};
+use attnproof_proofs::f64_oracle_bound::gamma;
+use attnproof_reference::Element;
+use ndarray::{ArrayD, ArrayView2, ArrayView4, ArrayViewD, Axis, IxDyn, Slice};
+
+use crate::flash::{Case, HarnessError};
+use crate::hils_routing::{HeadSummaries, head_inputs, head_summaries, score_tolerance};
+use crate::recipes::subnormal_of;
+use crate::verdict::{OutputVerdict, compare, lse_row, output_row};
+
+/// f64's unit roundoff.
+const U: f64 = f64::EPSILON / 2.0;
+
+/// What [`verify_hils_output`] found.
+#[derive(Clone, Debug)]
+pub struct HilsOutputVerdict {
+    /// O against the oracle's.
+    pub o: OutputVerdict,
+    /// The LSE against the oracle's.
+    pub lse: OutputVerdict,
+    /// Query rows with at least one retrieved chunk.
+    pub retrieved_rows: usize,
+}
+
+impl HilsOutputVerdict {
+    /// O and the LSE within their bounds.
+    pub fn passed(&self) -> bool {
+        self.o.passed() && self.lse.passed()
+    }
+}
+
+/// The oracle's outputs over given lists, with each element's bound, laid out as the kernel's.
+#[derive(Clone, Debug)]
+pub struct HilsOutputTargets {
+    /// O.
+    pub o: ArrayD<f64>,
+    /// O's bounds.
+    pub o_bound: ArrayD<f64>,
+    /// The LSE.
+    pub lse: ArrayD<f64>,
+    /// The LSE's bounds.
+    pub lse_bound: ArrayD<f64>,
+    /// Query rows with at least one retrieved chunk.
+    pub retrieved_rows: usize,
+}
+
+/// `E(η, X, ξ)` of the module docs: how far a computed weighted average lies from the exact one.
+fn average_error(eta: f64, x: f64, xi: f64) -> f64 {
+    (4.0 * eta * x + (1.0 + eta) * xi) / (1.0 - eta) + U * (x + xi)
+}
+
+/// `η` of the module docs for a set of `terms` weights whose log-weights err by at most `eps`, with `exps` exps on a
+/// weight's path and `|log-weight| ≤ lambda`.
+fn weight_error(eps: f64, lambda: f64, exps: usize, terms: usize) -> f64 {
+    (eps + 2.0 * U * lambda * exps as f64).exp() * (1.0 + gamma(3 * exps)) * (1.0 + gamma(terms + 7 * exps + 8)) - 1.0
+}
+
+/// `ln Σ_j e^{s_j}` of a chunk's scores as `m + ln Σ_j e^{s_j − m}` (`m` their largest): its log-mass in f64, for
+/// the bound's `|f_b|` term.
+fn log_mass(scores: &[f64]) -> f64 {
+    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    m + scores.iter().map(|s| (s - m).exp()).sum::<f64>().ln()
+}
+
+/// The targets of HiLS's forward for `case` (causal self-attention), `landmarks` `[B, Hq, n_c, d]`, `config`, the
+/// chunks weighed by `mass`, over the kernel's `lists` `[B, Hq, max_len, K]`. See the module docs.
+pub fn hils_output_targets<T: Element>(
+    case: &Case<T>,
+    landmarks: ArrayView4<'_, T>,
+    config: HilsConfig,
+    mass: ChunkMass,
+    lists: ArrayView4<'_, i32>,
+) -> Result<HilsOutputTargets, HarnessError> {
+    let spec = &case.spec;
+    let (d, dv) = (spec.head_dim, spec.head_dim_v);
+    let scale = 1.0 / (d as f64).sqrt();
+    let (u_t, tau, u32_) = (T::UNIT_ROUNDOFF, subnormal_of::<T>() as f64, f64::from(f32::EPSILON) / 2.0);
+    let o_shape = spec.expected_shape(attnproof_oracle::spec::Operand::O);
+    let lse_shape = spec.expected_shape(attnproof_oracle::spec::Operand::RowStat);
+    let mut t = HilsOutputTargets {
+        o: ArrayD::zeros(IxDyn(&o_shape)),
+        o_bound: ArrayD::zeros(IxDyn(&o_shape)),
+        lse: ArrayD::zeros(IxDyn(&lse_shape)),
+        lse_bound: ArrayD::zeros(IxDyn(&lse_shape)),
+        retrieved_rows: 0,
+    };
+    let widened = case.widened();
+    let landmarks: ArrayD<f64> = landmarks.mapv(|x| x.to_f32() as f64).into_dyn();
+    for seq in spec.sequences().iter().filter(|s| s.len_q > 0) {
+        let n = seq.len_q;
+        for h in 0..spec.n_heads_q {
+            let inputs = head_inputs(spec, seq, h, (&widened, &landmarks), config);
+            let head_lists = lists
+                .index_axis(Axis(0), seq.index)
+                .index_axis_move(Axis(0), h)
+                .slice_axis_move(Axis(0), Slice::from(0..n));
+            let oracle = factorized_output(inputs, head_lists, config, mass, ())?;
+            let HeadSummaries { oracle: summaries, tolerances } = head_summaries(inputs, config, scale)?;
+            let (q, k, v) = (inputs.query, inputs.key, inputs.value);
+            let reach = |i: usize, j: usize| scale * (0..d).map(|c| (q[[i, c]] * k[[j, c]]).abs()).sum::<f64>();
+            for i in 0..n {
+                let start = local_window_start(i, config);
+                let chunks: Vec<usize> = head_lists.row(i).iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect();
+                t.retrieved_rows += usize::from(!chunks.is_empty());
+                let chunk_ranges: Vec<_> = chunks.iter().map(|&b| chunk_keys(b, n, config)).collect();
+                let keys = (start..=i).chain(chunk_ranges.iter().flat_map(|r| r.clone()));
+                let s_max = keys.map(|j| reach(i, j)).fold(0f64, f64::max);
+                let eps_s = gamma(d + 2) * s_max;
+                // Per chunk: its exact log-mass, the log-weight errors on each side, its average's error per column.
+                let mut logs = Vec::with_capacity(chunks.len());
+                let (mut eps_device, mut eps_oracle) = (eps_s, eps_s);
+                let mut xi = vec![0f64; dv];
+                let mut x = vec![0f64; dv];
+                for j in start..=i {
+                    for c in 0..dv {
+                        x[c] = x[c].max(v[[j, c]].abs());
+                    }
+                }
+                for (&b, range) in chunks.iter().zip(&chunk_ranges) {
+                    let scores: Vec<f64> =
+                        range.clone().map(|j| scale * (0..d).map(|c| q[[i, c]] * k[[j, c]]).sum::<f64>()).collect();
+                    let f_b = log_mass(&scores);
+                    let exps = range.len().div_ceil(32) + 1;
+                    let eta_b = weight_error(eps_s, s_max, exps, range.len());
+                    let eps_f = -(1.0 - eta_b).ln() + gamma(3) * (f_b.abs() + (range.len() as f64).ln() + 1.0);
+                    let values: ArrayView2<'_, f64> = v.slice_axis(Axis(0), Slice::from(range.clone()));
+                    for c in 0..dv {
+                        let x_b = values.column(c).iter().fold(0f64, |m, y| m.max(y.abs()));
+                        xi[c] = xi[c].max(average_error(eta_b, x_b, 0.0));
+                        x[c] = x[c].max(x_b);
+                    }
+                    match mass {
+                        ChunkMass::Exact => {
+                            logs.push(f_b);
+                            eps_device = eps_device.max(eps_f);
+                            eps_oracle = eps_oracle.max(eps_f);
+                        }
+                        ChunkMass::Surrogate => {
+                            logs.push(router_score(q.row(i), &summaries[b], ())?);
+                            eps_device =
+                                eps_device.max(score_tolerance(q.row(i), &summaries[b], &tolerances[b], scale));
+                        }
+                    }
+                }
+                let lambda = logs.iter().fold(s_max, |m, l| m.max(l.abs()));
+                let window = i + 1 - start;
+                let (exps, terms) = (window.div_ceil(32) + chunks.len() + 1, window + chunks.len());
+                let keys_read = window + chunk_ranges.iter().map(|r| r.len()).sum::<usize>();
+                let underflow = keys_read as f64 * 2f64.powi(-1000);
+                let (eta_d, eta_o) =
+                    (weight_error(eps_device, lambda, exps, terms), weight_error(eps_oracle, lambda, exps, terms));
+                let at = output_row(spec, seq, h, i);
+                for c in 0..dv {
+                    let o = oracle.o[[i, c]];
+                    let e = average_error(eta_d, x[c], xi[c]) + average_error(eta_o, x[c], xi[c]) + underflow * x[c];
+                    let coords: Vec<usize> = [at.as_slice(), &[c]].concat();
+                    t.o[IxDyn(&coords)] = o;
+                    t.o_bound[IxDyn(&coords)] = e + u_t * (o.abs() + e) + tau / 2.0;
+                }
+                let lse = oracle.lse[i];
+                let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (lse.abs() + (terms as f64).ln() + 1.0);
+                let e = side(eta_d) + side(eta_o);
+                let at = lse_row(spec, seq, h, i);
+                t.lse[IxDyn(&at)] = lse;
+                t.lse_bound[IxDyn(&at)] = e + u32_ * (lse.abs() + e);
+            }
+        }
+    }
+    Ok(t)
+}
+
+/// The verdict of candidate outputs (widened to f64) against `t`.
+pub fn judge(t: &HilsOutputTargets, o: ArrayViewD<'_, f64>, lse: ArrayViewD<'_, f64>) -> HilsOutputVerdict {
+    HilsOutputVerdict {
+        o: compare("O", o, t.o.view(), t.o_bound.view()),
+        lse: compare("LSE", lse, t.lse.view(), t.lse_bound.view()),
+        retrieved_rows: t.retrieved_rows,
+    }
+}
+
+/// Verifies a candidate `(O, LSE)` of HiLS's forward over the kernel's own `lists` against
+/// [`hils_output_targets`].
+pub fn verify_hils_output<T: Element>(
+    case: &Case<T>,
+    landmarks: ArrayView4<'_, T>,
+    config: HilsConfig,
+    mass: ChunkMass,
+    lists: ArrayView4<'_, i32>,
+    (o, lse): (ArrayViewD<'_, T>, ArrayViewD<'_, f32>),
+) -> Result<HilsOutputVerdict, HarnessError> {
+    let spec = &case.spec;
+    for (argument, op, shape) in [
+        ("o", attnproof_oracle::spec::Operand::O, o.shape()),
+        ("lse", attnproof_oracle::spec::Operand::RowStat, lse.shape()),
+    ] {
+        let expected = spec.expected_shape(op);
+        if shape != expected.as_slice() {
+            return Err(HarnessError::CandidateShape { argument, expected, actual: shape.to_vec() });
+        }
+    }
+    let t = hils_output_targets(case, landmarks, config, mass, lists)?;
+    Ok(judge(&t, o.mapv(|x| x.to_f32() as f64).view(), lse.mapv(f64::from).view()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::{ValueProfile, make_case};
+    use crate::hils_routing::{first_query_landmarks, oracle_routing};
+    use attnproof_oracle::spec::Operand;
+    use attnproof_oracle::{AttentionSpec, Mask};
+    use half::bf16;
+    use ndarray::Array4;
+
+    /// Two sequences over two KV heads with a GQA group of 2, chunks of 16, a window of 24 and 3 chunks per row: the
+    /// oracle's routing gives the lists.
+    fn setup(seed: u64) -> (Case<bf16>, Array4<bf16>, HilsConfig, Array4<i32>) {
+        let spec = AttentionSpec::dense(2, 4, 2, 150, 150, 16, 8).with_mask(Mask::Causal);
+        let case = make_case::<bf16>(&spec, ValueProfile::GAUSSIAN, seed);
+        let config = HilsConfig { chunk_size: 16, local_window: 24, retrieved_chunks: 3 };
+        let landmarks = first_query_landmarks(&case, config);
+        let (_, lists, _) = oracle_routing(&case, landmarks.view(), config).unwrap();
+        (case, landmarks, config, lists)
+    }
+
+    fn rounded(t: &HilsOutputTargets) -> (ArrayD<f64>, ArrayD<f64>) {
+        (t.o.mapv(|x| bf16::from_f64(x).to_f64()), t.lse.mapv(|x| x as f32 as f64))
+    }
+
+    /// The oracle's outputs rounded as the kernel rounds them pass under both masses; O moved by twice its bound at
+    /// its loosest element fails, and so does the LSE moved likewise.
+    #[test]
+    fn the_rounded_oracle_passes_and_perturbations_fail() {
+        let (case, landmarks, config, lists) = setup(3);
+        for mass in [ChunkMass::Surrogate, ChunkMass::Exact] {
+            let t = hils_output_targets(&case, landmarks.view(), config, mass, lists.view()).unwrap();
+            assert!(t.retrieved_rows > 0);
+            let (o, lse) = rounded(&t);
+            let v = judge(&t, o.view(), lse.view());
+            assert!(v.passed(), "{mass:?}: {v:?}");
+            let mut moved = o.clone();
+            let worst = t.o_bound.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+            moved.as_slice_mut().unwrap()[worst] += 2.0 * t.o_bound.as_slice().unwrap()[worst];
+            assert!(!judge(&t, moved.view(), lse.view()).o.passed(), "{mass:?}");
+            let mut moved = lse.clone();
+            let worst = t.lse_bound.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+            moved.as_slice_mut().unwrap()[worst] += 2.0 * t.lse_bound.as_slice().unwrap()[worst];
+            assert!(!judge(&t, o.view(), moved.view()).lse.passed(), "{mass:?}");
+        }
+    }
+
+    /// The verdict tells the two masses apart (HiLS's surrogate `r_ib` is not the chunk's exact log-mass) and a dropped
+    /// chunk: each of those outputs, rounded, fails.
+    #[test]
+    fn a_wrong_mass_or_a_dropped_chunk_fails() {
+        let (case, landmarks, config, lists) = setup(5);
+        let surrogate =
+            hils_output_targets(&case, landmarks.view(), config, ChunkMass::Surrogate, lists.view()).unwrap();
+        let exact = hils_output_targets(&case, landmarks.view(), config, ChunkMass::Exact, lists.view()).unwrap();
+        let (o, lse) = rounded(&exact);
+        assert!(!judge(&surrogate, o.view(), lse.view()).passed());
+        let (o, lse) = rounded(&surrogate);
+        assert!(!judge(&exact, o.view(), lse.view()).passed());
+        let mut fewer = lists.clone();
+        for mut row in fewer.lanes_mut(Axis(3)) {
+            let last = row.iter().rposition(|&b| b >= 0);
+            if let Some(slot) = last {
+                row[slot] = -1;
+            }
+        }
+        let dropped = hils_output_targets(&case, landmarks.view(), config, ChunkMass::Surrogate, fewer.view()).unwrap();
+        let (o, lse) = rounded(&dropped);
+        assert!(!judge(&surrogate, o.view(), lse.view()).passed());
+    }
+
+    /// Rows of a varlen batch land where the kernel writes them (O `[T, Hq, dv]`, the LSE `[Hq, T]`), a sequence
+    /// shorter than one chunk retrieves nothing, and a list naming a chunk that is not before a row's window is an
+    /// error, not a verdict.
+    #[test]
+    fn varlen_rows_and_bad_lists() {
+        let spec = crate::adversarial::varlen(&[0, 70, 75, 175], &[0, 70, 75, 175], 3, 1, 8, 4, Mask::Causal);
+        let case = make_case::<bf16>(&spec, ValueProfile::GAUSSIAN, 9);
+        let config = HilsConfig { chunk_size: 8, local_window: 9, retrieved_chunks: 2 };
+        let landmarks = first_query_landmarks(&case, config);
+        let (_, lists, _) = oracle_routing(&case, landmarks.view(), config).unwrap();
+        let t = hils_output_targets(&case, landmarks.view(), config, ChunkMass::Surrogate, lists.view()).unwrap();
+        assert_eq!(t.o.shape(), [175, 3, 4]);
+        assert_eq!(t.lse.shape(), [3, 175]);
+        assert!(t.retrieved_rows > 0 && t.o_bound.iter().all(|b| *b > 0.0 && b.is_finite()));
+        let (o, lse) = rounded(&t);
+        assert!(judge(&t, o.view(), lse.view()).passed());
+        let mut bad = lists.clone();
+        bad[[2, 0, 20, 0]] = 2; // row 20's window starts at key 8: only chunk 0 is before it
+        bad[[2, 0, 20, 1]] = -1;
+        assert!(hils_output_targets(&case, landmarks.view(), config, ChunkMass::Surrogate, bad.view()).is_err());
+    }
+
+    /// The CPU schedule of the kernel (`attnproof_reference::sparse::hils`: groups of 32 keys, the warp's tree sums,
+    /// f64 in the kernel's order) passes under both masses, with the oracle's summaries and lists: on the small
+    /// setup, and over two KV heads with chunks of 64 and a window of 100 (six groups of the online softmax).
+    #[test]
+    fn the_reference_schedule_passes() {
+        let long = {
+            let spec = AttentionSpec::dense(1, 4, 2, 260, 260, 32, 40).with_mask(Mask::Causal);
+            let profile = ValueProfile { logit_scale: 4.0, ..ValueProfile::GAUSSIAN };
+            let case = make_case::<bf16>(&spec, profile, 55);
+            let config = HilsConfig { chunk_size: 64, local_window: 100, retrieved_chunks: 3 };
+            let landmarks = first_query_landmarks(&case, config);
+            (case, landmarks, config)
+        };
+        let small = setup(7);
+        for (case, landmarks, config) in [(small.0, small.1, small.2), long] {
+            let (summaries, lists, _) = oracle_routing(&case, landmarks.view(), config).unwrap();
+            for mass in [ChunkMass::Surrogate, ChunkMass::Exact] {
+                let spec = &case.spec;
+                let mut o = ArrayD::from_elem(IxDyn(&spec.expected_shape(Operand::O)), bf16::NAN);
+                let mut lse = ArrayD::from_elem(IxDyn(&spec.expected_shape(Operand::RowStat)), f32::NAN);
+                let out = attnproof_reference::ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() };
+                let lists_view = lists.view();
+                attnproof_reference::sparse::hils::hils_forward(
+                    spec,
+                    &case.inputs(),
+                    (config, mass),
+                    summaries.view(),
+                    lists_view,
+                    out,
+                )
+                .unwrap();
+                let v = verify_hils_output(&case, landmarks.view(), config, mass, lists_view, (o.view(), lse.view()))
+                    .unwrap();
+                assert!(v.passed() && v.retrieved_rows > 0, "{config:?} {mass:?}: {v:?}");
+            }
+        }
+    }
+
+    /// The lemma's and the weights' bounds, term by term.
+    #[test]
+    fn the_error_terms_are_the_derived_formulas() {
+        assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + U * 2.5);
+        assert_eq!(average_error(0.0, 3.0, 0.0), U * 3.0);
+        let eta = weight_error(1e-3, 10.0, 4, 20);
+        let expected = (1e-3 + 2.0 * U * 10.0 * 4.0).exp() * (1.0 + gamma(12)) * (1.0 + gamma(20 + 28 + 8)) - 1.0;
+        assert_eq!(eta, expected);
+        assert_eq!(log_mass(&[0.0, 0.0]), 2f64.ln());
+        assert_eq!(log_mass(&[1000.0, f64::NEG_INFINITY]), 1000.0);
+    }
+}
