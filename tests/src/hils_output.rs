@@ -283,6 +283,35 @@ mod tests {
         }
     }
 
+    /// The f64 evaluations add almost nothing: every O bound is the storage rounding `u_T |o| + τ/2` plus less than
+    /// `2^-30` of the row's largest value, and every LSE bound f32's rounding plus less than `2^-30 (|lse| + 1)`; the
+    /// bounds of a row with a tenfold value are at least those of the original.
+    #[test]
+    fn the_bound_is_the_rounding_plus_a_small_f64_term() {
+        let (case, landmarks, config, lists) = setup(11);
+        let x = case.v.iter().fold(0f64, |m, v| m.max(v.to_f64().abs()));
+        let (u, tau) = (bf16::UNIT_ROUNDOFF, f64::from(subnormal_of::<bf16>()));
+        let u32_ = f64::from(f32::EPSILON) / 2.0;
+        for mass in [ChunkMass::Surrogate, ChunkMass::Exact] {
+            let t = hils_output_targets(&case, landmarks.view(), config, mass, lists.view()).unwrap();
+            for (o, b) in t.o.iter().zip(&t.o_bound) {
+                let rounding = u * o.abs() + tau / 2.0;
+                assert!(*b >= rounding && *b - rounding < 2f64.powi(-30) * x, "{mass:?}: {o} {b}");
+            }
+            for (l, b) in t.lse.iter().zip(&t.lse_bound) {
+                let rounding = u32_ * l.abs();
+                assert!(*b >= rounding && *b - rounding < 2f64.powi(-30) * (l.abs() + 1.0), "{mass:?}: {l} {b}");
+            }
+            let mut louder = case.clone();
+            louder.v.mapv_inplace(|v| bf16::from_f32(10.0 * v.to_f32()));
+            let t10 = hils_output_targets(&louder, landmarks.view(), config, mass, lists.view()).unwrap();
+            let f64_part = |t: &HilsOutputTargets| {
+                t.o.iter().zip(&t.o_bound).map(|(o, b)| b - u * o.abs() - tau / 2.0).fold(0f64, f64::max)
+            };
+            assert!(f64_part(&t10) > f64_part(&t), "{mass:?}: the f64 term grows with the values");
+        }
+    }
+
     /// The verdict tells the two masses apart (HiLS's surrogate `r_ib` is not the chunk's exact log-mass) and a dropped
     /// chunk: each of those outputs, rounded, fails.
     #[test]
