@@ -84,7 +84,7 @@ SANITIZE=(
     "attnproof-gpu-it pyramid_selection::sanitizer_shapes"
     "attnproof-gpu-it pyramid_diagnostics::sanitizer_shapes"
     "attnproof-gpu-it pisa_tail::sanitizer_shapes"
-    "attnproof-gpu-it hils_routing::sanitizer_shapes"
+    "attnproof-gpu-it hils::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
 # The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
