@@ -154,6 +154,19 @@ fn function<T: GpuElement>(
     module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(hils.cu)", e))
 }
 
+/// Checks host landmarks against their layout `[B, Hq, n_c, d]` (the device entry points can only check a length).
+fn check_landmarks_shape<T>(
+    spec: &AttentionSpec,
+    config: HilsConfig,
+    landmarks: &ArrayViewD<'_, T>,
+) -> Result<(), GpuError> {
+    let expected = vec![spec.sequences().len(), spec.n_heads_q, extents(spec, config).1, spec.head_dim];
+    if landmarks.shape() != expected.as_slice() {
+        return Err(GpuError::Shape { argument: "landmarks", expected, actual: landmarks.shape().to_vec() });
+    }
+    Ok(())
+}
+
 /// The router's outputs on the device.
 pub struct HilsRoutingDevice<'a> {
     /// `[B, Hq, n_c, d + 1]` f64: slope keys, then entropies (overwritten).
@@ -253,6 +266,7 @@ pub fn hils_route<T: GpuElement>(
     (q, k, landmarks): (ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>),
 ) -> Result<HilsRouting, GpuError> {
     plan(spec, config, true)?;
+    check_landmarks_shape(spec, config, &landmarks)?;
     let err = |what: &'static str| move |e| GpuError::driver(what, e);
     let up = |x: ArrayViewD<'_, T>| {
         let v: Vec<T> = x.iter().copied().collect();
@@ -407,6 +421,7 @@ pub fn hils_forward<T: GpuElement>(
     retrieved: Option<ArrayView4<'_, i32>>,
 ) -> Result<HilsForward<T>, GpuError> {
     plan_forward(spec, config, mass)?;
+    check_landmarks_shape(spec, config, &landmarks)?;
     if let Some(lists) = retrieved {
         check_retrieved(spec, config, lists)?;
     }
@@ -547,6 +562,21 @@ mod tests {
         let narrow = Array4::from_elem((2, 2, 40, 1), -1);
         let e = check_retrieved(&spec, c, narrow.view());
         assert!(matches!(e, Err(GpuError::Shape { argument: "retrieved", .. })), "{e:?}");
+    }
+
+    /// Host landmarks must have the layout `[B, Hq, n_c, d]`, not merely enough elements.
+    #[test]
+    fn host_landmarks_are_checked_by_shape() {
+        let spec = AttentionSpec::dense(2, 3, 1, 40, 40, 16, 8).with_mask(Mask::Causal);
+        let c = config(16, 8, 2);
+        let good = ndarray::ArrayD::<f32>::zeros(ndarray::IxDyn(&[2, 3, 3, 16]));
+        assert!(check_landmarks_shape(&spec, c, &good.view()).is_ok());
+        let transposed = ndarray::ArrayD::<f32>::zeros(ndarray::IxDyn(&[3, 2, 3, 16]));
+        let e = check_landmarks_shape(&spec, c, &transposed.view());
+        assert!(
+            matches!(&e, Err(GpuError::Shape { argument: "landmarks", expected, .. }) if expected == &[2, 3, 3, 16]),
+            "{e:?}"
+        );
     }
 
     #[test]
