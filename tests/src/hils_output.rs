@@ -155,7 +155,7 @@ pub fn hils_output_targets<T: Element>(
                         range.clone().map(|j| scale * (0..d).map(|c| q[[i, c]] * k[[j, c]]).sum::<f64>()).collect();
                     let f_b = log_mass(&scores);
                     let exps = range.len().div_ceil(32) + 1;
-                    let eta_b = weight_error(eps_s, s_max, exps, range.len());
+                    let eta_b = weight_error(eps_s, s_max + eps_s, exps, range.len());
                     let eps_f = -(1.0 - eta_b).ln() + gamma(3) * (f_b.abs() + (range.len() as f64).ln() + 1.0);
                     let values: ArrayView2<'_, f64> = v.slice_axis(Axis(0), Slice::from(range.clone()));
                     for c in 0..dv {
@@ -176,7 +176,8 @@ pub fn hils_output_targets<T: Element>(
                         }
                     }
                 }
-                let lambda = logs.iter().fold(s_max, |m, l| m.max(l.abs()));
+                // `Λ` bounds the computed log-weights as well as the exact ones.
+                let lambda = logs.iter().fold(s_max, |m, l| m.max(l.abs())) + eps_device.max(eps_oracle);
                 let window = i + 1 - start;
                 let (exps, terms) = (window.div_ceil(32) + chunks.len() + 1, window + chunks.len());
                 let keys_read = window + chunk_ranges.iter().map(|r| r.len()).sum::<usize>();
