@@ -35,7 +35,7 @@
 use attnproof_oracle::hils::{ChunkMass, HilsConfig, chunk_keys, factorized_output, local_window_start, router_score};
 use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_reference::Element;
-use ndarray::{ArrayD, ArrayView2, ArrayView4, ArrayViewD, Axis, IxDyn, Slice};
+use ndarray::{ArrayD, ArrayView4, ArrayViewD, Axis, IxDyn, Slice};
 
 use crate::flash::{Case, HarnessError};
 use crate::hils_routing::{HeadSummaries, head_inputs, head_summaries, score_tolerance};
@@ -96,6 +96,95 @@ fn log_mass(scores: &[f64]) -> f64 {
     m + scores.iter().map(|s| (s - m).exp()).sum::<f64>().ln()
 }
 
+/// One head's inputs and summaries, from which [`RowModel`]s are formed.
+struct HeadModel<'a> {
+    inputs: attnproof_oracle::hils::HilsInputs<'a, f64>,
+    summaries: &'a [attnproof_oracle::hils::ChunkSummary<f64>],
+    tolerances: &'a [(Vec<f64>, f64)],
+    scale: f64,
+    config: HilsConfig,
+    mass: ChunkMass,
+}
+
+/// What one row's bounds are made of (module docs): `η` of the kernel's evaluation and of the oracle's, per value
+/// column `X` and `max_b ξ_b`, the keys read (the underflow term) and the weights summed (the LSE's `ln` term).
+#[derive(Clone, Debug, PartialEq)]
+struct RowModel {
+    eta: (f64, f64),
+    x: Vec<f64>,
+    xi: Vec<f64>,
+    keys_read: usize,
+    terms: usize,
+}
+
+impl RowModel {
+    /// O's bound at column `c` around the oracle's `o`: both f64 evaluations, the underflow term, then the rounding
+    /// to a storage type of unit roundoff `u` and smallest subnormal `tau`.
+    fn o_bound(&self, c: usize, o: f64, (u, tau): (f64, f64)) -> f64 {
+        let (x, xi) = (self.x[c], self.xi[c]);
+        let underflow = self.keys_read as f64 * 2f64.powi(-1000) * x;
+        let e = average_error(self.eta.0, x, xi) + average_error(self.eta.1, x, xi) + underflow;
+        e + u * (o.abs() + e) + tau / 2.0
+    }
+
+    /// The LSE's bound around the oracle's `lse`: both evaluations, then f32's rounding (`u32`).
+    fn lse_bound(&self, lse: f64, u32_: f64) -> f64 {
+        let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (lse.abs() + (self.terms as f64).ln() + 1.0);
+        let e = side(self.eta.0) + side(self.eta.1);
+        e + u32_ * (lse.abs() + e)
+    }
+}
+
+impl HeadModel<'_> {
+    /// The model of row `i` retrieving `chunks`.
+    fn row(&self, i: usize, chunks: &[usize]) -> Result<RowModel, HarnessError> {
+        let (q, k, v) = (self.inputs.query, self.inputs.key, self.inputs.value);
+        let (n, d, dv, scale) = (k.nrows(), q.ncols(), v.ncols(), self.scale);
+        let reach = |j: usize| scale * (0..d).map(|c| (q[[i, c]] * k[[j, c]]).abs()).sum::<f64>();
+        let start = local_window_start(i, self.config);
+        let chunk_ranges: Vec<_> = chunks.iter().map(|&b| chunk_keys(b, n, self.config)).collect();
+        let s_max = (start..=i).chain(chunk_ranges.iter().flat_map(|r| r.clone())).map(reach).fold(0f64, f64::max);
+        let eps_s = gamma(d + 2) * s_max;
+        // Per chunk: its log-mass, the log-weight errors on each side, its average's error per column.
+        let mut logs = Vec::with_capacity(chunks.len());
+        let (mut eps_device, mut eps_oracle) = (eps_s, eps_s);
+        let mut xi = vec![0f64; dv];
+        let mut x: Vec<f64> = (0..dv).map(|c| (start..=i).map(|j| v[[j, c]].abs()).fold(0f64, f64::max)).collect();
+        for (&b, range) in chunks.iter().zip(&chunk_ranges) {
+            let scores: Vec<f64> =
+                range.clone().map(|j| scale * (0..d).map(|c| q[[i, c]] * k[[j, c]]).sum::<f64>()).collect();
+            let f_b = log_mass(&scores);
+            let exps = range.len().div_ceil(32) + 1;
+            let eta_b = weight_error(eps_s, s_max + eps_s, exps, range.len());
+            let eps_f = -(1.0 - eta_b).ln() + gamma(3) * (f_b.abs() + (range.len() as f64).ln() + 1.0);
+            for c in 0..dv {
+                let x_b = range.clone().map(|j| v[[j, c]].abs()).fold(0f64, f64::max);
+                xi[c] = xi[c].max(average_error(eta_b, x_b, 0.0));
+                x[c] = x[c].max(x_b);
+            }
+            match self.mass {
+                ChunkMass::Exact => {
+                    logs.push(f_b);
+                    eps_device = eps_device.max(eps_f);
+                    eps_oracle = eps_oracle.max(eps_f);
+                }
+                ChunkMass::Surrogate => {
+                    logs.push(router_score(q.row(i), &self.summaries[b], ())?);
+                    let tolerance = score_tolerance(q.row(i), &self.summaries[b], &self.tolerances[b], scale);
+                    eps_device = eps_device.max(tolerance);
+                }
+            }
+        }
+        // `Λ` bounds the computed log-weights as well as the exact ones.
+        let lambda = logs.iter().fold(s_max, |m, l| m.max(l.abs())) + eps_device.max(eps_oracle);
+        let window = i + 1 - start;
+        let (exps, terms) = (window.div_ceil(32) + chunks.len() + 1, window + chunks.len());
+        let eta = (weight_error(eps_device, lambda, exps, terms), weight_error(eps_oracle, lambda, exps, terms));
+        let keys_read = window + chunk_ranges.iter().map(|r| r.len()).sum::<usize>();
+        Ok(RowModel { eta, x, xi, keys_read, terms })
+    }
+}
+
 /// The targets of HiLS's forward for `case` (causal self-attention), `landmarks` `[B, Hq, n_c, d]`, `config`, the
 /// chunks weighed by `mass`, over the kernel's `lists` `[B, Hq, max_len, K]`. See the module docs.
 pub fn hils_output_targets<T: Element>(
@@ -130,74 +219,22 @@ pub fn hils_output_targets<T: Element>(
                 .slice_axis_move(Axis(0), Slice::from(0..n));
             let oracle = factorized_output(inputs, head_lists, config, mass, ())?;
             let HeadSummaries { oracle: summaries, tolerances } = head_summaries(inputs, config, scale)?;
-            let (q, k, v) = (inputs.query, inputs.key, inputs.value);
-            let reach = |i: usize, j: usize| scale * (0..d).map(|c| (q[[i, c]] * k[[j, c]]).abs()).sum::<f64>();
+            let head = HeadModel { inputs, summaries: &summaries, tolerances: &tolerances, scale, config, mass };
             for i in 0..n {
-                let start = local_window_start(i, config);
                 let chunks: Vec<usize> = head_lists.row(i).iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect();
                 t.retrieved_rows += usize::from(!chunks.is_empty());
-                let chunk_ranges: Vec<_> = chunks.iter().map(|&b| chunk_keys(b, n, config)).collect();
-                let keys = (start..=i).chain(chunk_ranges.iter().flat_map(|r| r.clone()));
-                let s_max = keys.map(|j| reach(i, j)).fold(0f64, f64::max);
-                let eps_s = gamma(d + 2) * s_max;
-                // Per chunk: its exact log-mass, the log-weight errors on each side, its average's error per column.
-                let mut logs = Vec::with_capacity(chunks.len());
-                let (mut eps_device, mut eps_oracle) = (eps_s, eps_s);
-                let mut xi = vec![0f64; dv];
-                let mut x = vec![0f64; dv];
-                for j in start..=i {
-                    for c in 0..dv {
-                        x[c] = x[c].max(v[[j, c]].abs());
-                    }
-                }
-                for (&b, range) in chunks.iter().zip(&chunk_ranges) {
-                    let scores: Vec<f64> =
-                        range.clone().map(|j| scale * (0..d).map(|c| q[[i, c]] * k[[j, c]]).sum::<f64>()).collect();
-                    let f_b = log_mass(&scores);
-                    let exps = range.len().div_ceil(32) + 1;
-                    let eta_b = weight_error(eps_s, s_max + eps_s, exps, range.len());
-                    let eps_f = -(1.0 - eta_b).ln() + gamma(3) * (f_b.abs() + (range.len() as f64).ln() + 1.0);
-                    let values: ArrayView2<'_, f64> = v.slice_axis(Axis(0), Slice::from(range.clone()));
-                    for c in 0..dv {
-                        let x_b = values.column(c).iter().fold(0f64, |m, y| m.max(y.abs()));
-                        xi[c] = xi[c].max(average_error(eta_b, x_b, 0.0));
-                        x[c] = x[c].max(x_b);
-                    }
-                    match mass {
-                        ChunkMass::Exact => {
-                            logs.push(f_b);
-                            eps_device = eps_device.max(eps_f);
-                            eps_oracle = eps_oracle.max(eps_f);
-                        }
-                        ChunkMass::Surrogate => {
-                            logs.push(router_score(q.row(i), &summaries[b], ())?);
-                            eps_device =
-                                eps_device.max(score_tolerance(q.row(i), &summaries[b], &tolerances[b], scale));
-                        }
-                    }
-                }
-                // `Λ` bounds the computed log-weights as well as the exact ones.
-                let lambda = logs.iter().fold(s_max, |m, l| m.max(l.abs())) + eps_device.max(eps_oracle);
-                let window = i + 1 - start;
-                let (exps, terms) = (window.div_ceil(32) + chunks.len() + 1, window + chunks.len());
-                let keys_read = window + chunk_ranges.iter().map(|r| r.len()).sum::<usize>();
-                let underflow = keys_read as f64 * 2f64.powi(-1000);
-                let (eta_d, eta_o) =
-                    (weight_error(eps_device, lambda, exps, terms), weight_error(eps_oracle, lambda, exps, terms));
+                let row = head.row(i, &chunks)?;
                 let at = output_row(spec, seq, h, i);
                 for c in 0..dv {
                     let o = oracle.o[[i, c]];
-                    let e = average_error(eta_d, x[c], xi[c]) + average_error(eta_o, x[c], xi[c]) + underflow * x[c];
                     let coords: Vec<usize> = [at.as_slice(), &[c]].concat();
                     t.o[IxDyn(&coords)] = o;
-                    t.o_bound[IxDyn(&coords)] = e + u_t * (o.abs() + e) + tau / 2.0;
+                    t.o_bound[IxDyn(&coords)] = row.o_bound(c, o, (u_t, tau));
                 }
                 let lse = oracle.lse[i];
-                let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (lse.abs() + (terms as f64).ln() + 1.0);
-                let e = side(eta_d) + side(eta_o);
                 let at = lse_row(spec, seq, h, i);
                 t.lse[IxDyn(&at)] = lse;
-                t.lse_bound[IxDyn(&at)] = e + u32_ * (lse.abs() + e);
+                t.lse_bound[IxDyn(&at)] = row.lse_bound(lse, u32_);
             }
         }
     }
@@ -269,18 +306,21 @@ mod tests {
         let (case, landmarks, config, lists) = setup(3);
         for mass in [ChunkMass::Surrogate, ChunkMass::Exact] {
             let t = hils_output_targets(&case, landmarks.view(), config, mass, lists.view()).unwrap();
-            assert!(t.retrieved_rows > 0);
+            let listed = lists.lanes(Axis(3)).into_iter().filter(|row| row[0] >= 0).count();
+            assert!(t.retrieved_rows == listed && listed > 0, "{} against {listed}", t.retrieved_rows);
             let (o, lse) = rounded(&t);
             let v = judge(&t, o.view(), lse.view());
             assert!(v.passed(), "{mass:?}: {v:?}");
             let mut moved = o.clone();
             let worst = t.o_bound.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
             moved.as_slice_mut().unwrap()[worst] += 2.0 * t.o_bound.as_slice().unwrap()[worst];
-            assert!(!judge(&t, moved.view(), lse.view()).o.passed(), "{mass:?}");
+            let v = judge(&t, moved.view(), lse.view());
+            assert!(!v.o.passed() && v.lse.passed() && !v.passed(), "{mass:?}");
             let mut moved = lse.clone();
             let worst = t.lse_bound.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
             moved.as_slice_mut().unwrap()[worst] += 2.0 * t.lse_bound.as_slice().unwrap()[worst];
-            assert!(!judge(&t, o.view(), moved.view()).lse.passed(), "{mass:?}");
+            let v = judge(&t, o.view(), moved.view());
+            assert!(v.o.passed() && !v.lse.passed() && !v.passed(), "{mass:?}");
         }
     }
 
@@ -397,9 +437,65 @@ mod tests {
         }
     }
 
+    /// One row's model, term by term, on a head of six keys (`d = 2`, two value columns, chunks of 2, a window of 2):
+    /// row 5 reads its window (keys 4 and 5) and chunk 1 (keys 2 and 3), where both the largest `|q·k|` (key 3) and
+    /// the largest value of each column (key 2) lie; row 1 retrieves nothing. Then the bounds from a model.
+    #[test]
+    fn a_rows_model_is_assembled_from_its_window_and_chunks() {
+        let q = ndarray::array![[0.5, -1.0], [1.0, 0.5], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5], [1.0, 2.0]];
+        let k = ndarray::array![[1.0, 0.0], [0.5, 0.5], [-1.0, 1.0], [2.0, -3.0], [0.5, 1.0], [1.0, 0.25]];
+        let v = ndarray::array![[1.0, -1.0], [0.5, 2.0], [-4.0, 8.0], [1.0, -2.0], [0.25, 0.5], [3.0, 1.0]];
+        let landmarks = ndarray::array![[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]];
+        let inputs = attnproof_oracle::hils::HilsInputs {
+            query: q.view(),
+            key: k.view(),
+            value: v.view(),
+            landmarks: landmarks.view(),
+        };
+        let config = HilsConfig { chunk_size: 2, local_window: 2, retrieved_chunks: 1 };
+        let scale = 1.0 / 2f64.sqrt();
+        let HeadSummaries { oracle: summaries, tolerances } = head_summaries(inputs, config, scale).unwrap();
+        let head = |mass| HeadModel { inputs, summaries: &summaries, tolerances: &tolerances, scale, config, mass };
+        // Row 5, q = (1, 2): |q·k| over keys 2..=5 is 3, 8, 2.5, 1.5; the largest is key 3's.
+        let s_max = scale * 8.0;
+        let eps_s = gamma(4) * s_max;
+        let (s2, s3) = (scale * (-1.0 + 2.0), scale * (2.0 - 6.0));
+        let f_b = log_mass(&[s2, s3]);
+        let eta_b = weight_error(eps_s, s_max + eps_s, 2, 2);
+        let eps_f = -(1.0 - eta_b).ln() + gamma(3) * (f_b.abs() + 2f64.ln() + 1.0);
+        let xi = vec![average_error(eta_b, 4.0, 0.0), average_error(eta_b, 8.0, 0.0)];
+        let eps = eps_s.max(eps_f);
+        let lambda = s_max.max(f_b.abs()) + eps;
+        let eta = weight_error(eps, lambda, 3, 3);
+        let expected = RowModel { eta: (eta, eta), x: vec![4.0, 8.0], xi: xi.clone(), keys_read: 4, terms: 3 };
+        assert_eq!(head(ChunkMass::Exact).row(5, &[1]).unwrap(), expected);
+        // The surrogate: the kernel's log-weight errs by the router score's tolerance, the oracle's does not.
+        let r = router_score(q.row(5), &summaries[1], ()).unwrap();
+        let tolerance = score_tolerance(q.row(5), &summaries[1], &tolerances[1], scale);
+        let lambda = s_max.max(r.abs()) + eps_s.max(tolerance);
+        let eta = (weight_error(eps_s.max(tolerance), lambda, 3, 3), weight_error(eps_s, lambda, 3, 3));
+        let expected = RowModel { eta, x: vec![4.0, 8.0], xi, keys_read: 4, terms: 3 };
+        assert_eq!(head(ChunkMass::Surrogate).row(5, &[1]).unwrap(), expected);
+        // Row 1, q = (1, 0.5): its window is keys 0 and 1 (|q·k| 1 and 0.75), no chunk.
+        let (s_max, eps_s) = (scale * 1.0, gamma(4) * scale * 1.0);
+        let eta = weight_error(eps_s, s_max + eps_s, 2, 2);
+        let expected = RowModel { eta: (eta, eta), x: vec![1.0, 2.0], xi: vec![0.0, 0.0], keys_read: 2, terms: 2 };
+        assert_eq!(head(ChunkMass::Surrogate).row(1, &[]).unwrap(), expected);
+        // The bounds of a model.
+        let model = RowModel { eta: (0.01, 0.02), x: vec![2.0], xi: vec![0.5], keys_read: 3, terms: 4 };
+        let (u, tau) = (1.0 / 256.0, 2f64.powi(-133));
+        let e = average_error(0.01, 2.0, 0.5) + average_error(0.02, 2.0, 0.5) + 3.0 * 2f64.powi(-1000) * 2.0;
+        assert_eq!(model.o_bound(0, -1.5, (u, tau)), e + u * (1.5 + e) + tau / 2.0);
+        let u32_ = f64::from(f32::EPSILON) / 2.0;
+        let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (3.0 + 4f64.ln() + 1.0);
+        let e = side(0.01) + side(0.02);
+        assert_eq!(model.lse_bound(-3.0, u32_), e + u32_ * (3.0 + e));
+    }
+
     /// The lemma's and the weights' bounds, term by term.
     #[test]
     fn the_error_terms_are_the_derived_formulas() {
+        assert_eq!(U, 2f64.powi(-53));
         assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + U * 2.5);
         assert_eq!(average_error(0.0, 3.0, 0.0), U * 3.0);
         let eta = weight_error(1e-3, 10.0, 4, 20);
