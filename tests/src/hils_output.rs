@@ -490,6 +490,11 @@ mod tests {
         let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (3.0 + 4f64.ln() + 1.0);
         let e = side(0.01) + side(0.02);
         assert_eq!(model.lse_bound(-3.0, u32_), e + u32_ * (3.0 + e));
+        // Nothing to err: O's bound is half the smallest subnormal, the LSE's the logarithm's rounding of one term.
+        let exact = RowModel { eta: (0.0, 0.0), x: vec![0.0], xi: vec![0.0], keys_read: 5, terms: 1 };
+        assert_eq!(exact.o_bound(0, 0.0, (u, tau)), tau / 2.0);
+        let e = 2.0 * gamma(3);
+        assert_eq!(exact.lse_bound(0.0, u32_), e + u32_ * e);
     }
 
     /// The lemma's and the weights' bounds, term by term.
