@@ -84,9 +84,13 @@ fn average_error(eta: f64, x: f64, xi: f64) -> f64 {
 }
 
 /// `η` of the module docs for a set of `terms` weights whose log-weights err by at most `eps`, with `exps` exps on a
-/// weight's path and `|log-weight| ≤ lambda`.
+/// weight's path and `|log-weight| ≤ lambda`. `(1 + a)(1 + b)(1 + c) − 1` is expanded from `a = e^x − 1` (`exp_m1`)
+/// so that `η`, of the order of `u`, keeps its relative precision (`e^x − 1` for `x ≈ 100u` would lose it to the
+/// rounding of `e^x` near 1); the sum of its positive terms is raised by `2^-40` to cover its own roundings.
 fn weight_error(eps: f64, lambda: f64, exps: usize, terms: usize) -> f64 {
-    (eps + 2.0 * U * lambda * exps as f64).exp() * (1.0 + gamma(3 * exps)) * (1.0 + gamma(terms + 7 * exps + 8)) - 1.0
+    let a = (eps + 2.0 * U * lambda * exps as f64).exp_m1();
+    let (b, c) = (gamma(3 * exps), gamma(terms + 7 * exps + 8));
+    (a + b + c + a * b + a * c + b * c + a * b * c) * (1.0 + 2f64.powi(-40))
 }
 
 /// `ln Σ_j e^{s_j}` of a chunk's scores as `m + ln Σ_j e^{s_j − m}` (`m` their largest): its log-mass in f64, for
@@ -437,15 +441,30 @@ mod tests {
         }
     }
 
-    /// One row's model, term by term, on a head of six keys (`d = 2`, two value columns, chunks of 2, a window of 2):
+    /// One row's model, term by term, on a head of six keys (`d = 3`, two value columns, chunks of 2, a window of 2):
     /// row 5 reads its window (keys 4 and 5) and chunk 1 (keys 2 and 3), where both the largest `|q·k|` (key 3) and
     /// the largest value of each column (key 2) lie; row 1 retrieves nothing. Then the bounds from a model.
     #[test]
     fn a_rows_model_is_assembled_from_its_window_and_chunks() {
-        let q = ndarray::array![[0.5, -1.0], [1.0, 0.5], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5], [1.0, 2.0]];
-        let k = ndarray::array![[1.0, 0.0], [0.5, 0.5], [-1.0, 1.0], [2.0, -3.0], [0.5, 1.0], [1.0, 0.25]];
+        // d = 3 (so that no count of the bound's terms coincides with another formula's), the third query column 0.
+        let q = ndarray::array![
+            [0.5, -1.0, 0.0],
+            [1.0, 0.5, 0.0],
+            [0.0, 1.0, 0.0],
+            [1.0, 1.0, 0.0],
+            [-1.0, 0.5, 0.0],
+            [1.0, 2.0, 0.0]
+        ];
+        let k = ndarray::array![
+            [1.0, 0.0, 9.0],
+            [0.5, 0.5, 9.0],
+            [-1.0, 1.0, 9.0],
+            [2.0, -3.0, 9.0],
+            [0.5, 1.0, 9.0],
+            [1.0, 0.25, 9.0]
+        ];
         let v = ndarray::array![[1.0, -1.0], [0.5, 2.0], [-4.0, 8.0], [1.0, -2.0], [0.25, 0.5], [3.0, 1.0]];
-        let landmarks = ndarray::array![[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]];
+        let landmarks = ndarray::array![[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0]];
         let inputs = attnproof_oracle::hils::HilsInputs {
             query: q.view(),
             key: k.view(),
@@ -453,12 +472,12 @@ mod tests {
             landmarks: landmarks.view(),
         };
         let config = HilsConfig { chunk_size: 2, local_window: 2, retrieved_chunks: 1 };
-        let scale = 1.0 / 2f64.sqrt();
+        let scale = 1.0 / 3f64.sqrt();
         let HeadSummaries { oracle: summaries, tolerances } = head_summaries(inputs, config, scale).unwrap();
         let head = |mass| HeadModel { inputs, summaries: &summaries, tolerances: &tolerances, scale, config, mass };
         // Row 5, q = (1, 2): |q·k| over keys 2..=5 is 3, 8, 2.5, 1.5; the largest is key 3's.
         let s_max = scale * 8.0;
-        let eps_s = gamma(4) * s_max;
+        let eps_s = gamma(5) * s_max;
         let (s2, s3) = (scale * (-1.0 + 2.0), scale * (2.0 - 6.0));
         let f_b = log_mass(&[s2, s3]);
         let eta_b = weight_error(eps_s, s_max + eps_s, 2, 2);
@@ -477,7 +496,7 @@ mod tests {
         let expected = RowModel { eta, x: vec![4.0, 8.0], xi, keys_read: 4, terms: 3 };
         assert_eq!(head(ChunkMass::Surrogate).row(5, &[1]).unwrap(), expected);
         // Row 1, q = (1, 0.5): its window is keys 0 and 1 (|q·k| 1 and 0.75), no chunk.
-        let (s_max, eps_s) = (scale * 1.0, gamma(4) * scale * 1.0);
+        let (s_max, eps_s) = (scale * 1.0, gamma(5) * scale * 1.0);
         let eta = weight_error(eps_s, s_max + eps_s, 2, 2);
         let expected = RowModel { eta: (eta, eta), x: vec![1.0, 2.0], xi: vec![0.0, 0.0], keys_read: 2, terms: 2 };
         assert_eq!(head(ChunkMass::Surrogate).row(1, &[]).unwrap(), expected);
@@ -504,8 +523,14 @@ mod tests {
         assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + U * 2.5);
         assert_eq!(average_error(0.0, 3.0, 0.0), U * 3.0);
         let eta = weight_error(1e-3, 10.0, 4, 20);
-        let expected = (1e-3 + 2.0 * U * 10.0 * 4.0).exp() * (1.0 + gamma(12)) * (1.0 + gamma(20 + 28 + 8)) - 1.0;
+        let (a, b, c) = ((1e-3 + 2.0 * U * 10.0 * 4.0).exp_m1(), gamma(12), gamma(20 + 28 + 8));
+        let expected = (a + b + c + a * b + a * c + b * c + a * b * c) * (1.0 + 2f64.powi(-40));
         assert_eq!(eta, expected);
+        // At the size the bounds meet, `η` agrees with `(1 + a)(1 + b)(1 + c) − 1` evaluated in exact arithmetic to a
+        // relative 2^-40 (from above); `e^x (1 + b)(1 + c) − 1` in f64 would lose about 1 % here.
+        let small = weight_error(3e-15, 6.0, 3, 3);
+        let exact = (3e-15 + 36.0 * U) + gamma(9) + gamma(32);
+        assert!(small >= exact && small <= exact * (1.0 + 2f64.powi(-30)), "{small} {exact}");
         assert_eq!(log_mass(&[0.0, 0.0]), 2f64.ln());
         assert_eq!(log_mass(&[1000.0, f64::NEG_INFINITY]), 1000.0);
     }
