@@ -310,7 +310,7 @@ fn bad_hils_input_is_a_typed_error() {
     let mut lse = stream.alloc_zeros::<f32>(2 * 100).unwrap();
     let mut small_o = stream.alloc_zeros::<bf16>(100 * 2 * 16 - 1).unwrap();
     let mut small_lse = stream.alloc_zeros::<f32>(2 * 100 - 1).unwrap();
-    let short_v = stream.alloc_zeros::<bf16>(100 * 16).unwrap();
+    let short_v = stream.alloc_zeros::<bf16>(100 * 16 - 1).unwrap();
     let sentinel = vec![-7i32; lists_len(&spec, config)];
     for (argument, which) in [("o", 0), ("lse", 1), ("v", 2)] {
         let mut lists = stream.clone_htod(&sentinel).unwrap();
