@@ -12,8 +12,10 @@
 //! **The weighted-average lemma.** Let `o = Σ w_t x_t / Σ w_t` and a computation whose numerator and denominator
 //! weights are `w_t(1 + a_t)` and `w_t(1 + b_t)` with `|a_t|, |b_t| ≤ η`, values `x̂_t` within `ξ` of `x_t`, then one
 //! division (`u = 2^-53`). Since `Σ w_t (x_t − o) = 0`, the error is at most
-//! `(η R + 2η |o| + (1 + η) ξ) / (1 − η) + u (X + ξ)` with `R = max |x_t − o| ≤ 2X`, `X = max |x_t|`: so
-//! `E(η, X, ξ) = (4η X + (1 + η) ξ) / (1 − η) + u (X + ξ)`.
+//! `(η R + 2η |o| + (1 + η) ξ) / (1 − η) + u (X + ξ)` with `R = max |x_t − o| ≤ 2X`, `X = max |x_t|`. Weights that
+//! underflow f64 on one side only (below `2^-1022` of the largest, which is 1) move the average by less than
+//! `2^-1021 X` each, far below a second `u X` for any number of keys below `2^960`: so
+//! `E(η, X, ξ) = (4η X + (1 + η) ξ) / (1 − η) + 2u (X + ξ)`.
 //!
 //! **The weights.** A weight leaves the online softmax as `e^{ℓ̂_t − M̂}` times the rescalings it went through; in
 //! exact arithmetic of the computed maxima the rescalings telescope, so relative to the common `e^{−M̂}` a weight's
@@ -21,8 +23,7 @@
 //! set and per merged chunk, plus one), the argument's subtraction (`u · 2Λ`, `Λ` the largest `|log-weight|`); each
 //! `exp` (≤ 2u relative, CUDA's and libm's double `exp` within one ulp) and each rescaling product adds `3u`. The
 //! sums (the kernel's warp trees and running sums, the oracle's sequential sums) add `γ_N`, `N = terms + 7n + 8`.
-//! Hence `η = e^{x} (1 + γ_{3n}) (1 + γ_N) − 1 ≤ (e^x − 1) + γ_{N+3n} e^x`, `x = max ε_t + 2uΛn`, and 2^-1000 of `X`
-//! per term covers weights that underflow f64 on one side only (the largest weight is 1).
+//! Hence `η = e^{x} (1 + γ_{3n}) (1 + γ_N) − 1 ≤ (e^x − 1) + γ_{N+3n} e^x`, `x = max ε_t + 2uΛn`.
 //!
 //! **The pieces.** Scores: `ε_s = γ_{d+2} S`, `S = max_j α Σ_c |q_ic k_jc|` over the row's keys (local and retrieved).
 //! A chunk's average `ō_ib` (its keys exact values, `n = ⌈C/32⌉ + 1`): within `ξ_b = E(η_b, X_b, 0)` per column. Its
@@ -80,7 +81,7 @@ pub struct HilsOutputTargets {
 
 /// `E(η, X, ξ)` of the module docs: how far a computed weighted average lies from the exact one.
 fn average_error(eta: f64, x: f64, xi: f64) -> f64 {
-    (4.0 * eta * x + (1.0 + eta) * xi) / (1.0 - eta) + U * (x + xi)
+    (4.0 * eta * x + (1.0 + eta) * xi) / (1.0 - eta) + 2.0 * U * (x + xi)
 }
 
 /// `η` of the module docs for a set of `terms` weights whose log-weights err by at most `eps`, with `exps` exps on a
@@ -110,23 +111,21 @@ struct HeadModel<'a> {
 }
 
 /// What one row's bounds are made of (module docs): `η` of the kernel's evaluation and of the oracle's, per value
-/// column `X` and `max_b ξ_b`, the keys read (the underflow term) and the weights summed (the LSE's `ln` term).
+/// column `X` and `max_b ξ_b`, and the weights summed (the LSE's `ln` term).
 #[derive(Clone, Debug, PartialEq)]
 struct RowModel {
     eta: (f64, f64),
     x: Vec<f64>,
     xi: Vec<f64>,
-    keys_read: usize,
     terms: usize,
 }
 
 impl RowModel {
-    /// O's bound at column `c` around the oracle's `o`: both f64 evaluations, the underflow term, then the rounding
-    /// to a storage type of unit roundoff `u` and smallest subnormal `tau`.
+    /// O's bound at column `c` around the oracle's `o`: both f64 evaluations, then the rounding to a storage type of
+    /// unit roundoff `u` and smallest subnormal `tau`.
     fn o_bound(&self, c: usize, o: f64, (u, tau): (f64, f64)) -> f64 {
         let (x, xi) = (self.x[c], self.xi[c]);
-        let underflow = self.keys_read as f64 * 2f64.powi(-1000) * x;
-        let e = average_error(self.eta.0, x, xi) + average_error(self.eta.1, x, xi) + underflow;
+        let e = average_error(self.eta.0, x, xi) + average_error(self.eta.1, x, xi);
         e + u * (o.abs() + e) + tau / 2.0
     }
 
@@ -183,8 +182,7 @@ impl HeadModel<'_> {
         let window = i + 1 - start;
         let (exps, terms) = (window.div_ceil(32) + chunks.len() + 1, window + chunks.len());
         let eta = (weight_error(eps_device, lambda, exps, terms), weight_error(eps_oracle, lambda, exps, terms));
-        let keys_read = window + chunk_ranges.iter().map(|r| r.len()).sum::<usize>();
-        Ok(RowModel { eta, x, xi, keys_read, terms })
+        Ok(RowModel { eta, x, xi, terms })
     }
 }
 
@@ -356,6 +354,36 @@ mod tests {
         }
     }
 
+    /// The targets bound each element by its row's model, formed with the scale `1/√d` over the head's own inputs,
+    /// summaries, lists and mass (here the last row of sequence 1, query head 3, which reads KV head 1).
+    #[test]
+    fn the_targets_bound_each_element_by_its_rows_model() {
+        let (case, landmarks, config, lists) = setup(13);
+        let spec = &case.spec;
+        let (u, tau) = (bf16::UNIT_ROUNDOFF, f64::from(subnormal_of::<bf16>()));
+        let u32_ = f64::from(f32::EPSILON) / 2.0;
+        let widened = case.widened();
+        let landmarks_f64: ArrayD<f64> = landmarks.mapv(|x| x.to_f32() as f64).into_dyn();
+        let seq = &spec.sequences()[1];
+        let inputs = head_inputs(spec, seq, 3, (&widened, &landmarks_f64), config);
+        let scale = 1.0 / 4.0;
+        let HeadSummaries { oracle: summaries, tolerances } = head_summaries(inputs, config, scale).unwrap();
+        let i = 149;
+        let chunks: Vec<usize> =
+            (0..config.retrieved_chunks).map(|w| lists[[1, 3, i, w]]).filter(|&b| b >= 0).map(|b| b as usize).collect();
+        assert!(!chunks.is_empty());
+        for mass in [ChunkMass::Surrogate, ChunkMass::Exact] {
+            let t = hils_output_targets(&case, landmarks.view(), config, mass, lists.view()).unwrap();
+            let head = HeadModel { inputs, summaries: &summaries, tolerances: &tolerances, scale, config, mass };
+            let row = head.row(i, &chunks).unwrap();
+            for c in 0..spec.head_dim_v {
+                let o = t.o[[1, 3, i, c]];
+                assert_eq!(t.o_bound[[1, 3, i, c]], row.o_bound(c, o, (u, tau)), "{mass:?} column {c}");
+            }
+            assert_eq!(t.lse_bound[[1, 3, i]], row.lse_bound(t.lse[[1, 3, i]], u32_), "{mass:?}");
+        }
+    }
+
     /// The verdict tells the two masses apart (HiLS's surrogate `r_ib` is not the chunk's exact log-mass) and a dropped
     /// chunk: each of those outputs, rounded, fails.
     #[test]
@@ -380,12 +408,12 @@ mod tests {
         assert!(!judge(&surrogate, o.view(), lse.view()).passed());
     }
 
-    /// Rows of a varlen batch land where the kernel writes them (O `[T, Hq, dv]`, the LSE `[Hq, T]`), a sequence
-    /// shorter than one chunk retrieves nothing, and a list naming a chunk that is not before a row's window is an
-    /// error, not a verdict.
+    /// Rows of a varlen batch land where the kernel writes them (O `[T, Hq, dv]`, the LSE `[Hq, T]`), an empty
+    /// sequence and one shorter than a chunk retrieve nothing, and a list naming a chunk that is not before a row's
+    /// window is an error, not a verdict.
     #[test]
     fn varlen_rows_and_bad_lists() {
-        let spec = crate::adversarial::varlen(&[0, 70, 75, 175], &[0, 70, 75, 175], 3, 1, 8, 4, Mask::Causal);
+        let spec = crate::adversarial::varlen(&[0, 70, 70, 75, 175], &[0, 70, 70, 75, 175], 3, 1, 8, 4, Mask::Causal);
         let case = make_case::<bf16>(&spec, ValueProfile::GAUSSIAN, 9);
         let config = HilsConfig { chunk_size: 8, local_window: 9, retrieved_chunks: 2 };
         let landmarks = first_query_landmarks(&case, config);
@@ -397,8 +425,8 @@ mod tests {
         let (o, lse) = rounded(&t);
         assert!(judge(&t, o.view(), lse.view()).passed());
         let mut bad = lists.clone();
-        bad[[2, 0, 20, 0]] = 2; // row 20's window starts at key 8: only chunk 0 is before it
-        bad[[2, 0, 20, 1]] = -1;
+        bad[[3, 0, 20, 0]] = 2; // row 20's window starts at key 8: only chunk 0 is before it
+        bad[[3, 0, 20, 1]] = -1;
         assert!(hils_output_targets(&case, landmarks.view(), config, ChunkMass::Surrogate, bad.view()).is_err());
     }
 
@@ -485,31 +513,31 @@ mod tests {
         let eps = eps_s.max(eps_f);
         let lambda = s_max.max(f_b.abs()) + eps;
         let eta = weight_error(eps, lambda, 3, 3);
-        let expected = RowModel { eta: (eta, eta), x: vec![4.0, 8.0], xi: xi.clone(), keys_read: 4, terms: 3 };
+        let expected = RowModel { eta: (eta, eta), x: vec![4.0, 8.0], xi: xi.clone(), terms: 3 };
         assert_eq!(head(ChunkMass::Exact).row(5, &[1]).unwrap(), expected);
         // The surrogate: the kernel's log-weight errs by the router score's tolerance, the oracle's does not.
         let r = router_score(q.row(5), &summaries[1], ()).unwrap();
         let tolerance = score_tolerance(q.row(5), &summaries[1], &tolerances[1], scale);
         let lambda = s_max.max(r.abs()) + eps_s.max(tolerance);
         let eta = (weight_error(eps_s.max(tolerance), lambda, 3, 3), weight_error(eps_s, lambda, 3, 3));
-        let expected = RowModel { eta, x: vec![4.0, 8.0], xi, keys_read: 4, terms: 3 };
+        let expected = RowModel { eta, x: vec![4.0, 8.0], xi, terms: 3 };
         assert_eq!(head(ChunkMass::Surrogate).row(5, &[1]).unwrap(), expected);
         // Row 1, q = (1, 0.5): its window is keys 0 and 1 (|q·k| 1 and 0.75), no chunk.
         let (s_max, eps_s) = (scale * 1.0, gamma(5) * scale * 1.0);
         let eta = weight_error(eps_s, s_max + eps_s, 2, 2);
-        let expected = RowModel { eta: (eta, eta), x: vec![1.0, 2.0], xi: vec![0.0, 0.0], keys_read: 2, terms: 2 };
+        let expected = RowModel { eta: (eta, eta), x: vec![1.0, 2.0], xi: vec![0.0, 0.0], terms: 2 };
         assert_eq!(head(ChunkMass::Surrogate).row(1, &[]).unwrap(), expected);
         // The bounds of a model.
-        let model = RowModel { eta: (0.01, 0.02), x: vec![2.0], xi: vec![0.5], keys_read: 3, terms: 4 };
+        let model = RowModel { eta: (0.01, 0.02), x: vec![2.0], xi: vec![0.5], terms: 4 };
         let (u, tau) = (1.0 / 256.0, 2f64.powi(-133));
-        let e = average_error(0.01, 2.0, 0.5) + average_error(0.02, 2.0, 0.5) + 3.0 * 2f64.powi(-1000) * 2.0;
+        let e = average_error(0.01, 2.0, 0.5) + average_error(0.02, 2.0, 0.5);
         assert_eq!(model.o_bound(0, -1.5, (u, tau)), e + u * (1.5 + e) + tau / 2.0);
         let u32_ = f64::from(f32::EPSILON) / 2.0;
         let side = |eta: f64| -(1.0 - eta).ln() + gamma(3) * (3.0 + 4f64.ln() + 1.0);
         let e = side(0.01) + side(0.02);
         assert_eq!(model.lse_bound(-3.0, u32_), e + u32_ * (3.0 + e));
         // Nothing to err: O's bound is half the smallest subnormal, the LSE's the logarithm's rounding of one term.
-        let exact = RowModel { eta: (0.0, 0.0), x: vec![0.0], xi: vec![0.0], keys_read: 5, terms: 1 };
+        let exact = RowModel { eta: (0.0, 0.0), x: vec![0.0], xi: vec![0.0], terms: 1 };
         assert_eq!(exact.o_bound(0, 0.0, (u, tau)), tau / 2.0);
         let e = 2.0 * gamma(3);
         assert_eq!(exact.lse_bound(0.0, u32_), e + u32_ * e);
@@ -519,8 +547,8 @@ mod tests {
     #[test]
     fn the_error_terms_are_the_derived_formulas() {
         assert_eq!(U, 2f64.powi(-53));
-        assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + U * 2.5);
-        assert_eq!(average_error(0.0, 3.0, 0.0), U * 3.0);
+        assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + 2.0 * U * 2.5);
+        assert_eq!(average_error(0.0, 3.0, 0.0), 2.0 * U * 3.0);
         let eta = weight_error(1e-3, 10.0, 4, 20);
         let x = 1e-3 + 2.0 * U * 10.0 * 4.0;
         let expected = (x.exp_m1() + gamma(20 + 40 + 8) * x.exp()) * (1.0 + 2f64.powi(-40));
