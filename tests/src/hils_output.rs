@@ -549,6 +549,8 @@ mod tests {
         assert_eq!(U, 2f64.powi(-53));
         assert_eq!(average_error(0.25, 2.0, 0.5), (4.0 * 0.25 * 2.0 + 1.25 * 0.5) / 0.75 + 2.0 * U * 2.5);
         assert_eq!(average_error(0.0, 3.0, 0.0), 2.0 * U * 3.0);
+        // The division's terms carry the values' own error too: 1 + 2u(1 + 1).
+        assert_eq!(average_error(0.0, 1.0, 1.0), 1.0 + 2f64.powi(-51));
         let eta = weight_error(1e-3, 10.0, 4, 20);
         let x = 1e-3 + 2.0 * U * 10.0 * 4.0;
         let expected = (x.exp_m1() + gamma(20 + 40 + 8) * x.exp()) * (1.0 + 2f64.powi(-40));
