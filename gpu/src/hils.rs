@@ -129,6 +129,14 @@ fn plan(
     Ok((params, cu_q, cu_k))
 }
 
+/// Checks everything the forward's wrappers check about `spec`, `config` and `mass` before a launch, without a
+/// device: `Ok` exactly when [`hils_forward`] would accept the problem (given well-formed inputs and lists), else the
+/// typed error it would return. The kernels read head dims that are multiples of 8 from 8 to 256.
+pub fn check_forward(spec: &AttentionSpec, config: HilsConfig, mass: ChunkMass) -> Result<(), GpuError> {
+    spec.validate()?;
+    plan_forward(spec, config, mass).map(|_| ())
+}
+
 /// [`plan`] for the forward: the value head dim checked and the chunks' log-mass set.
 fn plan_forward(
     spec: &AttentionSpec,
@@ -420,7 +428,7 @@ pub fn hils_forward<T: GpuElement>(
     (q, k, v, landmarks): (ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>, ArrayViewD<'_, T>),
     retrieved: Option<ArrayView4<'_, i32>>,
 ) -> Result<HilsForward<T>, GpuError> {
-    plan_forward(spec, config, mass)?;
+    check_forward(spec, config, mass)?;
     check_landmarks_shape(spec, config, &landmarks)?;
     if let Some(lists) = retrieved {
         check_retrieved(spec, config, lists)?;
@@ -608,5 +616,11 @@ mod tests {
         assert_eq!((flag(ChunkMass::Surrogate), flag(ChunkMass::Exact)), (0, 1));
         let at_limit = AttentionSpec::dense(1, 1, 1, 8, 8, 16, MAX_HEAD_DIM_V).with_mask(Mask::Causal);
         assert!(plan_forward(&at_limit, config(4, 4, 1), ChunkMass::Exact).is_ok());
+        // A value head dim off the kernels' grid of 8 (the first device run's draws had one): refused before a
+        // launch, by the same check a caller can run without a device.
+        let narrow_v = AttentionSpec::dense(1, 1, 1, 70, 70, 16, 1).with_mask(Mask::Causal);
+        let e = check_forward(&narrow_v, config(16, 1, 2), ChunkMass::Surrogate);
+        assert!(matches!(e, Err(GpuError::Unsupported { argument: "head_dim_v", .. })), "{e:?}");
+        assert!(check_forward(&at_limit, config(4, 4, 1), ChunkMass::Exact).is_ok());
     }
 }

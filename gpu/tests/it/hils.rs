@@ -246,6 +246,9 @@ fn the_suites_draw_their_cases_and_the_cpu_schedules_pass() {
             s[5] += usize::from(d.mass == ChunkMass::Exact);
             s[6] += usize::from(d.spec.head_dim_v > 32);
             drop(s);
+            // Every draw is a problem the GPU wrappers take: a draw they reject fails the device run, not the kernel.
+            attnproof_gpu::hils::check_forward(&d.spec, d.config, d.mass)
+                .map_err(|e| TestCaseError::fail(format!("{:?}: {e}", d.spec)))?;
             let (case, landmarks) = d.case::<bf16>();
             let fail = |e: &dyn std::fmt::Display| TestCaseError::fail(e.to_string());
             let (summaries, lists, scores) =
@@ -385,7 +388,7 @@ fn sanitizer_shapes() {
             ChunkMass::Exact,
         ),
         (
-            dense(1, 1, 1, 70, 70, 16, 1, Mask::Causal),
+            dense(1, 1, 1, 70, 70, 16, 8, Mask::Causal),
             HilsConfig { chunk_size: 16, local_window: 1, retrieved_chunks: 2 },
             ChunkMass::Surrogate,
         ),
