@@ -303,7 +303,7 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
 // One CTA per STREAM_QUERIES consecutive query blocks of one (KV head, sequence). It walks the eligible key blocks in
 // tiles of STREAM_KEYS: the tile's pooled keys go to shared memory once for all the CTA's query blocks (where
 // bsa_select reads every pooled key once per query block, which bounds it by the L2's bandwidth), every thread scores
-// one key block of the tile against four of the query blocks, and each query block's warp merges the tile's scores
+// one key block of the tile against two of the query blocks, and each query block's warp merges the tile's scores
 // into a running list of its best `room` candidates, one per lane, in registers. Nothing but the current tile's
 // scores is ever stored. The merge keeps exactly the `room` best candidates seen so far in the order of `better`, so
 // the final list does not depend on the order candidates arrive in: it is the top-k rounds' choice.
@@ -312,7 +312,7 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
 // the scale: a fixed order that does not depend on the blocks' positions, so bitwise equal key blocks still score
 // bitwise equal (the scores differ from bsa_select's in their last bits, both inside the bound of
 // proofs/src/bsa_bound.rs, which assumes no order).
-#define STREAM_THREADS 128
+#define STREAM_THREADS 256
 #define STREAM_WARPS (STREAM_THREADS / 32)
 #define STREAM_QUERIES 8
 #define STREAM_KEYS 64
@@ -381,7 +381,7 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
 #pragma unroll
     for (int j = 0; j < STREAM_QUERIES; ++j) key_end = max(key_end, ranges[j].local_from);
 
-    // Warp w keeps the lists of query blocks w and w + STREAM_WARPS.
+    // Warp w keeps the list of query block w.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     double best_s[STREAM_QUERIES / STREAM_WARPS];
     int best_i[STREAM_QUERIES / STREAM_WARPS], count[STREAM_QUERIES / STREAM_WARPS];
@@ -392,9 +392,12 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
         count[m] = 0;
     }
     const double* k_pool = pooled + ((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks * d;
-    // A thread scores key block `key` of the tile against query blocks `query0` to `query0 + 3`.
+    // A thread scores key block `key` of the tile against query blocks `query0` and `query0 + 1`: a warp's 32 lanes
+    // cover 8 key blocks and 4 pairs of query blocks, so that each of its shared-memory loads reads 8 distinct key rows
+    // or 4 distinct query rows, which the row padding puts in distinct banks (one wavefront per load), and an SM holds
+    // two CTAs of 8 warps: the scores' loads wait on shared memory, and 16 warps hide that latency where 8 did not.
     const int key = (STREAM_KEYS / STREAM_WARPS) * warp + lane % (STREAM_KEYS / STREAM_WARPS);
-    const int query0 = 4 * (lane / (STREAM_KEYS / STREAM_WARPS));
+    const int query0 = 2 * (lane / (STREAM_KEYS / STREAM_WARPS));
     for (int tile0 = 0; tile0 < key_end; tile0 += STREAM_KEYS) {
         const int tile_rows = min(STREAM_KEYS, key_end - tile0);
         // The tile's pooled keys, 16 bytes per copy, all in flight at once (rows past the range read as zeros).
@@ -409,19 +412,19 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
         {
             const double* k_row = k_tile + key * row;
             const double* q_row = q_tile + query0 * row;
-            double acc[4] = {0.0, 0.0, 0.0, 0.0};
+            double acc[2] = {0.0, 0.0};
 #pragma unroll 4
             for (int c = 0; c < d; c += 2) {
                 const double2 kk = *reinterpret_cast<const double2*>(k_row + c);
 #pragma unroll
-                for (int r = 0; r < 4; ++r) {
+                for (int r = 0; r < 2; ++r) {
                     const double2 qq = *reinterpret_cast<const double2*>(q_row + r * row + c);
                     acc[r] = fma(qq.x, kk.x, acc[r]);
                     acc[r] = fma(qq.y, kk.y, acc[r]);
                 }
             }
 #pragma unroll
-            for (int r = 0; r < 4; ++r) tile_scores[(query0 + r) * STREAM_KEYS + key] = params.scale * acc[r];
+            for (int r = 0; r < 2; ++r) tile_scores[(query0 + r) * STREAM_KEYS + key] = params.scale * acc[r];
         }
         __syncthreads();
 #pragma unroll

@@ -56,7 +56,7 @@ const SELECT_THREADS: u32 = 256;
 /// go to `bsa_select`, which holds a query block's scores.
 pub const STREAM_MAX_TOP_K: usize = 32;
 /// `bsa_select_stream`'s threads, query blocks per CTA, key blocks per tile and row padding (f64), as in the kernel.
-const STREAM_THREADS: u32 = 128;
+const STREAM_THREADS: u32 = 256;
 const STREAM_QUERIES: usize = 8;
 const STREAM_KEYS: usize = 64;
 const STREAM_PAD: usize = 2;
@@ -309,7 +309,7 @@ mod tests {
         assert_eq!((p.params.n_heads_kv, p.params.n_key_blocks, p.params.top_k), (2, 3, 3));
         assert_eq!(p.params.n_query_blocks, 4);
         let stream = SelectLaunch::of(&p, 64, 3);
-        assert_eq!((stream.entry, stream.grid_x, stream.threads), ("bsa_select_stream", 1, 128));
+        assert_eq!((stream.entry, stream.grid_x, stream.threads), ("bsa_select_stream", 1, 256));
         assert_eq!(stream.shared_bytes, 8 * (72 * 66 + 8 * 64));
         let rounds = SelectLaunch::of(&p, 64, STREAM_MAX_TOP_K + 1);
         assert_eq!((rounds.entry, rounds.grid_x, rounds.threads), ("bsa_select", 4, 256));
