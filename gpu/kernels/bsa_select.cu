@@ -393,9 +393,10 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
     }
     const double* k_pool = pooled + ((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks * d;
     // A thread scores key block `key` of the tile against query blocks `query0` and `query0 + 1`: a warp's 32 lanes
-    // cover 8 key blocks and 4 pairs of query blocks, so that each of its shared-memory loads reads 8 distinct key rows
-    // or 4 distinct query rows, which the row padding puts in distinct banks (one wavefront per load), and an SM holds
-    // two CTAs of 8 warps: the scores' loads wait on shared memory, and 16 warps hide that latency where 8 did not.
+    // cover 8 key blocks and 4 pairs of query blocks, so that each of its shared-memory loads reads 8 distinct key
+    // rows or 4 distinct query rows, which the row padding puts in distinct banks (one wavefront per load), and at
+    // d = 128 an SM holds two CTAs of 8 warps: the scores' loads wait on shared memory, and 16 warps hide that
+    // latency where 8 did not.
     const int key = (STREAM_KEYS / STREAM_WARPS) * warp + lane % (STREAM_KEYS / STREAM_WARPS);
     const int query0 = 2 * (lane / (STREAM_KEYS / STREAM_WARPS));
     for (int tile0 = 0; tile0 < key_end; tile0 += STREAM_KEYS) {

@@ -170,9 +170,9 @@ pub struct HilsDraw {
 }
 
 /// HiLS's problems: causal self-attention over 0 to 700 tokens (dense, or varlen with an empty sequence), GQA groups
-/// of 1 to 16, head dims and value head dims 8 to 256 (multiples of 8, the GPU kernels' domain); chunk sizes 1 to 100 and windows below, at and above a
-/// chunk; routing widths 1 to 32 (wider than the eligible chunks too); both masses; the value profiles of
-/// [`profile`]; twin chunks in about a third of the draws.
+/// of 1 to 16, head dims and value head dims 8 to 256 (multiples of 8, the GPU kernels' domain); chunk sizes 1 to 100
+/// and windows below, at and above a chunk; routing widths 1 to 32 (wider than the eligible chunks too); both masses;
+/// the value profiles of [`profile`]; twin chunks in about a third of the draws.
 pub fn hils_draws() -> impl Strategy<Value = HilsDraw> {
     let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (5, 5), (6, 3), (16, 1)]);
     let dims =
