@@ -133,7 +133,7 @@ fn plan(
 /// device: `Ok` exactly when [`hils_forward`] would accept the problem (given well-formed inputs and lists), else the
 /// typed error it would return. The kernels read head dims that are multiples of 8 from 8 to 256.
 pub fn check_forward(spec: &AttentionSpec, config: HilsConfig, mass: ChunkMass) -> Result<(), GpuError> {
-    spec.validate()?;
+    // The plan validates the spec itself (check_causal_self_attention, FlashParams::for_spec).
     plan_forward(spec, config, mass).map(|_| ())
 }
 
