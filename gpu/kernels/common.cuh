@@ -151,6 +151,7 @@ struct PisaTailParams {
     double scale;           // α in f64
     long long value_means_at;  // element of the f64 workspace where the blocks' mean values [B, Hkv, n_k, dv] start
     long long hbar_at;      // element where H̄ [B, Hkv, d, dv] starts (the mean keys [B, Hkv, n_k, d] start at 0)
+    long long hbar_partials_at;  // element where H̄'s partial sums [splits, B, Hkv, d, dv] start
     long long pooled_values_at;  // element of the storage-type workspace where the rounded mean values
                                  // [B, Hkv, n_k, dv] start (the split mean keys [B, Hkv, n_k, 2d] start at 0)
     long long pooled_hbar_at;    // element where the split H̄ [B, Hkv, 2d, dv] starts
@@ -162,6 +163,8 @@ struct PisaTailParams {
     int n_query_blocks;     // query blocks of the longest sequence (the lists' extent)
     int list_width;         // entries per list
     int lists_per_kv_head;  // 1: one list per KV head, shared by its group; 0: one per query head
+    int hbar_splits;        // key ranges of HBAR_SPLIT_KEYS keys (H̄'s partial sums) of the longest sequence
+    int reserved;           // pads the struct to its 8-byte alignment
 };
 
 // The scalars of hils.cu's chunk summaries and router (HiLS, E21): causal self-attention (flash's len_q = len_k per
@@ -345,21 +348,24 @@ PARAM_AT(HilsParams, write_scores, 188);
 PARAM_AT(HilsParams, exact_mass, 192);
 PARAM_AT(HilsParams, reserved, 196);
 
-PARAM_SIZE(PisaTailParams, 232);
+PARAM_SIZE(PisaTailParams, 248);
 PARAM_AT(PisaTailParams, flash, 0);
 PARAM_AT(PisaTailParams, scale, 160);
 PARAM_AT(PisaTailParams, value_means_at, 168);
 PARAM_AT(PisaTailParams, hbar_at, 176);
-PARAM_AT(PisaTailParams, pooled_values_at, 184);
-PARAM_AT(PisaTailParams, pooled_hbar_at, 192);
-PARAM_AT(PisaTailParams, q_block, 200);
-PARAM_AT(PisaTailParams, kv_block, 204);
-PARAM_AT(PisaTailParams, causal, 208);
-PARAM_AT(PisaTailParams, n_heads_kv, 212);
-PARAM_AT(PisaTailParams, n_key_blocks, 216);
-PARAM_AT(PisaTailParams, n_query_blocks, 220);
-PARAM_AT(PisaTailParams, list_width, 224);
-PARAM_AT(PisaTailParams, lists_per_kv_head, 228);
+PARAM_AT(PisaTailParams, hbar_partials_at, 184);
+PARAM_AT(PisaTailParams, pooled_values_at, 192);
+PARAM_AT(PisaTailParams, pooled_hbar_at, 200);
+PARAM_AT(PisaTailParams, q_block, 208);
+PARAM_AT(PisaTailParams, kv_block, 212);
+PARAM_AT(PisaTailParams, causal, 216);
+PARAM_AT(PisaTailParams, n_heads_kv, 220);
+PARAM_AT(PisaTailParams, n_key_blocks, 224);
+PARAM_AT(PisaTailParams, n_query_blocks, 228);
+PARAM_AT(PisaTailParams, list_width, 232);
+PARAM_AT(PisaTailParams, lists_per_kv_head, 236);
+PARAM_AT(PisaTailParams, hbar_splits, 240);
+PARAM_AT(PisaTailParams, reserved, 244);
 
 PARAM_SIZE(NsaParams, 192);
 PARAM_AT(NsaParams, flash, 0);
@@ -668,13 +674,15 @@ __device__ __forceinline__ int lane_b_trans(int lane, int stride) {
 }
 
 // acc += A · Bᵀ for one warp: A is 16 rows at the lane address `a_lane` (lane_a), B has 16·N_PAIRS rows (the n
-// dimension) at `b_lane` (lane_b) with row stride B_STRIDE, both reduced over K_STEPS k-steps of 16 columns.
-template <int K_STEPS, int N_PAIRS, int B_STRIDE>
+// dimension) at `b_lane` (lane_b) with row stride B_STRIDE, both reduced over K_STEPS k-steps of 16 columns. A stored
+// with A_STEPS < K_STEPS steps of columns is read cyclically (k step kk takes A's step kk mod A_STEPS): A repeated
+// along k without being stored twice, as PISA's tail multiplies [q | q] by [μ_hi | μ_lo].
+template <int K_STEPS, int N_PAIRS, int B_STRIDE, int A_STEPS = K_STEPS>
 __device__ __forceinline__ void warp_mma_nt(float (&acc)[2 * N_PAIRS][4], unsigned a_lane, unsigned b_lane) {
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
         unsigned af[4];
-        ldsm_x4(af, a_lane + kk * 16 * ESZ);
+        ldsm_x4(af, a_lane + (kk % A_STEPS) * 16 * ESZ);
 #pragma unroll
         for (int np = 0; np < N_PAIRS; ++np) {
             unsigned bf[4];
@@ -712,6 +720,11 @@ __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool val
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Waits until at most PENDING of this thread's committed groups are still in flight.
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+}
 
 __device__ __forceinline__ unsigned pack_elems(elem_t lo, elem_t hi) {
     unsigned short l = *reinterpret_cast<unsigned short*>(&lo);

@@ -7,15 +7,22 @@
 // the tail: the whole key blocks the row sees and its list does not hold, each as its first-order summary, in the same
 // softmax. Every tail block therefore has exactly kv_block keys (C).
 //
-// Three kernels:
+// Four kernels:
 //   pisa_tail_means  one CTA per (key block, KV head, sequence): the block's mean key μ_b and mean value v̄_b in f64
 //                    (pool_block, the selector's block mean) into the f64 workspace's [B, Hkv, n_k, d] and [.., dv],
 //                    and their storage-type forms for the tensor cores: the mean key split in two, μ_hi = RN(μ_b) and
 //                    μ_lo = RN(μ_b − μ_hi) (one row [μ_hi | μ_lo] of 2d, so that q·μ_hi + q·μ_lo is one dot product
 //                    of length 2d whose products are exact), and RN(v̄_b), each rounded once from f64.
-//   pisa_tail_hbar   one CTA per (32 × 32 tile of [d, dv], KV head, sequence): H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ
-//                    over every block of the sequence (E22's convention: the partial last block too), keys in
-//                    ascending order, f64, into [B, Hkv, d, dv].
+//   pisa_tail_hbar   one CTA per (64 × 64 tile of [d, dv], range of HBAR_SPLIT_KEYS keys, KV head, sequence),
+//                    after pisa_tail_means: the range's part of Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ (E22's H̄ before the
+//                    division, over every block of the sequence, the partial last block too) as
+//                    Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ: the first sum on the tensor cores, 16 keys per MMA from zero
+//                    (16 exact products in f32), each k step's result added in f64 in ascending key order; the
+//                    centring term in f64 from the f64 means, blocks ascending; into the partial sums
+//                    [ranges, B, Hkv, d, dv]. The f32 part of the error, at most γ'(16 + 1)·Σ_j |k_jc||v_je| (the
+//                    tensor cores' accumulation model, proofs::flash_bound), is in the verifier's tolerance for H̄.
+//   pisa_tail_hbar_sum  H̄ = (1/n_b) Σ of the ranges' partial sums in ascending order, into [B, Hkv, d, dv] in f64,
+//                    and split like μ.
 //   pisa_tail_merge  one CTA of TAIL_M rows of a query block per (row tile, query head, sequence), on tensor cores:
 //                    the forward's recipe (flash_fwd.cu's header) over the pooled keys [μ_hi | μ_lo] against [q | q]
 //                    and the rounded mean values, every row masked to its tail (whole blocks it sees, not listed),
@@ -41,17 +48,29 @@
 #define TAIL_THREADS (TAIL_WARPS * 32)
 #define TAIL_M (TAIL_WARPS * 16)  // rows per CTA, one 16-row slice per warp: a query block of 64 or 128 rows
 #define TAIL_N 64                 // pooled keys (tail blocks) per tile
-#define TAIL_QK (2 * HEAD_DIM_PAD)  // columns of [q | q] and [μ_hi | μ_lo]
+#define TAIL_QK (2 * HEAD_DIM_PAD)  // columns of [q | q] and [μ_hi | μ_lo]; q is stored once and read twice
 #define TAIL_QK_STRIDE (TAIL_QK + 8)  // 16 bytes of row padding: ldmatrix phases hit distinct bank groups
+#define TAIL_Q_STRIDE (HEAD_DIM_PAD + 8)
 #define TAIL_V_STRIDE (HEAD_DIM_V_PAD + 8)
 #define TAIL_TILES_S (TAIL_N / 8)
 #define TAIL_TILES_O (HEAD_DIM_V_PAD / 8)
-// The shared term's column tiles are done in halves when dv is large, so that its accumulators and O_T's fit together;
-// each half must hold whole pairs of tiles (one ldmatrix.x4.trans feeds two).
-#define TAIL_HALVES ((TAIL_TILES_O > 16 && TAIL_TILES_O % 4 == 0) ? 2 : 1)
+// The shared term's column tiles are done in halves from dv = 128 on, so that its accumulators and O_T's fit together
+// in few enough registers for three CTAs per SM (168 at d = dv = 128, 234 in one pass); each half must hold whole
+// pairs of tiles (one ldmatrix.x4.trans feeds two).
+#define TAIL_HALVES ((TAIL_TILES_O >= 16 && TAIL_TILES_O % 4 == 0) ? 2 : 1)
 #define TAIL_HALF_TILES (TAIL_TILES_O / TAIL_HALVES)
-#define HBAR_TILE 32
-#define HBAR_KEYS 32      // keys staged per step of pisa_tail_hbar
+// H̄'s rows are staged in chunks of TAIL_H_ROWS over the pooled keys' and values' buffers together (contiguous, free
+// once the pooled tiles are done): as many whole k steps as fit, at most all of [H̄_hi ; H̄_lo].
+#define TAIL_H_STRIDE (TAIL_HALF_TILES * 8 + 8)
+#define TAIL_H_FIT ((TAIL_N * (TAIL_QK_STRIDE + TAIL_V_STRIDE) / TAIL_H_STRIDE) / 16 * 16)
+#define TAIL_H_ROWS (TAIL_H_FIT < TAIL_QK ? TAIL_H_FIT : TAIL_QK)
+#define HBAR_TILE 64      // rows (key columns) and columns (value columns) of pisa_tail_hbar's tile of H̄
+#define HBAR_KEYS 32      // keys per pipeline stage of pisa_tail_hbar
+#define HBAR_STAGES 4
+#define HBAR_STRIDE (HBAR_TILE + 8)
+#define HBAR_THREADS 128  // four warps of 16 tile rows
+#define HBAR_SPLIT_KEYS 4096  // keys per CTA of pisa_tail_hbar (a partial sum each), a multiple of both block sizes
+#define HBAR_SUM_THREADS 128
 
 // The key blocks wholly visible to sequence row i (query rows len_q, keys len_k, blocks of kv_block keys): every
 // block without a mask; under the bottom-right causal mask the blocks whose last key the row sees.
@@ -91,59 +110,129 @@ pisa_tail_means(const elem_t* __restrict__ k, const elem_t* __restrict__ v, doub
     for (int c = threadIdx.x; c < fp.dv; c += POOL_THREADS) value_row[c] = to_elem_rn(mean_value[c]);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(HBAR_THREADS)
 pisa_tail_hbar(const elem_t* __restrict__ k, const elem_t* __restrict__ v, double* __restrict__ work,
                elem_t* __restrict__ pooled, const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
     const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
     const int col_tiles = (dv + HBAR_TILE - 1) / HBAR_TILE;
-    const int c0 = (blockIdx.x / col_tiles) * HBAR_TILE, e0 = (blockIdx.x % col_tiles) * HBAR_TILE;
-    __shared__ double dev[HBAR_KEYS][HBAR_TILE + 1];  // k_j − μ_b on the tile's key columns
-    __shared__ double val[HBAR_KEYS][HBAR_TILE + 1];  // v_j on the tile's value columns
+    const int split = blockIdx.x % p.hbar_splits, tile = blockIdx.x / p.hbar_splits;
+    const int c0 = (tile / col_tiles) * HBAR_TILE, e0 = (tile % col_tiles) * HBAR_TILE;
     const int len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
+    // The CTA's keys [j_begin, j_end): whole blocks, HBAR_SPLIT_KEYS being a multiple of kv_block.
+    const int j_begin = split * HBAR_SPLIT_KEYS, j_end = min(len_k, j_begin + HBAR_SPLIT_KEYS);
+    if (j_begin >= len_k) return;  // pisa_tail_hbar_sum adds only the ranges that hold keys
+    // HBAR_STAGES stages of HBAR_KEYS keys: the tile's key columns [c0, c0 + 64) and value columns [e0, e0 + 64).
+    __shared__ __align__(16) elem_t k_s[HBAR_STAGES][HBAR_KEYS * HBAR_STRIDE];
+    __shared__ __align__(16) elem_t v_s[HBAR_STAGES][HBAR_KEYS * HBAR_STRIDE];
     const long long k_base = fp.varlen ? (long long)cu_k[seq] * fp.k_row : seq * fp.k_batch;
     const long long v_base = fp.varlen ? (long long)cu_k[seq] * fp.v_row : seq * fp.v_batch;
-    const elem_t* k_g = k + k_base + kv * fp.k_head;
-    const elem_t* v_g = v + v_base + kv * fp.v_head;
-    const double* means = work + ((long long)seq * p.n_heads_kv + kv) * p.n_key_blocks * d;
-    // Thread t owns element (c0 + t / 8, e0 + 4·(t % 8) + r) for r < 4 of the tile.
-    const int row = threadIdx.x / 8, col = 4 * (threadIdx.x % 8);
-    double acc[4] = {0.0, 0.0, 0.0, 0.0};
-    for (int j0 = 0; j0 < len_k; j0 += HBAR_KEYS) {
-        for (int e = threadIdx.x; e < HBAR_KEYS * HBAR_TILE; e += 256) {
-            const int r = e / HBAR_TILE, c = e % HBAR_TILE, j = j0 + r;
-            const bool in_k = j < len_k && c0 + c < d, in_v = j < len_k && e0 + c < dv;
-            dev[r][c] = in_k ? (double)to_f32(k_g[(long long)j * fp.k_row + c0 + c]) -
-                                   means[(long long)(j / p.kv_block) * d + c0 + c]
-                             : 0.0;
-            val[r][c] = in_v ? (double)to_f32(v_g[(long long)j * fp.v_row + e0 + c]) : 0.0;
-        }
-        __syncthreads();
-        const int keys = min(HBAR_KEYS, len_k - j0);
-        for (int r = 0; r < keys; ++r) {
-            const double x = dev[r][row];
+    const elem_t* k_g = k + k_base + kv * fp.k_head + (long long)j_begin * fp.k_row + c0;
+    const elem_t* v_g = v + v_base + kv * fp.v_head + (long long)j_begin * fp.v_row + e0;
+    const int k_cols = min(HBAR_TILE, d - c0), v_cols = min(HBAR_TILE, dv - e0), keys = j_end - j_begin;
+    const int n_stages = (keys + HBAR_KEYS - 1) / HBAR_KEYS;
+    auto load_stage = [&](int stage) {
+        const int j0 = stage * HBAR_KEYS, rows = min(HBAR_KEYS, keys - j0), slot = stage % HBAR_STAGES;
+        load_tile_async<HBAR_KEYS, HBAR_TILE, HBAR_STRIDE, HBAR_THREADS>(k_s[slot], k_g + (long long)j0 * fp.k_row,
+                                                                        fp.k_row, rows, k_cols);
+        load_tile_async<HBAR_KEYS, HBAR_TILE, HBAR_STRIDE, HBAR_THREADS>(v_s[slot], v_g + (long long)j0 * fp.v_row,
+                                                                        fp.v_row, rows, v_cols);
+    };
 #pragma unroll
-            for (int q = 0; q < 4; ++q) acc[q] = fma(x, val[r][col + q], acc[q]);
-        }
-        __syncthreads();
+    for (int s = 0; s < HBAR_STAGES - 1; ++s) {
+        if (s < n_stages) load_stage(s);
+        cp_async_commit();  // an empty group past the last stage keeps the wait counts uniform
     }
-    const int n_blocks = (len_k + p.kv_block - 1) / p.kv_block;
-    const long long head = (long long)seq * p.n_heads_kv + kv;
-    double* h_bar = work + p.hbar_at + head * d * dv;
-    elem_t* split = pooled + p.pooled_hbar_at + head * 2 * d * dv;  // [H̄_hi ; H̄_lo], [2d, dv]
+    // Warp w owns rows [16w, 16w + 16) of the tile (key columns) and its 64 value columns: the m16n8 accumulator
+    // layout, rows g and g + 8, columns n·8 + 2·tig and + 1. Each k step of 16 keys is one MMA per n tile from zero,
+    // added in f64: the f32 part of a sum never holds more than 16 exact products.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
+    double sum[HBAR_TILE / 8][4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int c = c0 + row, e = e0 + col + q;
-        if (c < d && e < dv && n_blocks > 0) {
-            const double x = acc[q] / n_blocks;
-            const elem_t hi = to_elem_rn(x);
-            h_bar[(long long)c * dv + e] = x;
-            split[(long long)c * dv + e] = hi;
-            split[(long long)(d + c) * dv + e] = to_elem_rn(x - (double)to_f32(hi));  // x − hi is exact in f64
+    for (int n = 0; n < HBAR_TILE / 8; ++n) sum[n][0] = sum[n][1] = sum[n][2] = sum[n][3] = 0.0;
+    // Kᵀ as the A operand: the stage holds K row-major by key, so A's 8×8 matrices are read transposed, at the lane
+    // addresses of a non-transposed B operand (rows k, columns m: the same four matrices in the same order).
+    const unsigned a_lane = smem_u32(&k_s[0][0]) + (lane_b(lane, HBAR_STRIDE) + 16 * warp) * ESZ;
+    const unsigned b_lane = smem_u32(&v_s[0][0]) + lane_b_trans(lane, HBAR_STRIDE) * ESZ;
+    const unsigned slot_bytes = HBAR_KEYS * HBAR_STRIDE * ESZ;
+    for (int stage = 0; stage < n_stages; ++stage) {
+        cp_async_wait_group<HBAR_STAGES - 2>();
+        __syncthreads();  // this stage landed; every warp is done with the slot the next load overwrites
+        if (stage + HBAR_STAGES - 1 < n_stages) load_stage(stage + HBAR_STAGES - 1);
+        cp_async_commit();
+        const unsigned slot = (unsigned)(stage % HBAR_STAGES) * slot_bytes;
+#pragma unroll
+        for (int kk = 0; kk < HBAR_KEYS / 16; ++kk) {
+            unsigned af[4];
+            ldsm_x4_trans(af, a_lane + slot + kk * 16 * HBAR_STRIDE * ESZ);
+#pragma unroll
+            for (int np = 0; np < HBAR_TILE / 16; ++np) {
+                unsigned bf[4];
+                ldsm_x4_trans(bf, b_lane + slot + (kk * 16 * HBAR_STRIDE + np * 16) * ESZ);
+                float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_16816(lo, af, bf[0], bf[1]);
+                mma_16816(hi, af, bf[2], bf[3]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    sum[2 * np][i] += (double)lo[i];
+                    sum[2 * np + 1][i] += (double)hi[i];
+                }
+            }
+        }
+    }
+    // The range's part of Σ_j (k_j − μ_b) v_jᵀ = Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ: the centring term over the range's
+    // blocks from the f64 means pisa_tail_means wrote, in ascending order, into the range's partial sum.
+    const int b_begin = j_begin / p.kv_block, b_end = (j_end + p.kv_block - 1) / p.kv_block;
+    const long long head = (long long)seq * p.n_heads_kv + kv;
+    const double* mean_keys = work + head * p.n_key_blocks * d;
+    const double* mean_values = work + p.value_means_at + head * p.n_key_blocks * dv;
+    const long long heads = (long long)gridDim.z * p.n_heads_kv;
+    double* partial = work + p.hbar_partials_at + (split * heads + head) * d * dv;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int c = c0 + 16 * warp + g + 8 * r;
+        if (c >= d) continue;
+#pragma unroll
+        for (int n = 0; n < HBAR_TILE / 8; ++n) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int e = e0 + 8 * n + 2 * tig + i;
+                if (e >= dv) continue;
+                double centre = 0.0;
+                for (int b = b_begin; b < b_end; ++b) {
+                    const int count = min(p.kv_block, len_k - b * p.kv_block);
+                    centre = fma((double)count * mean_keys[(long long)b * d + c], mean_values[(long long)b * dv + e],
+                                 centre);
+                }
+                partial[(long long)c * dv + e] = sum[n][2 * r + i] - centre;
+            }
         }
     }
 }
 
+// H̄ = (1/n_b) Σ_ranges partial, the ranges in ascending order, into the f64 workspace and split like μ: one thread per
+// element of [d, dv] (grid (elements / HBAR_SUM_THREADS, KV head, sequence)).
+extern "C" __global__ void __launch_bounds__(HBAR_SUM_THREADS)
+pisa_tail_hbar_sum(const elem_t* __restrict__ k, const elem_t* __restrict__ v, double* __restrict__ work,
+                   elem_t* __restrict__ pooled, const int* __restrict__ cu_k, const PisaTailParams p) {
+    const FlashParams& fp = p.flash;
+    const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
+    const long long at = (long long)blockIdx.x * HBAR_SUM_THREADS + threadIdx.x;
+    const int len_k = fp.varlen ? cu_k[seq + 1] - cu_k[seq] : fp.dense_len_k;
+    if (at >= (long long)d * dv || len_k == 0) return;
+    const int n_blocks = (len_k + p.kv_block - 1) / p.kv_block;
+    const int ranges = (len_k + HBAR_SPLIT_KEYS - 1) / HBAR_SPLIT_KEYS;
+    const long long head = (long long)seq * p.n_heads_kv + kv, heads = (long long)gridDim.z * p.n_heads_kv;
+    double total = 0.0;
+    for (int r = 0; r < ranges; ++r) total += work[p.hbar_partials_at + (r * heads + head) * d * dv + at];
+    const double x = total / n_blocks;
+    const elem_t hi = to_elem_rn(x);
+    const int c = (int)(at / dv), e = (int)(at % dv);
+    elem_t* split = pooled + p.pooled_hbar_at + head * 2 * d * dv;  // [H̄_hi ; H̄_lo], [2d, dv]
+    work[p.hbar_at + head * d * dv + at] = x;
+    split[(long long)c * dv + e] = hi;
+    split[(long long)(d + c) * dv + e] = to_elem_rn(x - (double)to_f32(hi));  // x − hi is exact in f64
+}
 
 extern "C" __global__ void __launch_bounds__(TAIL_THREADS)
 pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled, const int* __restrict__ lists,
@@ -166,9 +255,9 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
     if (tail_end == 0) return;
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);  // [TAIL_M][TAIL_QK_STRIDE]: q | q
-    elem_t* k_s = q_s + TAIL_M * TAIL_QK_STRIDE;        // [TAIL_N][TAIL_QK_STRIDE]: μ_hi | μ_lo
-    elem_t* v_s = k_s + TAIL_N * TAIL_QK_STRIDE;        // [TAIL_N][TAIL_V_STRIDE]: v̄, then H̄'s chunks
+    elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);  // [TAIL_M][TAIL_Q_STRIDE]: q, read as [q | q]
+    elem_t* k_s = q_s + TAIL_M * TAIL_Q_STRIDE;         // [TAIL_N][TAIL_QK_STRIDE]: μ_hi | μ_lo
+    elem_t* v_s = k_s + TAIL_N * TAIL_QK_STRIDE;        // [TAIL_N][TAIL_V_STRIDE]: v̄ (then with k_s, H̄'s chunks)
     unsigned char* listed = reinterpret_cast<unsigned char*>(v_s + TAIL_N * TAIL_V_STRIDE);  // [n_key_blocks]
 
     const long long q_base = fp.varlen ? (long long)cu_q[seq] * fp.q_row : seq * fp.q_batch;
@@ -189,8 +278,7 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
         const int b = list[w];
         if (b >= 0 && b < p.n_key_blocks) listed[b] = 1;
     }
-    load_tile_async<TAIL_M, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(q_s, q_g, fp.q_row, rows_here, d);
-    load_tile_async<TAIL_M, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(q_s + HEAD_DIM_PAD, q_g, fp.q_row, rows_here, d);
+    load_tile_async<TAIL_M, HEAD_DIM_PAD, TAIL_Q_STRIDE, TAIL_THREADS>(q_s, q_g, fp.q_row, rows_here, d);
     load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(k_s, keys_g, 2 * d, min(TAIL_N, tail_end), d);
     load_tile_async<TAIL_N, HEAD_DIM_PAD, TAIL_QK_STRIDE, TAIL_THREADS>(k_s + HEAD_DIM_PAD, keys_g + d, 2 * d,
                                                                        min(TAIL_N, tail_end), d);
@@ -210,7 +298,7 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
     float acc[1][TAIL_TILES_O][4];
 #pragma unroll
     for (int n = 0; n < TAIL_TILES_O; ++n) acc[0][n][0] = acc[0][n][1] = acc[0][n][2] = acc[0][n][3] = 0.f;
-    const unsigned q_lane = smem_u32(q_s + wrow * TAIL_QK_STRIDE + lane_a(lane, TAIL_QK_STRIDE));
+    const unsigned q_lane = smem_u32(q_s + wrow * TAIL_Q_STRIDE + lane_a(lane, TAIL_Q_STRIDE));
     const unsigned k_lane = smem_u32(k_s + lane_b(lane, TAIL_QK_STRIDE));
     const unsigned v_lane = smem_u32(v_s + lane_b_trans(lane, TAIL_V_STRIDE));
 
@@ -226,7 +314,7 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
         float s[1][TAIL_TILES_S][4];
 #pragma unroll
         for (int n = 0; n < TAIL_TILES_S; ++n) s[0][n][0] = s[0][n][1] = s[0][n][2] = s[0][n][3] = 0.f;
-        warp_mma_nt<TAIL_QK / 16, TAIL_TILES_S / 2, TAIL_QK_STRIDE>(s[0], q_lane, k_lane);
+        warp_mma_nt<TAIL_QK / 16, TAIL_TILES_S / 2, TAIL_QK_STRIDE, HEAD_DIM_PAD / 16>(s[0], q_lane, k_lane);
         // Scale, then mask to the row's tail: scaled first, as the forward does, so that a negative scale cannot
         // turn a masked −∞ into +∞. softmax_scores then takes the scaled scores with a scale of 1 (exact).
 #pragma unroll
@@ -254,7 +342,8 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
         }
         warp_mma_pv<TAIL_TILES_S, TAIL_TILES_O, TAIL_V_STRIDE>(acc[0], s[0], v_lane);
     }
-    __syncthreads();  // every warp is done with v̄: v_s takes H̄'s chunks
+    __syncthreads();  // every warp is done with the pooled keys and v̄: k_s and v_s take H̄'s chunks
+    const unsigned h_lane = smem_u32(k_s + lane_b_trans(lane, TAIL_H_STRIDE));
 
     // The shared term h = [q | q]·[H̄_hi ; H̄_lo] for TAIL_HALF_TILES column tiles at a time, then the merge of those
     // columns. Rows are (g, g + 8) of the warp's slice; columns n·8 + 2·tig and + 1.
@@ -285,36 +374,37 @@ pisa_tail_merge(const elem_t* __restrict__ q, const elem_t* __restrict__ pooled,
         float acc_h[TAIL_HALF_TILES][4];
 #pragma unroll
         for (int n = 0; n < TAIL_HALF_TILES; ++n) acc_h[n][0] = acc_h[n][1] = acc_h[n][2] = acc_h[n][3] = 0.f;
-        for (int k0 = 0; k0 < TAIL_QK; k0 += TAIL_N) {
-            // Rows k0 .. k0 + 63 of [H̄_hi ; H̄_lo] padded to [HEAD_DIM_PAD ; HEAD_DIM_PAD] rows, columns col0 onwards;
-            // zero outside [d] × [dv] (dv is a multiple of 8: a 16-byte chunk is valid whole or not at all).
-            for (int idx = threadIdx.x; idx < TAIL_N * TAIL_HALF_TILES; idx += TAIL_THREADS) {
+        for (int k0 = 0; k0 < TAIL_QK; k0 += TAIL_H_ROWS) {
+            // Rows k0 .. k0 + TAIL_H_ROWS − 1 of [H̄_hi ; H̄_lo] padded to [HEAD_DIM_PAD ; HEAD_DIM_PAD] rows, the
+            // half's columns; zero outside [d] × [dv] (dv is a multiple of 8: a 16-byte chunk is valid whole or not at
+            // all). At d = dv = 128 a half's 256 rows are one chunk: one round trip to memory per half.
+            for (int idx = threadIdx.x; idx < TAIL_H_ROWS * TAIL_HALF_TILES; idx += TAIL_THREADS) {
                 const int rr = idx / TAIL_HALF_TILES, cc = (idx % TAIL_HALF_TILES) * 8, kr = k0 + rr;
                 const int c = kr < HEAD_DIM_PAD ? kr : kr - HEAD_DIM_PAD;
                 const int source = kr < HEAD_DIM_PAD ? c : d + c;
-                const bool valid = c < d && col0 + cc < dv;
-                cp_async_16(v_s + rr * TAIL_V_STRIDE + cc, hbar_g + (valid ? (long long)source * dv + col0 + cc : 0),
+                const bool valid = kr < TAIL_QK && c < d && col0 + cc < dv;
+                cp_async_16(k_s + rr * TAIL_H_STRIDE + cc, hbar_g + (valid ? (long long)source * dv + col0 + cc : 0),
                             valid);
             }
             cp_async_commit();
             cp_async_wait_all();
             __syncthreads();
 #pragma unroll
-            for (int kk = 0; kk < TAIL_N / 16; ++kk) {
-                // The last chunk may end past [q | q]'s 2·HEAD_DIM_PAD columns (HEAD_DIM_PAD an odd multiple of 16):
-                // its rows there are zero, and the row's padding must not be read as a factor (0 · NaN = NaN).
+            for (int kk = 0; kk < TAIL_H_ROWS / 16; ++kk) {
+                // The last chunk may end past [q | q]'s 2·HEAD_DIM_PAD columns: its rows there are zero, and the
+                // row's padding must not be read as a factor (0 · NaN = NaN).
                 if (k0 + kk * 16 >= TAIL_QK) break;
                 unsigned af[4];
-                ldsm_x4(af, q_lane + (k0 + kk * 16) * ESZ);
+                ldsm_x4(af, q_lane + ((k0 + kk * 16) % HEAD_DIM_PAD) * ESZ);  // column k0 + 16kk of [q | q]
 #pragma unroll
                 for (int np = 0; np < TAIL_HALF_TILES / 2; ++np) {
                     unsigned bf[4];
-                    ldsm_x4_trans(bf, v_lane + (kk * 16 * TAIL_V_STRIDE + np * 16) * ESZ);
+                    ldsm_x4_trans(bf, h_lane + (kk * 16 * TAIL_H_STRIDE + np * 16) * ESZ);
                     mma_16816(acc_h[2 * np], af, bf[0], bf[1]);
                     mma_16816(acc_h[2 * np + 1], af, bf[2], bf[3]);
                 }
             }
-            __syncthreads();  // the next chunk overwrites v_s
+            __syncthreads();  // the next chunk overwrites the buffer
         }
 #pragma unroll
         for (int r = 0; r < 2; ++r) {

@@ -579,17 +579,18 @@ pub(crate) fn launch_pisa_pool_level(
     Ok(())
 }
 
-/// Launches `pisa_tail_means` or `pisa_tail_hbar` (gpu/kernels/pisa_tail.cu, `func`) on `stream`: the tail's
-/// statistics per key block (means of keys and values, and their storage-type forms) or per tile of `H̄` (and its
-/// split form).
+/// Launches `pisa_tail_means`, `pisa_tail_hbar` or `pisa_tail_hbar_sum` (gpu/kernels/pisa_tail.cu, `func`) on
+/// `stream`: the tail's statistics per key block (means of keys and values, and their storage-type forms), `H̄`'s
+/// partial sums per (tile, range of keys), or `H̄` from them (and its split form).
 ///
-/// Preconditions, established by `pisa::tail`: `func` is one of the two, compiled for the element type `T`; `k`, `v`
+/// Preconditions, established by `pisa::tail`: `func` is one of the three, compiled for the element type `T`; `k`, `v`
 /// hold the spec's K and V, which the strides and lengths of `params.flash` or the validated `cu_k` describe; `work`
 /// holds `pisa::tail::workspace_len` f64 (the mean keys from 0, the mean values from `params.value_means_at`, `H̄` from
-/// `params.hbar_at`), `pooled` `pisa::tail::pooled_len` elements (the split mean keys from 0, the rounded mean values
-/// from `params.pooled_values_at`, the split `H̄` from `params.pooled_hbar_at`), and `pisa_tail_hbar` runs after
-/// `pisa_tail_means` on the same stream; `cfg`'s grid is `(key blocks, n_heads_kv, B)` with 128 threads for the means
-/// and `(tiles of H̄, n_heads_kv, B)` with 256 for `H̄`.
+/// `params.hbar_at`, its `params.hbar_splits` partial sums from `params.hbar_partials_at`), `pooled`
+/// `pisa::tail::pooled_len` elements (the split mean keys from 0, the rounded mean values from
+/// `params.pooled_values_at`, the split `H̄` from `params.pooled_hbar_at`); the three run in this order on the same
+/// stream; `cfg`'s grid is `(key blocks, n_heads_kv, B)` with 128 threads for the means, `(tiles of H̄ × ranges,
+/// n_heads_kv, B)` with 128 for the partial sums and `(⌈d·dv / 128⌉, n_heads_kv, B)` with 128 for their sum.
 pub(crate) fn launch_pisa_tail_stats<T>(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -601,7 +602,7 @@ pub(crate) fn launch_pisa_tail_stats<T>(
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
     builder.arg(k).arg(v).arg(work).arg(pooled).arg(cu_k).arg(params);
-    // SAFETY: the arguments match `pisa_tail_means` and `pisa_tail_hbar` (`const elem_t* k, const elem_t* v, double*
+    // SAFETY: the arguments match the three kernels (`const elem_t* k, const elem_t* v, double*
     // work, elem_t* pooled, const int* cu_k, const PisaTailParams`) in order and type; every index the kernels form
     // lies in the buffers the caller sized (see above); the buffers are borrowed for this call and their use is
     // recorded on `stream`.

@@ -232,6 +232,8 @@ pub(crate) struct PisaTailParams {
     pub value_means_at: i64,
     /// Element of the f64 workspace where `H̄` starts.
     pub hbar_at: i64,
+    /// Element of the f64 workspace where `H̄`'s partial sums `[splits, B, Hkv, d, dv]` start.
+    pub hbar_partials_at: i64,
     /// Element of the storage-type workspace where the rounded mean values start (the split mean keys start at 0).
     pub pooled_values_at: i64,
     /// Element of the storage-type workspace where the split `H̄` starts.
@@ -252,6 +254,10 @@ pub(crate) struct PisaTailParams {
     pub list_width: i32,
     /// 1 when the lists are per KV head, 0 per query head.
     pub lists_per_kv_head: i32,
+    /// Key ranges of `H̄`'s partial sums (`pisa::tail::HBAR_SPLIT_KEYS` keys each) of the longest sequence.
+    pub hbar_splits: i32,
+    /// Pads the struct to its 8-byte alignment.
+    pub reserved: i32,
 }
 
 /// The lightning indexer's scalars (`struct DsaIndexParams` of `common.cuh`), read by `dsa_index.cu`.
@@ -659,6 +665,7 @@ mod tests {
                 scale,
                 value_means_at,
                 hbar_at,
+                hbar_partials_at,
                 pooled_values_at,
                 pooled_hbar_at,
                 q_block,
@@ -668,7 +675,9 @@ mod tests {
                 n_key_blocks,
                 n_query_blocks,
                 list_width,
-                lists_per_kv_head
+                lists_per_kv_head,
+                hbar_splits,
+                reserved
             }),
         ];
         let header = header_layouts();

@@ -12,7 +12,11 @@
 //! to the oracle's f64 statistic `x`: the device's own f64 value is within `ρ_x` of it (`2γ_{n+1}(2^-53)` of the
 //! absolute sums the two f64 evaluations add, `n` their terms), and the storage forms round it once each, so
 //! `|μ_hi + μ_lo − x| ≤ ρ_x + u(u(|x| + ρ_x) + τ/2) + τ/2` and `|RN(v̄) − x| ≤ ρ_x + u(|x| + ρ_x) + τ/2` (`u` the
-//! storage type's unit roundoff, `τ` its smallest subnormal). A statistic outside its bound fails the verdict
+//! storage type's unit roundoff, `τ` its smallest subnormal). `H̄`'s device value is not all f64: the kernel sums
+//! `Σ_j k_j v_jᵀ` on the tensor cores, each k step of 16 keys from zero in f32 (16 exact products of storage numbers,
+//! at most `γ'(17) Σ_{j∈step} |k_jc||v_je|` off under the tensor cores' accumulation model, `Accumulation::TensorCore`,
+//! which allows truncated alignment), each step added in f64, and subtracts `Σ_b n_b μ_bc v̄_be` in f64; so its `ρ`
+//! adds `γ'(17) max_j |k_jc| Σ_j |v_je| / n_b`. A statistic outside its bound fails the verdict
 //! ([`TailVerdict::statistics_ratio`]).
 //!
 //! **The tail part.** The kernel runs the forward's recipe over the pooled problem with the statistics it read:
@@ -46,7 +50,7 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
-use attnproof_reference::sparse::pisa::split;
+use attnproof_reference::sparse::pisa::{HBAR_K_STEP, split};
 use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD, Axis, IxDyn};
 
 use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
@@ -272,7 +276,8 @@ pub fn tail_targets<T: Element>(
                 let (k2, v2) =
                     (spec.head_rows(k_all.view(), &seq, kv, true), spec.head_rows(v_all.view(), &seq, kv, true));
                 let st = tail_statistics(k2, v2, c_keys, ());
-                let h_tol = check_statistics(&st, k2, v2, pooled, (seq.index, kv), (u, tau), &mut worst);
+                let roundings = (u, tau, tail_recipe.accumulation.gamma(HBAR_K_STEP));
+                let h_tol = check_statistics(&st, (k2, v2), pooled, (seq.index, kv), roundings, &mut worst);
                 *slot = Some((st, h_tol));
             }
         }
@@ -397,15 +402,16 @@ fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
     2.0 * gamma(n + 1) * abs_sum
 }
 
-/// The bounds on the split `H̄` (`[d, dv]`, module docs): the f64 distance allowed between the device's and the
-/// oracle's `H̄[c, e]` (a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it, whose
-/// absolute terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`), then the split's two roundings.
+/// The bounds on the split `H̄` (`[d, dv]`, module docs): the distance allowed between the device's and the oracle's
+/// `H̄[c, e]` (a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it, whose absolute
+/// terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`): the f64 evaluations' `ρ`, plus the f32
+/// part of the device's `Σ_j k_jc v_je` (each k step of [`HBAR_K_STEP`] keys summed in f32 from zero, then added in
+/// f64: `step_gamma` of `Σ_j |k_jc||v_je| ≤ max_j |k_jc| Σ_j |v_je|`), then the split's two roundings.
 fn hbar_tolerances(
     stats: &TailStatistics<f64>,
-    k: ArrayView2<'_, f64>,
-    v: ArrayView2<'_, f64>,
-    u: f64,
-    tau: f64,
+    (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>),
+    (u, tau): (f64, f64),
+    step_gamma: f64,
 ) -> Array2<f64> {
     let max_k: Vec<f64> = k.columns().into_iter().map(|c| c.iter().fold(0f64, |m, x| m.max(x.abs()))).collect();
     let max_mu: Vec<f64> =
@@ -413,20 +419,21 @@ fn hbar_tolerances(
     let sum_v: Vec<f64> = v.columns().into_iter().map(|c| c.iter().map(|x| x.abs()).sum()).collect();
     let (n, blocks) = (k.nrows() + 2 * stats.block_size + 4, stats.counts.len() as f64);
     Array2::from_shape_fn(stats.h_bar.dim(), |(c, e)| {
-        let rho = f64_sum_rho(n, (max_k[c] + max_mu[c]) * sum_v[e] / blocks);
+        let rho =
+            f64_sum_rho(n, (max_k[c] + max_mu[c]) * sum_v[e] / blocks) + step_gamma * max_k[c] * sum_v[e] / blocks;
         rounding_tolerance(stats.h_bar[[c, e]], rho, u, tau, true)
     })
 }
 
 /// Holds the kernel's storage-type statistics of (sequence, KV head) `at` to the oracle's `stats` of keys `k` and
-/// values `v` (module docs), recording the worst ratio in `worst`; returns the split `H̄`'s bounds.
+/// values `v` (module docs), `step_gamma` the error factor of one f32 k step of `H̄`'s products, recording the worst
+/// ratio in `worst`; returns the split `H̄`'s bounds.
 fn check_statistics(
     stats: &TailStatistics<f64>,
-    k: ArrayView2<'_, f64>,
-    v: ArrayView2<'_, f64>,
+    (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>),
     pooled: &PooledStatistics,
     (b, kv): (usize, usize),
-    (u, tau): (f64, f64),
+    (u, tau, step_gamma): (f64, f64, f64),
     worst: &mut WorstRatio,
 ) -> Array2<f64> {
     let (d, dv, size) = (k.ncols(), v.ncols(), stats.block_size);
@@ -447,7 +454,7 @@ fn check_statistics(
             worst.offer(y, x, tol, || format!("mean value [{b}, {kv}, {block}, {c}]: {y} against {x}"));
         }
     }
-    let tolerances = hbar_tolerances(stats, k, v, u, tau);
+    let tolerances = hbar_tolerances(stats, (k, v), (u, tau), step_gamma);
     for ((c, e), &x) in stats.h_bar.indexed_iter() {
         let (hi, lo) = (pooled.h_bar[[b, kv, c, e]], pooled.h_bar[[b, kv, d + c, e]]);
         worst.offer(hi + lo, x, tolerances[[c, e]], || format!("H̄ [{b}, {kv}, {c}, {e}]: {hi} + {lo} against {x}"));
@@ -900,6 +907,37 @@ mod tests {
         h.h_bar[[0, 0, 3, 4]] += 1e-3;
         let (r, at) = ratio(&h);
         assert!(r > 1.0 && at.starts_with("H̄ [0, 0, 3, 4]"), "{r} {at}");
+    }
+
+    /// The reference schedule sums `H̄` over the kernel's key ranges.
+    #[test]
+    fn the_reference_ranges_are_the_kernels() {
+        assert_eq!(attnproof_reference::sparse::pisa::HBAR_SPLIT_KEYS, attnproof_gpu::pisa::tail::HBAR_SPLIT_KEYS);
+    }
+
+    /// `H̄`'s f32 k steps: with keys far from zero (a common offset of 64, so that `Σ_j k_j v_jᵀ` and the centring
+    /// term nearly cancel), the reference schedule's `H̄`, summed as the kernel sums it, passes the statistics' check
+    /// with the f32 steps' term and fails without it, at an `H̄` entry: the term is needed, and it is enough.
+    #[test]
+    fn hbar_f32_steps_need_their_term_and_it_is_enough() {
+        let (mut case, lists) = case(Mask::Causal, 11);
+        case.k.mapv_inplace(|x| bf16::from_f32(x.to_f32() + 64.0));
+        let (_, pooled) = reference_run(&case, &lists);
+        let [_, k, v] = case.widened();
+        let seq = &case.spec.sequences()[0];
+        let (k, v) = (case.spec.head_rows(k.view(), seq, 0, true), case.spec.head_rows(v.view(), seq, 0, true));
+        let stats = tail_statistics(k, v, 64, ());
+        let worst = |step_gamma: f64| {
+            let mut worst = WorstRatio::default();
+            let roundings = (bf16::UNIT_ROUNDOFF, f64::from(crate::recipes::subnormal_of::<bf16>()), step_gamma);
+            check_statistics(&stats, (k, v), &pooled, (0, 0), roundings, &mut worst);
+            worst
+        };
+        let reference_steps = crate::recipes::reference::<bf16>(64).accumulation.gamma(HBAR_K_STEP);
+        let with = worst(reference_steps);
+        assert!(with.ratio <= 1.0, "{} {}", with.ratio, with.at);
+        let without = worst(0.0);
+        assert!(without.ratio > 1.0 && without.at.starts_with("H̄"), "{} {}", without.ratio, without.at);
     }
 
     /// The workspace's layout: what `from_workspace` reads is what `rounded` wrote, flattened in the kernel's order.

@@ -11,13 +11,15 @@
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
 //! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
-//! [--pisa-tail]`.
+//! [--pisa-tail [--tail-source PATH]...]`.
 //! `--pisa-tail` times PISA's tail forward (`attnproof_gpu::pisa::tail`, direction `pisa-tail-fwd`, over a `TailPlan`
 //! formed once: the block-sparse forward over the exact lists, the blocks' statistics and `H̄`, the tail on the tensor
 //! cores and its merge) beside the block-sparse
 //! forward alone on the same exact lists (`bsa-fwd`) at B = 1, H = 24, T = 32K, D = 128, causal, 64×64 blocks, lists
 //! per query head of the diagonal and each earlier block with probability 0.15; the ratio of the two is the tail's
-//! overhead.
+//! overhead. `--tail-source PATH` (repeatable) also times the tail compiled from another text (a whole NVRTC source:
+//! `common.cuh`, `bsa_select.cu`, `pisa_tail.cu`, with the same kernel names and launch shapes) in rows whose tiling
+//! ends in `@` and the file's name.
 //! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
@@ -170,6 +172,8 @@ struct Options {
     select_sources: Vec<KernelSource>,
     /// `--pisa-source PATH`: other texts of the pyramid selector, each timed beside the embedded one.
     pisa_sources: Vec<KernelSource>,
+    /// `--tail-source PATH`: other texts of PISA's tail kernels, each timed beside the embedded one.
+    tail_sources: Vec<KernelSource>,
     /// `--selection-only`: of the block-sparse rows, only the selector's.
     selection_only: bool,
     /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
@@ -225,6 +229,7 @@ fn parse() -> Result<Options, String> {
         lists_dir: None,
         select_sources: vec![],
         pisa_sources: vec![],
+        tail_sources: vec![],
         selection_only: false,
         wgmma_sources: vec![],
         wgmma_bwd_sources: vec![],
@@ -256,6 +261,10 @@ fn parse() -> Result<Options, String> {
             }
             "--nsa" => o.nsa = true,
             "--pisa-tail" => o.pisa_tail = true,
+            "--tail-source" => {
+                let path = value("--tail-source")?;
+                o.tail_sources.push(kernel_from_file("--tail-source", &path, "pisa_tail_merge")?);
+            }
             "--dsa" => o.dsa = true,
             "--dsa-sparse" => o.dsa_sparse = true,
             "--dsa-sparse-source" => {
@@ -325,6 +334,9 @@ fn parse() -> Result<Options, String> {
         return Err("--selection-only, --select-source, --pisa-source, --wgmma-source and --wgmma-bwd-source concern \
                     the block-sparse rows: add --block-sparse"
             .into());
+    }
+    if !o.tail_sources.is_empty() && !o.pisa_tail {
+        return Err("--tail-source times PISA's tail: add --pisa-tail".into());
     }
     if o.lists_dir.is_some() && !o.block_sparse {
         return Err("--lists-dir writes the block-sparse rows' lists: add --block-sparse".into());
@@ -1351,21 +1363,15 @@ fn run_pisa_tail(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
             .map_err(|e| e.to_string())
     })?;
     emit(out, format!("{shape},bsa-fwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", flops / ms / 1e9));
-    let ms = median_ms(stream, opts, |s| {
-        pisa_tail_forward_planned(
-            stream,
-            &plan,
-            PISA_TAIL,
-            &inputs.q[s],
-            &inputs.k[s],
-            &inputs.v[s],
-            &mut o,
-            &mut lse,
-            &mut work,
-        )
-        .map_err(|e| e.to_string())
-    })?;
-    emit(out, format!("{shape},pisa-tail-fwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", flops / ms / 1e9));
+    for kernel in std::iter::once(PISA_TAIL).chain(opts.tail_sources.iter().copied()) {
+        let ms = median_ms(stream, opts, |s| {
+            let (q, k, v) = (&inputs.q[s], &inputs.k[s], &inputs.v[s]);
+            pisa_tail_forward_planned(stream, &plan, kernel, q, k, v, &mut o, &mut lse, &mut work)
+                .map_err(|e| e.to_string())
+        })?;
+        let (suffix, default) = if kernel == PISA_TAIL { (String::new(), 1) } else { (format!("@{}", kernel.name), 0) };
+        emit(out, format!("{shape},pisa-tail-fwd,p0.15+diag/c64{suffix},{default},{ms:.4},{:.1}\n", flops / ms / 1e9));
+    }
     Ok(())
 }
 

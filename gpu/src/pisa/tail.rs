@@ -19,7 +19,8 @@
 //!
 //! The exact part is [`crate::block_sparse::block_sparse_forward_device`] over [`exact_lists`], with its own recipe
 //! and bound. Then three launches: the blocks' mean keys and values in f64 (`pisa_tail_means`, the block selector's
-//! pooling) with their storage-type forms, `H̄` in f64 (`pisa_tail_hbar`) with its split form, and per 64 rows of a
+//! pooling) with their storage-type forms, `H̄` (`pisa_tail_hbar`: `Σ_j k_j v_jᵀ` on the tensor cores, 16 keys per f32
+//! step added in f64, less the centring term `Σ_b n_b μ_b v̄_bᵀ` in f64) with its split form, and per 64 rows of a
 //! query head the tail on the tensor cores and its merge into `O` and LSE in place (`pisa_tail_merge`). The tail is
 //! the forward's recipe over the pooled problem: queries `[q | q]`, keys `[μ_hi | μ_lo]` (the mean key split into two
 //! storage-type numbers, `μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`, so that the scores carry the mean key to about
@@ -35,7 +36,8 @@
 //! # Memory
 //!
 //! Two caller-owned workspaces ([`TailWorkspace`]): f64 of [`workspace_len`] elements (mean keys `[B, Hkv, n_k, d]`,
-//! mean values `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]`) and storage-type of [`pooled_len`] elements (split mean
+//! mean values `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]`, `H̄`'s partial sums per range of [`HBAR_SPLIT_KEYS`] keys
+//! `[ranges, B, Hkv, d, dv]`) and storage-type of [`pooled_len`] elements (split mean
 //! keys `[B, Hkv, n_k, 2d]`, rounded mean values `[B, Hkv, n_k, dv]`, split `H̄` `[B, Hkv, 2d, dv]`). Nothing of size
 //! `Lq × n_k` exists.
 
@@ -71,8 +73,12 @@ pub const POOLED_KEYS_PER_TILE: usize = 64;
 const TAIL_M: usize = 64;
 const TAIL_THREADS: u32 = 128;
 const TAIL_N: usize = POOLED_KEYS_PER_TILE;
-const HBAR_TILE: usize = 32;
-const HBAR_THREADS: u32 = 256;
+const HBAR_TILE: usize = 64;
+const HBAR_THREADS: u32 = 128;
+/// Keys per partial sum of `H̄` (one CTA of `pisa_tail_hbar` per range of the sequence and tile; the kernel's
+/// `HBAR_SPLIT_KEYS`), a multiple of both block sizes; and the threads of `pisa_tail_hbar_sum`.
+pub const HBAR_SPLIT_KEYS: usize = 4096;
+const HBAR_SUM_THREADS: usize = 128;
 const MEANS_THREADS: u32 = 128;
 
 /// A head dim rounded up to the tensor cores' k step of 16 (`HEAD_DIM_PAD`, `HEAD_DIM_V_PAD`): the layout of the
@@ -147,10 +153,17 @@ fn key_blocks(spec: &AttentionSpec, kv_block: usize) -> usize {
 }
 
 /// f64 elements of the workspace for `spec` with tail blocks of `kv_block` keys: mean keys and values per block of
-/// the longest sequence, and `H̄`, per (sequence, KV head).
+/// the longest sequence, `H̄`, and `H̄`'s partial sums per range of [`HBAR_SPLIT_KEYS`] keys of the longest sequence,
+/// per (sequence, KV head).
 pub fn workspace_len(spec: &AttentionSpec, kv_block: usize) -> usize {
-    let per_head = key_blocks(spec, kv_block) * (spec.head_dim + spec.head_dim_v) + spec.head_dim * spec.head_dim_v;
+    let (d, dv) = (spec.head_dim, spec.head_dim_v);
+    let per_head = key_blocks(spec, kv_block) * (d + dv) + (1 + hbar_splits(spec)) * d * dv;
     spec.sequences().len() * spec.n_heads_kv * per_head
+}
+
+/// Ranges of [`HBAR_SPLIT_KEYS`] keys of the longest sequence of `spec`: `H̄`'s partial sums per (sequence, KV head).
+fn hbar_splits(spec: &AttentionSpec) -> usize {
+    spec.sequences().iter().map(|s| s.len_k.div_ceil(HBAR_SPLIT_KEYS)).max().unwrap_or(0)
 }
 
 /// Storage-type elements of the pooled workspace for `spec` with tail blocks of `kv_block` keys: split mean keys
@@ -165,7 +178,7 @@ pub fn pooled_len(spec: &AttentionSpec, kv_block: usize) -> usize {
 /// The caller-owned workspaces of the tail: the f64 statistics ([`workspace_len`]) and their storage-type forms
 /// ([`pooled_len`]), which the harness reads back to hold the tensor cores' work to the forward's model.
 pub struct TailWorkspace<T> {
-    /// Mean keys `[B, Hkv, n_k, d]`, mean values `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]`, f64.
+    /// Mean keys `[B, Hkv, n_k, d]`, mean values `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]` and its partial sums, f64.
     pub stats: CudaSlice<f64>,
     /// Split mean keys `[B, Hkv, n_k, 2d]` (`[μ_hi | μ_lo]`), rounded mean values `[B, Hkv, n_k, dv]`, split `H̄`
     /// `[B, Hkv, 2d, dv]` (`[H̄_hi ; H̄_lo]`).
@@ -183,11 +196,12 @@ impl<T: GpuElement> TailWorkspace<T> {
     }
 }
 
-/// Dynamic shared memory of `pisa_tail_merge`: the CTA's `[q | q]` rows and a tile's `[μ_hi | μ_lo]` rows (each
-/// `2·HEAD_DIM_PAD + 8` elements), a tile's mean values (`HEAD_DIM_V_PAD + 8`), and a flag per key block.
+/// Dynamic shared memory of `pisa_tail_merge`: the CTA's query rows (`HEAD_DIM_PAD + 8` elements, read twice as
+/// `[q | q]`), a tile's `[μ_hi | μ_lo]` rows (`2·HEAD_DIM_PAD + 8`), a tile's mean values (`HEAD_DIM_V_PAD + 8`), and a
+/// flag per key block.
 fn merge_shared_bytes(head_dim: usize, head_dim_v: usize, key_blocks: usize) -> usize {
-    let bytes = 2 * ((TAIL_M + TAIL_N) * (2 * head_dim_pad(head_dim) + 8) + TAIL_N * (head_dim_pad(head_dim_v) + 8))
-        + key_blocks;
+    let (d_pad, dv_pad) = (head_dim_pad(head_dim), head_dim_pad(head_dim_v));
+    let bytes = 2 * (TAIL_M * (d_pad + 8) + TAIL_N * (2 * d_pad + 8) + TAIL_N * (dv_pad + 8)) + key_blocks;
     bytes.div_ceil(16) * 16
 }
 
@@ -216,6 +230,10 @@ fn plan(spec: &AttentionSpec, lists: &BlockLists) -> Result<(PisaTailParams, Vec
         },
         value_means_at: i64::try_from(means * spec.head_dim).map_err(|_| too_large(means))?,
         hbar_at: i64::try_from(means * (spec.head_dim + spec.head_dim_v)).map_err(|_| too_large(means))?,
+        hbar_partials_at: i64::try_from(
+            means * (spec.head_dim + spec.head_dim_v) + seqs.len() * spec.n_heads_kv * spec.head_dim * spec.head_dim_v,
+        )
+        .map_err(|_| too_large(means))?,
         pooled_values_at: i64::try_from(means * 2 * spec.head_dim).map_err(|_| too_large(means))?,
         pooled_hbar_at: i64::try_from(means * (2 * spec.head_dim + spec.head_dim_v)).map_err(|_| too_large(means))?,
         // BlockLists::validate admits query blocks of 64 and 128 rows: whole CTAs of pisa_tail_merge's 64 rows.
@@ -227,6 +245,8 @@ fn plan(spec: &AttentionSpec, lists: &BlockLists) -> Result<(PisaTailParams, Vec
         n_query_blocks: to_i32("query blocks", lists.query_blocks(spec))?,
         list_width: to_i32("list width", lists.lists.dim().3)?,
         lists_per_kv_head: i32::from(lists.heads == ListHeads::PerKvHead),
+        hbar_splits: to_i32("H̄'s key ranges", hbar_splits(spec).max(1))?,
+        reserved: 0,
     };
     Ok((params, cu_q, cu_k))
 }
@@ -327,6 +347,7 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
         module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail.cu)", e))
     };
     let (means, hbar, merge) = (load("pisa_tail_means")?, load("pisa_tail_hbar")?, load("pisa_tail_merge")?);
+    let hbar_sum = load("pisa_tail_hbar_sum")?;
     let shared = merge_shared_bytes(spec.head_dim, spec.head_dim_v, params.n_key_blocks as usize);
     compile::allow_shared_memory(ctx, &merge, shared, "head dims and key blocks")?;
 
@@ -347,10 +368,15 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
     let (cu_q, cu_k) = (&plan.cu_q, &plan.cu_k);
     let stats = (&mut work.stats, &mut work.pooled);
     launch::launch_pisa_tail_stats(stream, &means, cfg(blocks_grid, MEANS_THREADS, 0), (k, v), stats, cu_k, params)?;
-    let tiles = spec.head_dim.div_ceil(HBAR_TILE) * spec.head_dim_v.div_ceil(HBAR_TILE);
+    let tiles = spec.head_dim.div_ceil(HBAR_TILE) * spec.head_dim_v.div_ceil(HBAR_TILE) * params.hbar_splits as usize;
     let tiles_grid = grid_3d(("tiles", tiles), ("heads", spec.n_heads_kv), ("sequences", batch))?;
     let stats = (&mut work.stats, &mut work.pooled);
     launch::launch_pisa_tail_stats(stream, &hbar, cfg(tiles_grid, HBAR_THREADS, 0), (k, v), stats, cu_k, params)?;
+    let elements = (spec.head_dim * spec.head_dim_v).div_ceil(HBAR_SUM_THREADS);
+    let sum_grid = grid_3d(("elements", elements), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    let stats = (&mut work.stats, &mut work.pooled);
+    let sum_cfg = cfg(sum_grid, HBAR_SUM_THREADS as u32, 0);
+    launch::launch_pisa_tail_stats(stream, &hbar_sum, sum_cfg, (k, v), stats, cu_k, params)?;
     if query_rows == 0 {
         return Ok(());
     }
@@ -435,16 +461,36 @@ mod tests {
         assert_eq!(rows(&exact_lists(&tall, &given).unwrap()), [vec![0, -1], vec![0, 1]]);
     }
 
+    /// The host's launch constants are the kernel text's: the H̄ tile, its threads, its key ranges and the merge's.
+    #[test]
+    fn the_launch_constants_are_the_kernels() {
+        let define = |name: &str| -> usize {
+            let prefix = format!("#define {name} ");
+            let line = PISA_TAIL.source.lines().find(|l| l.starts_with(&prefix)).expect("the kernel defines it");
+            let value = line[prefix.len()..].split("//").next().unwrap().trim();
+            value.parse().unwrap_or_else(|_| panic!("{name}: {value}"))
+        };
+        assert_eq!(define("HBAR_TILE"), HBAR_TILE);
+        assert_eq!(define("HBAR_THREADS"), HBAR_THREADS as usize);
+        assert_eq!(define("HBAR_SPLIT_KEYS"), HBAR_SPLIT_KEYS);
+        assert_eq!(define("HBAR_SUM_THREADS"), HBAR_SUM_THREADS);
+        assert_eq!(define("TAIL_N"), TAIL_N);
+        assert!(HBAR_SPLIT_KEYS.is_multiple_of(128) && HBAR_SPLIT_KEYS.is_multiple_of(define("HBAR_KEYS")));
+    }
+
     #[test]
     fn the_workspace_and_the_shared_memory_are_spelled_out() {
         let spec = AttentionSpec {
             layout: Layout::Varlen { cu_seqlens_q: vec![0, 10, 30], cu_seqlens_k: vec![0, 130, 140] },
             ..AttentionSpec::dense(1, 4, 2, 1, 1, 64, 32)
         };
-        assert_eq!(workspace_len(&spec, 64), 2 * 2 * (3 * (64 + 32) + 64 * 32));
+        // One range of H̄'s partial sums (140 keys), then three (8193 keys).
+        assert_eq!(workspace_len(&spec, 64), 2 * 2 * (3 * (64 + 32) + 2 * 64 * 32));
+        let long = AttentionSpec::dense(1, 4, 2, 1, 8193, 64, 32);
+        assert_eq!(workspace_len(&long, 128), 2 * (65 * (64 + 32) + 4 * 64 * 32));
         assert_eq!(pooled_len(&spec, 64), 2 * 2 * (3 * (128 + 32) + 128 * 32));
-        assert_eq!(merge_shared_bytes(64, 32, 3), (2 * (128 * 136 + 64 * 40) + 3usize).div_ceil(16) * 16);
-        assert_eq!(merge_shared_bytes(72, 8, 1), (2 * (128 * 168 + 64 * 24) + 1usize).div_ceil(16) * 16);
+        assert_eq!(merge_shared_bytes(64, 32, 3), (2 * (64 * 72 + 64 * 136 + 64 * 40) + 3usize).div_ceil(16) * 16);
+        assert_eq!(merge_shared_bytes(72, 8, 1), (2 * (64 * 88 + 64 * 168 + 64 * 24) + 1usize).div_ceil(16) * 16);
         assert!(merge_shared_bytes(256, 256, 4096) <= 227 * 1024);
         assert_eq!(tail_defines::<half::bf16>(&spec), ["ELEM_BF16", "HEAD_DIM_PAD=64", "HEAD_DIM_V_PAD=32"]);
     }

@@ -20,7 +20,8 @@ use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{self, KernelSource};
 use attnproof_gpu::pisa::tail::{
-    PISA_TAIL, TailWorkspace, exact_lists, pisa_tail_forward, pisa_tail_forward_device_with, pooled_len, workspace_len,
+    HBAR_SPLIT_KEYS, PISA_TAIL, POOLED_KEYS_PER_TILE, TailWorkspace, exact_lists, pisa_tail_forward,
+    pisa_tail_forward_device_with, pooled_len, workspace_len,
 };
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
@@ -40,8 +41,10 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
 /// The kernels' shapes with their mask made one the tail takes (causal stays, windows become causal, none stays),
-/// and as often longer problems, 200 to 4600 keys (up to 71 blocks of 64: two tiles of the tail's 64 pooled keys)
-/// over a few heads (GQA groups of 1 to 5), dense or varlen, where most of a row's blocks are tail.
+/// and as often longer problems, 200 to 4600 keys (up to 71 blocks of 64) or, as often, 4200 to 8400 (two or three
+/// tiles of the tail's 64 pooled keys at blocks of 64, where a later tile can raise a row's maximum, and two or three
+/// of `H̄`'s key ranges), over a few heads (GQA groups of 1 to 5), dense or varlen, where most of a row's blocks are
+/// tail.
 fn tail_spec() -> impl Strategy<Value = AttentionSpec> {
     let kernel = kernel_spec().prop_map(|mut s| {
         s.mask = match s.mask {
@@ -53,7 +56,8 @@ fn tail_spec() -> impl Strategy<Value = AttentionSpec> {
     let heads = prop::sample::select(vec![(1usize, 1usize), (2, 1), (3, 1), (4, 2), (5, 1), (2, 2)]);
     let dims = prop::sample::select(vec![(32usize, 32usize), (64, 64), (128, 128), (64, 32), (16, 136)]);
     let mask = prop::sample::select(vec![Mask::None, Mask::Causal]);
-    let long = (1usize..=2, heads, 1usize..=400, 200usize..=4600, dims, mask, any::<bool>()).prop_map(
+    let len_k = prop_oneof![200usize..=4600, 4200usize..=8400];
+    let long = (1usize..=2, heads, 1usize..=400, len_k, dims, mask, any::<bool>()).prop_map(
         |(b, (hq, hkv), lq, lk, (d, dv), mask, packed)| {
             if packed {
                 let cu_q = vec![0, lq as i32, (lq + lq / 2) as i32];
@@ -273,10 +277,11 @@ fn pisa_tail_matches_the_oracle_f16() {
     run_production(&TAIL_SUITES[1]);
 }
 
-/// Replayed without a device: the suites draw both masks, both list heads, every density, varlen and GQA groups.
+/// Replayed without a device: the suites draw both masks, both list heads, every density, varlen and GQA groups, rows
+/// with a second tile of pooled keys (where forgetting to rescale shows) and sequences with several of `H̄`'s ranges.
 #[test]
 fn the_tail_suites_draw_masks_heads_and_densities() {
-    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, [0usize; 4]));
+    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, [0usize; 4], 0usize, 0usize));
     for suite in &TAIL_SUITES {
         let result = suite.run(default_run_config(suite.name, suite.cases, suite.seed), |d| {
             let mut s = seen.borrow_mut();
@@ -285,6 +290,10 @@ fn the_tail_suites_draw_masks_heads_and_densities() {
             s.2 += usize::from(matches!(d.spec.layout, attnproof_oracle::Layout::Varlen { .. }));
             s.3 += usize::from(d.spec.group_size() > 1);
             s.4[Density::ALL.iter().position(|x| *x == d.density).expect("a class")] += 1;
+            let longest = d.spec.sequences().iter().map(|q| q.len_k).max().unwrap_or(0);
+            // A second tile of pooled keys (the online softmax's rescaling) and a second range of H̄'s partial sums.
+            s.5 += usize::from(longest / d.lists.kv_block > POOLED_KEYS_PER_TILE);
+            s.6 += usize::from(longest > HBAR_SPLIT_KEYS);
             Ok(())
         });
         assert!(result.is_ok(), "{result:?}");
@@ -293,6 +302,7 @@ fn the_tail_suites_draw_masks_heads_and_densities() {
     let n = 2 * TAIL_SUITES[0].cases as usize;
     assert!(s.0 > 0 && s.0 < n && s.1 > 0 && s.1 < n && s.2 > 0 && s.3 > 0, "{s:?}");
     assert!(s.4.iter().all(|&c| c > 0), "{s:?}");
+    assert!(s.5 >= 4 && s.6 >= 8, "{s:?}");
 }
 
 /// Without a device: on the suites' first draws the verifier's targets exist (no shape or model refusal) and the

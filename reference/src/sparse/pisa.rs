@@ -8,8 +8,11 @@
 //!   last block added, which the caller forms: `attnproof_harness::pisa_tail::exact_layout`), the recipe of
 //!   [`crate::sparse`].
 //! - **Statistics**, per (sequence, KV head), in f64 from the inputs' exact values: each block's mean key and mean
-//!   value (keys in ascending order, then one division), `H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ` (keys in
-//!   ascending order); their storage-type forms rounded once from f64 ([`Element::from_f64`]): the mean key split as
+//!   value (keys in ascending order, then one division), `H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ` as the kernel
+//!   forms it, `(1/n_b)(Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ)` by ranges of [`HBAR_SPLIT_KEYS`] keys: in each, the first
+//!   sum by steps of [`HBAR_K_STEP`] keys, each an f32 sum of exact products (left to right; the tensor cores' order
+//!   within a step is their own) added in f64, less the centring term by fused multiply-adds over the range's blocks
+//!   in ascending order; the ranges' partial sums added in ascending order; their storage-type forms rounded once from f64 ([`Element::from_f64`]): the mean key split as
 //!   `[μ_hi | μ_lo]` (`μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`), the mean value `RN(v̄)`, `H̄` split like `μ` into `2d`
 //!   rows. They are returned in the GPU workspace's layout ([`TailOutputs::pooled`]).
 //! - **Tail**: per row, the online softmax of [`crate::sparse`] over its tail blocks in tiles of [`POOLED_TILE`]
@@ -33,6 +36,10 @@ use crate::sparse::{RowState, block_sparse_forward, dot32, scale32};
 
 /// Pooled keys per tile of the tail's online softmax (the kernel's `TAIL_N`).
 pub const POOLED_TILE: usize = 64;
+/// Keys per k step of `Σ_j k_j v_jᵀ` in `H̄` (the kernel's MMA: each step's products summed in f32 from zero).
+pub const HBAR_K_STEP: usize = 16;
+/// Keys per partial sum of `H̄` (the kernel's `HBAR_SPLIT_KEYS`: one CTA per range).
+pub const HBAR_SPLIT_KEYS: usize = 4096;
 
 /// What [`pisa_tail_forward`] returns: the outputs and the storage-type statistics it computed with.
 #[derive(Clone, Debug)]
@@ -70,6 +77,7 @@ fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -
     let mut means = Array2::<f64>::zeros((n_blocks, d));
     let mut keys = Array2::zeros((n_blocks, 2 * d));
     let mut values = Array2::zeros((n_blocks, dv));
+    let mut value_means = Array2::<f64>::zeros((n_blocks, dv));
     for b in 0..n_blocks {
         let rows = b * block..((b + 1) * block).min(len);
         let count = rows.len() as f64;
@@ -80,16 +88,30 @@ fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -
             keys[[b, d + c]] = lo;
         }
         for c in 0..dv {
-            let mean = rows.clone().fold(0f64, |a, j| a + f64::from(v[[j, c]])) / count;
-            values[[b, c]] = T::from_f64(mean).to_f32();
+            value_means[[b, c]] = rows.clone().fold(0f64, |a, j| a + f64::from(v[[j, c]])) / count;
+            values[[b, c]] = T::from_f64(value_means[[b, c]]).to_f32();
         }
     }
     let mut h_bar = Array2::zeros((2 * d, dv));
     for c in 0..d {
         for e in 0..dv {
-            let sum =
-                (0..len).fold(0f64, |a, j| a + (f64::from(k[[j, c]]) - means[[j / block, c]]) * f64::from(v[[j, e]]));
-            let (hi, lo) = split::<T>(sum / n_blocks as f64);
+            // Per range of HBAR_SPLIT_KEYS keys: Σ_j k_jc v_je by steps of HBAR_K_STEP keys, each an f32 sum of exact
+            // products from zero added in f64 (the kernel's MMA from zero per k step), less the range's centring
+            // term Σ_b n_b μ_bc v̄_be in f64; the ranges' partial sums added in ascending order.
+            let partial = |j_begin: usize| {
+                let j_end = (j_begin + HBAR_SPLIT_KEYS).min(len);
+                let products = (j_begin..j_end).step_by(HBAR_K_STEP).fold(0f64, |a, j0| {
+                    let step = (j0..(j0 + HBAR_K_STEP).min(j_end)).fold(0f32, |s, j| s + k[[j, c]] * v[[j, e]]);
+                    a + f64::from(step)
+                });
+                let centre = (j_begin / block..j_end.div_ceil(block)).fold(0f64, |a, b| {
+                    let count = (len - b * block).min(block) as f64;
+                    (count * means[[b, c]]).mul_add(value_means[[b, e]], a)
+                });
+                products - centre
+            };
+            let total = (0..len).step_by(HBAR_SPLIT_KEYS).fold(0f64, |a, j_begin| a + partial(j_begin));
+            let (hi, lo) = split::<T>(total / n_blocks as f64);
             h_bar[[c, e]] = hi;
             h_bar[[d + c, e]] = lo;
         }

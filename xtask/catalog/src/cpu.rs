@@ -474,9 +474,9 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "ref-pisa-tail-deviation-not-subtracted",
-        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ",
-        find: "(f64::from(k[[j, c]]) - means[[j / block, c]])",
-        replace: "f64::from(k[[j, c]])",
+        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ: the centring term is left out",
+        find: "                products - centre\n",
+        replace: "                products - 0.0 * centre\n",
         ..PISA_TAIL_REF
     },
     Mutant {

@@ -809,15 +809,36 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-tail-hbar-over-one-block-fewer",
         description: "H̄ divides the sum of the H_b by one block fewer than the sequence has",
-        find: "const double x = acc[q] / n_blocks;",
-        replace: "const double x = acc[q] / max(n_blocks - 1, 1);",
+        find: "const double x = total / n_blocks;",
+        replace: "const double x = total / max(n_blocks - 1, 1);",
         ..PISA_TAIL
     },
     Mutant {
         name: "gpu-pisa-tail-deviation-not-subtracted",
-        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ",
-        find: "(double)to_f32(k_g[(long long)j * fp.k_row + c0 + c]) -\n                                   means[(long long)(j / p.kv_block) * d + c0 + c]",
-        replace: "(double)to_f32(k_g[(long long)j * fp.k_row + c0 + c])",
+        description: "H̄ sums k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ: the centring term is left out",
+        find: "partial[(long long)c * dv + e] = sum[n][2 * r + i] - centre;",
+        replace: "partial[(long long)c * dv + e] = sum[n][2 * r + i];",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-last-stage-dropped",
+        description: "H̄'s products stop at the last whole stage of 32 keys: a key range's last keys are left out",
+        find: "const int n_stages = (keys + HBAR_KEYS - 1) / HBAR_KEYS;",
+        replace: "const int n_stages = keys / HBAR_KEYS;",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-last-range-dropped",
+        description: "H̄'s sum leaves out the last range of 4096 keys of a sequence longer than one range",
+        find: "const int ranges = (len_k + HBAR_SPLIT_KEYS - 1) / HBAR_SPLIT_KEYS;",
+        replace: "const int ranges = max((len_k + HBAR_SPLIT_KEYS - 1) / HBAR_SPLIT_KEYS - 1, 1);",
+        ..PISA_TAIL
+    },
+    Mutant {
+        name: "gpu-pisa-tail-hbar-partial-block-as-whole",
+        description: "The centring term weighs the partial last block's means by C keys instead of its own count",
+        find: "const int count = min(p.kv_block, len_k - b * p.kv_block);",
+        replace: "const int count = p.kv_block;",
         ..PISA_TAIL
     },
     Mutant {
