@@ -16,10 +16,10 @@
 //   pisa_tail_hbar   one CTA per (64 × 64 tile of [d, dv], range of HBAR_SPLIT_KEYS keys, KV head, sequence),
 //                    after pisa_tail_means: the range's part of Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ (E22's H̄ before the
 //                    division, over every block of the sequence, the partial last block too) as
-//                    Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ: the first sum on the tensor cores, 16 keys per MMA from zero
-//                    (16 exact products in f32), each k step's result added in f64 in ascending key order; the
+//                    Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ: the first sum on the tensor cores, each stage of 32 keys in
+//                    f32 from zero (two MMAs of 16 exact products), added in f64 in ascending key order; the
 //                    centring term in f64 from the f64 means, blocks ascending; into the partial sums
-//                    [ranges, B, Hkv, d, dv]. The f32 part of the error, at most γ'(16 + 1)·Σ_j |k_jc||v_je| (the
+//                    [ranges, B, Hkv, d, dv]. The f32 part of the error, at most γ'(32 + 2)·Σ_j |k_jc||v_je| (the
 //                    tensor cores' accumulation model, proofs::flash_bound), is in the verifier's tolerance for H̄.
 //   pisa_tail_hbar_sum  H̄ = (1/n_b) Σ of the ranges' partial sums in ascending order, into [B, Hkv, d, dv] in f64,
 //                    and split like μ.
@@ -144,8 +144,8 @@ pisa_tail_hbar(const elem_t* __restrict__ k, const elem_t* __restrict__ v, doubl
         cp_async_commit();  // an empty group past the last stage keeps the wait counts uniform
     }
     // Warp w owns rows [16w, 16w + 16) of the tile (key columns) and its 64 value columns: the m16n8 accumulator
-    // layout, rows g and g + 8, columns n·8 + 2·tig and + 1. Each k step of 16 keys is one MMA per n tile from zero,
-    // added in f64: the f32 part of a sum never holds more than 16 exact products.
+    // layout, rows g and g + 8, columns n·8 + 2·tig and + 1. Each stage of HBAR_KEYS keys is summed per n tile in f32
+    // from zero (two MMAs of 16 keys) and added in f64: the f32 part of a sum never holds more than 32 exact products.
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tig = lane % 4;
     double sum[HBAR_TILE / 8][4];
 #pragma unroll
@@ -161,22 +161,25 @@ pisa_tail_hbar(const elem_t* __restrict__ k, const elem_t* __restrict__ v, doubl
         if (stage + HBAR_STAGES - 1 < n_stages) load_stage(stage + HBAR_STAGES - 1);
         cp_async_commit();
         const unsigned slot = (unsigned)(stage % HBAR_STAGES) * slot_bytes;
+        unsigned af[HBAR_KEYS / 16][4];
 #pragma unroll
-        for (int kk = 0; kk < HBAR_KEYS / 16; ++kk) {
-            unsigned af[4];
-            ldsm_x4_trans(af, a_lane + slot + kk * 16 * HBAR_STRIDE * ESZ);
+        for (int kk = 0; kk < HBAR_KEYS / 16; ++kk) ldsm_x4_trans(af[kk], a_lane + slot + kk * 16 * HBAR_STRIDE * ESZ);
 #pragma unroll
-            for (int np = 0; np < HBAR_TILE / 16; ++np) {
+        for (int np = 0; np < HBAR_TILE / 16; ++np) {
+            // The stage's HBAR_KEYS keys in f32 from zero (one MMA per k step of 16), then added in f64: one
+            // conversion per HBAR_KEYS products, which the f64 pipe's conversion rate makes the bound on this loop.
+            float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < HBAR_KEYS / 16; ++kk) {
                 unsigned bf[4];
                 ldsm_x4_trans(bf, b_lane + slot + (kk * 16 * HBAR_STRIDE + np * 16) * ESZ);
-                float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
-                mma_16816(lo, af, bf[0], bf[1]);
-                mma_16816(hi, af, bf[2], bf[3]);
+                mma_16816(lo, af[kk], bf[0], bf[1]);
+                mma_16816(hi, af[kk], bf[2], bf[3]);
+            }
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    sum[2 * np][i] += (double)lo[i];
-                    sum[2 * np + 1][i] += (double)hi[i];
-                }
+            for (int i = 0; i < 4; ++i) {
+                sum[2 * np][i] += (double)lo[i];
+                sum[2 * np + 1][i] += (double)hi[i];
             }
         }
     }

@@ -13,10 +13,10 @@
 //! absolute sums the two f64 evaluations add, `n` their terms), and the storage forms round it once each, so
 //! `|μ_hi + μ_lo − x| ≤ ρ_x + u(u(|x| + ρ_x) + τ/2) + τ/2` and `|RN(v̄) − x| ≤ ρ_x + u(|x| + ρ_x) + τ/2` (`u` the
 //! storage type's unit roundoff, `τ` its smallest subnormal). `H̄`'s device value is not all f64: the kernel sums
-//! `Σ_j k_j v_jᵀ` on the tensor cores, each k step of 16 keys from zero in f32 (16 exact products of storage numbers,
-//! at most `γ'(17) Σ_{j∈step} |k_jc||v_je|` off under the tensor cores' accumulation model, `Accumulation::TensorCore`,
-//! which allows truncated alignment), each step added in f64, and subtracts `Σ_b n_b μ_bc v̄_be` in f64; so its `ρ`
-//! adds `γ'(17) max_j |k_jc| Σ_j |v_je| / n_b`. A statistic outside its bound fails the verdict
+//! `Σ_j k_j v_jᵀ` on the tensor cores, each stage of 32 keys from zero in f32 (32 exact products of storage numbers in
+//! two MMAs, at most `γ'(34) Σ_{j∈stage} |k_jc||v_je|` off under the tensor cores' accumulation model,
+//! `Accumulation::TensorCore`, which allows truncated alignment), each stage added in f64, and subtracts
+//! `Σ_b n_b μ_bc v̄_be` in f64; so its `ρ` adds `γ'(34) max_j |k_jc| Σ_j |v_je| / n_b`. A statistic outside its bound fails the verdict
 //! ([`TailVerdict::statistics_ratio`]).
 //!
 //! **The tail part.** The kernel runs the forward's recipe over the pooled problem with the statistics it read:
@@ -50,7 +50,7 @@ use attnproof_oracle::{AttentionSpec, Scale};
 use attnproof_proofs::f64_oracle_bound::gamma;
 use attnproof_proofs::flash_bound::FlashRecipe;
 use attnproof_reference::Element;
-use attnproof_reference::sparse::pisa::{HBAR_K_STEP, split};
+use attnproof_reference::sparse::pisa::{HBAR_F32_KEYS, split};
 use ndarray::{Array1, Array2, Array4, ArrayD, ArrayView1, ArrayView2, ArrayViewD, Axis, IxDyn};
 
 use crate::flash::{Case, HarnessError, problem_forward_bounds, problem_forward_bounds_with_visibility};
@@ -276,7 +276,7 @@ pub fn tail_targets<T: Element>(
                 let (k2, v2) =
                     (spec.head_rows(k_all.view(), &seq, kv, true), spec.head_rows(v_all.view(), &seq, kv, true));
                 let st = tail_statistics(k2, v2, c_keys, ());
-                let roundings = (u, tau, tail_recipe.accumulation.gamma(HBAR_K_STEP));
+                let roundings = (u, tau, tail_recipe.accumulation.gamma(HBAR_F32_KEYS));
                 let h_tol = check_statistics(&st, (k2, v2), pooled, (seq.index, kv), roundings, &mut worst);
                 *slot = Some((st, h_tol));
             }
@@ -405,7 +405,7 @@ fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
 /// The bounds on the split `H̄` (`[d, dv]`, module docs): the distance allowed between the device's and the oracle's
 /// `H̄[c, e]` (a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it, whose absolute
 /// terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`): the f64 evaluations' `ρ`, plus the f32
-/// part of the device's `Σ_j k_jc v_je` (each k step of [`HBAR_K_STEP`] keys summed in f32 from zero, then added in
+/// part of the device's `Σ_j k_jc v_je` (each stage of [`HBAR_F32_KEYS`] keys summed in f32 from zero, then added in
 /// f64: `step_gamma` of `Σ_j |k_jc||v_je| ≤ max_j |k_jc| Σ_j |v_je|`), then the split's two roundings.
 fn hbar_tolerances(
     stats: &TailStatistics<f64>,
@@ -426,7 +426,7 @@ fn hbar_tolerances(
 }
 
 /// Holds the kernel's storage-type statistics of (sequence, KV head) `at` to the oracle's `stats` of keys `k` and
-/// values `v` (module docs), `step_gamma` the error factor of one f32 k step of `H̄`'s products, recording the worst
+/// values `v` (module docs), `step_gamma` the error factor of one f32 stage of `H̄`'s products, recording the worst
 /// ratio in `worst`; returns the split `H̄`'s bounds.
 fn check_statistics(
     stats: &TailStatistics<f64>,
@@ -915,7 +915,7 @@ mod tests {
         assert_eq!(attnproof_reference::sparse::pisa::HBAR_SPLIT_KEYS, attnproof_gpu::pisa::tail::HBAR_SPLIT_KEYS);
     }
 
-    /// `H̄`'s f32 k steps: with keys far from zero (a common offset of 64, so that `Σ_j k_j v_jᵀ` and the centring
+    /// `H̄`'s f32 stages: with keys far from zero (a common offset of 64, so that `Σ_j k_j v_jᵀ` and the centring
     /// term nearly cancel), the reference schedule's `H̄`, summed as the kernel sums it, passes the statistics' check
     /// with the f32 steps' term and fails without it, at an `H̄` entry: the term is needed, and it is enough.
     #[test]
@@ -933,7 +933,7 @@ mod tests {
             check_statistics(&stats, (k, v), &pooled, (0, 0), roundings, &mut worst);
             worst
         };
-        let reference_steps = crate::recipes::reference::<bf16>(64).accumulation.gamma(HBAR_K_STEP);
+        let reference_steps = crate::recipes::reference::<bf16>(64).accumulation.gamma(HBAR_F32_KEYS);
         let with = worst(reference_steps);
         assert!(with.ratio <= 1.0, "{} {}", with.ratio, with.at);
         let without = worst(0.0);

@@ -19,8 +19,8 @@
 //!
 //! The exact part is [`crate::block_sparse::block_sparse_forward_device`] over [`exact_lists`], with its own recipe
 //! and bound. Then three launches: the blocks' mean keys and values in f64 (`pisa_tail_means`, the block selector's
-//! pooling) with their storage-type forms, `H̄` (`pisa_tail_hbar`: `Σ_j k_j v_jᵀ` on the tensor cores, 16 keys per f32
-//! step added in f64, less the centring term `Σ_b n_b μ_b v̄_bᵀ` in f64) with its split form, and per 64 rows of a
+//! pooling) with their storage-type forms, `H̄` (`pisa_tail_hbar`: `Σ_j k_j v_jᵀ` on the tensor cores, 32 keys per f32
+//! sum added in f64, less the centring term `Σ_b n_b μ_b v̄_bᵀ` in f64) with its split form, and per 64 rows of a
 //! query head the tail on the tensor cores and its merge into `O` and LSE in place (`pisa_tail_merge`). The tail is
 //! the forward's recipe over the pooled problem: queries `[q | q]`, keys `[μ_hi | μ_lo]` (the mean key split into two
 //! storage-type numbers, `μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`, so that the scores carry the mean key to about

@@ -10,7 +10,7 @@
 //! - **Statistics**, per (sequence, KV head), in f64 from the inputs' exact values: each block's mean key and mean
 //!   value (keys in ascending order, then one division), `H̄ = (1/n_b) Σ_b Σ_{j∈b} (k_j − μ_b) v_jᵀ` as the kernel
 //!   forms it, `(1/n_b)(Σ_j k_j v_jᵀ − Σ_b n_b μ_b v̄_bᵀ)` by ranges of [`HBAR_SPLIT_KEYS`] keys: in each, the first
-//!   sum by steps of [`HBAR_K_STEP`] keys, each an f32 sum of exact products (left to right; the tensor cores' order
+//!   sum by steps of [`HBAR_F32_KEYS`] keys, each an f32 sum of exact products (left to right; the tensor cores' order
 //!   within a step is their own) added in f64, less the centring term by fused multiply-adds over the range's blocks
 //!   in ascending order; the ranges' partial sums added in ascending order; their storage-type forms rounded once from f64 ([`Element::from_f64`]): the mean key split as
 //!   `[μ_hi | μ_lo]` (`μ_hi = RN(μ)`, `μ_lo = RN(μ − μ_hi)`), the mean value `RN(v̄)`, `H̄` split like `μ` into `2d`
@@ -36,8 +36,9 @@ use crate::sparse::{RowState, block_sparse_forward, dot32, scale32};
 
 /// Pooled keys per tile of the tail's online softmax (the kernel's `TAIL_N`).
 pub const POOLED_TILE: usize = 64;
-/// Keys per k step of `Σ_j k_j v_jᵀ` in `H̄` (the kernel's MMA: each step's products summed in f32 from zero).
-pub const HBAR_K_STEP: usize = 16;
+/// Keys per f32 sum of `Σ_j k_j v_jᵀ` in `H̄` (the kernel's stage of two MMAs: its products summed in f32 from zero,
+/// then added in f64).
+pub const HBAR_F32_KEYS: usize = 32;
 /// Keys per partial sum of `H̄` (the kernel's `HBAR_SPLIT_KEYS`: one CTA per range).
 pub const HBAR_SPLIT_KEYS: usize = 4096;
 
@@ -95,13 +96,13 @@ fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -
     let mut h_bar = Array2::zeros((2 * d, dv));
     for c in 0..d {
         for e in 0..dv {
-            // Per range of HBAR_SPLIT_KEYS keys: Σ_j k_jc v_je by steps of HBAR_K_STEP keys, each an f32 sum of exact
-            // products from zero added in f64 (the kernel's MMA from zero per k step), less the range's centring
+            // Per range of HBAR_SPLIT_KEYS keys: Σ_j k_jc v_je by steps of HBAR_F32_KEYS keys, each an f32 sum of exact
+            // products from zero added in f64 (the kernel's two MMAs from zero per stage), less the range's centring
             // term Σ_b n_b μ_bc v̄_be in f64; the ranges' partial sums added in ascending order.
             let partial = |j_begin: usize| {
                 let j_end = (j_begin + HBAR_SPLIT_KEYS).min(len);
-                let products = (j_begin..j_end).step_by(HBAR_K_STEP).fold(0f64, |a, j0| {
-                    let step = (j0..(j0 + HBAR_K_STEP).min(j_end)).fold(0f32, |s, j| s + k[[j, c]] * v[[j, e]]);
+                let products = (j_begin..j_end).step_by(HBAR_F32_KEYS).fold(0f64, |a, j0| {
+                    let step = (j0..(j0 + HBAR_F32_KEYS).min(j_end)).fold(0f32, |s, j| s + k[[j, c]] * v[[j, e]]);
                     a + f64::from(step)
                 });
                 let centre = (j_begin / block..j_end.div_ceil(block)).fold(0f64, |a, b| {
