@@ -861,20 +861,20 @@ mod tests {
         assert_eq!(f64_sum_rho(3, 2.0), 2.0 * gamma(4) * 2.0);
     }
 
-    /// `H̄`'s tolerance term by term on three keys of one column in blocks of two (means 2 and −2, `H̄ = −1.5`):
-    /// `max|k| = 3`, `max|μ| = 2`, `Σ|v| = 7`, two blocks, `n = 3 + 2·2 + 4` terms, and an f32 stage factor large
-    /// enough to show: `ρ = 2γ(12)·(3 + 2)·7/2 + g·3·7/2`, then the split's roundings.
+    /// `H̄`'s tolerance term by term on four keys of one column in blocks of three (means 1 and 4, `H̄ = −5`):
+    /// `max|k| = 4`, `max|μ| = 4`, `Σ|v| = 10`, two blocks, `n = 4 + 2·3 + 4` terms (a block size whose double is not
+    /// its sum with 2), and an f32 stage factor large enough to show: `ρ = 2γ(15)·(4 + 4)·10/2 + g·4·10/2`, then the
+    /// split's roundings.
     #[test]
     fn the_hbar_tolerance_is_the_derived_formula() {
-        let k = ndarray::arr2(&[[1.0], [3.0], [-2.0]]);
-        let v = ndarray::arr2(&[[2.0], [-1.0], [4.0]]);
-        let stats = tail_statistics(k.view(), v.view(), 2, ());
-        assert_eq!(stats.h_bar[[0, 0]], -1.5);
+        let k = ndarray::arr2(&[[1.0], [3.0], [-1.0], [4.0]]);
+        let v = ndarray::arr2(&[[2.0], [-1.0], [4.0], [3.0]]);
+        let stats = tail_statistics(k.view(), v.view(), 3, ());
+        assert_eq!(stats.h_bar[[0, 0]], -5.0);
         let (u, tau, g) = (1.0 / 256.0, 1.0 / 1024.0, 0.25);
-        let rho = f64_sum_rho(11, 5.0 * 7.0 / 2.0) + g * 3.0 * 7.0 / 2.0;
-        let expected = rounding_tolerance(-1.5, rho, u, tau, true);
+        let rho = f64_sum_rho(14, 8.0 * 10.0 / 2.0) + g * 4.0 * 10.0 / 2.0;
+        let expected = rounding_tolerance(-5.0, rho, u, tau, true);
         assert_eq!(hbar_tolerances(&stats, (k.view(), v.view()), (u, tau), g)[[0, 0]], expected);
-        assert!(expected > 2.0 * gamma(12) * 17.5 + g * 10.5);
     }
 
     /// The worst statistic is the largest ratio, kept exactly below 1 too; an exact match under a zero bound reads 0,
