@@ -5,7 +5,10 @@
 #                           them), the scratch-built mutants and the sanitizer runs side by side, then, alone on the GPU, the benchmark with the backward
 #                           and the SDPA peers (ARGS go to bin/bench; PEERS_ARGS=--backward adds FlexAttention). Logs in $ATTNPROOF_LOGS (default: $OUT if set, else
 #                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
-#                           ALL_BENCH=0 runs the verification alone, without the benchmark.
+#                           ALL_BENCH=0 runs the verification alone, without the benchmark. PART=i/n runs the i-th of
+#                           n shares of the verification (every n-th unit: test module, other binary, sanitizer, Python
+#                           package, scratch mutants), so that n calls under a device's per-call limit run it all; the
+#                           benchmark only with the last share.
 #   run.sh fuzz [MINUTES] [PROCESSES]
 #                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
 #                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
@@ -128,6 +131,19 @@ all)
     logs="${ATTNPROOF_LOGS:-${OUT:-$(mktemp -d)}}"
     work="$(mktemp -d)"
     start=$(date +%s)
+    # PART=i/n: this call runs unit u (in the order below, counted from 0) when u mod n = i - 1.
+    part="${PART:-1/1}"
+    share="${part%/*}"
+    shares="${part#*/}"
+    if ! [[ "$share" =~ ^[0-9]+$ && "$shares" =~ ^[0-9]+$ ]] || [ "$share" -lt 1 ] || [ "$share" -gt "$shares" ]; then
+        echo "run.sh all: PART must be i/n with 1 <= i <= n, not '$part'" >&2
+        exit 2
+    fi
+    unit=0
+    mine() {
+        unit=$((unit + 1))
+        [ $(((unit - 1) % shares)) -eq $((share - 1)) ]
+    }
     # Phase 1: the test binaries and the sanitizer at once. Their kernels are small and none is timed; most of their
     # time is the f64 oracle on the CPU, so running them side by side takes the time of the longest. The integration
     # binary (attnproof-gpu-it) holds one module per former test file: each module runs as a process of its own
@@ -141,32 +157,36 @@ all)
         *-it) modules="$("$bin" --list 2>/dev/null | sed -n 's/^\([A-Za-z0-9_]*\)::.*: test$/\1/p' | sort -u)" ;;
         esac
         if [ -z "$modules" ]; then
+            mine || continue
             ("$bin" --nocapture >"$work/test-$name.log" 2>&1; echo $? >"$work/test-$name.rc") &
             continue
         fi
         for module in $modules; do
+            mine || continue
             ("$bin" "$module::" --nocapture >"$work/test-$name-$module.log" 2>&1
                 echo $? >"$work/test-$name-$module.rc") &
         done
     done
-    (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") &
-    (bash "$here/run.sh" python >"$work/python.log" 2>&1; echo $? >"$work/python.rc") &
-    (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") &
+    if mine; then (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") & fi
+    if mine; then (bash "$here/run.sh" python >"$work/python.log" 2>&1; echo $? >"$work/python.rc") & fi
+    if mine; then (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") & fi
     wait
     phase1=$(($(date +%s) - start))
     # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
     # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
-    # ALL_BENCH=0 leaves it out: the verification alone, when a call's device time is short.
-    if [ "${ALL_BENCH:-1}" = 0 ]; then
-        echo "gpu-bundle all: benchmark left out (ALL_BENCH=0)" >"$work/bench.log"
+    # ALL_BENCH=0 leaves it out: the verification alone, when a call's device time is short; so does any share of
+    # PART=i/n but the last.
+    if [ "${ALL_BENCH:-1}" = 0 ] || [ "$share" -lt "$shares" ]; then
+        echo "gpu-bundle all: benchmark left out (ALL_BENCH=0, or a share before the last)" >"$work/bench.log"
     else
         PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
         echo $? >"$work/bench.rc"
     fi
     failed=0
     {
-        echo "gpu-bundle all: tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
+        echo "gpu-bundle all (share $share of $shares, $unit units in all): tests and sanitizer ${phase1} s, everything $(($(date +%s) - start)) s"
         for rc in "$work"/*.rc; do
+            [ -e "$rc" ] || continue  # a share without units
             name="$(basename "$rc" .rc)"
             status="$(cat "$rc")"
             [ "$status" = "0" ] || failed=$((failed + 1))
