@@ -925,10 +925,11 @@ mod tests {
         assert!(r > 1.0 && at.starts_with("H̄ [0, 0, 3, 4]"), "{r} {at}");
     }
 
-    /// The reference schedule sums `H̄` over the kernel's key ranges.
+    /// The reference schedule sums `H̄` over the kernel's key ranges and in its f32 stages, which the tolerance takes.
     #[test]
-    fn the_reference_ranges_are_the_kernels() {
+    fn the_reference_ranges_and_stages_are_the_kernels() {
         assert_eq!(attnproof_reference::sparse::pisa::HBAR_SPLIT_KEYS, attnproof_gpu::pisa::tail::HBAR_SPLIT_KEYS);
+        assert_eq!(HBAR_F32_KEYS, attnproof_gpu::pisa::tail::HBAR_F32_KEYS);
     }
 
     /// `H̄`'s f32 stages: with keys far from zero (a common offset of 64, so that `Σ_j k_j v_jᵀ` and the centring

@@ -78,6 +78,9 @@ const HBAR_THREADS: u32 = 128;
 /// Keys per partial sum of `H̄` (one CTA of `pisa_tail_hbar` per range of the sequence and tile; the kernel's
 /// `HBAR_SPLIT_KEYS`), a multiple of both block sizes; and the threads of `pisa_tail_hbar_sum`.
 pub const HBAR_SPLIT_KEYS: usize = 4096;
+/// Keys per f32 sum of `pisa_tail_hbar`'s products (its pipeline stage, the kernel's `HBAR_KEYS`: two MMAs from zero,
+/// then added in f64), which the verifier's tolerance for `H̄` takes.
+pub const HBAR_F32_KEYS: usize = 32;
 const HBAR_SUM_THREADS: usize = 128;
 const MEANS_THREADS: u32 = 128;
 
@@ -473,6 +476,7 @@ mod tests {
         assert_eq!(define("HBAR_TILE"), HBAR_TILE);
         assert_eq!(define("HBAR_THREADS"), HBAR_THREADS as usize);
         assert_eq!(define("HBAR_SPLIT_KEYS"), HBAR_SPLIT_KEYS);
+        assert_eq!(define("HBAR_KEYS"), HBAR_F32_KEYS);
         assert_eq!(define("HBAR_SUM_THREADS"), HBAR_SUM_THREADS);
         assert_eq!(define("TAIL_N"), TAIL_N);
         assert!(HBAR_SPLIT_KEYS.is_multiple_of(128) && HBAR_SPLIT_KEYS.is_multiple_of(define("HBAR_KEYS")));
