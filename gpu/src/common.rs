@@ -215,6 +215,15 @@ pub(crate) fn token_rows(spec: &AttentionSpec) -> usize {
     }
 }
 
+/// The value of `#define NAME value` in a kernel text (a test's check that a host constant is the kernel's).
+#[cfg(test)]
+pub(crate) fn numeric_define(source: &str, name: &str) -> usize {
+    let prefix = format!("#define {name} ");
+    let line = source.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("the kernel defines {name}"));
+    let value = line[prefix.len()..].split("//").next().unwrap_or_default().trim();
+    value.parse().unwrap_or_else(|_| panic!("{name}: {value}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -639,6 +639,106 @@ pub(crate) fn launch_pisa_tail_merge<T>(
     Ok(())
 }
 
+/// The device buffers of the tail's backward kernels (`gpu/kernels/pisa_tail_bwd.cu`), as `pisa::tail_backward` sized
+/// them: the inputs `q`, `d_out` (shaped like O), the exact `lists`, the forward's f64 statistics `stats`
+/// (`pisa::tail::workspace_len`), `lse` and the exact part's `delta` (LSE's layout); the row workspaces `through` and
+/// `mass` (LSE's layout, f64), the gradient workspace `grads` (the statistics' layout: dμ, dV^Σ and G at the offsets of
+/// μ, v̄ and H̄), G's `partials` (`[row ranges, B, Hq, d, dv]`); the gradients `dq`, `dk`, `dv` (the exact part's, added
+/// to in place); K and V; and the `cu_seqlens`.
+pub(crate) struct TailBackwardBuffers<'a, T> {
+    pub q: &'a CudaSlice<T>,
+    pub k: &'a CudaSlice<T>,
+    pub v: &'a CudaSlice<T>,
+    pub d_out: &'a CudaSlice<T>,
+    pub lists: &'a CudaSlice<i32>,
+    pub stats: &'a CudaSlice<f64>,
+    pub lse: &'a CudaSlice<f32>,
+    pub delta: &'a CudaSlice<f32>,
+    pub through: &'a mut CudaSlice<f64>,
+    pub mass: &'a mut CudaSlice<f64>,
+    pub grads: &'a mut CudaSlice<f64>,
+    pub partials: &'a mut CudaSlice<f64>,
+    pub dq: &'a mut CudaSlice<T>,
+    pub dk: &'a mut CudaSlice<T>,
+    pub dv: &'a mut CudaSlice<T>,
+    pub cu_q: &'a CudaSlice<i32>,
+    pub cu_k: &'a CudaSlice<i32>,
+}
+
+/// The kernels of `pisa_tail_bwd.cu`, in the order [`launch_pisa_tail_backward`] runs them.
+pub(crate) struct TailBackwardFunctions {
+    pub rows: CudaFunction,
+    pub blocks: CudaFunction,
+    pub g: CudaFunction,
+    pub g_sum: CudaFunction,
+    pub scatter: CudaFunction,
+}
+
+/// Launch configurations of the five kernels, and G's row ranges (the kernels' `row_splits`).
+pub(crate) struct TailBackwardGrids {
+    pub rows: LaunchConfig,
+    pub blocks: LaunchConfig,
+    pub g: LaunchConfig,
+    pub g_sum: LaunchConfig,
+    pub scatter: LaunchConfig,
+    pub row_splits: i32,
+}
+
+/// Launches the tail's backward (gpu/kernels/pisa_tail_bwd.cu) on `stream`, after the exact part's block-sparse
+/// backward wrote `dq`, `dk`, `dv` and `delta`: `pisa_tail_bwd_rows`, `_blocks`, `_g`, `_g_sum`, `_scatter`.
+///
+/// Preconditions, established by `pisa::tail_backward`: the functions are those kernels compiled for the element type
+/// `T` and the spec's padded head dims; every buffer holds what [`TailBackwardBuffers`] says, sized for the spec
+/// (`params.flash`'s strides and lengths, or the validated `cu_seqlens`) and the exact lists
+/// (`params.n_query_blocks`, `params.list_width`, `params.n_key_blocks`); `grids` are `(⌈max Lq / 4⌉, Hq, B)`,
+/// `(key blocks, Hkv, B)`, `(64 × 64 tiles of [d, dv] × row_splits, Hq, B)`, `(⌈d·dv / 128⌉, Hkv, B)` and
+/// `(⌈max Lk / 8⌉, Hkv, B)`, each of 128 threads, with `row_splits = ⌈max Lq / 4096⌉` (at least 1) ranges in
+/// `partials`.
+pub(crate) fn launch_pisa_tail_backward<T>(
+    stream: &CudaStream,
+    functions: &TailBackwardFunctions,
+    grids: TailBackwardGrids,
+    b: TailBackwardBuffers<'_, T>,
+    params: &PisaTailParams,
+) -> Result<(), GpuError>
+where
+    T: DeviceRepr,
+{
+    let driver = |e| GpuError::driver("cuLaunchKernel(pisa_tail_bwd)", e);
+    let mut rows = stream.launch_builder(&functions.rows);
+    rows.arg(b.q).arg(b.d_out).arg(b.lists).arg(b.stats).arg(b.lse).arg(b.delta);
+    rows.arg(&mut *b.through).arg(&mut *b.mass).arg(&mut *b.dq).arg(b.cu_q).arg(b.cu_k).arg(params);
+    // SAFETY: the arguments match `pisa_tail_bwd_rows(const elem_t* q, const elem_t* d_out, const int* lists, const
+    // double* stats, const float* lse, const float* delta, double* through, double* mass, elem_t* dq, const int* cu_q,
+    // const int* cu_k, const PisaTailParams)` in order and type; every index it forms lies in the buffers sized as
+    // above; the buffers are borrowed for this call and their use is recorded on `stream`.
+    unsafe { rows.launch(grids.rows) }.map_err(driver)?;
+    let mut blocks = stream.launch_builder(&functions.blocks);
+    blocks.arg(b.q).arg(b.d_out).arg(b.lists).arg(b.stats).arg(b.lse).arg(b.delta);
+    blocks.arg(&*b.through).arg(&mut *b.grads).arg(b.cu_q).arg(b.cu_k).arg(params);
+    // SAFETY: as above, for `pisa_tail_bwd_blocks(const elem_t* q, const elem_t* d_out, const int* lists, const
+    // double* stats, const float* lse, const float* delta, const double* through, double* grads, const int* cu_q,
+    // const int* cu_k, const PisaTailParams)`.
+    unsafe { blocks.launch(grids.blocks) }.map_err(driver)?;
+    let mut g = stream.launch_builder(&functions.g);
+    g.arg(b.q).arg(b.d_out).arg(&*b.mass).arg(&mut *b.partials).arg(b.cu_q).arg(b.cu_k).arg(params);
+    g.arg(&grids.row_splits);
+    // SAFETY: as above, for `pisa_tail_bwd_g(const elem_t* q, const elem_t* d_out, const double* mass, double*
+    // partials, const int* cu_q, const int* cu_k, const PisaTailParams, int row_splits)`.
+    unsafe { g.launch(grids.g) }.map_err(driver)?;
+    let mut g_sum = stream.launch_builder(&functions.g_sum);
+    g_sum.arg(&*b.partials).arg(&mut *b.grads).arg(b.cu_q).arg(params).arg(&grids.row_splits);
+    // SAFETY: as above, for `pisa_tail_bwd_g_sum(const double* partials, double* grads, const int* cu_q, const
+    // PisaTailParams, int row_splits)`.
+    unsafe { g_sum.launch(grids.g_sum) }.map_err(driver)?;
+    let mut scatter = stream.launch_builder(&functions.scatter);
+    scatter.arg(b.k).arg(b.v).arg(b.stats).arg(&*b.grads).arg(&mut *b.dk).arg(&mut *b.dv).arg(b.cu_k).arg(params);
+    // SAFETY: as above, for `pisa_tail_bwd_scatter(const elem_t* k, const elem_t* v, const double* stats, const
+    // double* grads, elem_t* dk, elem_t* dv, const int* cu_k, const PisaTailParams)`.
+    unsafe { scatter.launch(grids.scatter) }.map_err(driver)?;
+    Ok(())
+}
+
 /// Launches `hils_summaries` (gpu/kernels/hils.cu, `func`) on `stream`: one chunk's landmark summary per CTA.
 ///
 /// Preconditions, established by `hils`: `func` is `hils_summaries` compiled for the element type `T`; `k` holds the

@@ -23,6 +23,7 @@ pub mod nsa_layer;
 pub mod nsa_select;
 pub mod nsa_selected;
 pub mod pisa_tail;
+pub mod pisa_tail_backward;
 pub mod pyramid_diagnostics;
 pub mod pyramid_selection;
 pub mod recipes;

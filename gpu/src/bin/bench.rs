@@ -19,7 +19,9 @@
 //! per query head of the diagonal and each earlier block with probability 0.15; the ratio of the two is the tail's
 //! overhead. `--tail-source PATH` (repeatable) also times the tail compiled from another text (a whole NVRTC source:
 //! `common.cuh`, `bsa_select.cu`, `pisa_tail.cu`, with the same kernel names and launch shapes) in rows whose tiling
-//! ends in `@` and the file's name.
+//! ends in `@` and the file's name. Then the backward over the tail forward's `O` and LSE: the block-sparse backward
+//! alone on the exact lists (`bsa-bwd`) and the tail's backward (`pisa-tail-bwd`, `attnproof_gpu::pisa::tail_backward`),
+//! both with the atomic dQ, FLOPs 2.5 times the forward's; their ratio is the tail backward's overhead.
 //! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
@@ -107,7 +109,7 @@ use attnproof_gpu::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardTiling, GpuBackwardStrategy, flash_backward_device,
     flash_backward_device_with, is_wgmma_backward, production_backward_kernel, wgmma_backward_supports,
 };
-use attnproof_gpu::block_sparse::backward::block_sparse_backward_device_with;
+use attnproof_gpu::block_sparse::backward::{block_sparse_backward_device, block_sparse_backward_device_with};
 use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads, block_sparse_forward_device};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
@@ -136,6 +138,7 @@ use attnproof_gpu::pisa::select::{
     workspace_len as pisa_workspace_len,
 };
 use attnproof_gpu::pisa::tail::{PISA_TAIL, TailPlan, TailWorkspace, pisa_tail_forward_planned};
+use attnproof_gpu::pisa::tail_backward::{TailBackwardWorkspace, pisa_tail_backward_device};
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
@@ -1372,6 +1375,29 @@ fn run_pisa_tail(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
         let (suffix, default) = if kernel == PISA_TAIL { (String::new(), 1) } else { (format!("@{}", kernel.name), 0) };
         emit(out, format!("{shape},pisa-tail-fwd,p0.15+diag/c64{suffix},{default},{ms:.4},{:.1}\n", flops / ms / 1e9));
     }
+    // The backward over the tail forward's O and LSE (the production text's, last run above), the upstream gradient
+    // the queries of the same input set: the block-sparse backward alone on the exact lists, then the tail's backward
+    // (both with the atomic dQ), FLOPs 2.5 times the forward's.
+    let (mut dq, mut dk, mut dv) = (alloc(stream, n)?, alloc(stream, n)?, alloc(stream, n)?);
+    let mut delta = stream.alloc_zeros::<f32>(h * l).map_err(|e| e.to_string())?;
+    let mut grad_work = TailBackwardWorkspace::alloc(stream, &spec, TAIL_BLOCK).map_err(|e| e.to_string())?;
+    let strategy = GpuBackwardStrategy::KvOwnerAtomic;
+    let (q, k, v) = (&inputs.q[0], &inputs.k[0], &inputs.v[0]);
+    pisa_tail_forward_planned(stream, &plan, PISA_TAIL, q, k, v, &mut o, &mut lse, &mut work)
+        .map_err(|e| e.to_string())?;
+    let backward_inputs = BackwardDeviceInputs { q, k, v, o: &o, lse: &lse, d_out: q };
+    let ms = median_ms(stream, opts, |_| {
+        let outputs = BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
+        block_sparse_backward_device(stream, &spec, exact, backward_inputs, outputs, strategy)
+            .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("{shape},bsa-bwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", 2.5 * flops / ms / 1e9));
+    let ms = median_ms(stream, opts, |_| {
+        let outputs = BackwardDeviceOutputs { dq: &mut dq, dk: &mut dk, dv: &mut dv, delta: &mut delta };
+        pisa_tail_backward_device(stream, &plan, backward_inputs, outputs, strategy, &work, &mut grad_work)
+            .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("{shape},pisa-tail-bwd,p0.15+diag/c64,1,{ms:.4},{:.1}\n", 2.5 * flops / ms / 1e9));
     Ok(())
 }
 

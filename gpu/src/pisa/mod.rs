@@ -9,6 +9,7 @@
 pub mod diagnostics;
 pub mod select;
 pub mod tail;
+pub mod tail_backward;
 
 use attnproof_oracle::{AttentionSpec, Mask, Sequence};
 

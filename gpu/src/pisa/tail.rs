@@ -297,12 +297,12 @@ pub fn pisa_tail_forward_device_with<T: GpuElement>(
 /// that runs the same lists again (a benchmark, a layer's heads over steps) passes it to
 /// [`pisa_tail_forward_planned`] and pays the host work once.
 pub struct TailPlan {
-    spec: AttentionSpec,
-    exact: BlockLists,
-    params: PisaTailParams,
-    device_lists: CudaSlice<i32>,
-    cu_q: CudaSlice<i32>,
-    cu_k: CudaSlice<i32>,
+    pub(super) spec: AttentionSpec,
+    pub(super) exact: BlockLists,
+    pub(super) params: PisaTailParams,
+    pub(super) device_lists: CudaSlice<i32>,
+    pub(super) cu_q: CudaSlice<i32>,
+    pub(super) cu_k: CudaSlice<i32>,
 }
 
 impl TailPlan {
@@ -346,20 +346,17 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
     check_len("lse", lse, size(Operand::RowStat))?;
     let ctx = stream.context();
     let module = compile::module(ctx, kernel, &tail_defines::<T>(spec))?;
-    let load = |name: &'static str| {
-        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail.cu)", e))
-    };
-    let (means, hbar, merge) = (load("pisa_tail_means")?, load("pisa_tail_hbar")?, load("pisa_tail_merge")?);
-    let hbar_sum = load("pisa_tail_hbar_sum")?;
+    let merge = module
+        .load_function("pisa_tail_merge")
+        .map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail.cu)", e))?;
     let shared = merge_shared_bytes(spec.head_dim, spec.head_dim_v, params.n_key_blocks as usize);
     compile::allow_shared_memory(ctx, &merge, shared, "head dims and key blocks")?;
 
     block_sparse_forward_device(stream, spec, exact, q, k, v, o, lse)?;
+    launch_statistics(stream, plan, &module, k, v, work)?;
     let batch = spec.sequences().len();
-    let (key_blocks, query_rows) = (params.n_key_blocks as usize, exact.query_blocks(spec) * exact.q_block);
-    // The statistics are an output of their own (the workspace holds them for every key block, queries or not);
-    // only the merge needs rows.
-    if batch == 0 || key_blocks == 0 {
+    let query_rows = exact.query_blocks(spec) * exact.q_block;
+    if batch == 0 || params.n_key_blocks == 0 {
         return Ok(());
     }
     let cfg = |grid: (u32, u32, u32), threads: u32, shared: usize| LaunchConfig {
@@ -367,19 +364,7 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    let blocks_grid = grid_3d(("key blocks", key_blocks), ("heads", spec.n_heads_kv), ("sequences", batch))?;
     let (cu_q, cu_k) = (&plan.cu_q, &plan.cu_k);
-    let stats = (&mut work.stats, &mut work.pooled);
-    launch::launch_pisa_tail_stats(stream, &means, cfg(blocks_grid, MEANS_THREADS, 0), (k, v), stats, cu_k, params)?;
-    let tiles = spec.head_dim.div_ceil(HBAR_TILE) * spec.head_dim_v.div_ceil(HBAR_TILE) * params.hbar_splits as usize;
-    let tiles_grid = grid_3d(("tiles", tiles), ("heads", spec.n_heads_kv), ("sequences", batch))?;
-    let stats = (&mut work.stats, &mut work.pooled);
-    launch::launch_pisa_tail_stats(stream, &hbar, cfg(tiles_grid, HBAR_THREADS, 0), (k, v), stats, cu_k, params)?;
-    let elements = (spec.head_dim * spec.head_dim_v).div_ceil(HBAR_SUM_THREADS);
-    let sum_grid = grid_3d(("elements", elements), ("heads", spec.n_heads_kv), ("sequences", batch))?;
-    let stats = (&mut work.stats, &mut work.pooled);
-    let sum_cfg = cfg(sum_grid, HBAR_SUM_THREADS as u32, 0);
-    launch::launch_pisa_tail_stats(stream, &hbar_sum, sum_cfg, (k, v), stats, cu_k, params)?;
     if query_rows == 0 {
         return Ok(());
     }
@@ -393,6 +378,67 @@ pub fn pisa_tail_forward_planned<T: GpuElement>(
         (cu_q, cu_k),
         params,
     )
+}
+
+/// The tail's statistics of `plan`'s problem into `work` (the f64 means, `H̄` and its partial sums, and their
+/// storage-type forms), with the text `kernel` of `pisa_tail.cu`: what the forward's merge and the backward read. The
+/// caller has checked the buffers' sizes. Nothing is launched without sequences or key blocks.
+pub fn pisa_tail_statistics_planned<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    plan: &TailPlan,
+    kernel: KernelSource,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    work: &mut TailWorkspace<T>,
+) -> Result<(), GpuError> {
+    let spec = &plan.spec;
+    check_len("work.stats", &work.stats, workspace_len(spec, plan.exact.kv_block))?;
+    check_len("work.pooled", &work.pooled, pooled_len(spec, plan.exact.kv_block))?;
+    for (name, buffer, op) in [("k", k, Operand::K), ("v", v, Operand::V)] {
+        check_len(name, buffer, spec.expected_shape(op).iter().product::<usize>())?;
+    }
+    let module = compile::module(stream.context(), kernel, &tail_defines::<T>(spec))?;
+    launch_statistics(stream, plan, &module, k, v, work)
+}
+
+/// Launches `pisa_tail_means`, `pisa_tail_hbar` and `pisa_tail_hbar_sum` of `module` (the statistics are an output of
+/// their own: the workspace holds them for every key block, queries or not).
+fn launch_statistics<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    plan: &TailPlan,
+    module: &Arc<cudarc::driver::CudaModule>,
+    k: &CudaSlice<T>,
+    v: &CudaSlice<T>,
+    work: &mut TailWorkspace<T>,
+) -> Result<(), GpuError> {
+    let (spec, params) = (&plan.spec, &plan.params);
+    let batch = spec.sequences().len();
+    let key_blocks = params.n_key_blocks as usize;
+    if batch == 0 || key_blocks == 0 {
+        return Ok(());
+    }
+    let load = |name: &'static str| {
+        module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail.cu)", e))
+    };
+    let (means, hbar, hbar_sum) = (load("pisa_tail_means")?, load("pisa_tail_hbar")?, load("pisa_tail_hbar_sum")?);
+    let cfg = |grid: (u32, u32, u32), threads: u32| LaunchConfig {
+        grid_dim: grid,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let cu_k = &plan.cu_k;
+    let blocks_grid = grid_3d(("key blocks", key_blocks), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    let stats = (&mut work.stats, &mut work.pooled);
+    launch::launch_pisa_tail_stats(stream, &means, cfg(blocks_grid, MEANS_THREADS), (k, v), stats, cu_k, params)?;
+    let tiles = spec.head_dim.div_ceil(HBAR_TILE) * spec.head_dim_v.div_ceil(HBAR_TILE) * params.hbar_splits as usize;
+    let tiles_grid = grid_3d(("tiles", tiles), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    let stats = (&mut work.stats, &mut work.pooled);
+    launch::launch_pisa_tail_stats(stream, &hbar, cfg(tiles_grid, HBAR_THREADS), (k, v), stats, cu_k, params)?;
+    let elements = (spec.head_dim * spec.head_dim_v).div_ceil(HBAR_SUM_THREADS);
+    let sum_grid = grid_3d(("elements", elements), ("heads", spec.n_heads_kv), ("sequences", batch))?;
+    let stats = (&mut work.stats, &mut work.pooled);
+    let sum_cfg = cfg(sum_grid, HBAR_SUM_THREADS as u32);
+    launch::launch_pisa_tail_stats(stream, &hbar_sum, sum_cfg, (k, v), stats, cu_k, params)
 }
 
 /// PISA's tail forward from host tensors, returning host outputs (copies in, launches, copies out, synchronizes).
@@ -467,12 +513,7 @@ mod tests {
     /// The host's launch constants are the kernel text's: the H̄ tile, its threads, its key ranges and the merge's.
     #[test]
     fn the_launch_constants_are_the_kernels() {
-        let define = |name: &str| -> usize {
-            let prefix = format!("#define {name} ");
-            let line = PISA_TAIL.source.lines().find(|l| l.starts_with(&prefix)).expect("the kernel defines it");
-            let value = line[prefix.len()..].split("//").next().unwrap().trim();
-            value.parse().unwrap_or_else(|_| panic!("{name}: {value}"))
-        };
+        let define = |name: &str| crate::common::numeric_define(PISA_TAIL.source, name);
         assert_eq!(define("HBAR_TILE"), HBAR_TILE);
         assert_eq!(define("HBAR_THREADS"), HBAR_THREADS as usize);
         assert_eq!(define("HBAR_SPLIT_KEYS"), HBAR_SPLIT_KEYS);

@@ -25,6 +25,7 @@ mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;
 mod pisa_tail;
+mod pisa_tail_backward;
 mod property;
 mod pyramid_diagnostics;
 mod pyramid_selection;

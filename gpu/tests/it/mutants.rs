@@ -35,6 +35,7 @@ use crate::nsa_select;
 use crate::nsa_selected;
 use crate::nsa_selected_backward;
 use crate::pisa_tail;
+use crate::pisa_tail_backward;
 use crate::property::{PropertySuite, check, run_suite, suite};
 use crate::pyramid_diagnostics;
 use crate::pyramid_selection;
@@ -57,6 +58,7 @@ use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
 use attnproof_gpu::pisa::diagnostics::{MassConfig, PISA_MASS};
 use attnproof_gpu::pisa::select::{PISA_SELECT, PyramidSelectConfig};
 use attnproof_gpu::pisa::tail::PISA_TAIL;
+use attnproof_gpu::pisa::tail_backward::PISA_TAIL_BWD;
 use attnproof_gpu::{
     BackwardTiling, GpuBackwardStrategy, module_variants, nvrtc_or_skip, skip_unless_gpu, skip_unless_hopper,
 };
@@ -75,12 +77,13 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 18] = [
+const KERNELS: [KernelSource; 19] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
     PISA_SELECT,
     PISA_TAIL,
+    PISA_TAIL_BWD,
     PISA_MASS,
     HILS,
     NSA_COMPRESS,
@@ -708,6 +711,43 @@ fn all_pisa_tail_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+        },
+    );
+}
+
+#[test]
+fn all_pisa_tail_backward_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_tail_backward_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = pisa_tail_backward::killing_cases();
+    let mutants = catalog_mutants(PISA_TAIL_BWD);
+    hunt("all_pisa_tail_backward_mutants_are_killed", PISA_TAIL_BWD, &mutants, &cases, |kernel, c| {
+        pisa_tail_backward::check_killing_case(&stream, kernel, c)
+    });
+}
+
+/// Every tail backward mutant also fails the general tail backward suite (bf16, its default draws).
+#[test]
+fn all_pisa_tail_backward_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_tail_backward_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &pisa_tail_backward::TAIL_BACKWARD_SUITES[0];
+    hunt_in_suite(
+        "all_pisa_tail_backward_mutants_are_killed_by_the_general_suite",
+        PISA_TAIL_BWD,
+        &catalog_mutants(PISA_TAIL_BWD),
+        suite.name,
+        |kernel| {
+            let tally = std::cell::RefCell::new(0usize);
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            suite.run(config, |draw| pisa_tail_backward::check_backward(suite, &stream, kernel, &tally, draw))
         },
     );
 }

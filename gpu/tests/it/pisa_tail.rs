@@ -455,27 +455,36 @@ fn bad_tail_input_is_a_typed_error() {
     assert_eq!(out.o.shape(), [1, 2, 130, 64]);
 }
 
-/// Small shapes for `run.sh sanitize`: a partial last block (exact) beside the tail without a mask, a causal GQA group
-/// of 3 with Lq > Lk (rows that see nothing), varlen with an empty sequence, and two tiles of pooled keys.
+/// Small shapes for `run.sh sanitize` (the tail's forward and backward): a partial last block (exact) beside the tail
+/// without a mask, a causal GQA group of 3 with Lq > Lk (rows that see nothing), varlen with an empty sequence, and two
+/// tiles of pooled keys.
+pub fn sanitizer_specs() -> Vec<AttentionSpec> {
+    vec![
+        dense(1, 2, 1, 65, 200, 32, 16, Mask::None),
+        dense(1, 3, 1, 150, 130, 32, 32, Mask::Causal),
+        varlen(&[0, 0, 70], &[0, 20, 150], 2, 2, 16, 16, Mask::Causal),
+        dense(1, 1, 1, 64, 64 * 66 + 5, 16, 16, Mask::None),
+    ]
+}
+
+/// Every other key block listed, per KV head, query and key blocks of 64.
+pub fn alternate_lists(spec: &AttentionSpec) -> BlockLists {
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| s.len_q.div_ceil(64)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(64)).max().unwrap_or(0);
+    let picks = vec![(0..n_k).map(|b| b % 2 == 0).collect::<Vec<_>>(); seqs.len() * spec.n_heads_kv * n_q];
+    lists_from(spec, 64, 64, ListHeads::PerKvHead, &picks)
+}
+
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("pisa_tail::sanitizer_shapes") else {
         return;
     };
     let stream = ctx.new_stream().expect("create a stream");
-    for spec in [
-        dense(1, 2, 1, 65, 200, 32, 16, Mask::None),
-        dense(1, 3, 1, 150, 130, 32, 32, Mask::Causal),
-        varlen(&[0, 0, 70], &[0, 20, 150], 2, 2, 16, 16, Mask::Causal),
-        dense(1, 1, 1, 64, 64 * 66 + 5, 16, 16, Mask::None),
-    ] {
+    for spec in sanitizer_specs() {
         let case = make_case::<bf16>(&spec, gaussian(1.0), 43);
-        let seqs = spec.sequences();
-        let n_q = seqs.iter().map(|s| s.len_q.div_ceil(64)).max().unwrap_or(0);
-        let n_k = seqs.iter().map(|s| s.len_k.div_ceil(64)).max().unwrap_or(0);
-        let picks = vec![(0..n_k).map(|b| b % 2 == 0).collect::<Vec<_>>(); seqs.len() * spec.n_heads_kv * n_q];
-        let lists = lists_from(&spec, 64, 64, ListHeads::PerKvHead, &picks);
-        check_tail(&stream, &case, &lists, PISA_TAIL).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
+        check_tail(&stream, &case, &alternate_lists(&spec), PISA_TAIL).unwrap_or_else(|e| panic!("{spec:?}: {e}"));
     }
 }
 

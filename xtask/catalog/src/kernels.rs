@@ -126,6 +126,14 @@ const PISA_TAIL: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of PISA's tail backward (`pisa_tail_bwd.cu`: the rows' dQ, the blocks' dμ and dV^Σ, G and
+/// the scatter onto the keys), launched in-process on a device with the tail backward's killing cases.
+const PISA_TAIL_BWD: Mutant = Mutant {
+    file: "gpu/kernels/pisa_tail_bwd.cu",
+    runner: Runner::KernelText { kernel: "pisa_tail_bwd", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of HiLS's chunk summaries and router (`hils.cu`), launched in-process on a device with the
 /// router's killing cases.
 const HILS: Mutant =
@@ -790,6 +798,77 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int t = i / d, c = i % d, pp = chunk + t;",
         replace: "const int t = i / d, c = i % d, pp = t;",
         ..PISA_MASS
+    },
+    // --- pisa_tail_bwd.cu (PISA's tail backward), launched on a device ---
+    Mutant {
+        name: "gpu-pisa-tail-bwd-shared-term-dropped-from-dq",
+        description: "dQ leaves out the shared term's A α H̄ dO",
+        find: "const double add = fma(mass * p.scale, w[t], acc[t]);",
+        replace: "const double add = acc[t];",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-through-dropped",
+        description: "The rows' score gradient leaves out dO·h, the shared term's part of each tail block's weight",
+        find: "const double g = a * (count * (dp - row_delta) + through);",
+        replace: "const double g = a * (count * (dp - row_delta));",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-listed-block-in-tail",
+        description: "The rows' walk takes the listed blocks into the tail too",
+        find: "if (next < p.list_width && list[next] == b) continue;",
+        replace: "if (next < p.list_width && list[next] == b && false) continue;",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-blocks-one-head",
+        description: "The blocks' gradients sum the first query head of the GQA group only",
+        find: "for (int hg = 0; hg < fp.group; ++hg) {",
+        replace: "for (int hg = 0; hg < 1; ++hg) {",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-g-last-range-dropped",
+        description: "G's sum leaves out the last range of 4096 rows",
+        find: "for (int s = 0; s < ranges && s < row_splits; ++s)",
+        replace: "for (int s = 0; s < ranges - 1 && s < row_splits; ++s)",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-g-scatter-uncentred-keys",
+        description: "dV's share of G multiplies the keys instead of their deviations from the block mean",
+        find: "? (double)to_f32(k[k_base + (long long)j * fp.k_row + c]) - means[(long long)b * d + c]",
+        replace: "? (double)to_f32(k[k_base + (long long)j * fp.k_row + c])",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-value-sum-gradient-dropped",
+        description: "The blocks' dV^Σ is never accumulated",
+        find: "for (int t = 0; t < TAILB_VC; ++t) ds[t] = fma(a_ib, gr[t], ds[t]);",
+        replace: "for (int t = 0; t < TAILB_VC; ++t) ds[t] = 0.0;",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-mean-gradient-not-divided",
+        description: "dK takes dμ_b whole instead of dμ_b / |B_b| per key",
+        find: "const double add = d_means[(long long)b * d + c] / count + s[jj] * per_block;",
+        replace: "const double add = d_means[(long long)b * d + c] + s[jj] * per_block;",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-weight-without-lse",
+        description: "The rows' tail weights are e^{α q·μ_b}, not divided by the row's denominator",
+        find: "const double a = exp(p.scale * score - (double)row_lse);",
+        replace: "const double a = exp(p.scale * score);",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-dq-overwrites-exact-part",
+        description: "dQ's tail part replaces the exact part's dQ instead of adding to it",
+        find: "if (add != 0.0) dq_row[c] = to_elem_rn((double)to_f32(dq_row[c]) + add);",
+        replace: "if (add != 0.0) dq_row[c] = to_elem_rn(add);",
+        ..PISA_TAIL_BWD
     },
     // --- pisa_tail.cu (PISA's first-order tail), launched on a device ---
     Mutant {
