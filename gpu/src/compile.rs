@@ -128,7 +128,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 19] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 20] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -170,6 +170,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 19] = [
         needs: (8, 0),
         only: false,
         instructions: "bsa_select.cu's pooling, cp.async, ldmatrix and mma.sync m16n8k16 (bf16/f16); f64 arithmetic",
+    },
+    DeviceRequirement {
+        kernel: "pisa_tail_bwd",
+        needs: (8, 0),
+        only: false,
+        instructions: "pisa_tail.cu compiled with it (cp.async, ldmatrix, mma.sync m16n8k16); f64 arithmetic",
     },
     DeviceRequirement {
         kernel: "pisa_mass",

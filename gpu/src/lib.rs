@@ -256,6 +256,7 @@ mod tests {
                 "bsa_select",
                 "pisa_select",
                 "pisa_tail",
+                "pisa_tail_bwd",
                 "pisa_mass",
                 "hils",
                 "nsa_compress",
