@@ -16,12 +16,14 @@
 //
 // Kernels, all in f64 from the forward's f64 statistics (μ_b, v̄_b, H̄ in the f64 workspace pisa_tail_means and
 // pisa_tail_hbar_sum wrote) and the storage-type inputs, with D read from the block-sparse backward's f32 output:
-//   pisa_tail_bwd_rows     a warp per (row, query head): w, through, the row's tail blocks ascending (a merge walk
-//                          along the row's exact list), dq += the tail's part, rounded once to storage from the exact
-//                          part's stored value plus the f64 sum; through_i and A_i into the row workspace.
-//   pisa_tail_bwd_blocks   a CTA per (key block, KV head, sequence): dμ_b and dV^Σ_b over the rows of every query head
-//                          of the group whose tail holds b, each warp's rows in ascending order, the warps' sums added
-//                          in warp order (deterministic).
+//   pisa_tail_bwd_rows     a CTA of 256 threads per (TAILB_TILE rows of a query block, query head, sequence): W = H̄ dO
+//                          and dO·h per row, then the rows' tail blocks a tile of TAILB_TILE at a time (blocks staged
+//                          in shared memory with the rows, f64 products register-tiled over the pair), dq += the tail's
+//                          part, rounded once to storage from the exact part's stored value plus the f64 sum; dO·h and
+//                          A per row into the row workspaces.
+//   pisa_tail_bwd_blocks   a CTA per (TAILB_TILE key blocks, KV head, sequence): dμ_b and dV^Σ_b of its blocks over
+//                          the rows of every query head of the group, a tile of rows at a time in ascending order (heads,
+//                          then rows), the weights recomputed as the rows kernel computes them (deterministic).
 //   pisa_tail_bwd_g        a CTA per (64 × 64 tile of [d, dv], range of TAILB_G_ROWS rows, query head, sequence):
 //                          the range's part of Σ_i A_i α q_i dO_iᵀ; pisa_tail_bwd_g_sum adds the ranges and the group's
 //                          heads in ascending order into G.
@@ -29,20 +31,16 @@
 //                          part's stored value plus the f64 sum. A key whose tail part is exactly 0 keeps its bits.
 // Every sum runs in a fixed order: the outputs are bitwise reproducible when the exact part's are.
 
-#define TAILB_WARPS 4
-#define TAILB_THREADS (TAILB_WARPS * 32)
-#define TAILB_QC ((HEAD_DIM_PAD + 31) / 32)    // q / μ columns per lane: lane + 32t
-#define TAILB_VC ((HEAD_DIM_V_PAD + 31) / 32)  // dO / v̄ columns per lane
+#ifndef TAILB_TILE
+#error "define TAILB_TILE (rows and blocks per tile of the tiled kernels: 32, or 16 past head dims of 128)"
+#endif
+#define TAILB_WARPS 8
+#define TAILB_THREADS (TAILB_WARPS * 32)  // the tiled kernels (rows, blocks)
+#define TAILB_SMALL_THREADS 128           // the others (G, its sum, the scatter)
 #define TAILB_G_TILE 64                        // rows (q columns) and columns (dO columns) of pisa_tail_bwd_g's tile
 #define TAILB_G_ROWS 4096                      // query rows per CTA of pisa_tail_bwd_g (a partial sum each)
 #define TAILB_G_STAGE 32                       // rows staged in shared memory at a time
 #define TAILB_KEYS 8                           // keys per CTA of pisa_tail_bwd_scatter (32 KiB of shared at 256)
-
-__device__ __forceinline__ double warp_sum_f64(double x) {
-#pragma unroll
-    for (int s = 16; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffffu, x, s);
-    return x;
-}
 
 // The sequence's row and key extents and the bases of Q/dO (dQ shares Q's layout), O and LSE.
 struct TailRows {
@@ -78,16 +76,106 @@ __device__ __forceinline__ bool tail_listed(const int* list, int width, int b) {
     return false;
 }
 
-// Loads a row's columns lane + 32t of a storage-type row into f64 registers (0 past n).
-template <int N>
-__device__ __forceinline__ void load_row(double (&x)[N], const elem_t* row, int n, int lane) {
-#pragma unroll
-    for (int t = 0; t < N; ++t) {
-        const int c = lane + 32 * t;
-        x[t] = c < n ? (double)to_f32(row[c]) : 0.0;
+// The tiled kernels' shared memory, in f64: a tile of TAILB_TILE rows (queries and dO), a tile of TAILB_TILE blocks (μ and
+// v̄), the rows' W = H̄ dO (the rows kernel), the tile pair's α g and a, and per row its LSE, D and dO·h; then a byte per
+// (row, block) of the pair: 1 where the block is in the row's tail; then the caller's flags (the host's
+// tiled_shared_bytes in gpu/src/pisa/tail_backward.rs is this layout's size). Rows of q/μ and dO/v̄ are padded by one f64, so
+// that a warp reading one column of TAILB_TILE different rows hits distinct banks.
+#define TAILB_QS (HEAD_DIM_PAD + 1)
+#define TAILB_VS (HEAD_DIM_V_PAD + 1)
+#define TAILB_PS (TAILB_TILE + 1)
+struct TailTileShared {
+    double* q;        // [TAILB_TILE][TAILB_QS]
+    double* g;        // [TAILB_TILE][TAILB_VS]  dO
+    double* mu;       // [TAILB_TILE][TAILB_QS]
+    double* vbar;     // [TAILB_TILE][TAILB_VS]
+    double* w;        // [TAILB_TILE][TAILB_QS]  H̄ dO (rows kernel)
+    double* pg;       // [TAILB_TILE][TAILB_PS]  α g
+    double* pa;       // [TAILB_TILE][TAILB_PS]  a
+    double* row_lse;  // [TAILB_TILE]
+    double* row_delta;
+    double* row_through;
+    unsigned char* tail;  // [TAILB_TILE][TAILB_TILE]
+};
+
+__device__ __forceinline__ TailTileShared tail_tile_shared(unsigned char* raw) {
+    TailTileShared t;
+    double* x = reinterpret_cast<double*>(raw);
+    t.q = x;
+    x += TAILB_TILE * TAILB_QS;
+    t.g = x;
+    x += TAILB_TILE * TAILB_VS;
+    t.mu = x;
+    x += TAILB_TILE * TAILB_QS;
+    t.vbar = x;
+    x += TAILB_TILE * TAILB_VS;
+    t.w = x;
+    x += TAILB_TILE * TAILB_QS;
+    t.pg = x;
+    x += TAILB_TILE * TAILB_PS;
+    t.pa = x;
+    x += TAILB_TILE * TAILB_PS;
+    t.row_lse = x;
+    t.row_delta = x + TAILB_TILE;
+    t.row_through = x + 2 * TAILB_TILE;
+    t.tail = reinterpret_cast<unsigned char*>(x + 3 * TAILB_TILE);
+    return t;
+}
+
+// Copies `rows` storage-type rows of n columns (row stride `stride`) into an f64 tile of row stride ld, zero past them.
+__device__ __forceinline__ void stage_rows(double* tile, int ld, const elem_t* src, long long stride, int rows, int n) {
+    for (int idx = threadIdx.x; idx < TAILB_TILE * ld; idx += TAILB_THREADS) {
+        const int r = idx / ld, c = idx % ld;
+        tile[idx] = (r < rows && c < n) ? (double)to_f32(src[(long long)r * stride + c]) : 0.0;
     }
 }
 
+// Copies `rows` f64 rows of n columns (contiguous) into an f64 tile of row stride ld, zero past them.
+__device__ __forceinline__ void stage_f64(double* tile, int ld, const double* src, int rows, int n) {
+    for (int idx = threadIdx.x; idx < TAILB_TILE * ld; idx += TAILB_THREADS) {
+        const int r = idx / ld, c = idx % ld;
+        tile[idx] = (r < rows && c < n) ? src[(long long)r * n + c] : 0.0;
+    }
+}
+
+// The weights of a tile pair (E22's backward): for every (row, block) with t.tail set, s = q·μ_b, dp = dO·v̄_b,
+// a = e^{α s − lse}, g = a (C (dp − D) + dO·h), into t.pa = a and t.pg = α g; 0 elsewhere. Every dot product runs over
+// its columns in ascending order.
+__device__ __forceinline__ void tail_tile_weights(const TailTileShared& t, const PisaTailParams& p) {
+    const int d = p.flash.d, dv = p.flash.dv;
+    const double count = (double)p.kv_block;
+    // Thread t takes block b = t % TAILB_TILE against rows t / TAILB_TILE + STEP j: each μ_b and v̄_b column is read once
+    // for its E rows (the entries t + TAILB_THREADS j of the tile pair).
+    constexpr int E = TAILB_TILE * TAILB_TILE / TAILB_THREADS, STEP = TAILB_THREADS / TAILB_TILE;
+    const int b = threadIdx.x % TAILB_TILE, r_first = threadIdx.x / TAILB_TILE;
+    double score[E], dp[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) score[j] = dp[j] = 0.0;
+    for (int c = 0; c < d; ++c) {
+        const double m = t.mu[b * TAILB_QS + c];
+#pragma unroll
+        for (int j = 0; j < E; ++j) score[j] = fma(t.q[(r_first + STEP * j) * TAILB_QS + c], m, score[j]);
+    }
+    for (int e = 0; e < dv; ++e) {
+        const double v = t.vbar[b * TAILB_VS + e];
+#pragma unroll
+        for (int j = 0; j < E; ++j) dp[j] = fma(t.g[(r_first + STEP * j) * TAILB_VS + e], v, dp[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+        const int r = r_first + STEP * j;
+        double a = 0.0, g = 0.0;
+        if (t.tail[r * TAILB_TILE + b]) {
+            a = exp(p.scale * score[j] - t.row_lse[r]);
+            g = a * (count * (dp[j] - t.row_delta[r]) + t.row_through[r]);
+        }
+        t.pa[r * TAILB_PS + b] = a;
+        t.pg[r * TAILB_PS + b] = p.scale * g;
+    }
+}
+
+// One CTA per (TAILB_TILE rows of a query block, query head, sequence): the rows' tail part of dQ over their tail blocks,
+// a tile of TAILB_TILE blocks at a time in ascending order; dO·h and A per row into the row workspaces.
 extern "C" __global__ void __launch_bounds__(TAILB_THREADS)
 pisa_tail_bwd_rows(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, const int* __restrict__ lists,
                    const double* __restrict__ stats, const float* __restrict__ lse, const float* __restrict__ delta,
@@ -95,169 +183,194 @@ pisa_tail_bwd_rows(const elem_t* __restrict__ q, const elem_t* __restrict__ d_ou
                    const int* __restrict__ cu_q, const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
     const int h = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv, kv = h / fp.group;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const TailRows r = tail_rows(fp, cu_q, cu_k, seq, h);
-    const int i = blockIdx.x * TAILB_WARPS + warp;
-    if (i >= r.len_q) return;
-    const long long stat_row = r.lse_base + i;
+    const int row0 = blockIdx.x * TAILB_TILE;
+    if (row0 >= r.len_q) return;
+    const int rows = min(TAILB_TILE, r.len_q - row0);
     const int whole_blocks = r.len_k / p.kv_block;
-    const int tail_end = min(tail_whole_blocks(p, i, r.len_q, r.len_k), whole_blocks);
-    const int* list = tail_list(p, lists, seq, h, i / p.q_block);
-    // Does the row have a tail block at all? Every whole block it sees below tail_end is listed, or not.
-    int listed_below = 0;
-    for (int w = 0; w < p.list_width; ++w) listed_below += (list[w] >= 0 && list[w] < tail_end);
-    const float row_lse = lse[stat_row];
-    if (tail_end == listed_below || row_lse == NEG_INF) {
-        if (lane == 0) through_out[stat_row] = mass_out[stat_row] = 0.0;
-        return;  // no tail: dQ is the exact part's, untouched
+    // The tile's last row sees the most whole blocks (TAILB_TILE divides q_block: one query block, one list).
+    const int tail_end = min(tail_whole_blocks(p, row0 + rows - 1, r.len_q, r.len_k), whole_blocks);
+    const int* list = tail_list(p, lists, seq, h, row0 / p.q_block);
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const TailTileShared t = tail_tile_shared(smem_raw);
+    unsigned char* listed = t.tail + TAILB_TILE * TAILB_TILE;  // [n_key_blocks]
+    for (int b = threadIdx.x; b < p.n_key_blocks; b += TAILB_THREADS) listed[b] = 0;
+    __syncthreads();
+    for (int x = threadIdx.x; x < p.list_width; x += TAILB_THREADS) {
+        const int b = list[x];
+        if (b >= 0 && b < p.n_key_blocks) listed[b] = 1;
     }
-    double qr[TAILB_QC], gr[TAILB_VC], w[TAILB_QC];
-    load_row(qr, q + r.q_base + (long long)i * fp.q_row, d, lane);
-    load_row(gr, d_out + r.o_base + (long long)i * fp.o_row, dv, lane);
+    stage_rows(t.q, TAILB_QS, q + r.q_base + (long long)row0 * fp.q_row, fp.q_row, rows, d);
+    stage_rows(t.g, TAILB_VS, d_out + r.o_base + (long long)row0 * fp.o_row, fp.o_row, rows, dv);
+    for (int i = threadIdx.x; i < TAILB_TILE; i += TAILB_THREADS) {
+        const bool here = i < rows;
+        t.row_lse[i] = here ? (double)lse[r.lse_base + row0 + i] : 0.0;
+        t.row_delta[i] = here ? (double)delta[r.lse_base + row0 + i] : 0.0;
+    }
+    __syncthreads();
+    // W = H̄ dO per row, then dO·h = α q·W.
     const long long head = (long long)seq * p.n_heads_kv + kv;
     const double* hbar = stats + p.hbar_at + head * d * dv;
+    for (int idx = threadIdx.x; idx < TAILB_TILE * TAILB_QS; idx += TAILB_THREADS) {
+        const int i = idx / TAILB_QS, c = idx % TAILB_QS;
+        double s = 0.0;
+        if (c < d && i < rows) {
+            for (int e = 0; e < dv; ++e) s = fma(hbar[(long long)c * dv + e], t.g[i * TAILB_VS + e], s);
+        }
+        t.w[idx] = s;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < TAILB_TILE; i += TAILB_THREADS) {
+        double s = 0.0;
+        for (int c = 0; c < d; ++c) s = fma(t.q[i * TAILB_QS + c], t.w[i * TAILB_QS + c], s);
+        t.row_through[i] = p.scale * s;
+    }
+    constexpr int ACC = TAILB_TILE * HEAD_DIM_PAD / TAILB_THREADS;
+    double acc[ACC];
+#pragma unroll
+    for (int j = 0; j < ACC; ++j) acc[j] = 0.0;
+    double mass = 0.0;  // thread i < TAILB_TILE: row i's A, its tiles in ascending order
     const double* means = stats + head * p.n_key_blocks * d;
     const double* value_means = stats + p.value_means_at + head * p.n_key_blocks * dv;
-    // w = H̄ dO (the lane's rows of H̄), through = α q·w.
-    double through = 0.0;
+    for (int b0 = 0; b0 < tail_end; b0 += TAILB_TILE) {
+        const int blocks = min(TAILB_TILE, tail_end - b0);
+        __syncthreads();  // every thread is done with the last tile pair
+        stage_f64(t.mu, TAILB_QS, means + (long long)b0 * d, blocks, d);
+        stage_f64(t.vbar, TAILB_VS, value_means + (long long)b0 * dv, blocks, dv);
+        int any_tail = 0;
+        for (int idx = threadIdx.x; idx < TAILB_TILE * TAILB_TILE; idx += TAILB_THREADS) {
+            const int i = idx / TAILB_TILE, bb = idx % TAILB_TILE, b = b0 + bb;
+            const bool row_sees = i < rows && b < min(tail_whole_blocks(p, row0 + i, r.len_q, r.len_k), whole_blocks);
+            t.tail[idx] = row_sees && bb < blocks && !listed[b] && t.row_lse[i] != (double)NEG_INF;
+            any_tail |= t.tail[idx];
+        }
+        if (!__syncthreads_or(any_tail)) continue;  // the tile holds no tail block of any row
+        tail_tile_weights(t, p);
+        __syncthreads();
+        if (threadIdx.x < TAILB_TILE) {
+            for (int bb = 0; bb < TAILB_TILE; ++bb) mass += t.pa[threadIdx.x * TAILB_PS + bb];
+        }
+        // Entry j is (row i_j, column c_j) = divmod(t + TAILB_THREADS j, HEAD_DIM_PAD): where TAILB_THREADS is a multiple
+        // of HEAD_DIM_PAD every c_j is the same column, and μ_b's element is read once for all j.
+        for (int bb = 0; bb < TAILB_TILE; ++bb) {
+            const double m_same = t.mu[bb * TAILB_QS + threadIdx.x % HEAD_DIM_PAD];
 #pragma unroll
-    for (int t = 0; t < TAILB_QC; ++t) {
-        const int c = lane + 32 * t;
-        double s = 0.0;
-#pragma unroll
-        for (int u = 0; u < TAILB_VC; ++u) {
-            for (int src = 0; src < 32 && 32 * u + src < dv; ++src) {
-                const double g_e = __shfl_sync(0xffffffffu, gr[u], src);  // dO_e, e = 32u + src
-                if (c < d) s = fma(hbar[(long long)c * dv + 32 * u + src], g_e, s);
+            for (int j = 0; j < ACC; ++j) {
+                const int idx = threadIdx.x + TAILB_THREADS * j, i = idx / HEAD_DIM_PAD, c = idx % HEAD_DIM_PAD;
+                const double m = TAILB_THREADS % HEAD_DIM_PAD == 0 ? m_same : t.mu[bb * TAILB_QS + c];
+                acc[j] = fma(t.pg[i * TAILB_PS + bb], m, acc[j]);
             }
         }
-        w[t] = c < d ? s : 0.0;
-        through = fma(qr[t], w[t], through);
     }
-    through = p.scale * warp_sum_f64(through);
-    const double row_delta = (double)delta[stat_row], count = (double)p.kv_block;
-    double acc[TAILB_QC];
-#pragma unroll
-    for (int t = 0; t < TAILB_QC; ++t) acc[t] = 0.0;
-    double mass = 0.0;
-    int next = 0;  // the list's first entry not below b: the walk skips the row's listed blocks
-    for (int b = 0; b < tail_end; ++b) {
-        while (next < p.list_width && list[next] >= 0 && list[next] < b) ++next;
-        if (next < p.list_width && list[next] == b) continue;
-        double mu[TAILB_QC], score = 0.0, dp = 0.0;
-#pragma unroll
-        for (int t = 0; t < TAILB_QC; ++t) {
-            const int c = lane + 32 * t;
-            mu[t] = c < d ? means[(long long)b * d + c] : 0.0;
-            score = fma(qr[t], mu[t], score);
-        }
-#pragma unroll
-        for (int t = 0; t < TAILB_VC; ++t) {
-            const int e = lane + 32 * t;
-            if (e < dv) dp = fma(gr[t], value_means[(long long)b * dv + e], dp);
-        }
-        score = warp_sum_f64(score);
-        dp = warp_sum_f64(dp);
-        const double a = exp(p.scale * score - (double)row_lse);
-        const double g = a * (count * (dp - row_delta) + through);
-        mass += a;
-#pragma unroll
-        for (int t = 0; t < TAILB_QC; ++t) acc[t] = fma(p.scale * g, mu[t], acc[t]);
+    __syncthreads();
+    if (threadIdx.x < TAILB_TILE) t.row_lse[threadIdx.x] = mass;  // A per row, for every thread below
+    if (threadIdx.x < rows) {
+        through_out[r.lse_base + row0 + threadIdx.x] = t.row_through[threadIdx.x];
+        mass_out[r.lse_base + row0 + threadIdx.x] = mass;
     }
-    elem_t* dq_row = dq + r.q_base + (long long)i * fp.q_row;
+    __syncthreads();
+    elem_t* dq_tile = dq + r.q_base + (long long)row0 * fp.q_row;
 #pragma unroll
-    for (int t = 0; t < TAILB_QC; ++t) {
-        const int c = lane + 32 * t;
-        if (c >= d) continue;
-        const double add = fma(mass * p.scale, w[t], acc[t]);
-        if (add != 0.0) dq_row[c] = to_elem_rn((double)to_f32(dq_row[c]) + add);
-    }
-    if (lane == 0) {
-        through_out[stat_row] = through;
-        mass_out[stat_row] = mass;
+    for (int j = 0; j < ACC; ++j) {
+        const int idx = threadIdx.x + TAILB_THREADS * j, i = idx / HEAD_DIM_PAD, c = idx % HEAD_DIM_PAD;
+        if (i >= rows || c >= d) continue;
+        const double add = fma(t.row_lse[i] * p.scale, t.w[i * TAILB_QS + c], acc[j]);
+        elem_t* dq_out = dq_tile + (long long)i * fp.q_row + c;
+        if (add != 0.0) *dq_out = to_elem_rn((double)to_f32(*dq_out) + add);
     }
 }
 
+// One CTA per (TAILB_TILE key blocks, KV head, sequence): dμ_b and dV^Σ_b of its blocks over the rows of every query
+// head of the group, a tile of TAILB_TILE rows at a time (heads, then rows, ascending).
 extern "C" __global__ void __launch_bounds__(TAILB_THREADS)
 pisa_tail_bwd_blocks(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, const int* __restrict__ lists,
                      const double* __restrict__ stats, const float* __restrict__ lse, const float* __restrict__ delta,
                      const double* __restrict__ through_in, double* __restrict__ grads, const int* __restrict__ cu_q,
                      const int* __restrict__ cu_k, const PisaTailParams p) {
     const FlashParams& fp = p.flash;
-    const int b = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long head = (long long)seq * p.n_heads_kv + kv;
-    double* d_means = grads + (head * p.n_key_blocks + b) * d;
-    double* d_sums = grads + p.value_means_at + (head * p.n_key_blocks + b) * dv;
-    const double* mu_g = stats + (head * p.n_key_blocks + b) * d;
-    const double* vbar_g = stats + p.value_means_at + (head * p.n_key_blocks + b) * dv;
-    double mu[TAILB_QC], vbar[TAILB_VC], dm[TAILB_QC], ds[TAILB_VC];
-#pragma unroll
-    for (int t = 0; t < TAILB_QC; ++t) dm[t] = 0.0;
-#pragma unroll
-    for (int t = 0; t < TAILB_VC; ++t) ds[t] = 0.0;
+    const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
+    const int b0 = blockIdx.x * TAILB_TILE;
     const TailRows r0 = tail_rows(fp, cu_q, cu_k, seq, 0);
-    const bool whole = (b + 1) * p.kv_block <= r0.len_k;  // only whole blocks are ever tail
-    if (whole) {
+    if (b0 * p.kv_block >= r0.len_k) return;  // no such block in this sequence: nothing reads its gradients
+    const int n_blocks = (r0.len_k + p.kv_block - 1) / p.kv_block, whole_blocks = r0.len_k / p.kv_block;
+    const int blocks = min(TAILB_TILE, n_blocks - b0);
+    const long long head = (long long)seq * p.n_heads_kv + kv;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const TailTileShared t = tail_tile_shared(smem_raw);
+    unsigned char* listed = t.tail + TAILB_TILE * TAILB_TILE;  // [TAILB_TILE]: the tile's blocks a query block lists
+    stage_f64(t.mu, TAILB_QS, stats + (head * p.n_key_blocks + b0) * d, blocks, d);
+    stage_f64(t.vbar, TAILB_VS, stats + p.value_means_at + (head * p.n_key_blocks + b0) * dv, blocks, dv);
+    constexpr int ACC_K = TAILB_TILE * HEAD_DIM_PAD / TAILB_THREADS;
+    constexpr int ACC_V = TAILB_TILE * HEAD_DIM_V_PAD / TAILB_THREADS;
+    double dm[ACC_K], ds[ACC_V];
 #pragma unroll
-        for (int t = 0; t < TAILB_QC; ++t) mu[t] = lane + 32 * t < d ? mu_g[lane + 32 * t] : 0.0;
+    for (int j = 0; j < ACC_K; ++j) dm[j] = 0.0;
 #pragma unroll
-        for (int t = 0; t < TAILB_VC; ++t) vbar[t] = lane + 32 * t < dv ? vbar_g[lane + 32 * t] : 0.0;
-        const double count = (double)p.kv_block;
-        for (int hg = 0; hg < fp.group; ++hg) {
-            const int h = kv * fp.group + hg;
-            const TailRows r = tail_rows(fp, cu_q, cu_k, seq, h);
-            for (int a = 0; a * p.q_block < r.len_q; ++a) {
-                const int a_end = min(r.len_q, (a + 1) * p.q_block);
-                // The query block's last row sees the most: if even it does not see b whole, no row does.
-                if (tail_whole_blocks(p, a_end - 1, r.len_q, r.len_k) <= b) continue;
-                if (tail_listed(tail_list(p, lists, seq, h, a), p.list_width, b)) continue;
-                for (int i = a * p.q_block + warp; i < a_end; i += TAILB_WARPS) {
-                    if (tail_whole_blocks(p, i, r.len_q, r.len_k) <= b) continue;
-                    const long long stat_row = r.lse_base + i;
-                    const float row_lse = lse[stat_row];
-                    if (row_lse == NEG_INF) continue;
-                    double qr[TAILB_QC], gr[TAILB_VC];
-                    load_row(qr, q + r.q_base + (long long)i * fp.q_row, d, lane);
-                    load_row(gr, d_out + r.o_base + (long long)i * fp.o_row, dv, lane);
-                    double score = 0.0, dp = 0.0;
+    for (int j = 0; j < ACC_V; ++j) ds[j] = 0.0;
+    for (int hg = 0; hg < fp.group; ++hg) {
+        const int h = kv * fp.group + hg;
+        const TailRows r = tail_rows(fp, cu_q, cu_k, seq, h);
+        for (int row0 = 0; row0 < r.len_q; row0 += TAILB_TILE) {
+            const int rows = min(TAILB_TILE, r.len_q - row0);
+            // The tile's last row sees the most: if it sees none of the blocks whole, no row of the tile does.
+            if (min(tail_whole_blocks(p, row0 + rows - 1, r.len_q, r.len_k), whole_blocks) <= b0) continue;
+            const int* list = tail_list(p, lists, seq, h, row0 / p.q_block);
+            __syncthreads();  // every thread is done with the last row tile
+            for (int bb = threadIdx.x; bb < TAILB_TILE; bb += TAILB_THREADS) listed[bb] = tail_listed(list, p.list_width, b0 + bb);
+            stage_rows(t.q, TAILB_QS, q + r.q_base + (long long)row0 * fp.q_row, fp.q_row, rows, d);
+            stage_rows(t.g, TAILB_VS, d_out + r.o_base + (long long)row0 * fp.o_row, fp.o_row, rows, dv);
+            for (int i = threadIdx.x; i < TAILB_TILE; i += TAILB_THREADS) {
+                const bool here = i < rows;
+                const long long at = r.lse_base + row0 + i;
+                t.row_lse[i] = here ? (double)lse[at] : 0.0;
+                t.row_delta[i] = here ? (double)delta[at] : 0.0;
+                t.row_through[i] = here ? through_in[at] : 0.0;
+            }
+            __syncthreads();
+            int any_tail = 0;
+            for (int idx = threadIdx.x; idx < TAILB_TILE * TAILB_TILE; idx += TAILB_THREADS) {
+                const int i = idx / TAILB_TILE, bb = idx % TAILB_TILE, b = b0 + bb;
+                const bool row_sees =
+                    i < rows && b < min(tail_whole_blocks(p, row0 + i, r.len_q, r.len_k), whole_blocks);
+                t.tail[idx] = row_sees && bb < blocks && !listed[bb] && t.row_lse[i] != (double)NEG_INF;
+                any_tail |= t.tail[idx];
+            }
+            if (!__syncthreads_or(any_tail)) continue;  // no row of the tile holds one of the blocks in its tail
+            tail_tile_weights(t, p);
+            __syncthreads();
+            // As in the rows kernel: where TAILB_THREADS is a multiple of the padded dim, every entry of a thread has
+            // the same column, whose q (dO) element is read once per row for all of them.
+            for (int i = 0; i < TAILB_TILE; ++i) {
+                const double q_same = t.q[i * TAILB_QS + threadIdx.x % HEAD_DIM_PAD];
 #pragma unroll
-                    for (int t = 0; t < TAILB_QC; ++t) score = fma(qr[t], mu[t], score);
+                for (int j = 0; j < ACC_K; ++j) {
+                    const int idx = threadIdx.x + TAILB_THREADS * j, bb = idx / HEAD_DIM_PAD, c = idx % HEAD_DIM_PAD;
+                    const double x = TAILB_THREADS % HEAD_DIM_PAD == 0 ? q_same : t.q[i * TAILB_QS + c];
+                    dm[j] = fma(t.pg[i * TAILB_PS + bb], x, dm[j]);
+                }
+                const double g_same = t.g[i * TAILB_VS + threadIdx.x % HEAD_DIM_V_PAD];
 #pragma unroll
-                    for (int t = 0; t < TAILB_VC; ++t) dp = fma(gr[t], vbar[t], dp);
-                    score = warp_sum_f64(score);
-                    dp = warp_sum_f64(dp);
-                    const double a_ib = exp(p.scale * score - (double)row_lse);
-                    const double g = a_ib * (count * (dp - (double)delta[stat_row]) + through_in[stat_row]);
-#pragma unroll
-                    for (int t = 0; t < TAILB_QC; ++t) dm[t] = fma(p.scale * g, qr[t], dm[t]);
-#pragma unroll
-                    for (int t = 0; t < TAILB_VC; ++t) ds[t] = fma(a_ib, gr[t], ds[t]);
+                for (int j = 0; j < ACC_V; ++j) {
+                    const int idx = threadIdx.x + TAILB_THREADS * j, bb = idx / HEAD_DIM_V_PAD, e = idx % HEAD_DIM_V_PAD;
+                    const double x = TAILB_THREADS % HEAD_DIM_V_PAD == 0 ? g_same : t.g[i * TAILB_VS + e];
+                    ds[j] = fma(t.pa[i * TAILB_PS + bb], x, ds[j]);
                 }
             }
         }
     }
-    // The warps' sums, added in warp order.
-    __shared__ double part[TAILB_WARPS][TAILB_QC * 32 + TAILB_VC * 32];
 #pragma unroll
-    for (int t = 0; t < TAILB_QC; ++t) part[warp][lane + 32 * t] = dm[t];
+    for (int j = 0; j < ACC_K; ++j) {
+        const int idx = threadIdx.x + TAILB_THREADS * j, bb = idx / HEAD_DIM_PAD, c = idx % HEAD_DIM_PAD;
+        if (bb < blocks && c < d) grads[(head * p.n_key_blocks + b0 + bb) * d + c] = dm[j];
+    }
 #pragma unroll
-    for (int t = 0; t < TAILB_VC; ++t) part[warp][TAILB_QC * 32 + lane + 32 * t] = ds[t];
-    __syncthreads();
-    if (b * p.kv_block >= r0.len_k) return;  // no such block in this sequence: nothing reads its gradients
-    for (int x = threadIdx.x; x < d + dv; x += TAILB_THREADS) {
-        const int slot = x < d ? x : TAILB_QC * 32 + (x - d);
-        double total = 0.0;
-        for (int w = 0; w < TAILB_WARPS; ++w) total += part[w][slot];
-        if (x < d) {
-            d_means[x] = total;
-        } else {
-            d_sums[x - d] = total;
-        }
+    for (int j = 0; j < ACC_V; ++j) {
+        const int idx = threadIdx.x + TAILB_THREADS * j, bb = idx / HEAD_DIM_V_PAD, e = idx % HEAD_DIM_V_PAD;
+        if (bb < blocks && e < dv) grads[p.value_means_at + (head * p.n_key_blocks + b0 + bb) * dv + e] = ds[j];
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TAILB_THREADS)
+extern "C" __global__ void __launch_bounds__(TAILB_SMALL_THREADS)
 pisa_tail_bwd_g(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, const double* __restrict__ mass_in,
                 double* __restrict__ partials, const int* __restrict__ cu_q, const int* __restrict__ cu_k,
                 const PisaTailParams p, const int row_splits) {
@@ -268,16 +381,17 @@ pisa_tail_bwd_g(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, 
     const int c0 = (tile / col_tiles) * TAILB_G_TILE, e0 = (tile % col_tiles) * TAILB_G_TILE;
     const TailRows r = tail_rows(fp, cu_q, cu_k, seq, h);
     const int i_begin = split * TAILB_G_ROWS, i_end = min(r.len_q, i_begin + TAILB_G_ROWS);
-    // Thread t owns row c0 + t/2 of the tile and its 32 columns e0 + 32(t % 2) + k.
-    const int c_local = threadIdx.x / 2, e_local = (threadIdx.x % 2) * 32;
-    double acc[32];
+    // Thread t owns row c0 + t / (TILE / COLS) of the tile and its COLS columns from e0 + COLS (t % (TILE / COLS)).
+    constexpr int COLS = TAILB_G_TILE * TAILB_G_TILE / TAILB_SMALL_THREADS;
+    const int c_local = threadIdx.x / (TAILB_G_TILE / COLS), e_local = (threadIdx.x % (TAILB_G_TILE / COLS)) * COLS;
+    double acc[COLS];
 #pragma unroll
-    for (int k = 0; k < 32; ++k) acc[k] = 0.0;
+    for (int k = 0; k < COLS; ++k) acc[k] = 0.0;
     __shared__ double qa_s[TAILB_G_STAGE][TAILB_G_TILE];  // A_i α q_ic
     __shared__ double g_s[TAILB_G_STAGE][TAILB_G_TILE];   // dO_ie
     for (int i0 = i_begin; i0 < i_end; i0 += TAILB_G_STAGE) {
         __syncthreads();  // every thread is done with the last stage
-        for (int x = threadIdx.x; x < TAILB_G_STAGE * TAILB_G_TILE; x += TAILB_THREADS) {
+        for (int x = threadIdx.x; x < TAILB_G_STAGE * TAILB_G_TILE; x += TAILB_SMALL_THREADS) {
             const int rr = x / TAILB_G_TILE, cc = x % TAILB_G_TILE, i = i0 + rr;
             double qa = 0.0, g = 0.0;
             if (i < i_end) {
@@ -292,7 +406,7 @@ pisa_tail_bwd_g(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, 
         for (int rr = 0; rr < TAILB_G_STAGE; ++rr) {
             const double qa = qa_s[rr][c_local];
 #pragma unroll
-            for (int k = 0; k < 32; ++k) acc[k] = fma(qa, g_s[rr][e_local + k], acc[k]);
+            for (int k = 0; k < COLS; ++k) acc[k] = fma(qa, g_s[rr][e_local + k], acc[k]);
         }
     }
     const int c = c0 + c_local;
@@ -300,21 +414,21 @@ pisa_tail_bwd_g(const elem_t* __restrict__ q, const elem_t* __restrict__ d_out, 
     const long long heads = (long long)gridDim.z * gridDim.y;
     double* out = partials + ((long long)split * heads + (long long)seq * gridDim.y + h) * d * dv + (long long)c * dv;
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
+    for (int k = 0; k < COLS; ++k) {
         const int e = e0 + e_local + k;
         if (e < dv) out[e] = acc[k];
     }
 }
 
 // G = Σ over the group's query heads (ascending) of Σ over the row ranges (ascending) of the partial sums, into the
-// f64 gradient workspace at hbar_at: one thread per element of [d, dv] (grid (elements / TAILB_THREADS, KV head,
+// f64 gradient workspace at hbar_at: one thread per element of [d, dv] (grid (elements / TAILB_SMALL_THREADS, KV head,
 // sequence)).
-extern "C" __global__ void __launch_bounds__(TAILB_THREADS)
+extern "C" __global__ void __launch_bounds__(TAILB_SMALL_THREADS)
 pisa_tail_bwd_g_sum(const double* __restrict__ partials, double* __restrict__ grads, const int* __restrict__ cu_q,
                     const PisaTailParams p, const int row_splits) {
     const FlashParams& fp = p.flash;
     const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, dv = fp.dv;
-    const long long at = (long long)blockIdx.x * TAILB_THREADS + threadIdx.x;
+    const long long at = (long long)blockIdx.x * TAILB_SMALL_THREADS + threadIdx.x;
     if (at >= (long long)d * dv) return;
     const int len_q = fp.varlen ? cu_q[seq + 1] - cu_q[seq] : fp.dense_len_q;
     const int ranges = (len_q + TAILB_G_ROWS - 1) / TAILB_G_ROWS;
@@ -327,7 +441,7 @@ pisa_tail_bwd_g_sum(const double* __restrict__ partials, double* __restrict__ gr
     grads[p.hbar_at + ((long long)seq * p.n_heads_kv + kv) * d * dv + at] = total;
 }
 
-extern "C" __global__ void __launch_bounds__(TAILB_THREADS)
+extern "C" __global__ void __launch_bounds__(TAILB_SMALL_THREADS)
 pisa_tail_bwd_scatter(const elem_t* __restrict__ k, const elem_t* __restrict__ v, const double* __restrict__ stats,
                       const double* __restrict__ grads, elem_t* __restrict__ dk, elem_t* __restrict__ dv_out,
                       const int* __restrict__ cu_k, const PisaTailParams p) {
@@ -349,13 +463,13 @@ pisa_tail_bwd_scatter(const elem_t* __restrict__ k, const elem_t* __restrict__ v
     // The keys' deviations from their blocks' means: y = k_j − μ_b, x = v_j − v̄_b.
     __shared__ double y_s[TAILB_KEYS][HEAD_DIM_PAD];
     __shared__ double x_s[TAILB_KEYS][HEAD_DIM_V_PAD];
-    for (int idx = threadIdx.x; idx < TAILB_KEYS * HEAD_DIM_PAD; idx += TAILB_THREADS) {
+    for (int idx = threadIdx.x; idx < TAILB_KEYS * HEAD_DIM_PAD; idx += TAILB_SMALL_THREADS) {
         const int jj = idx / HEAD_DIM_PAD, c = idx % HEAD_DIM_PAD, j = j0 + jj, b = j / p.kv_block;
         y_s[jj][c] = (jj < keys && c < d)
                          ? (double)to_f32(k[k_base + (long long)j * fp.k_row + c]) - means[(long long)b * d + c]
                          : 0.0;
     }
-    for (int idx = threadIdx.x; idx < TAILB_KEYS * HEAD_DIM_V_PAD; idx += TAILB_THREADS) {
+    for (int idx = threadIdx.x; idx < TAILB_KEYS * HEAD_DIM_V_PAD; idx += TAILB_SMALL_THREADS) {
         const int jj = idx / HEAD_DIM_V_PAD, e = idx % HEAD_DIM_V_PAD, j = j0 + jj, b = j / p.kv_block;
         x_s[jj][e] = (jj < keys && e < dv)
                          ? (double)to_f32(v[v_base + (long long)j * fp.v_row + e]) - value_means[(long long)b * dv + e]
@@ -364,7 +478,7 @@ pisa_tail_bwd_scatter(const elem_t* __restrict__ k, const elem_t* __restrict__ v
     __syncthreads();
     const double per_block = 1.0 / (double)n_blocks;
     // dK: column c, Σ_e G_ce x_je.
-    for (int c = threadIdx.x; c < d; c += TAILB_THREADS) {
+    for (int c = threadIdx.x; c < d; c += TAILB_SMALL_THREADS) {
         double s[TAILB_KEYS];
 #pragma unroll
         for (int jj = 0; jj < TAILB_KEYS; ++jj) s[jj] = 0.0;
@@ -384,7 +498,7 @@ pisa_tail_bwd_scatter(const elem_t* __restrict__ k, const elem_t* __restrict__ v
         }
     }
     // dV: column e, Σ_c G_ce y_jc.
-    for (int e = threadIdx.x; e < dv; e += TAILB_THREADS) {
+    for (int e = threadIdx.x; e < dv; e += TAILB_SMALL_THREADS) {
         double s[TAILB_KEYS];
 #pragma unroll
         for (int jj = 0; jj < TAILB_KEYS; ++jj) s[jj] = 0.0;

@@ -690,10 +690,11 @@ pub(crate) struct TailBackwardGrids {
 /// Preconditions, established by `pisa::tail_backward`: the functions are those kernels compiled for the element type
 /// `T` and the spec's padded head dims; every buffer holds what [`TailBackwardBuffers`] says, sized for the spec
 /// (`params.flash`'s strides and lengths, or the validated `cu_seqlens`) and the exact lists
-/// (`params.n_query_blocks`, `params.list_width`, `params.n_key_blocks`); `grids` are `(⌈max Lq / 4⌉, Hq, B)`,
-/// `(key blocks, Hkv, B)`, `(64 × 64 tiles of [d, dv] × row_splits, Hq, B)`, `(⌈d·dv / 128⌉, Hkv, B)` and
-/// `(⌈max Lk / 8⌉, Hkv, B)`, each of 128 threads, with `row_splits = ⌈max Lq / 4096⌉` (at least 1) ranges in
-/// `partials`.
+/// (`params.n_query_blocks`, `params.list_width`, `params.n_key_blocks`); `grids` are `(⌈max Lq / tile⌉, Hq, B)` and
+/// `(⌈key blocks / tile⌉, Hkv, B)` of 256 threads with the dynamic shared memory of the kernel's `TAILB_TILE` = tile
+/// (plus a byte per key block for the rows kernel, per block of the tile for the blocks kernel), then `(64 × 64 tiles
+/// of [d, dv] × row_splits, Hq, B)`, `(⌈d·dv / 128⌉, Hkv, B)` and `(⌈max Lk / 8⌉, Hkv, B)` of 128 threads, with
+/// `row_splits = ⌈max Lq / 4096⌉` (at least 1) ranges in `partials`.
 pub(crate) fn launch_pisa_tail_backward<T>(
     stream: &CudaStream,
     functions: &TailBackwardFunctions,

@@ -100,7 +100,7 @@ pub fn module_variants<T: GpuElement>(
         variant(block_sparse::select::BSA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(pisa::select::PISA_SELECT, vec![T::DEFINE.to_owned()]),
         variant(pisa::tail::PISA_TAIL, pisa::tail::tail_defines::<T>(spec)),
-        variant(pisa::tail_backward::PISA_TAIL_BWD, pisa::tail::tail_defines::<T>(spec)),
+        variant(pisa::tail_backward::PISA_TAIL_BWD, pisa::tail_backward::backward_defines::<T>(spec)),
         variant(pisa::diagnostics::PISA_MASS, vec![T::DEFINE.to_owned()]),
         variant(hils::HILS, vec![T::DEFINE.to_owned()]),
         variant(nsa::compress::NSA_COMPRESS, vec![T::DEFINE.to_owned()]),

@@ -42,7 +42,7 @@ use attnproof_oracle::spec::Operand;
 use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig};
 use ndarray::ArrayViewD;
 
-use super::tail::{TailPlan, TailWorkspace, pisa_tail_statistics_planned, tail_defines, workspace_len};
+use super::tail::{TailPlan, TailWorkspace, head_dim_pad, pisa_tail_statistics_planned, tail_defines, workspace_len};
 use crate::backward::{
     BackwardDeviceInputs, BackwardDeviceOutputs, BackwardOutput, GpuBackwardStrategy, backward_from_host,
 };
@@ -65,16 +65,39 @@ pub const PISA_TAIL_BWD: KernelSource = KernelSource {
     ),
 };
 
-/// Threads of every backward kernel (`TAILB_THREADS`) and rows per CTA of `pisa_tail_bwd_rows` (`TAILB_WARPS`, a
-/// warp per row).
-const THREADS: u32 = 128;
-const ROWS_PER_CTA: usize = 4;
+/// Threads of the tiled kernels, rows and blocks (`TAILB_THREADS`, eight warps), and of the others (`G`, its sum, the
+/// scatter: `TAILB_SMALL_THREADS`).
+const THREADS: u32 = 256;
+const SMALL_THREADS: u32 = 128;
 /// The edge of `pisa_tail_bwd_g`'s tile of `G` (`TAILB_G_TILE`), its query rows per partial sum (`TAILB_G_ROWS`), and
 /// the keys per CTA of `pisa_tail_bwd_scatter` (`TAILB_KEYS`).
 const G_TILE: usize = 64;
 /// Query rows per partial sum of `G` (`TAILB_G_ROWS`).
 pub const G_SPLIT_ROWS: usize = 4096;
 const SCATTER_KEYS: usize = 8;
+
+/// Rows and key blocks per tile of `pisa_tail_bwd_rows` and `pisa_tail_bwd_blocks` (the define `TAILB_TILE`): 32, or 16
+/// where a head dim passes 128, so that a tile pair's f64 operands fit in shared memory; a divisor of both query block
+/// sizes, so that a row tile lies in one query block.
+fn tile(spec: &AttentionSpec) -> usize {
+    if head_dim_pad(spec.head_dim).max(head_dim_pad(spec.head_dim_v)) > 128 { 16 } else { 32 }
+}
+
+/// The defines `pisa_tail_bwd.cu` is compiled with: the tail forward's and the tile.
+pub fn backward_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
+    let mut defines = tail_defines::<T>(spec);
+    defines.push(format!("TAILB_TILE={}", tile(spec)));
+    defines
+}
+
+/// Dynamic shared memory of the tiled kernels (`tail_tile_shared`'s layout) plus `extra_bytes` of flags (the rows kernel's
+/// listed flag per key block, the blocks kernel's per block of its tile): rows and blocks of `q`, `μ` and `W` padded to
+/// `HEAD_DIM_PAD + 1` f64, of `dO` and `v̄` to `HEAD_DIM_V_PAD + 1`, the pair's two weight tiles padded to `tile + 1`,
+/// three f64 per row, and a byte per (row, block) of the pair.
+fn tiled_shared_bytes(spec: &AttentionSpec, extra_bytes: usize) -> usize {
+    let (qs, vs, t) = (head_dim_pad(spec.head_dim) + 1, head_dim_pad(spec.head_dim_v) + 1, tile(spec));
+    8 * (3 * t * qs + 2 * t * vs + 2 * t * (t + 1) + 3 * t) + t * t + extra_bytes
+}
 
 /// Ranges of [`G_SPLIT_ROWS`] rows of the longest sequence of `spec` (at least 1).
 fn row_splits(spec: &AttentionSpec) -> usize {
@@ -163,7 +186,8 @@ pub fn pisa_tail_backward_device_with<T: GpuElement>(
     check_len("work.mass", &work.mass, rows_len(spec))?;
     check_len("work.grads", &work.grads, workspace_len(spec, exact.kv_block))?;
     check_len("work.partials", &work.partials, partials_len(spec))?;
-    let module = compile::module(stream.context(), kernel, &tail_defines::<T>(spec))?;
+    let ctx = stream.context();
+    let module = compile::module(ctx, kernel, &backward_defines::<T>(spec))?;
     let load = |name: &'static str| {
         module.load_function(name).map_err(|e| GpuError::driver("cuModuleGetFunction(pisa_tail_bwd.cu)", e))
     };
@@ -174,21 +198,35 @@ pub fn pisa_tail_backward_device_with<T: GpuElement>(
         g_sum: load("pisa_tail_bwd_g_sum")?,
         scatter: load("pisa_tail_bwd_scatter")?,
     };
+    let key_blocks = params.n_key_blocks as usize;
+    let (rows_shared, blocks_shared) = (tiled_shared_bytes(spec, key_blocks), tiled_shared_bytes(spec, tile(spec)));
+    compile::allow_shared_memory(ctx, &functions.rows, rows_shared, "head dims and key blocks")?;
+    compile::allow_shared_memory(ctx, &functions.blocks, blocks_shared, "head dims")?;
     let batch = spec.sequences().len();
     let max_q = spec.sequences().iter().map(|s| s.len_q).max().unwrap_or(0);
     let max_k = spec.sequences().iter().map(|s| s.len_k).max().unwrap_or(0);
     let splits = row_splits(spec);
     let tiles = spec.head_dim.div_ceil(G_TILE) * spec.head_dim_v.div_ceil(G_TILE) * splits;
-    let cfg = |grid: (u32, u32, u32)| LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let tiled = |grid: (u32, u32, u32), shared: usize| LaunchConfig {
+        grid_dim: grid,
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let small =
+        |grid: (u32, u32, u32)| LaunchConfig { grid_dim: grid, block_dim: (SMALL_THREADS, 1, 1), shared_mem_bytes: 0 };
     let (hq, hkv) = (("heads", spec.n_heads_q), ("heads", spec.n_heads_kv));
     let grids = |batch| -> Result<TailBackwardGrids, GpuError> {
         let seqs = ("sequences", batch);
         Ok(TailBackwardGrids {
-            rows: cfg(grid_3d(("rows", max_q.div_ceil(ROWS_PER_CTA)), hq, seqs)?),
-            blocks: cfg(grid_3d(("key blocks", params.n_key_blocks as usize), hkv, seqs)?),
-            g: cfg(grid_3d(("tiles", tiles), hq, seqs)?),
-            g_sum: cfg(grid_3d(("elements", (spec.head_dim * spec.head_dim_v).div_ceil(THREADS as usize)), hkv, seqs)?),
-            scatter: cfg(grid_3d(("keys", max_k.div_ceil(SCATTER_KEYS)), hkv, seqs)?),
+            rows: tiled(grid_3d(("rows", max_q.div_ceil(tile(spec))), hq, seqs)?, rows_shared),
+            blocks: tiled(grid_3d(("key blocks", key_blocks.div_ceil(tile(spec))), hkv, seqs)?, blocks_shared),
+            g: small(grid_3d(("tiles", tiles), hq, seqs)?),
+            g_sum: small(grid_3d(
+                ("elements", (spec.head_dim * spec.head_dim_v).div_ceil(SMALL_THREADS as usize)),
+                hkv,
+                seqs,
+            )?),
+            scatter: small(grid_3d(("keys", max_k.div_ceil(SCATTER_KEYS)), hkv, seqs)?),
             row_splits: to_i32("row ranges", splits)?,
         })
     };
@@ -263,11 +301,26 @@ mod tests {
     #[test]
     fn the_launch_constants_are_the_kernels() {
         let define = |name: &str| crate::common::numeric_define(PISA_TAIL_BWD.source, name);
-        assert_eq!(define("TAILB_WARPS"), ROWS_PER_CTA);
         assert_eq!(define("TAILB_WARPS") * 32, THREADS as usize);
+        assert_eq!(define("TAILB_SMALL_THREADS"), SMALL_THREADS as usize);
         assert_eq!(define("TAILB_G_TILE"), G_TILE);
         assert_eq!(define("TAILB_G_ROWS"), G_SPLIT_ROWS);
         assert_eq!(define("TAILB_KEYS"), SCATTER_KEYS);
+    }
+
+    /// The tile and the shared memory of the tiled kernels: 32 up to head dims of 128, 16 past them, within the
+    /// device's 227 KiB at 256 with 4096 key blocks.
+    #[test]
+    fn the_tiles_and_their_shared_memory_are_spelled_out() {
+        let spec = |d, dv| AttentionSpec::dense(1, 1, 1, 1, 1, d, dv);
+        assert_eq!((tile(&spec(128, 128)), tile(&spec(136, 8)), tile(&spec(8, 256))), (32, 16, 16));
+        assert_eq!(tiled_shared_bytes(&spec(128, 128), 5), 8 * (3 * 32 * 129 + 2 * 32 * 129 + 2 * 32 * 33 + 96) + 1029);
+        assert!(tiled_shared_bytes(&spec(256, 256), 4096) <= 227 * 1024);
+        assert!(tiled_shared_bytes(&spec(128, 128), 4096) <= 227 * 1024);
+        assert_eq!(
+            backward_defines::<half::bf16>(&spec(64, 16)),
+            ["ELEM_BF16", "HEAD_DIM_PAD=64", "HEAD_DIM_V_PAD=16", "TAILB_TILE=32"]
+        );
     }
 
     #[test]

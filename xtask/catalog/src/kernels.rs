@@ -803,22 +803,22 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-tail-bwd-shared-term-dropped-from-dq",
         description: "dQ leaves out the shared term's A α H̄ dO",
-        find: "const double add = fma(mass * p.scale, w[t], acc[t]);",
-        replace: "const double add = acc[t];",
+        find: "const double add = fma(t.row_lse[i] * p.scale, t.w[i * TAILB_QS + c], acc[j]);",
+        replace: "const double add = acc[j];",
         ..PISA_TAIL_BWD
     },
     Mutant {
         name: "gpu-pisa-tail-bwd-through-dropped",
-        description: "The rows' score gradient leaves out dO·h, the shared term's part of each tail block's weight",
-        find: "const double g = a * (count * (dp - row_delta) + through);",
-        replace: "const double g = a * (count * (dp - row_delta));",
+        description: "The tail weights' score gradient leaves out dO·h, the shared term's part of each tail block's weight",
+        find: "g = a * (count * (dp[j] - t.row_delta[r]) + t.row_through[r]);",
+        replace: "g = a * (count * (dp[j] - t.row_delta[r]));",
         ..PISA_TAIL_BWD
     },
     Mutant {
         name: "gpu-pisa-tail-bwd-listed-block-in-tail",
-        description: "The rows' walk takes the listed blocks into the tail too",
-        find: "if (next < p.list_width && list[next] == b) continue;",
-        replace: "if (next < p.list_width && list[next] == b && false) continue;",
+        description: "The rows kernel takes the listed blocks into the tail too",
+        find: "t.tail[idx] = row_sees && bb < blocks && !listed[b] && t.row_lse[i] != (double)NEG_INF;",
+        replace: "t.tail[idx] = row_sees && bb < blocks && t.row_lse[i] != (double)NEG_INF;",
         ..PISA_TAIL_BWD
     },
     Mutant {
@@ -845,8 +845,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-pisa-tail-bwd-value-sum-gradient-dropped",
         description: "The blocks' dV^Σ is never accumulated",
-        find: "for (int t = 0; t < TAILB_VC; ++t) ds[t] = fma(a_ib, gr[t], ds[t]);",
-        replace: "for (int t = 0; t < TAILB_VC; ++t) ds[t] = 0.0;",
+        find: "ds[j] = fma(t.pa[i * TAILB_PS + bb], x, ds[j]);",
+        replace: "",
         ..PISA_TAIL_BWD
     },
     Mutant {
@@ -858,16 +858,30 @@ pub const MUTANTS: &[Mutant] = &[
     },
     Mutant {
         name: "gpu-pisa-tail-bwd-weight-without-lse",
-        description: "The rows' tail weights are e^{α q·μ_b}, not divided by the row's denominator",
-        find: "const double a = exp(p.scale * score - (double)row_lse);",
-        replace: "const double a = exp(p.scale * score);",
+        description: "The tail weights are e^{α q·μ_b}, not divided by the row's denominator",
+        find: "a = exp(p.scale * score[j] - t.row_lse[r]);",
+        replace: "a = exp(p.scale * score[j]);",
         ..PISA_TAIL_BWD
     },
     Mutant {
         name: "gpu-pisa-tail-bwd-dq-overwrites-exact-part",
         description: "dQ's tail part replaces the exact part's dQ instead of adding to it",
-        find: "if (add != 0.0) dq_row[c] = to_elem_rn((double)to_f32(dq_row[c]) + add);",
-        replace: "if (add != 0.0) dq_row[c] = to_elem_rn(add);",
+        find: "if (add != 0.0) *dq_out = to_elem_rn((double)to_f32(*dq_out) + add);",
+        replace: "if (add != 0.0) *dq_out = to_elem_rn(add);",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-rows-last-block-tile-skipped",
+        description: "The rows kernel leaves out the last, partial tile of tail blocks",
+        find: "for (int b0 = 0; b0 < tail_end; b0 += TAILB_TILE) {",
+        replace: "for (int b0 = 0; b0 + TAILB_TILE <= tail_end; b0 += TAILB_TILE) {",
+        ..PISA_TAIL_BWD
+    },
+    Mutant {
+        name: "gpu-pisa-tail-bwd-blocks-last-row-tile-skipped",
+        description: "The blocks kernel leaves out each head's last, partial tile of rows",
+        find: "for (int row0 = 0; row0 < r.len_q; row0 += TAILB_TILE) {",
+        replace: "for (int row0 = 0; row0 + TAILB_TILE <= r.len_q; row0 += TAILB_TILE) {",
         ..PISA_TAIL_BWD
     },
     // --- pisa_tail.cu (PISA's first-order tail), launched on a device ---
