@@ -375,3 +375,61 @@ fn the_rounded_oracle_passes_the_suites_draws() {
         "{draws} draws, {tail_rows} rows with a tail, {dropped} rejecting"
     );
 }
+
+/// Without a device: the CPU schedule of the kernels (`attnproof_reference::sparse::pisa::pisa_tail_backward`: the
+/// block-sparse backward over the exact lists with the reference tail forward's `O` and LSE, then the tail part in
+/// f64 from its own f64 statistics) passes the verifier on the suites' first draws of both dtypes, under the reference
+/// recipe for the exact part and its own statistics read from its workspace layout: the bound admits a backward that
+/// follows the kernels' schedule at every shape, mask, density and logit scale the suites draw.
+#[test]
+fn the_reference_schedule_passes_the_suites_draws() {
+    fn check<T: Storage>(d: &BlockDraw, tally: &RefCell<(usize, usize)>) -> Result<(), TestCaseError> {
+        let case = make_case::<T>(&d.spec, d.profile, d.seed);
+        let d_out = make_d_out::<T>(&d.spec, d.seed ^ 0x5eed);
+        let layout = d.lists.oracle_layout(&d.spec);
+        let exact = attnproof_harness::pisa_tail::exact_layout(&d.spec, &layout);
+        let fail = |e: &dyn std::fmt::Display| TestCaseError::fail(e.to_string());
+        let inputs = attnproof_reference::flash::Inputs { q: case.q.view(), k: case.k.view(), v: case.v.view() };
+        let forward =
+            attnproof_reference::sparse::pisa::pisa_tail_forward(&d.spec, &inputs, &exact).map_err(|e| fail(&e))?;
+        let backward_inputs = attnproof_reference::backward::BackwardInputs {
+            q: case.q.view(),
+            k: case.k.view(),
+            v: case.v.view(),
+            o: forward.o.view(),
+            lse: forward.lse.view(),
+            d_out: d_out.view(),
+        };
+        let grads = attnproof_reference::sparse::pisa::pisa_tail_backward(&d.spec, &backward_inputs, &exact)
+            .map_err(|e| fail(&e))?;
+        let flat: Vec<f64> = forward.pooled.iter().map(|x| f64::from(x.to_f32())).collect();
+        let pooled = PooledStatistics::from_workspace(&d.spec, layout.kv_tile, &flat)
+            .ok_or_else(|| TestCaseError::fail("the schedule's pooled workspace is short"))?;
+        let moments = TailMoments::from_workspace(&d.spec, layout.kv_tile, &grads.moments)
+            .ok_or_else(|| TestCaseError::fail("the schedule's f64 workspace is short"))?;
+        let reject = |e: HarnessError| match e {
+            HarnessError::Model(m) => TestCaseError::reject(m.to_string()),
+            e => TestCaseError::fail(e.to_string()),
+        };
+        let recipe = attnproof_harness::recipes::reference::<T>(layout.kv_tile);
+        let targets = tail_targets(&case, &layout, recipe, attnproof_harness::recipes::reference::<T>(64), &pooled)
+            .map_err(reject)?;
+        let t =
+            tail_backward_targets(&case, &layout, &d_out, &targets, recipe, exact.q_tile, &moments).map_err(reject)?;
+        let v = judge_tail_backward(&t, [grads.dq.view(), grads.dk.view(), grads.dv.view()], grads.delta.view());
+        prop_assert!(v.passed(), "{v:?}");
+        let mut c = tally.borrow_mut();
+        c.0 += 1;
+        c.1 += t.tail_rows;
+        Ok(())
+    }
+    for suite in &TAIL_BACKWARD_SUITES {
+        let tally = RefCell::new((0usize, 0usize));
+        let result = suite.run(crate::property::default_run_config(suite.name, 8, suite.seed), |d| {
+            if suite.bf16 { check::<bf16>(d, &tally) } else { check::<f16>(d, &tally) }
+        });
+        assert!(result.is_ok(), "{}: {result:?}", suite.name);
+        let (draws, tail_rows) = tally.into_inner();
+        assert!(draws > 0 && tail_rows > 0, "{}: {draws} draws, {tail_rows} rows with a tail", suite.name);
+    }
+}

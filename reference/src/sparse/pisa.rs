@@ -22,6 +22,9 @@
 //! - **Merge** in f64: `T = O_T + α h / C`, `M = max(lse_E, lse_T + ln C)`, `o = (e^{lse_E − M} O_E + e^{lse_T + ln C
 //!   − M} T) / (e^{lse_E − M} + e^{lse_T + ln C − M})` rounded once to the storage type, `lse = M + ln(…)` in f32. A
 //!   row without tail blocks keeps the exact part's output.
+//! - **Backward** ([`pisa_tail_backward`], as `attnproof_gpu::pisa::tail_backward` runs it): the block-sparse backward
+//!   over the exact lists with the tail forward's `O` and LSE, then the tail part in f64 from the f64 statistics above
+//!   and the exact part's `D`, added to each gradient's stored value and rounded once more.
 
 use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::spec::{Operand, Sequence};
@@ -56,6 +59,12 @@ pub struct TailOutputs<T> {
 
 /// One (sequence, KV head)'s statistics: f64 means and `H̄`, and their storage-type forms widened to f32.
 struct HeadStatistics {
+    /// `[n_k, d]`: `μ` in f64.
+    means: Array2<f64>,
+    /// `[n_k, dv]`: `v̄` in f64.
+    value_means: Array2<f64>,
+    /// `[d, dv]`: `H̄` in f64.
+    h_bar64: Array2<f64>,
     /// `[n_k, 2d]`: `[μ_hi | μ_lo]`.
     keys: Array2<f32>,
     /// `[n_k, dv]`: `RN(v̄)`.
@@ -94,6 +103,7 @@ fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -
         }
     }
     let mut h_bar = Array2::zeros((2 * d, dv));
+    let mut h_bar64 = Array2::zeros((d, dv));
     for c in 0..d {
         for e in 0..dv {
             // Per range of HBAR_SPLIT_KEYS keys: Σ_j k_jc v_je by steps of HBAR_F32_KEYS keys, each an f32 sum of exact
@@ -112,12 +122,13 @@ fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -
                 products - centre
             };
             let total = (0..len).step_by(HBAR_SPLIT_KEYS).fold(0f64, |a, j_begin| a + partial(j_begin));
-            let (hi, lo) = split::<T>(total / n_blocks as f64);
+            h_bar64[[c, e]] = total / n_blocks as f64;
+            let (hi, lo) = split::<T>(h_bar64[[c, e]]);
             h_bar[[c, e]] = hi;
             h_bar[[d + c, e]] = lo;
         }
     }
-    HeadStatistics { keys, values, h_bar }
+    HeadStatistics { means, value_means, h_bar64, keys, values, h_bar }
 }
 
 /// PISA's tail forward of `spec` on `inputs` over the exact lists `exact` (per query head; the listed blocks, the
@@ -129,10 +140,7 @@ pub fn pisa_tail_forward<T: Element>(
     inputs: &Inputs<'_, T>,
     exact: &BlockSparseLayout,
 ) -> Result<TailOutputs<T>, ReferenceError> {
-    if !matches!(spec.mask, Mask::None | Mask::Causal) {
-        let reason = "PISA's tail takes no mask or the bottom-right causal mask";
-        return Err(ReferenceError::UnsupportedMask { mask: format!("{:?}", spec.mask), reason });
-    }
+    check_mask(spec)?;
     let mut o = ArrayD::from_elem(IxDyn(&spec.expected_shape(Operand::O)), T::from_f32(0.0));
     let mut lse = ArrayD::zeros(IxDyn(&spec.expected_shape(Operand::RowStat)));
     block_sparse_forward(spec, inputs, exact, ForwardOutputs { o: o.view_mut(), lse: lse.view_mut() })?;
@@ -187,6 +195,33 @@ pub fn pisa_tail_forward<T: Element>(
     Ok(TailOutputs { o, lse, pooled })
 }
 
+/// The tail's masks: none or the bottom-right causal mask; any other is [`ReferenceError::UnsupportedMask`].
+fn check_mask(spec: &AttentionSpec) -> Result<(), ReferenceError> {
+    if matches!(spec.mask, Mask::None | Mask::Causal) {
+        return Ok(());
+    }
+    let reason = "PISA's tail takes no mask or the bottom-right causal mask";
+    Err(ReferenceError::UnsupportedMask { mask: format!("{:?}", spec.mask), reason })
+}
+
+/// Row `i`'s tail per whole key block of its sequence: the block is whole for the row (every key visible) and its
+/// query tile does not list it.
+fn tail_blocks(spec: &AttentionSpec, exact: &BlockSparseLayout, seq: &Sequence, h: usize, i: usize) -> Vec<bool> {
+    let block = exact.kv_tile;
+    let listed: Vec<usize> = exact
+        .lists
+        .index_axis(Axis(0), seq.index)
+        .index_axis(Axis(0), h)
+        .row(i / exact.q_tile)
+        .iter()
+        .take_while(|&&b| b >= 0)
+        .map(|&b| b as usize)
+        .collect();
+    let sees_whole = |b: usize| (b * block..(b + 1) * block).all(|j| visible(&spec.mask, i, j, seq.len_q, seq.len_k));
+    let whole = seq.len_k / block;
+    (0..whole).map(|b| !listed.contains(&b) && sees_whole(b)).collect()
+}
+
 /// Row `i`'s tail average `T = O_T + α h / C` and log-mass `lse_T + ln C` (f64), or `None` when it has no tail block.
 #[allow(clippy::too_many_arguments)]
 fn row_tail<T: Element>(
@@ -202,17 +237,7 @@ fn row_tail<T: Element>(
 ) -> Option<(Vec<f64>, f64)> {
     let block = exact.kv_tile;
     let whole = seq.len_k / block;
-    let listed: Vec<usize> = exact
-        .lists
-        .index_axis(Axis(0), seq.index)
-        .index_axis(Axis(0), h)
-        .row(i / exact.q_tile)
-        .iter()
-        .take_while(|&&b| b >= 0)
-        .map(|&b| b as usize)
-        .collect();
-    let sees_whole = |b: usize| (b * block..(b + 1) * block).all(|j| visible(&spec.mask, i, j, seq.len_q, seq.len_k));
-    let tail: Vec<bool> = (0..whole).map(|b| !listed.contains(&b) && sees_whole(b)).collect();
+    let tail = tail_blocks(spec, exact, seq, h, i);
     if !tail.contains(&true) {
         return None;
     }
@@ -230,4 +255,138 @@ fn row_tail<T: Element>(
     let o_tail: Vec<f64> =
         (0..spec.head_dim_v).map(|e| f64::from(state.acc[e] / state.l) + scale64 * shared(e) / block as f64).collect();
     Some((o_tail, f64::from(state.m + state.l.ln()) + (block as f64).ln()))
+}
+
+/// What [`pisa_tail_backward`] returns: the gradients, the exact part's `D`, and the f64 statistics it read in the GPU
+/// f64 workspace's layout (means `[B, Hkv, n_k, d]`, mean values `[B, Hkv, n_k, dv]`, `H̄` `[B, Hkv, d, dv]`).
+#[derive(Clone, Debug)]
+pub struct TailGradients<T> {
+    /// dQ.
+    pub dq: ArrayD<T>,
+    /// dK.
+    pub dk: ArrayD<T>,
+    /// dV.
+    pub dv: ArrayD<T>,
+    /// The exact part's `D = rowsum(dO ∘ O)` (f32), laid out like LSE.
+    pub delta: ArrayD<f32>,
+    /// The f64 statistics.
+    pub moments: Vec<f64>,
+}
+
+/// PISA's tail backward of `spec` (`inputs.o`, `inputs.lse` the tail forward's over `exact`) as the GPU kernels run it
+/// (`attnproof_gpu::pisa::tail_backward`): the exact part by [`crate::sparse::block::block_sparse_backward`] over
+/// `exact` with PISA's `O` and LSE, then the tail part in f64 from the f64 statistics of [`pisa_tail_forward`]'s
+/// recipe and the exact part's `D`: per row `W = H̄ dO`, `dO·h = α q·W`, per tail block `a = e^{α q·μ_b − lse}` and
+/// `g = a (C (dO·v̄_b − D) + dO·h)`, `dq += α Σ_b g μ_b + A α W`; per block `dμ_b += α g q`, `dV^Σ_b += a dO`;
+/// `G += A α q dOᵀ`; then `dk_j += dμ_b / |B_b| + G (v_j − v̄_b) / n_b`, `dv_j += dV^Σ_b + Gᵀ (k_j − μ_b) / n_b`. Each
+/// gradient is rounded once more from the exact part's stored value plus the f64 tail part; an element whose tail part
+/// is exactly 0 keeps the exact part's value. Masks as for [`pisa_tail_forward`].
+pub fn pisa_tail_backward<T: Element>(
+    spec: &AttentionSpec,
+    inputs: &crate::backward::BackwardInputs<'_, T>,
+    exact: &BlockSparseLayout,
+) -> Result<TailGradients<T>, ReferenceError> {
+    check_mask(spec)?;
+    let zeros = |op: Operand| ArrayD::from_elem(IxDyn(&spec.expected_shape(op)), T::from_f32(0.0));
+    let (mut dq, mut dk, mut dv) = (zeros(Operand::Q), zeros(Operand::K), zeros(Operand::V));
+    let mut delta = ArrayD::zeros(IxDyn(&spec.expected_shape(Operand::RowStat)));
+    let outputs = crate::backward::BackwardOutputs {
+        dq: dq.view_mut(),
+        dk: dk.view_mut(),
+        dv: dv.view_mut(),
+        delta: delta.view_mut(),
+    };
+    crate::sparse::block::block_sparse_backward(spec, inputs, exact, outputs)?;
+    let (d, dv_dim, block) = (spec.head_dim, spec.head_dim_v, exact.kv_tile);
+    let seqs = spec.sequences();
+    let n_k = seqs.iter().map(|s| s.len_k.div_ceil(block)).max().unwrap_or(0);
+    let heads = seqs.len() * spec.n_heads_kv;
+    let mut moments = vec![0f64; heads * (n_k * (d + dv_dim) + d * dv_dim)];
+    let alpha = spec.scale_value::<f64>(());
+    let add = |x: &mut T, tail: f64| {
+        if tail != 0.0 {
+            *x = T::from_f64(f64::from(x.to_f32()) + tail);
+        }
+    };
+    for seq in &seqs {
+        if seq.len_k == 0 {
+            continue;
+        }
+        for kv in 0..spec.n_heads_kv {
+            let k = head_f32(spec, &inputs.k, seq, kv, true);
+            let v = head_f32(spec, &inputs.v, seq, kv, true);
+            let st = head_statistics::<T>(&k, &v, block);
+            let head = seq.index * spec.n_heads_kv + kv;
+            let n_blocks = seq.len_k.div_ceil(block);
+            for (b, row) in st.means.outer_iter().enumerate() {
+                moments[(head * n_k + b) * d..][..d].copy_from_slice(row.as_slice().expect("standard layout"));
+            }
+            for (b, row) in st.value_means.outer_iter().enumerate() {
+                let at = heads * n_k * d + (head * n_k + b) * dv_dim;
+                moments[at..at + dv_dim].copy_from_slice(row.as_slice().expect("standard layout"));
+            }
+            let at = heads * n_k * (d + dv_dim) + head * d * dv_dim;
+            moments[at..at + d * dv_dim].copy_from_slice(st.h_bar64.as_slice().expect("standard layout"));
+            let mut d_means = Array2::<f64>::zeros((n_blocks, d));
+            let mut d_sums = Array2::<f64>::zeros((n_blocks, dv_dim));
+            let mut g_bar = Array2::<f64>::zeros((d, dv_dim));
+            for h in (0..spec.n_heads_q).filter(|&h| kv_head(h, spec.n_heads_q, spec.n_heads_kv) == kv) {
+                let q = head_f32(spec, &inputs.q, seq, h, false);
+                let g_out = head_f32(spec, &inputs.d_out, seq, h, false);
+                let lse_head = inputs.lse.slice(spec.row_stat_slice(seq, h));
+                let delta_head = delta.slice(spec.row_stat_slice(seq, h)).to_owned();
+                let mut dq_head = dq.slice_mut(spec.head_slice(seq, h, false));
+                for i in 0..seq.len_q {
+                    let lse = f64::from(lse_head[[i]]);
+                    let tail = tail_blocks(spec, exact, seq, h, i);
+                    if lse == f64::NEG_INFINITY || !tail.contains(&true) {
+                        continue;
+                    }
+                    let qi: Vec<f64> = q.row(i).iter().map(|&x| f64::from(x)).collect();
+                    let gi: Vec<f64> = g_out.row(i).iter().map(|&x| f64::from(x)).collect();
+                    let w: Vec<f64> = (0..d).map(|c| (0..dv_dim).map(|e| st.h_bar64[[c, e]] * gi[e]).sum()).collect();
+                    let through = alpha * qi.iter().zip(&w).map(|(x, y)| x * y).sum::<f64>();
+                    let row_delta = f64::from(delta_head[[i]]);
+                    let (mut acc, mut mass) = (vec![0f64; d], 0f64);
+                    for b in (0..tail.len()).filter(|&b| tail[b]) {
+                        let score: f64 = (0..d).map(|c| qi[c] * st.means[[b, c]]).sum();
+                        let dp: f64 = (0..dv_dim).map(|e| gi[e] * st.value_means[[b, e]]).sum();
+                        let a = (alpha * score - lse).exp();
+                        let g = a * (block as f64 * (dp - row_delta) + through);
+                        mass += a;
+                        for c in 0..d {
+                            acc[c] += alpha * g * st.means[[b, c]];
+                            d_means[[b, c]] += alpha * g * qi[c];
+                        }
+                        for e in 0..dv_dim {
+                            d_sums[[b, e]] += a * gi[e];
+                        }
+                    }
+                    for c in 0..d {
+                        add(&mut dq_head[[i, c]], acc[c] + mass * alpha * w[c]);
+                        for e in 0..dv_dim {
+                            g_bar[[c, e]] += mass * alpha * qi[c] * gi[e];
+                        }
+                    }
+                }
+            }
+            let mut dk_head = dk.slice_mut(spec.head_slice(seq, kv, true));
+            let mut dv_head = dv.slice_mut(spec.head_slice(seq, kv, true));
+            for j in 0..seq.len_k {
+                let b = j / block;
+                let count = (seq.len_k - b * block).min(block) as f64;
+                let x: Vec<f64> = (0..dv_dim).map(|e| f64::from(v[[j, e]]) - st.value_means[[b, e]]).collect();
+                let y: Vec<f64> = (0..d).map(|c| f64::from(k[[j, c]]) - st.means[[b, c]]).collect();
+                for c in 0..d {
+                    let via_g: f64 = (0..dv_dim).map(|e| g_bar[[c, e]] * x[e]).sum();
+                    add(&mut dk_head[[j, c]], d_means[[b, c]] / count + via_g / n_blocks as f64);
+                }
+                for e in 0..dv_dim {
+                    let via_g: f64 = (0..d).map(|c| g_bar[[c, e]] * y[c]).sum();
+                    add(&mut dv_head[[j, e]], d_sums[[b, e]] + via_g / n_blocks as f64);
+                }
+            }
+        }
+    }
+    Ok(TailGradients { dq, dk, dv, delta, moments })
 }

@@ -67,6 +67,17 @@ const PISA_TAIL_REF: Mutant = Mutant {
     ..FLASH
 };
 
+/// Base entry for mutants of PISA's tail backward schedule (`pisa_tail_backward` in the same file), killed by the GPU
+/// crate's CPU test of it (`pisa_tail_backward::the_reference_schedule_passes_the_suites_draws`, no device needed).
+const PISA_TAIL_BWD_REF: Mutant = Mutant {
+    runner: Runner::Scratch {
+        package: "attnproof-gpu",
+        target: Some("it"),
+        filter: Some("pisa_tail_backward::the_reference_schedule_passes_the_suites_draws"),
+    },
+    ..PISA_TAIL_REF
+};
+
 /// Base entry for mutants of HiLS's factorized output as the kernel runs it (`reference/src/sparse/hils.rs`), judged by
 /// the harness's HiLS tests (the output verifier's unit tests and the CPU suites).
 const HILS_REF: Mutant = Mutant {
@@ -450,6 +461,20 @@ pub const MUTANTS: &[Mutant] = &[
         find: "f64::from(state.acc[e] / state.l) + scale64 * shared(e) / block as f64",
         replace: "f64::from(state.acc[e] / state.l)",
         ..PISA_TAIL_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-bwd-shared-term-dropped",
+        description: "the tail backward's dQ leaves out the shared term A α H̄ dO",
+        find: "add(&mut dq_head[[i, c]], acc[c] + mass * alpha * w[c]);",
+        replace: "add(&mut dq_head[[i, c]], acc[c]);",
+        ..PISA_TAIL_BWD_REF
+    },
+    Mutant {
+        name: "ref-pisa-tail-bwd-hbar-gradient-dropped",
+        description: "the tail backward's dV leaves out G's share Gᵀ (k_j − μ_b) / n_b",
+        find: "add(&mut dv_head[[j, e]], d_sums[[b, e]] + via_g / n_blocks as f64);",
+        replace: "add(&mut dv_head[[j, e]], d_sums[[b, e]]);",
+        ..PISA_TAIL_BWD_REF
     },
     Mutant {
         name: "ref-pisa-tail-listed-block-in-tail",
