@@ -29,6 +29,14 @@
 // bottom-right causal mask the blocks whose first key the query block's last query sees. Forced: block 0
 // (force_first) and the force_local last eligible blocks, eligible ones only; they count towards top_k.
 
+// Hooks for PISA's covariance-aware selection (E24): gpu/kernels/pisa_covariance.cu, compiled before this text,
+// defines COVARIANCE_ARGS (two more buffers for both selectors) and WITH_COVARIANCE (the score of query block a and key
+// block b with its spread term); without it the selectors take and score what BSA does.
+#ifndef COVARIANCE_ARGS
+#define COVARIANCE_ARGS
+#define WITH_COVARIANCE(score, a, b) (score)
+#endif
+
 #define SEL_THREADS 256
 #define SEL_WARPS (SEL_THREADS / 32)
 #define SEL_KEYS_PER_WARP 8
@@ -197,7 +205,7 @@ __device__ __forceinline__ void warp_best_unchosen(const double* scores, const u
 
 extern "C" __global__ void __launch_bounds__(SEL_THREADS)
 bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
-           const int* __restrict__ cu_k, const BsaParams params) {
+           const int* __restrict__ cu_k, const BsaParams params COVARIANCE_ARGS) {
     const FlashParams& fp = params.flash;
     const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
     const int d = fp.d;
@@ -248,7 +256,7 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
         if (lane == 0) {
 #pragma unroll
             for (int i = 0; i < SEL_KEYS_PER_WARP; ++i)
-                if (base + i < eligible) scores[base + i] = params.scale * part[i];
+                if (base + i < eligible) scores[base + i] = WITH_COVARIANCE(params.scale * part[i], a, base + i);
         }
     }
 
@@ -355,7 +363,7 @@ __device__ __forceinline__ void stream_offer(double s, int i, bool offer, int ro
 
 extern "C" __global__ void __launch_bounds__(STREAM_THREADS)
 bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
-                  const int* __restrict__ cu_k, const BsaParams params) {
+                  const int* __restrict__ cu_k, const BsaParams params COVARIANCE_ARGS) {
     const FlashParams& fp = params.flash;
     const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, row = d + STREAM_PAD;
     // Under the causal mask the last query blocks see the most key blocks: the grid's first CTAs take them, so that
@@ -425,7 +433,14 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
                 }
             }
 #pragma unroll
-            for (int r = 0; r < 2; ++r) tile_scores[(query0 + r) * STREAM_KEYS + key] = params.scale * acc[r];
+            for (int r = 0; r < 2; ++r) {
+                // The spread term only where it is read: a key block in the range and a query block of the grid.
+                const int a = a0 + query0 + r, b = tile0 + key;
+                const bool scored = b < key_end && a < params.n_query_blocks;
+                const double pooled_score = params.scale * acc[r];
+                tile_scores[(query0 + r) * STREAM_KEYS + key] =
+                    scored ? WITH_COVARIANCE(pooled_score, a, b) : pooled_score;
+            }
         }
         __syncthreads();
 #pragma unroll

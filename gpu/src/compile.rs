@@ -26,7 +26,7 @@
 //!   otherwise f64 arithmetic, warp shuffles and ballots.
 //! - `pisa_select` (PISA's pyramid selection), `pisa_tail` (PISA's first-order tail), `pisa_mass` (the block masses
 //!   of E30's diagnostics) and `hils` (HiLS's chunk summaries and router) are compiled after `bsa_select.cu` (its
-//!   pooling and helpers) and need 8.0 with it.
+//!   pooling and helpers) and need 8.0 with it; `pisa_covariance` (E24's spreads and scores) is compiled with it too.
 //! - `nsa_compress` (NSA's compressed keys and values) needs 7.5 like `ring_state`: f64 arithmetic and wide loads only.
 //! - `nsa_gates` (NSA's gated sum and its gradients) needs 7.5 too: f32 arithmetic, `expf` and warp shuffles only.
 //! - `nsa_select` (NSA's block scores and lists) needs 8.0 like `flash_fwd`: its scores are `mma.sync.m16n8k16`
@@ -128,7 +128,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 20] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 21] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -176,6 +176,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 20] = [
         needs: (8, 0),
         only: false,
         instructions: "pisa_tail.cu compiled with it (cp.async, ldmatrix, mma.sync m16n8k16); f64 arithmetic",
+    },
+    DeviceRequirement {
+        kernel: "pisa_covariance",
+        needs: (8, 0),
+        only: false,
+        instructions: "bsa_select.cu compiled with it (its streaming selector's cp.async); f64 arithmetic",
     },
     DeviceRequirement {
         kernel: "pisa_mass",

@@ -555,6 +555,86 @@ pub(crate) fn launch_bsa_select(
     Ok(())
 }
 
+/// Launches `bsa_select` or `bsa_select_stream` compiled with `COVARIANCE_SCORE` (E24, `pisa::covariance`) on
+/// `stream`: the lists of [`launch_bsa_select`] from scores that carry the spread term.
+///
+/// Preconditions: those of [`launch_bsa_select`], and `spreads` holds `B · n_heads_kv · params.n_key_blocks` f64
+/// written by `pisa_covariance_spread`, `coefficients` `B · n_heads_q · params.n_query_blocks` f64 written by
+/// `pisa_covariance_coefficients` for the same spec and parameters.
+pub(crate) fn launch_covariance_select(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (pooled, lists): (&CudaSlice<f64>, &mut CudaSlice<i32>),
+    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    params: &BsaParams,
+    (spreads, coefficients): (&CudaSlice<f64>, &CudaSlice<f64>),
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(pooled).arg(lists).arg(cu_q).arg(cu_k).arg(params).arg(spreads).arg(coefficients);
+    // SAFETY: the arguments match the two selectors under COVARIANCE_SCORE (`const double* pooled, int* lists, const
+    // int* cu_q, const int* cu_k, const BsaParams, const double* spreads, const double* coefficients`) in order and
+    // type; every index the kernels form lies in the buffers the caller sized (see above); the buffers are borrowed
+    // for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(covariance select)", e))?;
+    Ok(())
+}
+
+/// Launches `pisa_covariance_hbar`, `pisa_covariance_hbar_sum` or `pisa_covariance_spread` (gpu/kernels/
+/// pisa_covariance.cu, `func`) on `stream`: `H̄`'s partial sums, `H̄`, or each key block's spread.
+///
+/// Preconditions, established by `pisa::covariance`: `k`, `v` hold the spec's K and V; `pooled` the mean keys
+/// `bsa_pool_keys` wrote for `params`; `hbar` holds `(n_ranges + 1) · batch · n_heads_kv · d · dv` f64 (the partial
+/// sums written before `_hbar_sum` runs, `H̄` before `_spread` runs); `spreads` holds `batch · n_heads_kv ·
+/// params.n_key_blocks` f64; `cfg`'s grid is `(ranges, n_heads_kv, batch)` for `_hbar`, `(⌈d·dv/128⌉, ...)` for
+/// `_hbar_sum` (128 threads), `(n_key_blocks, ...)` for `_spread`, with 256 threads and the dynamic shared memory of
+/// `spread_shared_bytes` for the two, which the function attribute allows; both head dims are at most 256; `cu_k`
+/// holds the validated key `cu_seqlens` (or one entry, unread, when dense).
+pub(crate) fn launch_covariance_statistics<T>(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (k, v): (&CudaSlice<T>, &CudaSlice<T>),
+    (pooled, hbar, spreads): (&CudaSlice<f64>, &mut CudaSlice<f64>, &mut CudaSlice<f64>),
+    cu_k: &CudaSlice<i32>,
+    params: &BsaParams,
+    (batch, n_ranges): (i32, i32),
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(k).arg(v).arg(pooled).arg(hbar).arg(spreads).arg(cu_k).arg(params).arg(&batch).arg(&n_ranges);
+    // SAFETY: the arguments match the three kernels (`const elem_t* k, const elem_t* v, const double* pooled, double*
+    // hbar, double* spreads, const int* cu_k, const BsaParams, const int batch, const int n_ranges`) in order and
+    // type; every index the kernels form lies in the buffers the caller sized (see above); the buffers are borrowed
+    // for this call and their use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_covariance statistics)", e))?;
+    Ok(())
+}
+
+/// Launches `pisa_covariance_coefficients` (gpu/kernels/pisa_covariance.cu, `func`) on `stream`: `γ|α|‖q̄_{a,h}‖` per
+/// pooled query.
+///
+/// Preconditions, established by `pisa::covariance`: `pooled` holds the pooled queries `bsa_pool_queries` wrote for
+/// `params`; `coefficients` holds `batch · n_heads_q · params.n_query_blocks` f64; `cfg` has one thread per entry in
+/// CTAs of 128.
+pub(crate) fn launch_covariance_coefficients(
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    (pooled, coefficients): (&CudaSlice<f64>, &mut CudaSlice<f64>),
+    params: &BsaParams,
+    batch: i32,
+    gamma_scale: f64,
+) -> Result<(), GpuError> {
+    let mut builder = stream.launch_builder(func);
+    builder.arg(pooled).arg(coefficients).arg(params).arg(&batch).arg(&gamma_scale);
+    // SAFETY: the arguments match `pisa_covariance_coefficients` (`const double* pooled, double* coefficients, const
+    // BsaParams, const int batch, const double gamma_scale`) in order and type; the kernel reads and writes only the
+    // entries below `batch · n_heads_q · n_query_blocks` (see above); the buffers are borrowed for this call and their
+    // use is recorded on `stream`.
+    unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(pisa_covariance_coefficients)", e))?;
+    Ok(())
+}
+
 /// Launches `pisa_pool_level` (gpu/kernels/pisa_select.cu, `func`) on `stream`: the mean vectors of pyramid level
 /// `level ≥ 1` from those of `level − 1`.
 ///

@@ -99,7 +99,7 @@ fn causal_of(spec: &AttentionSpec) -> Result<bool, OracleError> {
 }
 
 /// Means of consecutive row blocks of `rows` (`[L, d]`): `[⌈L/block⌉, d]`, the last over the rows it has.
-fn pooled<S: Real>(rows: ndarray::ArrayView2<'_, S>, block: usize, ctx: S::Ctx) -> Array2<S> {
+pub(crate) fn pooled<S: Real>(rows: ndarray::ArrayView2<'_, S>, block: usize, ctx: S::Ctx) -> Array2<S> {
     let n = rows.nrows().div_ceil(block);
     let means: Vec<Array1<S>> = (0..n)
         .map(|b| {

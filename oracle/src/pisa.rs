@@ -10,14 +10,21 @@
 //! 1, so f64 neither forms `e^{s}` of a large logit nor lets the denominator underflow when the
 //! row's largest logit sits in a tail block far above its block's mean. The dense mass, relative to
 //! the same shift, may exceed f64's range in such a row (`+∞`: the tail's share of it is then 0).
+//!
+//! E24 comes in two forms: per query ([`covariance_aware_scores`], the spread `‖H_b − H̄‖₂` by power iteration to
+//! stagnation) and per query block as the GPU selects ([`covariance_block_scores`]: BSA's pooled queries and GQA group
+//! sum, and the spread by exactly [`E24_POWER_STEPS`] steps of power iteration, [`block_spreads`]).
 
-use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis, Slice};
+use ndarray::{Array1, Array2, Array3, Array4, ArrayView1, ArrayView2, ArrayViewD, Axis, Slice};
 
+use crate::bsa::{BsaConfig, bsa_scores, pooled};
+use crate::error::OracleError;
 use crate::online::{SoftmaxState, rescale_factor};
 use crate::real::Real;
 use crate::selection::key_blocks;
+use crate::spec::{AttentionSpec, Operand};
 use crate::topk::top_k;
-use crate::vector::{block_means, dot, norm2, spectral_norm};
+use crate::vector::{PowerRun, PowerStop, block_means, dot, norm2, power_iteration, spectral_norm};
 
 /// Power-iteration steps for `‖H_b − H̄‖₂`.
 const SPECTRAL_ITERATIONS: usize = 500;
@@ -401,6 +408,133 @@ pub fn covariance_aware_selection<S: Real>(
     top_k(scores, n_keep, eligible, &[])
 }
 
+/// Power-iteration steps of E24's block-level spread on the GPU's convention ([`block_spreads`]): exactly this many
+/// steps from the all-ones start, no early stop.
+pub const E24_POWER_STEPS: usize = 32;
+
+/// E24's block selection as the GPU runs it ([`covariance_block_scores`]): BSA's blocks, pooling, eligibility, forced
+/// blocks and top-k, with the covariance weight `γ`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CovarianceConfig {
+    /// Blocks, list width and forced blocks, as for BSA; `kv_block` is also the block of the spreads' statistics.
+    pub bsa: BsaConfig,
+    /// The weight `γ ≥ 0` of the spread term; `γ = 0` ranks as BSA does (plus `G ln n_b`).
+    pub gamma: f64,
+}
+
+impl CovarianceConfig {
+    /// BSA's checks, and `γ` finite and non-negative.
+    pub fn validate(&self) -> Result<(), OracleError> {
+        self.bsa.validate()?;
+        if !self.gamma.is_finite() || self.gamma < 0.0 {
+            return Err(OracleError::InvalidParameter {
+                argument: "gamma",
+                reason: format!("the covariance weight must be finite and non-negative, not {}", self.gamma),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// E24's block-level scores and the spreads they read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CovarianceScores<S> {
+    /// `[B, Hkv, n_q_blocks, n_k_blocks]`, laid out as [`bsa_scores`]: `S_ab` for eligible blocks, `−∞` for
+    /// ineligible ones and for blocks past a sequence's own.
+    pub scores: Array4<S>,
+    /// `[B, Hkv, n_k_blocks]`: the spread `s_b` of each key block, 0 where a sequence has no such block.
+    pub spreads: Array3<S>,
+}
+
+/// The spread runs of one (sequence, KV head): per key block of `block_size` keys (the last may be partial),
+/// [`power_iteration`] on `H_b − H̄` ([`tail_moments`]'s statistics, `[d, dv]`) for exactly [`E24_POWER_STEPS`] steps
+/// ([`PowerStop::AllSteps`]). Each run's `estimate` is the spread `s_b`, an estimate of `‖H_b − H̄‖₂` from below; its
+/// `norms` are what a bound on another evaluation of the same steps reads. Needs `n ≥ 1` keys.
+///
+/// The fixed step count is the GPU's convention: a fixed-step estimate is one deterministic function of the matrix,
+/// computable in any precision with a derivable rounding bound, while the stagnation rule of [`spectral_norm`] stops at
+/// a step that rounding itself decides.
+pub fn block_spreads<S: Real>(
+    k: ArrayView2<'_, S>,
+    v: ArrayView2<'_, S>,
+    block_size: usize,
+    ctx: S::Ctx,
+) -> Vec<PowerRun<S>> {
+    let stats = tail_moments(k, v, block_size, ctx);
+    stats
+        .h
+        .iter()
+        .map(|hb| power_iteration((hb - &stats.h_bar).view(), E24_POWER_STEPS, PowerStop::AllSteps, ctx))
+        .collect()
+}
+
+/// E24 at the level of blocks, on BSA's per-query-block convention (the GPU's). For (sequence, KV head, query block
+/// `a`, key block `b`):
+///
+/// `S_ab = Σ_{h∈group} [ α q̄_{a,h}·μ_b + ln(n_b + γ|α| ‖q̄_{a,h}‖₂ s_b) ]`
+///
+/// with `q̄_{a,h}` the mean of query head `h`'s rows in query block `a`, `μ_b` the mean key of key block `b` (the
+/// dot part is [`bsa_scores`], group-summed), `n_b` the block's key count (the last block of a sequence may be
+/// partial), and `s_b` the spread of [`block_spreads`] (blocks of `kv_block` keys, per sequence and KV head). This is
+/// the per-query log-form score of [`covariance_aware_scores`] with the query replaced by its block's mean and summed
+/// over the group, as BSA sums its pooled scores. Ineligible entries stay `−∞`; `γ = 0` gives BSA's scores plus
+/// `G ln n_b`. The lists are [`bsa_select`](crate::bsa::bsa_select) of [`CovarianceScores::scores`] under
+/// `config.bsa`. `q`, `k`, `v` are laid out by `spec`; only no mask or the causal mask is taken (BSA's rule).
+pub fn covariance_block_scores<S: Real>(
+    spec: &AttentionSpec,
+    q: ArrayViewD<'_, S>,
+    k: ArrayViewD<'_, S>,
+    v: ArrayViewD<'_, S>,
+    config: &CovarianceConfig,
+    ctx: S::Ctx,
+) -> Result<CovarianceScores<S>, OracleError> {
+    spec.validate()?;
+    config.validate()?;
+    let expected = spec.expected_shape(Operand::V);
+    if v.shape() != expected.as_slice() {
+        return Err(OracleError::ShapeMismatch { argument: "v", expected, actual: v.shape().to_vec() });
+    }
+    crate::error::check_finite("v", &v)?;
+    let mut scores = bsa_scores(spec, q.view(), k.view(), &config.bsa, ctx)?;
+    let (batch, heads, _, n_k) = scores.dim();
+    let mut spreads = Array3::from_elem((batch, heads, n_k), S::zero(ctx));
+    let alpha = spec.scale_value::<S>(ctx);
+    let weight = S::from_f64(config.gamma, ctx) * alpha.abs();
+    let group = spec.group_size();
+    let kv_block = config.bsa.kv_block;
+    for seq in spec.sequences().iter().filter(|s| s.len_k > 0) {
+        for kv in 0..heads {
+            let keys = spec.head_rows(k.view(), seq, kv, true);
+            let values = spec.head_rows(v.view(), seq, kv, true);
+            for (b, run) in block_spreads(keys, values, kv_block, ctx).into_iter().enumerate() {
+                spreads[[seq.index, kv, b]] = run.estimate;
+            }
+            // `c_{a,h} = γ|α| ‖q̄_{a,h}‖` per query head of the group, `[n_q_blocks]` each.
+            let factors: Vec<Vec<S>> = (kv * group..(kv + 1) * group)
+                .map(|h| {
+                    let means = pooled(spec.head_rows(q.view(), seq, h, false), config.bsa.q_block, ctx);
+                    means.rows().into_iter().map(|row| weight.clone() * norm2(row, ctx)).collect()
+                })
+                .collect();
+            let counts: Vec<usize> = key_blocks(seq.len_k, kv_block).iter().map(|r| r.len()).collect();
+            for a in 0..config.bsa.query_blocks(seq) {
+                for (b, &count) in counts.iter().enumerate() {
+                    let score = &mut scores[[seq.index, kv, a, b]];
+                    // Ineligible: −∞ plus any finite term is −∞ anyway; skipping spares the logarithms.
+                    if !score.is_finite() {
+                        continue;
+                    }
+                    let n = S::from_f64(count as f64, ctx);
+                    for factor in &factors {
+                        *score += (n.clone() + factor[a].clone() * spreads[[seq.index, kv, b]].clone()).ln();
+                    }
+                }
+            }
+        }
+    }
+    Ok(CovarianceScores { scores, spreads })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -549,6 +683,110 @@ mod tests {
         assert_eq!(pisa_error_bound(q.view(), &out, &classes, &stats, &1.0, ()), 0.0);
         let gap = out.gap_bound(q.view(), &classes, &stats, &1.0);
         assert!(gap.is_finite() && gap > 0.0, "{gap}");
+    }
+
+    /// One sequence of 6 queries and 6 keys (`d = dv = 1`, `α = 1`), two query heads over one KV head, blocks of 2.
+    /// Keys `1, 1 | 0.5, 1 | 1, 1` and values `0, 0 | −2, 2 | 0, 0`: the means are 1, 0.75, 1, the `H_b` are 0, 1, 0
+    /// (only block 1 has deviations: `−0.25 · −2 + 0.25 · 2 = 1`), `H̄ = 1/3`, so the spreads (of `1 × 1` matrices,
+    /// exact after one step) are 1/3, 2/3, 1/3.
+    fn block_case() -> (AttentionSpec, ndarray::ArrayD<f64>, ndarray::ArrayD<f64>, ndarray::ArrayD<f64>) {
+        use ndarray::{ArrayD, IxDyn};
+        let spec = AttentionSpec::dense(1, 2, 1, 6, 6, 1, 1).with_mask(crate::spec::Mask::None);
+        // Head 0 holds queries 1, head 1 queries 2.
+        let q = ArrayD::from_shape_fn(IxDyn(&[1, 2, 6, 1]), |ix| (ix[1] + 1) as f64);
+        let k = ArrayD::from_shape_vec(IxDyn(&[1, 1, 6, 1]), vec![1., 1., 0.5, 1., 1., 1.]).unwrap();
+        let v = ArrayD::from_shape_vec(IxDyn(&[1, 1, 6, 1]), vec![0., 0., -2., 2., 0., 0.]).unwrap();
+        (spec, q, k, v)
+    }
+
+    fn block_config(gamma: f64) -> CovarianceConfig {
+        CovarianceConfig {
+            bsa: BsaConfig { q_block: 6, kv_block: 2, top_k: 1, force_first: false, force_local: 0 },
+            gamma,
+        }
+    }
+
+    #[test]
+    fn the_spread_term_changes_the_chosen_block() {
+        let (spec, q, k, v) = block_case();
+        // γ = 10: S_b = 3 μ_b + ln(2 + 10 s_b) + ln(2 + 20 s_b) (head 1's pooled query has norm 2). Block 0:
+        // 3 + ln(16/3) + ln(26/3) ≈ 6.833; block 1: 2.25 + ln(26/3) + ln(46/3) ≈ 7.139; block 2 ties block 0.
+        let wide = covariance_block_scores(&spec, q.view(), k.view(), v.view(), &block_config(10.0), ()).unwrap();
+        let expected = [
+            3.0 + (2.0 + 10.0 / 3.0f64).ln() + (2.0 + 20.0 / 3.0f64).ln(),
+            2.25 + (2.0 + 20.0 / 3.0f64).ln() + (2.0 + 40.0 / 3.0f64).ln(),
+        ];
+        // The spreads are within a few u of 1/3, 2/3 (a difference, a product, a norm); the scores add four terms of
+        // at most 8 with a logarithm each: 64 · EPSILON is far above either and far below the gap of 0.3.
+        for (b, want) in [1.0 / 3.0, 2.0 / 3.0, 1.0 / 3.0].into_iter().enumerate() {
+            assert!((wide.spreads[[0, 0, b]] - want).abs() <= 8.0 * f64::EPSILON, "{}", wide.spreads[[0, 0, b]]);
+        }
+        for (b, want) in expected.into_iter().chain([expected[0]]).enumerate() {
+            let got = wide.scores[[0, 0, 0, b]];
+            assert!((got - want).abs() <= 64.0 * f64::EPSILON, "block {b}: {got} vs {want}");
+        }
+        let lists = crate::bsa::bsa_select(&spec, wide.scores.view(), &block_config(10.0).bsa).unwrap();
+        assert_eq!(lists[[0, 0, 0, 0]], 1, "the spread lifts block 1 over the more relevant blocks 0 and 2");
+        // γ = 0: relevance and size only; blocks 0 and 2 tie, the lower index wins.
+        let flat = covariance_block_scores(&spec, q.view(), k.view(), v.view(), &block_config(0.0), ()).unwrap();
+        let lists = crate::bsa::bsa_select(&spec, flat.scores.view(), &block_config(0.0).bsa).unwrap();
+        assert_eq!(lists[[0, 0, 0, 0]], 0);
+    }
+
+    /// With `γ = 0` the score is BSA's plus `Σ_h ln n_b`, added in the same order, so bit for bit; the causal mask's
+    /// `−∞` entries stay; the partial last block (one key of 7, in blocks of 2) adds `ln 1 = 0`; a shorter sequence's
+    /// missing blocks have spread 0.
+    #[test]
+    fn without_gamma_the_scores_are_bsas_plus_the_log_sizes() {
+        use crate::inputs::uniform_tensor;
+        use crate::spec::{Layout, Mask};
+        let spec = AttentionSpec {
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 7, 10], cu_seqlens_k: vec![0, 7, 10] },
+            ..AttentionSpec::dense(1, 4, 2, 1, 1, 3, 2).with_mask(Mask::Causal)
+        };
+        let q = uniform_tensor(1, &spec.expected_shape(Operand::Q));
+        let k = uniform_tensor(2, &spec.expected_shape(Operand::K));
+        let v = uniform_tensor(3, &spec.expected_shape(Operand::V));
+        let config = CovarianceConfig {
+            bsa: BsaConfig { q_block: 2, kv_block: 2, top_k: 2, force_first: true, force_local: 0 },
+            gamma: 0.0,
+        };
+        let got = covariance_block_scores(&spec, q.view(), k.view(), v.view(), &config, ()).unwrap();
+        let bsa = bsa_scores(&spec, q.view(), k.view(), &config.bsa, ()).unwrap();
+        let mut finite = 0;
+        for ((s, kv, a, b), &x) in bsa.indexed_iter() {
+            let n = if s == 0 { [2.0, 2.0, 2.0, 1.0][b] } else { [2.0, 1.0, 0.0, 0.0][b] };
+            let want = if x.is_finite() { x + f64::ln(n) + f64::ln(n) } else { x };
+            assert_eq!(got.scores[[s, kv, a, b]].to_bits(), want.to_bits(), "[{s}, {kv}, {a}, {b}]");
+            finite += usize::from(x.is_finite());
+        }
+        assert!(finite > 0 && got.scores[[0, 0, 3, 3]] == bsa[[0, 0, 3, 3]], "the partial block adds 0");
+        assert!(got.scores[[0, 0, 0, 1]] == f64::NEG_INFINITY, "causal: query block 0 sees key block 0 only");
+        // The spreads are the fixed-step runs of each (sequence, KV head); sequence 1 has 2 key blocks of 4.
+        let keys = spec.head_rows(k.view(), &spec.sequences()[1], 1, true);
+        let values = spec.head_rows(v.view(), &spec.sequences()[1], 1, true);
+        let runs = block_spreads(keys, values, 2, ());
+        assert_eq!(runs.len(), 2);
+        assert!(runs.iter().all(|r| r.norms.len() <= E24_POWER_STEPS));
+        assert_eq!(got.spreads[[1, 1, 0]], runs[0].estimate);
+        assert_eq!(got.spreads[[1, 1, 1]], runs[1].estimate);
+        assert!(got.spreads[[1, 1, 1]] > 0.0 && got.spreads[[1, 1, 2]] == 0.0 && got.spreads[[1, 1, 3]] == 0.0);
+    }
+
+    #[test]
+    fn a_bad_gamma_or_value_tensor_is_a_typed_error() {
+        let (spec, q, k, v) = block_case();
+        for gamma in [-1.0, f64::NAN, f64::INFINITY] {
+            assert!(matches!(
+                covariance_block_scores(&spec, q.view(), k.view(), v.view(), &block_config(gamma), ()),
+                Err(OracleError::InvalidParameter { argument: "gamma", .. })
+            ));
+        }
+        let short = v.slice_axis(Axis(2), (0..5).into()).to_owned();
+        assert!(matches!(
+            covariance_block_scores(&spec, q.view(), k.view(), short.view(), &block_config(1.0), ()),
+            Err(OracleError::ShapeMismatch { argument: "v", .. })
+        ));
     }
 
     #[test]

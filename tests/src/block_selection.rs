@@ -8,6 +8,9 @@
 //! the oracle's entry for entry. A row with one is *near-tied*: the candidate's list must still be a valid list (the
 //! E14 convention, eligible blocks only, the forced ones, as many entries as the oracle's), and no block it left out
 //! may beat one it took by more than the bound. Query blocks past a sequence's own must list nothing.
+//!
+//! The list logic ([`check_lists`]) is shared with E24's covariance-aware selection (`crate::pisa_covariance`), which
+//! passes its own scores, bounds and rule for blocks that must score bitwise equal.
 
 use attnproof_oracle::bsa::{BsaConfig, bsa_scores, bsa_select};
 use attnproof_oracle::spec::Sequence;
@@ -37,31 +40,39 @@ impl SelectionVerdict {
     }
 }
 
-/// The oracle's view of a case: scores, lists and each score's bound.
-struct Truth {
-    scores: Array4<f64>,
-    lists: Array4<i32>,
-    bounds: Array4<f64>,
+/// The oracle's view of a case: scores, lists and each score's bound (`[B, Hkv, n_q_blocks, n_k_blocks]` for the
+/// scores and bounds, the lists' shape for the lists). Shared by every selector verified through [`check_lists`].
+pub(crate) struct SelectionTruth {
+    /// The oracle's f64 scores, `−∞` where ineligible.
+    pub(crate) scores: Array4<f64>,
+    /// The oracle's lists.
+    pub(crate) lists: Array4<i32>,
+    /// `E`: the oracle's score and any admitted evaluation of it are each within `E` of the exact score.
+    pub(crate) bounds: Array4<f64>,
 }
 
 /// `mean_i |x_ic|` over `rows` of a head's `[L, d]` rows.
-fn abs_means(x: ndarray::ArrayView2<'_, f64>, rows: std::ops::Range<usize>) -> Vec<f64> {
+pub(crate) fn abs_means(x: ndarray::ArrayView2<'_, f64>, rows: std::ops::Range<usize>) -> Vec<f64> {
     let n = rows.len() as f64;
     (0..x.ncols()).map(|c| rows.clone().map(|i| x[[i, c]].abs()).sum::<f64>() / n).collect()
 }
 
-fn truth(
+/// The bound `E` of every pooled (BSA) score, `[B, Hkv, n_q_blocks, n_k_blocks]` (`attnproof_proofs::bsa_bound`):
+/// `pooled_score_bound` of `α Σ_h Σ_c Q_hc K_c` with `Q`, `K` the query and key blocks' mean absolute values. Entries
+/// past a sequence's blocks stay 0.
+pub(crate) fn pooled_score_bounds(
     spec: &AttentionSpec,
     q: ArrayViewD<'_, f64>,
     k: ArrayViewD<'_, f64>,
     config: &BsaConfig,
-) -> Result<Truth, HarnessError> {
-    let scores = bsa_scores(spec, q.view(), k.view(), config, ())?;
-    let lists = bsa_select(spec, scores.view(), config)?;
+) -> Array4<f64> {
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| config.query_blocks(s)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| config.key_blocks(s)).max().unwrap_or(0);
     let alpha = spec.scale_value::<f64>(());
     let group = spec.group_size();
-    let mut bounds = Array4::zeros(scores.raw_dim());
-    for seq in spec.sequences() {
+    let mut bounds = Array4::zeros((seqs.len(), spec.n_heads_kv, n_q, n_k));
+    for seq in seqs {
         for kv in 0..spec.n_heads_kv {
             let keys = spec.head_rows(k.view(), &seq, kv, true);
             let key_means: Vec<Vec<f64>> = (0..config.key_blocks(&seq))
@@ -82,35 +93,74 @@ fn truth(
             }
         }
     }
-    Ok(Truth { scores, lists, bounds })
+    bounds
 }
 
-/// Whether key blocks `x` and `y` of (sequence, KV head) hold bitwise the same keys (and as many).
-fn same_keys(
+fn truth(
     spec: &AttentionSpec,
-    k: &ArrayViewD<'_, f64>,
+    q: ArrayViewD<'_, f64>,
+    k: ArrayViewD<'_, f64>,
+    config: &BsaConfig,
+) -> Result<SelectionTruth, HarnessError> {
+    let scores = bsa_scores(spec, q.view(), k.view(), config, ())?;
+    let lists = bsa_select(spec, scores.view(), config)?;
+    let bounds = pooled_score_bounds(spec, q, k, config);
+    Ok(SelectionTruth { scores, lists, bounds })
+}
+
+/// Whether key blocks `x` and `y` of (sequence, KV head) hold bitwise the same rows of `t` (keys or values, laid out
+/// by `spec`), and as many.
+pub(crate) fn same_rows(
+    spec: &AttentionSpec,
+    t: &ArrayViewD<'_, f64>,
     seq: &Sequence,
     kv: usize,
     kv_block: usize,
     x: usize,
     y: usize,
 ) -> bool {
-    let keys = spec.head_rows(k.view(), seq, kv, true);
+    let rows = spec.head_rows(t.view(), seq, kv, true);
     let range = |b: usize| b * kv_block..((b + 1) * kv_block).min(seq.len_k);
     let (rx, ry) = (range(x), range(y));
     rx.len() == ry.len()
-        && rx.zip(ry).all(|(i, j)| keys.row(i).iter().zip(keys.row(j)).all(|(p, q)| p.to_bits() == q.to_bits()))
+        && rx.zip(ry).all(|(i, j)| rows.row(i).iter().zip(rows.row(j)).all(|(p, q)| p.to_bits() == q.to_bits()))
 }
 
-/// Verifies `lists` (`[B, Hkv, n_q_blocks, top_k]`) as the BSA selection of `case` under `config`.
-pub fn verify_block_selection<T: Element>(
-    case: &Case<T>,
+/// Whether the oracle's list of (sequence `seq`, KV head `kv`, query block `a`), whose first `end` key blocks are
+/// eligible, sits at a near-tie: a chosen block that is not forced and an eligible block left out whose scores lie
+/// within twice the sum of their bounds, unless `same_score(seq, kv, x, y)` says every deterministic evaluation scores
+/// the two bitwise equal (then the tie breaks to the lower index, as in the oracle).
+pub(crate) fn near_tied(
+    truth: &SelectionTruth,
+    (seq, kv, a): (&Sequence, usize, usize),
+    end: usize,
+    forced: &[usize],
+    same_score: &impl Fn(&Sequence, usize, usize, usize) -> bool,
+) -> bool {
+    let width = truth.lists.dim().3;
+    let score = |b: usize| truth.scores[[seq.index, kv, a, b]];
+    let bound = |b: usize| truth.bounds[[seq.index, kv, a, b]];
+    let chosen: Vec<usize> =
+        (0..width).map(|w| truth.lists[[seq.index, kv, a, w]]).filter(|&b| b >= 0).map(|b| b as usize).collect();
+    chosen.iter().filter(|b| !forced.contains(b)).any(|&x| {
+        (0..end)
+            .filter(|y| !chosen.contains(y))
+            .any(|y| score(x) - score(y) <= 2.0 * (bound(x) + bound(y)) && !same_score(seq, kv, x, y))
+    })
+}
+
+/// Checks a candidate's `lists` (`[B, Hkv, n_q_blocks, top_k]`) against the oracle's `truth` under `config` (module
+/// docs): decided rows entry for entry, near-tied rows as valid lists that no left-out block beats beyond the bounds,
+/// rows past a sequence's query blocks all `−1`. `same_score(seq, kv, x, y)` says when key blocks `x` and `y` must
+/// score bitwise equal in every deterministic evaluation (for BSA: the same keys).
+pub(crate) fn check_lists(
+    spec: &AttentionSpec,
     config: &BsaConfig,
+    truth: &SelectionTruth,
     lists: ArrayView4<'_, i32>,
+    same_score: impl Fn(&Sequence, usize, usize, usize) -> bool,
 ) -> Result<SelectionVerdict, HarnessError> {
-    let spec = &case.spec;
-    let [q, k, _] = case.widened();
-    let t = truth(spec, q.view(), k.view(), config)?;
+    let t = truth;
     if lists.shape() != t.lists.shape() {
         return Err(HarnessError::CandidateShape {
             argument: "lists",
@@ -139,13 +189,7 @@ pub fn verify_block_selection<T: Element>(
                 let score = |b: usize| t.scores[[seq.index, kv, a, b]];
                 let bound = |b: usize| t.bounds[[seq.index, kv, a, b]];
                 let chosen: Vec<usize> = want.iter().filter(|&&b| b >= 0).map(|&b| b as usize).collect();
-                let near_tie = chosen.iter().filter(|b| !forced.contains(b)).any(|&x| {
-                    (0..end).filter(|y| !chosen.contains(y)).any(|y| {
-                        score(x) - score(y) <= 2.0 * (bound(x) + bound(y))
-                            && !same_keys(spec, &k.view(), &seq, kv, config.kv_block, x, y)
-                    })
-                });
-                if !near_tie {
+                if !near_tied(t, (&seq, kv, a), end, &forced, &same_score) {
                     verdict.decided += 1;
                     if got != want {
                         verdict.failures.push(format!("{at}: {got:?}, the oracle's {want:?} (decided boundary)"));
@@ -182,6 +226,19 @@ pub fn verify_block_selection<T: Element>(
         }
     }
     Ok(verdict)
+}
+
+/// Verifies `lists` (`[B, Hkv, n_q_blocks, top_k]`) as the BSA selection of `case` under `config`.
+pub fn verify_block_selection<T: Element>(
+    case: &Case<T>,
+    config: &BsaConfig,
+    lists: ArrayView4<'_, i32>,
+) -> Result<SelectionVerdict, HarnessError> {
+    let spec = &case.spec;
+    let [q, k, _] = case.widened();
+    let t = truth(spec, q.view(), k.view(), config)?;
+    let keys = k.view();
+    check_lists(spec, config, &t, lists, |seq, kv, x, y| same_rows(spec, &keys, seq, kv, config.kv_block, x, y))
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ pub mod nsa;
 pub mod nsa_layer;
 pub mod nsa_select;
 pub mod nsa_selected;
+pub mod pisa_covariance;
 pub mod pisa_tail;
 pub mod pisa_tail_backward;
 pub mod pyramid_diagnostics;

@@ -398,19 +398,19 @@ pub fn tail_targets<T: Element>(
 
 /// `2γ_{n+1}(2^-53)` of an f64 sum of `n` terms whose absolute values add to `abs_sum`: how far two f64 evaluations
 /// of it (the device's, in its order, and the oracle's) may lie apart.
-fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
+pub(crate) fn f64_sum_rho(n: usize, abs_sum: f64) -> f64 {
     2.0 * gamma(n + 1) * abs_sum
 }
 
-/// The bounds on the split `H̄` (`[d, dv]`, module docs): the distance allowed between the device's and the oracle's
-/// `H̄[c, e]` (a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it, whose absolute
-/// terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`): the f64 evaluations' `ρ`, plus the f32
-/// part of the device's `Σ_j k_jc v_je` (each stage of [`HBAR_F32_KEYS`] keys summed in f32 from zero, then added in
-/// f64: `step_gamma` of `Σ_j |k_jc||v_je| ≤ max_j |k_jc| Σ_j |v_je|`), then the split's two roundings.
-fn hbar_tolerances(
+/// The distance allowed between the device's f64 `H̄` and the oracle's (`[d, dv]`, module docs), before any rounding to
+/// a storage type: `H̄[c, e]` is a sum over the sequence's keys of `(k_jc − μ_{b(j),c}) v_je` with the means inside it,
+/// whose absolute terms add to at most `(max_j |k_jc| + max_b |μ_bc|) Σ_j |v_je| / n_b`, so the two f64 evaluations
+/// are within their `ρ` of it; the f32 part of the device's `Σ_j k_jc v_je` (each stage of [`HBAR_F32_KEYS`] keys
+/// summed in f32 from zero, then added in f64) adds `step_gamma` of `Σ_j |k_jc||v_je| ≤ max_j |k_jc| Σ_j |v_je|`.
+/// E24's spread check (`crate::pisa_covariance`) reads the device's f64 `H̄` through this too.
+pub(crate) fn hbar_rho(
     stats: &TailStatistics<f64>,
     (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>),
-    (u, tau): (f64, f64),
     step_gamma: f64,
 ) -> Array2<f64> {
     let max_k: Vec<f64> = k.columns().into_iter().map(|c| c.iter().fold(0f64, |m, x| m.max(x.abs()))).collect();
@@ -419,9 +419,21 @@ fn hbar_tolerances(
     let sum_v: Vec<f64> = v.columns().into_iter().map(|c| c.iter().map(|x| x.abs()).sum()).collect();
     let (n, blocks) = (k.nrows() + 2 * stats.block_size + 4, stats.counts.len() as f64);
     Array2::from_shape_fn(stats.h_bar.dim(), |(c, e)| {
-        let rho =
-            f64_sum_rho(n, (max_k[c] + max_mu[c]) * sum_v[e] / blocks) + step_gamma * max_k[c] * sum_v[e] / blocks;
-        rounding_tolerance(stats.h_bar[[c, e]], rho, u, tau, true)
+        f64_sum_rho(n, (max_k[c] + max_mu[c]) * sum_v[e] / blocks) + step_gamma * max_k[c] * sum_v[e] / blocks
+    })
+}
+
+/// The bounds on the split `H̄` (`[d, dv]`, module docs): the device's f64 value within [`hbar_rho`] of the oracle's,
+/// then the split's two roundings.
+fn hbar_tolerances(
+    stats: &TailStatistics<f64>,
+    (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>),
+    (u, tau): (f64, f64),
+    step_gamma: f64,
+) -> Array2<f64> {
+    let rho = hbar_rho(stats, (k, v), step_gamma);
+    Array2::from_shape_fn(stats.h_bar.dim(), |(c, e)| {
+        rounding_tolerance(stats.h_bar[[c, e]], rho[[c, e]], u, tau, true)
     })
 }
 

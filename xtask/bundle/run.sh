@@ -88,6 +88,7 @@ SANITIZE=(
     "attnproof-gpu-it pyramid_diagnostics::sanitizer_shapes"
     "attnproof-gpu-it pisa_tail::sanitizer_shapes"
     "attnproof-gpu-it pisa_tail_backward::sanitizer_shapes"
+    "attnproof-gpu-it pisa_covariance::sanitizer_shapes"
     "attnproof-gpu-it hils::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )

@@ -74,8 +74,10 @@
 //! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
 //! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
 //! out the block-sparse forward and backward rows. At each length the selector also runs at PISA's leaf of 64 keys
-//! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside the pyramid selector (`attnproof_gpu::pisa`,
-//! direction `pisa-select`: β = 4, K = 8, per query block of 64 rows, each scoring in the tiling column).
+//! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside PISA's covariance-aware selection on the same
+//! blocks (`attnproof_gpu::pisa::covariance`, direction `cov-select`, `γ = 1`: the tail's statistics, the spreads and
+//! the selector with E24's spread term) and the pyramid selector (`attnproof_gpu::pisa`, direction `pisa-select`:
+//! β = 4, K = 8, per query block of 64 rows, each scoring in the tiling column).
 //! `--pisa-source PATH` (repeatable) also times the pyramid selector compiled from another text (a whole NVRTC
 //! source: `common.cuh`, `bsa_select.cu`, `pisa_select.cu`) in rows whose tiling ends in `@` and the file's name, and
 //! says on stderr whether its lists equal the embedded selector's.
@@ -133,6 +135,7 @@ use attnproof_gpu::nsa::select::{self as nsa_select, NSA_SELECT};
 use attnproof_gpu::nsa::selected::{self as nsa_selected, NSA_SELECTED, SelectedTiling};
 use attnproof_gpu::nsa::selected_backward::{NSA_SELECTED_BWD, selected_backward_device};
 use attnproof_gpu::nsa::window::window_spec;
+use attnproof_gpu::pisa::covariance::{CovarianceWorkspace, PISA_COVARIANCE, covariance_select_device};
 use attnproof_gpu::pisa::select::{
     PISA_SELECT, PyramidSelectConfig, lists_shape as pisa_lists_shape, select_pyramid_device,
     workspace_len as pisa_workspace_len,
@@ -142,6 +145,7 @@ use attnproof_gpu::pisa::tail_backward::{TailBackwardWorkspace, pisa_tail_backwa
 use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
+use attnproof_oracle::pisa::CovarianceConfig;
 use attnproof_oracle::pyramid::{PyramidConfig, Scoring};
 use attnproof_oracle::spec::{Operand, strided_causal_keys};
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -650,6 +654,17 @@ fn run_pyramid_selection(
             .map_err(|e| e.to_string())
     })?;
     emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}/c64,1,{ms:.4},0.0\n"));
+    // E24's covariance-aware selection on the same blocks and inputs (its values one more upload): the tail's
+    // statistics, the spreads, the pooling and BSA's selector with the spread term.
+    let cov = CovarianceConfig { bsa, gamma: 1.0 };
+    let v: Vec<CudaSlice<bf16>> =
+        (0..SETS as u64).map(|s| upload(stream, hkv * l * d, 3 * s + 3)).collect::<Result<_, _>>()?;
+    let mut work = CovarianceWorkspace::alloc(stream, spec, &cov).map_err(|e| e.to_string())?;
+    let ms = median_ms(stream, opts, |s| {
+        covariance_select_device(stream, spec, &cov, PISA_COVARIANCE, (&q[s], &k[s], &v[s]), &mut work, &mut lists)
+            .map_err(|e| e.to_string())
+    })?;
+    emit(out, format!("\"(1,{h},{l},{d})\",true,cov-select,top8/hkv{hkv}/c64/g1,1,{ms:.4},0.0\n"));
     for (name, scoring) in [("lse", Scoring::Lse), ("pisa1", Scoring::Pisa1), ("pisa2", Scoring::Pisa2)] {
         let config = PyramidSelectConfig {
             q_block: 64,

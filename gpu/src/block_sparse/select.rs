@@ -64,17 +64,17 @@ const STREAM_PAD: usize = 2;
 /// The selection kernel a plan launches: its entry, the grid's x extent, the threads per CTA and the dynamic shared
 /// memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct SelectLaunch {
-    entry: &'static str,
-    grid_x: usize,
-    threads: u32,
-    shared_bytes: usize,
+pub(crate) struct SelectLaunch {
+    pub(crate) entry: &'static str,
+    pub(crate) grid_x: usize,
+    pub(crate) threads: u32,
+    pub(crate) shared_bytes: usize,
 }
 
 impl SelectLaunch {
     /// `bsa_select_stream` for lists up to [`STREAM_MAX_TOP_K`] wide (the query and key tiles and one tile's scores in
     /// shared memory), else `bsa_select` (a query block's summed pooled query, its scores and a flag per key block).
-    fn of(plan: &Plan, head_dim: usize, top_k: usize) -> SelectLaunch {
+    pub(crate) fn of(plan: &Plan, head_dim: usize, top_k: usize) -> SelectLaunch {
         if top_k <= STREAM_MAX_TOP_K {
             let row = head_dim + STREAM_PAD;
             SelectLaunch {
@@ -107,7 +107,7 @@ pub(crate) struct Plan {
 }
 
 /// The plan of BSA's own lists: [`plan`] and lists no wider than the longest sequence's key blocks.
-fn plan_lists(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
+pub(crate) fn plan_lists(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, GpuError> {
     let plan = plan(spec, config)?;
     if config.top_k > plan.key_blocks {
         return Err(GpuError::Unsupported {
@@ -227,7 +227,8 @@ pub fn select_blocks_device<T: GpuElement>(
 }
 
 /// Launches `bsa_pool_keys` and `bsa_pool_queries` of `plan` on `stream`: the key blocks' and the query blocks' mean
-/// vectors into the start of `pooled` (at least [`workspace_len`] f64), as both selectors read them.
+/// vectors into the start of `pooled` (at least [`workspace_len`] f64), as both selectors read them (each only where
+/// there are such blocks: E24's spreads read the mean keys of problems without queries).
 pub(crate) fn launch_pooling<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
@@ -244,6 +245,9 @@ pub(crate) fn launch_pooling<T: GpuElement>(
             shared_mem_bytes: 0,
         };
         launch::launch_bsa_pool(stream, pool_keys, cfg, (k, &mut *pooled), cu_k, &plan.params)?;
+    }
+    if plan.query_blocks == 0 {
+        return Ok(());
     }
     let cfg = LaunchConfig {
         grid_dim: grid(plan.query_blocks, spec.n_heads_q, plan.batch)?,

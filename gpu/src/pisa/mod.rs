@@ -6,6 +6,7 @@
 //! The lists it writes are those of [`crate::block_sparse`]: per KV head, ascending, `−1`-padded, ready for
 //! [`crate::block_sparse::block_sparse_forward`] as [`crate::block_sparse::ListHeads::PerKvHead`] lists.
 
+pub mod covariance;
 pub mod diagnostics;
 pub mod select;
 pub mod tail;

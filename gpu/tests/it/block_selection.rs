@@ -66,6 +66,15 @@ pub enum Ties {
 impl Ties {
     /// Every kind.
     pub const ALL: [Ties; 3] = [Ties::None, Ties::Pairs, Ties::All];
+
+    /// The (source, copy) pairs of whole key blocks among `whole` of them.
+    pub fn copies(self, whole: usize) -> Vec<(usize, usize)> {
+        match self {
+            Ties::None => vec![],
+            Ties::Pairs => (0..whole.saturating_sub(2)).step_by(3).map(|b| (b, b + 2)).collect(),
+            Ties::All => (1..whole).map(|b| (0, b)).collect(),
+        }
+    }
 }
 
 /// Problems for the selector: dense or varlen (an empty sequence included), lengths around one block and long ones
@@ -140,12 +149,7 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
 pub fn with_tied_blocks<T: Storage>(mut case: Case<T>, kv_block: usize, ties: Ties) -> Case<T> {
     let spec = case.spec.clone();
     for seq in spec.sequences() {
-        let whole = seq.len_k / kv_block;
-        let copies: Vec<(usize, usize)> = match ties {
-            Ties::None => vec![],
-            Ties::Pairs => (0..whole.saturating_sub(2)).step_by(3).map(|b| (b, b + 2)).collect(),
-            Ties::All => (1..whole).map(|b| (0, b)).collect(),
-        };
+        let copies = ties.copies(seq.len_k / kv_block);
         for kv in 0..spec.n_heads_kv {
             for &(b, to_block) in &copies {
                 for j in 0..kv_block {

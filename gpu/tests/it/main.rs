@@ -24,6 +24,7 @@ mod nsa_layer;
 mod nsa_select;
 mod nsa_selected;
 mod nsa_selected_backward;
+mod pisa_covariance;
 mod pisa_tail;
 mod pisa_tail_backward;
 mod property;

@@ -34,6 +34,7 @@ use crate::nsa_gates;
 use crate::nsa_select;
 use crate::nsa_selected;
 use crate::nsa_selected_backward;
+use crate::pisa_covariance;
 use crate::pisa_tail;
 use crate::pisa_tail_backward;
 use crate::property::{PropertySuite, check, run_suite, suite};
@@ -55,6 +56,7 @@ use attnproof_gpu::nsa::gates::NSA_GATES;
 use attnproof_gpu::nsa::select::NSA_SELECT;
 use attnproof_gpu::nsa::selected::NSA_SELECTED;
 use attnproof_gpu::nsa::selected_backward::NSA_SELECTED_BWD;
+use attnproof_gpu::pisa::covariance::PISA_COVARIANCE;
 use attnproof_gpu::pisa::diagnostics::{MassConfig, PISA_MASS};
 use attnproof_gpu::pisa::select::{PISA_SELECT, PyramidSelectConfig};
 use attnproof_gpu::pisa::tail::PISA_TAIL;
@@ -77,13 +79,14 @@ use proptest::test_runner::{Config, TestError};
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
-const KERNELS: [KernelSource; 19] = [
+const KERNELS: [KernelSource; 20] = [
     FLASH_FWD,
     FLASH_BWD,
     BSA_SELECT,
     PISA_SELECT,
     PISA_TAIL,
     PISA_TAIL_BWD,
+    PISA_COVARIANCE,
     PISA_MASS,
     HILS,
     NSA_COMPRESS,
@@ -748,6 +751,45 @@ fn all_pisa_tail_backward_mutants_are_killed_by_the_general_suite() {
                 ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
             };
             suite.run(config, |draw| pisa_tail_backward::check_backward(suite, &stream, kernel, &tally, draw))
+        },
+    );
+}
+
+#[test]
+fn all_pisa_covariance_mutants_are_killed() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_covariance_mutants_are_killed") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let cases = pisa_covariance::killing_cases();
+    let mutants = catalog_mutants(PISA_COVARIANCE);
+    hunt("all_pisa_covariance_mutants_are_killed", PISA_COVARIANCE, &mutants, &cases, |kernel, c| {
+        pisa_covariance::check_killing_case(&stream, kernel, c)
+    });
+}
+
+/// Every covariance-aware selection mutant also fails the general suite (bf16, its default draws).
+#[test]
+fn all_pisa_covariance_mutants_are_killed_by_the_general_suite() {
+    let Some(ctx) = skip_unless_gpu("all_pisa_covariance_mutants_are_killed_by_the_general_suite") else {
+        return;
+    };
+    let stream = ctx.new_stream().expect("create a stream");
+    let suite = &pisa_covariance::COVARIANCE_SUITES[0];
+    hunt_in_suite(
+        "all_pisa_covariance_mutants_are_killed_by_the_general_suite",
+        PISA_COVARIANCE,
+        &catalog_mutants(PISA_COVARIANCE),
+        suite.name,
+        |kernel| {
+            let decided = std::cell::RefCell::new(0usize);
+            let config = Config {
+                max_shrink_iters: 0,
+                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
+            };
+            pisa_covariance::run_suite_with(config, |draw| {
+                pisa_covariance::check_draw(suite, &stream, kernel, &decided, draw)
+            })
         },
     );
 }

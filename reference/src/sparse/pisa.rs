@@ -25,11 +25,16 @@
 //! - **Backward** ([`pisa_tail_backward`], as `attnproof_gpu::pisa::tail_backward` runs it): the block-sparse backward
 //!   over the exact lists with the tail forward's `O` and LSE, then the tail part in f64 from the f64 statistics above
 //!   and the exact part's `D`, added to each gradient's stored value and rounded once more.
+//! - **Covariance-aware selection** (E24, [`pisa_covariance_select`], as `attnproof_gpu::pisa::covariance` runs it):
+//!   the f64 statistics above, each block's spread `‖H_b − H̄‖₂` by a fixed number of power steps, and BSA's pooled
+//!   scores plus the spread term.
 
 use attnproof_oracle::block_sparse::BlockSparseLayout;
+use attnproof_oracle::bsa::bsa_select;
+use attnproof_oracle::pisa::{CovarianceConfig, E24_POWER_STEPS};
 use attnproof_oracle::spec::{Operand, Sequence};
 use attnproof_oracle::{AttentionSpec, Mask};
-use ndarray::{Array2, ArrayD, Axis, IxDyn};
+use ndarray::{Array2, Array3, Array4, ArrayD, Axis, IxDyn};
 
 use crate::element::Element;
 use crate::error::ReferenceError;
@@ -389,4 +394,115 @@ pub fn pisa_tail_backward<T: Element>(
         }
     }
     Ok(TailGradients { dq, dk, dv, delta, moments })
+}
+
+/// Key blocks per partial sum of `H̄` in E24's spreads (`attnproof_gpu::pisa::covariance::RANGE_BLOCKS`).
+pub const COVARIANCE_RANGE_BLOCKS: usize = 16;
+
+/// What [`pisa_covariance_select`] returns: the lists and the spreads they were chosen with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CovarianceRun {
+    /// `[B, Hkv, n_q, top_k]`, ascending and `−1`-padded (BSA's lists).
+    pub lists: Array4<i32>,
+    /// `s_b`, `[B, Hkv, n_k]`, 0 past a sequence's blocks.
+    pub spreads: Array3<f64>,
+}
+
+/// The estimate of `‖M‖₂` by exactly `steps` steps of power iteration from the all-ones vector, in the kernel's
+/// order (`pisa_covariance_spread`): `x ← x/‖x‖`, `a = M x`, `s = ‖a‖`, `x ← Mᵀ a`, each matvec entry a fused
+/// multiply-add chain over its columns or rows in ascending order, each norm the square root of a sum of squares; a
+/// zero `x` stops the steps.
+fn power_estimate(m: &Array2<f64>, steps: usize) -> f64 {
+    let (rows, cols) = m.dim();
+    let norm = |x: &[f64]| x.iter().fold(0f64, |s, e| e.mul_add(*e, s)).sqrt();
+    let mut x = vec![1f64; cols];
+    let mut estimate = 0f64;
+    for _ in 0..steps {
+        let n = norm(&x);
+        if n == 0.0 {
+            break;
+        }
+        x.iter_mut().for_each(|e| *e /= n);
+        let a: Vec<f64> = (0..rows).map(|r| (0..cols).fold(0f64, |s, c| m[[r, c]].mul_add(x[c], s))).collect();
+        estimate = norm(&a);
+        x = (0..cols).map(|c| (0..rows).fold(0f64, |s, r| m[[r, c]].mul_add(a[r], s))).collect();
+    }
+    estimate
+}
+
+/// PISA's covariance-aware selection (E24) as `attnproof_gpu::pisa::covariance` runs it, on the CPU: per (sequence,
+/// KV head) the blocks' f64 mean keys, `H̄` from the centred products `fl(k_j − μ_b) v_jᵀ` (fused multiply-add chains
+/// over the keys of each range of [`COVARIANCE_RANGE_BLOCKS`] blocks in ascending order, the ranges added in order,
+/// one division), each key block's `H_b − H̄` formed by the same chains over its keys and its spread by the oracle's
+/// `E24_POWER_STEPS` power steps ([`power_estimate`]); then BSA's pooled queries
+/// (f64 means of a query block's rows), the group's summed pooled query against each key block's mean key (one fused
+/// multiply-add chain, then the scale), plus `Σ_h ln(n_b + γ|α| ‖q̄_{a,h}‖ s_b)` over the group's heads in ascending
+/// order; the lists by the oracle's `bsa_select` from those scores. Masks: none or the bottom-right causal mask.
+pub fn pisa_covariance_select<T: Element>(
+    spec: &AttentionSpec,
+    inputs: &Inputs<'_, T>,
+    config: &CovarianceConfig,
+) -> Result<CovarianceRun, ReferenceError> {
+    check_mask(spec)?;
+    config.validate()?;
+    let bsa = &config.bsa;
+    let seqs = spec.sequences();
+    let n_q = seqs.iter().map(|s| bsa.query_blocks(s)).max().unwrap_or(0);
+    let n_k = seqs.iter().map(|s| bsa.key_blocks(s)).max().unwrap_or(0);
+    let (d, dv, group) = (spec.head_dim, spec.head_dim_v, spec.group_size());
+    let alpha = spec.scale_value::<f64>(());
+    let causal = matches!(spec.mask, Mask::Causal);
+    let mut spreads = Array3::zeros((seqs.len(), spec.n_heads_kv, n_k));
+    let mut scores = Array4::from_elem((seqs.len(), spec.n_heads_kv, n_q, n_k), f64::NEG_INFINITY);
+    for seq in seqs.iter().filter(|s| s.len_k > 0) {
+        for kv in 0..spec.n_heads_kv {
+            let (k, v) = (head_f32(spec, &inputs.k, seq, kv, true), head_f32(spec, &inputs.v, seq, kv, true));
+            let stats = head_statistics::<T>(&k, &v, bsa.kv_block);
+            let counts: Vec<usize> =
+                (0..bsa.key_blocks(seq)).map(|b| bsa.kv_block.min(seq.len_k - b * bsa.kv_block)).collect();
+            // `Σ_j fl(k_j − μ_{b(j)}) v_jᵀ` over keys `keys`, each entry one fused multiply-add chain, keys ascending.
+            let centred = |keys: std::ops::Range<usize>| {
+                Array2::from_shape_fn((d, dv), |(r, c)| {
+                    keys.clone().fold(0f64, |s, j| {
+                        (f64::from(k[[j, r]]) - stats.means[[j / bsa.kv_block, r]]).mul_add(f64::from(v[[j, c]]), s)
+                    })
+                })
+            };
+            // H̄ as the kernel sums it: per range of COVARIANCE_RANGE_BLOCKS blocks, then the ranges in order.
+            let range_keys = COVARIANCE_RANGE_BLOCKS * bsa.kv_block;
+            let h_bar = (0..seq.len_k)
+                .step_by(range_keys)
+                .fold(Array2::<f64>::zeros((d, dv)), |total, j0| total + centred(j0..(j0 + range_keys).min(seq.len_k)))
+                / counts.len() as f64;
+            for (b, &count) in counts.iter().enumerate() {
+                let m = centred(b * bsa.kv_block..b * bsa.kv_block + count) - &h_bar;
+                spreads[[seq.index, kv, b]] = power_estimate(&m, E24_POWER_STEPS);
+            }
+            let pooled: Vec<Array2<f64>> = (kv * group..(kv + 1) * group)
+                .map(|h| {
+                    let q = head_f32(spec, &inputs.q, seq, h, false);
+                    Array2::from_shape_fn((bsa.query_blocks(seq), d), |(a, c)| {
+                        let rows = a * bsa.q_block..((a + 1) * bsa.q_block).min(seq.len_q);
+                        let count = rows.len() as f64;
+                        rows.fold(0f64, |s, i| s + f64::from(q[[i, c]])) / count
+                    })
+                })
+                .collect();
+            for a in 0..bsa.query_blocks(seq) {
+                let summed: Vec<f64> = (0..d).map(|c| pooled.iter().fold(0f64, |s, p| s + p[[a, c]])).collect();
+                let coefficients: Vec<f64> = pooled
+                    .iter()
+                    .map(|p| config.gamma * alpha.abs() * p.row(a).iter().fold(0f64, |s, x| x.mul_add(*x, s)).sqrt())
+                    .collect();
+                for b in 0..bsa.eligible_end(seq, a, causal) {
+                    let dot = (0..d).fold(0f64, |s, c| summed[c].mul_add(stats.means[[b, c]], s));
+                    let spread = spreads[[seq.index, kv, b]];
+                    let term = coefficients.iter().fold(0f64, |s, c| s + c.mul_add(spread, counts[b] as f64).ln());
+                    scores[[seq.index, kv, a, b]] = alpha * dot + term;
+                }
+            }
+        }
+    }
+    let lists = bsa_select(spec, scores.view(), bsa)?;
+    Ok(CovarianceRun { lists, spreads })
 }

@@ -78,6 +78,18 @@ const PISA_TAIL_BWD_REF: Mutant = Mutant {
     ..PISA_TAIL_REF
 };
 
+/// Base entry for mutants of PISA's covariance-aware selection schedule (`pisa_covariance_select` in the same file),
+/// killed by the GPU crate's CPU test of it (`pisa_covariance::the_reference_schedule_passes_the_suites_draws`, no
+/// device needed).
+const PISA_COVARIANCE_REF: Mutant = Mutant {
+    runner: Runner::Scratch {
+        package: "attnproof-gpu",
+        target: Some("it"),
+        filter: Some("pisa_covariance::the_reference_schedule_passes_the_suites_draws"),
+    },
+    ..PISA_TAIL_REF
+};
+
 /// Base entry for mutants of HiLS's factorized output as the kernel runs it (`reference/src/sparse/hils.rs`), judged by
 /// the harness's HiLS tests (the output verifier's unit tests and the CPU suites).
 const HILS_REF: Mutant = Mutant {
@@ -475,6 +487,20 @@ pub const MUTANTS: &[Mutant] = &[
         find: "add(&mut dv_head[[j, e]], d_sums[[b, e]] + via_g / n_blocks as f64);",
         replace: "add(&mut dv_head[[j, e]], d_sums[[b, e]]);",
         ..PISA_TAIL_BWD_REF
+    },
+    Mutant {
+        name: "ref-pisa-cov-spread-of-h-b",
+        description: "E24's spread is the norm of H_b instead of H_b − H̄",
+        find: "let m = centred(b * bsa.kv_block..b * bsa.kv_block + count) - &h_bar;",
+        replace: "let m = centred(b * bsa.kv_block..b * bsa.kv_block + count);",
+        ..PISA_COVARIANCE_REF
+    },
+    Mutant {
+        name: "ref-pisa-cov-term-first-head",
+        description: "E24's spread term sums the first query head of the GQA group only",
+        find: "let term = coefficients.iter().fold(0f64, |s, c| s + c.mul_add(spread, counts[b] as f64).ln());",
+        replace: "let term = coefficients.iter().take(1).fold(0f64, |s, c| s + c.mul_add(spread, counts[b] as f64).ln());",
+        ..PISA_COVARIANCE_REF
     },
     Mutant {
         name: "ref-pisa-tail-listed-block-in-tail",

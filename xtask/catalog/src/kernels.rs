@@ -134,6 +134,15 @@ const PISA_TAIL_BWD: Mutant = Mutant {
     ..FLASH_FWD
 };
 
+/// Base entry for mutants of PISA's covariance-aware selection (`pisa_covariance.cu`: the blocks' spreads, the pooled
+/// queries' coefficients and the spread term both selectors add), launched in-process on a device with its killing
+/// cases.
+const PISA_COVARIANCE: Mutant = Mutant {
+    file: "gpu/kernels/pisa_covariance.cu",
+    runner: Runner::KernelText { kernel: "pisa_covariance", mode: None },
+    ..FLASH_FWD
+};
+
 /// Base entry for mutants of HiLS's chunk summaries and router (`hils.cu`), launched in-process on a device with the
 /// router's killing cases.
 const HILS: Mutant =
@@ -798,6 +807,84 @@ pub const MUTANTS: &[Mutant] = &[
         find: "const int t = i / d, c = i % d, pp = chunk + t;",
         replace: "const int t = i / d, c = i % d, pp = t;",
         ..PISA_MASS
+    },
+    // --- pisa_covariance.cu (PISA's covariance-aware selection, E24), launched on a device ---
+    Mutant {
+        name: "gpu-pisa-cov-hbar-not-subtracted",
+        description: "The spread is the norm of H_b instead of H_b − H̄",
+        find: "for (int e = threadIdx.x; e < d * dv; e += SPREAD_THREADS) sh.m[(e / dv) * row + e % dv] -= h_bar[e];",
+        replace: "",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-deviation-without-mean",
+        description: "H_b and H̄ sum k_j v_jᵀ instead of (k_j − μ_b) v_jᵀ",
+        find: "sh.dev[e] = (double)to_f32(k[(long long)key * fp.k_row + c]) - mean;",
+        replace: "sh.dev[e] = (double)to_f32(k[(long long)key * fp.k_row + c]);",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-one-step-short",
+        description: "The power iteration stops one step before the oracle's count",
+        find: "for (int step = 0; step < E24_POWER_STEPS; ++step) {",
+        replace: "for (int step = 0; step < E24_POWER_STEPS - 1; ++step) {",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-first-chunk-only",
+        description: "H_b and H̄'s partial sums take the first 8 keys of their range only",
+        find: "for (int j0 = j_begin; j0 < j_end; j0 += SPREAD_CHUNK) {",
+        replace: "for (int j0 = j_begin; j0 < min(j_end, j_begin + SPREAD_CHUNK); j0 += SPREAD_CHUNK) {",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-values-of-head-0",
+        description: "Every KV head's spread reads the values of KV head 0",
+        find: "v_head = v + (fp.varlen ? (long long)cu_k[seq] * fp.v_row : seq * fp.v_batch) + kv * fp.v_head;",
+        replace: "v_head = v + (fp.varlen ? (long long)cu_k[seq] * fp.v_row : seq * fp.v_batch);",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-hbar-last-range-dropped",
+        description: "H̄ leaves out the partial sum of the sequence's last range of 16 key blocks",
+        find: "for (int r = 0; r < ranges; ++r) total +=",
+        replace: "for (int r = 0; r < ranges - 1; ++r) total +=",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-squared-norm",
+        description: "The coefficient takes ‖q̄‖² instead of ‖q̄‖",
+        find: "coefficients[i] = gamma_scale * sqrt(squares);",
+        replace: "coefficients[i] = gamma_scale * squares;",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-term-one-head",
+        description: "The spread term sums the first query head of the GQA group only",
+        find: "for (int h = 0; h < group; ++h) term += log(",
+        replace: "for (int h = 0; h < 1; ++h) term += log(",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-term-full-count",
+        description: "A short last block counts as a whole block in the spread term",
+        find: "const double n = (double)min(params.kv_block, len_k - b * params.kv_block);",
+        replace: "const double n = (double)params.kv_block;",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-term-first-block-spread",
+        description: "Every key block's term reads the spread of the KV head's first block",
+        find: "const double s = spreads[((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks + b];",
+        replace: "const double s = spreads[((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks];",
+        ..PISA_COVARIANCE
+    },
+    Mutant {
+        name: "gpu-pisa-cov-term-without-count",
+        description: "The spread term drops the block's key count: ln(c s) instead of ln(n + c s)",
+        find: "term += log(n + c[(long long)h * params.n_query_blocks] * s);",
+        replace: "term += log(c[(long long)h * params.n_query_blocks] * s);",
+        ..PISA_COVARIANCE
     },
     // --- pisa_tail_bwd.cu (PISA's tail backward), launched on a device ---
     Mutant {
