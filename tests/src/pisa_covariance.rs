@@ -17,7 +17,7 @@
 //! **What the kernel computes.** It reads the block selector's f64 mean keys `μ̂_b` (`bsa_pool_keys`, the tail's
 //! pooling) and sums its own `Ĥ̄` in f64, each within `ρ` of the oracle's f64 statistic: `ρ_μ,r = 2γ_{n+2} mean_j
 //! |k_jr|` for the mean key (`pisa_tail`'s `f64_sum_rho(n + 1, ·)`, `n` the block's keys) and `ρ_H,rc`
-//! ([`hbar_rho`]) for `H̄`: the kernel sums `fl(k_jr − μ̂_{b(j)r}) v_jc` over the sequence's `N` keys in ranges of
+//! ([`centred_hbar_rho`]) for `H̄`: the kernel sums `fl(k_jr − μ̂_{b(j)r}) v_jc` over the sequence's `N` keys in ranges of
 //! blocks, adds the ranges' sums and divides by the `n_B` blocks, the oracle sums each block's products, adds the
 //! blocks' sums and divides, so `ρ_H,rc = (Σ_b ρ_μ,br |Σ_{j∈b} v_jc| + 2γ_{N+R+C+4} Σ_j (|k_jr − μ_{b(j)r}| +
 //! ρ_μ,b(j)r)|v_jc|) / n_B + 2u |H̄_rc|` (`R` ranges, `C` keys per block; the means' distance moves each block's sum
@@ -261,7 +261,10 @@ impl SpreadModel {
 /// `ρ_H` (`[d, dv]`, module docs): how far the kernel's f64 `H̄`, summed from the centred products over ranges of
 /// blocks with its own means, may lie from the oracle's, for one (sequence, KV head)'s keys `k` and values `v`
 /// (`[N, d]`, `[N, dv]`) and the oracle's statistics `stats`.
-pub(crate) fn hbar_rho(stats: &TailStatistics<f64>, (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>)) -> Array2<f64> {
+pub(crate) fn centred_hbar_rho(
+    stats: &TailStatistics<f64>,
+    (k, v): (ArrayView2<'_, f64>, ArrayView2<'_, f64>),
+) -> Array2<f64> {
     let (n, d, dv, size) = (k.nrows(), k.ncols(), v.ncols(), stats.block_size);
     let blocks = stats.counts.len();
     let ranges = blocks.div_ceil(RANGE_BLOCKS);
@@ -334,7 +337,7 @@ fn spread_truth(
         for kv in 0..spec.n_heads_kv {
             let (k2, v2) = (spec.head_rows(k.view(), seq, kv, true), spec.head_rows(v.view(), seq, kv, true));
             let stats = tail_statistics(k2, v2, kv_block, ());
-            let rho_h = hbar_rho(&stats, (k2, v2));
+            let rho_h = centred_hbar_rho(&stats, (k2, v2));
             for (b, run) in block_spreads(k2, v2, kv_block, ()).iter().enumerate() {
                 let rows = Slice::from(b * kv_block..b * kv_block + stats.counts[b]);
                 let block = (k2.slice_axis(Axis(0), rows), v2.slice_axis(Axis(0), rows));
@@ -697,7 +700,7 @@ mod tests {
             for kv in 0..2 {
                 let (k2, v2) = (c.spec.head_rows(k.view(), &seq, kv, true), c.spec.head_rows(v.view(), &seq, kv, true));
                 let stats = tail_statistics(k2, v2, 4, ());
-                let rho_h = hbar_rho(&stats, (k2, v2));
+                let rho_h = centred_hbar_rho(&stats, (k2, v2));
                 let sign = |i: usize| if i.is_multiple_of(2) { 1.0 } else { -1.0 };
                 let h_bar = Array2::from_shape_fn(stats.h_bar.dim(), |(r, col)| {
                     stats.h_bar[[r, col]] + sign(r + col) * rho_h[[r, col]]

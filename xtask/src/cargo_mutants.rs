@@ -62,6 +62,8 @@ const VERDICT_FILES: &[&str] = &[
     "tests/src/pyramid_selection.rs",
     "tests/src/pyramid_diagnostics.rs",
     "tests/src/pisa_tail.rs",
+    "tests/src/pisa_tail_backward.rs",
+    "tests/src/pisa_covariance.rs",
     "tests/src/hils_routing.rs",
     "tests/src/hils_output.rs",
     "tests/src/case/*.rs",
@@ -97,8 +99,10 @@ pub const SCOPES: &[Scope] = &[
             "dsa_loss::",
             "pyramid_selection::",
             "pyramid_diagnostics::",
-            // The tail's and HiLS's verifiers: their unit tests and the CPU suites of their schedules.
+            // The tail's (forward and backward), E24's and HiLS's verifiers: their unit tests and the CPU suites of their
+            // schedules.
             "pisa_tail",
+            "pisa_covariance::",
             "hils",
             "case::",
             "check_",
@@ -1010,7 +1014,7 @@ mod tests {
         assert!(verdict.contains("--exclude tests/src/flash.rs"), "{verdict}");
         assert!(
             verdict.ends_with(
-                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: pyramid_selection:: pyramid_diagnostics:: pisa_tail hils case:: check_ recipe::"
+                "--cargo-arg=--lib --cargo-arg=--test=it -- verdict:: gate:: block_selection:: dsa_index:: dsa_loss:: pyramid_selection:: pyramid_diagnostics:: pisa_tail pisa_covariance:: hils case:: check_ recipe::"
             ),
             "{verdict}"
         );
