@@ -460,7 +460,12 @@ pub fn block_spreads<S: Real>(
     block_size: usize,
     ctx: S::Ctx,
 ) -> Vec<PowerRun<S>> {
-    let stats = tail_moments(k, v, block_size, ctx);
+    block_spreads_of(&tail_moments(k, v, block_size, ctx), ctx)
+}
+
+/// [`block_spreads`] from statistics already formed (`stats.h` and `stats.h_bar` are read), for a caller that needs
+/// them for more than the spreads.
+pub fn block_spreads_of<S: Real>(stats: &TailStatistics<S>, ctx: S::Ctx) -> Vec<PowerRun<S>> {
     stats
         .h
         .iter()

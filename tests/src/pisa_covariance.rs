@@ -102,7 +102,7 @@ use attnproof_gpu::pisa::covariance::RANGE_BLOCKS;
 use attnproof_oracle::AttentionSpec;
 use attnproof_oracle::bsa::{bsa_scores, bsa_select};
 use attnproof_oracle::pisa::{
-    CovarianceConfig, E24_POWER_STEPS, TailStatistics, block_spreads, covariance_block_scores, tail_statistics,
+    CovarianceConfig, E24_POWER_STEPS, TailStatistics, block_spreads_of, covariance_block_scores, tail_statistics,
 };
 use attnproof_oracle::vector::{PowerRun, mean_row, norm2};
 use attnproof_proofs::f64_oracle_bound::{UNIT_ROUNDOFF, gamma};
@@ -338,7 +338,7 @@ fn spread_truth(
             let (k2, v2) = (spec.head_rows(k.view(), seq, kv, true), spec.head_rows(v.view(), seq, kv, true));
             let stats = tail_statistics(k2, v2, kv_block, ());
             let rho_h = centred_hbar_rho(&stats, (k2, v2));
-            for (b, run) in block_spreads(k2, v2, kv_block, ()).iter().enumerate() {
+            for (b, run) in block_spreads_of(&stats, ()).iter().enumerate() {
                 let rows = Slice::from(b * kv_block..b * kv_block + stats.counts[b]);
                 let block = (k2.slice_axis(Axis(0), rows), v2.slice_axis(Axis(0), rows));
                 let (phi_o, phi_g) = block_perturbations(block, stats.means.row(b), stats.h_bar.view(), rho_h.view());
@@ -459,6 +459,7 @@ mod tests {
     use crate::block_selection::near_tied;
     use crate::generate::{Distribution, ValueProfile, make_case};
     use attnproof_oracle::bsa::BsaConfig;
+    use attnproof_oracle::pisa::block_spreads;
     use attnproof_oracle::real::{Mp, Precision, Real};
     use attnproof_oracle::vector::{PowerStop, power_iteration, spectral_norm};
     use attnproof_oracle::{Layout, Mask};

@@ -85,25 +85,32 @@ pub fn split<T: Element>(x: f64) -> (f32, f32) {
     (hi, T::from_f64(x - f64::from(hi)).to_f32())
 }
 
+/// The f64 mean of each block of `block` rows of `x` (`[L, ·]`, the last block over the rows it has): rows in
+/// ascending order, then one division, as the kernels' pooling is modelled.
+fn block_means64(x: &Array2<f32>, block: usize) -> Array2<f64> {
+    let (len, cols) = x.dim();
+    Array2::from_shape_fn((len.div_ceil(block), cols), |(b, c)| {
+        let rows = b * block..((b + 1) * block).min(len);
+        let count = rows.len() as f64;
+        rows.fold(0f64, |a, j| a + f64::from(x[[j, c]])) / count
+    })
+}
+
 /// The statistics of keys `k` and values `v` (`[L, ·]`, the storage type's values) in blocks of `block` keys.
 fn head_statistics<T: Element>(k: &Array2<f32>, v: &Array2<f32>, block: usize) -> HeadStatistics {
     let ((len, d), dv) = (k.dim(), v.ncols());
     let n_blocks = len.div_ceil(block);
-    let mut means = Array2::<f64>::zeros((n_blocks, d));
+    let means = block_means64(k, block);
+    let value_means = block_means64(v, block);
     let mut keys = Array2::zeros((n_blocks, 2 * d));
     let mut values = Array2::zeros((n_blocks, dv));
-    let mut value_means = Array2::<f64>::zeros((n_blocks, dv));
     for b in 0..n_blocks {
-        let rows = b * block..((b + 1) * block).min(len);
-        let count = rows.len() as f64;
         for c in 0..d {
-            means[[b, c]] = rows.clone().fold(0f64, |a, j| a + f64::from(k[[j, c]])) / count;
             let (hi, lo) = split::<T>(means[[b, c]]);
             keys[[b, c]] = hi;
             keys[[b, d + c]] = lo;
         }
         for c in 0..dv {
-            value_means[[b, c]] = rows.clone().fold(0f64, |a, j| a + f64::from(v[[j, c]])) / count;
             values[[b, c]] = T::from_f64(value_means[[b, c]]).to_f32();
         }
     }
@@ -431,7 +438,7 @@ fn power_estimate(m: &Array2<f64>, steps: usize) -> f64 {
 }
 
 /// PISA's covariance-aware selection (E24) as `attnproof_gpu::pisa::covariance` runs it, on the CPU: per (sequence,
-/// KV head) the blocks' f64 mean keys, `H̄` from the centred products `fl(k_j − μ_b) v_jᵀ` (fused multiply-add chains
+/// KV head) the blocks' f64 mean keys ([`block_means64`]), `H̄` from the centred products `fl(k_j − μ_b) v_jᵀ` (fused multiply-add chains
 /// over the keys of each range of [`COVARIANCE_RANGE_BLOCKS`] blocks in ascending order, the ranges added in order,
 /// one division), each key block's `H_b − H̄` formed by the same chains over its keys and its spread by the oracle's
 /// `E24_POWER_STEPS` power steps ([`power_estimate`]); then BSA's pooled queries
@@ -457,14 +464,15 @@ pub fn pisa_covariance_select<T: Element>(
     for seq in seqs.iter().filter(|s| s.len_k > 0) {
         for kv in 0..spec.n_heads_kv {
             let (k, v) = (head_f32(spec, &inputs.k, seq, kv, true), head_f32(spec, &inputs.v, seq, kv, true));
-            let stats = head_statistics::<T>(&k, &v, bsa.kv_block);
+            // The spreads read the blocks' f64 mean keys only; H̄ is their own (below), not the tail's.
+            let means = block_means64(&k, bsa.kv_block);
             let counts: Vec<usize> =
                 (0..bsa.key_blocks(seq)).map(|b| bsa.kv_block.min(seq.len_k - b * bsa.kv_block)).collect();
             // `Σ_j fl(k_j − μ_{b(j)}) v_jᵀ` over keys `keys`, each entry one fused multiply-add chain, keys ascending.
             let centred = |keys: std::ops::Range<usize>| {
                 Array2::from_shape_fn((d, dv), |(r, c)| {
                     keys.clone().fold(0f64, |s, j| {
-                        (f64::from(k[[j, r]]) - stats.means[[j / bsa.kv_block, r]]).mul_add(f64::from(v[[j, c]]), s)
+                        (f64::from(k[[j, r]]) - means[[j / bsa.kv_block, r]]).mul_add(f64::from(v[[j, c]]), s)
                     })
                 })
             };
@@ -495,7 +503,7 @@ pub fn pisa_covariance_select<T: Element>(
                     .map(|p| config.gamma * alpha.abs() * p.row(a).iter().fold(0f64, |s, x| x.mul_add(*x, s)).sqrt())
                     .collect();
                 for b in 0..bsa.eligible_end(seq, a, causal) {
-                    let dot = (0..d).fold(0f64, |s, c| summed[c].mul_add(stats.means[[b, c]], s));
+                    let dot = (0..d).fold(0f64, |s, c| summed[c].mul_add(means[[b, c]], s));
                     let spread = spreads[[seq.index, kv, b]];
                     let term = coefficients.iter().fold(0f64, |s, c| s + c.mul_add(spread, counts[b] as f64).ln());
                     scores[[seq.index, kv, a, b]] = alpha * dot + term;
