@@ -746,7 +746,8 @@ mod tests {
         use crate::inputs::uniform_tensor;
         use crate::spec::{Layout, Mask};
         let spec = AttentionSpec {
-            layout: Layout::Varlen { cu_seqlens_q: vec![0, 7, 10], cu_seqlens_k: vec![0, 7, 10] },
+            // A third sequence with queries and no keys: nothing to pool, no spread, every score −∞.
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 7, 10, 12], cu_seqlens_k: vec![0, 7, 10, 10] },
             ..AttentionSpec::dense(1, 4, 2, 1, 1, 3, 2).with_mask(Mask::Causal)
         };
         let q = uniform_tensor(1, &spec.expected_shape(Operand::Q));
@@ -776,6 +777,24 @@ mod tests {
         assert_eq!(got.spreads[[1, 1, 0]], runs[0].estimate);
         assert_eq!(got.spreads[[1, 1, 1]], runs[1].estimate);
         assert!(got.spreads[[1, 1, 1]] > 0.0 && got.spreads[[1, 1, 2]] == 0.0 && got.spreads[[1, 1, 3]] == 0.0);
+        assert!(got.spreads.index_axis(Axis(0), 2).iter().all(|&x| x == 0.0));
+    }
+
+    /// The coefficient is `γ|α|‖q̄‖` with the spec's scale: at `α = 0.5` (the block case's `d = 1` would make it 1)
+    /// the relevance halves and so does each spread's weight.
+    #[test]
+    fn the_spread_weight_takes_the_scale() {
+        let (spec, q, k, v) = block_case();
+        let spec = AttentionSpec { scale: crate::spec::Scale::Value(0.5), ..spec };
+        let got = covariance_block_scores(&spec, q.view(), k.view(), v.view(), &block_config(10.0), ()).unwrap();
+        let expected = [
+            1.5 + (2.0 + 5.0 / 3.0f64).ln() + (2.0 + 10.0 / 3.0f64).ln(),
+            1.125 + (2.0 + 10.0 / 3.0f64).ln() + (2.0 + 20.0 / 3.0f64).ln(),
+        ];
+        for (b, want) in expected.into_iter().enumerate() {
+            let got = got.scores[[0, 0, 0, b]];
+            assert!((got - want).abs() <= 64.0 * f64::EPSILON, "block {b}: {got} vs {want}");
+        }
     }
 
     #[test]
