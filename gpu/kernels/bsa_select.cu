@@ -25,6 +25,13 @@
 // the xor-shuffle tree, for bsa_select_stream's one fma chain over the columns in ascending order). Two key blocks
 // with bitwise equal keys therefore get bitwise equal scores, and their tie breaks to the lower index exactly as the oracle's does.
 //
+// Chunks: the host may pool and select the query blocks in ranges, the last range first, each range's selection on a
+// second stream behind that range's pooling, so that the selection of one range runs while the next range's queries
+// are pooled (the query pooling reads all of Q and is bound by memory bandwidth; the selection is not). A launch covers
+// query blocks params.first_query_block + blockIdx.x (pooling, bsa_select) or the STREAM_QUERIES blocks from
+// params.first_query_block + STREAM_QUERIES * (gridDim.x - 1 - blockIdx.x) (bsa_select_stream); a range's first block
+// is a multiple of STREAM_QUERIES. Every block is computed as in one launch over all of them: the same bits.
+//
 // Eligibility (the oracle's BsaConfig::eligible_end): every key block of the sequence without a mask; under the
 // bottom-right causal mask the blocks whose first key the query block's last query sees. Forced: block 0
 // (force_first) and the force_local last eligible blocks, eligible ones only; they count towards top_k.
@@ -116,7 +123,7 @@ extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 bsa_pool_queries(const elem_t* __restrict__ q, double* __restrict__ pooled, const int* __restrict__ cu_q,
                  const BsaParams params) {
     const FlashParams& fp = params.flash;
-    const int a = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
+    const int a = params.first_query_block + blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
     double* out = pooled + params.pooled_queries_at + (((long long)seq * gridDim.y + h) * params.n_query_blocks + a) * fp.d;
     pool_block(q, cu_q, fp.dense_len_q, fp.q_batch, h * fp.q_head, fp.q_row, params.q_block, a, seq, fp.varlen, fp.d,
                out);
@@ -207,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(SEL_THREADS)
 bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int* __restrict__ cu_q,
            const int* __restrict__ cu_k, const BsaParams params COVARIANCE_ARGS) {
     const FlashParams& fp = params.flash;
-    const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
+    const int a = params.first_query_block + blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
     const int d = fp.d;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     double* q_sum = reinterpret_cast<double*>(smem_raw);              // [d]
@@ -367,8 +374,8 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
     const FlashParams& fp = params.flash;
     const int kv = blockIdx.y, seq = blockIdx.z, d = fp.d, row = d + STREAM_PAD;
     // Under the causal mask the last query blocks see the most key blocks: the grid's first CTAs take them, so that
-    // the heaviest start first.
-    const int a0 = (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;
+    // the heaviest start first (a chunk's first query block is a multiple of STREAM_QUERIES).
+    const int a0 = params.first_query_block + (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     double* q_tile = reinterpret_cast<double*>(smem_raw);  // [STREAM_QUERIES][row]
     double* k_tile = q_tile + STREAM_QUERIES * row;          // [STREAM_KEYS][row]

@@ -128,7 +128,8 @@ struct BsaParams {
     int n_key_blocks;       // key blocks of the longest sequence (the pooled keys' and the scores' extent)
     long long pooled_queries_at;  // element of the f64 workspace where the pooled queries start (after the keys)
     int n_query_blocks;     // query blocks of the longest sequence: the lists' and the pooled queries' extent
-    int reserved;           // 0: rounds the size up to 8 bytes
+    int first_query_block;  // the first query block of this launch (the selector pools and selects in chunks of query
+                            // blocks, bsa_select.cu's header says how); 0 for a launch over all of them
 };
 
 // The scalars of pisa_select.cu's pyramid selection (PISA, E25–E28): the block selector's (leaves are its key blocks,
@@ -324,7 +325,7 @@ PARAM_AT(BsaParams, n_heads_kv, 192);
 PARAM_AT(BsaParams, n_key_blocks, 196);
 PARAM_AT(BsaParams, pooled_queries_at, 200);
 PARAM_AT(BsaParams, n_query_blocks, 208);
-PARAM_AT(BsaParams, reserved, 212);
+PARAM_AT(BsaParams, first_query_block, 212);
 
 PARAM_SIZE(PisaParams, 248);
 PARAM_AT(PisaParams, bsa, 0);

@@ -504,53 +504,57 @@ pub(crate) fn launch_csr_scan(
 }
 
 /// Launches `bsa_pool_keys` or `bsa_pool_queries` (gpu/kernels/bsa_select.cu, `func`) on `stream`: the mean of every
-/// key block (query block) of `x` into the f64 workspace `pooled`.
+/// key block (query block) of `x` in the grid's range into the f64 workspace `pooled`.
 ///
-/// Preconditions, established by `block_sparse::select`: `func` is one of the two, compiled for the element type `T`;
-/// `x` holds the spec's K (for `bsa_pool_keys`) or Q (for `bsa_pool_queries`), which the strides and lengths of
-/// `params.flash`, or the validated `cu_seqlens` `cu`, describe; `pooled` holds the workspace of
-/// `block_sparse::select::workspace_len` f64 (the keys' `B · n_heads_kv · n_key_blocks · d`, then from
-/// `params.pooled_queries_at` the queries' `B · n_heads_q · n_query_blocks · d`); `cfg`'s grid is `(blocks, heads, B)`
-/// of the pooled side with the kernels' 128 threads per block.
-pub(crate) fn launch_bsa_pool<T>(
+/// Preconditions, established by `block_sparse::select`: `func` is one of the two, compiled for the element type of
+/// the buffer at address `x`, which holds the spec's K (for `bsa_pool_keys`) or Q (for `bsa_pool_queries`) as the
+/// strides and lengths of `params.flash`, or the validated `cu_seqlens` at `cu`, describe; `pooled` is the address of
+/// the workspace of `block_sparse::select::workspace_len` f64 (the keys' `B · n_heads_kv · n_key_blocks · d`, then
+/// from `params.pooled_queries_at` the queries' `B · n_heads_q · n_query_blocks · d`); `cfg`'s grid is `(blocks,
+/// heads, B)` of the pooled side with the kernels' 128 threads per block, its blocks from `params.first_query_block`
+/// (queries) or 0 (keys) within the extent; the three buffers stay allocated, and their use is recorded on the
+/// stream that took the addresses, until the launch has run (the caller holds their guards past it).
+pub(crate) fn launch_bsa_pool(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
-    (x, pooled): (&CudaSlice<T>, &mut CudaSlice<f64>),
-    cu: &CudaSlice<i32>,
+    (x, pooled): (u64, u64),
+    cu: u64,
     params: &BsaParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(x).arg(pooled).arg(cu).arg(params);
+    builder.arg(&x).arg(&pooled).arg(&cu).arg(params);
     // SAFETY: the arguments match `bsa_pool_keys` and `bsa_pool_queries` (`const elem_t*, double* pooled, const int*
-    // cu_seqlens, const BsaParams`) in order and type; every index the kernel forms lies in the buffers the caller
-    // sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    // cu_seqlens, const BsaParams`) in order and type (a device address is passed as the 64-bit pointer it is); every
+    // index the kernel forms lies in the buffers the caller sized, which stay alive past the launch (see above).
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_pool_*)", e))?;
     Ok(())
 }
 
 /// Launches `bsa_select` or `bsa_select_stream` (gpu/kernels/bsa_select.cu) on `stream`: one list per (query block,
-/// KV head, sequence).
+/// KV head, sequence) of the grid's range.
 ///
-/// Preconditions, established by `block_sparse::select`: `func` is one of the two; `pooled` holds the pooled keys and
-/// queries `bsa_pool_keys` and `bsa_pool_queries` wrote for the same spec and parameters; `lists` holds
-/// `B · n_heads_kv · params.n_query_blocks · top_k` i32; `cfg` has the kernel's grid (`bsa_select`: a CTA per query
-/// block; `bsa_select_stream`: one per 8, `top_k` at most 32), threads and dynamic shared memory (`bsa_select`:
-/// `d + n_key_blocks` f64 and `n_key_blocks` bytes; `bsa_select_stream`: its query and key tiles and one tile's
-/// scores), which the function attribute allows.
+/// Preconditions, established by `block_sparse::select`: `func` is one of the two; `pooled` is the address of the
+/// pooled keys and queries `bsa_pool_keys` and `bsa_pool_queries` wrote for the same spec and parameters, ordered
+/// before this launch (on `stream`, or through an event it waits for); `lists` that of `B · n_heads_kv ·
+/// params.n_query_blocks · top_k` i32; `cu_q`, `cu_k` those of the validated `cu_seqlens`; `cfg` has the kernel's grid
+/// (`bsa_select`: a CTA per query block; `bsa_select_stream`: one per 8, `top_k` at most 32) over query blocks from
+/// `params.first_query_block` (a multiple of 8) within the extent, its threads and dynamic shared memory
+/// (`bsa_select`: `d + n_key_blocks` f64 and `n_key_blocks` bytes; `bsa_select_stream`: its query and key tiles and
+/// one tile's scores), which the function attribute allows; the buffers stay allocated until the launch has run.
 pub(crate) fn launch_bsa_select(
     stream: &CudaStream,
     func: &CudaFunction,
     cfg: LaunchConfig,
-    (pooled, lists): (&CudaSlice<f64>, &mut CudaSlice<i32>),
-    (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
+    (pooled, lists): (u64, u64),
+    (cu_q, cu_k): (u64, u64),
     params: &BsaParams,
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(pooled).arg(lists).arg(cu_q).arg(cu_k).arg(params);
+    builder.arg(&pooled).arg(&lists).arg(&cu_q).arg(&cu_k).arg(params);
     // SAFETY: the arguments match `bsa_select` and `bsa_select_stream` (`const double* pooled, int* lists, const int*
-    // cu_q, const int* cu_k, const BsaParams`) in order and type; every index the kernel forms lies in the buffers the
-    // caller sized (see above); the buffers are borrowed for this call and their use is recorded on `stream`.
+    // cu_q, const int* cu_k, const BsaParams`) in order and type (device addresses as the 64-bit pointers they are);
+    // every index the kernel forms lies in the buffers the caller sized, which stay alive past the launch (see above).
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_select)", e))?;
     Ok(())
 }

@@ -167,8 +167,8 @@ pub(crate) struct BsaParams {
     pub pooled_queries_at: i64,
     /// Query blocks of the longest sequence: the lists' and the pooled queries' extent.
     pub n_query_blocks: i32,
-    /// 0: rounds the size up to 8 bytes.
-    pub reserved: i32,
+    /// The first query block of a launch that covers a range of them (the selector's chunks); 0 for all of them.
+    pub first_query_block: i32,
 }
 
 /// The pyramid selector's scalars (`struct PisaParams` of `common.cuh`), read by `pisa_select.cu`: the block selector's
@@ -645,7 +645,7 @@ mod tests {
                 n_key_blocks,
                 pooled_queries_at,
                 n_query_blocks,
-                reserved
+                first_query_block
             }),
             rust_layout!(PisaParams { bsa, levels_at, batch, branching, keep, scoring, n_levels, max_candidates }),
             rust_layout!(HilsParams {

@@ -8,7 +8,8 @@
 //! products; softmax arithmetic is not counted), as the peers count them.
 //!
 //! Usage: `bench [--reps N] [--warmup N] [--all-tilings] [--csv PATH] [--backward] [--shape B,H,L,D]
-//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--wgmma-source PATH]...
+//! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--select-chunks N]...
+//! [--wgmma-source PATH]...
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
 //! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
 //! [--pisa-tail [--tail-source PATH]...]`.
@@ -72,7 +73,9 @@
 //! (the work of the PyTorch baseline in `block_sparse_peers.py`); its `tflops` column is 0 (not a FLOP count).
 //! `--select-source PATH` (repeatable) also times the selector compiled from another text of `bsa_select.cu` (after
 //! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
-//! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--selection-only` leaves
+//! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--select-chunks N`
+//! (repeatable) times the embedded selector under `SelectSchedule::Chunks(N)` beside its default schedule (rows
+//! `top8/hkv2/chunksN`, saying on stderr whether the lists are the same); `--selection-only` leaves
 //! out the block-sparse forward and backward rows. At each length the selector also runs at PISA's leaf of 64 keys
 //! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside PISA's covariance-aware selection on the same
 //! blocks (`attnproof_gpu::pisa::covariance`, direction `cov-select`, `γ = 1`: the tail's statistics, the spreads and
@@ -112,7 +115,9 @@ use attnproof_gpu::backward::{
     flash_backward_device_with, is_wgmma_backward, production_backward_kernel, wgmma_backward_supports,
 };
 use attnproof_gpu::block_sparse::backward::{block_sparse_backward_device, block_sparse_backward_device_with};
-use attnproof_gpu::block_sparse::select::{BSA_SELECT, lists_shape, select_blocks_device, workspace_len};
+use attnproof_gpu::block_sparse::select::{
+    BSA_SELECT, SelectSchedule, lists_shape, select_blocks_device, select_blocks_device_scheduled, workspace_len,
+};
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads, block_sparse_forward_device};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::dsa::index::{
@@ -183,6 +188,8 @@ struct Options {
     tail_sources: Vec<KernelSource>,
     /// `--selection-only`: of the block-sparse rows, only the selector's.
     selection_only: bool,
+    /// `--select-chunks N`: schedules of the block selector timed beside its default one.
+    select_chunks: Vec<usize>,
     /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
     /// the file's stem for the CSV.
     wgmma_sources: Vec<(KernelSource, String)>,
@@ -235,6 +242,7 @@ fn parse() -> Result<Options, String> {
         block_sparse: false,
         lists_dir: None,
         select_sources: vec![],
+        select_chunks: vec![],
         pisa_sources: vec![],
         tail_sources: vec![],
         selection_only: false,
@@ -262,6 +270,10 @@ fn parse() -> Result<Options, String> {
             "--block-sparse" => o.block_sparse = true,
             "--lists-dir" => o.lists_dir = Some(value("--lists-dir")?),
             "--selection-only" => o.selection_only = true,
+            "--select-chunks" => {
+                let n = value("--select-chunks")?.parse().map_err(|e| format!("--select-chunks: {e}"))?;
+                o.select_chunks.push(n);
+            }
             "--pisa-source" => {
                 let path = value("--pisa-source")?;
                 o.pisa_sources.push(kernel_from_file("--pisa-source", &path, "pisa_select")?);
@@ -336,10 +348,13 @@ fn parse() -> Result<Options, String> {
     if !o.bwd_sources.is_empty() && !o.backward {
         return Err("--bwd-source times backward kernels: add --backward".into());
     }
-    let block_sparse_only = !o.select_sources.is_empty() || !o.pisa_sources.is_empty() || !o.wgmma_sources.is_empty();
+    let block_sparse_only = !o.select_sources.is_empty()
+        || !o.pisa_sources.is_empty()
+        || !o.wgmma_sources.is_empty()
+        || !o.select_chunks.is_empty();
     if (o.selection_only || block_sparse_only || !o.wgmma_bwd_sources.is_empty()) && !o.block_sparse {
-        return Err("--selection-only, --select-source, --pisa-source, --wgmma-source and --wgmma-bwd-source concern \
-                    the block-sparse rows: add --block-sparse"
+        return Err("--selection-only, --select-source, --select-chunks, --pisa-source, --wgmma-source and \
+                    --wgmma-bwd-source concern the block-sparse rows: add --block-sparse"
             .into());
     }
     if !o.tail_sources.is_empty() && !o.pisa_tail {
@@ -615,7 +630,7 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
         let mut pooled = stream.alloc_zeros::<f64>(workspace_len(&spec, &config)).map_err(|e| e.to_string())?;
         let mut lists =
             stream.alloc_zeros::<i32>(lists_shape(&spec, &config).iter().product()).map_err(|e| e.to_string())?;
-        time_list_kernels(
+        let embedded = time_list_kernels(
             stream,
             opts,
             std::iter::once(BSA_SELECT).chain(opts.select_sources.iter().copied()),
@@ -630,6 +645,25 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
                 format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n")
             },
         )?;
+        for &chunks in &opts.select_chunks {
+            let schedule = SelectSchedule::Chunks(chunks);
+            let ms = median_ms(stream, opts, |s| {
+                select_blocks_device_scheduled(
+                    stream,
+                    &spec,
+                    &config,
+                    BSA_SELECT,
+                    (&q[s], &k[s]),
+                    &mut pooled,
+                    &mut lists,
+                    schedule,
+                )
+                .map_err(|e| e.to_string())
+            })?;
+            let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+            eprintln!("L = {l}, selector in {chunks} chunks: lists equal the default schedule's: {}", got == embedded);
+            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}/chunks{chunks},0,{ms:.4},0.0\n"));
+        }
         run_pyramid_selection(opts, stream, &spec, (&q, &k), out)?;
     }
     Ok(())

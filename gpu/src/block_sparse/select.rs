@@ -31,7 +31,7 @@ use std::sync::Arc;
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask, Scale};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig};
 use ndarray::{Array4, ArrayViewD};
 
 use super::{BLOCK_SIZES, BlockLists, ListHeads};
@@ -61,12 +61,12 @@ const STREAM_QUERIES: usize = 8;
 const STREAM_KEYS: usize = 64;
 const STREAM_PAD: usize = 2;
 
-/// The selection kernel a plan launches: its entry, the grid's x extent, the threads per CTA and the dynamic shared
+/// The selection kernel a plan launches: its entry, query blocks per CTA, the threads per CTA and the dynamic shared
 /// memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct SelectLaunch {
     pub(crate) entry: &'static str,
-    pub(crate) grid_x: usize,
+    pub(crate) queries_per_cta: usize,
     pub(crate) threads: u32,
     pub(crate) shared_bytes: usize,
 }
@@ -79,7 +79,7 @@ impl SelectLaunch {
             let row = head_dim + STREAM_PAD;
             SelectLaunch {
                 entry: "bsa_select_stream",
-                grid_x: plan.query_blocks.div_ceil(STREAM_QUERIES),
+                queries_per_cta: STREAM_QUERIES,
                 threads: STREAM_THREADS,
                 shared_bytes: 8 * ((STREAM_QUERIES + STREAM_KEYS) * row + STREAM_QUERIES * STREAM_KEYS),
             }
@@ -87,11 +87,16 @@ impl SelectLaunch {
             let bytes = (head_dim + plan.key_blocks) * 8 + plan.key_blocks;
             SelectLaunch {
                 entry: "bsa_select",
-                grid_x: plan.query_blocks,
+                queries_per_cta: 1,
                 threads: SELECT_THREADS,
                 shared_bytes: bytes.div_ceil(16) * 16,
             }
         }
+    }
+
+    /// The grid's x extent for `query_blocks` query blocks.
+    pub(crate) fn grid_x(&self, query_blocks: usize) -> usize {
+        query_blocks.div_ceil(self.queries_per_cta)
     }
 }
 
@@ -159,7 +164,7 @@ pub(crate) fn plan(spec: &AttentionSpec, config: &BsaConfig) -> Result<Plan, Gpu
         pooled_queries_at: i64::try_from(seqs.len() * spec.n_heads_kv * key_blocks * spec.head_dim)
             .map_err(|_| GpuError::TooLarge { argument: "pooled keys", value: key_blocks })?,
         n_query_blocks: to_i32("query blocks", query_blocks)?,
-        reserved: 0,
+        first_query_block: 0,
     };
     Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), query_blocks, key_blocks })
 }
@@ -184,9 +189,63 @@ pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuE
     grid_3d(("blocks", x), ("heads", y), ("sequences", z))
 }
 
+/// How [`select_blocks_device_scheduled`] orders its launches. The lists do not depend on it: every query block is
+/// pooled and selected by the same arithmetic whichever launch covers it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SelectSchedule {
+    /// [`SelectSchedule::Chunks`] of [`OVERLAP_CHUNKS`] where the query pooling is long enough for the overlap to pay
+    /// (at least [`OVERLAP_MIN_POOLED_BLOCKS`] pooled query blocks over all heads and sequences), else one chunk.
+    #[default]
+    Auto,
+    /// The query blocks in this many ranges of about equal size (in units of the streaming selector's 8 query blocks;
+    /// fewer ranges when there are fewer units), the last range first. Each range's queries are pooled on the
+    /// caller's stream and selected on a second stream of the highest priority, behind an event of that pooling, so
+    /// that one range's selection runs while the next range's queries are pooled: the query pooling reads all of Q
+    /// and is bound by memory bandwidth, the selection by the latency of its shared-memory loads, and the two share
+    /// the multiprocessors. The last query blocks go first because under the causal mask they see the most key
+    /// blocks. One chunk runs every launch on the caller's stream, in order. Zero is a typed error.
+    Chunks(usize),
+}
+
+/// The chunks of [`SelectSchedule::Auto`] where it overlaps.
+pub const OVERLAP_CHUNKS: usize = 4;
+/// The pooled query blocks (query blocks × query heads × sequences) from which [`SelectSchedule::Auto`] overlaps: below
+/// it the whole selection takes tens of microseconds, and a second stream's events cost more than they hide.
+pub const OVERLAP_MIN_POOLED_BLOCKS: usize = 16384;
+
+impl SelectSchedule {
+    /// The number of query-block ranges for `plan` and `spec` (at least 1, at most the 8-block units).
+    fn ranges(self, plan: &Plan, spec: &AttentionSpec) -> Result<Vec<(usize, usize)>, GpuError> {
+        let chunks = match self {
+            SelectSchedule::Auto => {
+                let pooled = plan.query_blocks * spec.n_heads_q * plan.batch;
+                if pooled >= OVERLAP_MIN_POOLED_BLOCKS { OVERLAP_CHUNKS } else { 1 }
+            }
+            SelectSchedule::Chunks(0) => {
+                return Err(GpuError::Unsupported { argument: "schedule", reason: "zero chunks".into() });
+            }
+            SelectSchedule::Chunks(n) => n,
+        };
+        Ok(query_ranges(plan.query_blocks, chunks))
+    }
+}
+
+/// `query_blocks` split into at most `chunks` ranges `[from, to)` whose starts are multiples of the streaming
+/// selector's 8 query blocks, the last range first; none when there are no query blocks.
+fn query_ranges(query_blocks: usize, chunks: usize) -> Vec<(usize, usize)> {
+    let units = query_blocks.div_ceil(STREAM_QUERIES);
+    let n = chunks.clamp(1, units.max(1));
+    (0..n)
+        .rev()
+        .map(|i| (i * units / n * STREAM_QUERIES, ((i + 1) * units / n * STREAM_QUERIES).min(query_blocks)))
+        .filter(|(from, to)| from < to)
+        .collect()
+}
+
 /// Selects the blocks of `spec` under `config` on device buffers: `q`, `k` hold Q and K in the spec's layout,
 /// `pooled` at least [`workspace_len`] f64 (overwritten), and the lists go to the first [`lists_shape`] elements of
-/// `lists`. Every check runs before the first launch; the launches are asynchronous on `stream`.
+/// `lists`. Every check runs before the first launch; the launches are asynchronous on `stream`. The schedule is
+/// [`SelectSchedule::Auto`].
 #[allow(clippy::too_many_arguments)]
 pub fn select_blocks_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
@@ -198,12 +257,29 @@ pub fn select_blocks_device<T: GpuElement>(
     pooled: &mut CudaSlice<f64>,
     lists: &mut CudaSlice<i32>,
 ) -> Result<(), GpuError> {
+    select_blocks_device_scheduled(stream, spec, config, kernel, (q, k), pooled, lists, SelectSchedule::Auto)
+}
+
+/// [`select_blocks_device`] under `schedule`. When it overlaps, the work on `stream` after this call waits for all of
+/// it (the second stream is joined back into `stream`).
+#[allow(clippy::too_many_arguments)]
+pub fn select_blocks_device_scheduled<T: GpuElement>(
+    stream: &Arc<CudaStream>,
+    spec: &AttentionSpec,
+    config: &BsaConfig,
+    kernel: KernelSource,
+    (q, k): (&CudaSlice<T>, &CudaSlice<T>),
+    pooled: &mut CudaSlice<f64>,
+    lists: &mut CudaSlice<i32>,
+    schedule: SelectSchedule,
+) -> Result<(), GpuError> {
     let plan = plan_lists(spec, config)?;
     let size = |op: Operand| spec.expected_shape(op).iter().product::<usize>();
     check_len("q", q, size(Operand::Q))?;
     check_len("k", k, size(Operand::K))?;
     check_len("pooled", pooled, workspace_len(spec, config))?;
     check_len("lists", lists, lists_shape(spec, config).iter().product())?;
+    let ranges = schedule.ranges(&plan, spec)?;
     if plan.query_blocks == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
         return Ok(());
     }
@@ -217,13 +293,85 @@ pub fn select_blocks_device<T: GpuElement>(
     compile::allow_shared_memory(ctx, &select, selector.shared_bytes, "key blocks")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
-    launch_pooling(stream, spec, &plan, (&pool_keys, &pool_queries), (q, k), pooled, (&cu_q, &cu_k))?;
-    let cfg = LaunchConfig {
-        grid_dim: grid(selector.grid_x, spec.n_heads_kv, plan.batch)?,
-        block_dim: (selector.threads, 1, 1),
-        shared_mem_bytes: selector.shared_bytes as u32,
-    };
-    launch::launch_bsa_select(stream, &select, cfg, (pooled, lists), (&cu_q, &cu_k), &plan.params)
+    // The launches take the buffers' addresses, taken once here on `stream`: passed as slices, cudarc would order
+    // their use across the two streams itself, and a range's pooling (which writes the workspace) would wait for the
+    // previous range's selection (which reads it). The guards record the buffers' use on `stream` when they drop,
+    // after the second stream has been joined into it.
+    let (q_at, _q_use) = q.device_ptr(stream);
+    let (k_at, _k_use) = k.device_ptr(stream);
+    let (cu_q_at, _cu_q_use) = cu_q.device_ptr(stream);
+    let (cu_k_at, _cu_k_use) = cu_k.device_ptr(stream);
+    let (pooled_at, _pooled_use) = pooled.device_ptr_mut(stream);
+    let (lists_at, _lists_use) = lists.device_ptr_mut(stream);
+    let keys = Pooling { func: &pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv };
+    keys.launch(stream, &plan, pooled_at, (0, plan.key_blocks))?;
+    let side = if ranges.len() > 1 { Some(selection_stream(stream)?) } else { None };
+    let queries = Pooling { func: &pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q };
+    for (from, to) in ranges {
+        queries.launch(stream, &plan, pooled_at, (from, to))?;
+        let on = match &side {
+            Some(side) => {
+                let pooled = stream.record_event(None).map_err(|e| GpuError::driver("cuEventRecord", e))?;
+                side.wait(&pooled).map_err(|e| GpuError::driver("cuStreamWaitEvent", e))?;
+                side
+            }
+            None => stream,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid(selector.grid_x(to - from), spec.n_heads_kv, plan.batch)?,
+            block_dim: (selector.threads, 1, 1),
+            shared_mem_bytes: selector.shared_bytes as u32,
+        };
+        let params = BsaParams { first_query_block: to_i32("query block", from)?, ..plan.params };
+        launch::launch_bsa_select(on, &select, cfg, (pooled_at, lists_at), (cu_q_at, cu_k_at), &params)?;
+    }
+    if let Some(side) = side {
+        stream.join(&side).map_err(|e| GpuError::driver("cuStreamWaitEvent", e))?;
+    }
+    Ok(())
+}
+
+/// A second stream for the selection launches of an overlapped schedule, at the device's highest priority (so that a
+/// range's selection CTAs are dispatched ahead of the pooling CTAs still queued), after the work already on `stream`.
+fn selection_stream(stream: &Arc<CudaStream>) -> Result<Arc<CudaStream>, GpuError> {
+    let ctx = stream.context();
+    ctx.bind_to_thread().map_err(|e| GpuError::driver("cuCtxSetCurrent", e))?;
+    let (_, greatest) = cudarc::driver::result::stream::get_priority_range()
+        .map_err(|e| GpuError::driver("cuCtxGetStreamPriorityRange", e))?;
+    let side = ctx.new_stream_with_priority(greatest).map_err(|e| GpuError::driver("cuStreamCreateWithPriority", e))?;
+    side.join(stream).map_err(|e| GpuError::driver("cuStreamWaitEvent", e))?;
+    Ok(side)
+}
+
+/// One of the two pooling launches: the kernel, the pooled tensor's address and its `cu_seqlens`, and its heads.
+struct Pooling<'a> {
+    func: &'a CudaFunction,
+    x: u64,
+    cu: u64,
+    heads: usize,
+}
+
+impl Pooling<'_> {
+    /// Pools the blocks `[from, to)` (of the queries; the keys' pooling takes all of them) into the workspace at
+    /// `pooled`; nothing for an empty range.
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        plan: &Plan,
+        pooled: u64,
+        (from, to): (usize, usize),
+    ) -> Result<(), GpuError> {
+        if from >= to {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: grid(to - from, self.heads, plan.batch)?,
+            block_dim: (POOL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let params = BsaParams { first_query_block: to_i32("query block", from)?, ..plan.params };
+        launch::launch_bsa_pool(stream, self.func, cfg, (self.x, pooled), self.cu, &params)
+    }
 }
 
 /// Launches `bsa_pool_keys` and `bsa_pool_queries` of `plan` on `stream`: the key blocks' and the query blocks' mean
@@ -238,23 +386,15 @@ pub(crate) fn launch_pooling<T: GpuElement>(
     pooled: &mut CudaSlice<f64>,
     (cu_q, cu_k): (&CudaSlice<i32>, &CudaSlice<i32>),
 ) -> Result<(), GpuError> {
-    if plan.key_blocks > 0 {
-        let cfg = LaunchConfig {
-            grid_dim: grid(plan.key_blocks, spec.n_heads_kv, plan.batch)?,
-            block_dim: (POOL_THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch::launch_bsa_pool(stream, pool_keys, cfg, (k, &mut *pooled), cu_k, &plan.params)?;
-    }
-    if plan.query_blocks == 0 {
-        return Ok(());
-    }
-    let cfg = LaunchConfig {
-        grid_dim: grid(plan.query_blocks, spec.n_heads_q, plan.batch)?,
-        block_dim: (POOL_THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch::launch_bsa_pool(stream, pool_queries, cfg, (q, pooled), cu_q, &plan.params)
+    let (q_at, _q_use) = q.device_ptr(stream);
+    let (k_at, _k_use) = k.device_ptr(stream);
+    let (cu_q_at, _cu_q_use) = cu_q.device_ptr(stream);
+    let (cu_k_at, _cu_k_use) = cu_k.device_ptr(stream);
+    let (pooled_at, _pooled_use) = pooled.device_ptr_mut(stream);
+    let keys = Pooling { func: pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv };
+    keys.launch(stream, plan, pooled_at, (0, plan.key_blocks))?;
+    let queries = Pooling { func: pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q };
+    queries.launch(stream, plan, pooled_at, (0, plan.query_blocks))
 }
 
 /// Q and K of `spec` from host tensors (checked against the spec's shapes) into new device buffers: the first step of
@@ -313,10 +453,10 @@ mod tests {
         assert_eq!((p.params.n_heads_kv, p.params.n_key_blocks, p.params.top_k), (2, 3, 3));
         assert_eq!(p.params.n_query_blocks, 4);
         let stream = SelectLaunch::of(&p, 64, 3);
-        assert_eq!((stream.entry, stream.grid_x, stream.threads), ("bsa_select_stream", 1, 256));
+        assert_eq!((stream.entry, stream.grid_x(p.query_blocks), stream.threads), ("bsa_select_stream", 1, 256));
         assert_eq!(stream.shared_bytes, 8 * (72 * 66 + 8 * 64));
         let rounds = SelectLaunch::of(&p, 64, STREAM_MAX_TOP_K + 1);
-        assert_eq!((rounds.entry, rounds.grid_x, rounds.threads), ("bsa_select", 4, 256));
+        assert_eq!((rounds.entry, rounds.grid_x(p.query_blocks), rounds.threads), ("bsa_select", 4, 256));
         assert_eq!(rounds.shared_bytes, ((64 + 3) * 8 + 3usize).div_ceil(16) * 16);
         assert_eq!(lists_shape(&spec, &config(3)), [2, 2, 4, 3]);
         assert_eq!(workspace_len(&spec, &config(3)), 2 * 64 * (2 * 3 + 4 * 4));
@@ -331,6 +471,47 @@ mod tests {
         assert!(matches!(plan(&spec, &crowded), Err(GpuError::Spec(_))), "forced blocks beyond top_k");
         let none = spec.clone().with_mask(Mask::None);
         assert_eq!(plan(&none, &config(2)).unwrap().params.causal, 0);
+    }
+
+    #[test]
+    fn query_ranges_cover_every_block_once_last_first_on_unit_boundaries() {
+        for query_blocks in [0usize, 1, 7, 8, 9, 16, 17, 63, 64, 65, 200, 2048] {
+            for chunks in 1..=10 {
+                let ranges = query_ranges(query_blocks, chunks);
+                let units = query_blocks.div_ceil(STREAM_QUERIES);
+                assert_eq!(ranges.len(), chunks.min(units), "{query_blocks} blocks, {chunks} chunks");
+                let mut covered = vec![0u8; query_blocks];
+                for (i, &(from, to)) in ranges.iter().enumerate() {
+                    assert!(from < to && to <= query_blocks && from % STREAM_QUERIES == 0);
+                    if i > 0 {
+                        assert_eq!(to, ranges[i - 1].0, "the last range first, contiguous");
+                    }
+                    covered[from..to].iter_mut().for_each(|c| *c += 1);
+                }
+                assert!(covered.iter().all(|&c| c == 1), "{query_blocks} blocks, {chunks} chunks: {ranges:?}");
+                // About equal: the sizes in units differ by at most one.
+                let sizes: Vec<usize> =
+                    ranges.iter().map(|(f, t)| t.div_ceil(STREAM_QUERIES) - f / STREAM_QUERIES).collect();
+                assert!(sizes.iter().max().unwrap_or(&0) - sizes.iter().min().unwrap_or(&0) <= 1, "{sizes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn schedules_choose_their_ranges_and_refuse_zero_chunks() {
+        let spec = AttentionSpec::dense(1, 16, 2, 262_144, 262_144, 128, 128).with_mask(Mask::Causal);
+        let long = BsaConfig { q_block: 128, kv_block: 128, top_k: 8, force_first: false, force_local: 0 };
+        let p = plan(&spec, &long).unwrap();
+        assert_eq!(SelectSchedule::Auto.ranges(&p, &spec).unwrap().len(), OVERLAP_CHUNKS);
+        assert_eq!(SelectSchedule::Chunks(1).ranges(&p, &spec).unwrap(), vec![(0, 2048)]);
+        assert_eq!(SelectSchedule::Chunks(3).ranges(&p, &spec).unwrap().len(), 3);
+        let short = AttentionSpec::dense(1, 16, 2, 1000, 1000, 128, 128);
+        let p = plan(&short, &long).unwrap();
+        assert_eq!(SelectSchedule::Auto.ranges(&p, &short).unwrap(), vec![(0, 8)], "too small to overlap");
+        assert!(matches!(
+            SelectSchedule::Chunks(0).ranges(&p, &short),
+            Err(GpuError::Unsupported { argument: "schedule", .. })
+        ));
     }
 
     #[test]

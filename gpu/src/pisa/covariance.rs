@@ -239,7 +239,7 @@ pub fn covariance_select_device<T: GpuElement>(
         gamma_scale,
     )?;
     let cfg = LaunchConfig {
-        grid_dim: grid(selector.grid_x, spec.n_heads_kv, plan.batch)?,
+        grid_dim: grid(selector.grid_x(plan.query_blocks), spec.n_heads_kv, plan.batch)?,
         block_dim: (selector.threads, 1, 1),
         shared_mem_bytes: selector.shared_bytes as u32,
     };

@@ -6,7 +6,8 @@
 //! The property suites draw the harness's shapes (no mask or causal, Lq ≠ Lk, varlen with empty sequences, GQA
 //! groups of 1 to 16), both block sizes on each side, every `top_k` up to the key blocks, forced first and local
 //! blocks, and in half the draws copy key blocks onto others so that exact ties sit at the top-k boundary on purpose.
-//! Each draw runs twice on the same input (the same bits both times) and ends with the block-sparse forward over the
+//! Each draw runs twice on the same input, under its drawn schedule (the query blocks pooled and selected in one to
+//! five ranges on two streams) and under the serial one, which must give the same bits, and ends with the block-sparse forward over the
 //! selected lists, verified against the oracle. Without a device each test prints `skipped: no CUDA device` and
 //! passes.
 
@@ -16,7 +17,8 @@ use std::sync::Arc;
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
 use attnproof_gpu::block_sparse::select::{
-    BSA_SELECT, STREAM_MAX_TOP_K, lists_shape, select_blocks, select_blocks_device, workspace_len,
+    BSA_SELECT, STREAM_MAX_TOP_K, SelectSchedule, lists_shape, select_blocks, select_blocks_device,
+    select_blocks_device_scheduled, workspace_len,
 };
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
@@ -50,6 +52,9 @@ pub struct SelectionDraw {
     pub seed: u64,
     /// Exact ties made on purpose.
     pub ties: Ties,
+    /// The block selector's launch order (the query blocks pooled and selected in ranges on two streams, or all at
+    /// once); E24's selector, which draws these problems too, has one order.
+    pub schedule: SelectSchedule,
 }
 
 /// How a draw makes exact ties between key blocks.
@@ -129,16 +134,32 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
     let key_blocks = |spec: &AttentionSpec, kv_block: usize| {
         spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0)
     };
-    (selection_spec(), sizes.clone(), sizes, profile(), any::<u64>(), prop::sample::select(Ties::ALL.to_vec()))
+    // Three and five ranges leave ranges of unequal size; Auto is one range at these lengths.
+    let schedules = prop::sample::select(vec![
+        SelectSchedule::Auto,
+        SelectSchedule::Chunks(1),
+        SelectSchedule::Chunks(2),
+        SelectSchedule::Chunks(3),
+        SelectSchedule::Chunks(5),
+    ]);
+    let ties = prop::sample::select(Ties::ALL.to_vec());
+    (selection_spec(), sizes.clone(), sizes, profile(), any::<u64>(), ties, schedules)
         // A selector needs a key block to choose from (`top_k` is at least 1 and at most the key blocks).
         .prop_filter("no key at all", move |(spec, _, kv_block, ..)| key_blocks(spec, *kv_block) > 0)
-        .prop_flat_map(move |(spec, q_block, kv_block, profile, seed, ties)| {
+        .prop_flat_map(move |(spec, q_block, kv_block, profile, seed, ties, schedule)| {
             let key_blocks = key_blocks(&spec, kv_block);
             (1..=key_blocks, any::<bool>(), 0..=2usize).prop_filter_map(
                 "forced blocks must fit in top_k",
                 move |(top_k, force_first, force_local)| {
                     let config = BsaConfig { q_block, kv_block, top_k, force_first, force_local };
-                    config.validate().ok().map(|()| SelectionDraw { spec: spec.clone(), config, profile, seed, ties })
+                    config.validate().ok().map(|()| SelectionDraw {
+                        spec: spec.clone(),
+                        config,
+                        profile,
+                        seed,
+                        ties,
+                        schedule,
+                    })
                 },
             )
         })
@@ -181,13 +202,14 @@ fn set_key<T: Clone>(
     }
 }
 
-/// One guarded selection on the device: the lists buffer NaN-free but poisoned with a sentinel and followed by a
-/// guard band; the lists come back checked.
+/// One guarded selection on the device under `schedule`: the lists buffer NaN-free but poisoned with a sentinel and
+/// followed by a guard band; the lists come back checked.
 fn select_guarded<T: Storage>(
     stream: &Arc<CudaStream>,
     case: &Case<T>,
     config: &BsaConfig,
     kernel: KernelSource,
+    schedule: SelectSchedule,
 ) -> Result<Array4<i32>, String> {
     let spec = &case.spec;
     let err = |e: &dyn std::fmt::Display| e.to_string();
@@ -197,7 +219,8 @@ fn select_guarded<T: Storage>(
     // A sentinel no valid list holds (below −1), then the guard band.
     let mut lists = poisoned(stream, n, i32::MIN, 0x5a5a_5a5a).map_err(|e| err(&e))?;
     let mut pooled = stream.alloc_zeros::<f64>(workspace_len(spec, config).max(1)).map_err(|e| err(&e))?;
-    select_blocks_device(stream, spec, config, kernel, &q, &k, &mut pooled, &mut lists).map_err(|e| err(&e))?;
+    select_blocks_device_scheduled(stream, spec, config, kernel, (&q, &k), &mut pooled, &mut lists, schedule)
+        .map_err(|e| err(&e))?;
     let back = stream.clone_dtoh(&lists).map_err(|e| err(&e))?;
     stream.synchronize().map_err(|e| err(&e))?;
     let lists = unguard("lists", back, n, &shape, |x: i32| x == 0x5a5a_5a5a).map_err(|e| err(&e))?;
@@ -279,9 +302,10 @@ fn check_draw<T: Storage>(
 ) -> Result<(), TestCaseError> {
     let mut case = make_case::<T>(&draw.spec, draw.profile, draw.seed);
     case = with_tied_blocks(case, draw.config.kv_block, draw.ties);
-    let first = select_guarded(stream, &case, &draw.config, kernel).map_err(TestCaseError::fail)?;
-    let again = select_guarded(stream, &case, &draw.config, kernel).map_err(TestCaseError::fail)?;
-    prop_assert!(first == again, "the same input gave different lists");
+    let first = select_guarded(stream, &case, &draw.config, kernel, draw.schedule).map_err(TestCaseError::fail)?;
+    let serial = SelectSchedule::Chunks(1);
+    let again = select_guarded(stream, &case, &draw.config, kernel, serial).map_err(TestCaseError::fail)?;
+    prop_assert!(first == again, "the same input gave different lists under {:?} and {serial:?}", draw.schedule);
     let verdict: SelectionVerdict = verify_block_selection(&case, &draw.config, first.view())
         .map_err(|e| TestCaseError::fail(format!("verification: {e}")))?;
     prop_assert!(verdict.passed(), "{}", verdict.failures.join("\n"));
@@ -358,10 +382,10 @@ fn selection_equals_the_oracles_f16() {
 
 /// Replayed without a device: the suites draw ties, causal and unmasked problems, GQA groups above 1, every
 /// `top_k` from 1 to above 2, lists for both kernels (up to [`STREAM_MAX_TOP_K`] wide and wider), forced first and
-/// local blocks.
+/// local blocks, and schedules of several ranges over more than 8 query blocks.
 #[test]
 fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
-    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize, 0usize));
+    let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize, 0usize, 0usize));
     for suite in &SELECTION_SUITES {
         let config = default_run_config(suite.name, suite.cases, suite.seed);
         let (tally, result) = suite.run(config, |d| {
@@ -372,6 +396,9 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
             s.3 += usize::from(d.config.force_local > 0);
             s.4 += usize::from(d.config.q_block != d.config.kv_block);
             s.5 += usize::from(d.config.top_k > STREAM_MAX_TOP_K);
+            // Overlapped for real: more than one range of 8 query blocks.
+            let query_blocks = d.spec.sequences().iter().map(|q| d.config.query_blocks(q)).max().unwrap_or(0);
+            s.6 += usize::from(matches!(d.schedule, SelectSchedule::Chunks(n) if n > 1) && query_blocks > 8);
             Ok(())
         });
         assert!(result.is_ok(), "{result:?}");
@@ -381,7 +408,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
         );
     }
     let s = seen.into_inner();
-    assert!(s.0 > 0 && s.1 > 0 && s.2 > 0 && s.3 > 0 && s.4 > 0 && s.5 > 0, "{s:?}");
+    assert!(s.0 > 0 && s.1 > 0 && s.2 > 0 && s.3 > 0 && s.4 > 0 && s.5 > 0 && s.6 > 0, "{s:?}");
 }
 
 /// Every key block identical: every score ties, so the lists are the forced blocks and then the lowest indices.
@@ -401,7 +428,7 @@ fn all_tied_blocks_select_the_lowest_indices() {
         }
     }
     let config = BsaConfig { q_block: 128, kv_block: 128, top_k: 3, force_first: false, force_local: 1 };
-    let lists = select_guarded(&stream, &case, &config, BSA_SELECT).expect("selection");
+    let lists = select_guarded(&stream, &case, &config, BSA_SELECT, SelectSchedule::Auto).expect("selection");
     // Query blocks 0 and 1 see key blocks 0..=3 and 0..=4 (Lk − Lq = 384): forced last eligible, then 0, 1.
     assert_eq!(
         lists.index_axis(Axis(0), 0).index_axis(Axis(0), 1).iter().copied().collect::<Vec<_>>(),
@@ -451,7 +478,10 @@ fn bad_selection_input_is_a_typed_error() {
 /// a third with lists wider than [`STREAM_MAX_TOP_K`] (the rounds kernel), causal over two sequences of which the
 /// second has fewer key blocks than the width (padded lists), forced first and local blocks; a fourth without a mask
 /// over 65 key blocks (two tiles of the streaming kernel, the second with one block) whose pooled scores grow with the
-/// block index, so that the last blocks of both tiles are chosen.
+/// block index, so that the last blocks of both tiles are chosen; a fifth causal over 25 query blocks in the three
+/// ranges of [`KILLING_SCHEDULE`] (8, 8 and 9 blocks), a GQA group of 3, one query column growing with the position
+/// so that the lists of all-zero pooled queries (a range never pooled) are not the right ones; a sixth causal over 41
+/// query blocks in three ranges with lists 34 wide (the rounds kernel).
 pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
     let spec = dense(1, 3, 1, 300, 300, 64, 64, Mask::Causal);
     let mut tied = make_case::<bf16>(&spec, gaussian(1.0), 31);
@@ -478,22 +508,38 @@ pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
         growing.k.index_axis_mut(Axis(2), j).index_axis_mut(Axis(2), 0).fill(bf16::from_f32(4.0 * j as f32 / 4100.0));
     }
     let last_tiles = BsaConfig { q_block: 64, kv_block: 64, top_k: 16, force_first: false, force_local: 0 };
+    let spec = dense(1, 3, 1, 1600, 1600, 64, 64, Mask::Causal);
+    let mut ranged = make_case::<bf16>(&spec, gaussian(1.0), 35);
+    for i in 0..1600 {
+        ranged.q.index_axis_mut(Axis(2), i).index_axis_mut(Axis(2), 1).fill(bf16::from_f32(3.0 * i as f32 / 1600.0));
+    }
+    let three_ranges = BsaConfig { q_block: 64, kv_block: 64, top_k: 3, force_first: true, force_local: 1 };
+    let spec = dense(1, 2, 1, 2600, 2600, 64, 64, Mask::Causal);
+    let wide_ranged = make_case::<bf16>(&spec, gaussian(1.0), 36);
+    let wide_three_ranges =
+        BsaConfig { q_block: 64, kv_block: 64, top_k: STREAM_MAX_TOP_K + 2, force_first: false, force_local: 0 };
     vec![
         ("causal_gqa3_forced_ties", tied, forced),
         ("no_mask_two_sequences", plain, unforced),
         ("causal_wide_lists_varlen", wide, rounds),
         ("no_mask_growing_scores_two_tiles", growing, last_tiles),
+        ("causal_gqa3_three_ranges", ranged, three_ranges),
+        ("causal_wide_lists_three_ranges", wide_ranged, wide_three_ranges),
     ]
 }
 
-/// Runs the selector `kernel` on a killing case; `Ok(())` when its lists pass the verification.
+/// The killing cases' schedule: three ranges where a case has at least three units of 8 query blocks.
+const KILLING_SCHEDULE: SelectSchedule = SelectSchedule::Chunks(3);
+
+/// Runs the selector `kernel` on a killing case under [`KILLING_SCHEDULE`]; `Ok(())` when its lists pass the
+/// verification.
 pub fn check_selection(
     stream: &Arc<CudaStream>,
     kernel: KernelSource,
     case: &(Case<bf16>, BsaConfig),
 ) -> Result<(), String> {
     let (case, config) = case;
-    let lists = select_guarded(stream, case, config, kernel)?;
+    let lists = select_guarded(stream, case, config, kernel, KILLING_SCHEDULE)?;
     let verdict = verify_block_selection(case, config, lists.view()).map_err(|e| e.to_string())?;
     if verdict.passed() { Ok(()) } else { Err(verdict.failures[0].clone()) }
 }

@@ -1244,8 +1244,29 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bsa-stream-grid-skips-first-group",
         description: "The heavy-first order is off by one CTA: the first eight query blocks get no list",
-        find: "const int a0 = (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;",
-        replace: "const int a0 = (gridDim.x - blockIdx.x) * STREAM_QUERIES;",
+        find: "const int a0 = params.first_query_block + (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;",
+        replace: "const int a0 = params.first_query_block + (gridDim.x - blockIdx.x) * STREAM_QUERIES;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-stream-range-offset-dropped",
+        description: "The streaming kernel ignores its launch's first query block: every range selects the first blocks",
+        find: "const int a0 = params.first_query_block + (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;",
+        replace: "const int a0 = (gridDim.x - 1 - blockIdx.x) * STREAM_QUERIES;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-pool-range-offset-dropped",
+        description: "The query pooling ignores its launch's first query block: only the first range's blocks are pooled",
+        find: "const int a = params.first_query_block + blockIdx.x, h = blockIdx.y, seq = blockIdx.z;",
+        replace: "const int a = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-select-range-offset-dropped",
+        description: "The rounds kernel ignores its launch's first query block: the later ranges' lists are never written",
+        find: "const int a = params.first_query_block + blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;",
+        replace: "const int a = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;",
         ..BSA_SELECT
     },
     Mutant {
