@@ -25,6 +25,16 @@
 //! at 256K keys and 128-key blocks that is 2048 scores. Both choose the same lists (the top-k of a total order), and
 //! the property suites draw widths on both sides of the limit. The pooled keys and queries go to a caller-owned f64
 //! workspace of [`workspace_len`] elements.
+//!
+//! # Schedule
+//!
+//! The query pooling reads all of Q once and is bound by memory bandwidth; the selection reads only pooled vectors
+//! and is bound by the latency of its shared-memory loads. On long problems ([`SelectSchedule::Auto`]) the wrapper
+//! therefore pools and selects the query blocks in ranges, the last range first, each range's selection on a second
+//! stream of the highest priority behind an event of that range's pooling, so that the two kinds of work share the
+//! multiprocessors; the second stream is joined back into the caller's before the call returns. The lists are the
+//! same bits under every schedule (each query block is computed by the same arithmetic), which the property suites
+//! check by running each draw under its drawn schedule and under the serial one.
 
 use std::sync::Arc;
 
@@ -194,7 +204,8 @@ pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuE
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SelectSchedule {
     /// [`SelectSchedule::Chunks`] of [`OVERLAP_CHUNKS`] where the query pooling is long enough for the overlap to pay
-    /// (at least [`OVERLAP_MIN_POOLED_BLOCKS`] pooled query blocks over all heads and sequences), else one chunk.
+    /// (at least [`OVERLAP_MIN_POOLED_BLOCKS`] pooled query blocks over all heads and sequences), else one chunk. While
+    /// [`OVERLAP_CHUNKS`] is 1 (until a device measurement shows the overlap paying), one chunk always.
     #[default]
     Auto,
     /// The query blocks in this many ranges of about equal size (in units of the streaming selector's 8 query blocks;
@@ -207,8 +218,9 @@ pub enum SelectSchedule {
     Chunks(usize),
 }
 
-/// The chunks of [`SelectSchedule::Auto`] where it overlaps.
-pub const OVERLAP_CHUNKS: usize = 4;
+/// The chunks of [`SelectSchedule::Auto`] on long problems: 1 (serial) until `bin/bench --select-chunks` has timed
+/// the overlapped schedules on a device (docs/gpu-performance.md, "overlapped on two streams").
+pub const OVERLAP_CHUNKS: usize = 1;
 /// The pooled query blocks (query blocks × query heads × sequences) from which [`SelectSchedule::Auto`] overlaps: below
 /// it the whole selection takes tens of microseconds, and a second stream's events cost more than they hide.
 pub const OVERLAP_MIN_POOLED_BLOCKS: usize = 16384;
@@ -502,7 +514,7 @@ mod tests {
         let spec = AttentionSpec::dense(1, 16, 2, 262_144, 262_144, 128, 128).with_mask(Mask::Causal);
         let long = BsaConfig { q_block: 128, kv_block: 128, top_k: 8, force_first: false, force_local: 0 };
         let p = plan(&spec, &long).unwrap();
-        assert_eq!(SelectSchedule::Auto.ranges(&p, &spec).unwrap().len(), OVERLAP_CHUNKS);
+        assert_eq!(SelectSchedule::Auto.ranges(&p, &spec).unwrap().len(), OVERLAP_CHUNKS.min(2048 / 8));
         assert_eq!(SelectSchedule::Chunks(1).ranges(&p, &spec).unwrap(), vec![(0, 2048)]);
         assert_eq!(SelectSchedule::Chunks(3).ranges(&p, &spec).unwrap().len(), 3);
         let short = AttentionSpec::dense(1, 16, 2, 1000, 1000, 128, 128);
