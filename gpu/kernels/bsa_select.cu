@@ -8,8 +8,8 @@
 //   bsa_pool_queries  likewise per (query block, query head, sequence): q̄_{a,h}, written to the workspace's pooled
 //                   queries [B, Hq, n_q, d] (from element pooled_queries_at on).
 //   bsa_select_stream  for lists up to STREAM_MAX_TOP_K wide: one CTA per 8 query blocks of a (KV head, sequence),
-//                   pooled keys in shared-memory tiles read once for the 8, a running list of the best candidates per
-//                   query block in a warp's registers (its own section below).
+//                   pooled keys in shared-memory tiles read once for the 8 and scored on the f64 tensor cores, a
+//                   running list of the best candidates per query block in a warp's registers (its own section below).
 //   bsa_select      for wider lists: one CTA per (query block, KV head, sequence) holding that query block's scores.
 // Both selectors take the group's mean-pooled queries summed over the group, q̃_a = Σ_h q̄_{a,h} (f64, heads in
 // ascending order), and the pooled score of every eligible key block
@@ -22,7 +22,7 @@
 // Determinism: every sum is taken in a fixed order that does not depend on the block's position or on which warp
 // computes it (for the means, interleaved row groups each in ascending order, then the groups in ascending order;
 // heads in ascending order for the group sum; for bsa_select's dot product a lane's columns in ascending order, then
-// the xor-shuffle tree, for bsa_select_stream's one fma chain over the columns in ascending order). Two key blocks
+// the xor-shuffle tree, for bsa_select_stream's tensor-core accumulation in ascending steps of 4 columns). Two key blocks
 // with bitwise equal keys therefore get bitwise equal scores, and their tie breaks to the lower index exactly as the oracle's does.
 //
 // Chunks: the host may pool and select the query blocks in ranges, the last range first, each range's selection on a
@@ -317,16 +317,17 @@ bsa_select(const double* __restrict__ pooled, int* __restrict__ lists, const int
 //
 // One CTA per STREAM_QUERIES consecutive query blocks of one (KV head, sequence). It walks the eligible key blocks in
 // tiles of STREAM_KEYS: the tile's pooled keys go to shared memory once for all the CTA's query blocks (where
-// bsa_select reads every pooled key once per query block, which bounds it by the L2's bandwidth), every thread scores
-// one key block of the tile against two of the query blocks, and each query block's warp merges the tile's scores
+// bsa_select reads every pooled key once per query block, which bounds it by the L2's bandwidth), each warp scores
+// 8 key blocks of the tile against the 8 query blocks, and each query block's warp merges the tile's scores
 // into a running list of its best `room` candidates, one per lane, in registers. Nothing but the current tile's
 // scores is ever stored. The merge keeps exactly the `room` best candidates seen so far in the order of `better`, so
 // the final list does not depend on the order candidates arrive in: it is the top-k rounds' choice.
 //
-// The dot product of query block a and key block b is a single fma chain over the columns in ascending order, then
-// the scale: a fixed order that does not depend on the blocks' positions, so bitwise equal key blocks still score
-// bitwise equal (the scores differ from bsa_select's in their last bits, both inside the bound of
-// proofs/src/bsa_bound.rs, which assumes no order).
+// The dot product of query block a and key block b is one f64 tensor-core accumulation over the columns in steps of
+// 4, ascending (PTX's mma.m8n8k4 .f64: IEEE double, round to nearest), then the scale: a fixed evaluation that does
+// not depend on the blocks' positions in the tile, so bitwise equal key blocks still score bitwise equal (the scores
+// may differ from bsa_select's in their last bits, both inside the bound of proofs/src/bsa_bound.rs, which assumes no
+// order and at most one rounding per operation).
 #define STREAM_THREADS 256
 #define STREAM_WARPS (STREAM_THREADS / 32)
 #define STREAM_QUERIES 8
@@ -407,13 +408,12 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
         count[m] = 0;
     }
     const double* k_pool = pooled + ((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks * d;
-    // A thread scores key block `key` of the tile against query blocks `query0` and `query0 + 1`: a warp's 32 lanes
-    // cover 8 key blocks and 4 pairs of query blocks, so that each of its shared-memory loads reads 8 distinct key
-    // rows or 4 distinct query rows, which the row padding puts in distinct banks (one wavefront per load), and at
-    // d = 128 an SM holds two CTAs of 8 warps: the scores' loads wait on shared memory, and 16 warps hide that
-    // latency where 8 did not.
-    const int key = (STREAM_KEYS / STREAM_WARPS) * warp + lane % (STREAM_KEYS / STREAM_WARPS);
-    const int query0 = 2 * (lane / (STREAM_KEYS / STREAM_WARPS));
+    // Warp w scores key blocks [8w, 8w + 8) of each tile against the CTA's 8 query blocks as one f64 tensor-core
+    // product (mma.m8n8k4.f64, an 8 × 8 tile per warp): A the query tile, row g = lane / 4; B the warp's 8 key rows;
+    // the columns in steps of 4, ascending. Lane (g, t) ends with the scores of query block g against key blocks
+    // 8w + 2t and 8w + 2t + 1. At d = 128 that is 32 instructions and 64 shared-memory loads per warp and tile, where
+    // an fma chain per (query, key) pair took 16 times the loads (the kernel was bound by their latency).
+    const int g = lane >> 2, t = lane & 3;
     for (int tile0 = 0; tile0 < key_end; tile0 += STREAM_KEYS) {
         const int tile_rows = min(STREAM_KEYS, key_end - tile0);
         // The tile's pooled keys, 16 bytes per copy, all in flight at once (rows past the range read as zeros).
@@ -426,27 +426,24 @@ bsa_select_stream(const double* __restrict__ pooled, int* __restrict__ lists, co
         cp_async_wait_all();
         __syncthreads();
         {
-            const double* k_row = k_tile + key * row;
-            const double* q_row = q_tile + query0 * row;
+            const double* q_row = q_tile + g * row + t;
+            const double* k_row = k_tile + (8 * warp + g) * row + t;
             double acc[2] = {0.0, 0.0};
-#pragma unroll 4
-            for (int c = 0; c < d; c += 2) {
-                const double2 kk = *reinterpret_cast<const double2*>(k_row + c);
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const double2 qq = *reinterpret_cast<const double2*>(q_row + r * row + c);
-                    acc[r] = fma(qq.x, kk.x, acc[r]);
-                    acc[r] = fma(qq.y, kk.y, acc[r]);
-                }
+#pragma unroll 8
+            for (int c = 0; c < d; c += 4) {
+                const double a = q_row[c], b = k_row[c];
+                asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};"
+                    : "+d"(acc[0]), "+d"(acc[1])
+                    : "d"(a), "d"(b));
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 // The spread term only where it is read: a key block in the range and a query block of the grid.
-                const int a = a0 + query0 + r, b = tile0 + key;
+                const int key = 8 * warp + 2 * t + r;
+                const int a = a0 + g, b = tile0 + key;
                 const bool scored = b < key_end && a < params.n_query_blocks;
                 const double pooled_score = params.scale * acc[r];
-                tile_scores[(query0 + r) * STREAM_KEYS + key] =
-                    scored ? WITH_COVARIANCE(pooled_score, a, b) : pooled_score;
+                tile_scores[g * STREAM_KEYS + key] = scored ? WITH_COVARIANCE(pooled_score, a, b) : pooled_score;
             }
         }
         __syncthreads();

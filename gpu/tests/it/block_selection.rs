@@ -92,22 +92,24 @@ pub fn selection_spec() -> impl Strategy<Value = AttentionSpec> {
     let dim = prop::sample::select(vec![8usize, 64, 128, 136, 256]);
     let layout = prop_oneof![
         // Many key blocks (up to 67 of 64 keys): lists wider than `STREAM_MAX_TOP_K`, which the selector builds with
-        // its other kernel, are drawn as often as narrow ones.
-        (300usize..700, 2100usize..4300).prop_map(|(len_q, len_k)| attnproof_oracle::Layout::Dense {
+        // its other kernel, are drawn as often as narrow ones (this arm twice as often as each other).
+        // Queries over more than 8 query blocks of 64 in most of these draws, so that wide lists under a schedule of
+        // several ranges come up in every suite.
+        2 => (500usize..1300, 2100usize..4300).prop_map(|(len_q, len_k)| attnproof_oracle::Layout::Dense {
             batch: 1,
             len_q,
             len_k
         }),
-        (1usize..=2, length.clone(), length.clone())
+        1 => (1usize..=2, length.clone(), length.clone())
             .prop_map(|(batch, len_q, len_k)| attnproof_oracle::Layout::Dense { batch, len_q, len_k }),
         // Self-attention, the common case: under the causal mask a query block's last visible key then ends a block
         // whenever the block sizes divide each other, so the next block starts one key past the eligible range.
-        (1usize..=2, length.clone()).prop_map(|(batch, len)| attnproof_oracle::Layout::Dense {
+        1 => (1usize..=2, length.clone()).prop_map(|(batch, len)| attnproof_oracle::Layout::Dense {
             batch,
             len_q: len,
             len_k: len
         }),
-        prop::collection::vec((0usize..700, 1usize..1400), 1..=3).prop_map(|lens| {
+        1 => prop::collection::vec((0usize..700, 1usize..1400), 1..=3).prop_map(|lens| {
             let mut cu_q = vec![0i32];
             let mut cu_k = vec![0i32];
             for (lq, lk) in lens {
@@ -134,21 +136,23 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
     let key_blocks = |spec: &AttentionSpec, kv_block: usize| {
         spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0)
     };
-    // Three and five ranges leave ranges of unequal size; Auto is one range at these lengths.
-    let schedules = prop::sample::select(vec![
-        SelectSchedule::Auto,
-        SelectSchedule::Chunks(1),
-        SelectSchedule::Chunks(2),
-        SelectSchedule::Chunks(3),
-        SelectSchedule::Chunks(5),
-    ]);
+    // Two to five ranges in two draws of three (three and five leave ranges of unequal size); Auto is one range at
+    // these lengths.
+    let schedules = prop_oneof![
+        1 => Just(SelectSchedule::Auto),
+        1 => Just(SelectSchedule::Chunks(1)),
+        4 => (2usize..=5).prop_map(SelectSchedule::Chunks),
+    ];
     let ties = prop::sample::select(Ties::ALL.to_vec());
     (selection_spec(), sizes.clone(), sizes, profile(), any::<u64>(), ties, schedules)
         // A selector needs a key block to choose from (`top_k` is at least 1 and at most the key blocks).
         .prop_filter("no key at all", move |(spec, _, kv_block, ..)| key_blocks(spec, *kv_block) > 0)
         .prop_flat_map(move |(spec, q_block, kv_block, profile, seed, ties, schedule)| {
             let key_blocks = key_blocks(&spec, kv_block);
-            (1..=key_blocks, any::<bool>(), 0..=2usize).prop_filter_map(
+            // Every width, or (half the draws) one past the streaming kernel's limit up to every key block: wide
+            // lists, full ones and, under the causal mask, wide lists padded with -1 come up in every suite.
+            let width = prop_oneof![1..=key_blocks, (STREAM_MAX_TOP_K + 1).min(key_blocks)..=key_blocks];
+            (width, any::<bool>(), 0..=2usize).prop_filter_map(
                 "forced blocks must fit in top_k",
                 move |(top_k, force_first, force_local)| {
                     let config = BsaConfig { q_block, kv_block, top_k, force_first, force_local };
@@ -388,6 +392,10 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
     let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize, 0usize, 0usize));
     for suite in &SELECTION_SUITES {
         let config = default_run_config(suite.name, suite.cases, suite.seed);
+        // Wide lists (the rounds kernel) under several ranges, and wide lists padded with -1 (a query block that sees
+        // fewer blocks than the width), in each suite: its general-suite hunt needs both.
+        let wide_ranged = std::cell::Cell::new(0usize);
+        let wide_padded = std::cell::Cell::new(0usize);
         let (tally, result) = suite.run(config, |d| {
             let mut s = seen.borrow_mut();
             s.0 += usize::from(d.spec.group_size() > 1);
@@ -398,9 +406,19 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
             s.5 += usize::from(d.config.top_k > STREAM_MAX_TOP_K);
             // Overlapped for real: more than one range of 8 query blocks.
             let query_blocks = d.spec.sequences().iter().map(|q| d.config.query_blocks(q)).max().unwrap_or(0);
-            s.6 += usize::from(matches!(d.schedule, SelectSchedule::Chunks(n) if n > 1) && query_blocks > 8);
+            let ranged = matches!(d.schedule, SelectSchedule::Chunks(n) if n > 1) && query_blocks > 8;
+            s.6 += usize::from(ranged);
+            wide_ranged.set(wide_ranged.get() + usize::from(ranged && d.config.top_k > STREAM_MAX_TOP_K));
+            let causal = matches!(d.spec.mask, Mask::Causal);
+            let padded =
+                d.spec.sequences().iter().any(|q| {
+                    (0..d.config.query_blocks(q)).any(|a| d.config.eligible_end(q, a, causal) < d.config.top_k)
+                });
+            wide_padded.set(wide_padded.get() + usize::from(padded && d.config.top_k > STREAM_MAX_TOP_K));
             Ok(())
         });
+        assert!(wide_ranged.get() > 0, "{}: no wide lists under several ranges", suite.name);
+        assert!(wide_padded.get() > 0, "{}: no padded wide lists", suite.name);
         assert!(result.is_ok(), "{result:?}");
         assert!(
             tally.tied_draws > 0 && tally.causal_draws > 0 && tally.causal_draws < suite.cases as usize,

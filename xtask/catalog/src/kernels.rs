@@ -1272,8 +1272,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bsa-stream-score-reads-next-key",
         description: "The streaming kernel scores each key block of a tile with the next block's pooled keys",
-        find: "const double* k_row = k_tile + key * row;",
-        replace: "const double* k_row = k_tile + min(key + 1, STREAM_KEYS - 1) * row;",
+        find: "const double* k_row = k_tile + (8 * warp + g) * row + t;",
+        replace: "const double* k_row = k_tile + min(8 * warp + g + 1, STREAM_KEYS - 1) * row + t;",
         ..BSA_SELECT
     },
     Mutant {
