@@ -29,12 +29,14 @@
 //! # Schedule
 //!
 //! The query pooling reads all of Q once and is bound by memory bandwidth; the selection reads only pooled vectors
-//! and is bound by the latency of its shared-memory loads. On long problems ([`SelectSchedule::Auto`]) the wrapper
-//! therefore pools and selects the query blocks in ranges, the last range first, each range's selection on a second
-//! stream of the highest priority behind an event of that range's pooling, so that the two kinds of work share the
-//! multiprocessors; the second stream is joined back into the caller's before the call returns. The lists are the
-//! same bits under every schedule (each query block is computed by the same arithmetic), which the property suites
-//! check by running each draw under its drawn schedule and under the serial one.
+//! and is bound by the latency of its shared-memory loads. [`SelectSchedule::Chunks`] pools and selects the query
+//! blocks in ranges, the last range first, each range's selection on a second stream of the highest priority behind
+//! an event of that range's pooling, so that the two kinds of work could share the multiprocessors; the second stream
+//! is joined back into the caller's before the call returns. Measured on an H100 it is slower than the serial
+//! schedule (docs/gpu-performance.md, "overlapped on two streams": the selection's CTAs cannot start beside the
+//! pooling's), so the default, [`SelectSchedule::Serial`], runs every launch on the caller's stream in order. The lists
+//! are the same bits under every schedule (each query block is computed by the same arithmetic), which the property
+//! suites check by running each draw under its drawn schedule and under the serial one.
 
 use std::sync::Arc;
 
@@ -203,11 +205,9 @@ pub(crate) fn grid(x: usize, y: usize, z: usize) -> Result<(u32, u32, u32), GpuE
 /// pooled and selected by the same arithmetic whichever launch covers it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SelectSchedule {
-    /// [`SelectSchedule::Chunks`] of [`OVERLAP_CHUNKS`] where the query pooling is long enough for the overlap to pay
-    /// (at least [`OVERLAP_MIN_POOLED_BLOCKS`] pooled query blocks over all heads and sequences), else one chunk. While
-    /// [`OVERLAP_CHUNKS`] is 1 (until a device measurement shows the overlap paying), one chunk always.
+    /// Every launch on the caller's stream, in order (the same as one chunk).
     #[default]
-    Auto,
+    Serial,
     /// The query blocks in this many ranges of about equal size (in units of the streaming selector's 8 query blocks;
     /// fewer ranges when there are fewer units), the last range first. Each range's queries are pooled on the
     /// caller's stream and selected on a second stream of the highest priority, behind an event of that pooling, so
@@ -218,21 +218,11 @@ pub enum SelectSchedule {
     Chunks(usize),
 }
 
-/// The chunks of [`SelectSchedule::Auto`] on long problems: 1 (serial) until `bin/bench --select-chunks` has timed
-/// the overlapped schedules on a device (docs/gpu-performance.md, "overlapped on two streams").
-pub const OVERLAP_CHUNKS: usize = 1;
-/// The pooled query blocks (query blocks × query heads × sequences) from which [`SelectSchedule::Auto`] overlaps: below
-/// it the whole selection takes tens of microseconds, and a second stream's events cost more than they hide.
-pub const OVERLAP_MIN_POOLED_BLOCKS: usize = 16384;
-
 impl SelectSchedule {
-    /// The number of query-block ranges for `plan` and `spec` (at least 1, at most the 8-block units).
-    fn ranges(self, plan: &Plan, spec: &AttentionSpec) -> Result<Vec<(usize, usize)>, GpuError> {
+    /// The query-block ranges of `plan` (at least 1, at most the 8-block units), the last first.
+    fn ranges(self, plan: &Plan) -> Result<Vec<(usize, usize)>, GpuError> {
         let chunks = match self {
-            SelectSchedule::Auto => {
-                let pooled = plan.query_blocks * spec.n_heads_q * plan.batch;
-                if pooled >= OVERLAP_MIN_POOLED_BLOCKS { OVERLAP_CHUNKS } else { 1 }
-            }
+            SelectSchedule::Serial => 1,
             SelectSchedule::Chunks(0) => {
                 return Err(GpuError::Unsupported { argument: "schedule", reason: "zero chunks".into() });
             }
@@ -256,8 +246,8 @@ fn query_ranges(query_blocks: usize, chunks: usize) -> Vec<(usize, usize)> {
 
 /// Selects the blocks of `spec` under `config` on device buffers: `q`, `k` hold Q and K in the spec's layout,
 /// `pooled` at least [`workspace_len`] f64 (overwritten), and the lists go to the first [`lists_shape`] elements of
-/// `lists`. Every check runs before the first launch; the launches are asynchronous on `stream`. The schedule is
-/// [`SelectSchedule::Auto`].
+/// `lists`. Every check runs before the first launch; the launches are asynchronous on `stream`, in the serial
+/// schedule.
 #[allow(clippy::too_many_arguments)]
 pub fn select_blocks_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
@@ -269,7 +259,7 @@ pub fn select_blocks_device<T: GpuElement>(
     pooled: &mut CudaSlice<f64>,
     lists: &mut CudaSlice<i32>,
 ) -> Result<(), GpuError> {
-    select_blocks_device_scheduled(stream, spec, config, kernel, (q, k), pooled, lists, SelectSchedule::Auto)
+    select_blocks_device_scheduled(stream, spec, config, kernel, (q, k), pooled, lists, SelectSchedule::Serial)
 }
 
 /// [`select_blocks_device`] under `schedule`. When it overlaps, the work on `stream` after this call waits for all of
@@ -291,7 +281,7 @@ pub fn select_blocks_device_scheduled<T: GpuElement>(
     check_len("k", k, size(Operand::K))?;
     check_len("pooled", pooled, workspace_len(spec, config))?;
     check_len("lists", lists, lists_shape(spec, config).iter().product())?;
-    let ranges = schedule.ranges(&plan, spec)?;
+    let ranges = schedule.ranges(&plan)?;
     if plan.query_blocks == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
         return Ok(());
     }
@@ -514,14 +504,11 @@ mod tests {
         let spec = AttentionSpec::dense(1, 16, 2, 262_144, 262_144, 128, 128).with_mask(Mask::Causal);
         let long = BsaConfig { q_block: 128, kv_block: 128, top_k: 8, force_first: false, force_local: 0 };
         let p = plan(&spec, &long).unwrap();
-        assert_eq!(SelectSchedule::Auto.ranges(&p, &spec).unwrap().len(), OVERLAP_CHUNKS.min(2048 / 8));
-        assert_eq!(SelectSchedule::Chunks(1).ranges(&p, &spec).unwrap(), vec![(0, 2048)]);
-        assert_eq!(SelectSchedule::Chunks(3).ranges(&p, &spec).unwrap().len(), 3);
-        let short = AttentionSpec::dense(1, 16, 2, 1000, 1000, 128, 128);
-        let p = plan(&short, &long).unwrap();
-        assert_eq!(SelectSchedule::Auto.ranges(&p, &short).unwrap(), vec![(0, 8)], "too small to overlap");
+        assert_eq!(SelectSchedule::Serial.ranges(&p).unwrap(), vec![(0, 2048)]);
+        assert_eq!(SelectSchedule::Chunks(1).ranges(&p).unwrap(), vec![(0, 2048)]);
+        assert_eq!(SelectSchedule::Chunks(3).ranges(&p).unwrap(), vec![(1360, 2048), (680, 1360), (0, 680)]);
         assert!(matches!(
-            SelectSchedule::Chunks(0).ranges(&p, &short),
+            SelectSchedule::Chunks(0).ranges(&p),
             Err(GpuError::Unsupported { argument: "schedule", .. })
         ));
     }

@@ -136,10 +136,9 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
     let key_blocks = |spec: &AttentionSpec, kv_block: usize| {
         spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0)
     };
-    // Two to five ranges in two draws of three (three and five leave ranges of unequal size); Auto is one range at
-    // these lengths.
+    // Two to five ranges in two draws of three (three and five leave ranges of unequal size); Serial is one range.
     let schedules = prop_oneof![
-        1 => Just(SelectSchedule::Auto),
+        1 => Just(SelectSchedule::Serial),
         1 => Just(SelectSchedule::Chunks(1)),
         4 => (2usize..=5).prop_map(SelectSchedule::Chunks),
     ];
@@ -446,7 +445,7 @@ fn all_tied_blocks_select_the_lowest_indices() {
         }
     }
     let config = BsaConfig { q_block: 128, kv_block: 128, top_k: 3, force_first: false, force_local: 1 };
-    let lists = select_guarded(&stream, &case, &config, BSA_SELECT, SelectSchedule::Auto).expect("selection");
+    let lists = select_guarded(&stream, &case, &config, BSA_SELECT, SelectSchedule::Serial).expect("selection");
     // Query blocks 0 and 1 see key blocks 0..=3 and 0..=4 (Lk − Lq = 384): forced last eligible, then 0, 1.
     assert_eq!(
         lists.index_axis(Axis(0), 0).index_axis(Axis(0), 1).iter().copied().collect::<Vec<_>>(),
