@@ -3,10 +3,13 @@
 // gpu/src/block_sparse/select.rs, which documents the rounding-error bound of the scores.
 //
 // Four kernels:
-//   bsa_pool_keys   one CTA per (key block, KV head, sequence): k̄_b = mean of the block's keys (the last block of a
+//   bsa_pool_keys   per (key block, KV head, sequence): k̄_b = mean of the block's keys (the last block of a
 //                   sequence over the keys it has), f64, written to the workspace's pooled keys [B, Hkv, n_k, d].
 //   bsa_pool_queries  likewise per (query block, query head, sequence): q̄_{a,h}, written to the workspace's pooled
 //                   queries [B, Hq, n_q, d] (from element pooled_queries_at on).
+//                   Both take their (block, head, sequence) items with the block fastest, CTA x the items x,
+//                   x + gridDim.x, ...: one CTA per item in the serial schedule, a few per multiprocessor in the
+//                   overlapped one, so that the selection's CTAs fit beside them.
 //   bsa_select_stream  for lists up to STREAM_MAX_TOP_K wide: one CTA per 8 query blocks of a (KV head, sequence),
 //                   pooled keys in shared-memory tiles read once for the 8 and scored on the f64 tensor cores, a
 //                   running list of the best candidates per query block in a warp's registers (its own section below).
@@ -56,13 +59,16 @@
 // rows in flight (the rows are read once from device memory, so this kernel runs at memory speed only with many
 // independent wide loads), and the group sums are then added in ascending group order and divided once by the row
 // count. The order depends only on the rows' offsets inside the block, so equal blocks get equal means.
+// The group sums take at most POOL_THREADS * 8 f64: a group is POOL_THREADS / (d / 8) threads of 8 columns each, so
+// groups · d ≤ 8 · POOL_THREADS for every d (8 KB of shared memory, which leaves room for the selection's CTAs).
 #define POOL_GROUPS 8
+#define POOL_SUMS (POOL_THREADS * 8)
 #define POOL_MAX_D 256
 __device__ __forceinline__ void pool_block(const elem_t* __restrict__ x, const int* __restrict__ cu, int dense_len,
                                            long long batch_stride, long long head_offset, long long row_stride,
                                            int block_rows, int block, int seq, int varlen, int d,
                                            double* __restrict__ out) {
-    __shared__ double group_sums[POOL_GROUPS * POOL_MAX_D];  // [groups][d]
+    __shared__ double group_sums[POOL_SUMS];  // [groups][d]
     const int len = varlen ? cu[seq + 1] - cu[seq] : dense_len;
     const long long base = varlen ? (long long)cu[seq] * row_stride : seq * batch_stride;
     const int row0 = block * block_rows;
@@ -109,24 +115,43 @@ __device__ __forceinline__ void pool_block(const elem_t* __restrict__ x, const i
     }
 }
 
+// The item `item` of a pooling launch over `blocks` blocks, `heads` heads and the sequences: block, head, sequence.
+struct PoolItem {
+    int block, head, seq;
+};
+__device__ __forceinline__ PoolItem pool_item(long long item, int blocks, int heads) {
+    const long long rest = item / blocks;
+    return PoolItem{(int)(item % blocks), (int)(rest % heads), (int)(rest / heads)};
+}
+
 extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 bsa_pool_keys(const elem_t* __restrict__ k, double* __restrict__ pooled, const int* __restrict__ cu_k,
-              const BsaParams params) {
+              const BsaParams params, const int blocks, const int heads, const int seqs) {
     const FlashParams& fp = params.flash;
-    const int b = blockIdx.x, kv = blockIdx.y, seq = blockIdx.z;
-    double* out = pooled + (((long long)seq * params.n_heads_kv + kv) * params.n_key_blocks + b) * fp.d;
-    pool_block(k, cu_k, fp.dense_len_k, fp.k_batch, kv * fp.k_head, fp.k_row, params.kv_block, b, seq, fp.varlen,
-               fp.d, out);
+    const long long items = (long long)blocks * heads * seqs;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const PoolItem it = pool_item(item, blocks, heads);
+        double* out = pooled + (((long long)it.seq * params.n_heads_kv + it.head) * params.n_key_blocks + it.block) * fp.d;
+        pool_block(k, cu_k, fp.dense_len_k, fp.k_batch, it.head * fp.k_head, fp.k_row, params.kv_block, it.block,
+                   it.seq, fp.varlen, fp.d, out);
+        __syncthreads();  // the next item's group sums overwrite these
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(POOL_THREADS)
 bsa_pool_queries(const elem_t* __restrict__ q, double* __restrict__ pooled, const int* __restrict__ cu_q,
-                 const BsaParams params) {
+                 const BsaParams params, const int blocks, const int heads, const int seqs) {
     const FlashParams& fp = params.flash;
-    const int a = params.first_query_block + blockIdx.x, h = blockIdx.y, seq = blockIdx.z;
-    double* out = pooled + params.pooled_queries_at + (((long long)seq * gridDim.y + h) * params.n_query_blocks + a) * fp.d;
-    pool_block(q, cu_q, fp.dense_len_q, fp.q_batch, h * fp.q_head, fp.q_row, params.q_block, a, seq, fp.varlen, fp.d,
-               out);
+    const long long items = (long long)blocks * heads * seqs;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const PoolItem it = pool_item(item, blocks, heads);
+        const int a = params.first_query_block + it.block;
+        double* out =
+            pooled + params.pooled_queries_at + (((long long)it.seq * heads + it.head) * params.n_query_blocks + a) * fp.d;
+        pool_block(q, cu_q, fp.dense_len_q, fp.q_batch, it.head * fp.q_head, fp.q_row, params.q_block, a, it.seq,
+                   fp.varlen, fp.d, out);
+        __syncthreads();  // the next item's group sums overwrite these
+    }
 }
 
 // The better of two candidates: larger score, then lower index; a NaN score or index -1 never wins.

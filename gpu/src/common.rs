@@ -6,7 +6,9 @@
 //! the launch modules (`flash`, `backward`, `ring`) can share them without importing each other.
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};
-use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use crate::error::GpuError;
@@ -154,6 +156,14 @@ pub fn kernel_scale(spec: &AttentionSpec) -> f32 {
         Scale::InverseSqrtHeadDim => 1.0 / (spec.head_dim as f32).sqrt(),
         Scale::Value(x) => x as f32,
     }
+}
+
+/// The context's device's multiprocessors (at least 1): what persistent grids are sized by.
+pub fn multiprocessors(ctx: &Arc<CudaContext>) -> Result<usize, GpuError> {
+    let sms = ctx
+        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| GpuError::driver("cuDeviceGetAttribute(multiprocessor count)", e))?;
+    Ok(sms.max(1) as usize)
 }
 
 /// `value` as a kernel's 32-bit `int`, or [`GpuError::TooLarge`] naming `argument`.

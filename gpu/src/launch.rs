@@ -504,16 +504,17 @@ pub(crate) fn launch_csr_scan(
 }
 
 /// Launches `bsa_pool_keys` or `bsa_pool_queries` (gpu/kernels/bsa_select.cu, `func`) on `stream`: the mean of every
-/// key block (query block) of `x` in the grid's range into the f64 workspace `pooled`.
+/// key block (query block) of `x` in the launch's range into the f64 workspace `pooled`.
 ///
 /// Preconditions, established by `block_sparse::select`: `func` is one of the two, compiled for the element type of
 /// the buffer at address `x`, which holds the spec's K (for `bsa_pool_keys`) or Q (for `bsa_pool_queries`) as the
 /// strides and lengths of `params.flash`, or the validated `cu_seqlens` at `cu`, describe; `pooled` is the address of
 /// the workspace of `block_sparse::select::workspace_len` f64 (the keys' `B · n_heads_kv · n_key_blocks · d`, then
-/// from `params.pooled_queries_at` the queries' `B · n_heads_q · n_query_blocks · d`); `cfg`'s grid is `(blocks,
-/// heads, B)` of the pooled side with the kernels' 128 threads per block, its blocks from `params.first_query_block`
-/// (queries) or 0 (keys) within the extent; the three buffers stay allocated, and their use is recorded on the
-/// stream that took the addresses, until the launch has run (the caller holds their guards past it).
+/// from `params.pooled_queries_at` the queries' `B · n_heads_q · n_query_blocks · d`); `items` is `(blocks, heads,
+/// B)` of the pooled side (`heads` the spec's Hkv for the keys, Hq for the queries), its blocks from
+/// `params.first_query_block` (queries) or 0 (keys) within the extent; `cfg` has the kernels' 128 threads per block
+/// and any one-dimensional grid (its CTAs stride over the items); the three buffers stay allocated, and their use is
+/// recorded on the stream that took the addresses, until the launch has run (the caller holds their guards past it).
 pub(crate) fn launch_bsa_pool(
     stream: &CudaStream,
     func: &CudaFunction,
@@ -521,12 +522,14 @@ pub(crate) fn launch_bsa_pool(
     (x, pooled): (u64, u64),
     cu: u64,
     params: &BsaParams,
+    (blocks, heads, seqs): (i32, i32, i32),
 ) -> Result<(), GpuError> {
     let mut builder = stream.launch_builder(func);
-    builder.arg(&x).arg(&pooled).arg(&cu).arg(params);
+    builder.arg(&x).arg(&pooled).arg(&cu).arg(params).arg(&blocks).arg(&heads).arg(&seqs);
     // SAFETY: the arguments match `bsa_pool_keys` and `bsa_pool_queries` (`const elem_t*, double* pooled, const int*
-    // cu_seqlens, const BsaParams`) in order and type (a device address is passed as the 64-bit pointer it is); every
-    // index the kernel forms lies in the buffers the caller sized, which stay alive past the launch (see above).
+    // cu_seqlens, const BsaParams, int blocks, int heads, int seqs`) in order and type (a device address is passed as
+    // the 64-bit pointer it is); every index the kernel forms lies in the buffers the caller sized, which stay alive
+    // past the launch (see above).
     unsafe { builder.launch(cfg) }.map_err(|e| GpuError::driver("cuLaunchKernel(bsa_pool_*)", e))?;
     Ok(())
 }

@@ -75,7 +75,9 @@
 //! `common.cuh`, with the same kernel names and launch shapes), in rows whose tiling ends in `@` and the file's name,
 //! and says on stderr whether its lists equal the embedded selector's on the same inputs; `--select-chunks N`
 //! (repeatable) times the embedded selector under `SelectSchedule::Chunks(N)` beside its default schedule (rows
-//! `top8/hkv2/chunksN`, saying on stderr whether the lists are the same); `--selection-only` leaves
+//! `top8/hkv2/chunksN`, saying on stderr whether the lists are the same), and with `--select-pool-ctas-per-sm P`
+//! (repeatable) also under `SelectSchedule::ChunksPooledBy` with P query pooling CTAs per multiprocessor (rows
+//! `top8/hkv2/chunksN/poolP`); `--selection-only` leaves
 //! out the block-sparse forward and backward rows. At each length the selector also runs at PISA's leaf of 64 keys
 //! (64×64 blocks, top-8: `bsa-select`, tiling `top8/hkv2/c64`) beside PISA's covariance-aware selection on the same
 //! blocks (`attnproof_gpu::pisa::covariance`, direction `cov-select`, `γ = 1`: the tail's statistics, the spreads and
@@ -190,6 +192,8 @@ struct Options {
     selection_only: bool,
     /// `--select-chunks N`: schedules of the block selector timed beside its default one.
     select_chunks: Vec<usize>,
+    /// `--select-pool-ctas-per-sm P`: each of those schedules also with P query pooling CTAs per multiprocessor.
+    select_pool_ctas_per_sm: Vec<usize>,
     /// `--wgmma-source PATH`: other texts of the sm_90a forward, each timed in the block-sparse forward rows, with
     /// the file's stem for the CSV.
     wgmma_sources: Vec<(KernelSource, String)>,
@@ -243,6 +247,7 @@ fn parse() -> Result<Options, String> {
         lists_dir: None,
         select_sources: vec![],
         select_chunks: vec![],
+        select_pool_ctas_per_sm: vec![],
         pisa_sources: vec![],
         tail_sources: vec![],
         selection_only: false,
@@ -273,6 +278,11 @@ fn parse() -> Result<Options, String> {
             "--select-chunks" => {
                 let n = value("--select-chunks")?.parse().map_err(|e| format!("--select-chunks: {e}"))?;
                 o.select_chunks.push(n);
+            }
+            "--select-pool-ctas-per-sm" => {
+                let flag = "--select-pool-ctas-per-sm";
+                let n = value(flag)?.parse().map_err(|e| format!("{flag}: {e}"))?;
+                o.select_pool_ctas_per_sm.push(n);
             }
             "--pisa-source" => {
                 let path = value("--pisa-source")?;
@@ -645,8 +655,16 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
                 format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}{suffix},{default},{ms:.4},0.0\n")
             },
         )?;
-        for &chunks in &opts.select_chunks {
-            let schedule = SelectSchedule::Chunks(chunks);
+        let sms = attnproof_gpu::common::multiprocessors(stream.context()).map_err(|e| e.to_string())?;
+        let schedules = opts.select_chunks.iter().flat_map(|&chunks| {
+            std::iter::once((SelectSchedule::Chunks(chunks), format!("chunks{chunks}"))).chain(
+                opts.select_pool_ctas_per_sm.iter().map(move |&per_sm| {
+                    let schedule = SelectSchedule::ChunksPooledBy { chunks, pool_ctas: per_sm * sms };
+                    (schedule, format!("chunks{chunks}/pool{per_sm}"))
+                }),
+            )
+        });
+        for (schedule, label) in schedules {
             let ms = median_ms(stream, opts, |s| {
                 select_blocks_device_scheduled(
                     stream,
@@ -661,8 +679,8 @@ fn run_selection(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> 
                 .map_err(|e| e.to_string())
             })?;
             let got = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
-            eprintln!("L = {l}, selector in {chunks} chunks: lists equal the default schedule's: {}", got == embedded);
-            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}/chunks{chunks},0,{ms:.4},0.0\n"));
+            eprintln!("L = {l}, selector under {label}: lists equal the default schedule's: {}", got == embedded);
+            emit(out, format!("\"(1,{h},{l},{d})\",true,bsa-select,top8/hkv{hkv}/{label},0,{ms:.4},0.0\n"));
         }
         run_pyramid_selection(opts, stream, &spec, (&q, &k), out)?;
     }

@@ -47,7 +47,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMu
 use ndarray::{Array4, ArrayViewD};
 
 use super::{BLOCK_SIZES, BlockLists, ListHeads};
-use crate::common::{GpuElement, check_len, grid_3d, to_i32};
+use crate::common::{GpuElement, check_len, grid_3d, multiprocessors, to_i32};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
 use crate::flash::host_input;
@@ -214,8 +214,19 @@ pub enum SelectSchedule {
     /// that one range's selection runs while the next range's queries are pooled: the query pooling reads all of Q
     /// and is bound by memory bandwidth, the selection by the latency of its shared-memory loads, and the two share
     /// the multiprocessors. The last query blocks go first because under the causal mask they see the most key
-    /// blocks. One chunk runs every launch on the caller's stream, in order. Zero is a typed error.
+    /// blocks. One chunk runs every launch on the caller's stream, in order (the pooling's grid still capped as
+    /// below). Zero is a typed error. The query pooling's grid is capped at [`OVERLAP_POOL_CTAS_PER_SM`] CTAs per
+    /// multiprocessor, each striding over the (block, head, sequence) items, so that the selection's CTAs find room.
     Chunks(usize),
+    /// [`SelectSchedule::Chunks`]`(chunks)` with the query pooling's grid capped at `pool_ctas` CTAs in all: the
+    /// property suites draw small grids, so that every pooling CTA takes several items. Zero of either is a typed
+    /// error.
+    ChunksPooledBy {
+        /// The ranges, as in [`SelectSchedule::Chunks`].
+        chunks: usize,
+        /// The query pooling's CTAs in all, per launch.
+        pool_ctas: usize,
+    },
 }
 
 impl SelectSchedule {
@@ -223,12 +234,24 @@ impl SelectSchedule {
     fn ranges(self, plan: &Plan) -> Result<Vec<(usize, usize)>, GpuError> {
         let chunks = match self {
             SelectSchedule::Serial => 1,
-            SelectSchedule::Chunks(0) => {
-                return Err(GpuError::Unsupported { argument: "schedule", reason: "zero chunks".into() });
-            }
-            SelectSchedule::Chunks(n) => n,
+            SelectSchedule::Chunks(n) | SelectSchedule::ChunksPooledBy { chunks: n, .. } => n,
         };
+        if chunks == 0 {
+            return Err(GpuError::Unsupported { argument: "schedule", reason: "zero chunks".into() });
+        }
         Ok(query_ranges(plan.query_blocks, chunks))
+    }
+
+    /// The most CTAs of a query pooling launch on a device of `multiprocessors` SMs (`usize::MAX`: one per item).
+    fn pool_ctas(self, multiprocessors: usize) -> Result<usize, GpuError> {
+        match self {
+            SelectSchedule::Serial => Ok(usize::MAX),
+            SelectSchedule::Chunks(_) => Ok(OVERLAP_POOL_CTAS_PER_SM * multiprocessors),
+            SelectSchedule::ChunksPooledBy { pool_ctas: 0, .. } => {
+                Err(GpuError::Unsupported { argument: "schedule", reason: "zero pooling CTAs".into() })
+            }
+            SelectSchedule::ChunksPooledBy { pool_ctas, .. } => Ok(pool_ctas),
+        }
     }
 }
 
@@ -282,6 +305,7 @@ pub fn select_blocks_device_scheduled<T: GpuElement>(
     check_len("pooled", pooled, workspace_len(spec, config))?;
     check_len("lists", lists, lists_shape(spec, config).iter().product())?;
     let ranges = schedule.ranges(&plan)?;
+    schedule.pool_ctas(1)?;
     if plan.query_blocks == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
         return Ok(());
     }
@@ -305,10 +329,13 @@ pub fn select_blocks_device_scheduled<T: GpuElement>(
     let (cu_k_at, _cu_k_use) = cu_k.device_ptr(stream);
     let (pooled_at, _pooled_use) = pooled.device_ptr_mut(stream);
     let (lists_at, _lists_use) = lists.device_ptr_mut(stream);
-    let keys = Pooling { func: &pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv };
+    let keys = Pooling { func: &pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv, max_ctas: usize::MAX };
     keys.launch(stream, &plan, pooled_at, (0, plan.key_blocks))?;
     let side = if ranges.len() > 1 { Some(selection_stream(stream)?) } else { None };
-    let queries = Pooling { func: &pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q };
+    // Overlapped, the query pooling keeps a few CTAs per multiprocessor that stride over its items, so that the
+    // selection's CTAs of the previous range find room beside them (a CTA per item would fill every SM's registers).
+    let max_ctas = schedule.pool_ctas(multiprocessors(ctx)?)?;
+    let queries = Pooling { func: &pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q, max_ctas };
     for (from, to) in ranges {
         queries.launch(stream, &plan, pooled_at, (from, to))?;
         let on = match &side {
@@ -345,12 +372,14 @@ fn selection_stream(stream: &Arc<CudaStream>) -> Result<Arc<CudaStream>, GpuErro
     Ok(side)
 }
 
-/// One of the two pooling launches: the kernel, the pooled tensor's address and its `cu_seqlens`, and its heads.
+/// One of the two pooling launches: the kernel, the pooled tensor's address and its `cu_seqlens`, its heads, and the
+/// most CTAs a launch may have (`usize::MAX`: one per (block, head, sequence)).
 struct Pooling<'a> {
     func: &'a CudaFunction,
     x: u64,
     cu: u64,
     heads: usize,
+    max_ctas: usize,
 }
 
 impl Pooling<'_> {
@@ -363,18 +392,26 @@ impl Pooling<'_> {
         pooled: u64,
         (from, to): (usize, usize),
     ) -> Result<(), GpuError> {
-        if from >= to {
+        let items = (to.saturating_sub(from)).saturating_mul(self.heads).saturating_mul(plan.batch);
+        if items == 0 {
             return Ok(());
         }
         let cfg = LaunchConfig {
-            grid_dim: grid(to - from, self.heads, plan.batch)?,
+            grid_dim: grid(items.min(self.max_ctas), 1, 1)?,
             block_dim: (POOL_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
         let params = BsaParams { first_query_block: to_i32("query block", from)?, ..plan.params };
-        launch::launch_bsa_pool(stream, self.func, cfg, (self.x, pooled), self.cu, &params)
+        let counts = (to_i32("blocks", to - from)?, to_i32("heads", self.heads)?, to_i32("sequences", plan.batch)?);
+        launch::launch_bsa_pool(stream, self.func, cfg, (self.x, pooled), self.cu, &params, counts)
     }
 }
+
+/// Pooling CTAs per multiprocessor in an overlapped schedule: with 44 registers a thread (48 as allocated) and 9 KB of
+/// shared memory each, six take 36,864 registers and 54 KB, which leaves two `bsa_select_stream` CTAs (256 threads of
+/// 40 registers, 79 KB at d = 128) room beside them on an SM of 65,536 registers and 228 KB; in the serial schedule
+/// the pooling takes one CTA per item, as many as fit (ten, by registers).
+pub const OVERLAP_POOL_CTAS_PER_SM: usize = 6;
 
 /// Launches `bsa_pool_keys` and `bsa_pool_queries` of `plan` on `stream`: the key blocks' and the query blocks' mean
 /// vectors into the start of `pooled` (at least [`workspace_len`] f64), as both selectors read them (each only where
@@ -393,9 +430,9 @@ pub(crate) fn launch_pooling<T: GpuElement>(
     let (cu_q_at, _cu_q_use) = cu_q.device_ptr(stream);
     let (cu_k_at, _cu_k_use) = cu_k.device_ptr(stream);
     let (pooled_at, _pooled_use) = pooled.device_ptr_mut(stream);
-    let keys = Pooling { func: pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv };
+    let keys = Pooling { func: pool_keys, x: k_at, cu: cu_k_at, heads: spec.n_heads_kv, max_ctas: usize::MAX };
     keys.launch(stream, plan, pooled_at, (0, plan.key_blocks))?;
-    let queries = Pooling { func: pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q };
+    let queries = Pooling { func: pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q, max_ctas: usize::MAX };
     queries.launch(stream, plan, pooled_at, (0, plan.query_blocks))
 }
 
@@ -511,6 +548,13 @@ mod tests {
             SelectSchedule::Chunks(0).ranges(&p),
             Err(GpuError::Unsupported { argument: "schedule", .. })
         ));
+        let pooled_by = |chunks, pool_ctas| SelectSchedule::ChunksPooledBy { chunks, pool_ctas };
+        assert_eq!(pooled_by(2, 5).ranges(&p).unwrap(), vec![(1024, 2048), (0, 1024)]);
+        assert!(matches!(pooled_by(0, 5).ranges(&p), Err(GpuError::Unsupported { argument: "schedule", .. })));
+        assert!(matches!(pooled_by(2, 0).pool_ctas(132), Err(GpuError::Unsupported { argument: "schedule", .. })));
+        assert_eq!(pooled_by(2, 5).pool_ctas(132).unwrap(), 5);
+        assert_eq!(SelectSchedule::Chunks(1).pool_ctas(132).unwrap(), 132 * OVERLAP_POOL_CTAS_PER_SM);
+        assert_eq!(SelectSchedule::Serial.pool_ctas(132).unwrap(), usize::MAX);
     }
 
     #[test]

@@ -152,10 +152,7 @@ pub fn shared_bytes(index_dim: usize) -> usize {
 
 /// CTAs that run at once on the context's device (one per multiprocessor): what [`workspace_len`] is sized for.
 pub fn resident_ctas(ctx: &Arc<CudaContext>) -> Result<usize, GpuError> {
-    let sms = ctx
-        .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(|e| GpuError::driver("cuDeviceGetAttribute(multiprocessor count)", e))?;
-    Ok(sms.max(1) as usize)
+    crate::common::multiprocessors(ctx)
 }
 
 /// The defines of the kernel's module for storage type `T` and head dim `index_dim`.

@@ -136,11 +136,14 @@ pub fn selection_draws() -> impl Strategy<Value = SelectionDraw> {
     let key_blocks = |spec: &AttentionSpec, kv_block: usize| {
         spec.sequences().iter().map(|s| s.len_k.div_ceil(kv_block)).max().unwrap_or(0)
     };
-    // Two to five ranges in two draws of three (three and five leave ranges of unequal size); Serial is one range.
+    // Two to five ranges in half the draws (three and five leave ranges of unequal size); Serial is one range. A
+    // quarter cap the query pooling at 1 to 7 CTAs, so that each pooling CTA strides over several items.
     let schedules = prop_oneof![
         1 => Just(SelectSchedule::Serial),
         1 => Just(SelectSchedule::Chunks(1)),
         4 => (2usize..=5).prop_map(SelectSchedule::Chunks),
+        2 => (1usize..=5, 1usize..=7)
+            .prop_map(|(chunks, pool_ctas)| SelectSchedule::ChunksPooledBy { chunks, pool_ctas }),
     ];
     let ties = prop::sample::select(Ties::ALL.to_vec());
     (selection_spec(), sizes.clone(), sizes, profile(), any::<u64>(), ties, schedules)
@@ -385,7 +388,8 @@ fn selection_equals_the_oracles_f16() {
 
 /// Replayed without a device: the suites draw ties, causal and unmasked problems, GQA groups above 1, every
 /// `top_k` from 1 to above 2, lists for both kernels (up to [`STREAM_MAX_TOP_K`] wide and wider), forced first and
-/// local blocks, and schedules of several ranges over more than 8 query blocks.
+/// local blocks, schedules of several ranges over more than 8 query blocks, and query pooling CTAs that take
+/// several items each.
 #[test]
 fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
     let seen = RefCell::new((0usize, 0usize, 0usize, 0usize, 0usize, 0usize, 0usize));
@@ -395,6 +399,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
         // fewer blocks than the width), in each suite: its general-suite hunt needs both.
         let wide_ranged = std::cell::Cell::new(0usize);
         let wide_padded = std::cell::Cell::new(0usize);
+        let strided_pooling = std::cell::Cell::new(0usize);
         let (tally, result) = suite.run(config, |d| {
             let mut s = seen.borrow_mut();
             s.0 += usize::from(d.spec.group_size() > 1);
@@ -405,7 +410,16 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
             s.5 += usize::from(d.config.top_k > STREAM_MAX_TOP_K);
             // Overlapped for real: more than one range of 8 query blocks.
             let query_blocks = d.spec.sequences().iter().map(|q| d.config.query_blocks(q)).max().unwrap_or(0);
-            let ranged = matches!(d.schedule, SelectSchedule::Chunks(n) if n > 1) && query_blocks > 8;
+            let ranged = matches!(
+                d.schedule,
+                SelectSchedule::Chunks(n) | SelectSchedule::ChunksPooledBy { chunks: n, .. } if n > 1
+            ) && query_blocks > 8;
+            // Pooling CTAs that stride: fewer of them than one range's (block, head, sequence) items.
+            let strided = matches!(
+                d.schedule,
+                SelectSchedule::ChunksPooledBy { pool_ctas, .. } if pool_ctas < query_blocks.min(8) * d.spec.n_heads_q
+            );
+            strided_pooling.set(strided_pooling.get() + usize::from(strided));
             s.6 += usize::from(ranged);
             wide_ranged.set(wide_ranged.get() + usize::from(ranged && d.config.top_k > STREAM_MAX_TOP_K));
             let causal = matches!(d.spec.mask, Mask::Causal);
@@ -418,6 +432,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
         });
         assert!(wide_ranged.get() > 0, "{}: no wide lists under several ranges", suite.name);
         assert!(wide_padded.get() > 0, "{}: no padded wide lists", suite.name);
+        assert!(strided_pooling.get() > 0, "{}: no pooling CTA took several items", suite.name);
         assert!(result.is_ok(), "{result:?}");
         assert!(
             tally.tied_draws > 0 && tally.causal_draws > 0 && tally.causal_draws < suite.cases as usize,
@@ -545,8 +560,9 @@ pub fn killing_cases() -> Vec<(&'static str, Case<bf16>, BsaConfig)> {
     ]
 }
 
-/// The killing cases' schedule: three ranges where a case has at least three units of 8 query blocks.
-const KILLING_SCHEDULE: SelectSchedule = SelectSchedule::Chunks(3);
+/// The killing cases' schedule: three ranges where a case has at least three units of 8 query blocks, each range's
+/// queries pooled by 7 CTAs (fewer than the items of every case, so that each CTA pools several).
+const KILLING_SCHEDULE: SelectSchedule = SelectSchedule::ChunksPooledBy { chunks: 3, pool_ctas: 7 };
 
 /// Runs the selector `kernel` on a killing case under [`KILLING_SCHEDULE`]; `Ok(())` when its lists pass the
 /// verification.

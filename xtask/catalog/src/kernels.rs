@@ -1258,8 +1258,15 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-bsa-pool-range-offset-dropped",
         description: "The query pooling ignores its launch's first query block: only the first range's blocks are pooled",
-        find: "const int a = params.first_query_block + blockIdx.x, h = blockIdx.y, seq = blockIdx.z;",
-        replace: "const int a = blockIdx.x, h = blockIdx.y, seq = blockIdx.z;",
+        find: "const int a = params.first_query_block + it.block;",
+        replace: "const int a = it.block;",
+        ..BSA_SELECT
+    },
+    Mutant {
+        name: "gpu-bsa-pool-first-item-only",
+        description: "Each query pooling CTA pools only its first item: with fewer CTAs than items, later blocks stay unpooled",
+        find: "for (long long item = blockIdx.x; item < items; item += gridDim.x) {\n        const PoolItem it = pool_item(item, blocks, heads);\n        const int a",
+        replace: "for (long long item = blockIdx.x; item < items && item < gridDim.x; item += gridDim.x) {\n        const PoolItem it = pool_item(item, blocks, heads);\n        const int a",
         ..BSA_SELECT
     },
     Mutant {
