@@ -32,9 +32,11 @@
 //! and is bound by the latency of its shared-memory loads. [`SelectSchedule::Chunks`] pools and selects the query
 //! blocks in ranges, the last range first, each range's selection on a second stream of the highest priority behind
 //! an event of that range's pooling, so that the two kinds of work could share the multiprocessors; the second stream
-//! is joined back into the caller's before the call returns. Measured on an H100 it is slower than the serial
-//! schedule (docs/gpu-performance.md, "overlapped on two streams": the selection's CTAs cannot start beside the
-//! pooling's), so the default, [`SelectSchedule::Serial`], runs every launch on the caller's stream in order. The lists
+//! is joined back into the caller's before the call returns. A pooling launch with a CTA per (block, head, sequence)
+//! fills every multiprocessor's registers, so in those schedules the query pooling runs a few CTAs per SM
+//! ([`OVERLAP_POOL_CTAS_PER_SM`]) that stride over the items, leaving room for the selection's CTAs beside them. The
+//! first measurement (docs/gpu-performance.md, "overlapped on two streams", before the cap) was slower than the serial
+//! schedule, so the default, [`SelectSchedule::Serial`], runs every launch on the caller's stream in order. The lists
 //! are the same bits under every schedule (each query block is computed by the same arithmetic), which the property
 //! suites check by running each draw under its drawn schedule and under the serial one.
 
