@@ -686,6 +686,56 @@ mod tests {
         assert!(stopped.bound() > 2.0 && stopped.bound() < 2.0 * (1.0 + 1e-3), "{}", stopped.bound());
     }
 
+    /// The model's closed forms term by term (module docs), on a model built by hand where every term counts: `δ` a
+    /// small fraction of `σ̄` (so that `γ₂` is visible against `ε`), an oracle drift that moves `R`, and head dims so
+    /// large that `γ_{d+dv+4}` is about 10⁻³. Each form is evaluated here from the documented formula with its own
+    /// `γ_n = n u / (1 − n u)`; they agree to 10⁻¹⁴ relative, far inside what a changed sign, operation, power or
+    /// head dim moves them (cargo-mutants found the earlier test blind to all of these).
+    #[test]
+    fn the_spread_models_closed_forms_hold_term_by_term() {
+        let (d, dv) = (1usize << 42, 3usize << 40);
+        let powers: Vec<f64> = (0..E24_POWER_STEPS - 1).map(|j| 1.0 / (1.0 + j as f64)).collect();
+        let (sigma, growth, delta_o, delta_g) = (2.0, 0.9, 1e-6, 1e-4);
+        let model = SpreadModel {
+            sigma_bar: sigma,
+            growth,
+            powers: powers.clone(),
+            delta_oracle: delta_o,
+            delta_device: delta_g,
+            d,
+            dv,
+        };
+        let gamma_n = |n: usize| n as f64 * UNIT_ROUNDOFF / (1.0 - n as f64 * UNIT_ROUNDOFF);
+        let (g2, gn) = (gamma_n(2), gamma_n(d + dv + 4));
+        assert!(gn > 5e-4 && gn < 2e-3, "{gn}");
+        let close = |got: f64, want: f64, what: &str| {
+            assert!((got - want).abs() <= 1e-14 * want.abs(), "{what}: {got:e} against {want:e}");
+        };
+        let epsilon = |delta: f64| (1.0 + delta / sigma).powi(2) * (1.0 + g2) - 1.0;
+        // (1 + ε)^n − 1 without the cancellation of the subtraction.
+        let drift = |delta: f64, steps: i32| (f64::from(steps) * epsilon(delta).ln_1p()).exp_m1();
+        let steps = E24_POWER_STEPS as i32;
+        close(model.epsilon(delta_g), epsilon(delta_g), "ε");
+        close(model.drift(delta_o, E24_POWER_STEPS - 1), drift(delta_o, steps - 1), "drift");
+        let r = growth - drift(delta_o, steps - 1);
+        let eta = |delta: f64| {
+            let e = epsilon(delta);
+            let carried: f64 = powers.iter().enumerate().map(|(j, a)| (1.0 + e).powi(steps - 2 - j as i32) * a).sum();
+            e * carried / r
+        };
+        close(model.eta(delta_g), eta(delta_g), "η");
+        let cap = |delta: f64| (sigma + delta) * (1.0 + g2) * (1.0 + gn);
+        close(model.cap(delta_g), cap(delta_g), "cap");
+        let deviation = |delta: f64| {
+            let free = sigma * (g2 + 2.0 * eta(delta)) + delta * (1.0 + g2) + gn * (sigma + delta) * (1.0 + g2);
+            assert!(free < cap(delta), "the free form must be the smaller here, or it goes unchecked");
+            free
+        };
+        close(model.deviation(delta_g), deviation(delta_g), "deviation (kernel)");
+        close(model.deviation(delta_o), deviation(delta_o), "deviation (oracle)");
+        close(model.bound(), MARGIN * (deviation(delta_g) + deviation(delta_o)), "bound");
+    }
+
     /// A simulated kernel (statistics moved by their full `ρ`, alternating in sign; `M̂` by fma chains over the keys
     /// ascending; the power steps in f64) and the oracle both lie within their deviations of the exact estimate (MPFR
     /// on `M*`) at every block, and the verifier passes the simulated spreads, which differ from the oracle's.
