@@ -232,27 +232,29 @@ pub enum SelectSchedule {
 }
 
 impl SelectSchedule {
-    /// The query-block ranges of `plan` (at least 1, at most the 8-block units), the last first.
+    /// The query-block ranges of `plan` (at least 1, at most the 8-block units), the last first; zero chunks or zero
+    /// pooling CTAs are a typed error (this is the schedule's one check, before any launch).
     fn ranges(self, plan: &Plan) -> Result<Vec<(usize, usize)>, GpuError> {
         let chunks = match self {
             SelectSchedule::Serial => 1,
             SelectSchedule::Chunks(n) | SelectSchedule::ChunksPooledBy { chunks: n, .. } => n,
         };
+        let refuse = |reason: &str| Err(GpuError::Unsupported { argument: "schedule", reason: reason.into() });
         if chunks == 0 {
-            return Err(GpuError::Unsupported { argument: "schedule", reason: "zero chunks".into() });
+            return refuse("zero chunks");
+        }
+        if matches!(self, SelectSchedule::ChunksPooledBy { pool_ctas: 0, .. }) {
+            return refuse("zero pooling CTAs");
         }
         Ok(query_ranges(plan.query_blocks, chunks))
     }
 
     /// The most CTAs of a query pooling launch on a device of `multiprocessors` SMs (`usize::MAX`: one per item).
-    fn pool_ctas(self, multiprocessors: usize) -> Result<usize, GpuError> {
+    fn pool_ctas(self, multiprocessors: usize) -> usize {
         match self {
-            SelectSchedule::Serial => Ok(usize::MAX),
-            SelectSchedule::Chunks(_) => Ok(OVERLAP_POOL_CTAS_PER_SM * multiprocessors),
-            SelectSchedule::ChunksPooledBy { pool_ctas: 0, .. } => {
-                Err(GpuError::Unsupported { argument: "schedule", reason: "zero pooling CTAs".into() })
-            }
-            SelectSchedule::ChunksPooledBy { pool_ctas, .. } => Ok(pool_ctas),
+            SelectSchedule::Serial => usize::MAX,
+            SelectSchedule::Chunks(_) => OVERLAP_POOL_CTAS_PER_SM * multiprocessors,
+            SelectSchedule::ChunksPooledBy { pool_ctas, .. } => pool_ctas,
         }
     }
 }
@@ -307,7 +309,6 @@ pub fn select_blocks_device_scheduled<T: GpuElement>(
     check_len("pooled", pooled, workspace_len(spec, config))?;
     check_len("lists", lists, lists_shape(spec, config).iter().product())?;
     let ranges = schedule.ranges(&plan)?;
-    schedule.pool_ctas(1)?;
     if plan.query_blocks == 0 || plan.batch == 0 || spec.n_heads_kv == 0 {
         return Ok(());
     }
@@ -336,7 +337,7 @@ pub fn select_blocks_device_scheduled<T: GpuElement>(
     let side = if ranges.len() > 1 { Some(selection_stream(stream)?) } else { None };
     // Overlapped, the query pooling keeps a few CTAs per multiprocessor that stride over its items, so that the
     // selection's CTAs of the previous range find room beside them (a CTA per item would fill every SM's registers).
-    let max_ctas = schedule.pool_ctas(multiprocessors(ctx)?)?;
+    let max_ctas = schedule.pool_ctas(multiprocessors(ctx)?);
     let queries = Pooling { func: &pool_queries, x: q_at, cu: cu_q_at, heads: spec.n_heads_q, max_ctas };
     for (from, to) in ranges {
         queries.launch(stream, &plan, pooled_at, (from, to))?;
@@ -553,10 +554,10 @@ mod tests {
         let pooled_by = |chunks, pool_ctas| SelectSchedule::ChunksPooledBy { chunks, pool_ctas };
         assert_eq!(pooled_by(2, 5).ranges(&p).unwrap(), vec![(1024, 2048), (0, 1024)]);
         assert!(matches!(pooled_by(0, 5).ranges(&p), Err(GpuError::Unsupported { argument: "schedule", .. })));
-        assert!(matches!(pooled_by(2, 0).pool_ctas(132), Err(GpuError::Unsupported { argument: "schedule", .. })));
-        assert_eq!(pooled_by(2, 5).pool_ctas(132).unwrap(), 5);
-        assert_eq!(SelectSchedule::Chunks(1).pool_ctas(132).unwrap(), 132 * OVERLAP_POOL_CTAS_PER_SM);
-        assert_eq!(SelectSchedule::Serial.pool_ctas(132).unwrap(), usize::MAX);
+        assert!(matches!(pooled_by(2, 0).ranges(&p), Err(GpuError::Unsupported { argument: "schedule", .. })));
+        assert_eq!(pooled_by(2, 5).pool_ctas(132), 5);
+        assert_eq!(SelectSchedule::Chunks(1).pool_ctas(132), 132 * OVERLAP_POOL_CTAS_PER_SM);
+        assert_eq!(SelectSchedule::Serial.pool_ctas(132), usize::MAX);
     }
 
     #[test]
