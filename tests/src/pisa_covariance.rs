@@ -333,6 +333,7 @@ fn spread_truth(
 ) -> SpreadTruth {
     let shape = (spec.sequences().len(), spec.n_heads_kv, n_k);
     let mut t = SpreadTruth { spreads: Array3::zeros(shape), bounds: Array3::zeros(shape) };
+    // The oracle's statistics take no empty key range: a sequence without keys has no blocks and no spreads.
     for seq in spec.sequences().iter().filter(|s| s.len_k > 0) {
         for kv in 0..spec.n_heads_kv {
             let (k2, v2) = (spec.head_rows(k.view(), seq, kv, true), spec.head_rows(v.view(), seq, kv, true));
@@ -490,9 +491,9 @@ mod tests {
         (bsa_select(&case.spec, scores.scores.view(), &config.bsa).unwrap(), scores.spreads)
     }
 
-    /// The oracle's lists and spreads pass, on a dense and a varlen case; most rows are decided and most spread
-    /// bounds are the model's, not the cap; a spread past a sequence's blocks must be 0 exactly; wrong shapes are
-    /// errors.
+    /// The oracle's lists and spreads pass, on a dense and a varlen case (with a sequence without keys and one without
+    /// queries); most rows are decided and most spread bounds are the model's, not the cap; a spread past a sequence's
+    /// blocks must be 0 exactly; wrong shapes are errors.
     #[test]
     fn the_oracles_lists_and_spreads_pass() {
         let c = case(7);
@@ -510,7 +511,7 @@ mod tests {
         assert!(truth.bounds.iter().all(|&x| x > 0.0) && capped < truth.bounds.len() / 4, "{:?}", truth.bounds);
 
         let spec = AttentionSpec {
-            layout: Layout::Varlen { cu_seqlens_q: vec![0, 21, 30], cu_seqlens_k: vec![0, 30, 38] },
+            layout: Layout::Varlen { cu_seqlens_q: vec![0, 21, 30, 35, 35], cu_seqlens_k: vec![0, 30, 38, 38, 45] },
             ..AttentionSpec::dense(1, 2, 1, 1, 1, 8, 8).with_mask(Mask::None)
         };
         let c = make_case::<bf16>(&spec, profile(), 5);
@@ -735,6 +736,9 @@ mod tests {
         close(model.eta(delta_g), eta(delta_g), "η");
         let cap = |delta: f64| (sigma + delta) * (1.0 + g2) * (1.0 + gn);
         close(model.cap(delta_g), cap(delta_g), "cap");
+        // The cap and the deviations are upper limits: evaluated in the formula's order they must not come out even an
+        // ulp below it (a factor divided or a `γ` subtracted moves them by ulps only, which `close` cannot see).
+        assert!(model.cap(delta_g) >= cap(delta_g) && model.cap(delta_o) >= cap(delta_o), "the cap rounds down");
         let deviation = |delta: f64| {
             let free = sigma * (g2 + 2.0 * eta(delta)) + delta * (1.0 + g2) + gn * (sigma + delta) * (1.0 + g2);
             assert!(free < cap(delta), "the free form must be the smaller here, or it goes unchecked");
@@ -742,6 +746,7 @@ mod tests {
         };
         close(model.deviation(delta_g), deviation(delta_g), "deviation (kernel)");
         close(model.deviation(delta_o), deviation(delta_o), "deviation (oracle)");
+        assert!(model.deviation(delta_g) >= deviation(delta_g), "the deviation rounds down");
         close(model.bound(), MARGIN * (deviation(delta_g) + deviation(delta_o)), "bound");
     }
 
@@ -756,6 +761,7 @@ mod tests {
         let ctx = Precision(256);
         let mut simulated = Array3::zeros((2, 2, 8));
         let mut differ = 0;
+        let truth = spread_truth(&c.spec, (k.view(), v.view()), 4, 8);
         for seq in c.spec.sequences() {
             for kv in 0..2 {
                 let (k2, v2) = (c.spec.head_rows(k.view(), &seq, kv, true), c.spec.head_rows(v.view(), &seq, kv, true));
@@ -800,6 +806,10 @@ mod tests {
                         SpreadModel::new(m_oracle.view(), run, stats.heterogeneity[b], phi_o.view(), phi_g.view());
                     let at = format!("[{}, {kv}, {b}]", seq.index);
                     assert!(model.eta(model.delta_device).is_finite(), "{at}: {model:?}");
+                    // The verifier's truth holds this block's estimate and the bound of the model built here from the
+                    // block's own rows, bit for bit.
+                    let got = (truth.spreads[[seq.index, kv, b]], truth.bounds[[seq.index, kv, b]]);
+                    assert_eq!(got, (run.estimate, model.bound()), "{at}: spread_truth");
                     assert!((run.estimate - exact).abs() <= model.deviation(model.delta_oracle), "{at}: oracle");
                     assert!((s_hat - exact).abs() <= model.deviation(model.delta_device), "{at}: kernel");
                 }
