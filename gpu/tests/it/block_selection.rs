@@ -446,10 +446,7 @@ fn the_selection_suites_draw_ties_masks_and_forced_blocks() {
 /// Every key block identical: every score ties, so the lists are the forced blocks and then the lowest indices.
 #[test]
 fn all_tied_blocks_select_the_lowest_indices() {
-    let Some(ctx) = skip_unless_gpu("all_tied_blocks_select_the_lowest_indices") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("all_tied_blocks_select_the_lowest_indices") else { return };
     let spec = dense(1, 4, 2, 256, 640, 64, 64, Mask::Causal);
     let mut case = make_case::<bf16>(&spec, gaussian(1.0), 8);
     for kv in 0..2 {
@@ -473,10 +470,7 @@ fn all_tied_blocks_select_the_lowest_indices() {
 /// Bad parameters and buffers are typed errors before any launch; the device stays usable.
 #[test]
 fn bad_selection_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_selection_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_selection_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 9);
     let good = BsaConfig { q_block: 64, kv_block: 128, top_k: 2, force_first: true, force_local: 1 };

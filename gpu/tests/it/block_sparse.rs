@@ -603,10 +603,7 @@ pub fn uniform_lists(
 /// A query block that lists nothing gets exactly `O = 0` and `LSE = −∞`, next to one that lists blocks.
 #[test]
 fn unlisted_query_blocks_give_zero_and_minus_infinity() {
-    let Some(ctx) = skip_unless_gpu("unlisted_query_blocks_give_zero_and_minus_infinity") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("unlisted_query_blocks_give_zero_and_minus_infinity") else { return };
     let spec = dense(1, 2, 1, 200, 200, 64, 64, Mask::None);
     let mut lists = uniform_lists(&spec, 64, 64, ListHeads::PerKvHead, &[1, 3]);
     lists.lists.slice_axis_mut(ndarray::Axis(2), (1..2).into()).fill(-1);
@@ -624,10 +621,7 @@ fn unlisted_query_blocks_give_zero_and_minus_infinity() {
 /// Every way a list can break the convention is a typed error before any launch, and the device stays usable.
 #[test]
 fn bad_lists_are_typed_errors_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("bad_lists_are_typed_errors_before_any_launch") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_lists_are_typed_errors_before_any_launch") else { return };
     let spec = dense(1, 2, 1, 150, 150, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 4);
     let good = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[0, 1]);

@@ -362,10 +362,7 @@ fn the_block_sparse_backward_suites_draw_every_list_feature() {
 /// warp's 32 lanes (the ballot's second round).
 #[test]
 fn the_csr_transpose_equals_the_oracles() {
-    let Some(ctx) = skip_unless_gpu("the_csr_transpose_equals_the_oracles") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("the_csr_transpose_equals_the_oracles") else { return };
     let cases: Vec<(AttentionSpec, BlockLists)> = vec![
         {
             let spec = dense(1, 2, 1, 300, 300, 64, 64, Mask::None);
@@ -415,10 +412,7 @@ fn backward_after_forward(
 /// for every strategy.
 #[test]
 fn unlisted_blocks_get_zero_gradients() {
-    let Some(ctx) = skip_unless_gpu("unlisted_blocks_get_zero_gradients") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("unlisted_blocks_get_zero_gradients") else { return };
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::None);
     let mut lists = uniform_lists(&spec, 64, 64, ListHeads::PerKvHead, &[1, 3]);
     lists.lists.slice_axis_mut(Axis(2), (1..2).into()).fill(-1);
@@ -445,10 +439,7 @@ fn unlisted_blocks_get_zero_gradients() {
 /// dK, dV, D, which do not depend on the dQ mode, too); the atomic mode is held to the oracle by the suites.
 #[test]
 fn the_deterministic_dq_workspace_fits_long_sequences() {
-    let Some(ctx) = skip_unless_gpu("the_deterministic_dq_workspace_fits_long_sequences") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("the_deterministic_dq_workspace_fits_long_sequences") else { return };
     let len = 512 * 1024;
     let spec = dense(1, 1, 1, len, len, 64, 64, Mask::Causal);
     let blocks = len / 128;
@@ -482,10 +473,7 @@ fn the_deterministic_dq_workspace_fits_long_sequences() {
 /// usable.
 #[test]
 fn bad_lists_and_tilings_are_typed_errors_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("bad_lists_and_tilings_are_typed_errors_before_any_launch") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_lists_and_tilings_are_typed_errors_before_any_launch") else { return };
     let spec = dense(1, 2, 1, 150, 150, 64, 64, Mask::Causal);
     let p = problem::<bf16>(&stream, &spec, gaussian(1.0), 4);
     let good = uniform_lists(&spec, 64, 64, ListHeads::PerQueryHead, &[0, 1]);

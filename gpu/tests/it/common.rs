@@ -27,6 +27,11 @@ use proptest::strategy::Strategy;
 pub use attnproof_harness::adversarial::{dense, gaussian, varlen};
 pub use attnproof_harness::candidate::{Gradients as Grads, Storage};
 
+/// A stream on the device for the test `test`, or `None` (and the skip line printed) without one.
+pub fn device_stream(test: &str) -> Option<Arc<CudaStream>> {
+    Some(attnproof_gpu::skip_unless_gpu(test)?.new_stream().expect("create a stream"))
+}
+
 /// The forward kernel's recipe for `T` (`attnproof_harness::recipes::gpu_forward`).
 pub fn forward_recipe<T: Element>() -> FlashRecipe {
     recipes::gpu_forward::<T>()

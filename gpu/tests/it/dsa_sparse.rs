@@ -161,10 +161,7 @@ fn the_token_sparse_suites_draw_every_class() {
 #[test]
 fn the_indexer_selection_feeds_the_attention() {
     use attnproof_gpu::dsa::index::{Scores, indexer_top_k};
-    let Some(ctx) = skip_unless_gpu("the_indexer_selection_feeds_the_attention") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("the_indexer_selection_feeds_the_attention") else { return };
     let len = 2048;
     let gaussian_bf16 = |seed: u64, n: usize| -> Vec<bf16> {
         attnproof_harness::generate::gaussian(seed, n).into_iter().map(bf16::from_f64).collect()

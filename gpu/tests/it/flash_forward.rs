@@ -103,10 +103,7 @@ fn large_shapes_are_within_bound() {
 /// result is also verified here.
 #[test]
 fn all_tilings_agree_bitwise() {
-    let Some(ctx) = skip_unless_gpu("all_tilings_agree_bitwise") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("all_tilings_agree_bitwise") else { return };
     let specs = [
         dense(1, 4, 2, 300, 200, 64, 64, Mask::Causal),
         dense(1, 2, 1, 200, 300, 128, 128, Mask::Causal),
@@ -137,10 +134,7 @@ fn all_tilings_agree_bitwise() {
 
 #[test]
 fn unsupported_and_bad_arguments_are_typed_errors() {
-    let Some(ctx) = skip_unless_gpu("unsupported_and_bad_arguments_are_typed_errors") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("unsupported_and_bad_arguments_are_typed_errors") else { return };
     let case = make_case::<bf16>(&dense(1, 1, 1, 8, 8, 16, 16, Mask::None), gaussian(1.0), 1);
     let predicate = Mask::Predicate(Predicate { name: "even keys".into(), visible: Arc::new(|p| p.key % 2 == 0) });
     let err =

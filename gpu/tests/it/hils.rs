@@ -284,10 +284,7 @@ fn the_suites_draw_their_cases_and_the_cpu_schedules_pass() {
 /// Bad input is a typed error before any launch; the device stays usable.
 #[test]
 fn bad_hils_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_hils_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_hils_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 100, 100, 16, 16, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 51);
     let config = HilsConfig { chunk_size: 16, local_window: 20, retrieved_chunks: 3 };

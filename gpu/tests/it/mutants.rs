@@ -105,6 +105,12 @@ const KERNELS: [KernelSource; 20] = [
 /// The define of `flash_fwd`'s block-sparse mode, whose mutants the block-sparse cases hunt.
 const BLOCK_SPARSE: &str = "BLOCK_SPARSE";
 
+/// A general suite's configuration for a hunt: its fixed seed and case count, no shrinking (a hunt wants the first
+/// failure of each mutant, not the smallest).
+fn no_shrink(name: &str, cases: u32, seed: u64) -> Config {
+    Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) }
+}
+
 /// The catalog's kernel-text mutants of `kernel`'s plain mode, in catalog order.
 fn catalog_mutants(kernel: KernelSource) -> Vec<&'static Mutant> {
     attnproof_catalog::kernel_text_mutants(kernel.name, None).collect()
@@ -381,11 +387,9 @@ fn hunt<C>(
 
 #[test]
 fn all_forward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_forward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
-    hunt("all_forward_mutants_are_killed", FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| {
+    const TEST: &str = "all_forward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
+    hunt(TEST, FLASH_FWD, &catalog_mutants(FLASH_FWD), &forward_cases(), |kernel, case| {
         check_forward(&stream, kernel, case)
     });
 }
@@ -410,15 +414,11 @@ fn check_block_sparse(
 
 #[test]
 fn all_block_sparse_forward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_block_sparse_forward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_sparse_forward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
         block_sparse::killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
-    hunt("all_block_sparse_forward_mutants_are_killed", FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| {
-        check_block_sparse(&stream, kernel, c)
-    });
+    hunt(TEST, FLASH_FWD, &block_sparse_mutants(), &cases, |kernel, c| check_block_sparse(&stream, kernel, c));
 }
 
 /// Runs each of `mutants` (patches of `base`) through `run_suite`, which runs a general property suite on the patched
@@ -454,21 +454,13 @@ fn hunt_in_suite<D: std::fmt::Debug>(
 /// Every block-sparse mutant also fails the general block-sparse property suite (bf16, its default draws).
 #[test]
 fn all_block_sparse_forward_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_block_sparse_forward_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_sparse_forward_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &block_sparse::BLOCK_SUITES[0];
-    hunt_in_suite(
-        "all_block_sparse_forward_mutants_are_killed_by_the_general_suite",
-        FLASH_FWD,
-        &block_sparse_mutants(),
-        suite.name,
-        |kernel| {
-            let worst = std::cell::RefCell::new(Worst::default());
-            suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
-        },
-    );
+    hunt_in_suite(TEST, FLASH_FWD, &block_sparse_mutants(), suite.name, |kernel| {
+        let worst = std::cell::RefCell::new(Worst::default());
+        suite.run(suite.default_config(), |draw| suite.check(&stream, kernel, &worst, draw)).1.map_err(Box::new)
+    });
 }
 
 /// The catalog's mutants of the sm_90a forward (all of its block-sparse mode, the one the wrappers launch).
@@ -605,13 +597,11 @@ fn all_wgmma_backward_mutants_are_killed_by_the_general_suite() {
 
 #[test]
 fn all_block_selection_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_block_selection_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_selection_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, (Case<bf16>, BsaConfig))> =
         block_selection::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
-    hunt("all_block_selection_mutants_are_killed", BSA_SELECT, &catalog_mutants(BSA_SELECT), &cases, |kernel, c| {
+    hunt(TEST, BSA_SELECT, &catalog_mutants(BSA_SELECT), &cases, |kernel, c| {
         block_selection::check_selection(&stream, kernel, c)
     });
 }
@@ -619,77 +609,47 @@ fn all_block_selection_mutants_are_killed() {
 /// Every selector mutant also fails the general selection suite (bf16, its default draws).
 #[test]
 fn all_block_selection_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_block_selection_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_selection_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &block_selection::SELECTION_SUITES[0];
-    hunt_in_suite(
-        "all_block_selection_mutants_are_killed_by_the_general_suite",
-        BSA_SELECT,
-        &catalog_mutants(BSA_SELECT),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new(block_selection::SelectionTally::default());
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
-        },
-    );
+    hunt_in_suite(TEST, BSA_SELECT, &catalog_mutants(BSA_SELECT), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new(block_selection::SelectionTally::default());
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw)).1.map_err(Box::new)
+    });
 }
 
 #[test]
 fn all_pyramid_selection_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_pyramid_selection_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pyramid_selection_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, (Case<bf16>, PyramidSelectConfig))> =
         pyramid_selection::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
-    hunt(
-        "all_pyramid_selection_mutants_are_killed",
-        PISA_SELECT,
-        &catalog_mutants(PISA_SELECT),
-        &cases,
-        |kernel, c| pyramid_selection::check_selection(&stream, kernel, c),
-    );
+    hunt(TEST, PISA_SELECT, &catalog_mutants(PISA_SELECT), &cases, |kernel, c| {
+        pyramid_selection::check_selection(&stream, kernel, c)
+    });
 }
 
 /// Every pyramid selector mutant also fails the general pyramid suite (bf16, its default draws).
 #[test]
 fn all_pyramid_selection_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_pyramid_selection_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pyramid_selection_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &pyramid_selection::PYRAMID_SUITES[0];
-    hunt_in_suite(
-        "all_pyramid_selection_mutants_are_killed_by_the_general_suite",
-        PISA_SELECT,
-        &catalog_mutants(PISA_SELECT),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new(pyramid_selection::PyramidTally::default());
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
-        },
-    );
+    hunt_in_suite(TEST, PISA_SELECT, &catalog_mutants(PISA_SELECT), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new(pyramid_selection::PyramidTally::default());
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+    });
 }
 
 #[test]
 fn all_pisa_tail_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_tail_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_tail_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, (Case<bf16>, BlockLists))> =
         pisa_tail::killing_cases().into_iter().map(|(name, case, lists)| (name, (case, lists))).collect();
-    hunt("all_pisa_tail_mutants_are_killed", PISA_TAIL, &catalog_mutants(PISA_TAIL), &cases, |kernel, c| {
+    hunt(TEST, PISA_TAIL, &catalog_mutants(PISA_TAIL), &cases, |kernel, c| {
         pisa_tail::check_killing_case(&stream, kernel, c)
     });
 }
@@ -697,112 +657,69 @@ fn all_pisa_tail_mutants_are_killed() {
 /// Every tail mutant also fails the general tail suite (bf16, its default draws).
 #[test]
 fn all_pisa_tail_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_tail_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_tail_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &pisa_tail::TAIL_SUITES[0];
-    hunt_in_suite(
-        "all_pisa_tail_mutants_are_killed_by_the_general_suite",
-        PISA_TAIL,
-        &catalog_mutants(PISA_TAIL),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new((0usize, 0usize));
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
-        },
-    );
+    hunt_in_suite(TEST, PISA_TAIL, &catalog_mutants(PISA_TAIL), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new((0usize, 0usize));
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+    });
 }
 
 #[test]
 fn all_pisa_tail_backward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_tail_backward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_tail_backward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = pisa_tail_backward::killing_cases();
     let mutants = catalog_mutants(PISA_TAIL_BWD);
-    hunt("all_pisa_tail_backward_mutants_are_killed", PISA_TAIL_BWD, &mutants, &cases, |kernel, c| {
-        pisa_tail_backward::check_killing_case(&stream, kernel, c)
-    });
+    hunt(TEST, PISA_TAIL_BWD, &mutants, &cases, |kernel, c| pisa_tail_backward::check_killing_case(&stream, kernel, c));
 }
 
 /// Every tail backward mutant also fails the general tail backward suite (bf16, its default draws).
 #[test]
 fn all_pisa_tail_backward_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_tail_backward_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_tail_backward_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &pisa_tail_backward::TAIL_BACKWARD_SUITES[0];
-    hunt_in_suite(
-        "all_pisa_tail_backward_mutants_are_killed_by_the_general_suite",
-        PISA_TAIL_BWD,
-        &catalog_mutants(PISA_TAIL_BWD),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new(0usize);
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| pisa_tail_backward::check_backward(suite, &stream, kernel, &tally, draw))
-        },
-    );
+    hunt_in_suite(TEST, PISA_TAIL_BWD, &catalog_mutants(PISA_TAIL_BWD), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new(0usize);
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| pisa_tail_backward::check_backward(suite, &stream, kernel, &tally, draw))
+    });
 }
 
 #[test]
 fn all_pisa_covariance_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_covariance_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_covariance_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = pisa_covariance::killing_cases();
     let mutants = catalog_mutants(PISA_COVARIANCE);
-    hunt("all_pisa_covariance_mutants_are_killed", PISA_COVARIANCE, &mutants, &cases, |kernel, c| {
-        pisa_covariance::check_killing_case(&stream, kernel, c)
-    });
+    hunt(TEST, PISA_COVARIANCE, &mutants, &cases, |kernel, c| pisa_covariance::check_killing_case(&stream, kernel, c));
 }
 
 /// Every covariance-aware selection mutant also fails the general suite (bf16, its default draws).
 #[test]
 fn all_pisa_covariance_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_pisa_covariance_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_pisa_covariance_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &pisa_covariance::COVARIANCE_SUITES[0];
-    hunt_in_suite(
-        "all_pisa_covariance_mutants_are_killed_by_the_general_suite",
-        PISA_COVARIANCE,
-        &catalog_mutants(PISA_COVARIANCE),
-        suite.name,
-        |kernel| {
-            let decided = std::cell::RefCell::new(0usize);
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            pisa_covariance::run_suite_with(config, |draw| {
-                pisa_covariance::check_draw(suite, &stream, kernel, &decided, draw)
-            })
-        },
-    );
+    hunt_in_suite(TEST, PISA_COVARIANCE, &catalog_mutants(PISA_COVARIANCE), suite.name, |kernel| {
+        let decided = std::cell::RefCell::new(0usize);
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        pisa_covariance::run_suite_with(config, |draw| {
+            pisa_covariance::check_draw(suite, &stream, kernel, &decided, draw)
+        })
+    });
 }
 
 #[test]
 fn all_block_mass_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_block_mass_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_mass_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, (Case<bf16>, MassConfig))> =
         pyramid_diagnostics::killing_cases().into_iter().map(|(name, case, config)| (name, (case, config))).collect();
-    hunt("all_block_mass_mutants_are_killed", PISA_MASS, &catalog_mutants(PISA_MASS), &cases, |kernel, c| {
+    hunt(TEST, PISA_MASS, &catalog_mutants(PISA_MASS), &cases, |kernel, c| {
         pyramid_diagnostics::check_masses(&stream, kernel, c)
     });
 }
@@ -810,72 +727,44 @@ fn all_block_mass_mutants_are_killed() {
 /// Every HiLS mutant fails one of `hils::killing_cases`.
 #[test]
 fn all_hils_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_hils_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, hils::KillingCase)> = hils::killing_cases();
-    hunt("all_hils_mutants_are_killed", HILS, &catalog_mutants(HILS), &cases, |kernel, c| {
-        hils::check_killing_case(&stream, kernel, c)
-    });
+    hunt(TEST, HILS, &catalog_mutants(HILS), &cases, |kernel, c| hils::check_killing_case(&stream, kernel, c));
 }
 
 /// Every HiLS mutant also fails the general HiLS suite (bf16, its default draws).
 #[test]
 fn all_hils_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_hils_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_hils_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &hils::HILS_SUITES[0];
-    hunt_in_suite(
-        "all_hils_mutants_are_killed_by_the_general_suite",
-        HILS,
-        &catalog_mutants(HILS),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new((0usize, 0usize));
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
-        },
-    );
+    hunt_in_suite(TEST, HILS, &catalog_mutants(HILS), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new((0usize, 0usize));
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+    });
 }
 
 /// Every block-mass mutant also fails the general mass suite (bf16, its default draws).
 #[test]
 fn all_block_mass_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_block_mass_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_block_mass_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &pyramid_diagnostics::MASS_SUITES[0];
-    hunt_in_suite(
-        "all_block_mass_mutants_are_killed_by_the_general_suite",
-        PISA_MASS,
-        &catalog_mutants(PISA_MASS),
-        suite.name,
-        |kernel| {
-            let tally = std::cell::RefCell::new(pyramid_diagnostics::MassTally::default());
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
-        },
-    );
+    hunt_in_suite(TEST, PISA_MASS, &catalog_mutants(PISA_MASS), suite.name, |kernel| {
+        let tally = std::cell::RefCell::new(pyramid_diagnostics::MassTally::default());
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        suite.run(config, |draw| suite.check(&stream, kernel, &tally, draw))
+    });
 }
 
 #[test]
 fn all_dsa_index_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_index_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_index_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = dsa_index::killing_cases();
-    hunt("all_dsa_index_mutants_are_killed", DSA_INDEX, &catalog_mutants(DSA_INDEX), &cases, |kernel, draw| {
+    hunt(TEST, DSA_INDEX, &catalog_mutants(DSA_INDEX), &cases, |kernel, draw| {
         dsa_index::check_draw::<bf16>(&stream, kernel, draw).map(|_| ())
     });
 }
@@ -883,31 +772,21 @@ fn all_dsa_index_mutants_are_killed() {
 /// Every indexer mutant also fails the general indexer suite (its default draws, no shrinking).
 #[test]
 fn all_dsa_index_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_index_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_index_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let (name, cases, seed) = dsa_index::SUITE;
-    hunt_in_suite(
-        "all_dsa_index_mutants_are_killed_by_the_general_suite",
-        DSA_INDEX,
-        &catalog_mutants(DSA_INDEX),
-        name,
-        |kernel| {
-            let config = Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) };
-            dsa_index::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
-        },
-    );
+    hunt_in_suite(TEST, DSA_INDEX, &catalog_mutants(DSA_INDEX), name, |kernel| {
+        let config = no_shrink(name, cases, seed);
+        dsa_index::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
+    });
 }
 
 #[test]
 fn all_dsa_sparse_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_sparse_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = dsa_sparse::killing_cases();
-    hunt("all_dsa_sparse_mutants_are_killed", DSA_SPARSE, &catalog_mutants(DSA_SPARSE), &cases, |kernel, c| {
+    hunt(TEST, DSA_SPARSE, &catalog_mutants(DSA_SPARSE), &cases, |kernel, c| {
         dsa_sparse::check_token_sparse_case(&stream, kernel, c)
     });
 }
@@ -915,73 +794,43 @@ fn all_dsa_sparse_mutants_are_killed() {
 /// Every token-sparse attention mutant also fails the general suite (bf16, its default draws, no shrinking).
 #[test]
 fn all_dsa_sparse_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_sparse_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &dsa_sparse::TOKEN_SPARSE_SUITES[0];
-    hunt_in_suite(
-        "all_dsa_sparse_mutants_are_killed_by_the_general_suite",
-        DSA_SPARSE,
-        &catalog_mutants(DSA_SPARSE),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            dsa_sparse::run_token_sparse_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, DSA_SPARSE, &catalog_mutants(DSA_SPARSE), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        dsa_sparse::run_token_sparse_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_dsa_sparse_backward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_backward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_sparse_backward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = dsa_sparse_backward::backward_killing_cases();
-    hunt(
-        "all_dsa_sparse_backward_mutants_are_killed",
-        DSA_SPARSE_BWD,
-        &catalog_mutants(DSA_SPARSE_BWD),
-        &cases,
-        |kernel, c| dsa_sparse_backward::check_backward_case(&stream, kernel, c),
-    );
+    hunt(TEST, DSA_SPARSE_BWD, &catalog_mutants(DSA_SPARSE_BWD), &cases, |kernel, c| {
+        dsa_sparse_backward::check_backward_case(&stream, kernel, c)
+    });
 }
 
 /// Every token-sparse backward mutant also fails the general suite (bf16, its default draws, no shrinking).
 #[test]
 fn all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &dsa_sparse_backward::BACKWARD_SUITES[0];
-    hunt_in_suite(
-        "all_dsa_sparse_backward_mutants_are_killed_by_the_general_suite",
-        DSA_SPARSE_BWD,
-        &catalog_mutants(DSA_SPARSE_BWD),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            dsa_sparse_backward::run_backward_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, DSA_SPARSE_BWD, &catalog_mutants(DSA_SPARSE_BWD), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        dsa_sparse_backward::run_backward_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_dsa_loss_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_loss_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_loss_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = dsa_loss::killing_cases();
-    hunt("all_dsa_loss_mutants_are_killed", DSA_LOSS, &catalog_mutants(DSA_LOSS), &cases, |kernel, draw| {
+    hunt(TEST, DSA_LOSS, &catalog_mutants(DSA_LOSS), &cases, |kernel, draw| {
         dsa_loss::check_any(&stream, kernel, draw).map(|_| ())
     });
 }
@@ -989,70 +838,43 @@ fn all_dsa_loss_mutants_are_killed() {
 /// Every indexer-loss mutant also fails the general suite (its default draws, no shrinking).
 #[test]
 fn all_dsa_loss_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_dsa_loss_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_dsa_loss_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let (name, cases, seed) = dsa_loss::SUITE;
-    hunt_in_suite(
-        "all_dsa_loss_mutants_are_killed_by_the_general_suite",
-        DSA_LOSS,
-        &catalog_mutants(DSA_LOSS),
-        name,
-        |kernel| {
-            let config = Config { max_shrink_iters: 0, ..crate::property::default_run_config(name, cases, seed) };
-            dsa_loss::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
-        },
-    );
+    hunt_in_suite(TEST, DSA_LOSS, &catalog_mutants(DSA_LOSS), name, |kernel| {
+        let config = no_shrink(name, cases, seed);
+        dsa_loss::run_suite(&stream, kernel, config).map(|_| ()).map_err(Box::new)
+    });
 }
 
 #[test]
 fn all_nsa_compression_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_compression_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_compression_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = nsa_compress::killing_cases();
-    hunt(
-        "all_nsa_compression_mutants_are_killed",
-        NSA_COMPRESS,
-        &catalog_mutants(NSA_COMPRESS),
-        &cases,
-        |kernel, c| nsa_compress::check_compression(&stream, kernel, c),
-    );
+    hunt(TEST, NSA_COMPRESS, &catalog_mutants(NSA_COMPRESS), &cases, |kernel, c| {
+        nsa_compress::check_compression(&stream, kernel, c)
+    });
 }
 
 /// Every compression mutant also fails the general compression suite (bf16, its default draws).
 #[test]
 fn all_nsa_compression_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_compression_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_compression_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &nsa_compress::COMPRESSION_SUITES[0];
-    hunt_in_suite(
-        "all_nsa_compression_mutants_are_killed_by_the_general_suite",
-        NSA_COMPRESS,
-        &catalog_mutants(NSA_COMPRESS),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            nsa_compress::run_compression_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, NSA_COMPRESS, &catalog_mutants(NSA_COMPRESS), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        nsa_compress::run_compression_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_nsa_gate_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_gate_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_gate_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = nsa_gates::killing_cases();
-    hunt("all_nsa_gate_mutants_are_killed", NSA_GATES, &catalog_mutants(NSA_GATES), &cases, |kernel, c| {
+    hunt(TEST, NSA_GATES, &catalog_mutants(NSA_GATES), &cases, |kernel, c| {
         nsa_gates::check_gate_case(&stream, kernel, c)
     });
 }
@@ -1060,34 +882,21 @@ fn all_nsa_gate_mutants_are_killed() {
 /// Every gate mutant also fails the general gates suite (bf16, its default draws).
 #[test]
 fn all_nsa_gate_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_gate_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_gate_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &nsa_gates::GATE_SUITES[0];
-    hunt_in_suite(
-        "all_nsa_gate_mutants_are_killed_by_the_general_suite",
-        NSA_GATES,
-        &catalog_mutants(NSA_GATES),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            nsa_gates::run_gate_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, NSA_GATES, &catalog_mutants(NSA_GATES), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        nsa_gates::run_gate_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_nsa_selection_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selection_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selection_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = nsa_select::killing_cases();
-    hunt("all_nsa_selection_mutants_are_killed", NSA_SELECT, &catalog_mutants(NSA_SELECT), &cases, |kernel, c| {
+    hunt(TEST, NSA_SELECT, &catalog_mutants(NSA_SELECT), &cases, |kernel, c| {
         nsa_select::check_select_case(&stream, kernel, c)
     });
 }
@@ -1095,34 +904,21 @@ fn all_nsa_selection_mutants_are_killed() {
 /// Every selection mutant also fails the general selection suite (bf16, its default draws).
 #[test]
 fn all_nsa_selection_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selection_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selection_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &nsa_select::SELECT_SUITES[0];
-    hunt_in_suite(
-        "all_nsa_selection_mutants_are_killed_by_the_general_suite",
-        NSA_SELECT,
-        &catalog_mutants(NSA_SELECT),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            nsa_select::run_select_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, NSA_SELECT, &catalog_mutants(NSA_SELECT), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        nsa_select::run_select_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_nsa_selected_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selected_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selected_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = nsa_selected::killing_cases();
-    hunt("all_nsa_selected_mutants_are_killed", NSA_SELECTED, &catalog_mutants(NSA_SELECTED), &cases, |kernel, c| {
+    hunt(TEST, NSA_SELECTED, &catalog_mutants(NSA_SELECTED), &cases, |kernel, c| {
         nsa_selected::check_selected_case(&stream, kernel, c)
     });
 }
@@ -1130,71 +926,41 @@ fn all_nsa_selected_mutants_are_killed() {
 /// Every selected-attention mutant also fails the general suite (bf16, its default draws).
 #[test]
 fn all_nsa_selected_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selected_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selected_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &nsa_selected::SELECTED_SUITES[0];
-    hunt_in_suite(
-        "all_nsa_selected_mutants_are_killed_by_the_general_suite",
-        NSA_SELECTED,
-        &catalog_mutants(NSA_SELECTED),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            nsa_selected::run_selected_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, NSA_SELECTED, &catalog_mutants(NSA_SELECTED), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        nsa_selected::run_selected_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_nsa_selected_backward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selected_backward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selected_backward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases = nsa_selected_backward::backward_killing_cases();
-    hunt(
-        "all_nsa_selected_backward_mutants_are_killed",
-        NSA_SELECTED_BWD,
-        &catalog_mutants(NSA_SELECTED_BWD),
-        &cases,
-        |kernel, c| nsa_selected_backward::check_backward_case(&stream, kernel, c),
-    );
+    hunt(TEST, NSA_SELECTED_BWD, &catalog_mutants(NSA_SELECTED_BWD), &cases, |kernel, c| {
+        nsa_selected_backward::check_backward_case(&stream, kernel, c)
+    });
 }
 
 /// Every selected-backward mutant also fails the general suite (bf16, its default draws).
 #[test]
 fn all_nsa_selected_backward_mutants_are_killed_by_the_general_suite() {
-    let Some(ctx) = skip_unless_gpu("all_nsa_selected_backward_mutants_are_killed_by_the_general_suite") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_nsa_selected_backward_mutants_are_killed_by_the_general_suite";
+    let Some(stream) = device_stream(TEST) else { return };
     let suite = &nsa_selected_backward::BACKWARD_SUITES[0];
-    hunt_in_suite(
-        "all_nsa_selected_backward_mutants_are_killed_by_the_general_suite",
-        NSA_SELECTED_BWD,
-        &catalog_mutants(NSA_SELECTED_BWD),
-        suite.name,
-        |kernel| {
-            let config = Config {
-                max_shrink_iters: 0,
-                ..crate::property::default_run_config(suite.name, suite.cases, suite.seed)
-            };
-            nsa_selected_backward::run_backward_suite(suite, config, &stream, kernel)
-        },
-    );
+    hunt_in_suite(TEST, NSA_SELECTED_BWD, &catalog_mutants(NSA_SELECTED_BWD), suite.name, |kernel| {
+        let config = no_shrink(suite.name, suite.cases, suite.seed);
+        nsa_selected_backward::run_backward_suite(suite, config, &stream, kernel)
+    });
 }
 
 #[test]
 fn all_backward_mutants_are_killed() {
-    let Some(ctx) = skip_unless_gpu("all_backward_mutants_are_killed") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    const TEST: &str = "all_backward_mutants_are_killed";
+    let Some(stream) = device_stream(TEST) else { return };
     let cases: Vec<(&str, BackwardCase)> = backward_cases(&stream)
         .into_iter()
         .map(|(name, problem)| {
@@ -1203,9 +969,7 @@ fn all_backward_mutants_are_killed() {
             (name, BackwardCase { problem, expect })
         })
         .collect();
-    hunt("all_backward_mutants_are_killed", FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| {
-        check_backward(&stream, kernel, c)
-    });
+    hunt(TEST, FLASH_BWD, &catalog_mutants(FLASH_BWD), &cases, |kernel, c| check_backward(&stream, kernel, c));
 }
 
 /// Runs every catalog mutant of `base` through the general property suite `suite` (its default draws, bf16, no

@@ -152,10 +152,7 @@ fn block_selection_is_exact_on_its_scores_and_within_bound_f16() {
 /// one KV head at `d = 192` (E31), and a group of 5 over two KV heads at `d = 128`, with random and periodic keys.
 #[test]
 fn the_paper_layer_at_2048_tokens_selects_exactly() {
-    let Some(ctx) = skip_unless_gpu("the_paper_layer_at_2048_tokens_selects_exactly") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("the_paper_layer_at_2048_tokens_selects_exactly") else { return };
     for (n_heads_q, n_heads_kv, d, dv, periodic_keys) in
         [(16, 1, 192, 128, false), (10, 2, 128, 128, false), (16, 1, 128, 128, true)]
     {

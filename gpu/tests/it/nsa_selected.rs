@@ -160,10 +160,7 @@ pub const ALL_CLASSES: [&str; 17] = [
 /// group of 16 at `d = 192` (E31) and a group of 5 over two KV heads.
 #[test]
 fn the_paper_layer_at_2048_tokens_attends_to_its_selection() {
-    let Some(ctx) = skip_unless_gpu("the_paper_layer_at_2048_tokens_attends_to_its_selection") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("the_paper_layer_at_2048_tokens_attends_to_its_selection") else { return };
     for (n_heads_q, n_heads_kv, d, dv) in [(16, 1, 192, 128), (10, 2, 128, 128)] {
         let draw = SelectedDraw {
             layer: AttentionSpec::dense(1, n_heads_q, n_heads_kv, 2048, 2048, d, dv).with_mask(Mask::Causal),

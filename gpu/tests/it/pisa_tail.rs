@@ -378,10 +378,7 @@ fn the_reference_schedule_passes_the_suites_draws() {
 /// mass, E23 holds on every row, and dropping the tail is rejected.
 #[test]
 fn a_structured_tail_holds_e23() {
-    let Some(ctx) = skip_unless_gpu("a_structured_tail_holds_e23") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("a_structured_tail_holds_e23") else { return };
     let spec = dense(1, 4, 2, 200, 700, 64, 64, Mask::Causal);
     let mut case = make_case::<bf16>(&spec, gaussian(1.0), 41);
     for kv in 0..2 {
@@ -404,10 +401,7 @@ fn a_structured_tail_holds_e23() {
 /// blocks, and the statistics pass their check (the output is empty).
 #[test]
 fn a_problem_without_queries_still_pools_its_keys() {
-    let Some(ctx) = skip_unless_gpu("a_problem_without_queries_still_pools_its_keys") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("a_problem_without_queries_still_pools_its_keys") else { return };
     for mask in [Mask::None, Mask::Causal] {
         let spec = dense(2, 3, 1, 0, 300, 32, 32, mask);
         let case = make_case::<bf16>(&spec, gaussian(1.0), 44);
@@ -420,10 +414,7 @@ fn a_problem_without_queries_still_pools_its_keys() {
 /// Bad input is a typed error before any launch; the device stays usable.
 #[test]
 fn bad_tail_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_tail_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_tail_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 130, 200, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 42);
     let picks = vec![vec![true, false, false, true]; 3];

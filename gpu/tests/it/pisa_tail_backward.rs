@@ -220,10 +220,7 @@ fn the_backward_suites_draw_every_strategy() {
 /// device stays usable.
 #[test]
 fn bad_tail_backward_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_tail_backward_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_tail_backward_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 130, 200, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 52);
     let d_out = make_d_out::<bf16>(&spec, 52);

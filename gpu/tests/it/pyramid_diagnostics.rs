@@ -238,10 +238,7 @@ fn run_production(suite: &MassSuite) {
 /// only, captures exactly what the reference does).
 #[test]
 fn a_reference_set_without_mass_has_ratio_one() {
-    let Some(ctx) = skip_unless_gpu("a_reference_set_without_mass_has_ratio_one") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("a_reference_set_without_mass_has_ratio_one") else { return };
     let spec = AttentionSpec {
         layout: attnproof_oracle::Layout::Varlen { cu_seqlens_q: vec![0, 0, 129], cu_seqlens_k: vec![0, 257, 642] },
         n_heads_q: 1,
@@ -326,10 +323,7 @@ fn sanitizer_shapes() {
 /// Bad parameters and buffers are typed errors before any launch; the device stays usable.
 #[test]
 fn bad_mass_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_mass_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_mass_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 9);
     let good = MassConfig { q_block: 64, leaf_size: 64 };

@@ -303,10 +303,7 @@ fn the_pyramid_suites_draw_scorings_ties_and_deep_pyramids() {
 /// ones, and the lists are the forced leaves and the lowest others.
 #[test]
 fn all_tied_leaves_select_the_lowest_nodes() {
-    let Some(ctx) = skip_unless_gpu("all_tied_leaves_select_the_lowest_nodes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("all_tied_leaves_select_the_lowest_nodes") else { return };
     let spec = dense(1, 4, 2, 640, 640, 64, 64, Mask::Causal);
     let mut case = make_case::<bf16>(&spec, gaussian(1.0), 8);
     for kv in 0..2 {
@@ -335,10 +332,7 @@ fn all_tied_leaves_select_the_lowest_nodes() {
 /// static arrays; the launch failed (`CUDA_ERROR_INVALID_VALUE`) until `allow_shared_memory` counted the static part.
 #[test]
 fn a_group_of_16_at_head_dim_256_launches() {
-    let Some(ctx) = skip_unless_gpu("a_group_of_16_at_head_dim_256_launches") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("a_group_of_16_at_head_dim_256_launches") else { return };
     let spec = dense(1, 16, 1, 1, 371, 256, 256, Mask::None);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 74);
     for (scoring, branching) in [(Scoring::Pisa2, 7), (Scoring::Lse, 2)] {
@@ -381,10 +375,7 @@ fn sanitizer_shapes() {
 /// Bad parameters and buffers are typed errors before any launch; the device stays usable.
 #[test]
 fn bad_pyramid_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("bad_pyramid_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("bad_pyramid_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 9);
     let good = PyramidSelectConfig {

@@ -143,10 +143,7 @@ fn check<T: Storage>(stream: &Arc<CudaStream>) {
 
 #[test]
 fn ring_forward_states_are_within_the_bound() {
-    let Some(ctx) = skip_unless_gpu("ring_forward_states_are_within_the_bound") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("ring_forward_states_are_within_the_bound") else { return };
     check::<bf16>(&stream);
     check::<f16>(&stream);
 }
@@ -156,10 +153,7 @@ fn ring_forward_states_are_within_the_bound() {
 /// epilogue).
 #[test]
 fn one_chunk_equals_the_plain_forward_bitwise() {
-    let Some(ctx) = skip_unless_gpu("one_chunk_equals_the_plain_forward_bitwise") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("one_chunk_equals_the_plain_forward_bitwise") else { return };
     for spec in cases() {
         let case = make_case::<bf16>(&spec, gaussian(1.0), 7);
         let (_, len_q, len_k) = dense_dims(&spec);
@@ -186,10 +180,7 @@ fn one_chunk_equals_the_plain_forward_bitwise() {
 /// A state of the wrong size and a masked pair spec are typed errors, before any launch.
 #[test]
 fn mismatched_states_and_masked_pair_specs_are_typed_errors() {
-    let Some(ctx) = skip_unless_gpu("mismatched_states_and_masked_pair_specs_are_typed_errors") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("mismatched_states_and_masked_pair_specs_are_typed_errors") else { return };
     let spec = dense(1, 1, 1, 10, 10, 16, 16, Mask::None);
     let mut small = DeviceState::empty(&stream, 5, 16).unwrap();
     let right = DeviceState::for_spec(&stream, &spec).unwrap();
