@@ -16,13 +16,13 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::block_sparse::select::{
     BSA_SELECT, STREAM_MAX_TOP_K, SelectSchedule, lists_shape, select_blocks, select_blocks_device,
     select_blocks_device_scheduled, workspace_len,
 };
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{FLASH_FWD, KernelSource};
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::block_selection::{SelectionVerdict, verify_block_selection};
@@ -361,10 +361,7 @@ pub fn forward_over_lists<T: Storage>(
 }
 
 fn run_production(suite: &SelectionSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new(SelectionTally::default());
     let (draws, result) =
         suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, BSA_SELECT, &tally, d));

@@ -15,11 +15,11 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::dsa::sparse::{
     DSA_SPARSE, ListSharing, TokenSelection, rows_per_cta, token_sparse, token_sparse_device,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::dsa_sparse::{
     TokenListMix, TokenSparseDraw, token_lists, token_sparse_case, token_sparse_draws, token_sparse_guarded,
     verify_token_sparse,
@@ -237,10 +237,7 @@ pub fn check_token_sparse_case(
 /// `d = 256` with lists wider than the sequence.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("dsa_sparse::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("dsa_sparse::sanitizer_shapes") else { return };
     let layer = |layout, hq, hkv, d, dv| {
         AttentionSpec { layout, ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, dv) }.with_mask(Mask::Causal)
     };
@@ -267,10 +264,7 @@ fn sanitizer_shapes() {
 /// The host wrapper gives the guarded device run's bits.
 #[test]
 fn the_host_wrapper_equals_the_device_wrapper() {
-    let Some(ctx) = skip_unless_gpu("dsa_sparse::the_host_wrapper_equals_the_device_wrapper") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("dsa_sparse::the_host_wrapper_equals_the_device_wrapper") else { return };
     let (_, draw) = killing_cases().swap_remove(0);
     let case = token_sparse_case::<bf16>(&draw, draw.seed);
     let lists = token_lists(&draw);
@@ -297,10 +291,9 @@ fn the_host_wrapper_equals_the_device_wrapper() {
 /// list whose entries run past its token attends to the prefix before them only.
 #[test]
 fn bad_token_sparse_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("dsa_sparse::bad_token_sparse_input_is_a_typed_error_before_any_launch") else {
+    let Some(stream) = device_stream("dsa_sparse::bad_token_sparse_input_is_a_typed_error_before_any_launch") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let layer = AttentionSpec::dense(1, 2, 1, 100, 100, 64, 64).with_mask(Mask::Causal);
     let selection = TokenSelection { top_k: 3, heads: ListSharing::Shared };
     let zeros = |shape: &[usize]| ArrayD::from_elem(IxDyn(shape), bf16::ZERO);

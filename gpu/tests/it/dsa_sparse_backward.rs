@@ -23,7 +23,7 @@ use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection};
 use attnproof_gpu::dsa::sparse_backward::{
     DSA_SPARSE_BWD, token_sparse_backward, token_sparse_backward_device, token_transpose_device,
 };
-use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError};
 use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::candidate::{BackwardProblem, Gradients, LaunchError};
 use attnproof_harness::dsa_sparse::{
@@ -230,10 +230,7 @@ pub fn backward_killing_cases() -> Vec<(&'static str, TokenSparseDraw)> {
 /// group of 64 at `d = 256` with lists wider than the sequence.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("dsa_sparse_backward::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("dsa_sparse_backward::sanitizer_shapes") else { return };
     let layer = |layout, hq, hkv, d, dv| {
         AttentionSpec { layout, ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, dv) }.with_mask(Mask::Causal)
     };
@@ -263,11 +260,10 @@ fn sanitizer_shapes() {
 /// mode the atomic one's dQ. (The deterministic mode's refusal of groups above 64 heads is checked on every draw.)
 #[test]
 fn bad_backward_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("dsa_sparse_backward::bad_backward_input_is_a_typed_error_before_any_launch")
+    let Some(stream) = device_stream("dsa_sparse_backward::bad_backward_input_is_a_typed_error_before_any_launch")
     else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let (_, draw) = killing_cases().swap_remove(0);
     let case = token_sparse_case::<bf16>(&draw, draw.seed);
     let lists = token_lists(&draw);

@@ -18,7 +18,6 @@ use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::compile::FLASH_BWD;
 use attnproof_gpu::{
     BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, flash_backward, flash_backward_device,
-    skip_unless_gpu,
 };
 use attnproof_harness::adversarial::{
     AdversarialCase, Direction, Directions, Group, Repeat, Worst, backward_verdicts, run_cases,
@@ -82,10 +81,7 @@ fn sanitizer_shapes() {
 /// The verdict already demands exact zeros on rows that see no key; this pins it without the oracle too.
 #[test]
 fn fully_masked_rows_get_zero_gradients() {
-    let Some(ctx) = skip_unless_gpu("fully_masked_rows_get_zero_gradients (direct)") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("fully_masked_rows_get_zero_gradients (direct)") else { return };
     // Bottom-right causal with Lq > Lk: the first Lq − Lk = 70 rows see no key (LSE = −∞, dQ = 0).
     let p = problem::<bf16>(&stream, &dense(1, 2, 2, 100, 30, 64, 64, Mask::Causal), gaussian(1.0), 5);
     for strategy in GpuBackwardStrategy::ALL {
@@ -149,10 +145,7 @@ fn larger_shapes_are_within_bound() {
 
 #[test]
 fn unsupported_and_bad_arguments_are_typed_errors() {
-    let Some(ctx) = skip_unless_gpu("unsupported_and_bad_arguments_are_typed_errors (backward)") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("unsupported_and_bad_arguments_are_typed_errors (backward)") else { return };
     let p = problem::<bf16>(&stream, &dense(1, 1, 1, 8, 8, 16, 16, Mask::None), gaussian(1.0), 1);
     let (q, k, v, o, lse, g) =
         (p.case.q.view(), p.case.k.view(), p.case.v.view(), p.o.view(), p.lse.view(), p.d_out.view());
@@ -244,10 +237,7 @@ fn unsupported_and_bad_arguments_are_typed_errors() {
 /// events, median of 3 after a warm-up), for orientation only: nothing is asserted about speed.
 #[test]
 fn larger_shapes_are_deterministic() {
-    let Some(ctx) = skip_unless_gpu("larger_shapes_are_deterministic (backward)") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("larger_shapes_are_deterministic (backward)") else { return };
     let spec = dense(2, 8, 4, 1024, 1024, 128, 128, Mask::Causal);
     let p = problem::<bf16>(&stream, &spec, gaussian(1.0), 7);
     let up = |t: &ArrayD<bf16>| upload(&stream, t).unwrap();

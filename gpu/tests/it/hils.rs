@@ -16,12 +16,12 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::hils::{
     ChunkMass, HILS, HilsForwardDevice, HilsRouting, HilsRoutingDevice, hils_forward, hils_forward_device_with,
     hils_route, hils_route_device_with, landmarks_len, lists_len, scores_len, summaries_len,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::hils_output::{HilsOutputVerdict, verify_hils_output};
@@ -203,10 +203,7 @@ impl HilsSuite {
 }
 
 fn run_production(suite: &HilsSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new((0usize, 0usize));
     if let Err(e) =
         suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, HILS, &tally, d))
@@ -369,10 +366,7 @@ fn bad_hils_input_is_a_typed_error() {
 /// sequence, GQA 3, `d = 256` with `dv = 256`, and `dv = 1`.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("hils::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("hils::sanitizer_shapes") else { return };
     for (spec, config, mass) in [
         (
             dense(1, 2, 1, 40, 40, 16, 8, Mask::Causal),

@@ -16,11 +16,11 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{default_run_config, run_typed_production};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::compress::{
     NSA_COMPRESS, compress_kv, compress_kv_device, compress_map_gradient_device, compressed_shape,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::nsa::{
@@ -248,10 +248,7 @@ pub fn check_compression(
 /// The killing cases under compute-sanitizer (`run.sh sanitize`): tail windows, an empty sequence, odd head dims.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_compress::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_compress::sanitizer_shapes") else { return };
     for (name, case) in killing_cases() {
         if let Err(why) = check_compression(&stream, NSA_COMPRESS, &case) {
             panic!("case `{name}`: {why}");
@@ -264,10 +261,9 @@ fn sanitizer_shapes() {
 /// bits differed. Both maps, both operands, one window and the paper's.
 #[test]
 fn windows_of_negative_zeros_give_the_recipes_positive_zero() {
-    let Some(ctx) = skip_unless_gpu("nsa_compress::windows_of_negative_zeros_give_the_recipes_positive_zero") else {
+    let Some(stream) = device_stream("nsa_compress::windows_of_negative_zeros_give_the_recipes_positive_zero") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let mut case = make_case::<bf16>(&dense(1, 2, 2, 40, 40, 16, 8, Mask::Causal), gaussian(1.0), 9);
     case.k.fill(bf16::NEG_ZERO);
     case.v.fill(bf16::NEG_ZERO);
@@ -291,10 +287,7 @@ fn windows_of_negative_zeros_give_the_recipes_positive_zero() {
 /// The host wrapper (copies in and out) gives the bits of the guarded launch through the device wrapper.
 #[test]
 fn the_host_wrapper_equals_the_device_wrapper() {
-    let Some(ctx) = skip_unless_gpu("nsa_compress::the_host_wrapper_equals_the_device_wrapper") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_compress::the_host_wrapper_equals_the_device_wrapper") else { return };
     let (_, (case, config)) = killing_cases().swap_remove(1);
     let host = compress_kv(&stream, &case.spec, &config, case.k.view(), case.v.view()).expect("host wrapper");
     let guarded = compress_guarded(&stream, &case, &config, NSA_COMPRESS).expect("device wrapper");
@@ -307,10 +300,9 @@ fn the_host_wrapper_equals_the_device_wrapper() {
 /// dim the kernels do not take, host tensors of the wrong shape, device buffers too small.
 #[test]
 fn bad_compression_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("nsa_compress::bad_compression_input_is_a_typed_error_before_any_launch") else {
+    let Some(stream) = device_stream("nsa_compress::bad_compression_input_is_a_typed_error_before_any_launch") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let spec = AttentionSpec::dense(1, 2, 1, 64, 64, 16, 16).with_mask(Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 7);
     let host =

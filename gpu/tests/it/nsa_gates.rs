@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{default_run_config, run_typed_production};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::nsa::gates::{
     GateBranches, GateGradientsDevice, NSA_GATES, gate_backward, gate_backward_device, gate_combine,
     gate_combine_device, gate_logits_shape,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::nsa::{GateDraw, gate_draws, gates_guarded, verify_gate_backward, verify_gate_combine};
 use attnproof_oracle::spec::Operand;
 use attnproof_oracle::{AttentionSpec, Mask};
@@ -151,10 +151,7 @@ pub fn check_gate_case(stream: &Arc<CudaStream>, kernel: KernelSource, case: &Ga
 /// The killing cases under compute-sanitizer (`run.sh sanitize`).
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_gates::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_gates::sanitizer_shapes") else { return };
     for (name, case) in killing_cases() {
         if let Err(why) = check_gate_case(&stream, NSA_GATES, &case) {
             panic!("case `{name}`: {why}");
@@ -165,10 +162,7 @@ fn sanitizer_shapes() {
 /// The host wrappers give the device wrappers' bits.
 #[test]
 fn the_host_wrappers_equal_the_device_wrappers() {
-    let Some(ctx) = skip_unless_gpu("nsa_gates::the_host_wrappers_equal_the_device_wrappers") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_gates::the_host_wrappers_equal_the_device_wrappers") else { return };
     let (_, draw) = killing_cases().swap_remove(0);
     let views = [draw.branches[0].view(), draw.branches[1].view(), draw.branches[2].view()];
     let o = gate_combine(&stream, &draw.spec, views.clone(), draw.gate_logits.view()).expect("host combine");
@@ -183,10 +177,7 @@ fn the_host_wrappers_equal_the_device_wrappers() {
 /// of the wrong shape, device buffers too small.
 #[test]
 fn bad_gate_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("nsa_gates::bad_gate_input_is_a_typed_error_before_any_launch") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_gates::bad_gate_input_is_a_typed_error_before_any_launch") else { return };
     let spec = AttentionSpec::dense(1, 2, 1, 16, 16, 16, 16).with_mask(Mask::Causal);
     let o_shape = spec.expected_shape(Operand::O);
     let zeros = |shape: &[usize]| ArrayD::from_elem(IxDyn(shape), bf16::ZERO);

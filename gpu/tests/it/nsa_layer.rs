@@ -21,7 +21,7 @@ use attnproof_gpu::nsa::layer::{
     NsaLayerForwardDevice, NsaLayerHostInputs, NsaLayerInputs, NsaLayerKernels, nsa_layer_backward_device,
     nsa_layer_forward, nsa_layer_forward_device,
 };
-use attnproof_gpu::{GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::{GpuBackwardStrategy, GpuError};
 use attnproof_harness::Case;
 use attnproof_harness::flash::HarnessError;
 use attnproof_harness::generate::{ValueProfile, make_case, make_d_out};
@@ -176,10 +176,7 @@ fn the_layer_is_within_bound_stage_by_stage_f16() {
 /// replayed: one head of 31 tokens, d = 32, dv = 16, blocks of 16, two selected, a window of 64.
 #[test]
 fn subnormal_branch_gradients_through_atomic_dq() {
-    let Some(ctx) = skip_unless_gpu("nsa_layer::subnormal_branch_gradients_through_atomic_dq") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_layer::subnormal_branch_gradients_through_atomic_dq") else { return };
     let draw = LayerDraw {
         layer: AttentionSpec::dense(1, 1, 1, 31, 31, 32, 16).with_mask(Mask::Causal),
         config: NsaConfig {
@@ -202,10 +199,7 @@ fn subnormal_branch_gradients_through_atomic_dq() {
 /// of the chain, the branch sums and the matrix gradient run under memcheck.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_layer::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_layer::sanitizer_shapes") else { return };
     let (l, d) = (8, 16);
     let matrix = ndarray::Array2::from_shape_fn((l * d, d), |(r, c)| ((r * 5 + c * 3) % 7) as f64 / 8.0 - 0.375);
     let draw = LayerDraw {
@@ -277,10 +271,7 @@ fn the_layer_suites_draw_every_class() {
 /// queries and keys of different lengths, and two traversals for dQ.
 #[test]
 fn bad_input_is_a_typed_error_and_launches_nothing() {
-    let Some(ctx) = skip_unless_gpu("nsa_layer::bad_input_is_a_typed_error_and_launches_nothing") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_layer::bad_input_is_a_typed_error_and_launches_nothing") else { return };
     let kernels = NsaLayerKernels::default();
     let config = NsaConfig {
         compress_len: 8,

@@ -16,12 +16,12 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::select::{NSA_SELECT, Selection, select};
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::nsa_select::{SelectionDraw, select_guarded, selection_case, selection_draws, verify_selection};
 use attnproof_oracle::nsa::NsaConfig;
 use attnproof_oracle::{AttentionSpec, Layout, Mask};
@@ -260,10 +260,7 @@ pub fn check_select_case(stream: &Arc<CudaStream>, kernel: KernelSource, case: &
 /// three selection blocks), varlen with an empty sequence, and a group of 16 at `d = 192`.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_select::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_select::sanitizer_shapes") else { return };
     let layer = |layout, hq, hkv, d| AttentionSpec {
         layout,
         ..AttentionSpec::dense(1, hq, hkv, 1, 1, d, 64).with_mask(Mask::Causal)
@@ -286,10 +283,7 @@ fn sanitizer_shapes() {
 /// The host wrapper gives the guarded device run's bits.
 #[test]
 fn the_host_wrapper_equals_the_device_wrapper() {
-    let Some(ctx) = skip_unless_gpu("nsa_select::the_host_wrapper_equals_the_device_wrapper") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_select::the_host_wrapper_equals_the_device_wrapper") else { return };
     let (_, draw) = killing_cases().swap_remove(0);
     let inputs = selection_inputs::<bf16>(&stream, &draw, draw.seed).expect("inputs");
     let host =
@@ -305,10 +299,9 @@ fn the_host_wrapper_equals_the_device_wrapper() {
 /// too small.
 #[test]
 fn bad_selection_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("nsa_select::bad_selection_input_is_a_typed_error_before_any_launch") else {
+    let Some(stream) = device_stream("nsa_select::bad_selection_input_is_a_typed_error_before_any_launch") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let layer = AttentionSpec::dense(1, 2, 1, 100, 100, 64, 64).with_mask(Mask::Causal);
     let config = NsaConfig::default();
     let zeros = |shape: &[usize]| ArrayD::from_elem(IxDyn(shape), bf16::ZERO);

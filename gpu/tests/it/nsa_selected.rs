@@ -14,13 +14,13 @@ use std::sync::Arc;
 
 use crate::common::*;
 use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_production};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::flash_forward;
 use attnproof_gpu::nsa::compress::compress_kv;
 use attnproof_gpu::nsa::compressed::compressed_spec;
 use attnproof_gpu::nsa::select::{NSA_SELECT, select};
 use attnproof_gpu::nsa::selected::{NSA_SELECTED, SelectedTiling, selected, selected_device};
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::nsa_selected::{
     ListMix, SelectedDraw, selected_case, selected_draws, selected_guarded, selected_lists, verify_selected,
 };
@@ -247,10 +247,7 @@ pub fn check_selected_case(stream: &Arc<CudaStream>, kernel: KernelSource, case:
 /// `d = 256` (64 rows).
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_selected::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_selected::sanitizer_shapes") else { return };
     let layer = |layout, hq, d, dv| {
         AttentionSpec { layout, ..AttentionSpec::dense(1, hq, 1, 1, 1, d, dv) }.with_mask(Mask::Causal)
     };
@@ -287,10 +284,7 @@ fn sanitizer_shapes() {
 /// The host wrapper gives the guarded device run's bits.
 #[test]
 fn the_host_wrapper_equals_the_device_wrapper() {
-    let Some(ctx) = skip_unless_gpu("nsa_selected::the_host_wrapper_equals_the_device_wrapper") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_selected::the_host_wrapper_equals_the_device_wrapper") else { return };
     let (_, draw) = killing_cases().swap_remove(0);
     let case = selected_case::<bf16>(&draw, draw.seed);
     let lists = selected_lists(&draw);
@@ -318,10 +312,9 @@ fn the_host_wrapper_equals_the_device_wrapper() {
 /// run to completion under the guards.
 #[test]
 fn bad_selected_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("nsa_selected::bad_selected_input_is_a_typed_error_before_any_launch") else {
+    let Some(stream) = device_stream("nsa_selected::bad_selected_input_is_a_typed_error_before_any_launch") else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let layer = AttentionSpec::dense(1, 2, 1, 100, 100, 64, 64).with_mask(Mask::Causal);
     let config = NsaConfig { n_selected: 3, n_forced_initial: 0, n_forced_local: 0, ..NsaConfig::default() };
     let zeros = |shape: &[usize]| ArrayD::from_elem(IxDyn(shape), bf16::ZERO);

@@ -23,7 +23,7 @@ use attnproof_gpu::nsa::selected_backward::{
     BackwardSegments, NSA_SELECTED_BWD, SEGMENT_TILES, selected_backward, selected_backward_device,
     selected_transpose_device,
 };
-use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::{BackwardDeviceInputs, BackwardDeviceOutputs, GpuBackwardStrategy, GpuError};
 use attnproof_harness::backward::BackwardCandidate;
 use attnproof_harness::candidate::{BackwardProblem, Gradients};
 use attnproof_harness::flash::HarnessError;
@@ -251,10 +251,7 @@ pub fn backward_killing_cases() -> Vec<(&'static str, SelectedDraw)> {
 /// and a group of 64 at `d = 256`; both dQ modes each.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("nsa_selected_backward::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("nsa_selected_backward::sanitizer_shapes") else { return };
     let layer = |layout, hq, d, dv| {
         AttentionSpec { layout, ..AttentionSpec::dense(1, hq, 1, 1, 1, d, dv) }.with_mask(Mask::Causal)
     };
@@ -290,11 +287,10 @@ fn sanitizer_shapes() {
 /// The host wrapper gives the guarded device run's bits.
 #[test]
 fn bad_backward_input_is_a_typed_error_before_any_launch() {
-    let Some(ctx) = skip_unless_gpu("nsa_selected_backward::bad_backward_input_is_a_typed_error_before_any_launch")
+    let Some(stream) = device_stream("nsa_selected_backward::bad_backward_input_is_a_typed_error_before_any_launch")
     else {
         return;
     };
-    let stream = ctx.new_stream().expect("create a stream");
     let (_, draw) = killing_cases().swap_remove(0);
     let case = selected_case::<bf16>(&draw, draw.seed);
     let lists = selected_lists(&draw);

@@ -16,12 +16,12 @@ use std::sync::Arc;
 use crate::block_selection::{SelectionDraw, SelectionSuite, Ties, selection_draws, with_tied_blocks};
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::pisa::covariance::{
     CovarianceWorkspace, MAX_SPREAD_SHARED_BYTES, PISA_COVARIANCE, check_selection, covariance_select,
     covariance_select_device, spread_shared_bytes, spreads_len,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::candidate::{poisoned, unguard};
 use attnproof_harness::generate::make_case;
@@ -200,10 +200,7 @@ pub fn check_draw(
 }
 
 fn run_suite(suite: &SelectionSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let decided = RefCell::new(0usize);
     let result = run_suite_with(run_config(suite.name, suite.cases, suite.seed), |d| {
         check_draw(suite, &stream, PISA_COVARIANCE, &decided, d)
@@ -280,10 +277,7 @@ fn reference_verdict<T: Storage>(draw: &CovarianceDraw) -> Result<CovarianceVerd
 /// Bad parameters and buffers are typed errors before any launch; the device stays usable.
 #[test]
 fn bad_covariance_input_is_a_typed_error() {
-    let Some(ctx) = skip_unless_gpu("pisa_covariance::bad_covariance_input_is_a_typed_error") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pisa_covariance::bad_covariance_input_is_a_typed_error") else { return };
     let spec = dense(1, 2, 1, 200, 300, 64, 64, Mask::Causal);
     let case = make_case::<bf16>(&spec, gaussian(1.0), 9);
     let good = CovarianceConfig {
@@ -323,10 +317,7 @@ fn bad_covariance_input_is_a_typed_error() {
 /// sequence and one shorter than a block, both selector kernels, the E31 head dims (192 × 128).
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("pisa_covariance::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pisa_covariance::sanitizer_shapes") else { return };
     let config = |top_k, kv_block| CovarianceConfig {
         bsa: BsaConfig { q_block: 64, kv_block, top_k, force_first: true, force_local: 1 },
         gamma: 4.0,
@@ -386,10 +377,7 @@ pub fn check_killing_case(stream: &Arc<CudaStream>, kernel: KernelSource, case: 
 /// ranking) in some row, so the suites' `γ` reaches the kernels' spread path.
 #[test]
 fn the_spread_term_changes_the_choice() {
-    let Some(ctx) = skip_unless_gpu("pisa_covariance::the_spread_term_changes_the_choice") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pisa_covariance::the_spread_term_changes_the_choice") else { return };
     let (case, config) = &killing_cases()[0].1;
     let with = select_guarded(&stream, case, config, PISA_COVARIANCE).expect("γ = 16");
     let without =

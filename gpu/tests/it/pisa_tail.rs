@@ -17,13 +17,13 @@ use std::sync::Arc;
 use crate::block_sparse::{BlockDraw, Density, draws_over, lists_from};
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::{self, KernelSource};
 use attnproof_gpu::pisa::tail::{
     HBAR_SPLIT_KEYS, PISA_TAIL, POOLED_KEYS_PER_TILE, TailWorkspace, exact_lists, pisa_tail_forward,
     pisa_tail_forward_device_with, pooled_len, workspace_len,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::HarnessError;
 use attnproof_harness::candidate::{ForwardRun, block_sparse_forward_guarded, forward_guarded_with};
@@ -252,10 +252,7 @@ impl TailSuite {
 }
 
 fn run_production(suite: &TailSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new((0usize, 0usize));
     if let Err(e) =
         suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, PISA_TAIL, &tally, d))
@@ -469,10 +466,7 @@ pub fn alternate_lists(spec: &AttentionSpec) -> BlockLists {
 
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("pisa_tail::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pisa_tail::sanitizer_shapes") else { return };
     for spec in sanitizer_specs() {
         let case = make_case::<bf16>(&spec, gaussian(1.0), 43);
         check_tail(&stream, &case, &alternate_lists(&spec), PISA_TAIL).unwrap_or_else(|e| panic!("{spec:?}: {e}"));

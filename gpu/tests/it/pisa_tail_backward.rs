@@ -25,7 +25,7 @@ use attnproof_gpu::pisa::tail::{PISA_TAIL, TailPlan, TailWorkspace, pisa_tail_fo
 use attnproof_gpu::pisa::tail_backward::{
     PISA_TAIL_BWD, TailBackwardWorkspace, partials_len, pisa_tail_backward, pisa_tail_backward_device_with,
 };
-use attnproof_gpu::{GpuBackwardStrategy, GpuError, skip_unless_gpu};
+use attnproof_gpu::{GpuBackwardStrategy, GpuError};
 use attnproof_harness::candidate::{
     BackwardProblem, ForwardRun, Gradients, backward_guarded_with, block_sparse_backward_guarded, forward_guarded_with,
 };
@@ -174,10 +174,7 @@ pub fn check_backward(
 }
 
 fn run_production(suite: &TailSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new(0usize);
     if let Err(e) = suite.run(run_config(suite.name, suite.cases, suite.seed), |d| {
         check_backward(suite, &stream, PISA_TAIL_BWD, &tally, d)
@@ -290,10 +287,7 @@ fn bad_tail_backward_input_is_a_typed_error() {
 /// The tail forward's small shapes for `run.sh sanitize` (`pisa_tail::sanitizer_specs`), through the backward.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("pisa_tail_backward::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pisa_tail_backward::sanitizer_shapes") else { return };
     for spec in sanitizer_specs() {
         let case = make_case::<bf16>(&spec, gaussian(1.0), 53);
         let d_out = make_d_out::<bf16>(&spec, 53);

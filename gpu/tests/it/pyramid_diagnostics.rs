@@ -15,13 +15,13 @@ use std::sync::Arc;
 use crate::block_selection::selection_spec;
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::pisa::diagnostics::{
     MassConfig, PISA_MASS, block_masses, block_masses_device, diagnose, masses_shape,
 };
 use attnproof_gpu::pisa::select::{PyramidSelectConfig, select_pyramid};
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::candidate::{poisoned, unguard};
 use attnproof_harness::generate::{Distribution, ValueProfile, make_case};
@@ -217,10 +217,7 @@ fn check_draw<T: Storage>(
 }
 
 fn run_production(suite: &MassSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new(MassTally::default());
     let result =
         suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, PISA_MASS, &tally, d));
@@ -298,10 +295,7 @@ fn the_mass_suites_draw_masks_groups_chunks_and_large_logits() {
 /// dims.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("pyramid_diagnostics::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pyramid_diagnostics::sanitizer_shapes") else { return };
     let varlen = AttentionSpec {
         layout: attnproof_oracle::Layout::Varlen {
             cu_seqlens_q: vec![0, 0, 170, 300],

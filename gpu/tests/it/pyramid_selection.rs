@@ -17,13 +17,13 @@ use std::sync::Arc;
 use crate::block_selection::{Ties, forward_over_lists, selection_spec, with_tied_blocks};
 use crate::common::*;
 use crate::property::{default_run_config, run_config};
+use attnproof_gpu::GpuError;
 use attnproof_gpu::block_sparse::{BLOCK_SIZES, BlockLists, ListHeads};
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::pisa::select::{
     MAX_BRANCHING, PISA_SELECT, PyramidSelectConfig, PyramidTrace, lists_shape, select_pyramid, select_pyramid_device,
     trace_shape, workspace_len,
 };
-use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::Case;
 use attnproof_harness::candidate::{poisoned, unguard};
 use attnproof_harness::generate::{ValueProfile, make_case};
@@ -243,10 +243,7 @@ fn check_draw<T: Storage>(
 }
 
 fn run_production(suite: &PyramidSuite) {
-    let Some(ctx) = skip_unless_gpu(suite.name) else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream(suite.name) else { return };
     let tally = RefCell::new(PyramidTally::default());
     let result =
         suite.run(run_config(suite.name, suite.cases, suite.seed), |d| suite.check(&stream, PISA_SELECT, &tally, d));
@@ -346,10 +343,7 @@ fn a_group_of_16_at_head_dim_256_launches() {
 /// β = 16 over a GQA group of 5, `K` = 1 (the forced leaves only), every scoring, the narrowest and widest head dims.
 #[test]
 fn sanitizer_shapes() {
-    let Some(ctx) = skip_unless_gpu("pyramid_selection::sanitizer_shapes") else {
-        return;
-    };
-    let stream = ctx.new_stream().expect("create a stream");
+    let Some(stream) = device_stream("pyramid_selection::sanitizer_shapes") else { return };
     let varlen = AttentionSpec {
         layout: attnproof_oracle::Layout::Varlen {
             cu_seqlens_q: vec![0, 0, 70, 300],
