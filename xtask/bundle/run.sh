@@ -7,7 +7,8 @@
 #                           a fresh directory), packed into all-logs.tgz; a summary last. Non-zero if anything failed.
 #                           ALL_BENCH=0 runs the verification alone, without the benchmark. PART=i/n runs the i-th of
 #                           n shares of the verification (every n-th unit: test module, other binary, sanitizer, Python
-#                           package, scratch mutants), so that n calls under a device's per-call limit run it all; the
+#                           package, scratch mutants; the `mutants` module's hunts make MUTANT_UNITS units, default 4),
+#                           so that n calls under a device's per-call limit run it all; the
 #                           benchmark only with the last share.
 #   run.sh fuzz [MINUTES] [PROCESSES]
 #                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
@@ -37,6 +38,7 @@
 #                           --only "flex block-sparse" for FlexAttention's BlockMask cases alone), checks them with
 #                           bin/check (check.txt, check.json, peers.md under $OUT) and packs the cases in
 #                           cases.tgz.* parts of at most 15 MiB under $OUT for checking elsewhere
+#   run.sh unpack           only unpacks the programs (every mode does that first), for running tests/* and bin/* by hand
 #   run.sh python [ARGS]    the Python package's pytest suite and python/examples/test_sdpa.py with the machine's
 #                           torch (CPU and CUDA tensors, TF32), after dumping PyTorch's SDPA case files for its
 #                           same-report-as-the-CLI test (ARGS go to pytest)
@@ -58,6 +60,18 @@ if [ -n "$nccl_so" ]; then
     export LD_LIBRARY_PATH="/tmp/attnproof-nccl:$LD_LIBRARY_PATH"
 fi
 cd "$here" || exit 1
+# The programs travel compressed (`cargo xtask gpu-bundle` packs them to fit the device tool's 64 MiB): each is
+# unpacked once, through a temporary name so that a second run.sh started beside this one never sees half a file.
+for packed in "$here"/tests/*.gz "$here"/bin/*.gz; do
+    [ -e "$packed" ] || continue
+    program="${packed%.gz}"
+    partial="$(mktemp "$program.XXXXXX")" || exit 1
+    if gzip -dc "$packed" >"$partial" && chmod +x "$partial" && mv -f "$partial" "$program"; then
+        rm -f "$packed"
+    else
+        rm -f "$partial"
+    fi
+done
 # Small-shape tests that every kernel's sanitizer run covers: "test-binary filter...", one test per line so that a
 # failure names it. A new kernel adds its line. Under the sanitizer every launch is about a hundred times slower and
 # the adversarial table's tests run far too many cases (a backward filter matching a few of them did not finish in a
@@ -126,7 +140,7 @@ scratch_mutants() {
 }
 mode=tests
 case "${1:-}" in
-    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | dsa-sparse-bench | recall | ring | peers | python) mode="$1"; shift ;;
+    all | fuzz | tests | mutants | sanitize | bench | bsa-bench | dsa-bench | dsa-sparse-bench | recall | ring | peers | python | unpack) mode="$1"; shift ;;
 esac
 case "$mode" in
 all)
@@ -164,6 +178,21 @@ all)
             continue
         fi
         for module in $modules; do
+            if [ "$module" = mutants ]; then
+                # The hunts are the longest module by far (each judges its mutants in child processes): they run as
+                # MUTANT_UNITS units of every MUTANT_UNITS-th test (by exact name), so that PART=i/n spreads them
+                # over the shares instead of leaving them all to one call.
+                hunts="$("$bin" --list 2>/dev/null | sed -n 's/^\(mutants::[A-Za-z0-9_]*\): test$/\1/p')"
+                n_units="${MUTANT_UNITS:-4}"
+                for ((i = 0; i < n_units; i++)); do
+                    mine || continue
+                    mapfile -t these < <(echo "$hunts" | awk -v n="$n_units" -v i="$i" 'NF && (NR - 1) % n == i')
+                    [ "${#these[@]}" -gt 0 ] || continue
+                    ("$bin" --exact "${these[@]}" --nocapture >"$work/test-$name-mutants-$i.log" 2>&1
+                        echo $? >"$work/test-$name-mutants-$i.rc") &
+                done
+                continue
+            fi
             mine || continue
             ("$bin" "$module::" --nocapture >"$work/test-$name-$module.log" 2>&1
                 echo $? >"$work/test-$name-$module.rc") &
@@ -374,5 +403,8 @@ peers)
     tail -n 30 "$out/check.txt"
     echo "gpu-bundle peers: check exit $status, results in $out"
     exit $((status > 1))
+    ;;
+unpack)
+    ls "$here"/tests "$here"/bin
     ;;
 esac

@@ -10,7 +10,9 @@
 //! the mutant killed when it fails while the unpatched binary passes.
 //!
 //! The executables are found from cargo's own JSON messages (`--message-format=json`), not by guessing file names in
-//! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so its size is checked at the end.
+//! `target/`. The bundle must stay under the device tool's 64 MiB transfer limit, so every program travels stripped of
+//! its line tables and compressed (`tests/NAME.gz`, `bin/NAME.gz`; `run.sh` unpacks them before anything else), and
+//! the size is checked at the end.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -57,6 +59,9 @@ const RUN_SH: &str = include_str!("../bundle/run.sh");
 const RUN_SH_PATH: &str = "bundle/run.sh";
 /// The bundle's directory of scratch-built GPU mutants, one subdirectory per mutant (read by `run.sh`).
 const MUTANTS_DIR: &str = "mutants";
+/// The bundle's directories of test binaries and of other programs, each `NAME.gz` until `run.sh` unpacks it.
+const TESTS_DIR: &str = "tests";
+const BINS_DIR: &str = "bin";
 
 /// `cargo xtask gpu-bundle`.
 pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
@@ -77,24 +82,13 @@ pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
     if bundle.exists() {
         fs::remove_dir_all(&bundle).with_context(|| format!("could not clear {}", bundle.display()))?;
     }
-    let tests = bundle.join("tests");
-    fs::create_dir_all(&tests).with_context(|| format!("could not create {}", tests.display()))?;
     let mut total = 0u64;
-    for (name, path) in &executables {
-        let dest = tests.join(name);
-        fs::copy(path, &dest).with_context(|| format!("could not copy {}", path.display()))?;
-        strip_debug_info(&dest)?;
-        total += fs::metadata(&dest)?.len();
-        println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
-    }
-    let bins = bundle.join("bin");
-    fs::create_dir_all(&bins).with_context(|| format!("could not create {}", bins.display()))?;
-    for (name, path) in &benches {
-        let dest = bins.join(name);
-        fs::copy(path, &dest).with_context(|| format!("could not copy {}", path.display()))?;
-        strip_debug_info(&dest)?;
-        total += fs::metadata(&dest)?.len();
-        println!("gpu-bundle: {} ({} KiB)", dest.display(), fs::metadata(&dest)?.len() / 1024);
+    for (dir, programs) in [(TESTS_DIR, &executables), (BINS_DIR, &benches)] {
+        let dir = bundle.join(dir);
+        fs::create_dir_all(&dir).with_context(|| format!("could not create {}", dir.display()))?;
+        for (name, path) in programs {
+            total += pack_program(path, &dir, name)?;
+        }
     }
     for built in &scratch_mutants {
         let dir = bundle.join(MUTANTS_DIR).join(built.name);
@@ -142,6 +136,21 @@ pub fn gpu_bundle(root: &Path) -> Result<ExitCode> {
         bundle.display()
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Copies the program `src` into `dir` as `name.gz`, without its line tables and compressed (`run.sh` unpacks it):
+/// plain, the test binaries, the benchmarks and the scratch-built mutants' copies of the integration tests would not fit
+/// the 60 MiB together. Returns the packed size.
+fn pack_program(src: &Path, dir: &Path, name: &str) -> Result<u64> {
+    let plain = dir.join(name);
+    fs::copy(src, &plain).with_context(|| format!("could not copy {}", src.display()))?;
+    strip_debug_info(&plain)?;
+    let dest = dir.join(format!("{name}.gz"));
+    gzip(&plain, &dest)?;
+    fs::remove_file(&plain).with_context(|| format!("could not remove {}", plain.display()))?;
+    let size = fs::metadata(&dest)?.len();
+    println!("gpu-bundle: {} ({} KiB)", dest.display(), size / 1024);
+    Ok(size)
 }
 
 /// Writes `src` compressed by `gzip -9` to `dest`.
@@ -357,6 +366,9 @@ mod tests {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
         assert!(RUN_SH.contains("export CUDA_HOME=/usr/local/cuda"));
         assert!(RUN_SH.contains(r#"for bin in "$here"/tests/*"#));
+        // The packed programs (`pack_program`) are unpacked before any mode runs.
+        let unpack = format!(r#"for packed in "$here"/{TESTS_DIR}/*.gz "$here"/{BINS_DIR}/*.gz; do"#);
+        assert!(RUN_SH.contains(&unpack), "run.sh does not unpack the programs");
         for mode in [
             "all)",
             "fuzz)",
