@@ -1,6 +1,6 @@
 // DSA's lightning indexer (E16) fused with an exact causal top-k, compiled by NVRTC after common.cuh with INDEX_DIM
-// (d_I: 64 or 128) and the element type's define. The host wrapper is gpu/src/dsa/index.rs, which documents the
-// scores' rounding bound (attnproof_proofs::dsa_bound) and checks every shape before the launch.
+// (d_I: 64 or 128), IDX_CTAS_PER_SM and the element type's define. The host wrapper is gpu/src/dsa/index.rs, which
+// documents the scores' rounding bound (attnproof_proofs::dsa_bound) and checks every shape before the launch.
 //
 // One kernel, dsa_index_topk: a persistent grid of CTAs of 256 threads; CTA c takes the query groups c, c + grid, …
 // of IDX_QUERIES = 4 consecutive tokens. For one group:
@@ -23,6 +23,12 @@
 //
 // Memory: nothing of size T × T unless the caller asks for the full scores; the scratch is grid × 4 rows of T floats,
 // read back by the CTA that wrote them (from L2 while it fits).
+//
+// Two CTAs per multiprocessor (IDX_CTAS_PER_SM, the host's resident_ctas): a CTA's selection is serial behind its own
+// scoring and leaves the tensor cores idle, so a second resident CTA scores while the first selects. For both to fit
+// (at d_I = 128, 110 KB of shared memory each and at most 128 registers per thread) the scoring's weights and partial
+// sums share their bytes with the selection's histogram: the scoring of a group ends, and the next begins, behind a
+// barrier, so the two never hold those bytes at once.
 
 #define IDX_THREADS 256
 #define IDX_WARPS (IDX_THREADS / 32)
@@ -35,6 +41,9 @@
 
 #ifndef INDEX_DIM
 #error "define INDEX_DIM (64 or 128)"
+#endif
+#ifndef IDX_CTAS_PER_SM
+#error "define IDX_CTAS_PER_SM (the host's CTAS_PER_SM)"
 #endif
 static_assert(INDEX_DIM == 64 || INDEX_DIM == 128, "the indexer's head dim is 64 or 128");
 static_assert(IDX_ROWS == IDX_WARPS * 32, "every warp owns 32 query rows");
@@ -157,17 +166,20 @@ __device__ void select_row(const float* row, int n, int top_k, int* __restrict__
 
 // q [T, H_I, d_I] and k [T, d_I] of the element type, w [T, H_I] f32, lists [T, top_k] i32, scratch f32 rows of
 // scratch_stride elements (grid × IDX_QUERIES rows, or T rows with full_scores).
-extern "C" __global__ void __launch_bounds__(IDX_THREADS, 1)
+extern "C" __global__ void __launch_bounds__(IDX_THREADS, IDX_CTAS_PER_SM)
 dsa_index_topk(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const float* __restrict__ w,
                int* __restrict__ lists, float* scratch, const DsaIndexParams p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);  // [IDX_ROWS][IDX_STRIDE]
     elem_t* k_s = q_s + IDX_ROWS * IDX_STRIDE;           // [2][IDX_KEYS][IDX_STRIDE]
-    float* w_s = reinterpret_cast<float*>(k_s + 2 * IDX_KEYS * IDX_STRIDE);  // [IDX_ROWS]
-    float* part_s = w_s + IDX_ROWS;                                          // [IDX_WARPS][IDX_KEYS]
-    unsigned* hist = reinterpret_cast<unsigned*>(part_s + IDX_WARPS * IDX_KEYS);  // [RADIX_BINS]
-    int* warp_sums = reinterpret_cast<int*>(hist + RADIX_BINS);                   // [IDX_WARPS]
-    int* found = warp_sums + IDX_WARPS;                                           // [4]
+    // The scoring's weights and partial sums, then (the same bytes) the selection's histogram.
+    unsigned char* phase_s = reinterpret_cast<unsigned char*>(k_s + 2 * IDX_KEYS * IDX_STRIDE);
+    float* w_s = reinterpret_cast<float*>(phase_s);            // [IDX_ROWS], scoring
+    float* part_s = w_s + IDX_ROWS;                            // [IDX_WARPS][IDX_KEYS], scoring
+    unsigned* hist = reinterpret_cast<unsigned*>(phase_s);     // [RADIX_BINS], selection
+    static_assert(IDX_ROWS + IDX_WARPS * IDX_KEYS <= RADIX_BINS, "the scoring's words fit in the histogram's");
+    int* warp_sums = reinterpret_cast<int*>(hist + RADIX_BINS);  // [IDX_WARPS]
+    int* found = warp_sums + IDX_WARPS;                          // [4]
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, tig = lane % 4;
@@ -180,7 +192,8 @@ dsa_index_topk(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const
         const int nq = min(IDX_QUERIES, T - t0);
         const int t_last = t0 + nq - 1;
         float* rows = scratch + (long long)(p.full_scores ? t0 : blockIdx.x * IDX_QUERIES) * stride;
-        // The previous group's selection has read its rows and shared memory.
+        // The previous group's selection has read its rows and shared memory (the histogram, whose bytes the
+        // weights below take).
         __syncthreads();
         if (p.full_scores || t_last + 1 > p.top_k) {
             // Row r of the query tile is token t0 + r / 64, head r % 64.
@@ -249,7 +262,8 @@ dsa_index_topk(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const
                     }
                 }
             }
-            // The scores are written: the selection below reads them.
+            // The scores are written: the selection below reads them, and its histogram takes the bytes of the
+            // weights and partial sums, which no thread reads any more.
             __syncthreads();
         }
         for (int qi = 0; qi < nq; ++qi) {

@@ -11,7 +11,7 @@
 //! [--fwd-source PATH]... [--bwd-source PATH]... [--block-sparse [--lists-dir DIR] [--select-chunks N]...
 //! [--wgmma-source PATH]...
 //! [--wgmma-bwd-source PATH]...] [--nsa [--nsa-select-source PATH]... [--nsa-selected-source PATH]...]
-//! [--dsa [--dsa-source PATH]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
+//! [--dsa [--dsa-source PATH]... [--dsa-ctas-per-sm N]... [--dsa-max-t T]] [--dsa-sparse [--dsa-sparse-source PATH]... [--dsa-max-t T]]
 //! [--pisa-tail [--tail-source PATH]...]`.
 //! `--pisa-tail` times PISA's tail forward (`attnproof_gpu::pisa::tail`, direction `pisa-tail-fwd`, over a `TailPlan`
 //! formed once: the block-sparse forward over the exact lists, the blocks' statistics and `H̄`, the tail on the tensor
@@ -27,7 +27,9 @@
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
 //! counts the causal indexer's products, `2·H_I·d_I·T(T+1)/2`. `--dsa-source PATH` (repeatable) also times another
-//! text of `dsa_index.cu` (after `common.cuh`) and says on stderr whether its lists equal the embedded kernel's.
+//! text of `dsa_index.cu` (after `common.cuh`) and says on stderr whether its lists equal the embedded kernel's;
+//! `--dsa-ctas-per-sm N` (repeatable) times the embedded text with a persistent grid of N CTAs per multiprocessor
+//! (tiling `fused/ctasN`) beside the default grid of `attnproof_gpu::dsa::index::resident_ctas`.
 //! `bench/dsa_peers.py` puts the rows beside the PyTorch baseline.
 //! `--dsa-sparse` times DSA's token-sparse attention forward instead (`attnproof_gpu::dsa::sparse`, direction
 //! `dsa-sparse-fwd`, shape `(T,H,d,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H = 64 query heads over one
@@ -210,6 +212,8 @@ struct Options {
     dsa: bool,
     /// `--dsa-source PATH`: other texts of the indexer, each timed beside the embedded one.
     dsa_sources: Vec<KernelSource>,
+    /// `--dsa-ctas-per-sm N`: the embedded indexer also timed with a workspace for N CTAs per multiprocessor.
+    dsa_ctas_per_sm: Vec<usize>,
     /// `--dsa-max-t T`: the longest sequence of the DSA rows.
     dsa_max_t: usize,
     /// `--dsa-sparse`: DSA's token-sparse attention rows (instead of the dense ones).
@@ -258,6 +262,7 @@ fn parse() -> Result<Options, String> {
         nsa_selected_sources: vec![],
         dsa: false,
         dsa_sources: vec![],
+        dsa_ctas_per_sm: vec![],
         dsa_max_t: 131072,
         dsa_sparse: false,
         dsa_sparse_sources: vec![],
@@ -303,6 +308,10 @@ fn parse() -> Result<Options, String> {
             "--dsa-source" => {
                 let path = value("--dsa-source")?;
                 o.dsa_sources.push(kernel_from_file("--dsa-source", &path, "dsa_index_topk")?);
+            }
+            "--dsa-ctas-per-sm" => {
+                let n = value("--dsa-ctas-per-sm")?.parse().map_err(|e| format!("--dsa-ctas-per-sm: {e}"))?;
+                o.dsa_ctas_per_sm.push(n);
             }
             "--dsa-max-t" => o.dsa_max_t = value("--dsa-max-t")?.parse().map_err(|e| format!("--dsa-max-t: {e}"))?,
             "--nsa-select-source" => {
@@ -378,6 +387,12 @@ fn parse() -> Result<Options, String> {
     }
     if !o.dsa_sources.is_empty() && !o.dsa {
         return Err("--dsa-source times DSA's indexer: add --dsa".into());
+    }
+    if !o.dsa_ctas_per_sm.is_empty() && !o.dsa {
+        return Err("--dsa-ctas-per-sm times DSA's indexer: add --dsa".into());
+    }
+    if o.dsa_ctas_per_sm.contains(&0) {
+        return Err("--dsa-ctas-per-sm: at least one CTA per multiprocessor".into());
     }
     if !o.dsa_sparse_sources.is_empty() && !o.dsa_sparse {
         return Err("--dsa-sparse-source times DSA's token-sparse attention: add --dsa-sparse".into());
@@ -1268,6 +1283,31 @@ fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
                 flops / ms / 1e9
             );
             emit(out, line);
+        }
+        // The embedded text under other workspaces: the CTAs per multiprocessor the persistent grid runs.
+        let sms = attnproof_gpu::common::multiprocessors(ctx).map_err(|e| e.to_string())?;
+        for &per_sm in &opts.dsa_ctas_per_sm {
+            let mut work =
+                stream.alloc_zeros::<f32>(dsa_index::workspace_len(&shape, per_sm * sms)).map_err(|e| e.to_string())?;
+            let ms = median_ms(stream, opts, |set| {
+                let scores = ScoreRows::Workspace(&mut work);
+                indexer_top_k_device(stream, DSA_INDEX, &shape, &q[set], &k[set], &w[set], &mut lists, scores)
+                    .map_err(|e| e.to_string())
+            })?;
+            stream.memset_zeros(&mut lists).map_err(|e| e.to_string())?;
+            let scores = ScoreRows::Workspace(&mut work);
+            indexer_top_k_device(stream, DSA_INDEX, &shape, &q[0], &k[0], &w[0], &mut lists, scores)
+                .map_err(|e| e.to_string())?;
+            let host = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
+            let equal = reference.as_ref().is_some_and(|r| *r == host);
+            eprintln!("T = {seq_len}, {per_sm} CTAs per multiprocessor: lists equal the default grid's: {equal}");
+            let rate = flops / ms / 1e9;
+            emit(
+                out,
+                format!(
+                    "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-index,fused/ctas{per_sm},0,{ms:.4},{rate:.1}\n"
+                ),
+            );
         }
     }
     Ok(())

@@ -23,8 +23,8 @@
 //! # Memory
 //!
 //! A persistent grid: each CTA takes groups of four consecutive tokens, writes their scores to four rows of an f32
-//! workspace of `T` floats each ([`workspace_len`] for a number of CTAs, [`resident_ctas`] being one per
-//! multiprocessor), selects from them, and moves on. Nothing of size `T × T` exists unless the caller asks for the
+//! workspace of `T` floats each ([`workspace_len`] for a number of CTAs, [`resident_ctas`] being [`CTAS_PER_SM`] per
+//! multiprocessor, so that one CTA's selection overlaps another's scoring), selects from them, and moves on. Nothing of size `T × T` exists unless the caller asks for the
 //! scores ([`ScoreRows::Full`], [`full_scores_len`]).
 
 use std::sync::Arc;
@@ -144,20 +144,30 @@ pub fn full_scores_len(shape: &IndexerShape) -> usize {
 }
 
 /// Bytes of dynamic shared memory of a CTA for head dim `index_dim`: the query tile (256 rows), two key tiles of 64
-/// rows (rows padded by 8 elements), then 256 weights, 8 × 64 partial sums, 2048 histogram bins and 12 integers.
+/// rows (rows padded by 8 elements), then 2048 words that hold the scoring's 256 weights and 8 × 64 partial sums and,
+/// after them, the selection's histogram bins, and 12 integers. At `d_I = 128` two CTAs fit a multiprocessor.
 pub fn shared_bytes(index_dim: usize) -> usize {
     let stride = index_dim + 8;
-    2 * (256 * stride + 2 * 64 * stride) + 4 * (256 + 8 * 64 + 2048 + 8 + 4)
+    2 * (256 * stride + 2 * 64 * stride) + 4 * (PHASE_WORDS + 8 + 4)
 }
 
-/// CTAs that run at once on the context's device (one per multiprocessor): what [`workspace_len`] is sized for.
+/// 4-byte words the scoring's 256 weights and 8 × 64 partial sums share with the selection's 2048 histogram bins.
+const PHASE_WORDS: usize = 2048;
+const _: () = assert!(256 + 8 * 64 <= PHASE_WORDS, "the scoring's words fit in the histogram's");
+
+/// CTAs the kernel keeps resident per multiprocessor (its `IDX_CTAS_PER_SM`): one scores on the tensor cores while
+/// the other selects.
+pub const CTAS_PER_SM: usize = 2;
+
+/// CTAs that run at once on the context's device ([`CTAS_PER_SM`] per multiprocessor): what [`workspace_len`] is
+/// sized for.
 pub fn resident_ctas(ctx: &Arc<CudaContext>) -> Result<usize, GpuError> {
-    crate::common::multiprocessors(ctx)
+    Ok(CTAS_PER_SM * crate::common::multiprocessors(ctx)?)
 }
 
-/// The defines of the kernel's module for storage type `T` and head dim `index_dim`.
+/// The defines of the kernel's module for storage type `T` and head dim `index_dim` (and the CTAs it keeps resident).
 pub fn index_defines<T: GpuElement>(index_dim: usize) -> Vec<String> {
-    vec![T::DEFINE.to_owned(), format!("INDEX_DIM={index_dim}")]
+    vec![T::DEFINE.to_owned(), format!("INDEX_DIM={index_dim}"), format!("IDX_CTAS_PER_SM={CTAS_PER_SM}")]
 }
 
 /// Where the scores go.
@@ -385,9 +395,10 @@ mod tests {
         assert_eq!(full_scores_len(&s), 10 * 12);
         assert_eq!(s.groups(), 3);
         // The kernel's carve of shared memory, spelled out: q 256 rows, k 2 × 64 rows of d + 8 elements, then 4-byte
-        // words.
-        assert_eq!(shared_bytes(128), 2 * (384 * 136) + 4 * (256 + 512 + 2048 + 12));
-        assert!(shared_bytes(128) <= 227 * 1024, "fits the H200's opt-in limit");
-        assert_eq!(index_defines::<half::bf16>(64), ["ELEM_BF16", "INDEX_DIM=64"]);
+        // words (the weights and partial sums inside the histogram's).
+        assert_eq!(shared_bytes(128), 2 * (384 * 136) + 4 * (2048 + 12));
+        // Hopper: 228 KiB of shared memory per multiprocessor, 1 KiB of it reserved per resident CTA.
+        assert!(CTAS_PER_SM * (shared_bytes(128) + 1024) <= 228 * 1024, "two CTAs fit a multiprocessor");
+        assert_eq!(index_defines::<half::bf16>(64), ["ELEM_BF16", "INDEX_DIM=64", "IDX_CTAS_PER_SM=2"]);
     }
 }
