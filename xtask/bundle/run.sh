@@ -9,7 +9,9 @@
 #                           n shares of the verification (every n-th unit: test module, other binary, sanitizer, Python
 #                           package, scratch mutants; the `mutants` module's hunts make MUTANT_UNITS units, default 4),
 #                           so that n calls under a device's per-call limit run it all; the
-#                           benchmark only with the last share.
+#                           benchmark only with the last share. ALL_SECONDS=N stops the units still running after N
+#                           seconds and reports them as cut (failed), so that the summary and the logs come back
+#                           inside a call's limit.
 #   run.sh fuzz [MINUTES] [PROCESSES]
 #                           the GPU property tests of the forward and backward kernels with fresh seeds, PROCESSES
 #                           (default 3) of each side by side, batch after batch until MINUTES (default 5) have passed;
@@ -111,6 +113,14 @@ SANITIZE=(
 # unpatched binary under tests/ (`baseline`). The unpatched binary must pass the filter, so that a failure says
 # something about the patch (a missing GPU, say, fails both); the patched one must fail. Returns non-zero unless
 # every mutant is killed; with no such mutant it reports 0 of 0.
+# Stops process $1 and every process below it, the parent first (its children listed before it goes, so that none
+# is missed once they are reparented, and so that a unit's subshell writes no exit status for a test it did not finish).
+stop_tree() {
+    local children child
+    children="$(pgrep -P "$1" 2>/dev/null)"
+    kill -TERM "$1" 2>/dev/null
+    for child in $children; do stop_tree "$child"; done
+}
 scratch_mutants() {
     local total=0 killed=0 dir name filter baseline log exe
     for dir in "$here"/mutants/*/; do
@@ -201,14 +211,26 @@ all)
     if mine; then (bash "$here/run.sh" sanitize >"$work/sanitize.log" 2>&1; echo $? >"$work/sanitize.rc") & fi
     if mine; then (bash "$here/run.sh" python >"$work/python.log" 2>&1; echo $? >"$work/python.rc") & fi
     if mine; then (scratch_mutants >"$work/scratch-mutants.log" 2>&1; echo $? >"$work/scratch-mutants.rc") & fi
+    # ALL_SECONDS=N stops phase 1 after N seconds, so that a call with a limit of its own still ends with the summary
+    # and the logs: every unit still running is stopped with its processes (a hunt's children too), reported as cut
+    # with what its log holds so far, and counted as failed; the benchmark is then left out.
+    cut=0
+    if [ -n "${ALL_SECONDS:-}" ]; then
+        while [ -n "$(jobs -rp)" ] && [ $(($(date +%s) - start)) -lt "$ALL_SECONDS" ]; do sleep 2; done
+        for job in $(jobs -rp); do
+            cut=1
+            stop_tree "$job"
+        done
+    fi
     wait
     phase1=$(($(date +%s) - start))
     # Phase 2, alone on the GPU: ours, then PyTorch's SDPA kernels in the same call. FlexAttention is left out by
     # default (torch.compile takes minutes per shape, more than the rest together): PEERS_ARGS=--backward adds it.
     # ALL_BENCH=0 leaves it out: the verification alone, when a call's device time is short; so does any share of
     # PART=i/n but the last.
-    if [ "${ALL_BENCH:-1}" = 0 ] || [ "$share" -lt "$shares" ]; then
-        echo "gpu-bundle all: benchmark left out (ALL_BENCH=0, or a share before the last)" >"$work/bench.log"
+    if [ "${ALL_BENCH:-1}" = 0 ] || [ "$share" -lt "$shares" ] || [ "$cut" = 1 ]; then
+        echo "gpu-bundle all: benchmark left out (ALL_BENCH=0, a share before the last, or cut by ALL_SECONDS)" \
+            >"$work/bench.log"
     else
         PEERS_ARGS="${PEERS_ARGS:---backward --no-flex}" bash "$here/run.sh" bench --backward "$@" >"$work/bench.log" 2>&1
         echo $? >"$work/bench.rc"
@@ -223,6 +245,13 @@ all)
             [ "$status" = "0" ] || failed=$((failed + 1))
             counts="$(grep -h "^test result" "$work/$name.log" 2>/dev/null | sed 's/^test result: //; s/; finished.*//' | paste -sd' ' -)"
             echo "$name: exit $status${counts:+ ($counts)}"
+        done
+        for log in "$work"/*.log; do
+            name="$(basename "$log" .log)"
+            [ "$name" = bench ] || [ -e "$work/$name.rc" ] && continue
+            failed=$((failed + 1))
+            echo "$name: CUT by ALL_SECONDS=${ALL_SECONDS:-}; its last lines:"
+            grep -v '^$' "$log" | tail -n 5 | sed 's/^/    /'
         done
         grep -h "^gpu mutants of\|^gpu-bundle sanitize" "$work"/*.log
         grep -h "skipped: no CUDA device" "$work"/test-*.log && failed=$((failed + 1))
