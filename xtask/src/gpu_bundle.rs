@@ -361,6 +361,79 @@ mod tests {
         );
     }
 
+    /// `run.sh all` on a stand-in bundle, no GPU needed: one packed "test binary" whose module `alpha` passes, whose
+    /// module `beta` and both mutant hunts hang in a child process. With `ALL_SECONDS` the call ends on time, the
+    /// binary was unpacked, the hunts ran as units of their own (by exact name), the hung units are reported as cut
+    /// with their last lines and counted as failed, the finished one is not, and no process of theirs is left.
+    #[test]
+    fn run_all_cuts_the_units_past_all_seconds_and_stops_their_processes() {
+        for tool in ["bash", "gzip", "pgrep"] {
+            if find_on_path(tool).is_none() {
+                assert_ne!(std::env::var("CI").as_deref(), Ok("true"), "CI=true but {tool} is not on PATH");
+                println!("skipped: no {tool}");
+                return;
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("xtask-run-all-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let tests = dir.join("bundle").join(TESTS_DIR);
+        fs::create_dir_all(&tests).unwrap();
+        fs::write(dir.join("bundle").join("run.sh"), RUN_SH).unwrap();
+        let pids = dir.join("pids");
+        let fake = tests.join("fake-it");
+        fs::write(
+            &fake,
+            format!(
+                "#!/usr/bin/env bash\n\
+                 hunts='mutants::h1: test\\nmutants::h2: test\\n'\n\
+                 if [ \"${{1:-}}\" = --list ]; then printf \"alpha::x: test\\nbeta::y: test\\n$hunts\"; exit 0; fi\n\
+                 echo \"started $*\"\n\
+                 case \"$*\" in *alpha*) echo 'test result: ok. 1 passed'; exit 0;; esac\n\
+                 sleep 600 & echo $! >>{pids}; echo $$ >>{pids}; wait\n",
+                pids = pids.display()
+            ),
+        )
+        .unwrap();
+        make_executable(&fake).unwrap();
+        gzip(&fake, &tests.join("fake-it.gz")).unwrap();
+        fs::remove_file(&fake).unwrap();
+        let started = std::time::Instant::now();
+        let out = Command::new("bash")
+            .arg(dir.join("bundle").join("run.sh"))
+            .arg("all")
+            .env("ALL_SECONDS", "3")
+            .env("ALL_BENCH", "0")
+            .env("ATTNPROOF_LOGS", dir.join("logs"))
+            .env("TMPDIR", &dir)
+            .env_remove("OUT")
+            .output()
+            .expect("run bash run.sh all");
+        let summary = String::from_utf8_lossy(&out.stdout);
+        assert!(!out.status.success(), "cut units fail the call:\n{summary}");
+        assert!(started.elapsed().as_secs() < 60, "run.sh all outlived ALL_SECONDS by far:\n{summary}");
+        assert!(tests.join("fake-it").exists() && !tests.join("fake-it.gz").exists(), "the binary was not unpacked");
+        assert!(summary.contains("test-fake-it-alpha: exit 0 (ok. 1 passed)"), "{summary}");
+        for (unit, started_with) in [
+            ("test-fake-it-beta", "started beta:: --nocapture"),
+            ("test-fake-it-mutants-0", "started --exact mutants::h1 --nocapture"),
+            ("test-fake-it-mutants-1", "started --exact mutants::h2 --nocapture"),
+        ] {
+            assert!(summary.contains(&format!("{unit}: CUT by ALL_SECONDS=3")), "{unit} not cut:\n{summary}");
+            assert!(summary.contains(started_with), "{unit}'s last lines are missing:\n{summary}");
+        }
+        let written = fs::read_to_string(&pids).expect("the hung units wrote their process ids");
+        let pids: Vec<&str> = written.split_whitespace().collect();
+        assert_eq!(pids.len(), 6, "three hung units, each a binary and its child: {pids:?}");
+        // A stopped process may linger as a zombie until its new parent reaps it; it must not still run.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        for pid in pids {
+            let state = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let running = state.rsplit_once(") ").is_some_and(|(_, rest)| !rest.starts_with('Z'));
+            assert!(!running, "process {pid} of a cut unit still runs: {state}");
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn run_script_requires_a_gpu_and_runs_every_binary() {
         assert!(RUN_SH.contains("export ATTNPROOF_REQUIRE_GPU=1"));
