@@ -108,11 +108,6 @@ SANITIZE=(
     "attnproof-gpu-it hils::sanitizer_shapes"
     "attnproof-gpu-it ring_state::one_chunk"
 )
-# The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
-# (`test`) from a patched copy of the tree and wrote its libtest filter (`filter`, maybe empty) and the name of the
-# unpatched binary under tests/ (`baseline`). The unpatched binary must pass the filter, so that a failure says
-# something about the patch (a missing GPU, say, fails both); the patched one must fail. Returns non-zero unless
-# every mutant is killed; with no such mutant it reports 0 of 0.
 # Stops process $1 and every process below it, the parent first (its children listed before it goes, so that none
 # is missed once they are reparented, and so that a unit's subshell writes no exit status for a test it did not finish).
 stop_tree() {
@@ -121,6 +116,11 @@ stop_tree() {
     kill -TERM "$1" 2>/dev/null
     for child in $children; do stop_tree "$child"; done
 }
+# The scratch-built GPU mutants: for each mutants/NAME/, `cargo xtask gpu-bundle` built the killing test binary
+# (`test`) from a patched copy of the tree and wrote its libtest filter (`filter`, maybe empty) and the name of the
+# unpatched binary under tests/ (`baseline`). The unpatched binary must pass the filter, so that a failure says
+# something about the patch (a missing GPU, say, fails both); the patched one must fail. Returns non-zero unless
+# every mutant is killed; with no such mutant it reports 0 of 0.
 scratch_mutants() {
     local total=0 killed=0 dir name filter baseline log exe
     for dir in "$here"/mutants/*/; do

@@ -1237,77 +1237,42 @@ fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
             w.push(stream.clone_htod(&weights).map_err(|e| e.to_string())?);
         }
         let mut lists = stream.alloc_zeros::<i32>(shape.lists_len()).map_err(|e| e.to_string())?;
-        let mut work = stream.alloc_zeros::<f32>(dsa_index::workspace_len(&shape, ctas)).map_err(|e| e.to_string())?;
         let flops = 2.0 * (HEADS * DIM) as f64 * seq_len as f64 * (seq_len as f64 + 1.0) / 2.0;
         let mut reference: Option<Vec<i32>> = None;
-        for kernel in std::iter::once(DSA_INDEX).chain(opts.dsa_sources.iter().copied()) {
-            let embedded = kernel.source == DSA_INDEX.source;
-            let ms = median_ms(stream, opts, |set| {
-                indexer_top_k_device(
-                    stream,
-                    kernel,
-                    &shape,
-                    &q[set],
-                    &k[set],
-                    &w[set],
-                    &mut lists,
-                    ScoreRows::Workspace(&mut work),
-                )
-                .map_err(|e| e.to_string())
-            })?;
-            // The lists of input set 0, compared across kernel texts (on a cleared buffer: a text that writes nothing
-            // must not pass for equal).
+        // Each text on the default grid, then the embedded text on the grids of `--dsa-ctas-per-sm` (label suffix).
+        let sms = attnproof_gpu::common::multiprocessors(ctx).map_err(|e| e.to_string())?;
+        let runs = std::iter::once(DSA_INDEX)
+            .chain(opts.dsa_sources.iter().copied())
+            .map(|kernel| (kernel, ctas, String::new()))
+            .chain(opts.dsa_ctas_per_sm.iter().map(|&n| (DSA_INDEX, n * sms, format!("/ctas{n}"))));
+        for (kernel, grid, grid_label) in runs {
+            let default = kernel.source == DSA_INDEX.source && grid_label.is_empty();
+            let mut work =
+                stream.alloc_zeros::<f32>(dsa_index::workspace_len(&shape, grid)).map_err(|e| e.to_string())?;
+            let mut run = |set: usize, lists: &mut CudaSlice<i32>| {
+                let scores = ScoreRows::Workspace(&mut work);
+                indexer_top_k_device(stream, kernel, &shape, &q[set], &k[set], &w[set], lists, scores)
+                    .map_err(|e| e.to_string())
+            };
+            let ms = median_ms(stream, opts, |set| run(set, &mut lists))?;
+            // The lists of input set 0, compared across texts and grids (on a cleared buffer: a run that writes
+            // nothing must not pass for equal).
             stream.memset_zeros(&mut lists).map_err(|e| e.to_string())?;
-            indexer_top_k_device(
-                stream,
-                kernel,
-                &shape,
-                &q[0],
-                &k[0],
-                &w[0],
-                &mut lists,
-                ScoreRows::Workspace(&mut work),
-            )
-            .map_err(|e| e.to_string())?;
+            run(0, &mut lists)?;
             let host = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
             match &reference {
                 None => reference = Some(host),
                 Some(r) => {
-                    eprintln!("T = {seq_len}, {}: lists equal the embedded kernel's: {}", kernel.name, *r == host)
+                    eprintln!("T = {seq_len}, {}{grid_label}: lists equal the default's: {}", kernel.name, *r == host)
                 }
             }
+            let suffix = source_suffix(kernel, kernel.source == DSA_INDEX.source);
             let line = format!(
-                "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-index,fused{},{},{ms:.4},{:.1}\n",
-                source_suffix(kernel, embedded),
-                u8::from(embedded),
+                "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-index,fused{grid_label}{suffix},{},{ms:.4},{:.1}\n",
+                u8::from(default),
                 flops / ms / 1e9
             );
             emit(out, line);
-        }
-        // The embedded text under other workspaces: the CTAs per multiprocessor the persistent grid runs.
-        let sms = attnproof_gpu::common::multiprocessors(ctx).map_err(|e| e.to_string())?;
-        for &per_sm in &opts.dsa_ctas_per_sm {
-            let mut work =
-                stream.alloc_zeros::<f32>(dsa_index::workspace_len(&shape, per_sm * sms)).map_err(|e| e.to_string())?;
-            let ms = median_ms(stream, opts, |set| {
-                let scores = ScoreRows::Workspace(&mut work);
-                indexer_top_k_device(stream, DSA_INDEX, &shape, &q[set], &k[set], &w[set], &mut lists, scores)
-                    .map_err(|e| e.to_string())
-            })?;
-            stream.memset_zeros(&mut lists).map_err(|e| e.to_string())?;
-            let scores = ScoreRows::Workspace(&mut work);
-            indexer_top_k_device(stream, DSA_INDEX, &shape, &q[0], &k[0], &w[0], &mut lists, scores)
-                .map_err(|e| e.to_string())?;
-            let host = stream.clone_dtoh(&lists).map_err(|e| e.to_string())?;
-            let equal = reference.as_ref().is_some_and(|r| *r == host);
-            eprintln!("T = {seq_len}, {per_sm} CTAs per multiprocessor: lists equal the default grid's: {equal}");
-            let rate = flops / ms / 1e9;
-            emit(
-                out,
-                format!(
-                    "\"({seq_len},{HEADS},{DIM},{TOP_K})\",true,dsa-index,fused/ctas{per_sm},0,{ms:.4},{rate:.1}\n"
-                ),
-            );
         }
     }
     Ok(())

@@ -24,8 +24,8 @@
 //!
 //! A persistent grid: each CTA takes groups of four consecutive tokens, writes their scores to four rows of an f32
 //! workspace of `T` floats each ([`workspace_len`] for a number of CTAs, [`resident_ctas`] being [`CTAS_PER_SM`] per
-//! multiprocessor, so that one CTA's selection overlaps another's scoring), selects from them, and moves on. Nothing of size `T × T` exists unless the caller asks for the
-//! scores ([`ScoreRows::Full`], [`full_scores_len`]).
+//! multiprocessor, so that one CTA's selection overlaps another's scoring), selects from them, and moves on. Nothing
+//! of size `T × T` exists unless the caller asks for the scores ([`ScoreRows::Full`], [`full_scores_len`]).
 
 use std::sync::Arc;
 
