@@ -13,6 +13,7 @@ use attnproof_gpu::compile::{arch_for, check_device_supports, compile_for_arch};
 use attnproof_gpu::{BackwardTiling, ForwardTiling, GpuElement, ModuleVariant, module_variants, nvrtc_or_skip};
 use attnproof_oracle::{AttentionSpec, Mask};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// (d, dv) pairs: the benchmark's 64 and 128, the smallest, a non-multiple of 16, d ≠ dv both ways, wide heads
 /// (two column chunks, one query stage) and the largest.
@@ -66,20 +67,11 @@ fn every_planned_module_compiles_for_sm_90a() {
     let mut seen = BTreeSet::new();
     let unique: Vec<ModuleVariant> =
         grid().into_iter().filter(|v| seen.insert((v.kernel.name, v.defines.clone()))).collect();
-    // Two compiles at a time (NVRTC is single-threaded per program; CI machines have two cores).
-    let failures: Vec<String> = std::thread::scope(|scope| {
-        let halves: Vec<_> = unique
-            .chunks(unique.len().div_ceil(2).max(1))
-            .map(|part| {
-                scope.spawn(move || {
-                    part.iter()
-                        .filter_map(|v| compile_for_arch(v.kernel, "sm_90a", &v.defines).err().map(|e| format!("{e}")))
-                        .collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        halves.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
-    });
+    // One compile per core (NVRTC is single-threaded per program): two on CI's machines, sixteen on the device's.
+    let failures: Vec<String> = unique
+        .par_iter()
+        .filter_map(|v| compile_for_arch(v.kernel, "sm_90a", &v.defines).err().map(|e| format!("{e}")))
+        .collect();
     println!("compiled {} distinct modules for sm_90a, {} failed", unique.len(), failures.len());
     assert!(failures.is_empty(), "modules that do not compile:\n{}", failures.join("\n\n"));
     // The grid really reaches the wide-head paths: two column chunks and one query stage in the backward; and the
@@ -111,36 +103,24 @@ fn nvrtc_compiles_a_kernel_exactly_for_the_devices_the_support_table_admits() {
         .expect("the spec's modules");
     let cases: Vec<(&ModuleVariant, (i32, i32))> =
         variants.iter().flat_map(|v| CAPABILITIES.map(|cc| (v, cc))).collect();
-    let disagreements: Vec<String> = std::thread::scope(|scope| {
-        let halves: Vec<_> = cases
-            .chunks(cases.len().div_ceil(2))
-            .map(|part| {
-                scope.spawn(move || {
-                    let mut out = vec![];
-                    for &(v, (major, minor)) in part {
-                        let admitted = check_device_supports(v.kernel.name, (major, minor)).is_ok();
-                        let arch = arch_for(major, minor);
-                        let compiled = compile_for_arch(v.kernel, &arch, &v.defines);
-                        // A rejection must come from an instruction the target lacks, not from a broken text.
-                        let lacks_instruction = matches!(
-                            &compiled,
-                            Err(GpuError::Compile { log, .. })
-                                if log.contains("requires .target sm_") || log.contains("not supported on .target")
-                        );
-                        if compiled.is_ok() != admitted || (!admitted && !lacks_instruction) {
-                            let nvrtc = compiled.err().map_or("compiled".to_owned(), |e| e.to_string());
-                            out.push(format!(
-                                "{} {:?} for {arch}: the table admits it: {admitted}; NVRTC: {nvrtc}",
-                                v.kernel.name, v.defines
-                            ));
-                        }
-                    }
-                    out
-                })
+    let disagreements: Vec<String> = cases
+        .par_iter()
+        .filter_map(|&(v, (major, minor))| {
+            let admitted = check_device_supports(v.kernel.name, (major, minor)).is_ok();
+            let arch = arch_for(major, minor);
+            let compiled = compile_for_arch(v.kernel, &arch, &v.defines);
+            // A rejection must come from an instruction the target lacks, not from a broken text.
+            let lacks_instruction = matches!(
+                &compiled,
+                Err(GpuError::Compile { log, .. })
+                    if log.contains("requires .target sm_") || log.contains("not supported on .target")
+            );
+            (compiled.is_ok() != admitted || (!admitted && !lacks_instruction)).then(|| {
+                let nvrtc = compiled.err().map_or("compiled".to_owned(), |e| e.to_string());
+                format!("{} {:?} for {arch}: the table admits it: {admitted}; NVRTC: {nvrtc}", v.kernel.name, v.defines)
             })
-            .collect();
-        halves.into_iter().flat_map(|h| h.join().expect("a compile thread panicked")).collect()
-    });
+        })
+        .collect();
     println!("compiled {} (module, architecture) pairs, {} disagree with the table", cases.len(), disagreements.len());
     assert!(disagreements.is_empty(), "NVRTC and check_device_supports disagree:\n{}", disagreements.join("\n\n"));
     // Both answers occur, so neither half of the comparison is vacuous.

@@ -76,6 +76,7 @@ use attnproof_oracle::{AttentionSpec, Mask};
 use cudarc::driver::CudaStream;
 use half::bf16;
 use proptest::test_runner::{Config, TestError};
+use rayon::prelude::*;
 
 /// The kernels whose catalog mutants ([`Runner::KernelText`]) this test launches. Each has its killing cases below,
 /// and every mutant of a kernel is tried against every case of that kernel until one kills it.
@@ -1059,16 +1060,23 @@ fn every_mutant_compiles_for_sm_90a() {
         return;
     }
     // Head dims 64 and 128: a patch may break only the wider variant (the wgmma kernels' two column chunks).
-    let mut broken = vec![];
-    for d in [64, 128] {
-        mutants_compile_at(d, &mut broken);
-    }
+    let jobs: Vec<(usize, KernelSource, &'static Mutant, Vec<String>)> =
+        [64, 128].into_iter().flat_map(mutant_compiles_at).collect();
+    // One compile per core (NVRTC is single-threaded per program): serial, this took over four minutes on the
+    // device machine's sixteen cores and nine on CI's two.
+    let broken: Vec<String> = jobs
+        .par_iter()
+        .filter_map(|(d, text, m, defines)| {
+            compile_for_arch(*text, "sm_90a", defines).err().map(|e| format!("{} (d = {d}): {e}", m.name))
+        })
+        .collect();
+    assert!(!jobs.is_empty(), "no kernel-text mutant to compile");
     assert!(broken.is_empty(), "mutants that do not compile:\n{}", broken.join("\n\n"));
 }
 
-/// Compiles every kernel-text mutant with the plain module's defines of a problem with head dims `d`, adding a
-/// description of each failure to `broken`.
-fn mutants_compile_at(d: usize, broken: &mut Vec<String>) {
+/// The compiles that check every kernel-text mutant with the plain module's defines of a problem with head dims `d`:
+/// (d, patched text, mutant, defines).
+fn mutant_compiles_at(d: usize) -> Vec<(usize, KernelSource, &'static Mutant, Vec<String>)> {
     let spec = AttentionSpec::dense(1, 2, 1, 64, 64, d, d);
     let variants = module_variants::<bf16>(&spec, ForwardTiling::for_head_dims(d, d), BackwardTiling::DEFAULT)
         .expect("the cases' modules");
@@ -1076,6 +1084,7 @@ fn mutants_compile_at(d: usize, broken: &mut Vec<String>) {
     let plain = |kernel: KernelSource| {
         variants.iter().filter(|v| v.kernel == kernel).min_by_key(|v| v.defines.len()).expect("a variant").clone()
     };
+    let mut jobs = vec![];
     for base in KERNELS {
         let defines = plain(base).defines;
         for m in attnproof_catalog::all() {
@@ -1084,11 +1093,10 @@ fn mutants_compile_at(d: usize, broken: &mut Vec<String>) {
                 continue;
             }
             let defines: Vec<String> = defines.iter().cloned().chain(mode.map(str::to_owned)).collect();
-            if let Err(e) = compile_for_arch(patched(base, m), "sm_90a", &defines) {
-                broken.push(format!("{} (d = {d}): {e}", m.name));
-            }
+            jobs.push((d, patched(base, m), m, defines));
         }
     }
+    jobs
 }
 
 /// The catalog and this test agree: every kernel-text mutant of the catalog patches a kernel that has killing cases
