@@ -51,6 +51,7 @@ def dump_case(
     block_indices=None,
     block_q=None,
     block_k=None,
+    token_indices=None,
     masked_lse="-inf",
     kernel_params=None,
     extra_metadata=None,
@@ -61,6 +62,8 @@ def dump_case(
     `cu_seqlens_k` (layout `thd`). `lse`: `[B, Hq, Lq]` (or `[Hq, Tq]`), stored as float32, in
     base `lse_base`. `scale=None` means the default `1/sqrt(d)`, which is then written out as a
     number. `block_indices`: int32 `[B, Hq, ceil(Lq/block_q), width]` KV-block lists, -1 padded.
+    `token_indices`: int32 `[B*Lq or Tq, list heads, k]` key lists per query row (DSA's selection, FlashMLA's sparse
+    indices), -1 for an unused slot, any order; list heads 1, Hkv or Hq.
     `masked_lse`: what the kernel writes as the LSE of a row that sees no key ("-inf", or "+inf" for
     FlashAttention 2 and 3 and the kernels built on them). `kernel_params`: the kernel's real
     parameters, any of kv_tile, q_tile, mma_k, exp ("ex2" or "expf"), split_kv, written as
@@ -92,7 +95,14 @@ def dump_case(
             tensors[name] = _host(t)
     if lse is not None:
         tensors["lse"] = _host(lse, torch.float32)
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_indices", block_indices)):
+    # The int32 tensors, stored as int32 whatever the caller passed.
+    integer_tensors = {
+        "cu_seqlens_q": cu_seqlens_q,
+        "cu_seqlens_k": cu_seqlens_k,
+        "block_indices": block_indices,
+        "token_indices": token_indices,
+    }
+    for name, t in integer_tensors.items():
         if t is not None:
             tensors[name] = _host(torch.as_tensor(t), torch.int32)
 

@@ -340,12 +340,19 @@ def _check(
     cu_seqlens_k: Any,
     block_indices: Any,
     block_size: Optional[Tuple[int, int]],
+    token_indices: Any,
     kernel_params: Optional[Mapping[str, Any]],
     masked_lse: str,
     mpfr: bool,
 ) -> Report:
     prepared = {name: _tensor(t, name) for name, t in tensors.items() if t is not None}
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k), ("block_indices", block_indices)):
+    integer_tensors = (
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("cu_seqlens_k", cu_seqlens_k),
+        ("block_indices", block_indices),
+        ("token_indices", token_indices),
+    )
+    for name, t in integer_tensors:
         if t is not None:
             prepared[name] = _int_tensor(t, name)
     if (block_indices is None) != (block_size is None):
@@ -380,6 +387,7 @@ _OPTIONS = (
     "cu_seqlens_k",
     "block_indices",
     "block_size",
+    "token_indices",
     "kernel_params",
     "masked_lse",
     "mpfr",
@@ -409,6 +417,7 @@ def check_forward(
     cu_seqlens_k: Any = None,
     block_indices: Any = None,
     block_size: Any = None,
+    token_indices: Any = None,
     kernel_params: Optional[Mapping[str, Any]] = None,
     masked_lse: str = "-inf",
     mpfr: bool = False,
@@ -419,7 +428,9 @@ def check_forward(
     PyTorch SDPA's `is_causal`). `window`: (left, right) key counts around the aligned diagonal, -1 unbounded.
     `scale`: the softmax scale (None: 1/sqrt(D)). `lse_base`: "e" or "2". `recipe`: the kernel's precision recipe
     (docs/case-format.md; None: the fused-kernel recipe of q's dtype). `block_indices` with `block_size` (an int or
-    (block_q, block_k)): block-sparse lists. `kernel_params`: the kernel's real parameters, any of
+    (block_q, block_k)): block-sparse lists. `token_indices`: int32 `[rows, list heads, k]` (rows B*Lq or Tq;
+    `[B, Lq, list heads, k]` also for 4-D q) key lists per query row, -1 for an unused slot, any order, as DSA's
+    selection and FlashMLA's sparse kernels take them; 1, Hkv or Hq list heads. `kernel_params`: the kernel's real parameters, any of
     {"kv_tile": int, "q_tile": int, "mma_k": int, "exp": "ex2" | "expf", "split_kv": int}; each one given replaces
     the worst case over all kernels in the bound (the report's `assumptions` says which were used). `masked_lse`: what
     the kernel writes as the LSE of a row that sees no key, "-inf" or "+inf" (FlashAttention 2 and 3). `mpfr`: the
@@ -451,6 +462,7 @@ def check_backward(
     cu_seqlens_k: Any = None,
     block_indices: Any = None,
     block_size: Any = None,
+    token_indices: Any = None,
     kernel_params: Optional[Mapping[str, Any]] = None,
     masked_lse: str = "-inf",
     mpfr: bool = False,

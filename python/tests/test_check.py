@@ -18,8 +18,9 @@ import attnproof
 REPO = Path(__file__).resolve().parents[2]
 
 
-def attention(q, k, v, *, scale=None, causal=False, top_left=False, window=None):
-    """The textbook forward in f64 over `[B, H, L, D]` arrays (GQA by head groups): O and LSE (base e)."""
+def attention(q, k, v, *, scale=None, causal=False, top_left=False, window=None, keep=None):
+    """The textbook forward in f64 over `[B, H, L, D]` arrays (GQA by head groups): O and LSE (base e). `keep`: a
+    boolean `[B, Hq, Lq, Lk]` array of the keys each query may see besides the mask (token lists)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -38,6 +39,8 @@ def attention(q, k, v, *, scale=None, causal=False, top_left=False, window=None)
             visible &= j >= i - left
         if right >= 0:
             visible &= j <= i + right
+    if keep is not None:
+        visible = visible & keep
     s = np.where(visible, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -145,6 +148,46 @@ def test_the_backward_is_checked():
     assert not report.output("dK").passed and report.output("dQ").passed
 
 
+def token_lists(rows, heads, width, keys, seed):
+    """Key lists `[rows, heads, width]`: each row's keys drawn from `range(keys)` in a random order and random slots,
+    -1 in the others."""
+    rng = np.random.default_rng(seed)
+    lists = np.full((rows, heads, width), -1, np.int32)
+    for r in range(rows):
+        for h in range(heads):
+            chosen = rng.choice(keys, size=min(int(rng.integers(0, width + 1)), keys), replace=False)
+            lists[r, h, rng.choice(width, size=len(chosen), replace=False)] = chosen
+    return lists
+
+
+def listed(lists, b, hq, lq, lk):
+    """The boolean `[B, Hq, Lq, Lk]` keys of lists `[B*Lq, list heads, width]` (list head `h // (Hq / heads)`)."""
+    out = np.zeros((b, hq, lq, lk), dtype=bool)
+    group = hq // lists.shape[1]
+    for batch in range(b):
+        for h in range(hq):
+            for i in range(lq):
+                keys = lists[batch * lq + i, h // group]
+                out[batch, h, i, keys[keys >= 0]] = True
+    return out
+
+
+def test_token_lists_select_the_keys_each_query_sees():
+    # GQA 4 over 2, Lq = 9 < Lk = 20, bottom-right causal, one list per KV head (DSA's selection, FlashMLA's indices).
+    q, k, v = inputs((2, 4, 9, 16), (2, 2, 20, 16), seed=3)
+    lists = token_lists(2 * 9, 2, 5, 20, seed=4)
+    o, lse = attention(q, k, v, causal=True, keep=listed(lists, 2, 4, 9, 20))
+    o, lse = o.astype(np.float32), lse.astype(np.float32)
+    report = attnproof.check_forward(q, k, v, o, lse, causal=True, token_indices=lists)
+    assert report.passed, report
+    # Stating one listed key fewer than the candidate attended to (a visible key of batch 0, KV head 0) fails.
+    row, key = next((r, j) for r in range(9) for j in lists[r, 0] if 0 <= j <= r + 20 - 9)
+    fewer = lists.copy()
+    fewer[row, 0][fewer[row, 0] == key] = -1
+    report = attnproof.check_forward(q, k, v, o, lse, causal=True, token_indices=fewer)
+    assert not report.output("O").passed and not report.output("LSE").passed
+
+
 @pytest.mark.parametrize(
     "change, argument",
     [
@@ -154,6 +197,8 @@ def test_the_backward_is_checked():
         (lambda a: dict(a, window=(3,)), "window"),
         (lambda a: dict(a, q=a["q"].astype(np.int8)), "q"),
         (lambda a: dict(a, block_indices=np.zeros((1, 1, 1, 1), np.int32)), "block_size"),
+        (lambda a: dict(a, token_indices=np.full((8, 1, 2), 8, np.int32)), "token_indices"),  # key 8 of Lk = 8
+        (lambda a: dict(a, token_indices=np.zeros((8, 1, 2), np.int32)), "token_indices"),  # key 0 twice
         (lambda a: dict(a, q=np.full_like(a["q"], np.nan)), "q"),
         (lambda a: dict(a, masked_lse="nan"), "masked_lse"),
         (lambda a: dict(a, kernel_params={"tile": 64}), "kernel_params"),

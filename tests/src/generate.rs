@@ -143,25 +143,28 @@ pub fn make_d_out<T: Element>(spec: &AttentionSpec, seed: u64) -> ArrayD<T> {
     ArrayD::from_shape_vec(IxDyn(&shape), data).expect("sizes agree")
 }
 
-/// A small xorshift64 stream for drawing index lists (NSA's block lists, DSA's token lists) without a
-/// random-number dependency.
-pub(crate) struct ListStream(u64);
+/// A small xorshift64 stream for drawing index lists (NSA's block lists, DSA's token lists, the token lists of
+/// `check`'s cases) without a random-number dependency.
+pub struct ListStream(u64);
 
 impl ListStream {
-    pub(crate) fn new(seed: u64) -> Self {
+    /// The stream of `seed` (any seed, zero included).
+    pub fn new(seed: u64) -> Self {
         ListStream(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
     }
+    /// The next 64 bits.
     pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0
     }
-    pub(crate) fn below(&mut self, n: usize) -> usize {
+    /// A number in `0..n` (0 when `n` is 0).
+    pub fn below(&mut self, n: usize) -> usize {
         if n == 0 { 0 } else { (self.next() % n as u64) as usize }
     }
     /// `k` distinct elements of `from`, ascending.
-    pub(crate) fn pick(&mut self, mut from: Vec<usize>, k: usize) -> Vec<usize> {
+    pub fn pick(&mut self, mut from: Vec<usize>, k: usize) -> Vec<usize> {
         let k = k.min(from.len());
         for i in 0..k {
             let j = i + self.below(from.len() - i);

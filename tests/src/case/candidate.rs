@@ -92,8 +92,8 @@ impl Candidate for CaseFileCandidate<'_> {
 
     fn forward<T: Storage>(&self, case: &Case<T>) -> Result<ForwardRun<T>, CandidateError> {
         self.check_storage::<T>()?;
-        if self.file.blocks.is_some() {
-            return Err(self.unsupported("block-sparse lists (the `check` binary judges them)"));
+        if self.file.sparsity.is_some() {
+            return Err(self.unsupported("block or token lists (the `check` binary judges them)"));
         }
         if self.file.lse_base != LseBase::E {
             return Err(self.unsupported("an LSE in base 2 (the `check` binary judges it)"));

@@ -8,7 +8,6 @@
 use std::collections::BTreeMap;
 
 use attnproof_oracle::attention::{backward_with_visibility, forward_with_visibility, to_mpfr};
-use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::dense::scores;
 use attnproof_oracle::spec::Sequence;
 use attnproof_oracle::{AttentionSpec, DenseConfig, Layout, Mp, Precision, Qkv, Real, Scale};
@@ -18,6 +17,7 @@ use ndarray::{Array2, ArrayD, ArrayViewD, Axis, Dimension};
 use super::format::{CaseFile, CausalAlign, LseBase, MaskShift, MaskSpec};
 use super::recipe::{KernelParams, Recipe, RecipeKind};
 use super::safetensors::Dtype;
+use super::sparsity::Sparsity;
 use crate::backward::problem_backward_bounds_with_visibility;
 use crate::flash::{HarnessError, forward_gate, problem_forward_bounds_with_visibility};
 use crate::gate::GateReport;
@@ -134,6 +134,8 @@ struct Hypothesis {
     kv: Option<[ArrayD<f64>; 2]>,
     /// The recipe whose bound the outputs are judged under, when not the case's (a recipe mismatch).
     recipe: Option<FlashRecipe>,
+    /// The candidate attended to every key the mask shows, ignoring the stated block or token lists.
+    lists_ignored: bool,
 }
 
 impl Hypothesis {
@@ -147,6 +149,7 @@ impl Hypothesis {
             dropped_tail: None,
             kv: None,
             recipe: None,
+            lists_ignored: false,
         }
     }
 
@@ -160,7 +163,11 @@ impl Hypothesis {
 
     /// The keys of (sequence, head) the hypothesis has the candidate attend to.
     fn visibility(&self, case: &CaseFile, seq: &Sequence, head: usize) -> Array2<bool> {
-        let mut visible = case.visibility(&self.spec, seq, head);
+        let mut visible = if self.lists_ignored {
+            self.spec.mask.matrix(seq.len_q, seq.len_k)
+        } else {
+            case.visibility(&self.spec, seq, head)
+        };
         if let Some(tail) = self.dropped_tail {
             visible.slice_axis_mut(Axis(1), ndarray::Slice::from(tail.first_dropped(seq.len_k)..)).fill(false);
         }
@@ -353,19 +360,12 @@ fn one_head(case: &CaseFile, b: usize, h: usize) -> Option<CaseFile> {
         .filter(|(name, _)| HEAD_OUTPUTS.contains(name))
         .map(|(name, x)| (*name, pick(x, h)))
         .collect();
-    let blocks = case.blocks.as_ref().map(|layout| BlockSparseLayout {
-        lists: layout
-            .lists
-            .slice_axis(Axis(0), ndarray::Slice::from(b..=b))
-            .slice_axis(Axis(1), ndarray::Slice::from(h..=h))
-            .to_owned(),
-        ..layout.clone()
-    });
+    let sparsity = case.sparsity.as_ref().map(|lists| lists.one_head(&case.spec, b, h));
     // Field by field, so that the whole case's tensors are not copied only to be replaced.
     Some(CaseFile {
         spec,
         mask: case.mask,
-        blocks,
+        sparsity,
         recipe: case.recipe.clone(),
         lse_base: case.lse_base,
         masked_lse: case.masked_lse,
@@ -451,6 +451,15 @@ fn hypotheses(case: &CaseFile) -> Vec<(Hypothesis, Vec<&'static str>)> {
             .into_iter()
             .map(|(name, shift)| (base(name, case.spec.clone().with_mask(case.mask.shifted(shift))), all.clone())),
     );
+    if let Some(sparsity) = &case.sparsity {
+        let lists = match sparsity {
+            Sparsity::Blocks(_) => "block lists (block_indices)",
+            Sparsity::Tokens(_) => "token lists (token_indices)",
+        };
+        let name =
+            format!("lists ignored: the candidate attended to every key the mask shows, not only the stated {lists}");
+        out.push((Hypothesis { lists_ignored: true, ..base(name, case.spec.clone()) }, all.clone()));
+    }
     let (hq, hkv) = (case.spec.n_heads_q, case.spec.n_heads_kv);
     // The two head maps differ only with several KV heads each shared by several query heads.
     if hkv > 1 && hq > hkv {

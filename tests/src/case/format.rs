@@ -7,14 +7,14 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use attnproof_oracle::block_sparse::BlockSparseLayout;
 use attnproof_oracle::spec::{Layout, Mask, Operand, Pair, Predicate, Sequence};
 use attnproof_oracle::{AttentionSpec, Scale};
-use ndarray::{Array2, Array4, ArrayD, Dimension, IxDyn};
+use ndarray::{Array2, ArrayD, Dimension, IxDyn};
 
 use super::error::CaseError;
 use super::recipe::{KernelParams, Recipe};
 use super::safetensors::{self, Dtype, RawTensor, SafeTensors};
+use super::sparsity::Sparsity;
 
 /// The format version this loader reads.
 pub const FORMAT_VERSION: &str = "1";
@@ -135,12 +135,12 @@ fn fmt_side(side: Option<usize>) -> String {
 /// f64 (exact for every storage type).
 #[derive(Clone, Debug)]
 pub struct CaseFile {
-    /// The problem (its mask is the stated one; block-sparse lists in `blocks`).
+    /// The problem (its mask is the stated one; block or token lists in `sparsity`).
     pub spec: AttentionSpec,
     /// The stated mask.
     pub mask: MaskSpec,
-    /// Block-sparse tile lists, when the case has `block_indices`.
-    pub blocks: Option<BlockSparseLayout>,
+    /// Block-sparse tile lists (`block_indices`) or token lists (`token_indices`), when the case states them.
+    pub sparsity: Option<Sparsity>,
     /// The candidate's recipe.
     pub recipe: Recipe,
     /// The stated LSE base.
@@ -190,11 +190,11 @@ pub fn from_bytes(bytes: &[u8]) -> Result<CaseFile, CaseError> {
     from_safetensors(safetensors::parse(bytes)?)
 }
 
-fn key_error(key: &str, reason: impl Into<String>) -> CaseError {
+pub(super) fn key_error(key: &str, reason: impl Into<String>) -> CaseError {
     CaseError::Key { key: key.into(), reason: reason.into() }
 }
 
-fn tensor_error(name: &str, reason: impl Into<String>) -> CaseError {
+pub(super) fn tensor_error(name: &str, reason: impl Into<String>) -> CaseError {
     CaseError::Tensor { name: name.into(), reason: reason.into() }
 }
 
@@ -439,14 +439,11 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
         return Err(CaseError::MissingTensor { name: "do".into(), why: format!("needed to check {g}") });
     }
 
-    let blocks = match raw("block_indices") {
-        None => None,
-        Some(t) => Some(block_layout(t, &metadata, &spec)?),
-    };
+    let sparsity = Sparsity::read(raw("block_indices"), raw("token_indices"), &metadata, &spec)?;
     Ok(CaseFile {
         spec,
         mask,
-        blocks,
+        sparsity,
         recipe,
         lse_base,
         masked_lse,
@@ -461,39 +458,11 @@ fn from_safetensors(file: SafeTensors) -> Result<CaseFile, CaseError> {
     })
 }
 
-fn block_layout(
-    t: &RawTensor,
-    metadata: &BTreeMap<String, String>,
-    spec: &AttentionSpec,
-) -> Result<BlockSparseLayout, CaseError> {
-    if t.dtype != Dtype::I32 || t.shape.len() != 4 {
-        return Err(tensor_error(
-            "block_indices",
-            format!("must be a 4-D I32 tensor, got {} {:?}", t.dtype.name(), t.shape),
-        ));
-    }
-    let tile = |key: &str| -> Result<usize, CaseError> {
-        let value =
-            metadata.get(key).ok_or_else(|| key_error(key, "missing (block_indices needs block_q and block_k)"))?;
-        match value.trim().parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(key_error(key, format!("expected a positive integer, got {value:?}"))),
-        }
-    };
-    let (q_tile, kv_tile) = (tile("block_q")?, tile("block_k")?);
-    let values: Vec<i32> = t.to_f64().into_iter().map(|x| x as i32).collect();
-    let dims = (t.shape[0], t.shape[1], t.shape[2], t.shape[3]);
-    let lists = Array4::from_shape_vec(dims, values).map_err(|e| tensor_error("block_indices", e.to_string()))?;
-    let layout = BlockSparseLayout { q_tile, kv_tile, lists };
-    layout.validate(spec).map_err(|e| tensor_error("block_indices", e.to_string()))?;
-    Ok(layout)
-}
-
 impl CaseFile {
-    /// The visibility of (sequence, head) under the stated mask and block lists.
+    /// The visibility of (sequence, head) under the stated mask and block or token lists.
     pub fn visibility(&self, spec: &AttentionSpec, seq: &Sequence, head: usize) -> Array2<bool> {
-        match &self.blocks {
-            Some(layout) => layout.visibility(spec, seq, head),
+        match &self.sparsity {
+            Some(sparsity) => sparsity.visibility(spec, seq, head),
             None => spec.mask.matrix(seq.len_q, seq.len_k),
         }
     }

@@ -11,6 +11,7 @@ pub mod format;
 pub mod recipe;
 pub mod report;
 pub mod safetensors;
+pub mod sparsity;
 
 pub use check::{CaseReport, OracleChoice, OutputReport, Region, Status, check};
 pub use error::CaseError;

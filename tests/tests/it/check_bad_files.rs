@@ -252,6 +252,44 @@ fn scales_output_shapes_and_block_lists_are_checked() {
     assert_names(&lists(Dtype::I32, &[1, 2, 2, 1]).meta("block_k", "-4").bytes(), "block_k");
 }
 
+/// Token lists: I32 `[B·Lq, list heads, κ]` (or `[B, Lq, list heads, κ]` in `bhld`) with 1, `Hkv` or `Hq` list heads,
+/// each entry `−1` or a key of its sequence and none listed twice in a row; and never beside block lists. Each defect
+/// is one error naming `token_indices` and saying what is wrong; a valid file with them loads.
+#[test]
+fn token_lists_are_checked() {
+    let lists = |dtype, shape: &[usize], entries: &[(usize, i32)]| {
+        let mut t = ArrayD::from_elem(shape.to_vec(), -1.0);
+        for &(i, key) in entries {
+            t.as_slice_mut().expect("standard layout")[i] = f64::from(key);
+        }
+        valid().tensor("token_indices", dtype, &t)
+    };
+    let message = |builder: CaseBuilder, words: &str| {
+        let bytes = builder.bytes();
+        assert_names(&bytes, "token_indices");
+        let e = error_of(&bytes);
+        assert!(e.contains(words), "error {e:?} should say {words:?}");
+    };
+    // B = 1, Lq = 5, Lk = 7, Hq = Hkv = 2: rows 5, list heads 1 or 2.
+    assert!(format::from_bytes(&lists(Dtype::I32, &[5, 2, 3], &[(0, 6), (1, 0), (3, 2)]).bytes()).is_ok());
+    assert!(format::from_bytes(&lists(Dtype::I32, &[1, 5, 1, 3], &[(2, 6)]).bytes()).is_ok());
+    message(lists(Dtype::F32, &[5, 2, 3], &[]), "I32");
+    message(lists(Dtype::I32, &[5, 6], &[]), "expected [5, list heads, κ]");
+    message(lists(Dtype::I32, &[4, 2, 3], &[]), "expected [5, list heads, κ] or [1, 5, list heads, κ]");
+    message(lists(Dtype::I32, &[5, 3, 3], &[]), "3 list heads");
+    message(lists(Dtype::I32, &[5, 2, 3], &[(4, -2)]), "entry [0, 1, 1] = -2");
+    message(
+        lists(Dtype::I32, &[5, 2, 3], &[(29, 7)]),
+        "entry [4, 1, 2] = 7 is neither -1 nor a key of its sequence (0..7)",
+    );
+    message(lists(Dtype::I32, &[5, 2, 3], &[(6, 3), (8, 3)]), "entry [1, 0, 2] lists key 3 again (first at slot 0)");
+    let both = lists(Dtype::I32, &[5, 2, 3], &[])
+        .tensor("block_indices", Dtype::I32, &ArrayD::from_elem(vec![1, 2, 2, 1], 0.0))
+        .meta("block_q", "4")
+        .meta("block_k", "4");
+    message(both, "not both");
+}
+
 /// Kernel parameters: positive integers (or for `kernel_exp` a known exponential form), each error naming its key; a
 /// stated one-key tile needs its split count; unset, empty or `unknown` values state nothing.
 #[test]

@@ -426,6 +426,25 @@ fn block_sparse_case_with_fully_masked_rows_passes_and_a_dropped_block_fails() {
     assert_eq!(output(&r, "O").status, Status::Fail, "{r:?}");
 }
 
+/// A block-sparse kernel that attended to every block (the lists ignored) fails, and that is the cause named.
+#[test]
+fn a_candidate_that_ignored_the_block_lists_is_named() {
+    let spec = AttentionSpec::dense(1, 2, 2, 32, 32, 8, 8);
+    let every_key = |seq: &Sequence, _h: usize| spec.mask.matrix(seq.len_q, seq.len_k);
+    let builder = oracle_candidate(&spec, &every_key, 21)
+        .tensor("block_indices", Dtype::I32, &block_lists().mapv(f64::from).into_dyn())
+        .meta("block_q", "16")
+        .meta("block_k", "16");
+    let r = checked(&builder);
+    for name in ["O", "LSE"] {
+        assert_cause(
+            &r,
+            name,
+            "lists ignored: the candidate attended to every key the mask shows, not only the stated block lists",
+        );
+    }
+}
+
 /// FlashAttention 2 and 3 write `LSE = +∞` for a row that sees no key: stated as `masked_lse = +inf`, such a case
 /// passes; unstated, its LSE fails there; and the convention excuses no `+∞` in a row that sees keys.
 #[test]

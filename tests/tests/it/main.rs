@@ -6,6 +6,7 @@ mod check_bad_files;
 mod check_cases;
 mod check_causes;
 mod check_recipes;
+mod check_token_lists;
 mod flash_backward;
 mod flash_forward;
 mod nsa_compress;
