@@ -152,8 +152,8 @@ impl Sparsity {
     }
 
     /// The lists of batch `b` and query head `h` of a dense `spec`, for the case restricted to them (one sequence,
-    /// one query head).
-    pub fn one_head(&self, spec: &AttentionSpec, b: usize, h: usize) -> Sparsity {
+    /// one query head); the checker restricts dense layouts only (a packed layout keeps its sequences together).
+    pub(super) fn one_head(&self, spec: &AttentionSpec, b: usize, h: usize) -> Sparsity {
         let one = |i: usize| Slice::from(i..=i);
         match self {
             Sparsity::Blocks(layout) => Sparsity::Blocks(BlockSparseLayout {
