@@ -206,3 +206,53 @@ fn block_layout(
     layout.validate(spec).map_err(|e| tensor_error("block_indices", e.to_string()))?;
     Ok(layout)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnproof_oracle::Mask;
+
+    /// An I32 tensor of `values` in `shape`.
+    fn raw(shape: &[usize], values: &[i32]) -> RawTensor {
+        RawTensor {
+            dtype: Dtype::I32,
+            shape: shape.to_vec(),
+            bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        }
+    }
+
+    /// Restricted to one (batch, query head), token lists show that head the keys the whole lists show it, whether
+    /// the lists are shared, per KV head or per query head (the diagnosis screens its hypotheses on such a head).
+    #[test]
+    fn one_head_keeps_each_heads_keys() {
+        let spec = AttentionSpec::dense(2, 4, 2, 3, 5, 4, 4).with_mask(Mask::Causal);
+        let sub_spec = AttentionSpec {
+            layout: Layout::Dense { batch: 1, len_q: 3, len_k: 5 },
+            n_heads_q: 1,
+            n_heads_kv: 1,
+            ..spec.clone()
+        };
+        let sub_seq = &sub_spec.sequences()[0];
+        for heads in [1usize, 2, 4] {
+            // Row r, list head h: key (r + h) % 5 and, unless (r + h) % 3 == 0, key (r + h + 2) % 5.
+            let values: Vec<i32> = (0..6i32)
+                .flat_map(|r| {
+                    (0..heads as i32)
+                        .flat_map(move |h| [(r + h) % 5, if (r + h) % 3 == 0 { -1 } else { (r + h + 2) % 5 }])
+                })
+                .collect();
+            let lists = Sparsity::Tokens(TokenLists::read(&raw(&[6, heads, 2], &values), &spec).expect("valid lists"));
+            let mut distinct = BTreeMap::new();
+            for seq in spec.sequences() {
+                for h in 0..4 {
+                    let full = lists.visibility(&spec, &seq, h);
+                    let sub = lists.one_head(&spec, seq.index, h).visibility(&sub_spec, sub_seq, 0);
+                    assert_eq!(sub, full, "{heads} list heads, batch {}, head {h}", seq.index);
+                    distinct.insert(format!("{full:?}"), h);
+                }
+            }
+            // Per KV head and per query head, the heads see different keys: the comparison is not vacuous.
+            assert!(heads == 1 || distinct.len() > 2, "{heads} list heads: {} distinct visibilities", distinct.len());
+        }
+    }
+}

@@ -283,6 +283,7 @@ fn token_lists_are_checked() {
         "entry [4, 1, 2] = 7 is neither -1 nor a key of its sequence (0..7)",
     );
     message(lists(Dtype::I32, &[5, 2, 3], &[(6, 3), (8, 3)]), "entry [1, 0, 2] lists key 3 again (first at slot 0)");
+    message(lists(Dtype::I32, &[5, 2, 3], &[(0, 0), (2, 0)]), "entry [0, 0, 2] lists key 0 again (first at slot 0)");
     let both = lists(Dtype::I32, &[5, 2, 3], &[])
         .tensor("block_indices", Dtype::I32, &ArrayD::from_elem(vec![1, 2, 2, 1], 0.0))
         .meta("block_q", "4")
