@@ -1,13 +1,16 @@
-// DSA's lightning indexer (E16) fused with an exact causal top-k, compiled by NVRTC after common.cuh with INDEX_DIM
-// (d_I: 64 or 128), IDX_CTAS_PER_SM and the element type's define. The host wrapper is gpu/src/dsa/index.rs, which
-// documents the scores' rounding bound (attnproof_proofs::dsa_bound) and checks every shape before the launch.
+// DSA's lightning indexer (E16) fused with an exact causal top-k, compiled by NVRTC after common.cuh and sm90.cuh with
+// INDEX_DIM (d_I: 64 or 128), IDX_CTAS_PER_SM and the element type's define (IDX_MMA_SYNC optional, below). The host
+// wrapper is gpu/src/dsa/index.rs, which documents the scores' rounding bound (attnproof_proofs::dsa_bound) and
+// checks every shape before the launch.
 //
 // One kernel, dsa_index_topk: a persistent grid of CTAs of 256 threads; CTA c takes the query groups c, c + grid, …
 // of IDX_QUERIES = 4 consecutive tokens. For one group:
 //   1. Scores. The group's indexer queries (4 tokens × 64 head rows; heads past H_I are zero rows with weight 0) stay
 //      in shared memory, the keys 0 … t_last stream through in tiles of 64 (two cp.async stages). Warp w owns rows
-//      32w … 32w + 31 (token w / 2, heads 32·(w % 2) …): logits on tensor cores (m16n8k16, f32 accumulation over d_I),
-//      then per key Σ w_a · ReLU(logit_a) over its rows (a thread's four rows in ascending order, then a xor-shuffle
+//      32w … 32w + 31 (token w / 2, heads 32·(w % 2) …): logits on tensor cores with f32 accumulation over d_I, by
+//      warpgroup MMA on Hopper (sm_90a: wgmma.m64n64k16 from swizzled shared memory, the query rows stored in the
+//      order that gives each warp exactly these rows) and by mma.sync.m16n8k16 elsewhere, then per key
+//      Σ w_a · ReLU(logit_a) over its rows (a thread's four rows in ascending order, then a xor-shuffle
 //      tree over the eight row groups), and the token's two warps' sums are added, warp 2j's first, plus +0.0 (so
 //      that −0 becomes +0: equal scores have equal bits). The order depends on nothing but the head, so two keys with
 //      equal rows get bitwise equal scores. Each visible score (key ≤ token) is written to the token's row of the f32
@@ -22,7 +25,10 @@
 //      ascending with exactly k entries.
 //
 // Memory: nothing of size T × T unless the caller asks for the full scores; the scratch is grid × 4 rows of T floats,
-// read back by the CTA that wrote them (from L2 while it fits).
+// read back by the CTA that wrote them (from L2 while it fits). Shared memory holds the query tile, two key tiles
+// and the histogram's words; the wgmma path's tiles are in sm90.cuh's 128-byte swizzle (64-column chunks, each on a
+// 1024-byte boundary: the kernel aligns the window itself, and the host's byte count, sized for the other path's
+// padded rows, leaves the up to 1024 bytes that takes).
 //
 // Two CTAs per multiprocessor (IDX_CTAS_PER_SM, the host's resident_ctas): a CTA's selection is serial behind its own
 // scoring and leaves the tensor cores idle, so a second resident CTA scores while the first selects. For both to fit
@@ -47,7 +53,15 @@
 #endif
 static_assert(INDEX_DIM == 64 || INDEX_DIM == 128, "the indexer's head dim is 64 or 128");
 static_assert(IDX_ROWS == IDX_WARPS * 32, "every warp owns 32 query rows");
-#define IDX_STRIDE (INDEX_DIM + 8)
+// Warpgroup MMA for the logits where the target has it (sm_90a alone defines the macro), unless the host asks for
+// mma.sync (IDX_MMA_SYNC: the other architectures' path, verified and timed on Hopper).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) && !defined(IDX_MMA_SYNC)
+#define IDX_WGMMA 1
+#endif
+#define IDX_STRIDE (INDEX_DIM + 8)  // padded row of the mma.sync path's tiles (elements)
+#define IDX_CHUNKS (INDEX_DIM / 64)  // 64-column chunks of a swizzled row (the wgmma path, sm90.cuh)
+#define IDX_Q_BYTES (IDX_ROWS * IDX_CHUNKS * SW_ROW)
+#define IDX_K_BYTES (IDX_KEYS * IDX_CHUNKS * SW_ROW)
 
 // A key whose unsigned order is the float order: larger scores get larger keys (−0 never reaches here).
 __device__ __forceinline__ unsigned order_key(float x) {
@@ -164,16 +178,116 @@ __device__ void select_row(const float* row, int n, int top_k, int* __restrict__
     }
 }
 
+#if defined(IDX_WGMMA)
+typedef unsigned char idx_tile_t;  // swizzled bytes
+#define IDX_Q_TILE IDX_Q_BYTES
+#define IDX_K_TILE IDX_K_BYTES
+#else
+typedef elem_t idx_tile_t;  // padded rows of IDX_STRIDE elements
+#define IDX_Q_TILE (IDX_ROWS * IDX_STRIDE)
+#define IDX_K_TILE (IDX_KEYS * IDX_STRIDE)
+#endif
+
+// Starts copying the group's query rows (tokens t0 … t0 + nq − 1, heads 0 … H − 1; zeros for the rest) into the
+// query tile, so that warp w's rows 32w + 16m + g and + 8 (token w / 2, head 32·(w % 2) + 16m + g and + 8) are where
+// the MMA of tile_logits takes them from.
+__device__ __forceinline__ void load_query_tile(idx_tile_t* q_s, const elem_t* __restrict__ q, int t0, int nq, int H) {
+    constexpr int UNITS = INDEX_DIM / 8;  // 16-byte units per row
+    for (int idx = threadIdx.x; idx < IDX_ROWS * UNITS; idx += IDX_THREADS) {
+        const int R = idx / UNITS, u = idx % UNITS;
+#if defined(IDX_WGMMA)
+        // Row R is row 16i + r of the tile's 64-row block b = R / 64, which warpgroup b / 2 multiplies as its
+        // m-block b % 2: wgmma hands its warp i the rows 16i + g and + 8, so the row holds warp w = 4·(b / 2) + i's
+        // head 32·(w % 2) + 16·(b % 2) + r of token w / 2.
+        const int b = R / 64, i = (R % 64) / 16, r = R % 16;
+        const int w = 4 * (b / 2) + i;
+        const int qi = w / 2, h = 32 * (w % 2) + 16 * (b % 2) + r;
+        elem_t* dst = reinterpret_cast<elem_t*>(q_s + (u / 8) * (IDX_ROWS * SW_ROW) + R * SW_ROW +
+                                                (((u % 8) ^ (R % 8)) << 4));
+#else
+        const int qi = R / IDX_HEAD_ROWS, h = R % IDX_HEAD_ROWS;
+        elem_t* dst = q_s + R * IDX_STRIDE + u * 8;
+#endif
+        const bool valid = qi < nq && h < H;
+        const long long at = valid ? ((long long)(t0 + qi) * H + h) * INDEX_DIM + u * 8 : 0;
+        cp_async_16(dst, q + at, valid);
+    }
+}
+
+// Starts copying `rows` keys from `k` into a key tile (zeros past them).
+__device__ __forceinline__ void load_key_tile(idx_tile_t* k_s, const elem_t* __restrict__ k, int rows) {
+#if defined(IDX_WGMMA)
+    load_swizzled_async<IDX_KEYS, IDX_CHUNKS, IDX_THREADS>(k_s, k, INDEX_DIM, rows, INDEX_DIM);
+#else
+    load_tile_async<IDX_KEYS, INDEX_DIM, IDX_STRIDE, IDX_THREADS>(k_s, k, INDEX_DIM, rows, INDEX_DIM);
+#endif
+}
+
+// Waits for this thread's copies and makes everyone's visible to the whole CTA (and, on the wgmma path, to the
+// tensor cores' reads of shared memory). Every thread calls it.
+__device__ __forceinline__ void key_tile_landed() {
+    cp_async_wait_all();
+#if defined(IDX_WGMMA)
+    fence_proxy_async();
+#endif
+    __syncthreads();
+}
+
+// Starts the logits of the warp's 32 query rows against a key tile's 64 keys: acc[m][n] is the m16n8 fragment of
+// rows 32·warp + 16m + (g, g + 8) and keys 8n + 2·tig (+ 1), each logit accumulated in f32 over the k-steps of 16
+// columns in order. On the wgmma path the products run asynchronously: wait_logits<1>() before reading acc[0],
+// wait_logits<0>() before acc[1]; on the mma.sync path they are done when this returns.
+__device__ __forceinline__ void tile_logits(float (&acc)[2][IDX_KEYS / 8][4], const idx_tile_t* q_s,
+                                            const idx_tile_t* k_s) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#if defined(IDX_WGMMA)
+    const unsigned q_addr = smem_u32(q_s) + (warp / 4) * 2 * 64 * SW_ROW, k_addr = smem_u32(k_s);
+    wgmma_fence();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int kk = 0; kk < INDEX_DIM / 16; ++kk) {
+            const unsigned step = (kk / 4) * (IDX_ROWS * SW_ROW) + (kk % 4) * 32;
+            wgmma_ss_m64n64k16<0, 0>(acc[m], smem_desc(q_addr + m * 64 * SW_ROW + step, 16, 1024),
+                                     smem_desc(k_addr + (kk / 4) * (IDX_KEYS * SW_ROW) + (kk % 4) * 32, 16, 1024),
+                                     kk > 0);
+        }
+        wgmma_commit();
+    }
+#else
+    const unsigned q_lane = smem_u32(q_s) + (warp * 32 * IDX_STRIDE + lane_a(lane, IDX_STRIDE)) * ESZ;
+    const unsigned k_lane = smem_u32(k_s) + lane_b(lane, IDX_STRIDE) * ESZ;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int n = 0; n < IDX_KEYS / 8; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+        warp_mma_nt<INDEX_DIM / 16, IDX_KEYS / 16, IDX_STRIDE>(acc[m], q_lane + m * 16 * IDX_STRIDE * ESZ, k_lane);
+#endif
+}
+template <int PENDING>
+__device__ __forceinline__ void wait_logits() {
+#if defined(IDX_WGMMA)
+    wgmma_wait<PENDING>();
+#endif
+}
+
 // q [T, H_I, d_I] and k [T, d_I] of the element type, w [T, H_I] f32, lists [T, top_k] i32, scratch f32 rows of
 // scratch_stride elements (grid × IDX_QUERIES rows, or T rows with full_scores).
 extern "C" __global__ void __launch_bounds__(IDX_THREADS, IDX_CTAS_PER_SM)
 dsa_index_topk(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const float* __restrict__ w,
                int* __restrict__ lists, float* scratch, const DsaIndexParams p) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    elem_t* q_s = reinterpret_cast<elem_t*>(smem_raw);  // [IDX_ROWS][IDX_STRIDE]
-    elem_t* k_s = q_s + IDX_ROWS * IDX_STRIDE;           // [2][IDX_KEYS][IDX_STRIDE]
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+#if defined(IDX_WGMMA)
+    // The swizzled tiles start on a 1024-byte boundary.
+    idx_tile_t* q_s = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+#else
+    idx_tile_t* q_s = reinterpret_cast<idx_tile_t*>(smem_raw);
+#endif
+    idx_tile_t* k_s = q_s + IDX_Q_TILE;  // two stages
     // The scoring's weights and partial sums, then (the same bytes) the selection's histogram.
-    unsigned char* phase_s = reinterpret_cast<unsigned char*>(k_s + 2 * IDX_KEYS * IDX_STRIDE);
+    unsigned char* phase_s = reinterpret_cast<unsigned char*>(k_s + 2 * IDX_K_TILE);
     float* w_s = reinterpret_cast<float*>(phase_s);            // [IDX_ROWS], scoring
     float* part_s = w_s + IDX_ROWS;                            // [IDX_WARPS][IDX_KEYS], scoring
     unsigned* hist = reinterpret_cast<unsigned*>(phase_s);     // [RADIX_BINS], selection
@@ -196,60 +310,51 @@ dsa_index_topk(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const
         // weights below take).
         __syncthreads();
         if (p.full_scores || t_last + 1 > p.top_k) {
-            // Row r of the query tile is token t0 + r / 64, head r % 64.
-            constexpr int CHUNKS = INDEX_DIM / 8;
-            for (int idx = tid; idx < IDX_ROWS * CHUNKS; idx += IDX_THREADS) {
-                const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-                const int qi = r / IDX_HEAD_ROWS, h = r % IDX_HEAD_ROWS;
-                const bool valid = qi < nq && h < H;
-                const long long at = valid ? ((long long)(t0 + qi) * H + h) * INDEX_DIM + c : 0;
-                cp_async_16(q_s + r * IDX_STRIDE + c, q + at, valid);
-            }
+            load_query_tile(q_s, q, t0, nq, H);
             for (int r = tid; r < IDX_ROWS; r += IDX_THREADS) {
                 const int qi = r / IDX_HEAD_ROWS, h = r % IDX_HEAD_ROWS;
                 w_s[r] = (qi < nq && h < H) ? w[(long long)(t0 + qi) * H + h] : 0.f;
             }
             const int n_tiles = t_last / IDX_KEYS + 1;
-            load_tile_async<IDX_KEYS, INDEX_DIM, IDX_STRIDE, IDX_THREADS>(k_s, k, INDEX_DIM, min(IDX_KEYS, t_last + 1),
-                                                                         INDEX_DIM);
+            load_key_tile(k_s, k, min(IDX_KEYS, t_last + 1));
             cp_async_commit();
-            const unsigned q_lane = smem_u32(q_s) + (warp * 32 * IDX_STRIDE + lane_a(lane, IDX_STRIDE)) * ESZ;
 #pragma unroll 1
             for (int j = 0; j < n_tiles; ++j) {
-                cp_async_wait_all();
-                __syncthreads();
+                key_tile_landed();  // tile j is in; every warp is done with tile j − 1's stage and sums
                 if (j + 1 < n_tiles) {
                     const int key0 = (j + 1) * IDX_KEYS;
-                    load_tile_async<IDX_KEYS, INDEX_DIM, IDX_STRIDE, IDX_THREADS>(
-                        k_s + ((j + 1) & 1) * IDX_KEYS * IDX_STRIDE, k + (long long)key0 * INDEX_DIM, INDEX_DIM,
-                        min(IDX_KEYS, t_last + 1 - key0), INDEX_DIM);
+                    load_key_tile(k_s + ((j + 1) & 1) * IDX_K_TILE, k + (long long)key0 * INDEX_DIM,
+                                  min(IDX_KEYS, t_last + 1 - key0));
                 }
                 cp_async_commit();
-                const unsigned k_lane = smem_u32(k_s + (j & 1) * IDX_KEYS * IDX_STRIDE) + lane_b(lane, IDX_STRIDE) * ESZ;
                 float acc[2][IDX_KEYS / 8][4];
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-#pragma unroll
-                    for (int n = 0; n < IDX_KEYS / 8; ++n) acc[m][n][0] = acc[m][n][1] = acc[m][n][2] = acc[m][n][3] = 0.f;
-#pragma unroll
-                for (int m = 0; m < 2; ++m)
-                    warp_mma_nt<INDEX_DIM / 16, IDX_KEYS / 16, IDX_STRIDE>(acc[m], q_lane + m * 16 * IDX_STRIDE * ESZ,
-                                                                          k_lane);
-                // The thread's rows: 32·warp + 16m + g and + 8.
+                tile_logits(acc, q_s, k_s + (j & 1) * IDX_K_TILE);
+                // The thread's rows: 32·warp + 16m + g and + 8. The first m-block's terms are summed while the
+                // second's product may still run.
                 const float w00 = w_s[warp * 32 + g], w01 = w_s[warp * 32 + g + 8];
                 const float w10 = w_s[warp * 32 + 16 + g], w11 = w_s[warp * 32 + 24 + g];
+                float v[IDX_KEYS / 8][2];
+                wait_logits<1>();
 #pragma unroll
                 for (int n = 0; n < IDX_KEYS / 8; ++n) {
 #pragma unroll
                     for (int c = 0; c < 2; ++c) {
-                        float v = w00 * fmaxf(acc[0][n][c], 0.f);
-                        v += w01 * fmaxf(acc[0][n][2 + c], 0.f);
-                        v += w10 * fmaxf(acc[1][n][c], 0.f);
-                        v += w11 * fmaxf(acc[1][n][2 + c], 0.f);
-                        v += __shfl_xor_sync(0xffffffffu, v, 4);
-                        v += __shfl_xor_sync(0xffffffffu, v, 8);
-                        v += __shfl_xor_sync(0xffffffffu, v, 16);
-                        if (g == 0) part_s[warp * IDX_KEYS + n * 8 + 2 * tig + c] = v;
+                        v[n][c] = w00 * fmaxf(acc[0][n][c], 0.f);
+                        v[n][c] += w01 * fmaxf(acc[0][n][2 + c], 0.f);
+                    }
+                }
+                wait_logits<0>();
+#pragma unroll
+                for (int n = 0; n < IDX_KEYS / 8; ++n) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        float x = v[n][c];
+                        x += w10 * fmaxf(acc[1][n][c], 0.f);
+                        x += w11 * fmaxf(acc[1][n][2 + c], 0.f);
+                        x += __shfl_xor_sync(0xffffffffu, x, 4);
+                        x += __shfl_xor_sync(0xffffffffu, x, 8);
+                        x += __shfl_xor_sync(0xffffffffu, x, 16);
+                        if (g == 0) part_s[warp * IDX_KEYS + n * 8 + 2 * tig + c] = x;
                     }
                 }
                 __syncthreads();

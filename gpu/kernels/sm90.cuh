@@ -1,6 +1,7 @@
-// Hopper (sm_90a) helpers shared by the warpgroup-MMA kernels, flash_fwd_sm90.cu and flash_bwd_sm90.cu (placed after
-// common.cuh by gpu/src/compile.rs): shared-memory matrix descriptors in the 128-byte swizzle, the wgmma instructions
-// the kernels issue, the mbarrier and tensor-copy (TMA) primitives, and the swizzled cp.async tile load.
+// Hopper (sm_90a) helpers shared by the warpgroup-MMA kernels, flash_fwd_sm90.cu, flash_bwd_sm90.cu and dsa_index.cu
+// (placed after common.cuh by gpu/src/compile.rs and gpu/src/dsa/index.rs): shared-memory matrix descriptors in the
+// 128-byte swizzle, the wgmma instructions the kernels issue, the mbarrier and tensor-copy (TMA) primitives, and the
+// swizzled cp.async tile load.
 //
 // Tiles in shared memory are stored as 64-column chunks of 128-byte rows in the tensor cores' 128-byte swizzle (the
 // 16-byte unit u of row r sits at unit u ^ (r % 8)); every chunk starts on a 1024-byte boundary. Matrix descriptors

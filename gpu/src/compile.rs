@@ -34,14 +34,17 @@
 //! - `nsa_selected` (NSA's selected attention) needs 8.0 like `flash_fwd`, whose products it shares; its union walk
 //!   takes minima with `redux.sync`, also from `sm_80` on.
 //! - `dsa_index` (DSA's lightning indexer and exact top-k) needs 8.0 like `flash_fwd`: its logits are
-//!   `mma.sync.m16n8k16` products of `cp.async`-loaded tiles.
+//!   `mma.sync.m16n8k16` products of `cp.async`-loaded tiles, except on `sm_90a`, where the same text takes
+//!   `wgmma.mma_async` (under `__CUDA_ARCH_FEAT_SM90_ALL`, which only that target defines). `dsa_index_mma_sync`
+//!   is that text on `mma.sync` everywhere, the path the other architectures run, verified on Hopper.
 //! - `dsa_sparse` (DSA's token-sparse attention) needs 8.0 like `flash_fwd`, whose products it shares.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
 //! The target on 9.0 is `sm_90a`, whose architecture-specific instructions (`wgmma`, `setmaxnreg`, ...) do not exist
-//! in later architectures' plain targets. Only `flash_fwd_sm90` and `flash_bwd_sm90` use them; every instruction of the other kernels is in
-//! the plain `sm_100` and `sm_120` targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run them.
+//! in later architectures' plain targets. Only `flash_fwd_sm90` and `flash_bwd_sm90` use them unconditionally, and
+//! `dsa_index` on that target alone; every instruction of the other kernels is in the plain `sm_100` and `sm_120`
+//! targets, which [`arch_for`] picks on 10.0 and 12.0, so those devices run them.
 //! `gpu/tests/it/compile_only.rs` compiles each kernel for 7.5, 8.0, 8.6, 8.9, 9.0, 10.0 and 12.0 and checks that NVRTC
 //! accepts exactly the pairs this table admits.
 
@@ -128,7 +131,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 21] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 22] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -227,6 +230,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 21] = [
     },
     DeviceRequirement {
         kernel: "dsa_index",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the logits as flash_fwd (wgmma on sm_90a)",
+    },
+    DeviceRequirement {
+        kernel: "dsa_index_mma_sync",
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 for the indexer's logits, as flash_fwd",

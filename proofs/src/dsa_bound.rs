@@ -7,9 +7,10 @@
 //!
 //! The inputs are exact in their storage types: `q` (`[T, H_I, d_I]`) and `k` (`[T, d_I]`) in bf16 or f16, `w`
 //! (`[T, H_I]`) in f32. For one query `t`, key `s` and index head `a`, the logit `l_a = q_a · k_s` is a tensor-core
-//! dot product (`m16n8k16`): the products of two 16-bit floats are exact in f32 (a bf16 significand has 8 bits and an
-//! f16 one 11, so a product has at most 16 or 22, within f32's 24), and the tensor core adds them into an f32
-//! accumulator 16 products per instruction over `d_I` (padded with zeros to a multiple of 16). Then
+//! dot product (`mma.sync.m16n8k16`, or `wgmma.m64n64k16` on Hopper): the products of two 16-bit floats are exact
+//! in f32 (a bf16 significand has 8 bits and an f16 one 11, so a product has at most 16 or 22, within f32's 24), and
+//! the tensor core adds them into an f32 accumulator 16 products per instruction (either instruction) over `d_I`
+//! (padded with zeros to a multiple of 16). Then
 //! `r̂_a = max(l̂_a, 0)`, exactly, and the score is an f32 sum over the `H_I` heads of `w_a · r̂_a`, each product
 //! rounded to f32 or fused into a multiply-add, in a fixed but arbitrary tree order, plus one exact addition of
 //! `+0.0`.
@@ -57,7 +58,7 @@ use ndarray::{ArrayView1, ArrayView2};
 
 use crate::flash_bound::{Accumulation, FIRST_ORDER_LIMIT, SECOND_ORDER_FACTOR, gamma32};
 
-/// The tensor-core accumulation of the indexer's logits (`m16n8k16`).
+/// The tensor-core accumulation of the indexer's logits (`m16n8k16` or `m64n64k16`: 16 products per instruction).
 pub const INDEXER_ACCUMULATION: Accumulation = Accumulation::TensorCore { k_step: 16 };
 
 /// `M = Σ_a |w_a| Σ_c |q_ac k_c|`: the magnitude the bound scales, for one query's index queries `q_index`

@@ -26,8 +26,10 @@
 //! `--dsa` times DSA's discovery instead (`attnproof_gpu::dsa::index`: the lightning indexer fused with its exact top-k,
 //! direction `dsa-index`, shape `(T,H_I,d_I,k)`) at T = 16K, 64K and 128K (up to `--dsa-max-t`), H_I = 64, d_I =
 //! 128, k = 2048, bf16 inputs and f32 weights at random, with a workspace for the resident CTAs; its `tflops` column
-//! counts the causal indexer's products, `2·H_I·d_I·T(T+1)/2`. `--dsa-source PATH` (repeatable) also times another
-//! text of `dsa_index.cu` (after `common.cuh`) and says on stderr whether its lists equal the embedded kernel's;
+//! counts the causal indexer's products, `2·H_I·d_I·T(T+1)/2`. The same text on `mma.sync` (`DSA_INDEX_MMA_SYNC`,
+//! what devices other than Hopper run; tiling `fused@dsa_index_mma_sync`) is timed beside it, its lists compared.
+//! `--dsa-source PATH` (repeatable) also times another text of `dsa_index.cu` (after `common.cuh` and `sm90.cuh`)
+//! and says on stderr whether its lists equal the embedded kernel's;
 //! `--dsa-ctas-per-sm N` (repeatable) times the embedded text with a persistent grid of N CTAs per multiprocessor
 //! (tiling `fused/ctasN`) beside the default grid of `attnproof_gpu::dsa::index::resident_ctas`.
 //! `bench/dsa_peers.py` puts the rows beside the PyTorch baseline.
@@ -125,7 +127,7 @@ use attnproof_gpu::block_sparse::select::{
 use attnproof_gpu::block_sparse::{BlockLists, ListHeads, block_sparse_forward_device};
 use attnproof_gpu::compile::{FLASH_BWD, FLASH_BWD_SM90, FLASH_FWD, FLASH_FWD_SM90, KernelSource, compute_capability};
 use attnproof_gpu::dsa::index::{
-    self as dsa_index, DSA_INDEX, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
+    self as dsa_index, DSA_INDEX, DSA_INDEX_MMA_SYNC, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
 };
 use attnproof_gpu::dsa::loss::{DSA_LOSS, LossGradients, LossInputsDevice, LossRows, LossShape, indexer_loss_device};
 use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection, token_sparse_device};
@@ -1241,7 +1243,8 @@ fn run_dsa(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) -> Result
         let mut reference: Option<Vec<i32>> = None;
         // Each text on the default grid, then the embedded text on the grids of `--dsa-ctas-per-sm` (label suffix).
         let sms = attnproof_gpu::common::multiprocessors(ctx).map_err(|e| e.to_string())?;
-        let runs = std::iter::once(DSA_INDEX)
+        let runs = [DSA_INDEX, DSA_INDEX_MMA_SYNC]
+            .into_iter()
             .chain(opts.dsa_sources.iter().copied())
             .map(|kernel| (kernel, ctas, String::new()))
             .chain(opts.dsa_ctas_per_sm.iter().map(|&n| (DSA_INDEX, n * sms, format!("/ctas{n}"))));

@@ -38,10 +38,27 @@ use crate::error::GpuError;
 use crate::launch;
 use crate::params::DsaIndexParams;
 
-/// `gpu/kernels/dsa_index.cu` after the shared helpers.
+/// `gpu/kernels/dsa_index.cu` after the shared helpers and the Hopper ones (`sm90.cuh`): its logits run on the
+/// warpgroup MMA (`wgmma`) where the target is `sm_90a`, on `mma.sync` elsewhere.
 pub const DSA_INDEX: KernelSource = KernelSource {
     name: "dsa_index",
-    source: concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/dsa_index.cu")),
+    source: concat!(
+        include_str!("../../kernels/common.cuh"),
+        include_str!("../../kernels/sm90.cuh"),
+        include_str!("../../kernels/dsa_index.cu")
+    ),
+};
+
+/// [`DSA_INDEX`] with its logits on `mma.sync` on every target, `sm_90a` too (`IDX_MMA_SYNC`): the path every other
+/// architecture runs, so that a Hopper device verifies it and the benchmark times it beside the `wgmma` one.
+pub const DSA_INDEX_MMA_SYNC: KernelSource = KernelSource {
+    name: "dsa_index_mma_sync",
+    source: concat!(
+        include_str!("../../kernels/common.cuh"),
+        include_str!("../../kernels/sm90.cuh"),
+        "#define IDX_MMA_SYNC 1\n",
+        include_str!("../../kernels/dsa_index.cu")
+    ),
 };
 
 /// The indexer head dims the kernel is compiled for (`INDEX_DIM`).
@@ -144,12 +161,24 @@ pub fn full_scores_len(shape: &IndexerShape) -> usize {
 }
 
 /// Bytes of dynamic shared memory of a CTA for head dim `index_dim`: the query tile (256 rows), two key tiles of 64
-/// rows (rows padded by 8 elements), then 2048 words that hold the scoring's 256 weights and 8 × 64 partial sums and,
-/// after them, the selection's histogram bins, and 12 integers. At `d_I = 128` two CTAs fit a multiprocessor.
-pub fn shared_bytes(index_dim: usize) -> usize {
+/// rows (rows padded by 8 elements on the `mma.sync` path), then 2048 words that hold the scoring's 256 weights and
+/// 8 × 64 partial sums and, after them, the selection's histogram bins, and 12 integers. The `wgmma` path's unpadded
+/// swizzled tiles take 16 bytes less per row, more than the up to 1024 bytes it skips to align them
+/// (`wgmma_carve_bytes`, checked when the crate compiles). At `d_I = 128` two CTAs fit a multiprocessor.
+pub const fn shared_bytes(index_dim: usize) -> usize {
     let stride = index_dim + 8;
     2 * (256 * stride + 2 * 64 * stride) + 4 * (PHASE_WORDS + 8 + 4)
 }
+
+/// What the `wgmma` path's carve takes at most: the alignment it may skip, the swizzled query and key tiles
+/// (`sm90.cuh`: rows of `d_I` elements), the same words as the other path.
+const fn wgmma_carve_bytes(index_dim: usize) -> usize {
+    1024 + 2 * (256 * index_dim + 2 * 64 * index_dim) + 4 * (PHASE_WORDS + 8 + 4)
+}
+const _: () = assert!(
+    wgmma_carve_bytes(64) <= shared_bytes(64) && wgmma_carve_bytes(128) <= shared_bytes(128),
+    "the wgmma path's aligned carve fits the bytes the host asks for"
+);
 
 /// 4-byte words the scoring's 256 weights and 8 × 64 partial sums share with the selection's 2048 histogram bins.
 const PHASE_WORDS: usize = 2048;

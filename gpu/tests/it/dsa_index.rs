@@ -7,15 +7,18 @@
 //! (not only powers of two), both head dims, every `k` from 1 to past `T`, bf16 and f16, and values that break weak
 //! selectors: large logits, copied key rows (exact ties at the boundary), logits that are all negative (every score 0:
 //! the whole row ties), and weights of both signs. Each draw runs three times, full scores, workspace, full scores
-//! (the same lists and bits each time), with poisoned outputs, guard bands and unchanged inputs. Without a device each
-//! test prints `skipped: no CUDA device` and passes.
+//! (the same lists and bits each time), with poisoned outputs, guard bands and unchanged inputs. The suite and the
+//! sanitizer's shapes run twice on Hopper: on the production text, whose logits are `wgmma` products there, and on
+//! `DSA_INDEX_MMA_SYNC`, the `mma.sync` path every other architecture runs. Without a device each test prints
+//! `skipped: no CUDA device` and passes.
 
 use std::sync::Arc;
 
 use crate::property::run_config;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::dsa::index::{
-    DSA_INDEX, INDEX_DIMS, IndexerShape, ScoreRows, Scores, indexer_top_k, indexer_top_k_device, workspace_len,
+    DSA_INDEX, DSA_INDEX_MMA_SYNC, INDEX_DIMS, IndexerShape, ScoreRows, Scores, indexer_top_k, indexer_top_k_device,
+    workspace_len,
 };
 use attnproof_gpu::{GpuError, skip_unless_gpu};
 use attnproof_harness::candidate::Storage;
@@ -202,6 +205,17 @@ fn indexer_lists_are_exact_and_scores_within_bound() {
     println!("dsa_index: worst score error {worst:.3} of the bound");
 }
 
+/// The suite on the `mma.sync` path (on Hopper the production text takes `wgmma`; elsewhere the two are one path).
+#[test]
+fn indexer_on_mma_sync_passes_the_same_suite() {
+    let Some(ctx) = skip_unless_gpu("indexer_on_mma_sync_passes_the_same_suite") else { return };
+    let stream = ctx.default_stream();
+    let (name, cases, seed) = SUITE;
+    let config = run_config(&format!("{name}_mma_sync"), cases, seed);
+    let worst = run_suite(&stream, DSA_INDEX_MMA_SYNC, config).unwrap_or_else(|e| panic!("{e}"));
+    println!("dsa_index on mma.sync: worst score error {worst:.3} of the bound");
+}
+
 /// The killing cases, in bf16 and f16.
 #[test]
 fn indexer_named_edges() {
@@ -317,7 +331,7 @@ fn bad_input_is_a_typed_error() {
 }
 
 /// Small shapes for compute-sanitizer (`run.sh sanitize`): every path of the kernel once (padded rows, scoring with a
-/// radix select, a full-score run), nothing verified beyond the lists' own check.
+/// radix select, a full-score run), on both MMA paths, nothing verified beyond the lists' own check.
 #[test]
 fn sanitizer_shapes() {
     let Some(ctx) = skip_unless_gpu("dsa_index::sanitizer_shapes") else { return };
@@ -331,6 +345,8 @@ fn sanitizer_shapes() {
             dtype: Dtype::Bf16,
             seed: 3,
         };
-        check_draw::<bf16>(&stream, DSA_INDEX, &draw).unwrap_or_else(|e| panic!("{draw:?}: {e}"));
+        for kernel in [DSA_INDEX, DSA_INDEX_MMA_SYNC] {
+            check_draw::<bf16>(&stream, kernel, &draw).unwrap_or_else(|e| panic!("{}, {draw:?}: {e}", kernel.name));
+        }
     }
 }

@@ -1744,8 +1744,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-dsa-index-relu-missing",
         description: "The ReLU is left out of the first row group's logits: negative logits subtract",
-        find: "float v = w00 * fmaxf(acc[0][n][c], 0.f);",
-        replace: "float v = w00 * acc[0][n][c];",
+        find: "v[n][c] = w00 * fmaxf(acc[0][n][c], 0.f);",
+        replace: "v[n][c] = w00 * acc[0][n][c];",
         ..DSA_INDEX
     },
     Mutant {
@@ -1795,6 +1795,30 @@ pub const MUTANTS: &[Mutant] = &[
         description: "The second radix level reads bits 11 to 21 instead of 10 to 20, overlapping the first",
         find: "const int shift = level == 0 ? 21 : level == 1 ? 10 : 0;",
         replace: "const int shift = level == 0 ? 21 : level == 1 ? 11 : 0;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-wgmma-accumulates-across-tiles",
+        description: "The wgmma logits' first k-step adds to the previous key tile's accumulators instead of starting \
+                      from zero",
+        find: "                                     kk > 0);",
+        replace: "                                     true);",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-wgmma-query-blocks-swapped",
+        description: "The wgmma path stores each token's heads 16 to 31 where heads 0 to 15 belong (and the reverse): \
+                      the logits meet the wrong heads' weights",
+        find: "const int qi = w / 2, h = 32 * (w % 2) + 16 * (b % 2) + r;",
+        replace: "const int qi = w / 2, h = 32 * (w % 2) + 16 * (1 - b % 2) + r;",
+        ..DSA_INDEX
+    },
+    Mutant {
+        name: "gpu-dsa-index-wgmma-key-step-halved",
+        description: "The wgmma path's key operand advances 8 columns per k-step instead of 16: the logits pair \
+                      query columns with the wrong key columns",
+        find: "smem_desc(k_addr + (kk / 4) * (IDX_KEYS * SW_ROW) + (kk % 4) * 32, 16, 1024),",
+        replace: "smem_desc(k_addr + (kk / 4) * (IDX_KEYS * SW_ROW) + (kk % 4) * 16, 16, 1024),",
         ..DSA_INDEX
     },
     // --- dsa_sparse.cu (DSA's token-sparse attention forward), launched on a device ---
