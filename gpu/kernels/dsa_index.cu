@@ -203,7 +203,7 @@ __device__ __forceinline__ void load_query_tile(idx_tile_t* q_s, const elem_t* _
         const int w = 4 * (b / 2) + i;
         const int qi = w / 2, h = 32 * (w % 2) + 16 * (b % 2) + r;
         elem_t* dst = reinterpret_cast<elem_t*>(q_s + (u / 8) * (IDX_ROWS * SW_ROW) + R * SW_ROW +
-                                                (((u % 8) ^ (R % 8)) << 4));
+                                                swizzled_unit(u, R));
 #else
         const int qi = R / IDX_HEAD_ROWS, h = R % IDX_HEAD_ROWS;
         elem_t* dst = q_s + R * IDX_STRIDE + u * 8;

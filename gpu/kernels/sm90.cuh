@@ -127,27 +127,45 @@ __device__ __forceinline__ void wgmma_rs_n(float (&d)[N / 8][4], const unsigned 
     }
 }
 
-// Starts copying `rows` valid rows of `cols` valid columns (a multiple of 8) of a ROWS-row tile into its swizzled
-// chunks at `smem` with the CTA's N_THREADS threads, zero-filling everything else (0 · NaN = NaN in a product, so
-// padding must never be garbage). Thread t copies the 16-byte unit t % UNITS of rows t / UNITS + i · ROW_STEP: the
-// unrolled copies differ by constant offsets, so that issuing them costs a few instructions each. (A strided loop
-// with a division per copy took a sixth of the wgmma backward's issue time: eight copies per thread and visit.)
-template <int ROWS, int CHUNKS, int N_THREADS>
-__device__ __forceinline__ void load_swizzled_async(unsigned char* smem, const elem_t* __restrict__ g,
-                                                    long long row_stride, int rows, int cols) {
+// The byte offset of 16-byte unit u (0 to 7) of row r inside a swizzled 128-byte row: the unit sits at u ^ (r % 8).
+__device__ __forceinline__ int swizzled_unit(int u, int r) { return ((u % 8) ^ (r % 8)) << 4; }
+
+// Starts copying `rows` valid rows (row r < `rows` starting at row_at(r), an element pointer) of `cols` valid columns
+// (a multiple of 8) of a ROWS-row tile into its swizzled chunks at `smem` with the CTA's N_THREADS threads,
+// zero-filling everything else from `fallback` (any readable address: a zero-byte copy reads nothing, and row_at is
+// never asked for a row past `rows`), since 0 · NaN = NaN in a product and padding must never be garbage. Thread t
+// copies the 16-byte unit t % UNITS of rows t / UNITS + i · ROW_STEP: unrolled, so that issuing the copies costs a few
+// instructions each (evenly spaced rows differ by constant offsets). A strided loop with a division per copy took a
+// sixth of the wgmma backward's issue time: eight copies per thread and visit.
+template <int ROWS, int CHUNKS, int N_THREADS, typename RowAt>
+__device__ __forceinline__ void load_swizzled_rows_async(unsigned char* smem, RowAt row_at, const elem_t* fallback,
+                                                         int rows, int cols) {
     constexpr int UNITS = CHUNKS * 8;  // 16-byte units per row
     static_assert(N_THREADS % UNITS == 0 && (ROWS * UNITS) % N_THREADS == 0, "whole rows per pass, whole passes");
     constexpr int ROW_STEP = N_THREADS / UNITS;
     const unsigned t = threadIdx.x;
     const int u = (int)(t % UNITS), r0 = (int)(t / UNITS);
     const bool col_ok = u * 8 < cols;
-    const elem_t* src = g + (long long)r0 * row_stride + u * 8;
     unsigned char* dst = smem + (u / 8) * (ROWS * SW_ROW) + r0 * SW_ROW;
 #pragma unroll
     for (int i = 0; i < ROWS * UNITS / N_THREADS; ++i) {
         const int r = r0 + i * ROW_STEP;
         const bool valid = col_ok && r < rows;
-        cp_async_16(reinterpret_cast<elem_t*>(dst + i * ROW_STEP * SW_ROW + (((u % 8) ^ (r % 8)) << 4)),
-                    valid ? src + i * ROW_STEP * row_stride : g, valid);
+        cp_async_16(reinterpret_cast<elem_t*>(dst + i * ROW_STEP * SW_ROW + swizzled_unit(u, r)),
+                    valid ? row_at(r) + u * 8 : fallback, valid);
     }
+}
+
+// Rows evenly spaced in global memory: row r starts at first + r · stride elements.
+struct StridedRows {
+    const elem_t* first;
+    long long stride;
+    __device__ __forceinline__ const elem_t* operator()(int r) const { return first + r * stride; }
+};
+
+// load_swizzled_rows_async of the tile whose first row starts at `g`, rows `row_stride` elements apart.
+template <int ROWS, int CHUNKS, int N_THREADS>
+__device__ __forceinline__ void load_swizzled_async(unsigned char* smem, const elem_t* __restrict__ g,
+                                                    long long row_stride, int rows, int cols) {
+    load_swizzled_rows_async<ROWS, CHUNKS, N_THREADS>(smem, StridedRows{g, row_stride}, g, rows, cols);
 }

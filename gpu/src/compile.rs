@@ -37,7 +37,10 @@
 //!   `mma.sync.m16n8k16` products of `cp.async`-loaded tiles, except on `sm_90a`, where the same text takes
 //!   `wgmma.mma_async` (under `__CUDA_ARCH_FEAT_SM90_ALL`, which only that target defines). `dsa_index_mma_sync`
 //!   is that text on `mma.sync` everywhere, the path the other architectures run, verified on Hopper.
-//! - `dsa_sparse` (DSA's token-sparse attention) needs 8.0 like `flash_fwd`, whose products it shares.
+//! - `dsa_sparse` (DSA's token-sparse attention) needs 8.0 like `flash_fwd`, whose products it shares; on `sm_90a`
+//!   its launches for groups of more than 48 heads and head dims up to 128 define `SPARSE_WGMMA`, and the text takes
+//!   `wgmma.mma_async` where the target has it (a target without it compiles the `mma.sync` path even so).
+//!   `dsa_sparse_mma_sync` is that text launched without `SPARSE_WGMMA` everywhere, verified on Hopper.
 //! - `ring_state` needs 7.5, the oldest target the pinned CUDA 13 NVRTC compiles for: its merge and finalize use f32
 //!   arithmetic, `ex2.approx` and warp shuffles only.
 //!
@@ -131,7 +134,7 @@ pub struct DeviceRequirement {
 
 /// The requirement of every kernel text of the crate (see the module docs); a kernel named otherwise gets
 /// [`DEFAULT_REQUIREMENT`].
-pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 22] = [
+pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 23] = [
     DeviceRequirement {
         kernel: "flash_fwd",
         needs: (8, 0),
@@ -242,6 +245,12 @@ pub const DEVICE_REQUIREMENTS: [DeviceRequirement; 22] = [
     },
     DeviceRequirement {
         kernel: "dsa_sparse",
+        needs: (8, 0),
+        only: false,
+        instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, whose products it shares (wgmma on sm_90a)",
+    },
+    DeviceRequirement {
+        kernel: "dsa_sparse_mma_sync",
         needs: (8, 0),
         only: false,
         instructions: "cp.async and bf16/f16 mma.sync.m16n8k16 as flash_fwd, whose products it shares",

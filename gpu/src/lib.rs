@@ -52,6 +52,7 @@ use std::sync::Arc;
 
 use attnproof_oracle::AttentionSpec;
 use cudarc::driver::CudaContext;
+use dsa::sparse::SparseProducts;
 
 pub use crate::compile::ModuleVariant;
 
@@ -89,6 +90,10 @@ pub fn module_variants<T: GpuElement>(
     let sm90_variants = sm90_variants.flat_map(|(kernel, defines)| {
         [variant(kernel, with(defines, flash::BLOCK_SPARSE)), variant(kernel, defines.clone())]
     });
+    // DSA's token-sparse forward on wgmma, where the spec's head dims suit it (any group: the path's CTA always
+    // holds 64 heads).
+    let dsa_sparse_wgmma = SparseProducts::wgmma_fits(spec)
+        .then(|| variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec, SparseProducts::Wgmma)));
     Ok([
         variant(compile::FLASH_FWD, with(&fwd, flash::STATE_OUT)),
         variant(compile::FLASH_FWD, with(&fwd, flash::BLOCK_SPARSE)),
@@ -115,13 +120,15 @@ pub fn module_variants<T: GpuElement>(
         variant(dsa::index::DSA_INDEX, dsa::index::index_defines::<T>(128)),
         variant(dsa::index::DSA_INDEX_MMA_SYNC, dsa::index::index_defines::<T>(64)),
         variant(dsa::index::DSA_INDEX_MMA_SYNC, dsa::index::index_defines::<T>(128)),
-        variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec)),
+        variant(dsa::sparse::DSA_SPARSE, dsa::sparse::sparse_defines::<T>(spec, SparseProducts::MmaSync)),
+        variant(dsa::sparse::DSA_SPARSE_MMA_SYNC, dsa::sparse::sparse_defines::<T>(spec, SparseProducts::MmaSync)),
         variant(dsa::sparse_backward::DSA_SPARSE_BWD, dsa_bwd),
         variant(dsa::loss::DSA_LOSS, dsa::loss::loss_defines::<T>(&loss_shape(64))),
         variant(dsa::loss::DSA_LOSS, dsa::loss::loss_defines::<T>(&loss_shape(128))),
     ]
     .into_iter()
     .chain(sm90_variants)
+    .chain(dsa_sparse_wgmma)
     .collect())
 }
 
@@ -249,7 +256,9 @@ mod tests {
             module_variants::<half::bf16>(&spec, ForwardTiling::for_head_dims(64, 64), BackwardTiling::DEFAULT)
                 .unwrap();
         let mut kernels: Vec<&str> = variants.iter().map(|v| v.kernel.name).collect();
-        kernels.dedup();
+        // Each kernel once, where it first appears (a text's modes and paths are several variants).
+        let mut seen = std::collections::HashSet::new();
+        kernels.retain(|k| seen.insert(*k));
         assert_eq!(
             kernels,
             [
@@ -271,6 +280,7 @@ mod tests {
                 "dsa_index",
                 "dsa_index_mma_sync",
                 "dsa_sparse",
+                "dsa_sparse_mma_sync",
                 "dsa_sparse_bwd",
                 "dsa_loss",
                 "flash_fwd_sm90",

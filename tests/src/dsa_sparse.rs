@@ -165,7 +165,8 @@ pub fn token_lists_with_kinds(draw: &TokenSparseDraw) -> (Array3<i32>, Array2<To
 
 /// Draws: lengths from none through a tile ± 1 to 700; widths of 1 to 4, around one and two tiles (63, 64, 65, 128,
 /// 129), up to 200, and 2048 (wider than any drawn sequence: every list padded); GQA groups 1–16 over one or two KV
-/// heads, and 24, 48, 64, 65, 100 or 128 over one now and then (several CTAs per token above 64); E31's head dims and
+/// heads, and 24, 48, 49, 64, 65, 72, 96, 100 or 128 over one a fourth of the time (several CTAs per token above 64;
+/// CTAs of 64 heads from 49 on, which Hopper runs on `wgmma` where `d, dv ≤ 128`); E31's head dims and
 /// others up to 256; the scale `1/√d` or another; lists shared by every KV head twice in three, else per KV head;
 /// every list kind, and now and then every visible token.
 pub fn token_sparse_draws() -> impl Strategy<Value = TokenSparseDraw> {
@@ -180,7 +181,7 @@ pub fn token_sparse_draws() -> impl Strategy<Value = TokenSparseDraw> {
     ];
     let heads = prop_oneof![
         6 => (1usize..=16, 1usize..=2).prop_map(|(group, n_heads_kv)| (group * n_heads_kv, n_heads_kv)),
-        1 => prop::sample::select(vec![(24usize, 1usize), (48, 1), (64, 1), (65, 1), (100, 1), (128, 1)]),
+        2 => prop::sample::select(vec![(24usize, 1usize), (48, 1), (49, 1), (64, 1), (65, 1), (72, 1), (96, 1), (100, 1), (128, 1)]),
     ];
     let scale = prop_oneof![3 => Just(Scale::InverseSqrtHeadDim), 1 => Just(Scale::Value(0.3))];
     let sharing = prop_oneof![2 => Just(ListSharing::Shared), 1 => Just(ListSharing::PerKvHead)];

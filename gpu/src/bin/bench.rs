@@ -38,8 +38,10 @@
 //! KV head (MQA), d = dv = 128, k = 2048, lists shared by the heads: token `t` lists all its `t + 1` tokens while
 //! they fit, else `k` spread evenly over `0 … t` (`⌊i(t+1)/k⌋`, the last being `t`), so that every gathered row is a
 //! different token and neighbouring tokens share few rows; its `tflops` column counts the visited pairs' products,
-//! `2·H·(d + dv)·Σ_t min(t + 1, k)`. `--dsa-sparse-source PATH` (repeatable) also times another text of
-//! `dsa_sparse.cu` and says on stderr whether its output equals the embedded kernel's bit for bit.
+//! `2·H·(d + dv)·Σ_t min(t + 1, k)`. The launch's default (`wgmma` on Hopper) is timed beside the same text on
+//! `mma.sync` (`DSA_SPARSE_MMA_SYNC`, tiling `gather@dsa_sparse_mma_sync`); `--dsa-sparse-source PATH` (repeatable)
+//! also times another text of `dsa_sparse.cu`; stderr says whether each output equals the default's bit for bit (the
+//! two paths sum each product's terms in different orders, so theirs may differ in the last bits).
 //! It also times the backward (`attnproof_gpu::dsa::sparse_backward`, direction `dsa-sparse-bwd`, dK and dV by f32
 //! reductions) from the forward's O and LSE and a random dO, its `tflops` counting `2·H·(3d + 2dv)·Σ_t min(t + 1, k)`.
 //! Last, the indexer loss on the same lists (`attnproof_gpu::dsa::loss`, direction `dsa-loss`: V3.2's indexer of 64
@@ -130,7 +132,7 @@ use attnproof_gpu::dsa::index::{
     self as dsa_index, DSA_INDEX, DSA_INDEX_MMA_SYNC, IndexerShape, ScoreRows, indexer_top_k_device, resident_ctas,
 };
 use attnproof_gpu::dsa::loss::{DSA_LOSS, LossGradients, LossInputsDevice, LossRows, LossShape, indexer_loss_device};
-use attnproof_gpu::dsa::sparse::{DSA_SPARSE, ListSharing, TokenSelection, token_sparse_device};
+use attnproof_gpu::dsa::sparse::{DSA_SPARSE, DSA_SPARSE_MMA_SYNC, ListSharing, TokenSelection, token_sparse_device};
 use attnproof_gpu::dsa::sparse_backward::{DSA_SPARSE_BWD, token_sparse_backward_device};
 use attnproof_gpu::flash::flash_forward_device;
 use attnproof_gpu::nsa::compress::{
@@ -1312,8 +1314,9 @@ fn run_dsa_sparse(opts: &Options, stream: &Arc<CudaStream>, out: &mut String) ->
         let pairs: f64 = (0..seq_len).map(|t| (t + 1).min(TOP_K) as f64).sum();
         let flops = 2.0 * (HEADS * 2 * DIM) as f64 * pairs;
         let mut reference: Option<Vec<u16>> = None;
-        for kernel in std::iter::once(DSA_SPARSE).chain(opts.dsa_sparse_sources.iter().copied()) {
-            let embedded = kernel.source == DSA_SPARSE.source;
+        // The default (wgmma on Hopper), the same text on mma.sync, then the given texts.
+        for kernel in [DSA_SPARSE, DSA_SPARSE_MMA_SYNC].into_iter().chain(opts.dsa_sparse_sources.iter().copied()) {
+            let embedded = kernel.name == DSA_SPARSE.name && kernel.source == DSA_SPARSE.source;
             let ms = median_ms(stream, opts, |set| {
                 let (q, k, v) = &sets[set];
                 token_sparse_device(stream, &spec, selection, kernel, (q, k, v), &lists, &mut o, &mut lse)

@@ -48,11 +48,74 @@ use crate::flash::{ForwardOutput, forward_from_host};
 use crate::launch;
 use crate::params::{DsaSparseParams, FlashParams};
 
-/// `gpu/kernels/dsa_sparse.cu` after the shared helpers.
+/// `gpu/kernels/dsa_sparse.cu` after the shared helpers (sm90.cuh's for its `wgmma` path): a launch takes the path
+/// [`SparseProducts::choose`] names.
 pub const DSA_SPARSE: KernelSource = KernelSource {
     name: "dsa_sparse",
-    source: concat!(include_str!("../../kernels/common.cuh"), include_str!("../../kernels/dsa_sparse.cu")),
+    source: concat!(
+        include_str!("../../kernels/common.cuh"),
+        include_str!("../../kernels/sm90.cuh"),
+        include_str!("../../kernels/dsa_sparse.cu")
+    ),
 };
+
+/// The same text launched on `mma.sync` on every device, Hopper included: the path other devices, groups of fewer
+/// than 49 heads and head dims above 128 take, so that tests and the benchmark run it on an H100 or H200 too.
+pub const DSA_SPARSE_MMA_SYNC: KernelSource = KernelSource { name: "dsa_sparse_mma_sync", ..DSA_SPARSE };
+
+/// How a launch of `dsa_sparse.cu` runs its products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SparseProducts {
+    /// `mma.sync.m16n8k16` per warp, one stage of K and of V (any device from sm_80, any group and head dims).
+    MmaSync,
+    /// `wgmma` on one warpgroup of 64 heads, two stages of K and of V (`SPARSE_WGMMA`; sm_90a, head dims up to 128).
+    Wgmma,
+}
+
+impl SparseProducts {
+    /// `Wgmma` on a device of compute capability 9.0 for a group that fills CTAs of 64 heads ([`rows_per_cta`] = 64:
+    /// more than 48 heads) with `d` and `dv` up to 128, unless `kernel` is [`DSA_SPARSE_MMA_SYNC`]; else `MmaSync`.
+    pub fn choose(kernel: KernelSource, capability: (i32, i32), spec: &AttentionSpec) -> Self {
+        let wgmma = capability == (9, 0)
+            && kernel.name != DSA_SPARSE_MMA_SYNC.name
+            && rows_per_cta(spec.group_size()) == MAX_ROWS_PER_CTA
+            && Self::wgmma_fits(spec);
+        if wgmma { Self::Wgmma } else { Self::MmaSync }
+    }
+
+    /// Whether the `wgmma` path takes the spec's head dims (each padded to 64 or 128).
+    pub fn wgmma_fits(spec: &AttentionSpec) -> bool {
+        spec.head_dim <= 128 && spec.head_dim_v <= 128
+    }
+
+    /// The query heads per CTA: the group's ([`rows_per_cta`]) on `mma.sync`, always 64 (one warpgroup) on `wgmma`.
+    pub fn rows(self, spec: &AttentionSpec) -> usize {
+        match self {
+            Self::MmaSync => rows_per_cta(spec.group_size()),
+            Self::Wgmma => MAX_ROWS_PER_CTA,
+        }
+    }
+
+    /// A head dim as the path pads it: to a multiple of 16 (`mma.sync`'s k-step) or to 64 or 128 (whole 64-column
+    /// chunks of the 128-byte swizzle).
+    pub fn pad(self, d: usize) -> usize {
+        match self {
+            Self::MmaSync => d.div_ceil(16).max(1) * 16,
+            Self::Wgmma => d.div_ceil(64).max(1) * 64,
+        }
+    }
+
+    /// Dynamic shared memory of a launch: on `mma.sync` the Q tile of the CTA's rows and one gathered K tile (`d`
+    /// columns) and V tile (`dv`), rows padded by 8 elements; on `wgmma` Q and two stages of K and of V in the
+    /// swizzle, and 1024 bytes to align the window.
+    pub fn shared_bytes(self, spec: &AttentionSpec) -> usize {
+        let (d, dv) = (self.pad(spec.head_dim), self.pad(spec.head_dim_v));
+        match self {
+            Self::MmaSync => 2 * ((self.rows(spec) + KV_TILE) * (d + 8) + KV_TILE * (dv + 8)),
+            Self::Wgmma => 1024 + 2 * (MAX_ROWS_PER_CTA * d + 2 * KV_TILE * d + 2 * KV_TILE * dv),
+        }
+    }
+}
 
 /// Gathered keys per tile (`SPARSE_KEYS`): a list is visited in `⌈n/64⌉` tiles of consecutive slots.
 pub const KV_TILE: usize = 64;
@@ -113,16 +176,19 @@ pub fn visited_tiles(top_k: usize) -> usize {
     top_k.div_ceil(KV_TILE)
 }
 
-/// The defines `dsa_sparse.cu` is compiled with: the storage type, the head dims rounded up to a multiple of 16 and
-/// the rows per CTA.
-pub fn sparse_defines<T: GpuElement>(spec: &AttentionSpec) -> Vec<String> {
-    let pad = |d: usize| d.div_ceil(16).max(1) * 16;
-    vec![
+/// The defines `dsa_sparse.cu` is compiled with on `products`: the storage type, the head dims as the path pads them,
+/// the rows per CTA, and `SPARSE_WGMMA` for the `wgmma` path.
+pub fn sparse_defines<T: GpuElement>(spec: &AttentionSpec, products: SparseProducts) -> Vec<String> {
+    let mut defines = vec![
         T::DEFINE.to_owned(),
-        format!("HEAD_DIM_PAD={}", pad(spec.head_dim)),
-        format!("HEAD_DIM_V_PAD={}", pad(spec.head_dim_v)),
-        format!("SPARSE_ROWS={}", rows_per_cta(spec.group_size())),
-    ]
+        format!("HEAD_DIM_PAD={}", products.pad(spec.head_dim)),
+        format!("HEAD_DIM_V_PAD={}", products.pad(spec.head_dim_v)),
+        format!("SPARSE_ROWS={}", products.rows(spec)),
+    ];
+    if products == SparseProducts::Wgmma {
+        defines.push("SPARSE_WGMMA".to_owned());
+    }
+    defines
 }
 
 /// Everything a launch needs, derived from a validated layer spec and selection (the backward's too).
@@ -133,7 +199,6 @@ pub(super) struct Plan {
     pub(super) batch: usize,
     pub(super) max_len: usize,
     rows: usize,
-    shared_bytes: usize,
 }
 
 pub(super) fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Plan, GpuError> {
@@ -156,11 +221,7 @@ pub(super) fn plan(spec: &AttentionSpec, selection: TokenSelection) -> Result<Pl
         head_chunks: to_i32("head chunks", group.div_ceil(rows))?,
         column_chunks: 1,
     };
-    let pad = |d: usize| d.div_ceil(16).max(1) * 16;
-    // The Q tile of the CTA's rows and the gathered K tile (d columns), the gathered V tile (dv columns): 2-byte
-    // elements, rows padded by 8.
-    let shared_bytes = 2 * ((rows + KV_TILE) * (pad(spec.head_dim) + 8) + KV_TILE * (pad(spec.head_dim_v) + 8));
-    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, rows, shared_bytes })
+    Ok(Plan { params, cu_q, cu_k, batch: seqs.len(), max_len, rows })
 }
 
 /// Token-sparse attention of the layer `spec` (causal self-attention) on device buffers: `q`, `k`, `v` the layer's,
@@ -196,18 +257,19 @@ pub fn token_sparse_device<T: GpuElement>(
         return Ok(());
     }
     let ctx = stream.context();
-    let module = compile::module(ctx, kernel, &sparse_defines::<T>(spec))?;
+    let products = SparseProducts::choose(kernel, compile::compute_capability(ctx)?, spec);
+    // Both paths hold the same heads per CTA: `choose` takes `wgmma` only where the group's CTAs have 64 rows.
+    debug_assert_eq!(products.rows(spec), plan.rows);
+    let module = compile::module(ctx, kernel, &sparse_defines::<T>(spec, products))?;
     let func = module
         .load_function("dsa_sparse_fwd")
         .map_err(|e| GpuError::driver("cuModuleGetFunction(dsa_sparse.cu)", e))?;
-    compile::allow_shared_memory(ctx, &func, plan.shared_bytes, "head_dim or head_dim_v")?;
+    let shared_bytes = products.shared_bytes(spec);
+    compile::allow_shared_memory(ctx, &func, shared_bytes, "head_dim or head_dim_v")?;
     let up = |v: &[i32]| stream.clone_htod(v).map_err(|e| GpuError::driver("cuMemcpyHtoD(cu_seqlens)", e));
     let (cu_q, cu_k) = (up(&plan.cu_q)?, up(&plan.cu_k)?);
-    let cfg = LaunchConfig {
-        grid_dim: grid,
-        block_dim: (2 * plan.rows as u32, 1, 1),
-        shared_mem_bytes: plan.shared_bytes as u32,
-    };
+    let cfg =
+        LaunchConfig { grid_dim: grid, block_dim: (2 * plan.rows as u32, 1, 1), shared_mem_bytes: shared_bytes as u32 };
     launch::launch_dsa_sparse_fwd(stream, &func, cfg, (q, k, v), (o, lse), lists, (&cu_q, &cu_k), &plan.params)
 }
 
@@ -284,15 +346,23 @@ mod tests {
         assert_eq!((p.params.token_rows, p.params.list_heads, p.params.top_k), (260, 4, 7));
         assert_eq!((p.batch, p.max_len), (2, 130));
         // A Q tile of 16 rows and a K tile of 64 rows of 192 + 8 columns, a V tile of 64 rows of 128 + 8.
-        assert_eq!(p.shared_bytes, 2 * ((16 + 64) * 200 + 64 * 136));
+        assert_eq!(SparseProducts::MmaSync.shared_bytes(&spec), 2 * ((16 + 64) * 200 + 64 * 136));
         assert_eq!(
-            sparse_defines::<half::f16>(&spec),
+            sparse_defines::<half::f16>(&spec, SparseProducts::MmaSync),
             ["ELEM_F16", "HEAD_DIM_PAD=192", "HEAD_DIM_V_PAD=128", "SPARSE_ROWS=16"]
         );
         assert_eq!(
-            sparse_defines::<half::bf16>(&layer(1, 40, 1, 1, 72, 8)),
+            sparse_defines::<half::bf16>(&layer(1, 40, 1, 1, 72, 8), SparseProducts::MmaSync),
             ["ELEM_BF16", "HEAD_DIM_PAD=80", "HEAD_DIM_V_PAD=16", "SPARSE_ROWS=48"]
         );
+        // On wgmma: 64 rows whatever the group, head dims in whole 64-column chunks; Q (64 × 128 columns) and two
+        // stages of K (64 × 128) and of V (64 × 64), 2-byte elements, and the alignment's 1024 bytes.
+        let wide = layer(1, 64, 1, 1, 72, 8);
+        assert_eq!(
+            sparse_defines::<half::bf16>(&wide, SparseProducts::Wgmma),
+            ["ELEM_BF16", "HEAD_DIM_PAD=128", "HEAD_DIM_V_PAD=64", "SPARSE_ROWS=64", "SPARSE_WGMMA"]
+        );
+        assert_eq!(SparseProducts::Wgmma.shared_bytes(&wide), 1024 + 2 * (64 * 128 + 2 * 64 * 128 + 2 * 64 * 64));
         assert_eq!(SHARED.lists_shape(&spec), [260, 1, 2048]);
         assert_eq!((visited_tiles(2048), visited_tiles(65), visited_tiles(64), visited_tiles(0)), (32, 2, 1, 0));
         assert_eq!(
@@ -302,6 +372,37 @@ mod tests {
             ),
             (0, 3)
         );
+    }
+
+    /// `wgmma` exactly on compute capability 9.0, for groups whose CTAs hold 64 heads, at head dims up to 128, and
+    /// never for the `mma.sync` text.
+    #[test]
+    fn the_wgmma_path_is_chosen_where_it_applies() {
+        use SparseProducts::{MmaSync, Wgmma};
+        let hopper = (9, 0);
+        for (group, d, dv, want) in [
+            (64, 128, 128, Wgmma),
+            (49, 64, 64, Wgmma),
+            (128, 8, 128, Wgmma),
+            (100, 72, 40, Wgmma),
+            (48, 128, 128, MmaSync),
+            (16, 64, 64, MmaSync),
+            (64, 136, 128, MmaSync),
+            (64, 128, 192, MmaSync),
+        ] {
+            let spec = layer(1, group, 1, 10, d, dv);
+            assert_eq!(SparseProducts::choose(DSA_SPARSE, hopper, &spec), want, "group {group}, d {d}, dv {dv}");
+            assert_eq!(SparseProducts::choose(DSA_SPARSE_MMA_SYNC, hopper, &spec), MmaSync);
+            for other in [(8, 0), (8, 9), (10, 0), (12, 0)] {
+                assert_eq!(SparseProducts::choose(DSA_SPARSE, other, &spec), MmaSync, "{other:?}");
+            }
+            // Both paths hold the group's rows per CTA wherever wgmma is chosen.
+            if want == Wgmma {
+                assert_eq!(Wgmma.rows(&spec), MmaSync.rows(&spec));
+            }
+        }
+        // A grouped layer over several KV heads takes the group's size, not the query heads'.
+        assert_eq!(SparseProducts::choose(DSA_SPARSE, hopper, &layer(1, 128, 4, 10, 64, 64)), MmaSync);
     }
 
     #[test]

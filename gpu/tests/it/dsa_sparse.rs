@@ -18,7 +18,8 @@ use crate::property::{SECOND_INPUT, assert_typed_suites_reach, run_typed_product
 use attnproof_gpu::GpuError;
 use attnproof_gpu::compile::KernelSource;
 use attnproof_gpu::dsa::sparse::{
-    DSA_SPARSE, ListSharing, TokenSelection, rows_per_cta, token_sparse, token_sparse_device,
+    DSA_SPARSE, DSA_SPARSE_MMA_SYNC, ListSharing, SparseProducts, TokenSelection, rows_per_cta, token_sparse,
+    token_sparse_device,
 };
 use attnproof_harness::dsa_sparse::{
     TokenListMix, TokenSparseDraw, token_lists, token_sparse_case, token_sparse_draws, token_sparse_guarded,
@@ -43,7 +44,8 @@ fn dense_equal(draw: &TokenSparseDraw) -> bool {
 
 /// One draw through `kernel` ([`check_token_list_draw`]): inputs A and B, A, B, A, both verdicts passing and
 /// discriminating (the dropped-token answer rejected where it differs), and the dense kernel's bits where
-/// [`dense_equal`].
+/// [`dense_equal`], on either path: a `wgmma` k-step sums its products as `mma.sync`'s k-steps do (the bench found
+/// both paths' outputs equal bit for bit), so those rows too perform the dense forward's operations.
 fn check_token_sparse<T: Storage>(
     stream: &Arc<CudaStream>,
     kernel: KernelSource,
@@ -91,6 +93,13 @@ fn token_sparse_attention_is_within_bound_f16() {
     run_production(&TOKEN_SPARSE_SUITES[1]);
 }
 
+/// The bf16 suite on `mma.sync` everywhere ([`DSA_SPARSE_MMA_SYNC`]): on Hopper the production launch takes `wgmma`
+/// for groups of more than 48 heads at `d, dv ≤ 128`, so this runs the path other devices take for those draws.
+#[test]
+fn token_sparse_attention_on_mma_sync_is_within_bound() {
+    run_typed_production(&TOKEN_SPARSE_SUITES[0], DSA_SPARSE_MMA_SYNC, run_token_sparse_suite);
+}
+
 /// What a draw reaches, by name.
 pub fn classes(draw: &TokenSparseDraw) -> Vec<&'static str> {
     let layer = &draw.layer;
@@ -103,6 +112,10 @@ pub fn classes(draw: &TokenSparseDraw) -> Vec<&'static str> {
         ("group not a power of two", !group.is_power_of_two()),
         ("rows left over in a warp", !group.is_multiple_of(16) && group < 64),
         ("several CTAs per token", group > 64),
+        (
+            "CTAs of 64 heads on wgmma (Hopper)",
+            SparseProducts::choose(DSA_SPARSE, (9, 0), layer) == SparseProducts::Wgmma,
+        ),
         ("a last chunk of fewer heads", group > 64 && !group.is_multiple_of(rows_per_cta(group))),
         ("lists per KV head", draw.selection.heads == ListSharing::PerKvHead && layer.n_heads_kv > 1),
         ("lists shared by KV heads", draw.selection.heads == ListSharing::Shared && layer.n_heads_kv > 1),
@@ -128,12 +141,13 @@ pub fn classes(draw: &TokenSparseDraw) -> Vec<&'static str> {
 }
 
 /// Every class of [`classes`].
-pub const ALL_CLASSES: [&str; 19] = [
+pub const ALL_CLASSES: [&str; 20] = [
     "MQA group of one",
     "group > 8",
     "group not a power of two",
     "rows left over in a warp",
     "several CTAs per token",
+    "CTAs of 64 heads on wgmma (Hopper)",
     "a last chunk of fewer heads",
     "lists per KV head",
     "lists shared by KV heads",
@@ -194,8 +208,10 @@ fn the_indexer_selection_feeds_the_attention() {
 
 /// Fixed draws that kill the catalog's `gpu-dsa-sparse-*` mutants: a GQA group of 3 over two KV heads with lists of
 /// 65 per KV head at 300 tokens (a tile and one, rows left over, the KV heads' lists differ), MQA over 100 heads with
-/// lists of 100 at 200 tokens (two CTAs per token, the second of 36 heads), and a group of 16 whose lists hold every
-/// visible token of varlen sequences of 130 and 70 (the dense forward's bits).
+/// lists of 100 at 200 tokens (two CTAs per token, the second of 36 heads; `wgmma` on Hopper at `d = 64`, one 64-column
+/// chunk), MQA over 64 heads at `d = dv = 128` with lists of 130 at 200 tokens (`wgmma` on Hopper with two chunks per
+/// row, three tiles, the last of two slots), and a group of 16 whose lists hold every visible token of varlen
+/// sequences of 130 and 70 (the dense forward's bits).
 pub fn killing_cases() -> Vec<(&'static str, TokenSparseDraw)> {
     let draw = |layout, heads: (usize, usize), top_k, sharing, lists| TokenSparseDraw {
         layer: AttentionSpec { layout, ..AttentionSpec::dense(1, heads.0, heads.1, 1, 1, 64, 64) }
@@ -207,9 +223,13 @@ pub fn killing_cases() -> Vec<(&'static str, TokenSparseDraw)> {
     };
     let dense = |len| Layout::Dense { batch: 1, len_q: len, len_k: len };
     let cu = vec![0, 130, 130, 200];
+    let mut mqa64_d128 = draw(dense(200), (64, 1), 130, ListSharing::Shared, TokenListMix::Mixed);
+    mqa64_d128.layer.head_dim = 128;
+    mqa64_d128.layer.head_dim_v = 128;
     vec![
         ("gqa3_kv2_per_head_65_300", draw(dense(300), (6, 2), 65, ListSharing::PerKvHead, TokenListMix::Mixed)),
         ("mqa100_shared_100_200", draw(dense(200), (100, 1), 100, ListSharing::Shared, TokenListMix::Mixed)),
+        ("mqa64_d128_shared_130_200", mqa64_d128),
         (
             "gqa16_all_visible_varlen",
             draw(
@@ -233,8 +253,10 @@ pub fn check_token_sparse_case(
 }
 
 /// Small draws under compute-sanitizer (`run.sh sanitize`): a group of 3 at 130 tokens with lists of 65, varlen with
-/// an empty sequence and lists per KV head, a group of 100 at `d = 192` (two CTAs per token), and a group of 64 at
-/// `d = 256` with lists wider than the sequence.
+/// an empty sequence and lists per KV head, a group of 100 at `d = 192` (two CTAs per token), a group of 64 at
+/// `d = 256` with lists wider than the sequence, and groups of 64 at `d = dv = 128` and of 72 at `d = 72, dv = 40`
+/// with lists of 130 and 65 (`wgmma` on Hopper: two stages in turn, a partial last tile, padded columns, a second
+/// chunk of 8 heads); each through the production launch and on `mma.sync`.
 #[test]
 fn sanitizer_shapes() {
     let Some(stream) = device_stream("dsa_sparse::sanitizer_shapes") else { return };
@@ -249,6 +271,8 @@ fn sanitizer_shapes() {
         (layer(varlen, 4, 2, 64, 64), 16, ListSharing::PerKvHead),
         (layer(dense(100), 100, 1, 192, 128), 70, ListSharing::Shared),
         (layer(dense(70), 64, 1, 256, 256), 2048, ListSharing::Shared),
+        (layer(dense(130), 64, 1, 128, 128), 130, ListSharing::Shared),
+        (layer(dense(100), 72, 1, 72, 40), 65, ListSharing::Shared),
     ] {
         let draw = TokenSparseDraw {
             layer: spec,
@@ -257,7 +281,36 @@ fn sanitizer_shapes() {
             seed: 5,
             lists: TokenListMix::Mixed,
         };
-        check_token_sparse_case(&stream, DSA_SPARSE, &draw).unwrap_or_else(|e| panic!("{:?}: {e}", draw.layer));
+        for kernel in [DSA_SPARSE, DSA_SPARSE_MMA_SYNC] {
+            check_token_sparse_case(&stream, kernel, &draw)
+                .unwrap_or_else(|e| panic!("{} {:?}: {e}", kernel.name, draw.layer));
+        }
+    }
+}
+
+/// Lists holding every visible token give the dense forward's bits on the `wgmma` path too (64 heads over one KV head,
+/// varlen sequences of 130 and 70, at `d = dv = 128` and at `d = 72, dv = 40`, whose padded columns add zeros), and
+/// on `mma.sync`.
+#[test]
+fn every_visible_token_gives_the_dense_bits_on_both_paths() {
+    let Some(stream) = device_stream("dsa_sparse::every_visible_token_gives_the_dense_bits_on_both_paths") else {
+        return;
+    };
+    let cu = vec![0, 130, 200];
+    for (d, dv) in [(128, 128), (72, 40)] {
+        let layout = Layout::Varlen { cu_seqlens_q: cu.clone(), cu_seqlens_k: cu.clone() };
+        let draw = TokenSparseDraw {
+            layer: AttentionSpec { layout, ..AttentionSpec::dense(1, 64, 1, 1, 1, d, dv) }.with_mask(Mask::Causal),
+            selection: TokenSelection { top_k: 2048, heads: ListSharing::Shared },
+            profile: gaussian(2.0),
+            seed: 0x0064_656e_7365_6269,
+            lists: TokenListMix::AllVisible,
+        };
+        assert!(dense_equal(&draw));
+        for kernel in [DSA_SPARSE, DSA_SPARSE_MMA_SYNC] {
+            check_token_sparse_case(&stream, kernel, &draw)
+                .unwrap_or_else(|e| panic!("{} d {d} dv {dv}: {e}", kernel.name));
+        }
     }
 }
 

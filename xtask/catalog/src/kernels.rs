@@ -399,8 +399,8 @@ pub const MUTANTS: &[Mutant] = &[
     Mutant {
         name: "gpu-sm90-swizzle-dropped",
         description: "Tiles are stored unswizzled while the descriptors say 128-byte swizzle: the products read the wrong units",
-        find: "(((u % 8) ^ (r % 8)) << 4)",
-        replace: "((u % 8) << 4)",
+        find: "return ((u % 8) ^ (r % 8)) << 4;",
+        replace: "return (u % 8) << 4;",
         ..SM90_FWD
     },
     Mutant {
@@ -1897,6 +1897,34 @@ pub const MUTANTS: &[Mutant] = &[
         description: "A warp only some of whose 16 rows are heads of the chunk computes nothing: those heads get O = 0",
         find: "const bool warp_active = warp * 16 < heads;",
         replace: "const bool warp_active = warp * 16 + 16 <= heads;",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-wgmma-scores-accumulate-across-tiles",
+        description: "The wgmma path's first k-step of S adds to the previous tile's scores instead of starting from zero",
+        find: "kk > 0);",
+        replace: "true);",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-wgmma-query-heads-collapsed",
+        description: "The wgmma path loads the chunk's first head's query into every row of its Q tile",
+        find: "StridedRows{cta.q_g, fp.q_head}",
+        replace: "StridedRows{cta.q_g, 0}",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-wgmma-value-step-halved",
+        description: "The wgmma path's V operand advances 8 rows per k-step instead of 16: P meets the wrong values",
+        find: "smem_desc(v_addr + kk * 16 * SW_ROW, SPARSE_KEYS * SW_ROW, 1024)",
+        replace: "smem_desc(v_addr + kk * 8 * SW_ROW, SPARSE_KEYS * SW_ROW, 1024)",
+        ..DSA_SPARSE
+    },
+    Mutant {
+        name: "gpu-dsa-sparse-wgmma-last-product-dropped",
+        description: "The wgmma path never adds the last tile's P V: its keys count in the LSE but not in O",
+        find: "sparse_pv(acc, p_frag, smem_u32(v_s + ((n_tiles - 1) & 1) * SPARSE_V_BYTES));",
+        replace: "wgmma_commit();",
         ..DSA_SPARSE
     },
     // --- dsa_sparse_bwd.cu (DSA's token-sparse attention backward), launched on a device ---
