@@ -24,7 +24,9 @@
 //! output rows with `flash_fwd.cu` (`common.cuh`) and runs the recipe below unchanged, with at most half the rescale
 //! steps the model charges; only the tensor cores' order of summation inside a product differs, as it does between
 //! any two tilings of one instruction. The block-sparse wrappers run it for 128×128 blocks on 9.0
-//! (`crate::block_sparse`); [`flash_forward_device_with`] runs its dense mode when given it.
+//! (`crate::block_sparse`); [`flash_forward_device_with`] runs its dense mode when given it. The dense wrapper does
+//! not choose it yet: the property suites `gpu_flash_wgmma_forward_{bf16,f16}` (the GPU tests' `property` module)
+//! verify that mode over the dense features (masks, windows, strided diagonals, GQA, varlen, `Lq ≠ Lk`) first.
 //!
 //! # Precision recipe and its rounding-error model
 //!

@@ -49,7 +49,9 @@
 //! `2·(4·H_I·d_I + H·d)` per visited pair (the indexer's logits twice, ∂q^I and ∂k^I, the teacher's logits).
 //! `bench/dsa_sparse_peers.py` puts the rows beside FlexAttention under the same selection.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
-//! the launch wrappers use).
+//! the launch wrappers use). On an H200 the dense rows also time the sm_90a forward (`flash_fwd_sm90`, tiling
+//! `8x1/sm90`) wherever it takes the head dims; the `default` column marks the kernel and tiling the dense wrapper
+//! runs.
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
 //! 2.5 times the forward's; on an H200 also for the backward with the `wgmma` KV owner (`flash_bwd_sm90`, tiling
@@ -155,7 +157,7 @@ use attnproof_gpu::pisa::select::{
 };
 use attnproof_gpu::pisa::tail::{PISA_TAIL, TailPlan, TailWorkspace, pisa_tail_forward_planned};
 use attnproof_gpu::pisa::tail_backward::{TailBackwardWorkspace, pisa_tail_backward_device};
-use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device};
+use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device, forward_variant};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
 use attnproof_oracle::pisa::CovarianceConfig;
@@ -1528,20 +1530,30 @@ fn run(opts: &Options) -> Result<(), String> {
             let mask = if causal { Mask::Causal } else { Mask::None };
             let spec = AttentionSpec::dense(b, h, h, l, l, d, d).with_mask(mask);
             let flops = 4.0 * (b * h * d) as f64 * (l as f64).powi(2) * if causal { 0.5 } else { 1.0 };
-            let fwd_kernels = std::iter::once(FLASH_FWD).chain(opts.fwd_sources.iter().copied());
-            for (kernel, &t) in fwd_kernels.flat_map(|k| tilings.iter().map(move |t| (k, t))) {
-                let embedded = kernel.source == FLASH_FWD.source;
+            // `flash_fwd` in each tiling, then on 9.0 the sm_90a kernel (suffix `/sm90`), then other texts of
+            // `flash_fwd`; the row of the dense wrapper's choice (`flash_fwd` in its default tiling) is the default.
+            let production = (FLASH_FWD, default);
+            let sm90 = (device == (9, 0)
+                && forward_variant::<bf16>(&spec, ForwardTiling::WGMMA, FLASH_FWD_SM90).is_ok())
+            .then_some((FLASH_FWD_SM90, ForwardTiling::WGMMA));
+            let fwd_runs = std::iter::once(FLASH_FWD)
+                .chain(opts.fwd_sources.iter().copied())
+                .flat_map(|k| tilings.iter().map(move |&t| (k, t)))
+                .chain(sm90);
+            for (kernel, t) in fwd_runs {
+                let embedded = kernel.source == FLASH_FWD.source || kernel == FLASH_FWD_SM90;
                 let fwd = PreparedForward::<bf16>::new(&stream, &spec, kernel, t).map_err(|e| e.to_string())?;
                 let ms = median_ms(&stream, opts, |s| {
                     fwd.launch(&stream, &inputs.q[s], &inputs.k[s], &inputs.v[s], &mut o, &mut lse)
                         .map_err(|e| e.to_string())
                 })?;
+                let suffix =
+                    if kernel == FLASH_FWD_SM90 { "/sm90".to_owned() } else { source_suffix(kernel, embedded) };
                 let line = format!(
-                    "\"({b},{h},{l},{d})\",{causal},fwd,{}x{}{},{},{ms:.4},{:.1}\n",
+                    "\"({b},{h},{l},{d})\",{causal},fwd,{}x{}{suffix},{},{ms:.4},{:.1}\n",
                     t.warps,
                     t.slices,
-                    source_suffix(kernel, embedded),
-                    u8::from(embedded && t == default),
+                    u8::from(embedded && (kernel, t) == production),
                     flops / ms / 1e9
                 );
                 emit(&mut out, line);

@@ -50,6 +50,19 @@ fn kernel_forward_is_within_bound_f16() {
     run_production(suite("gpu_flash_forward_f16"));
 }
 
+/// The dense `wgmma` forward's property suites (`SuiteKernel::WgmmaForward`): the same checks of `flash_fwd_sm90` in
+/// its dense mode on compute capability 9.0 (skipped elsewhere). The dense wrapper does not choose this kernel yet;
+/// these suites are what it must pass first.
+#[test]
+fn wgmma_kernel_forward_is_within_bound_bf16() {
+    run_production(suite("gpu_flash_wgmma_forward_bf16"));
+}
+
+#[test]
+fn wgmma_kernel_forward_is_within_bound_f16() {
+    run_production(suite("gpu_flash_wgmma_forward_f16"));
+}
+
 // The adversarial table (`attnproof_harness::adversarial`): one test per group, the dtype alternating from case to
 // case, inputs A, B, A.
 candidate_tests!(GpuCandidate::if_available, [forward]);

@@ -502,6 +502,21 @@ fn all_wgmma_forward_mutants_are_killed_by_the_general_suite() {
     );
 }
 
+/// Every sm_90a forward mutant also fails the kernel's dense property suite (bf16, its default draws): each mutant's
+/// text lies outside the block-sparse mode's own code, so the dense mode runs it too, and the dense suite must see it.
+#[test]
+fn all_wgmma_forward_mutants_are_killed_by_the_dense_suite() {
+    const TEST: &str = "all_wgmma_forward_mutants_are_killed_by_the_dense_suite";
+    let suite = suite("gpu_flash_wgmma_forward_bf16");
+    let Some(candidate) = crate::property::suite_candidate(suite) else { return };
+    hunt_in_suite(TEST, FLASH_FWD_SM90, &wgmma_mutants(), suite.name, |kernel| {
+        let mutant = GpuCandidate { forward_kernel: kernel, ..candidate.clone() };
+        let worst = std::cell::RefCell::new(Worst::default());
+        let config = Config { max_shrink_iters: 0, ..suite.default_config() };
+        run_suite(suite, config, |draw| check(suite, &mutant, &worst, draw)).1.map_err(Box::new)
+    });
+}
+
 /// The catalog's mutants of `flash_bwd`'s block-sparse mode.
 fn block_sparse_backward_mutants() -> Vec<&'static Mutant> {
     attnproof_catalog::kernel_text_mutants(FLASH_BWD.name, Some(BLOCK_SPARSE)).collect()

@@ -1,7 +1,7 @@
 //! The GPU property suites in one place: what they draw (the harness's shapes rounded to the kernels' head dims, value
 //! profiles, seeds, the backward's tilings), how many cases from which seed, the check of one drawn case, and the
 //! coverage of their draws (`attnproof_harness::coverage`). `flash_forward` and `flash_backward` run them on the
-//! production kernels, and the dense `wgmma` backward's two suites on that kernel, and print their coverage; `mutants` runs every catalog kernel-text mutant through them; the
+//! production kernels, and the dense `wgmma` forward's and backward's two suites each on those kernels, and print their coverage; `mutants` runs every catalog kernel-text mutant through them; the
 //! test below replays their draws without a device and requires every kernel feature to be drawn.
 
 use std::cell::{Cell, RefCell};
@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use crate::common::{TypedSuite, kernel_spec};
 use attnproof_gpu::backward::BackwardTiling;
-use attnproof_gpu::compile::{self, FLASH_BWD_SM90, ModuleVariant};
-use attnproof_gpu::flash::{KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM};
+use attnproof_gpu::compile::{self, FLASH_BWD_SM90, FLASH_FWD_SM90, ModuleVariant};
+use attnproof_gpu::flash::{ForwardTiling, KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, wgmma_uses_tma};
 use attnproof_gpu::skip_unless_hopper;
 use attnproof_harness::adversarial::{Direction, Repeat, Worst, backward_verdicts, forward_verdicts};
 use attnproof_harness::candidate::{GpuCandidate, Storage};
@@ -61,6 +61,10 @@ pub enum SuiteKernel {
     /// forward: head dims up to [`WGMMA_MAX_HEAD_DIM`], its one tiling, lengths around its 128-key tile; on compute
     /// capability 9.0 only, where the dense wrapper chooses it for those head dims.
     WgmmaBackward,
+    /// The sm_90a forward (`flash_fwd_sm90`) in its dense mode: head dims up to [`WGMMA_MAX_HEAD_DIM`] (both of its
+    /// load paths: tensor maps from 64 columns, `cp.async` below), its one tiling, lengths around its 128-key tile; on
+    /// compute capability 9.0 only. Its suites verify the dense `wgmma` forward before the dense wrapper may choose it.
+    WgmmaForward,
 }
 
 impl SuiteKernel {
@@ -68,7 +72,7 @@ impl SuiteKernel {
     pub fn tile(self) -> usize {
         match self {
             SuiteKernel::Production => KV_TILE,
-            SuiteKernel::WgmmaBackward => WGMMA_KV_TILE,
+            SuiteKernel::WgmmaBackward | SuiteKernel::WgmmaForward => WGMMA_KV_TILE,
         }
     }
 }
@@ -92,7 +96,7 @@ pub struct PropertySuite {
 
 /// Every GPU property suite. The backward's cases cost about three times a forward's (one forward, then every dQ
 /// strategy), hence half as many.
-pub const SUITES: [PropertySuite; 6] = [
+pub const SUITES: [PropertySuite; 8] = [
     PropertySuite {
         name: "gpu_flash_forward_bf16",
         direction: Direction::Forward,
@@ -140,6 +144,22 @@ pub const SUITES: [PropertySuite; 6] = [
         cases: 32,
         seed: SUITE_SEED + 5,
         kernel: SuiteKernel::WgmmaBackward,
+    },
+    PropertySuite {
+        name: "gpu_flash_wgmma_forward_bf16",
+        direction: Direction::Forward,
+        dtype: Dtype::Bf16,
+        cases: 64,
+        seed: SUITE_SEED + 6,
+        kernel: SuiteKernel::WgmmaForward,
+    },
+    PropertySuite {
+        name: "gpu_flash_wgmma_forward_f16",
+        direction: Direction::Forward,
+        dtype: Dtype::F16,
+        cases: 64,
+        seed: SUITE_SEED + 7,
+        kernel: SuiteKernel::WgmmaForward,
     },
 ];
 
@@ -224,20 +244,35 @@ pub fn default_run_config(name: &str, cases: u32, seed: u64) -> Config {
 /// the forward and backward suites draw from one strategy; the forward ignores it).
 pub type Draw = (AttentionSpec, ValueProfile, u64, BackwardTiling);
 
+/// The harness's problems around the sm_90a kernels' 128-key tile, head dims rounded up to multiples of 8 and those
+/// above [`WGMMA_MAX_HEAD_DIM`] folded below it (d − 128: 256 becomes 128, 136 becomes 8).
+fn wgmma_spec() -> impl Strategy<Value = AttentionSpec> {
+    spec(WGMMA_KV_TILE).prop_map(|mut s| {
+        for dim in [&mut s.head_dim, &mut s.head_dim_v] {
+            *dim = dim.div_ceil(8) * 8;
+            if *dim > WGMMA_MAX_HEAD_DIM {
+                *dim -= WGMMA_MAX_HEAD_DIM;
+            }
+        }
+        s
+    })
+}
+
 /// What a suite of `kernel` draws: for the production kernels the harness's problems rounded to the kernels' head
-/// dims, in every backward tiling; for the `wgmma` backward the harness's problems around its 128-key tile, head dims
-/// above [`WGMMA_MAX_HEAD_DIM`] folded below it (d − 128: 256 becomes 128, 136 becomes 8), in its one tiling.
+/// dims, in every backward tiling; for the `wgmma` kernels [`wgmma_spec`]'s problems in their one tiling, and for the
+/// forward every other draw's head dims moved into the tensor-map path's 64 ..= 128 (`64 + 8·(d/8 mod 9)`), the path
+/// measured fastest, so that both load paths get draws of every other feature.
 pub fn draws(kernel: SuiteKernel) -> BoxedStrategy<Draw> {
     match kernel {
         SuiteKernel::Production => {
             (kernel_spec(), profile(), any::<u64>(), proptest::sample::select(BackwardTiling::ALL.to_vec())).boxed()
         }
-        SuiteKernel::WgmmaBackward => {
-            let spec = spec(WGMMA_KV_TILE).prop_map(|mut s| {
-                for dim in [&mut s.head_dim, &mut s.head_dim_v] {
-                    *dim = dim.div_ceil(8) * 8;
-                    if *dim > WGMMA_MAX_HEAD_DIM {
-                        *dim -= WGMMA_MAX_HEAD_DIM;
+        SuiteKernel::WgmmaBackward => (wgmma_spec(), profile(), any::<u64>(), Just(BackwardTiling::DEFAULT)).boxed(),
+        SuiteKernel::WgmmaForward => {
+            let spec = (wgmma_spec(), any::<bool>()).prop_map(|(mut s, tensor_maps)| {
+                if tensor_maps {
+                    for dim in [&mut s.head_dim, &mut s.head_dim_v] {
+                        *dim = 64 + 8 * ((*dim / 8) % 9);
                     }
                 }
                 s
@@ -423,6 +458,16 @@ pub fn suite_candidate(suite: &PropertySuite) -> Option<GpuCandidate> {
             let stream = ctx.new_stream().expect("create a stream");
             Some(GpuCandidate { backward_kernel: FLASH_BWD_SM90, ..GpuCandidate::production(stream) })
         }
+        SuiteKernel::WgmmaForward => {
+            let ctx = skip_unless_hopper(suite.name)?;
+            let stream = ctx.new_stream().expect("create a stream");
+            let production = GpuCandidate::production(stream);
+            Some(GpuCandidate {
+                forward_kernel: FLASH_FWD_SM90,
+                forward_tiling: Some(ForwardTiling::WGMMA),
+                ..production
+            })
+        }
     }
 }
 
@@ -474,29 +519,49 @@ fn the_gpu_suites_draw_every_kernel_feature() {
     assert!(missing.is_empty(), "kernel features no GPU property suite draws: {missing:?}");
 }
 
-/// The dense `wgmma` backward's suites, replayed without a device, draw every kernel feature of its dense mode
-/// together (lengths classed around its 128-key tile), all but the head dims it does not take, and only problems it
-/// takes: head dims up to 128, multiples of 8, its one tiling.
+/// The dense `wgmma` forward's and backward's suites, replayed without a device, each draw every kernel feature of
+/// the kernel's dense mode together (lengths classed around its 128-key tile), all but the head dims it does not
+/// take, and only problems it takes: head dims up to 128, multiples of 8, its one tiling. The forward's draw the
+/// tensor-map path (both head dims in 64 ..= 128) in at least a third of their cases, each
+/// mask kind among them, and the `cp.async` path below 64 columns too.
 #[test]
-fn the_wgmma_backward_suites_draw_every_feature_of_the_kernel() {
-    let mut union = Coverage::new(WGMMA_KV_TILE);
-    for suite in SUITES.iter().filter(|s| s.kernel == SuiteKernel::WgmmaBackward) {
-        let (coverage, result) = run_suite(suite, suite.default_config(), |(spec, _, _, tiling)| {
-            prop_assert!(spec.head_dim <= WGMMA_MAX_HEAD_DIM && spec.head_dim_v <= WGMMA_MAX_HEAD_DIM, "{spec:?}");
-            prop_assert!(spec.head_dim % 8 == 0 && spec.head_dim_v % 8 == 0, "{spec:?}");
-            prop_assert_eq!(*tiling, BackwardTiling::DEFAULT);
-            Ok(())
-        });
-        result.unwrap_or_else(|e| panic!("{}: {e}", suite.name));
-        union.merge(&coverage);
+fn the_wgmma_suites_draw_every_feature_of_their_kernel() {
+    for kernel in [SuiteKernel::WgmmaBackward, SuiteKernel::WgmmaForward] {
+        let mut union = Coverage::new(WGMMA_KV_TILE);
+        let (tensor_maps, cp_async, draws) = (Cell::new(0), Cell::new(0), Cell::new(0));
+        let masks = RefCell::new(HashSet::new());
+        for suite in SUITES.iter().filter(|s| s.kernel == kernel) {
+            let (coverage, result) = run_suite(suite, suite.default_config(), |(spec, _, _, tiling)| {
+                let (d, dv) = (spec.head_dim, spec.head_dim_v);
+                prop_assert!(d <= WGMMA_MAX_HEAD_DIM && dv <= WGMMA_MAX_HEAD_DIM, "{spec:?}");
+                prop_assert!(d % 8 == 0 && dv % 8 == 0, "{spec:?}");
+                prop_assert_eq!(*tiling, BackwardTiling::DEFAULT);
+                draws.set(draws.get() + 1);
+                if wgmma_uses_tma(d, dv) {
+                    tensor_maps.set(tensor_maps.get() + 1);
+                    masks.borrow_mut().insert(std::mem::discriminant(&spec.mask));
+                } else {
+                    cp_async.set(cp_async.get() + 1);
+                }
+                Ok(())
+            });
+            result.unwrap_or_else(|e| panic!("{}: {e}", suite.name));
+            union.merge(&coverage);
+        }
+        print!("{kernel:?} suites: {union}");
+        let wide = ["128 < d < 256", "d = 256"];
+        let missing: Vec<_> = union.unreached().into_iter().filter(|f| !wide.contains(f)).collect();
+        assert!(missing.is_empty(), "features of the {kernel:?} kernel its suites never draw: {missing:?}");
+        if kernel == SuiteKernel::WgmmaForward {
+            let (tensor_maps, cp_async) = (tensor_maps.get(), cp_async.get());
+            println!("{kernel:?}: {tensor_maps} of {} draws on tensor maps, {cp_async} on cp.async", draws.get());
+            assert!(3 * tensor_maps >= draws.get() && cp_async > 0, "{tensor_maps} and {cp_async} of {}", draws.get());
+            assert!(masks.borrow().len() >= 4, "mask kinds on the tensor-map path: {:?}", masks.borrow());
+        }
     }
-    print!("wgmma backward suites: {union}");
-    let wide = ["128 < d < 256", "d = 256"];
-    let missing: Vec<_> = union.unreached().into_iter().filter(|f| !wide.contains(f)).collect();
-    assert!(missing.is_empty(), "features of the wgmma backward its suites never draw: {missing:?}");
 }
 
-/// Each direction, dtype and kernel set has one suite (the forward's on the production kernels alone); every suite's
+/// Each direction, dtype and kernel set has one suite (each `wgmma` kernel's in its own direction); every suite's
 /// name is unique (it names its regression file), and so is its seed.
 #[test]
 fn every_direction_dtype_and_kernel_has_one_suite() {
@@ -504,6 +569,7 @@ fn every_direction_dtype_and_kernel_has_one_suite() {
         (Direction::Forward, SuiteKernel::Production),
         (Direction::Backward, SuiteKernel::Production),
         (Direction::Backward, SuiteKernel::WgmmaBackward),
+        (Direction::Forward, SuiteKernel::WgmmaForward),
     ] {
         for dtype in [Dtype::Bf16, Dtype::F16] {
             let n =
@@ -511,7 +577,11 @@ fn every_direction_dtype_and_kernel_has_one_suite() {
             assert_eq!(n, 1, "{direction:?} {dtype:?} {kernel:?}");
         }
     }
-    assert!(SUITES.iter().all(|s| s.direction == Direction::Backward || s.kernel == SuiteKernel::Production));
+    assert!(SUITES.iter().all(|s| match s.kernel {
+        SuiteKernel::Production => true,
+        SuiteKernel::WgmmaBackward => s.direction == Direction::Backward,
+        SuiteKernel::WgmmaForward => s.direction == Direction::Forward,
+    }));
     for s in &SUITES {
         assert_eq!(suite(s.name), s);
         assert_eq!(SUITES.iter().filter(|t| t.seed == s.seed).count(), 1, "{}'s seed", s.name);

@@ -12,12 +12,15 @@
 use std::sync::Arc;
 
 use crate::common::*;
+use attnproof_gpu::compile::FLASH_FWD;
 use attnproof_gpu::ring::state::{ChunkWindow, DeviceState, finalize_state, merge_states};
 use attnproof_gpu::ring::{
     BackwardStart, BlockLayout, GpuKvBlock, KvChunk, NcclLink, RingInputs, dense_dims, gpu_ring_backward,
     gpu_ring_forward, nccl_ring_backward, nccl_ring_forward, pair_spec,
 };
-use attnproof_gpu::{GpuElement, flash::flash_forward_state_device, flash_forward_device, skip_unless_gpu};
+use attnproof_gpu::{
+    ForwardTiling, GpuElement, flash::flash_forward_state_device, flash_forward_device_with, skip_unless_gpu,
+};
 use attnproof_harness::generate::make_case;
 use attnproof_harness::recipes;
 use attnproof_harness::ring_gpu::{backward_start, ring_inputs};
@@ -150,7 +153,8 @@ fn ring_forward_states_are_within_the_bound() {
 
 /// One chunk holding everything: the state-out forward, a merge into the empty state and the finalize give the plain
 /// forward's O and LSE bit for bit (the empty side contributes exact zeros, and the finalize is the forward's own
-/// epilogue).
+/// epilogue). The plain forward is `flash_fwd`'s, whose `STATE_OUT` mode the ring runs, in the production tiling (the
+/// dense wrapper may run the sm_90a kernel instead, which sums in another order).
 #[test]
 fn one_chunk_equals_the_plain_forward_bitwise() {
     let Some(stream) = device_stream("one_chunk_equals_the_plain_forward_bitwise") else { return };
@@ -162,7 +166,8 @@ fn one_chunk_equals_the_plain_forward_bitwise() {
         let mut o = stream.alloc_zeros::<bf16>(case.q.len().max(1) / spec.head_dim * spec.head_dim_v).unwrap();
         let mut lse =
             stream.alloc_zeros::<f32>(spec.expected_shape(Operand::RowStat).iter().product::<usize>().max(1)).unwrap();
-        flash_forward_device(&stream, &spec, &q, &k, &v, &mut o, &mut lse).unwrap();
+        let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
+        flash_forward_device_with(&stream, &spec, FLASH_FWD, tiling, &q, &k, &v, &mut o, &mut lse).unwrap();
         let window = ChunkWindow::for_pair(&spec.mask, (len_q, len_k), (0, len_q), (0, len_k)).unwrap();
         let pair = pair_spec(&spec, len_q, len_k);
         let mut part = DeviceState::for_spec(&stream, &pair).unwrap();
