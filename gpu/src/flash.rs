@@ -24,9 +24,10 @@
 //! output rows with `flash_fwd.cu` (`common.cuh`) and runs the recipe below unchanged, with at most half the rescale
 //! steps the model charges; only the tensor cores' order of summation inside a product differs, as it does between
 //! any two tilings of one instruction. The block-sparse wrappers run it for 128×128 blocks on 9.0
-//! (`crate::block_sparse`); [`flash_forward_device_with`] runs its dense mode when given it. The dense wrapper does
-//! not choose it yet: the property suites `gpu_flash_wgmma_forward_{bf16,f16}` (the GPU tests' `property` module)
-//! verify that mode over the dense features (masks, windows, strided diagonals, GQA, varlen, `Lq ≠ Lk`) first.
+//! (`crate::block_sparse`), and the dense wrapper [`flash_forward_device`] runs its dense mode on 9.0 wherever it
+//! loads K and V through tensor maps ([`production_forward`]: head dims multiples of 8 from 64 to 128); the property
+//! suites `gpu_flash_wgmma_forward_{bf16,f16}` (the GPU tests' `property` module) verify that mode over the dense
+//! features (masks, windows, strided diagonals, GQA, varlen, `Lq ≠ Lk`) beside `flash_fwd`'s suites.
 //!
 //! # Precision recipe and its rounding-error model
 //!
@@ -357,11 +358,25 @@ pub fn flash_forward_state_device<T: GpuElement>(
     )
 }
 
+/// The forward kernel and tiling the dense wrappers run for `spec` on a device of compute capability `device`: the
+/// sm_90a kernel ([`compile::FLASH_FWD_SM90`] in [`ForwardTiling::WGMMA`]) on 9.0 wherever it loads K and V through
+/// tensor maps ([`wgmma_uses_tma`]: the path the benchmark measured, `gpu/src/bin/bench.rs`), `flash_fwd` in
+/// [`ForwardTiling::for_head_dims`] otherwise. Both run the same recipe, so the choice moves only the tensor cores'
+/// order of summation, never the bound.
+pub fn production_forward(spec: &AttentionSpec, device: (i32, i32)) -> (compile::KernelSource, ForwardTiling) {
+    let (d, dv) = (spec.head_dim, spec.head_dim_v);
+    if device == (9, 0) && wgmma_uses_tma(d, dv) {
+        (FLASH_FWD_SM90, ForwardTiling::WGMMA)
+    } else {
+        (FLASH_FWD, ForwardTiling::for_head_dims(d, dv))
+    }
+}
+
 /// Runs the forward on device buffers: `q`, `k`, `v` hold the spec's `Q`, `K`, `V` in row-major order (dense
 /// `[B, H, L, D]`, varlen `[T, H, D]`); the kernel writes `O` into the first elements of `o` and the natural-log LSE
 /// (dense `[B, Hq, Lq]`, varlen `[Hq, Tq]`) into the first elements of `lse`. Buffers may be longer than their
 /// tensors; the kernel touches nothing past them (the tests' guard bands check this). The launch is asynchronous on
-/// `stream`. The tiling is [`ForwardTiling::for_head_dims`].
+/// `stream`. The kernel and tiling are [`production_forward`]'s for the stream's device.
 pub fn flash_forward_device<T: GpuElement>(
     stream: &Arc<CudaStream>,
     spec: &AttentionSpec,
@@ -371,8 +386,8 @@ pub fn flash_forward_device<T: GpuElement>(
     o: &mut CudaSlice<T>,
     lse: &mut CudaSlice<f32>,
 ) -> Result<(), GpuError> {
-    let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
-    flash_forward_device_with(stream, spec, FLASH_FWD, tiling, q, k, v, o, lse)
+    let (kernel, tiling) = production_forward(spec, compile::compute_capability(stream.context())?);
+    flash_forward_device_with(stream, spec, kernel, tiling, q, k, v, o, lse)
 }
 
 /// [`flash_forward_device`] with an explicit kernel source and tiling: the benchmark compares tilings, and the
@@ -742,6 +757,31 @@ mod tests {
             plan::<f16>(&AttentionSpec::dense(1, 1, 1, 4, 4, 128, 8), ForwardTiling::WGMMA, FLASH_FWD_SM90).is_ok()
         );
         assert!(is_wgmma(FLASH_FWD_SM90) && !is_wgmma(FLASH_FWD));
+    }
+
+    /// The dense wrapper's choice: the sm_90a kernel on 9.0 exactly where it loads K and V through tensor maps (both
+    /// head dims multiples of 8 in 64 ..= 128), whatever the mask; `flash_fwd` in its production tiling elsewhere, and
+    /// on every other device. Every choice is a plan the kernel accepts.
+    #[test]
+    fn the_production_forward_is_the_wgmma_kernel_on_hopper_from_64_columns() {
+        let masks = [Mask::None, Mask::Causal, Mask::Window { left: 5, right: 0 }];
+        for d in (8..=256).step_by(8) {
+            for dv in [8, 56, 64, 72, 128, 136, 256] {
+                for mask in &masks {
+                    let spec = AttentionSpec::dense(1, 2, 1, 70, 90, d, dv).with_mask(mask.clone());
+                    let wide = (64..=128).contains(&d) && (64..=128).contains(&dv);
+                    for device in [(9, 0), (8, 0), (10, 0), (12, 0)] {
+                        let (kernel, tiling) = production_forward(&spec, device);
+                        if device == (9, 0) && wide {
+                            assert_eq!((kernel, tiling), (FLASH_FWD_SM90, ForwardTiling::WGMMA), "{d}, {dv}");
+                        } else {
+                            assert_eq!((kernel, tiling), (FLASH_FWD, ForwardTiling::for_head_dims(d, dv)), "{d}, {dv}");
+                        }
+                        assert!(plan::<bf16>(&spec, tiling, kernel).is_ok(), "{d}, {dv}, {device:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]

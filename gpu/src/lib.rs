@@ -44,7 +44,7 @@ pub use common::{GpuElement, KernelMask, kernel_scale};
 pub use error::{BlockListFault, GpuError, GpuUnavailable};
 pub use flash::{
     ForwardOutput, ForwardTiling, PreparedForward, flash_forward, flash_forward_device, flash_forward_device_with,
-    forward_variant,
+    forward_variant, production_forward,
 };
 
 use std::panic::{self, AssertUnwindSafe};

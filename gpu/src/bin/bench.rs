@@ -51,7 +51,7 @@
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
 //! the launch wrappers use). On an H200 the dense rows also time the sm_90a forward (`flash_fwd_sm90`, tiling
 //! `8x1/sm90`) wherever it takes the head dims; the `default` column marks the kernel and tiling the dense wrapper
-//! runs.
+//! runs (`attnproof_gpu::production_forward`).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is
 //! run untimed first) for the two-traversals strategy (`default` = 1) and the atomic KV-owner strategy, with FLOPs
 //! 2.5 times the forward's; on an H200 also for the backward with the `wgmma` KV owner (`flash_bwd_sm90`, tiling
@@ -157,7 +157,7 @@ use attnproof_gpu::pisa::select::{
 };
 use attnproof_gpu::pisa::tail::{PISA_TAIL, TailPlan, TailWorkspace, pisa_tail_forward_planned};
 use attnproof_gpu::pisa::tail_backward::{TailBackwardWorkspace, pisa_tail_backward_device};
-use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device, forward_variant};
+use attnproof_gpu::{ForwardTiling, PreparedForward, cuda_device, forward_variant, production_forward};
 use attnproof_oracle::bsa::BsaConfig;
 use attnproof_oracle::nsa::{Compression, NsaConfig};
 use attnproof_oracle::pisa::CovarianceConfig;
@@ -1531,8 +1531,8 @@ fn run(opts: &Options) -> Result<(), String> {
             let spec = AttentionSpec::dense(b, h, h, l, l, d, d).with_mask(mask);
             let flops = 4.0 * (b * h * d) as f64 * (l as f64).powi(2) * if causal { 0.5 } else { 1.0 };
             // `flash_fwd` in each tiling, then on 9.0 the sm_90a kernel (suffix `/sm90`), then other texts of
-            // `flash_fwd`; the row of the dense wrapper's choice (`flash_fwd` in its default tiling) is the default.
-            let production = (FLASH_FWD, default);
+            // `flash_fwd`; the row of the dense wrapper's choice (`production_forward`) is the default.
+            let production = production_forward(&spec, device);
             let sm90 = (device == (9, 0)
                 && forward_variant::<bf16>(&spec, ForwardTiling::WGMMA, FLASH_FWD_SM90).is_ok())
             .then_some((FLASH_FWD_SM90, ForwardTiling::WGMMA));

@@ -8,12 +8,15 @@
 //!
 //! 1. **Compression** ([`super::compress::compress_kv_device`]): `k̃`, `ṽ` of every complete window, in
 //!    [`super::compress::compressed_shape`]'s layout.
-//! 2. **Compressed attention**: the dense forward (`flash_fwd.cu`) of the layer's queries over `k̃`, `ṽ` under
-//!    [`super::compressed::compressed_spec`] (the strided causal mask): `o_cmp`, `LSE_cmp`.
+//! 2. **Compressed attention**: the dense forward (the production kernel for the device,
+//!    [`crate::flash::production_forward`]: the sm_90a kernel on an H200 for head dims 64 to 128, `flash_fwd.cu`
+//!    otherwise) of the layer's queries over `k̃`, `ṽ` under [`super::compressed::compressed_spec`] (the strided
+//!    causal mask): `o_cmp`, `LSE_cmp`.
 //! 3. **Selection** ([`super::select::select_device`]): the block scores recomputed from `q`, `k̃` and `LSE_cmp`, and
 //!    the top-n lists with the forced blocks.
 //! 4. **Selected attention** ([`super::selected::selected_device`]) over those lists: `o_slc`, `LSE_slc`.
-//! 5. **Window attention**: the dense forward under [`super::window::window_spec`]: `o_win`, `LSE_win`.
+//! 5. **Window attention**: the dense forward (as in step 2) under [`super::window::window_spec`]: `o_win`,
+//!    `LSE_win`.
 //! 6. **Gates** ([`super::gates::gate_combine_device`]): `O = Σ_b σ(x_b) o_b`.
 //!
 //! # The backward's steps
@@ -80,9 +83,11 @@ use crate::backward::{
     flash_backward_device_with, production_backward_kernel,
 };
 use crate::common::{GpuElement, check_len, grid_dim};
-use crate::compile::{self, FLASH_FWD, KernelSource};
+use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
-use crate::flash::{ForwardTiling, flash_forward_device_with, forward_variant, host_input};
+use crate::flash::{
+    ForwardTiling, flash_forward_device_with, forward_variant, host_input, is_wgmma, production_forward,
+};
 use crate::launch;
 
 /// The kernel text of each piece of the layer. [`Default`] gives the embedded texts and the production dense
@@ -91,8 +96,10 @@ use crate::launch;
 pub struct NsaLayerKernels {
     /// The compression and its transpose ([`NSA_COMPRESS`]).
     pub compress: KernelSource,
-    /// The dense forward of the compressed and window branches ([`FLASH_FWD`]).
-    pub dense_forward: KernelSource,
+    /// The dense forward of the compressed and window branches (a text of `flash_fwd.cu` in the production tiling for
+    /// the head dims, or of the sm_90a forward in its one tiling); `None`: the production kernel for the device
+    /// ([`production_forward`]).
+    pub dense_forward: Option<KernelSource>,
     /// The dense backward of the compressed and window branches (in the default tiling); `None`: the production
     /// kernel for the device ([`production_backward_kernel`]: the `wgmma` backward on an H200 where it takes the
     /// spec, `flash_bwd.cu` otherwise).
@@ -111,7 +118,7 @@ impl Default for NsaLayerKernels {
     fn default() -> Self {
         NsaLayerKernels {
             compress: NSA_COMPRESS,
-            dense_forward: FLASH_FWD,
+            dense_forward: None,
             dense_backward: None,
             select: NSA_SELECT,
             selected: NSA_SELECTED,
@@ -346,12 +353,23 @@ fn upload<X: DeviceRepr + ValidAsZeroBits + Copy>(
         .map_err(|e| GpuError::driver("cuMemcpyHtoD", e))
 }
 
-/// The layer's branch specs and the checks of every piece, made before the first launch.
+/// The layer's branch specs, the dense forward of each, and the checks of every piece, made before the first launch.
 struct LayerPlan {
     shapes: NsaLayerShapes,
     compressed: AttentionSpec,
     window: AttentionSpec,
-    tiling: ForwardTiling,
+    /// The dense forward's kernel and tiling for the compressed branch, then for the window branch.
+    forwards: [(KernelSource, ForwardTiling); 2],
+}
+
+/// The dense forward kernel and tiling of a branch spec on a device of compute capability `device`: the caller's
+/// text in its kernel's tiling, or the production choice.
+fn dense_forward(spec: &AttentionSpec, kernels: &NsaLayerKernels, device: (i32, i32)) -> (KernelSource, ForwardTiling) {
+    match kernels.dense_forward {
+        Some(kernel) if is_wgmma(kernel) => (kernel, ForwardTiling::WGMMA),
+        Some(kernel) => (kernel, ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v)),
+        None => production_forward(spec, device),
+    }
 }
 
 /// Every check of the pieces' launches that the first launch would otherwise come before (module docs, "Errors").
@@ -359,6 +377,7 @@ fn plan<T: GpuElement>(
     spec: &AttentionSpec,
     config: &NsaConfig,
     kernels: &NsaLayerKernels,
+    device: (i32, i32),
 ) -> Result<LayerPlan, GpuError> {
     let shapes = NsaLayerShapes::new(spec, config)?;
     let compressed = compressed_spec(spec, config)?;
@@ -380,10 +399,11 @@ fn plan<T: GpuElement>(
     super::selected::plan(spec, config, None)?;
     crate::backward::kv_owner_shape::<T>(spec, super::selected_backward::TILING)?;
     // The dense forwards' plans; the compressed spec's also checks the queries against the compressed keys.
-    let tiling = ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v);
-    forward_variant::<T>(&compressed, tiling, kernels.dense_forward)?;
-    forward_variant::<T>(&window, tiling, kernels.dense_forward)?;
-    Ok(LayerPlan { shapes, compressed, window, tiling })
+    let forwards = [&compressed, &window].map(|branch| dense_forward(branch, kernels, device));
+    for (branch, (kernel, tiling)) in [&compressed, &window].into_iter().zip(forwards) {
+        forward_variant::<T>(branch, tiling, kernel)?;
+    }
+    Ok(LayerPlan { shapes, compressed, window, forwards })
 }
 
 /// Checks the inputs' lengths against the layer's shapes.
@@ -404,18 +424,29 @@ pub fn nsa_layer_forward_device<T: GpuElement>(
     inputs: NsaLayerInputs<'_, T>,
     out: &mut NsaLayerForwardDevice<T>,
 ) -> Result<(), GpuError> {
-    let plan = plan::<T>(spec, config, kernels)?;
+    let plan = plan::<T>(spec, config, kernels, compile::compute_capability(stream.context())?)?;
     check_inputs(&inputs, &plan.shapes)?;
     out.check(&plan.shapes)?;
     let NsaLayerInputs { q, k, v, gate_logits } = inputs;
     let f = out;
     compress_kv_device(stream, spec, config, kernels.compress, k, v, &mut f.k_cmp, &mut f.v_cmp)?;
-    let (compressed, window, tiling) = (&plan.compressed, &plan.window, plan.tiling);
-    let dense = kernels.dense_forward;
-    flash_forward_device_with(stream, compressed, dense, tiling, q, &f.k_cmp, &f.v_cmp, &mut f.o_cmp, &mut f.lse_cmp)?;
+    let (compressed, window) = (&plan.compressed, &plan.window);
+    let [(cmp_kernel, cmp_tiling), (win_kernel, win_tiling)] = plan.forwards;
+    let (k_cmp, v_cmp) = (&f.k_cmp, &f.v_cmp);
+    flash_forward_device_with(
+        stream,
+        compressed,
+        cmp_kernel,
+        cmp_tiling,
+        q,
+        k_cmp,
+        v_cmp,
+        &mut f.o_cmp,
+        &mut f.lse_cmp,
+    )?;
     select_device(stream, spec, config, kernels.select, q, &f.k_cmp, &f.lse_cmp, &mut f.scores, &mut f.lists)?;
     selected_device(stream, spec, config, kernels.selected, (q, k, v), &f.lists, &mut f.o_slc, &mut f.lse_slc)?;
-    flash_forward_device_with(stream, window, dense, tiling, q, k, v, &mut f.o_win, &mut f.lse_win)?;
+    flash_forward_device_with(stream, window, win_kernel, win_tiling, q, k, v, &mut f.o_win, &mut f.lse_win)?;
     let branches = GateBranches { compressed: &f.o_cmp, selected: &f.o_slc, window: &f.o_win };
     gate_combine_device(stream, spec, kernels.gates, branches, gate_logits, &mut f.o)
 }
@@ -638,7 +669,7 @@ pub fn nsa_layer_backward_device<T: GpuElement>(
     out: &mut NsaLayerBackwardDevice<T>,
 ) -> Result<(), GpuError> {
     check_strategy(strategy)?;
-    let plan = plan::<T>(spec, config, kernels)?;
+    let plan = plan::<T>(spec, config, kernels, compile::compute_capability(stream.context())?)?;
     let s = &plan.shapes;
     let NsaLayerBackwardInputs { layer, forward: f, d_out } = inputs;
     check_inputs(&layer, s)?;
@@ -879,7 +910,7 @@ pub fn nsa_layer_forward<T: GpuElement>(
     kernels: &NsaLayerKernels,
     inputs: &NsaLayerHostInputs<'_, T>,
 ) -> Result<NsaLayerForward<T>, GpuError> {
-    plan::<T>(spec, config, kernels)?;
+    plan::<T>(spec, config, kernels, compile::compute_capability(stream.context())?)?;
     let device = upload_inputs(stream, spec, inputs)?;
     let mut out = NsaLayerForwardDevice::alloc(stream, spec, config)?;
     nsa_layer_forward_device(stream, spec, config, kernels, device.view(), &mut out)?;
@@ -901,7 +932,7 @@ pub fn nsa_layer_backward<T: GpuElement>(
     strategy: GpuBackwardStrategy,
 ) -> Result<NsaLayerBackward<T>, GpuError> {
     check_strategy(strategy)?;
-    plan::<T>(spec, config, kernels)?;
+    plan::<T>(spec, config, kernels, compile::compute_capability(stream.context())?)?;
     let device = upload_inputs(stream, spec, inputs)?;
     let forward = NsaLayerForwardDevice::upload(stream, spec, config, forward)?;
     let d_out = host_input(spec, "d_out", Operand::O, &d_out)?;
@@ -967,7 +998,10 @@ mod tests {
     #[test]
     fn unsupported_layers_are_typed_errors_before_any_launch() {
         let kernels = NsaLayerKernels::default();
-        let check = |spec: &AttentionSpec, config: &NsaConfig| plan::<half::bf16>(spec, config, &kernels).map(|_| ());
+        let check = |spec: &AttentionSpec, config: &NsaConfig| {
+            plan::<half::bf16>(spec, config, &kernels, (9, 0))?;
+            plan::<half::bf16>(spec, config, &kernels, (8, 0)).map(|_| ())
+        };
         check(&layer(4, 2, 100, 64, 64), &small()).unwrap();
         let unsupported = |r: Result<(), GpuError>| match r {
             Err(GpuError::Unsupported { argument, .. }) => argument,
@@ -1001,7 +1035,28 @@ mod tests {
     fn the_default_kernels_are_the_embedded_texts() {
         let k = NsaLayerKernels::default();
         assert_eq!((k.compress, k.select, k.selected, k.gates), (NSA_COMPRESS, NSA_SELECT, NSA_SELECTED, NSA_GATES));
-        assert_eq!((k.dense_forward, k.dense_backward, k.selected_backward), (FLASH_FWD, None, NSA_SELECTED_BWD));
+        assert_eq!((k.dense_forward, k.dense_backward, k.selected_backward), (None, None, NSA_SELECTED_BWD));
         assert!(NSA_GATES.source.contains("nsa_branch_sum"));
+    }
+
+    /// Both dense branches run the production forward for the device (the sm_90a kernel on 9.0 from 64 columns,
+    /// `flash_fwd` elsewhere and below), and a caller's text in its own kernel's tiling.
+    #[test]
+    fn the_dense_branches_run_the_production_forward_or_the_callers() {
+        use crate::compile::{FLASH_FWD, FLASH_FWD_SM90};
+        let kernels = NsaLayerKernels::default();
+        let forwards = |spec: &AttentionSpec, kernels: &NsaLayerKernels, device| {
+            plan::<half::bf16>(spec, &small(), kernels, device).unwrap().forwards.map(|(kernel, _)| kernel)
+        };
+        let wide = layer(4, 2, 100, 128, 64);
+        assert_eq!(forwards(&wide, &kernels, (9, 0)), [FLASH_FWD_SM90; 2]);
+        assert_eq!(forwards(&wide, &kernels, (8, 0)), [FLASH_FWD; 2]);
+        assert_eq!(forwards(&layer(4, 2, 100, 32, 64), &kernels, (9, 0)), [FLASH_FWD; 2]);
+        let mma_sync = NsaLayerKernels { dense_forward: Some(FLASH_FWD), ..kernels };
+        let chosen = plan::<half::bf16>(&wide, &small(), &mma_sync, (9, 0)).unwrap();
+        assert_eq!(chosen.forwards, [(FLASH_FWD, ForwardTiling::for_head_dims(128, 64)); 2]);
+        let wgmma = NsaLayerKernels { dense_forward: Some(FLASH_FWD_SM90), ..kernels };
+        let chosen = plan::<half::bf16>(&wide, &small(), &wgmma, (8, 0)).unwrap();
+        assert_eq!(chosen.forwards, [(FLASH_FWD_SM90, ForwardTiling::WGMMA); 2]);
     }
 }

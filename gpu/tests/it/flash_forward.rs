@@ -12,16 +12,18 @@ use crate::common::*;
 use crate::property::{run_production, suite};
 use std::sync::Arc;
 
-use attnproof_gpu::compile::FLASH_FWD;
+use attnproof_gpu::compile::{FLASH_FWD, FLASH_FWD_SM90, compute_capability};
 use attnproof_gpu::flash::ForwardTiling;
-use attnproof_gpu::{GpuError, flash_forward, flash_forward_device, skip_unless_gpu};
+use attnproof_gpu::{
+    GpuError, flash_forward, flash_forward_device, production_forward, skip_unless_gpu, skip_unless_hopper,
+};
 use attnproof_harness::adversarial::{Direction, Repeat, Worst, forward_verdicts};
 use attnproof_harness::candidate::GpuCandidate;
 use attnproof_harness::candidate_tests;
 use attnproof_harness::generate::make_case;
 use attnproof_harness::{Case, verify_forward};
 use attnproof_oracle::spec::Operand;
-use attnproof_oracle::{Mask, Predicate};
+use attnproof_oracle::{AttentionSpec, Mask, Predicate};
 use cudarc::driver::CudaStream;
 use half::bf16;
 use ndarray::ArrayD;
@@ -51,8 +53,7 @@ fn kernel_forward_is_within_bound_f16() {
 }
 
 /// The dense `wgmma` forward's property suites (`SuiteKernel::WgmmaForward`): the same checks of `flash_fwd_sm90` in
-/// its dense mode on compute capability 9.0 (skipped elsewhere). The dense wrapper does not choose this kernel yet;
-/// these suites are what it must pass first.
+/// its dense mode on compute capability 9.0 (skipped elsewhere), the suites the dense wrapper's choice of it rests on.
 #[test]
 fn wgmma_kernel_forward_is_within_bound_bf16() {
     run_production(suite("gpu_flash_wgmma_forward_bf16"));
@@ -168,10 +169,38 @@ fn unsupported_and_bad_arguments_are_typed_errors() {
     let mut lse = stream.alloc_zeros::<f32>(8).unwrap();
     let err = flash_forward_device(&stream, &case.spec, &q, &q, &q, &mut small, &mut lse).unwrap_err();
     assert!(matches!(err, GpuError::BufferTooSmall { argument: "o", needed: 128, actual: 10 }), "{err}");
-    // The host path gives the same answer as the guarded device path.
-    let host = flash_forward(&stream, &case.spec, case.q.view(), case.k.view(), case.v.view()).unwrap();
-    let (o, lse) = run_guarded(&stream, &case).unwrap();
-    assert_eq!(bits_of(&host.o, &host.lse), bits_of(&o, &lse));
+    // The host path gives the same answer as the guarded device path of the production kernel and tiling.
+    for spec in [case.spec.clone(), dense(1, 2, 1, 130, 200, 64, 128, Mask::Causal)] {
+        let case = make_case::<bf16>(&spec, gaussian(1.0), 2);
+        let host = flash_forward(&stream, &spec, case.q.view(), case.k.view(), case.v.view()).unwrap();
+        let device = compute_capability(stream.context()).unwrap();
+        let (kernel, tiling) = production_forward(&spec, device);
+        let (o, lse) = run_forward_guarded(&stream, &case, kernel, tiling).unwrap();
+        assert_eq!(bits_of(&host.o, &host.lse), bits_of(&o, &lse), "{spec:?}");
+    }
+}
+
+/// On Hopper the dense wrapper runs the sm_90a kernel for head dims it loads through tensor maps: its bits are that
+/// kernel's and differ from `flash_fwd`'s on the same problem (the tensor cores sum in another order), which the
+/// comparison needs to mean anything; head dims it does not take keep `flash_fwd`.
+#[test]
+fn the_dense_wrapper_runs_the_wgmma_forward_on_hopper() {
+    let Some(ctx) = skip_unless_hopper("the_dense_wrapper_runs_the_wgmma_forward_on_hopper") else { return };
+    let stream = ctx.new_stream().expect("create a stream");
+    let bits = |spec: &AttentionSpec, kernel, tiling| {
+        let case = make_case::<bf16>(spec, gaussian(1.0), 3);
+        let wrapper = flash_forward(&stream, spec, case.q.view(), case.k.view(), case.v.view()).expect("the wrapper");
+        let run = run_forward_guarded(&stream, &case, kernel, tiling).expect("the kernel");
+        (bits_of(&wrapper.o, &wrapper.lse), bits_of(&run.0, &run.1))
+    };
+    let wide = dense(1, 2, 2, 300, 300, 128, 128, Mask::Causal);
+    let (wrapper, wgmma) = bits(&wide, FLASH_FWD_SM90, ForwardTiling::WGMMA);
+    assert_eq!(wrapper, wgmma, "the dense wrapper is not the sm_90a kernel at d = 128");
+    let (_, mma) = bits(&wide, FLASH_FWD, ForwardTiling::for_head_dims(128, 128));
+    assert_ne!(wgmma, mma, "flash_fwd and the sm_90a kernel agree bit for bit");
+    let narrow = dense(1, 2, 2, 300, 300, 40, 40, Mask::Causal);
+    let (wrapper, mma) = bits(&narrow, FLASH_FWD, ForwardTiling::for_head_dims(40, 40));
+    assert_eq!(wrapper, mma, "below 64 columns the dense wrapper is not flash_fwd");
 }
 
 /// Determinism at a benchmark shape: repeated launches give bitwise equal, finite outputs. Also prints the

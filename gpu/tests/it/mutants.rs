@@ -502,8 +502,9 @@ fn all_wgmma_forward_mutants_are_killed_by_the_general_suite() {
     );
 }
 
-/// Every sm_90a forward mutant also fails the kernel's dense property suite (bf16, its default draws): each mutant's
-/// text lies outside the block-sparse mode's own code, so the dense mode runs it too, and the dense suite must see it.
+/// Every sm_90a forward mutant also fails the kernel's dense property suite (bf16, its default draws), the suite the
+/// dense wrapper's choice of the kernel on Hopper rests on: each mutant's text lies outside the block-sparse mode's
+/// own code, so the dense mode runs it too.
 #[test]
 fn all_wgmma_forward_mutants_are_killed_by_the_dense_suite() {
     const TEST: &str = "all_wgmma_forward_mutants_are_killed_by_the_dense_suite";

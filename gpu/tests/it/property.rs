@@ -63,7 +63,7 @@ pub enum SuiteKernel {
     WgmmaBackward,
     /// The sm_90a forward (`flash_fwd_sm90`) in its dense mode: head dims up to [`WGMMA_MAX_HEAD_DIM`] (both of its
     /// load paths: tensor maps from 64 columns, `cp.async` below), its one tiling, lengths around its 128-key tile; on
-    /// compute capability 9.0 only. Its suites verify the dense `wgmma` forward before the dense wrapper may choose it.
+    /// compute capability 9.0 only, where the dense wrapper chooses it (`attnproof_gpu::production_forward`).
     WgmmaForward,
 }
 
@@ -261,7 +261,7 @@ fn wgmma_spec() -> impl Strategy<Value = AttentionSpec> {
 /// What a suite of `kernel` draws: for the production kernels the harness's problems rounded to the kernels' head
 /// dims, in every backward tiling; for the `wgmma` kernels [`wgmma_spec`]'s problems in their one tiling, and for the
 /// forward every other draw's head dims moved into the tensor-map path's 64 ..= 128 (`64 + 8·(d/8 mod 9)`), the path
-/// measured fastest, so that both load paths get draws of every other feature.
+/// the dense wrapper runs, so that both load paths get draws of every other feature.
 pub fn draws(kernel: SuiteKernel) -> BoxedStrategy<Draw> {
     match kernel {
         SuiteKernel::Production => {
@@ -522,7 +522,7 @@ fn the_gpu_suites_draw_every_kernel_feature() {
 /// The dense `wgmma` forward's and backward's suites, replayed without a device, each draw every kernel feature of
 /// the kernel's dense mode together (lengths classed around its 128-key tile), all but the head dims it does not
 /// take, and only problems it takes: head dims up to 128, multiples of 8, its one tiling. The forward's draw the
-/// tensor-map path (both head dims in 64 ..= 128) in at least a third of their cases, each
+/// tensor-map path the dense wrapper runs (both head dims in 64 ..= 128) in at least a third of their cases, each
 /// mask kind among them, and the `cp.async` path below 64 columns too.
 #[test]
 fn the_wgmma_suites_draw_every_feature_of_their_kernel() {
