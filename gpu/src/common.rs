@@ -1,8 +1,9 @@
 //! Helpers every kernel family of the crate shares: the storage types the kernels read and write ([`GpuElement`]),
 //! the mask as the kernels evaluate it ([`KernelMask`]) with its unbounded-reach sentinel ([`NO_BOUND`]), the softmax
 //! scale the kernels multiply by ([`kernel_scale`]), the kernels' limits, the buffer-length and 32-bit checks of
-//! every launch wrapper and the launch grids' extents ([`grid_3d`]), and the shape rules of the token-list kernels (NSA's
-//! and DSA's causal self-attention layers, [`check_causal_self_attention`], and their lists' token rows, [`token_rows`]). They live in one module that imports no other module of the crate but the errors, so that
+//! every launch wrapper and the launch grids' extents (`grid_3d`), and the shape rules of the token-list kernels (NSA's
+//! and DSA's causal self-attention layers, `check_causal_self_attention`, and their lists' token rows, `token_rows`).
+//! They live in one module that imports no other module of the crate but the errors, so that
 //! the launch modules (`flash`, `backward`, `ring`) can share them without importing each other.
 
 use attnproof_oracle::{AttentionSpec, Layout, Mask, Scale};

@@ -16,7 +16,7 @@
 //!
 //! # How it runs, and its precision
 //!
-//! [`crate::block_sparse::block_sparse_backward_device`] over the forward's exact lists ([`TailPlan`]) with the
+//! [`crate::block_sparse::backward::block_sparse_backward_device`] over the forward's exact lists ([`TailPlan`]) with the
 //! caller's `O` (PISA's) and LSE writes the exact part's gradients (rounded to the storage type) and `D` (f32). Then
 //! five kernels in f64 from the storage-type inputs, the f64 statistics of the forward's workspace ([`TailWorkspace`]:
 //! `μ_b`, `v̄_b`, `H̄`) and `D`: the rows' tail part of dQ (a warp per row, its tail blocks ascending), the blocks'
