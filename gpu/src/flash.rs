@@ -135,6 +135,12 @@ impl ForwardTiling {
         if d.max(dv) <= 128 { ForwardTiling { warps: 4, slices: 2 } } else { ForwardTiling { warps: 4, slices: 1 } }
     }
 
+    /// The tiling a text of `kernel` runs in unless told otherwise: [`ForwardTiling::WGMMA`] for the sm_90a forward
+    /// ([`is_wgmma`]), [`ForwardTiling::for_head_dims`] for `flash_fwd`.
+    pub fn of_kernel(kernel: compile::KernelSource, d: usize, dv: usize) -> Self {
+        if is_wgmma(kernel) { ForwardTiling::WGMMA } else { ForwardTiling::for_head_dims(d, dv) }
+    }
+
     /// Whether the tiling fits the kernel's register budget for these head dims (two slices of accumulators only up
     /// to `dv = 128`).
     pub fn supports(self, d: usize, dv: usize) -> bool {
@@ -365,11 +371,8 @@ pub fn flash_forward_state_device<T: GpuElement>(
 /// order of summation, never the bound.
 pub fn production_forward(spec: &AttentionSpec, device: (i32, i32)) -> (compile::KernelSource, ForwardTiling) {
     let (d, dv) = (spec.head_dim, spec.head_dim_v);
-    if device == (9, 0) && wgmma_uses_tma(d, dv) {
-        (FLASH_FWD_SM90, ForwardTiling::WGMMA)
-    } else {
-        (FLASH_FWD, ForwardTiling::for_head_dims(d, dv))
-    }
+    let kernel = if device == (9, 0) && wgmma_uses_tma(d, dv) { FLASH_FWD_SM90 } else { FLASH_FWD };
+    (kernel, ForwardTiling::of_kernel(kernel, d, dv))
 }
 
 /// Runs the forward on device buffers: `q`, `k`, `v` hold the spec's `Q`, `K`, `V` in row-major order (dense

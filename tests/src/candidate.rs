@@ -568,7 +568,8 @@ pub struct GpuCandidate {
     pub forward_kernel: KernelSource,
     /// The backward kernels' text.
     pub backward_kernel: KernelSource,
-    /// The forward tiling; `None`: the production choice for the head dims.
+    /// The forward tiling; `None`: the tiling the forward kernel's text runs in for the head dims
+    /// (`ForwardTiling::of_kernel`).
     pub forward_tiling: Option<ForwardTiling>,
     /// The backward tiling.
     pub backward_tiling: BackwardTiling,
@@ -598,9 +599,10 @@ impl GpuCandidate {
         GpuCandidate { backward_tiling: tiling, ..self }
     }
 
-    /// The forward tiling of a launch for `spec`: the candidate's, or the production choice for the head dims.
+    /// The forward tiling of a launch for `spec`: the candidate's, or its kernel's own for the head dims.
     fn forward_tiling_for(&self, spec: &AttentionSpec) -> ForwardTiling {
-        self.forward_tiling.unwrap_or_else(|| ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v))
+        self.forward_tiling
+            .unwrap_or_else(|| ForwardTiling::of_kernel(self.forward_kernel, spec.head_dim, spec.head_dim_v))
     }
 
     /// The module this candidate's forward launch for `spec` compiles with storage type `T` (what

@@ -49,7 +49,7 @@
 //! `2·(4·H_I·d_I + H·d)` per visited pair (the indexer's logits twice, ∂q^I and ∂k^I, the teacher's logits).
 //! `bench/dsa_sparse_peers.py` puts the rows beside FlexAttention under the same selection.
 //! `--all-tilings` also times every tiling the kernel compiles for the head dim (the `default` column marks the one
-//! the launch wrappers use). On an H200 the dense rows also time the sm_90a forward (`flash_fwd_sm90`, tiling
+//! the launch wrappers use). On compute capability 9.0 the dense rows also time the sm_90a forward (`flash_fwd_sm90`, tiling
 //! `8x1/sm90`) wherever it takes the head dims; the `default` column marks the kernel and tiling the dense wrapper
 //! runs (`attnproof_gpu::production_forward`).
 //! `--backward` adds backward rows (dQ, dK, dV and `D` from the forward's O and LSE and a random dO; the forward is

@@ -9,7 +9,7 @@
 //! 1. **Compression** ([`super::compress::compress_kv_device`]): `k̃`, `ṽ` of every complete window, in
 //!    [`super::compress::compressed_shape`]'s layout.
 //! 2. **Compressed attention**: the dense forward (the production kernel for the device,
-//!    [`crate::flash::production_forward`]: the sm_90a kernel on an H200 for head dims 64 to 128, `flash_fwd.cu`
+//!    [`crate::flash::production_forward`]: the sm_90a kernel on Hopper for head dims 64 to 128, `flash_fwd.cu`
 //!    otherwise) of the layer's queries over `k̃`, `ṽ` under [`super::compressed::compressed_spec`] (the strided
 //!    causal mask): `o_cmp`, `LSE_cmp`.
 //! 3. **Selection** ([`super::select::select_device`]): the block scores recomputed from `q`, `k̃` and `LSE_cmp`, and
@@ -85,9 +85,7 @@ use crate::backward::{
 use crate::common::{GpuElement, check_len, grid_dim};
 use crate::compile::{self, KernelSource};
 use crate::error::GpuError;
-use crate::flash::{
-    ForwardTiling, flash_forward_device_with, forward_variant, host_input, is_wgmma, production_forward,
-};
+use crate::flash::{ForwardTiling, flash_forward_device_with, forward_variant, host_input, production_forward};
 use crate::launch;
 
 /// The kernel text of each piece of the layer. [`Default`] gives the embedded texts and the production dense
@@ -366,8 +364,7 @@ struct LayerPlan {
 /// text in its kernel's tiling, or the production choice.
 fn dense_forward(spec: &AttentionSpec, kernels: &NsaLayerKernels, device: (i32, i32)) -> (KernelSource, ForwardTiling) {
     match kernels.dense_forward {
-        Some(kernel) if is_wgmma(kernel) => (kernel, ForwardTiling::WGMMA),
-        Some(kernel) => (kernel, ForwardTiling::for_head_dims(spec.head_dim, spec.head_dim_v)),
+        Some(kernel) => (kernel, ForwardTiling::of_kernel(kernel, spec.head_dim, spec.head_dim_v)),
         None => production_forward(spec, device),
     }
 }

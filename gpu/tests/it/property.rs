@@ -13,7 +13,7 @@ use std::time::Duration;
 use crate::common::{TypedSuite, kernel_spec};
 use attnproof_gpu::backward::BackwardTiling;
 use attnproof_gpu::compile::{self, FLASH_BWD_SM90, FLASH_FWD_SM90, ModuleVariant};
-use attnproof_gpu::flash::{ForwardTiling, KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, wgmma_uses_tma};
+use attnproof_gpu::flash::{KV_TILE, WGMMA_KV_TILE, WGMMA_MAX_HEAD_DIM, wgmma_uses_tma};
 use attnproof_gpu::skip_unless_hopper;
 use attnproof_harness::adversarial::{Direction, Repeat, Worst, backward_verdicts, forward_verdicts};
 use attnproof_harness::candidate::{GpuCandidate, Storage};
@@ -461,12 +461,7 @@ pub fn suite_candidate(suite: &PropertySuite) -> Option<GpuCandidate> {
         SuiteKernel::WgmmaForward => {
             let ctx = skip_unless_hopper(suite.name)?;
             let stream = ctx.new_stream().expect("create a stream");
-            let production = GpuCandidate::production(stream);
-            Some(GpuCandidate {
-                forward_kernel: FLASH_FWD_SM90,
-                forward_tiling: Some(ForwardTiling::WGMMA),
-                ..production
-            })
+            Some(GpuCandidate { forward_kernel: FLASH_FWD_SM90, ..GpuCandidate::production(stream) })
         }
     }
 }
